@@ -1,0 +1,465 @@
+"""The DFlash / DFlash2 draft: config, backbone, save / load, target feature capture (SPEC 1-3).
+
+The draft proposes B-1 tokens in one forward pass. Its input is the block [anchor, MASK x (B-1)],
+embedded with the target's (frozen) embedding; it reads the target through `ctx`, the target's
+hidden states at `target_layer_ids`, which enter every layer only as extra keys and values:
+
+    ctx = hidden_norm(fc([h_l1 ; ... ; h_lk]))                     # [N, C, H], once per sequence
+    K   = k_norm(k_proj([ctx ; x])),  V = v_proj([ctx ; x])          # context rows first
+    Q   = q_norm(q_proj(x))                                         # queries: block slots only
+
+The block's final hidden states go through the target's lm_head (also frozen, never saved).
+With `conv_kernel_size` etc. set (DFlash2) every sublayer is wrapped by conv.py and a selector.py
+head reranks the unary top-K; without them the same code is the plain DFlash baseline.
+"""
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conv import GroupedDynamicCausalConv
+from selector import CandidateSelector, unary_transform
+
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list
+    mask_token_id: int
+    block_size: int = 8
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    layer_types: list = None            # per layer "full_attention" | "sliding_attention"
+    sliding_window: int = None
+    is_causal: bool = False             # True: causal inside the block; False: bidirectional
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # DFlash2 only; all None means plain DFlash
+    conv_kernel_size: int = None
+    conv_group_size: int = None
+    selector_rank: int = None
+    selector_top_k: int = None
+    output_multiplier: float = None
+    final_logit_softcapping: float = None
+    comment: str = field(default=None, compare=False)  # free text kept in config.json
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        validate(self)
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
+
+
+def _check_int(name, value, low=None, high=None):
+    # bool is a subclass of int in Python; a config that says `true` for a size is a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def validate(c: DraftConfig):
+    """Every rule of SPEC section 3; each failure names the field and the bad value."""
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers", "max_position_embeddings"):
+        _check_int(name, getattr(c, name), low=1)
+    _check_int("block_size", c.block_size, low=2)
+    if c.num_attention_heads % c.num_key_value_heads:
+        raise ValueError(f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "
+                         f"num_key_value_heads ({c.num_key_value_heads})")
+    if not isinstance(c.target_layer_ids, (list, tuple)) or not c.target_layer_ids:
+        raise ValueError(f"target_layer_ids must be a non-empty list, got {c.target_layer_ids!r}")
+    for i in c.target_layer_ids:
+        _check_int("target_layer_ids", i, low=0, high=c.num_target_layers - 1)
+    _check_int("mask_token_id", c.mask_token_id, low=0, high=c.vocab_size - 1)
+    if len(c.layer_types) != c.num_hidden_layers:
+        raise ValueError(f"layer_types has {len(c.layer_types)} entries, num_hidden_layers is {c.num_hidden_layers}")
+    for t in c.layer_types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer_types entries must be full_attention or sliding_attention, got {t!r}")
+    if "sliding_attention" in c.layer_types:
+        _check_int("sliding_window", c.sliding_window, low=1)
+    if not isinstance(c.is_causal, bool):
+        raise ValueError(f"is_causal must be true or false, got {c.is_causal!r}")
+    present = [f for f in DFLASH2_FIELDS if getattr(c, f) is not None]
+    if present and len(present) != len(DFLASH2_FIELDS):
+        missing = [f for f in DFLASH2_FIELDS if getattr(c, f) is None]
+        raise ValueError(f"a DFlash2 config needs all of {DFLASH2_FIELDS}; missing {missing}")
+    if present:
+        _check_int("conv_kernel_size", c.conv_kernel_size, low=1, high=c.block_size)
+        _check_int("conv_group_size", c.conv_group_size, low=1)
+        if c.hidden_size % c.conv_group_size:
+            raise ValueError(f"conv_group_size ({c.conv_group_size}) must divide hidden_size ({c.hidden_size})")
+        _check_int("selector_rank", c.selector_rank, low=1)
+        _check_int("selector_top_k", c.selector_top_k, low=1, high=c.vocab_size)
+    for name in ("output_multiplier", "final_logit_softcapping"):
+        v = getattr(c, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if c.final_logit_softcapping is not None and c.final_logit_softcapping <= 0:
+        raise ValueError(f"final_logit_softcapping must be > 0, got {c.final_logit_softcapping}")
+
+
+NESTED = ("block_size", "target_layer_ids", "mask_token_id") + DFLASH2_FIELDS + (
+    "output_multiplier", "final_logit_softcapping")
+
+
+def config_from_dict(d: dict, source: str = "config") -> DraftConfig:
+    """A DraftConfig from a config.json dict. Never derives DFlash2 from a target's config."""
+    arch = d.get("architectures") or []
+    if "DFlash2DraftModel" not in arch and "DFlashDraftModel" not in arch:
+        raise ValueError(f"{source}: architectures is {arch!r}; a draft config must declare DFlash2DraftModel "
+                         "(or DFlashDraftModel). DFlash2 is never derived from a target model's config.")
+    flat = {k: v for k, v in d.items() if k != "dflash_config"}
+    flat.update(d.get("dflash_config") or {})  # nested values win over legacy top-level ones
+    if "rope_theta" not in flat and isinstance(flat.get("rope_parameters"), dict):
+        flat["rope_theta"] = flat["rope_parameters"].get("rope_theta")
+    if "DFlash2DraftModel" in arch:
+        missing = [f for f in DFLASH2_FIELDS if flat.get(f) is None]
+        if missing:
+            raise ValueError(f"{source}: DFlash2DraftModel needs dflash_config fields {missing}")
+    else:
+        extra = [f for f in DFLASH2_FIELDS if flat.get(f) is not None]
+        if extra:
+            raise ValueError(f"{source}: DFlashDraftModel must not set {extra} (those are DFlash2 fields)")
+    names = {f.name for f in dataclasses.fields(DraftConfig)}
+    required = [f.name for f in dataclasses.fields(DraftConfig) if f.default is dataclasses.MISSING]
+    missing = [k for k in required if k not in flat]
+    if missing:
+        raise ValueError(f"{source}: missing required field(s) {missing}")
+    return DraftConfig(**{k: v for k, v in flat.items() if k in names})
+
+
+def load_config(path: str) -> DraftConfig:
+    """From a JSON file, or a directory holding config.json."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no draft config at {file}")
+    with open(file) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    return config_from_dict(d, source=file)
+
+
+def config_to_dict(c: DraftConfig) -> dict:
+    """The public config.json contract (SPEC section 3)."""
+    d = {
+        "architectures": ["DFlash2DraftModel" if c.dflash2 else "DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "use_sliding_window": "sliding_attention" in c.layer_types,
+        "max_window_layers": c.num_hidden_layers,
+        "hidden_act": "silu",
+    }
+    for f in dataclasses.fields(DraftConfig):
+        v = getattr(c, f.name)
+        if f.name not in NESTED and v is not None:
+            d[f.name] = v
+    d["dflash_config"] = {k: getattr(c, k) for k in NESTED if getattr(c, k) is not None}
+    return d
+
+
+# ----------------------------------------------------------------------------- backbone
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x, pos, theta: float):
+    """Rotary embedding over the full head dim: x [N, heads, L, D], pos [N, L] absolute positions."""
+    D = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
+    ang = pos[:, None, :, None].float() * inv_freq                                          # [N, 1, L, D/2]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, causal: bool, window=None):
+    """Which keys each block query may read: [N, 1, Q, C + Q] booleans.
+
+    q_anchor, q_pos, q_block [N, Q]: the query's anchor position, absolute position and block id;
+    ctx_pos [N, C]: positions of the context rows. A query sees context strictly before its anchor
+    (the target has not verified the anchor yet at inference) and its own block only: all of it,
+    or its causal part. A sliding window counts the query itself: q_pos - k_pos < window.
+    """
+    ctx = ctx_pos[:, None, :] < q_anchor[:, :, None]                         # [N, Q, C]
+    blk = q_block[:, :, None] == q_block[:, None, :]                         # [N, Q, Q]
+    if causal:
+        blk = blk & (q_pos[:, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        ctx = ctx & (q_pos[:, :, None] - ctx_pos[:, None, :] < window)
+        blk = blk & (q_pos[:, :, None] - q_pos[:, None, :] < window)
+    return torch.cat([ctx, blk], dim=-1)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd, self.theta = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope_theta
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+
+    def kv(self, x, pos):
+        """Keys (normed, rotated) and values of rows x [N, L, H] -> 2 x [N, kv_heads, L, hd]."""
+        N, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(N, L, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(N, L, self.nkv, self.hd).transpose(1, 2)
+        return rope(k, pos, self.theta), v
+
+    def forward(self, x, pos, ctx_kv, mask):
+        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each [N, kv_heads, C, hd]."""
+        N, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
+        q = rope(q, pos, self.theta)                                         # [N, heads, Q, hd]
+        k, v = self.kv(x, pos)
+        k = torch.cat([ctx_kv[0], k], dim=2)                                 # [N, kv_heads, C + Q, hd]
+        v = torch.cat([ctx_kv[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DraftConfig, sliding: bool):
+        super().__init__()
+        self.sliding = sliding
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+        self.attention_conv = self.mlp_conv = None
+        if c.dflash2:
+            conv = lambda: GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
+            self.attention_conv, self.mlp_conv = conv(), conv()
+
+    def forward(self, h, pos, ctx_kv, mask):
+        a = self.input_layernorm(h)
+        attn = lambda x: self.self_attn(x, pos, ctx_kv, mask)
+        h = h + (attn(a) if self.attention_conv is None else self.attention_conv(a, attn))
+        a = self.post_attention_layernorm(h)
+        return h + (self.mlp(a) if self.mlp_conv is None else self.mlp_conv(a, self.mlp))
+
+
+class DraftModel(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.config = c
+        H = c.hidden_size
+        self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(c, t == "sliding_attention") for t in c.layer_types)
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.candidate_selector = None
+        if c.dflash2:
+            self.candidate_selector = CandidateSelector(H, c.vocab_size, c.selector_rank, c.selector_top_k,
+                                                        c.initializer_range)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        # Linear ~ N(0, initializer_range), norms = 1; then the DFlash2 modules restore their own
+        # exact-identity / zero inits, which a generic init pass must never overwrite.
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+        for m in self.modules():
+            if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector)):
+                m.reset_parameters()
+
+    def context_kv(self, features, pos):
+        """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v)."""
+        ctx = self.hidden_norm(self.fc(features))                               # [N, C, H]
+        return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
+
+    def forward(self, x, q_pos, q_anchor, q_block, ctx_kv, ctx_pos):
+        """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].
+
+        One path for training (many blocks flattened, q_block telling them apart) and inference
+        (one block, context K/V from the cache): only the inputs differ.
+        """
+        c = self.config
+        full = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.is_causal)
+        slide = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.is_causal, c.sliding_window) \
+            if "sliding_attention" in c.layer_types else None
+        h = x
+        for layer, kv in zip(self.layers, ctx_kv):
+            h = layer(h, q_pos, kv, slide if layer.sliding else full)
+        return self.norm(h)
+
+    def unary_logits(self, h, lm_head_weight):
+        """The draft's unary scores u = transform(h @ W_lm^T) with the target's frozen head."""
+        c = self.config
+        return unary_transform(h @ lm_head_weight.t(), c.output_multiplier, c.final_logit_softcapping)
+
+
+# ----------------------------------------------------------------------------- the two call paths
+def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int):
+    """Training blocks: input_ids [N, S], sorted anchors [N, A] -> flattened block inputs.
+
+    Block a is [x[a], MASK x (B-1)] at positions a..a+B-1. Returns block_ids, q_pos, q_anchor,
+    q_block, each [N, A*B].
+    """
+    N, A = anchors.shape
+    j = torch.arange(block_size, device=anchors.device)                        # [B]
+    q_pos = (anchors[:, :, None] + j).reshape(N, A * block_size)
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)
+    q_block = torch.arange(A, device=anchors.device).repeat_interleave(block_size)[None].expand(N, -1)
+    block_ids = torch.full_like(q_pos, mask_token_id)
+    block_ids[:, ::block_size] = input_ids.gather(1, anchors)
+    return block_ids, q_pos, q_anchor, q_block
+
+
+def forward_training(draft, embed, input_ids, features, anchors):
+    """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H]."""
+    c = draft.config
+    N, S = input_ids.shape
+    block_ids, q_pos, q_anchor, q_block = anchored_blocks(input_ids, anchors, c.block_size, c.mask_token_id)
+    ctx_pos = torch.arange(S, device=input_ids.device)[None].expand(N, -1)
+    h = draft(embed(block_ids), q_pos, q_anchor, q_block, draft.context_kv(features, ctx_pos), ctx_pos)
+    return h.view(N, anchors.shape[1], c.block_size, -1)
+
+
+class ContextCache:
+    """Inference cache: the projected K/V of every context row seen so far, and their positions.
+
+    Only context is cached. Block K/V are recomputed each cycle, because the block's MASK rows
+    change meaning once tokens are verified (SPEC section 5).
+    """
+
+    def __init__(self):
+        self.kv, self.pos = None, None
+
+    def append(self, draft, features, pos):
+        """features [N, C, n_t*H] of newly verified tokens at positions pos [N, C]."""
+        new = draft.context_kv(features, pos)
+        if self.kv is None:
+            self.kv, self.pos = new, pos
+        else:
+            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+            self.pos = torch.cat([self.pos, pos], dim=1)
+
+
+def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos):
+    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H]."""
+    c = draft.config
+    N, B = anchor_ids.shape[0], c.block_size
+    block_ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+    block_ids[:, 0] = anchor_ids
+    q_pos = anchor_pos[:, None] + torch.arange(B, device=anchor_ids.device)
+    q_anchor = anchor_pos[:, None].expand(N, B)
+    q_block = torch.zeros_like(q_pos)
+    return draft(embed(block_ids), q_pos, q_anchor, q_block, cache.kv, cache.pos)
+
+
+# ----------------------------------------------------------------------------- save / load
+def save_draft(draft: DraftModel, out_dir: str, dtype=None):
+    """config.json + model.safetensors with exactly the contract's tensor names, atomically."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    cfg = config_to_dict(draft.config)
+    cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    tmp = os.path.join(out_dir, "model.safetensors.tmp")
+    save_file(sd, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+
+
+def load_draft(path: str, dtype=torch.float32) -> DraftModel:
+    """A draft directory (config.json + model.safetensors) -> DraftModel; refuses mismatched tensors."""
+    from safetensors.torch import load_file
+    cfg = load_config(path)
+    draft = DraftModel(cfg)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    check_state_dict(draft, sd, source=path)
+    draft.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
+    return draft.to(dtype)
+
+
+def check_state_dict(draft: DraftModel, sd: dict, source: str):
+    expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    wrong = [f"{k}: {tuple(sd[k].shape)} != {expected[k]}" for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+
+
+# ----------------------------------------------------------------------------- target features
+def decoder_layers(target):
+    """The list of decoder layers of a Hugging Face causal LM (Llama, Qwen3, ...)."""
+    return target.model.layers
+
+
+@torch.no_grad()
+def capture_features(target, layer_ids, **forward_kwargs):
+    """Run the target once; return (its outputs, features [N, S, n_t*H]).
+
+    The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
+    concatenated in list order. Forward hooks keep only those layers, not all of them.
+    """
+    layers, grabbed = decoder_layers(target), {}
+
+    def hook(i):
+        def fn(module, args, out):
+            grabbed[i] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    try:
+        out = target(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, torch.cat([grabbed[i] for i in layer_ids], dim=-1)
