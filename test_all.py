@@ -370,3 +370,213 @@ def test_capture_features_equals_hidden_states(kind):
         out, feats = model.capture_features(target, [2, 0, 1], input_ids=ids)
     assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
     assert out.logits.shape == (2, 9, 64)
+
+
+# ============================================================================ loss.py
+import loss as L
+
+
+def test_block_labels_by_hand():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1, 0, 1]])
+    labels, prev, w0 = L.block_labels(ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3)
+    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]            # the last slot of anchor 3 runs past S
+    assert prev.tolist() == [[[6, 7], [8, 9], [5, 6]]]
+    assert w0.tolist() == [[[1, 0], [1, 0], [0, 0]]]
+
+
+def test_selector_alpha_schedule():
+    got = [L.selector_alpha(t, 10, 0.9, 0.2, 0.3) for t in range(6)]
+    assert got == pytest.approx([0, 0, 0.3, 0.6, 0.9, 0.9])
+    assert L.selector_alpha(0, 10, 0.5, 0.0, 0.0) == 0.5
+
+
+def hand_config(**kw):
+    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them directly."""
+    base = dict(hidden_size=8, intermediate_size=8, vocab_size=4, num_attention_heads=1, num_key_value_heads=1,
+                head_dim=8, conv_group_size=8, selector_rank=1, selector_top_k=2, mask_token_id=3, block_size=3)
+    return tiny_config(**{**base, **kw})
+
+
+HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)           # [V=4, H=8]
+
+
+def hand_hidden(rows):
+    h = torch.zeros(1, 1, 3, 8)
+    for j, r in rows.items():
+        h[0, 0, j, :len(r)] = torch.tensor(r, dtype=torch.float32)
+    return h
+
+
+def worked_example(loss, weighting="exp", target=False):
+    """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
+    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
+    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    th = None
+    if target:   # the target predicts position a+j from position a+j-1 = 1, 2
+        th = torch.zeros(1, 4, 8)
+        th[0, 1, :4] = torch.tensor(q1).log()
+        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    draft = DraftModel(hand_config(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None))
+    out = L.objective(draft, HEAD, h, torch.tensor([[0, 1, 2, 1]]), torch.tensor([[0, 1, 1, 1]]),
+                      torch.tensor([[1]]), torch.tensor([[True]]), loss=loss, weighting=weighting, gamma=2.0,
+                      target_hidden=th)
+    return out["numerator"].item(), out["denominator"].item()
+
+
+def test_base_losses_worked_example():
+    e = math.exp(-0.5)                                               # exp weights, gamma 2: [1, e^-1/2]
+    assert worked_example("ce") == pytest.approx((-math.log(0.6) - e * math.log(0.5), 1 + e))
+    assert worked_example("tv") == pytest.approx((0.4 + e * 0.5, 1 + e))
+    lam = math.exp(-(0.6 + 0.5) / 2)
+    ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
+    assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
+    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
+    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
+    # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
+    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
+    # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
+    assert worked_example("ce", "dpace") == pytest.approx((-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0))
+
+
+def test_dpace_weights_formula():
+    q = torch.tensor([[0.6, 0.5, 0.9]])
+    w0 = torch.tensor([[1.0, 0.0, 1.0]])
+    # s = [.8, 1, .95]; P = [.8, .8, .76]; d = [.8 + .76, .76, .76]
+    assert torch.allclose(L.dpace_weights(q, w0, 0.5), torch.tensor([[1.56, 0.0, 0.76]]))
+
+
+def selector_case(third_token, miss="strict", alpha_t=1.0):
+    """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
+    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2 {0,1});
+    slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
+    draft = DraftModel(hand_config())
+    sel = draft.candidate_selector
+    with torch.no_grad():
+        sel.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
+        sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
+        sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
+    h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
+    return L.objective(draft, HEAD, h, torch.tensor([[2, 1, third_token]]), torch.tensor([[1, 1, 1]]),
+                       torch.tensor([[0]]), torch.tensor([[True]]), gamma=2.0, alpha_t=alpha_t, selector_miss=miss)
+
+
+def ce_of(scores, idx):
+    return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
+
+
+def test_selector_loss_strict_and_replace():
+    e = math.exp(-0.5)
+    ce1 = ce_of([1.0, 0.5], 1)                                       # slot 1 label 1, anchor row A[2] = 0
+    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.]), 0)[1].item()
+    # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
+    out = selector_case(3)
+    sel_n = out["metrics"]["sel_loss"][0].item()
+    assert sel_n == pytest.approx(ce1 + e * ce_of([-0.9, 1.0], 1), rel=1e-5)
+    # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
+    out = selector_case(0)
+    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1, rel=1e-5)
+    assert out["metrics"]["sel_acc"][1].item() == 1                 # only slot 1 is covered
+    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.]), 0)[0].item()
+    assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
+    # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
+    out = selector_case(0, miss="replace")
+    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5)
+
+
+def test_self_conditioned_path_feeds_back_its_own_choice():
+    m = selector_case(3)["metrics"]
+    # slot 1: path and teacher both pick 0 (label 1) -> wrong. Slot 2: the teacher predecessor 1
+    # gives 3 = label, but the path continues from its own 0 and picks 2.
+    assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
+    assert m["path_acc"][0].tolist() == [0.0, 0.0] and m["path_acc"][1].tolist() == [1.0, 1.0]
+    assert m["accept_selector"][0].item() == 1                       # only the anchor
+    assert m["accept_oracle"][0].item() == 3                         # both labels are in the top-2
+    assert m["topk_recall"][0].item() == 2
+
+
+def model_batch(seed=0, **kw):
+    c = tiny_config(**kw)
+    torch.manual_seed(seed)
+    draft = randomize(DraftModel(c), seed, std=0.1)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    head = torch.randn(c.vocab_size, c.hidden_size)
+    ids, feats, anchors = random_batch(c, S=24, A=5)
+    loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[1, -1] = False
+    return draft, embed, head, ids, feats, anchors, loss_mask, valid
+
+
+def run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw):
+    h = model.forward_training(draft, embed, ids, feats, anchors)
+    return L.objective(draft, head, h, ids, loss_mask, anchors, valid, gamma=3.0, **kw)
+
+
+def grads(m):
+    return {k: (None if p.grad is None else p.grad.clone()) for k, p in m.named_parameters()}
+
+
+def test_selector_gradients_and_stop_gradient():
+    draft, *rest = model_batch()
+    run_objective(draft, *rest, alpha_t=1.0)["numerator"].backward()
+    g = grads(draft)
+    for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+        assert g["candidate_selector." + k].abs().sum() > 0, k
+    # with stop_gradient the backbone sees only the base loss
+    draft.zero_grad(set_to_none=True)
+    run_objective(draft, *rest, alpha_t=1.0, stop_gradient=True)["numerator"].backward()
+    g_stop = grads(draft)
+    draft.zero_grad(set_to_none=True)
+    run_objective(draft, *rest, alpha_t=None)["numerator"].backward()
+    g_base = grads(draft)
+    for k, v in g_base.items():
+        if not k.startswith("candidate_selector"):
+            assert torch.allclose(g_stop[k], v, atol=1e-7), k
+    assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
+    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter used)
+    draft.zero_grad(set_to_none=True)
+    run_objective(draft, *rest, alpha_t=0.0)["numerator"].backward()
+    sel_grad = draft.candidate_selector.successor_codebook.grad
+    assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
+
+
+@pytest.mark.parametrize("loss,weighting,miss", [("ce", "exp", "strict"), ("lk", "dpace", "replace"),
+                                                 ("kl", "exp", "strict")])
+def test_chunked_equals_unchunked(loss, weighting, miss):
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(1)
+    th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss == "kl" else None
+    results = []
+    for chunk in (None, 1, 2, 3):
+        draft.zero_grad(set_to_none=True)
+        out = run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, loss=loss,
+                            weighting=weighting, selector_miss=miss, alpha_t=0.7, target_hidden=th,
+                            chunk_blocks=chunk)
+        out["numerator"].backward()
+        results.append((out, grads(draft)))
+    (ref, g_ref), rest = results[0], results[1:]
+    for out, g in rest:
+        assert torch.allclose(out["numerator"], ref["numerator"], rtol=1e-5)
+        assert torch.allclose(out["denominator"], ref["denominator"], rtol=1e-6)
+        for k, (num, den) in ref["metrics"].items():
+            assert torch.allclose(out["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
+            assert torch.allclose(out["metrics"][k][1], den), k
+        for k, v in g_ref.items():
+            assert (g[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k     # float summation order only
+
+
+def test_fresh_dflash2_base_loss_equals_plain_dflash():
+    c2 = tiny_config()
+    c1 = dataclasses.replace(c2, conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
+    torch.manual_seed(0)
+    d2 = DraftModel(c2)
+    d1 = DraftModel(c1)
+    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    with torch.no_grad():
+        a = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
+        b = run_objective(d1, embed, head, ids, feats, anchors, loss_mask, valid)
+    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(a["denominator"], b["denominator"])
+    # and its selector walk is the unary greedy path
+    assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])

@@ -1,0 +1,213 @@
+"""The training objective and its metrics (SPEC section 4).
+
+For every sampled anchor a the draft fills the block [x[a], MASK, ...]; slot j (1..B-1) is labelled
+with the sequence token x[a+j]. Per labelled slot:
+
+    w0  = valid_anchor * [a+j < S] * [j > 0] * loss_mask[a+j]           which slots count
+    w   = w0 * exp(-(j-1)/gamma)      or D-PACE (below)                 early slots matter more
+    loss = (sum w * base  +  alpha_t * sum w * covered * selector_ce) / sum w
+
+The base term trains the unary logits u = transform(lm_head(h)); the selector term is a K-way
+cross-entropy over the unary top-K with the previous *sequence* token as predecessor (teacher
+forcing). Numerator and denominator are returned separately so train.py can add them over
+micro-batches and ranks and divide once. Everything vocabulary-sized (anchors x B x V logits) is
+computed in chunks of blocks under activation checkpointing, so peak memory is one chunk's.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from selector import top_k_candidates
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+# ----------------------------------------------------------------------------- labels and weights
+def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int):
+    """Labels and base weights of slots 1..B-1 of every block.
+
+    input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels, prev, w0, each [N, A, B-1]
+    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1).
+    """
+    S = input_ids.shape[1]
+    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)    # [N, A, B]
+    inside = pos < S
+    flat = pos.clamp(max=S - 1).flatten(1)
+    tokens = input_ids.gather(1, flat).view(pos.shape)                         # x[a+j]
+    mask = loss_mask.gather(1, flat).view(pos.shape).to(torch.float32)
+    w0 = anchor_valid[..., None].float() * inside.float() * mask
+    return tokens[..., 1:], tokens[..., :-1], w0[..., 1:]
+
+
+def exp_weights(w0, gamma: float):
+    """Fixed exponential decay over slots j = 1..B-1: w = w0 * exp(-(j-1)/gamma)."""
+    j = torch.arange(w0.shape[-1], device=w0.device, dtype=w0.dtype)
+    return w0 * torch.exp(-j / gamma)
+
+
+@torch.no_grad()
+def dpace_weights(q, w0, alpha: float):
+    """D-PACE: weight slot j by the expected future credit it unlocks, d_j = sum_{t>=j} P_t w0_t.
+
+    q [..., L] draft probability of each label; s_j = (1-alpha) q_j + alpha on valid slots, else 1;
+    P_j = prod_{i<=j} s_i is the chance the block survives to j. Computed without gradient.
+    """
+    s = torch.where(w0 > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
+    P = s.cumprod(-1)
+    d = (P * w0).flip(-1).cumsum(-1).flip(-1)
+    return w0 * d
+
+
+def selector_alpha(step: int, total_steps: int, alpha: float, warmup: float, ramp: float) -> float:
+    """Selector weight at optimizer step t: 0 during warmup, a linear ramp, then alpha."""
+    W, R = math.floor(total_steps * warmup), math.floor(total_steps * ramp)
+    if step < W:
+        return 0.0
+    return alpha if R == 0 else alpha * min((step - W + 1) / R, 1.0)
+
+
+# ----------------------------------------------------------------------------- one chunk of blocks
+def leading_run(ok):
+    """Length of the leading run of True along the last dim: [..., L] bool -> [...] float."""
+    return ok.float().cumprod(-1).sum(-1)
+
+
+def chunk_terms(draft, lm_head_weight, h, labels, prev, w0, target_hidden, opts):
+    """All sums for a chunk of M blocks: h [M, B-1, H], labels / prev / w0 [M, B-1],
+    target_hidden [M, B-1, H] or None. Returns a dict of scalar (or [B-1]) tensors."""
+    c, sel = draft.config, draft.candidate_selector
+    u = draft.unary_logits(h, lm_head_weight).float()                  # [M, L, V]
+    logq = F.log_softmax(u, -1)
+    q_gold = logq.gather(-1, labels[..., None]).squeeze(-1).exp()      # [M, L]
+    valid = w0 > 0
+    out = {}
+
+    # position weights
+    if opts["weighting"] == "dpace":
+        w = dpace_weights(q_gold.detach(), w0, opts["dpace_alpha"])
+    else:
+        w = exp_weights(w0, opts["gamma"])
+    out["D"] = w.sum()
+
+    # base terms; p is the target's distribution when we have its hidden states (kl / soft tv)
+    ce = -logq.gather(-1, labels[..., None]).squeeze(-1)
+    if target_hidden is not None:
+        logp = F.log_softmax((target_hidden @ lm_head_weight.t()).float(), -1)
+        p = logp.exp()
+        out["N_kl"] = (w * (p * (logp - logq)).sum(-1)).sum()
+        accepted = torch.minimum(p, logq.exp()).sum(-1)                # sum min(p, q)
+    else:
+        accepted = q_gold
+    out["N_ce"] = (w * ce).sum()
+    out["N_tv"] = (w * (1 - accepted)).sum()
+    out["acc_mass"] = (w0 * accepted).detach().sum()                    # for lk's lambda
+    out["w0"] = w0.sum()
+
+    # metrics of the unary head
+    K = min(c.selector_top_k or opts["top_k"], c.vocab_size)
+    with torch.no_grad():
+        cand_scores, cand_ids = top_k_candidates(u, K)                  # [M, L, K]
+        hit = cand_ids == labels[..., None]                             # [M, L, K]
+        covered = hit.any(-1) & valid
+        greedy_ok = (u.argmax(-1) == labels) & valid
+        p_mass = p.gather(-1, cand_ids).sum(-1) if target_hidden is not None else covered.float()
+        n = valid.float()
+        out.update(unary_acc=greedy_ok.float().sum(), target_prob=(n * q_gold).sum(), tokens=n.sum(),
+                   topk_recall=covered.float().sum(), topk_target_mass=(n * p_mass).sum(),
+                   accept_unary=leading_run(greedy_ok).sum(), accept_oracle=leading_run(covered).sum())
+
+    if sel is None:
+        return out
+
+    # selector: K-way CE over the strict unary top-K, teacher-forced predecessor
+    hs, us = (h.detach(), u.detach()) if opts["stop_gradient"] else (h, u)
+    ci, cs = cand_ids, us.gather(-1, cand_ids)                          # same top-K, scores with grad
+    target_idx = hit.float().argmax(-1)                                 # index of the label, if covered
+    counted = covered
+    if opts["selector_miss"] == "replace":                              # label replaces the weakest candidate
+        miss = (valid & ~hit.any(-1))[..., None] & (torch.arange(K, device=ci.device) == K - 1)   # [M, L, K]
+        ci = torch.where(miss, labels[..., None], ci)
+        cs = torch.where(miss, us.gather(-1, labels[..., None]), cs)
+        target_idx = torch.where(miss.any(-1), K - 1, target_idx)
+        counted = valid
+    sigma = sel.teacher_forced_scores(hs, prev, ci, cs).float()        # [M, L, K]
+    sel_ce = F.cross_entropy(sigma.flatten(0, 1), target_idx.flatten(), reduction="none").view_as(w)
+    out["N_sel"] = (w * counted.float() * sel_ce).sum()
+
+    with torch.no_grad():
+        strict = sel.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()
+        logs = F.log_softmax(strict, -1).gather(-1, target_idx[..., None]).squeeze(-1)
+        cov = covered.float()
+        out.update(sel_acc=(cov * (strict.argmax(-1) == target_idx).float()).sum(),
+                   sel_prob=(cov * logs.exp()).sum(), sel_ce=(cov * -logs).sum(), sel_covered=cov.sum())
+        # greedy self-conditioned path: walk from the anchor, feeding back its own choices
+        path, _ = sel.walk(sel.lattice(h, prev[:, 0], cand_ids, cand_scores), cand_ids)
+        ok = (path == labels) & valid
+        out["path_num"], out["path_den"] = ok.float().sum(0), n.sum(0)   # [L] accuracy per position
+        out["accept_selector"] = leading_run(ok).sum()
+    return out
+
+
+# ----------------------------------------------------------------------------- the objective
+def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, *, loss="ce",
+              weighting="exp", gamma=None, dpace_alpha=0.5, target_hidden=None, alpha_t=None,
+              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16):
+    """Numerator, denominator and metric sums for one micro-batch.
+
+    h [N, A, B, H] draft hidden states (model.forward_training); target_hidden [N, S, H] the
+    target's final normed hidden states (needed by `kl`). alpha_t: selector weight this step, or
+    None when the selector is frozen (alpha == 0). Returns {"numerator", "denominator", "metrics"}
+    where metrics maps a name to a (numerator, denominator) pair of detached tensors.
+    """
+    N, A, B, H = h.shape
+    if loss not in ("ce", "kl", "tv", "lk"):
+        raise ValueError(f"loss must be ce, kl, tv or lk, got {loss!r}")
+    if loss == "kl" and target_hidden is None:
+        raise ValueError("loss 'kl' needs the target's hidden states (prepare.py --save-target-hidden, or --online)")
+    if weighting == "exp" and gamma is None:
+        if B not in DEFAULT_GAMMA:
+            raise ValueError(f"no default gamma for block size {B}; set --gamma")
+        gamma = DEFAULT_GAMMA[B]
+    opts = dict(weighting=weighting, gamma=gamma, dpace_alpha=dpace_alpha, selector_miss=selector_miss,
+                stop_gradient=stop_gradient, top_k=top_k)
+    labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B)   # [N, A, B-1]
+    th = None
+    if target_hidden is not None:   # the target predicts x[a+j] from position a+j-1
+        pos = (anchors[..., None] + torch.arange(B - 1, device=h.device)).clamp(max=input_ids.shape[1] - 1)
+        th = target_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(N, A, B - 1, H)
+
+    # chunk over the anchor axis; checkpoint recomputes each chunk's logits during backward
+    step = A if not chunk_blocks else min(chunk_blocks, A)
+    totals = {}
+    for s in range(0, A, step):
+        part = lambda t: None if t is None else t[:, s:s + step].flatten(0, 1)
+        args = (part(h[:, :, 1:]), part(labels), part(prev), part(w0), part(th))
+        fn = lambda *a: chunk_terms(draft, lm_head_weight, *a, opts)
+        terms = checkpoint(fn, *args, use_reentrant=False) if step < A and torch.is_grad_enabled() else fn(*args)
+        for k, v in terms.items():
+            totals[k] = totals[k] + v if k in totals else v
+
+    # the base numerator; lk's lambda is detached and uses the whole micro-batch
+    if loss == "lk":
+        lam = math.exp(-(totals["acc_mass"] / totals["w0"].clamp(min=1)).item())
+        base = lam * totals["N_ce"] + (1 - lam) * totals["N_tv"]
+    else:
+        base = totals["N_" + loss]
+    numerator = base
+    if alpha_t is not None and "N_sel" in totals:
+        numerator = numerator + alpha_t * totals["N_sel"]       # alpha_t = 0 keeps the selector in the graph
+
+    t = {k: v.detach() for k, v in totals.items()}
+    blocks = (anchor_valid.float().sum()).detach()
+    metrics = {"loss": (numerator.detach(), t["D"]),
+               "unary_acc": (t["unary_acc"], t["tokens"]), "target_prob": (t["target_prob"], t["tokens"]),
+               "topk_recall": (t["topk_recall"], t["tokens"]), "topk_target_mass": (t["topk_target_mass"], t["tokens"]),
+               "accept_unary": (t["accept_unary"] + blocks, blocks), "accept_oracle": (t["accept_oracle"] + blocks, blocks)}
+    if "N_sel" in t:
+        metrics.update(sel_loss=(t["N_sel"], t["D"]), sel_acc=(t["sel_acc"], t["sel_covered"]),
+                       sel_prob=(t["sel_prob"], t["sel_covered"]), sel_ce=(t["sel_ce"], t["sel_covered"]),
+                       accept_selector=(t["accept_selector"] + blocks, blocks),
+                       path_acc=(t["path_num"], t["path_den"]))
+    return {"numerator": numerator, "denominator": t["D"], "metrics": metrics}
