@@ -247,7 +247,7 @@ def bench(target, draft, tok, args, gen, stop):
     dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
     speculative_generate(target, draft, encode(tok, [{"role": "user", "content": "Hi"}], dev), 8)  # warm-up
-    print(f"{'set':<10} {'mode':<9} {'mean tau':>8} {'tok/s':>8} {'speedup':>8}")
+    print(f"{'set':<10} {'mode':<9} {'mean tau':>8} {'tok/s':>8} {'speedup':>8}   cycle: draft / selector / verify")
     for name in args.bench:
         runs = {m: [] for m in ["plain"] + modes}
         for text in eval_prompts(name)[:args.bench_limit]:
@@ -256,9 +256,11 @@ def bench(target, draft, tok, args, gen, stop):
             for m in modes:
                 runs[m].append(speculative_generate(target, draft, ids, use_selector=m == "selector", **kw)[1])
         tps = {m: sum(s.new_tokens for s in r) / sum(s.seconds for s in r) for m, r in runs.items()}
-        for m in modes:  # mean tau pooled over all cycles of the set
+        for m in modes:  # mean tau pooled over all cycles of the set; phase shares of the summed cycle time
             taus = [t for s in runs[m] for t in s.taus]
-            print(f"{name:<10} {m:<9} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / tps['plain']:>7.2f}x")
+            phases = [sum(getattr(s, k) for s in runs[m]) for k in ("draft_s", "select_s", "verify_s")]
+            split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
+            print(f"{name:<10} {m:<9} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / tps['plain']:>7.2f}x   {split}")
         print(f"{name:<10} {'plain':<9} {1.0:>8.2f} {tps['plain']:>8.1f} {1.0:>7.2f}x")
 
 

@@ -69,6 +69,11 @@ class DraftConfig:
         return self.conv_kernel_size is not None
 
 
+def plain_dflash(c: DraftConfig) -> DraftConfig:
+    """The same backbone without convolution and selector: the DFlash baseline."""
+    return dataclasses.replace(c, **{f: None for f in DFLASH2_FIELDS})
+
+
 def _check_int(name, value, low=None, high=None):
     # bool is a subclass of int in Python; a config that says `true` for a size is a mistake.
     if not isinstance(value, int) or isinstance(value, bool):

@@ -359,6 +359,13 @@ def eval_prompts(name: str) -> list:
         return [field(json.loads(line)) for line in f if line.strip()]
 
 
+def held_out_prompts() -> list:
+    """The eval sets interleaved (mtbench, humaneval, gsm8k, mtbench, ...), so the first N of this
+    list are a balanced held-out sample for train.py --eval-data."""
+    sets = [eval_prompts(name) for name in EVAL_SETS]
+    return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
+
+
 def project_prompts() -> list:
     with open(os.path.join(HERE, "prompts", "instructions.txt"), encoding="utf-8") as f:
         return [line.strip() for line in f if line.strip() and not line.startswith("#")]
@@ -430,7 +437,8 @@ def main(argv=None):
     p.add_argument("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
-    src.add_argument("--prompts", choices=["default"], help="built-in training prompts (user turns only)")
+    src.add_argument("--prompts", choices=["default", "eval"],
+                     help="built-in prompts (user turns only): default = training set, eval = held-out sets")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--num-samples", type=int, help="use only the first N conversations / prompts")
@@ -469,7 +477,8 @@ def main(argv=None):
         conversations, skipped = read_conversations(args.data, require_assistant=not args.regenerate)
         print(f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr)
     else:
-        conversations = [[{"role": "user", "content": q}] for q in training_prompts(seed=args.seed)]
+        prompts = training_prompts(seed=args.seed) if args.prompts == "default" else held_out_prompts()
+        conversations = [[{"role": "user", "content": q}] for q in prompts]
     conversations = conversations[:args.num_samples]
     if not conversations:
         raise SystemExit("no conversations to work on")

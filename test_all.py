@@ -1,6 +1,5 @@
 """Behaviour tests for dflash2. Every expected value is computed independently of the code under test
 (explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core CPU."""
-import dataclasses
 import importlib.util
 import json
 import math
@@ -206,7 +205,7 @@ def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     dict(is_causal=True),
     dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
     dict(conv_kernel_size=3, num_key_value_heads=4),                  # MHA
-    dict(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None),  # DFlash
+    dict(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None),  # plain DFlash
 ])
 def test_training_forward_equals_inference_per_block(kw):
     c = tiny_config(**kw)
@@ -227,13 +226,18 @@ def test_training_forward_equals_inference_per_block(kw):
                 assert (h_train[n, i] - h_inf[0]).abs().max() <= 1e-5
 
 
-def test_dflash2_at_init_equals_plain_dflash():
+def twin_drafts():
+    """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
     c2 = tiny_config()
-    c1 = dataclasses.replace(c2, conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
     torch.manual_seed(0)
-    d2 = DraftModel(c2)
-    d1 = DraftModel(c1)
+    d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
     d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    return d2, d1
+
+
+def test_dflash2_at_init_equals_plain_dflash():
+    d2, d1 = twin_drafts()
+    c2 = d2.config
     embed = torch.nn.Embedding(c2.vocab_size, c2.hidden_size)
     ids, feats, anchors = random_batch(c2)
     with torch.no_grad():
@@ -427,7 +431,7 @@ def worked_example(loss, weighting="exp", target=False):
         th = torch.zeros(1, 4, 8)
         th[0, 1, :4] = torch.tensor(q1).log()
         th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
-    draft = DraftModel(hand_config(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None))
+    draft = DraftModel(model.plain_dflash(hand_config()))
     out = L.objective(draft, HEAD, h, torch.tensor([[0, 1, 2, 1]]), torch.tensor([[0, 1, 1, 1]]),
                       torch.tensor([[1]]), torch.tensor([[True]]), loss=loss, weighting=weighting, gamma=2.0,
                       target_hidden=th)
@@ -576,12 +580,7 @@ def test_chunked_equals_unchunked(loss, weighting, miss):
 
 
 def test_fresh_dflash2_base_loss_equals_plain_dflash():
-    c2 = tiny_config()
-    c1 = dataclasses.replace(c2, conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
-    torch.manual_seed(0)
-    d2 = DraftModel(c2)
-    d1 = DraftModel(c1)
-    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    d2, d1 = twin_drafts()
     _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
     with torch.no_grad():
         a = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
@@ -893,6 +892,9 @@ def test_eval_prompt_counts():
     counts = {name: len(prepare.eval_prompts(name)) for name in prepare.EVAL_SETS}
     assert counts == {"mtbench": 80, "humaneval": 164, "gsm8k": 1319}
     assert prepare.eval_prompts("humaneval")[0].lstrip().startswith("from typing import List")
+    mixed = prepare.held_out_prompts()
+    assert len(mixed) == 80 + 164 + 1319
+    assert mixed[:3] == [prepare.eval_prompts(n)[0] for n in ("mtbench", "humaneval", "gsm8k")]
 
 
 def test_training_prompts_hold_no_eval_prompt(training):
@@ -924,11 +926,9 @@ def test_math_prompts_are_deterministic():
 # ============================================================================ helpers
 def tiny_draft(B=4, plain=False, seed=0, **kw):
     """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
-    if plain:
-        kw.update(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
-    else:
-        kw.setdefault("conv_kernel_size", min(2, B))
+    kw.setdefault("conv_kernel_size", min(2, B))
     c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
+    c = model.plain_dflash(c) if plain else c
     return randomize(DraftModel(c), seed=seed, std=0.2).eval()
 
 
@@ -1263,6 +1263,17 @@ def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
     assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
 
 
+def test_anchor_sampling():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])         # anchors: p with mask[p] = mask[p+1] = 1
+    assert train.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
+    counts = torch.zeros(8)
+    for seed in range(300):                                 # 2 of the 3, uniformly, sorted
+        a = train.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
+        assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
+        counts[a] += 1
+    assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
+
+
 def test_resume_continues_exactly(setup, tmp_path):
     straight = run(setup, tmp_path / "a", "--max-steps", "6")
     run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
@@ -1291,6 +1302,23 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
     # both runs logged the same global metrics
     la, lb = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")
     assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
+    real = train.L.objective
+
+    def poisoned(*args, **kw):              # the third step's loss, and so its gradients, are NaN
+        out = real(*args, **kw)
+        poisoned.calls += 1
+        if poisoned.calls == 3:
+            out["numerator"] = out["numerator"] * float("nan")
+        return out
+    poisoned.calls = 0
+    monkeypatch.setattr(train.L, "objective", poisoned)
+    with pytest.raises(SystemExit) as stop:
+        run(setup, tmp_path, "--max-steps", "5", "--save-interval", "1")
+    assert stop.value.code == 1
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
 
 
 def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):

@@ -94,9 +94,8 @@ def build_config(args) -> model.DraftConfig:
     if args.num_layers is not None:
         o["num_hidden_layers"] = args.num_layers
         o["layer_types"] = [c.layer_types[min(i, len(c.layer_types) - 1)] for i in range(args.num_layers)]
-    if args.dflash:
-        o.update({f: None for f in model.DFLASH2_FIELDS})
-    return dataclasses.replace(c, **o)          # __post_init__ validates the overridden config
+    c = dataclasses.replace(c, **o)             # __post_init__ validates the overridden config
+    return model.plain_dflash(c) if args.dflash else c
 
 
 def load_samples(path, args, tokenizer):
@@ -316,6 +315,8 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.jsonl")
     step = 0
+    if master and not args.resume and os.path.exists(log_path):
+        os.remove(log_path)                  # a fresh run starts a fresh log
     if args.resume:
         if not os.path.exists(ckpt_path):
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
