@@ -13,6 +13,7 @@ import os
 import torch
 
 import model
+from config import config_from_dict, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Wrappers add these to every key: torch.compile -> "_orig_mod.", DistributedDataParallel -> "module.".
@@ -45,12 +46,7 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
         raise FileNotFoundError(f"no draft at {path}: expected a checkpoint file, or a directory with "
                                 "model.safetensors + config.json, or one with ckpt.pt")
     cfg_dict, sd = read_checkpoint(file)
-    cfg = model.config_from_dict(cfg_dict, source=file)
-    path = file
-    draft = model.DraftModel(cfg)
-    model.check_state_dict(draft, sd, source=path)  # names the missing / unexpected / misshapen tensors
-    draft.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
-    return draft.to(dtype).eval()
+    return model.draft_from_state_dict(config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype).eval()
 
 
 def export(checkpoint_path_or_dir: str, out_dir: str, dtype=torch.bfloat16) -> str:
@@ -67,7 +63,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export")
     args = ap.parse_args(argv)
     export(args.checkpoint, args.out_dir, DTYPES[args.dtype])
-    cfg = model.load_config(args.out_dir)
+    cfg = load_config(args.out_dir)
     print(f"exported {'DFlash2' if cfg.dflash2 else 'DFlash'} draft ({args.dtype}) to {args.out_dir}")
 
 

@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+import config
 import model
 from promptsets import held_out_prompts, training_prompts, wheel_file
 
@@ -360,7 +361,7 @@ def main(argv=None):
     if world > 1:   # gloo only synchronises; a long regeneration must not time out the barrier
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    layer_ids = model.load_config(args.draft_config).target_layer_ids if args.features else None
+    layer_ids = config.load_config(args.draft_config).target_layer_ids if args.features else None
     if rank != 0:         # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
     target, tok = load_target(args.target, DTYPES[args.target_dtype])

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import config
 import export
 import generate
 import loss as L
@@ -19,7 +20,8 @@ import prepare
 import promptsets
 import train
 from conv import GroupedDynamicCausalConv
-from model import DraftConfig, DraftModel
+from config import DraftConfig
+from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
 
 torch.set_num_threads(1)   # tiny tensors: a second thread only adds overhead
@@ -231,7 +233,7 @@ def twin_drafts():
     """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
     c2 = tiny_config()
     torch.manual_seed(0)
-    d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
+    d2, d1 = DraftModel(c2), DraftModel(config.plain_dflash(c2))
     d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
     return d2, d1
 
@@ -248,7 +250,7 @@ def test_dflash2_at_init_equals_plain_dflash():
 
 
 def valid_dict():
-    return model.config_to_dict(tiny_config())
+    return config.config_to_dict(tiny_config())
 
 
 @pytest.mark.parametrize("path,value,field", [
@@ -281,21 +283,21 @@ def test_each_validation_rule_raises(path, value, field):
         target = target[k]
     target[path[-1]] = value
     with pytest.raises(ValueError, match=field):
-        model.config_from_dict(d)
+        config.config_from_dict(d)
 
 
 def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
     d = valid_dict()
     d["architectures"] = ["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="DFlash2DraftModel"):
-        model.config_from_dict(d)
+        config.config_from_dict(d)
     d = valid_dict()
     del d["dflash_config"]["selector_rank"]
     with pytest.raises(ValueError, match="selector_rank"):
-        model.config_from_dict(d)
+        config.config_from_dict(d)
     (tmp_path / "bad.json").write_text('{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}')
     with pytest.raises(ValueError, match="line 2"):
-        model.load_config(str(tmp_path / "bad.json"))
+        config.load_config(str(tmp_path / "bad.json"))
 
 
 def spec_tensor_shapes(c: DraftConfig):
@@ -349,7 +351,7 @@ def test_load_refuses_mismatched_tensors(tmp_path):
 
 
 def test_published_27b_layout_parameter_count():
-    c = model.load_config(os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json"))
+    c = config.load_config(os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json"))
     with torch.device("meta"):
         m = DraftModel(c)
     assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
@@ -358,7 +360,7 @@ def test_published_27b_layout_parameter_count():
 
 def test_shipped_configs_load():
     for name in os.listdir(os.path.join(os.path.dirname(__file__), "configs")):
-        c = model.load_config(os.path.join(os.path.dirname(__file__), "configs", name))
+        c = config.load_config(os.path.join(os.path.dirname(__file__), "configs", name))
         assert c.dflash2
 
 
@@ -432,7 +434,7 @@ def worked_example(loss, weighting="exp", target=False):
         th = torch.zeros(1, 4, 8)
         th[0, 1, :4] = torch.tensor(q1).log()
         th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
-    draft = DraftModel(model.plain_dflash(hand_config()))
+    draft = DraftModel(config.plain_dflash(hand_config()))
     out = L.objective(draft, HEAD, h, torch.tensor([[0, 1, 2, 1]]), torch.tensor([[0, 1, 1, 1]]),
                       torch.tensor([[1]]), torch.tensor([[True]]), loss=loss, weighting=weighting, gamma=2.0,
                       target_hidden=th)
@@ -748,7 +750,7 @@ def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
     tiny_target("llama").save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
     cfg = tiny_config(target_layer_ids=list(layer_ids), num_target_layers=num_target_layers)
-    cfg_path.write_text(json.dumps(model.config_to_dict(cfg)))
+    cfg_path.write_text(json.dumps(config.config_to_dict(cfg)))
     return str(target_dir), str(cfg_path)
 
 
@@ -929,7 +931,7 @@ def tiny_draft(B=4, plain=False, seed=0, **kw):
     """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
     kw.setdefault("conv_kernel_size", min(2, B))
     c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
-    c = model.plain_dflash(c) if plain else c
+    c = config.plain_dflash(c) if plain else c
     return randomize(DraftModel(c), seed=seed, std=0.2).eval()
 
 
@@ -1128,7 +1130,7 @@ def test_speculative_sampling_matches_target_distribution():
 
 # ============================================================================ export
 def write_ckpt(path, draft):
-    torch.save({"model": draft.state_dict(), "config": model.config_to_dict(draft.config),
+    torch.save({"model": draft.state_dict(), "config": config.config_to_dict(draft.config),
                 "optimizer": {"state": {}, "param_groups": []}, "step": 7, "args": {"lr": 1e-3}}, path)
 
 
@@ -1175,7 +1177,7 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
 def test_export_refuses_broken_inputs(tmp_path):
     draft = tiny_draft(4)
     # tensors that do not match the checkpoint's own config
-    bad = model.config_to_dict(draft.config)
+    bad = config.config_to_dict(draft.config)
     bad["dflash_config"]["selector_rank"] = 4
     torch.save({"model": draft.state_dict(), "config": bad}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="predecessor_codebook"):
@@ -1200,7 +1202,7 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), torch.float32)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
-    assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
+    assert not set(config.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
     back = model.load_draft(str(tmp_path / "out"))
     assert back.candidate_selector is None and back.layers[0].attention_conv is None
     assert not any("conv" in k or "selector" in k for k in back.state_dict())
@@ -1229,7 +1231,7 @@ def setup(tmp_path_factory):
     target, tok = tiny_target("llama", initializer_range=0.3), tiny_tokenizer()  # a head with real logits
     target.save_pretrained(d / "target")
     tok.save_pretrained(d / "target")
-    cfg = model.config_to_dict(tiny_config())
+    cfg = config.config_to_dict(tiny_config())
     (d / "draft.json").write_text(json.dumps(cfg))
     with open(d / "convs.jsonl", "w") as f:
         for m in TRAIN_CONVERSATIONS * 2:

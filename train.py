@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+import config
 import loss as L
 import model
 import prepare
@@ -88,15 +89,15 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- config and data
-def build_config(args) -> model.DraftConfig:
-    c = model.load_config(args.draft_config)
+def build_config(args) -> config.DraftConfig:
+    c = config.load_config(args.draft_config)
     o = {k: getattr(args, k) for k in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank",
                                         "selector_top_k") if getattr(args, k) is not None}
     if args.num_layers is not None:
         o["num_hidden_layers"] = args.num_layers
         o["layer_types"] = [c.layer_types[min(i, len(c.layer_types) - 1)] for i in range(args.num_layers)]
     c = dataclasses.replace(c, **o)             # __post_init__ validates the overridden config
-    return model.plain_dflash(c) if args.dflash else c
+    return config.plain_dflash(c) if args.dflash else c
 
 
 def load_samples(path, args, tokenizer):
@@ -336,7 +337,7 @@ def main(argv=None):
 
     def save():
         if master:
-            save_checkpoint(ckpt_path, {"model": draft.state_dict(), "config": model.config_to_dict(cfg),
+            save_checkpoint(ckpt_path, {"model": draft.state_dict(), "config": config.config_to_dict(cfg),
                                         "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                                         "step": step, "rng": rng_state(), "args": vars(args)})
 
