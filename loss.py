@@ -69,84 +69,101 @@ def selector_alpha(step: int, total_steps: int, alpha: float, warmup: float, ram
 
 
 # ----------------------------------------------------------------------------- one chunk of blocks
+def chunk_terms(draft, lm_head_weight, h, labels, prev, w0, target_hidden, opts):
+    """All sums of a chunk of M blocks: h [M, L, H] (L = B-1 labelled slots), labels / prev / w0 [M, L],
+    target_hidden [M, L, H] or None. The vocabulary-sized tensors are made once, here, for both halves:
+    the objective's sums (with gradient) and the metrics' sums (without)."""
+    c = draft.config
+    u = draft.unary_logits(h, lm_head_weight).float()                  # [M, L, V] unary scores
+    logq = F.log_softmax(u, -1)                                        # the draft's distribution q
+    logp = None                                                        # the target's p, when known
+    if target_hidden is not None:
+        logp = F.log_softmax((target_hidden @ lm_head_weight.t()).float(), -1)
+    with torch.no_grad():
+        cand_scores, cand_ids = top_k_candidates(u, min(c.selector_top_k or opts["top_k"], c.vocab_size))  # [M, L, K]
+    terms = objective_terms(draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_ids, opts)
+    terms.update(metric_terms(draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids))
+    return terms
+
+
+def objective_terms(selector, h, u, logq, logp, labels, prev, w0, cand_ids, opts):
+    """Sums with gradient: the weight total D and the numerator of every base loss and of the selector.
+
+    ce = -log q(label); tv = 1 - accepted mass, where the accepted mass is sum min(p, q) with the
+    target's p and q(label) without it; kl = KL(p || q). acc_mass and w0 give lk its weight lambda.
+    """
+    logq_label = logq.gather(-1, labels[..., None]).squeeze(-1)        # [M, L]
+    if opts["weighting"] == "dpace":
+        w = dpace_weights(logq_label.exp().detach(), w0, opts["dpace_alpha"])
+    else:
+        w = exp_weights(w0, opts["gamma"])
+    p = None if logp is None else logp.exp()
+    accepted = logq_label.exp() if p is None else torch.minimum(p, logq.exp()).sum(-1)
+    out = {"D": w.sum(), "N_ce": (w * -logq_label).sum(), "N_tv": (w * (1 - accepted)).sum(),
+           "acc_mass": (w0 * accepted).detach().sum(), "w0": w0.sum()}
+    if p is not None:
+        out["N_kl"] = (w * (p * (logp - logq)).sum(-1)).sum()
+    if selector is not None:
+        hidden, unary = (h.detach(), u.detach()) if opts["stop_gradient"] else (h, u)
+        out["N_sel"] = selector_numerator(selector, hidden, unary, labels, prev, w, w0 > 0, cand_ids,
+                                          opts["selector_miss"])
+    return out
+
+
+def selector_numerator(selector, hidden, unary, labels, prev, w, valid, cand_ids, miss: str):
+    """sum w * counted * CE of the selector's K-way scores, teacher-forced predecessor prev [M, L].
+
+    strict: a slot counts only when its label is among the unary top-K candidates cand_ids [M, L, K].
+    replace: an uncovered label takes the weakest candidate's place, with its own unary score.
+    """
+    K = cand_ids.shape[-1]
+    hit = cand_ids == labels[..., None]                                # [M, L, K]
+    label_idx = hit.float().argmax(-1)                                 # the label's candidate, if covered
+    cands, cand_scores = cand_ids, unary.gather(-1, cand_ids)          # scores with gradient
+    counted = hit.any(-1) & valid
+    if miss == "replace":
+        replaced = (valid & ~hit.any(-1))[..., None] & (torch.arange(K, device=cand_ids.device) == K - 1)
+        cands = torch.where(replaced, labels[..., None], cands)
+        cand_scores = torch.where(replaced, unary.gather(-1, labels[..., None]), cand_scores)
+        label_idx = torch.where(replaced.any(-1), K - 1, label_idx)
+        counted = valid
+    sigma = selector.teacher_forced_scores(hidden, prev, cands, cand_scores).float()     # [M, L, K]
+    ce = F.cross_entropy(sigma.flatten(0, 1), label_idx.flatten(), reduction="none").view_as(w)
+    return (w * counted.float() * ce).sum()
+
+
 def leading_run(ok):
     """Length of the leading run of True along the last dim: [..., L] bool -> [...] float."""
     return ok.float().cumprod(-1).sum(-1)
 
 
-def chunk_terms(draft, lm_head_weight, h, labels, prev, w0, target_hidden, opts):
-    """All sums for a chunk of M blocks: h [M, B-1, H], labels / prev / w0 [M, B-1],
-    target_hidden [M, B-1, H] or None. Returns a dict of scalar (or [B-1]) tensors."""
-    c, sel = draft.config, draft.candidate_selector
-    u = draft.unary_logits(h, lm_head_weight).float()                  # [M, L, V]
-    logq = F.log_softmax(u, -1)
-    q_gold = logq.gather(-1, labels[..., None]).squeeze(-1).exp()      # [M, L]
+@torch.no_grad()
+def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids):
+    """Metric sums, no gradient: how often the unary argmax, the top-K, the selector (teacher-forced) and
+    the selector's own greedy path get the label, and the accepted lengths those imply."""
     valid = w0 > 0
-    out = {}
-
-    # position weights
-    if opts["weighting"] == "dpace":
-        w = dpace_weights(q_gold.detach(), w0, opts["dpace_alpha"])
-    else:
-        w = exp_weights(w0, opts["gamma"])
-    out["D"] = w.sum()
-
-    # base terms; p is the target's distribution when we have its hidden states (kl / soft tv)
-    ce = -logq.gather(-1, labels[..., None]).squeeze(-1)
-    if target_hidden is not None:
-        logp = F.log_softmax((target_hidden @ lm_head_weight.t()).float(), -1)
-        p = logp.exp()
-        out["N_kl"] = (w * (p * (logp - logq)).sum(-1)).sum()
-        accepted = torch.minimum(p, logq.exp()).sum(-1)                # sum min(p, q)
-    else:
-        accepted = q_gold
-    out["N_ce"] = (w * ce).sum()
-    out["N_tv"] = (w * (1 - accepted)).sum()
-    out["acc_mass"] = (w0 * accepted).detach().sum()                    # for lk's lambda
-    out["w0"] = w0.sum()
-
-    # metrics of the unary head
-    K = min(c.selector_top_k or opts["top_k"], c.vocab_size)
-    with torch.no_grad():
-        cand_scores, cand_ids = top_k_candidates(u, K)                  # [M, L, K]
-        hit = cand_ids == labels[..., None]                             # [M, L, K]
-        covered = hit.any(-1) & valid
-        greedy_ok = (u.argmax(-1) == labels) & valid
-        p_mass = p.gather(-1, cand_ids).sum(-1) if target_hidden is not None else covered.float()
-        n = valid.float()
-        out.update(unary_acc=greedy_ok.float().sum(), target_prob=(n * q_gold).sum(), tokens=n.sum(),
-                   topk_recall=covered.float().sum(), topk_target_mass=(n * p_mass).sum(),
-                   accept_unary=leading_run(greedy_ok).sum(), accept_oracle=leading_run(covered).sum())
-
-    if sel is None:
+    n = valid.float()
+    hit = cand_ids == labels[..., None]                                # [M, L, K]
+    covered = hit.any(-1) & valid
+    greedy_ok = (u.argmax(-1) == labels) & valid
+    q_label = logq.gather(-1, labels[..., None]).squeeze(-1).exp()
+    p_mass = covered.float() if logp is None else logp.gather(-1, cand_ids).exp().sum(-1)   # target mass in top-K
+    out = dict(unary_acc=greedy_ok.float().sum(), target_prob=(n * q_label).sum(), tokens=n.sum(),
+               topk_recall=covered.float().sum(), topk_target_mass=(n * p_mass).sum(),
+               accept_unary=leading_run(greedy_ok).sum(), accept_oracle=leading_run(covered).sum())
+    if selector is None:
         return out
-
-    # selector: K-way CE over the strict unary top-K, teacher-forced predecessor
-    hs, us = (h.detach(), u.detach()) if opts["stop_gradient"] else (h, u)
-    ci, cs = cand_ids, us.gather(-1, cand_ids)                          # same top-K, scores with grad
-    target_idx = hit.float().argmax(-1)                                 # index of the label, if covered
-    counted = covered
-    if opts["selector_miss"] == "replace":                              # label replaces the weakest candidate
-        miss = (valid & ~hit.any(-1))[..., None] & (torch.arange(K, device=ci.device) == K - 1)   # [M, L, K]
-        ci = torch.where(miss, labels[..., None], ci)
-        cs = torch.where(miss, us.gather(-1, labels[..., None]), cs)
-        target_idx = torch.where(miss.any(-1), K - 1, target_idx)
-        counted = valid
-    sigma = sel.teacher_forced_scores(hs, prev, ci, cs).float()        # [M, L, K]
-    sel_ce = F.cross_entropy(sigma.flatten(0, 1), target_idx.flatten(), reduction="none").view_as(w)
-    out["N_sel"] = (w * counted.float() * sel_ce).sum()
-
-    with torch.no_grad():
-        strict = sel.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()
-        logs = F.log_softmax(strict, -1).gather(-1, target_idx[..., None]).squeeze(-1)
-        cov = covered.float()
-        out.update(sel_acc=(cov * (strict.argmax(-1) == target_idx).float()).sum(),
-                   sel_prob=(cov * logs.exp()).sum(), sel_ce=(cov * -logs).sum(), sel_covered=cov.sum())
-        # greedy self-conditioned path: walk from the anchor, feeding back its own choices
-        path, _ = sel.walk(sel.lattice(h, prev[:, 0], cand_ids, cand_scores), cand_ids)
-        ok = (path == labels) & valid
-        out["path_num"], out["path_den"] = ok.float().sum(0), n.sum(0)   # [L] accuracy per position
-        out["accept_selector"] = leading_run(ok).sum()
+    label_idx = hit.float().argmax(-1)
+    strict = selector.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()     # [M, L, K]
+    log_s = F.log_softmax(strict, -1).gather(-1, label_idx[..., None]).squeeze(-1)
+    cov = covered.float()
+    out.update(sel_acc=(cov * (strict.argmax(-1) == label_idx).float()).sum(),
+               sel_prob=(cov * log_s.exp()).sum(), sel_ce=(cov * -log_s).sum(), sel_covered=cov.sum())
+    # greedy self-conditioned path: walk from the anchor, feeding back its own choices
+    path, _ = selector.walk(selector.lattice(h, prev[:, 0], cand_ids, cand_scores), cand_ids)
+    ok = (path == labels) & valid
+    out["path_num"], out["path_den"] = ok.float().sum(0), n.sum(0)       # [L] accuracy per position
+    out["accept_selector"] = leading_run(ok).sum()
     return out
 
 
@@ -173,28 +190,23 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
     opts = dict(weighting=weighting, gamma=gamma, dpace_alpha=dpace_alpha, selector_miss=selector_miss,
                 stop_gradient=stop_gradient, top_k=top_k)
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B)   # [N, A, B-1]
-    th = None
-    if target_hidden is not None:   # the target predicts x[a+j] from position a+j-1
+    target_at_slots = None          # [N, A, B-1, H]: the target predicts x[a+j] from position a+j-1
+    if target_hidden is not None:
         pos = (anchors[..., None] + torch.arange(B - 1, device=h.device)).clamp(max=input_ids.shape[1] - 1)
-        th = target_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(N, A, B - 1, H)
+        target_at_slots = target_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(N, A, B - 1, H)
 
     # chunk over the anchor axis; checkpoint recomputes each chunk's logits during backward
-    step = A if not chunk_blocks else min(chunk_blocks, A)
+    chunk = A if not chunk_blocks else min(chunk_blocks, A)
     totals = {}
-    for s in range(0, A, step):
-        part = lambda t: None if t is None else t[:, s:s + step].flatten(0, 1)
-        args = (part(h[:, :, 1:]), part(labels), part(prev), part(w0), part(th))
+    for s in range(0, A, chunk):
+        part = lambda t: None if t is None else t[:, s:s + chunk].flatten(0, 1)
+        args = (part(h[:, :, 1:]), part(labels), part(prev), part(w0), part(target_at_slots))
         fn = lambda *a: chunk_terms(draft, lm_head_weight, *a, opts)
-        terms = checkpoint(fn, *args, use_reentrant=False) if step < A and torch.is_grad_enabled() else fn(*args)
+        terms = checkpoint(fn, *args, use_reentrant=False) if chunk < A and torch.is_grad_enabled() else fn(*args)
         for k, v in terms.items():
             totals[k] = totals[k] + v if k in totals else v
 
-    # the base numerator; lk's lambda is detached and uses the whole micro-batch
-    if loss == "lk":
-        lam = math.exp(-(totals["acc_mass"] / totals["w0"].clamp(min=1)).item())
-        base = lam * totals["N_ce"] + (1 - lam) * totals["N_tv"]
-    else:
-        base = totals["N_" + loss]
+    base = base_numerator(loss, totals)
     numerator = base
     if alpha_t is not None and "N_sel" in totals:
         numerator = numerator + alpha_t * totals["N_sel"]       # alpha_t = 0 keeps the selector in the graph
@@ -211,3 +223,16 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
                        accept_selector=(t["accept_selector"] + blocks, blocks),
                        path_acc=(t["path_num"], t["path_den"]))
     return {"numerator": numerator, "denominator": t["D"], "metrics": metrics}
+
+
+def base_numerator(loss: str, totals: dict):
+    """The chosen base loss's numerator. lk mixes ce and tv with lambda = exp(-mean accepted mass) over the
+    whole micro-batch, detached (a number, not a path for gradients)."""
+    if loss == "ce":
+        return totals["N_ce"]
+    if loss == "tv":
+        return totals["N_tv"]
+    if loss == "kl":
+        return totals["N_kl"]
+    lam = math.exp(-(totals["acc_mass"] / totals["w0"].clamp(min=1)).item())
+    return lam * totals["N_ce"] + (1 - lam) * totals["N_tv"]
