@@ -58,7 +58,8 @@ class GroupedDynamicCausalConv(nn.Module):
             y = y + inside * kernel[:, :, t] * shifted
         return y
 
-    def forward(self, a: torch.Tensor, sublayer) -> torch.Tensor:
-        """a [N, S, H] is the normalised sublayer input; returns post(f(pre(a))), to add to the residual."""
+    def forward(self, a: torch.Tensor, sublayer, *args) -> torch.Tensor:
+        """a [N, S, H] is the normalised sublayer input; returns post(f(pre(a), *args)), to add to the
+        residual (args: what the sublayer takes besides its input, e.g. attention's positions and mask)."""
         k = self.kernels(a)
-        return self.convolve(sublayer(self.convolve(a, k[0])), k[1])
+        return self.convolve(sublayer(self.convolve(a, k[0]), *args), k[1])

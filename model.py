@@ -107,6 +107,21 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class PassThrough(nn.Module):
+    """Plain DFlash's stand-in for the convolution wrapper: forward(a, f, ...) = f(a, ...), no parameters,
+    so a DFlash layer and a DFlash2 layer read the same and plain DFlash saves no extra tensors."""
+
+    def forward(self, a, sublayer, *args):
+        return sublayer(a, *args)
+
+
+def sublayer_wrapper(c: DraftConfig) -> nn.Module:
+    """DFlash2 wraps every sublayer in the grouped dynamic causal convolution; plain DFlash passes through."""
+    if not c.dflash2:
+        return PassThrough()
+    return GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
+
+
 class Layer(nn.Module):
     def __init__(self, c: DraftConfig, sliding: bool):
         super().__init__()
@@ -115,17 +130,11 @@ class Layer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
-        self.attention_conv = self.mlp_conv = None
-        if c.dflash2:
-            conv = lambda: GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
-            self.attention_conv, self.mlp_conv = conv(), conv()
+        self.attention_conv, self.mlp_conv = sublayer_wrapper(c), sublayer_wrapper(c)
 
     def forward(self, h, pos, ctx_kv, mask):
-        a = self.input_layernorm(h)
-        attn = lambda x: self.self_attn(x, pos, ctx_kv, mask)
-        h = h + (attn(a) if self.attention_conv is None else self.attention_conv(a, attn))
-        a = self.post_attention_layernorm(h)
-        return h + (self.mlp(a) if self.mlp_conv is None else self.mlp_conv(a, self.mlp))
+        h = h + self.attention_conv(self.input_layernorm(h), self.self_attn, pos, ctx_kv, mask)
+        return h + self.mlp_conv(self.post_attention_layernorm(h), self.mlp)
 
 
 class DraftModel(nn.Module):
