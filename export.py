@@ -13,9 +13,9 @@ import os
 import torch
 
 import model
+from common import DTYPES, run
 from config import config_from_dict, load_config
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Wrappers add these to every key: torch.compile -> "_orig_mod.", DistributedDataParallel -> "module.".
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -68,4 +68,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -17,47 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 import model
+from common import bounded, run
 from export import load_any
-
-
-@dataclass
-class Stats:
-    new_tokens: int = 0
-    seconds: float = 0.0                          # wall clock of the whole call, prefill included
-    taus: list = field(default_factory=list)      # acceptance length per cycle: accepted drafts + 1, in 1..B
-    accepted_at: list = None                      # [j-1]: in how many cycles draft slot j was accepted
-    draft_s: float = 0.0                          # wall clock per phase, summed over the cycles
-    select_s: float = 0.0
-    verify_s: float = 0.0
-
-    @property
-    def mean_tau(self):
-        return sum(self.taus) / len(self.taus) if self.taus else float("nan")
-
-    @property
-    def tok_per_s(self):
-        return self.new_tokens / self.seconds if self.seconds else float("nan")
-
-    def summary(self) -> str:
-        s = f"{self.new_tokens} tokens in {self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s"
-        if not self.taus:
-            return s
-        n, phases = len(self.taus), self.draft_s + self.select_s + self.verify_s
-        rate = " ".join(f"{k / n:.2f}" for k in self.accepted_at)
-        split = " / ".join(f"{name} {100 * t / phases:.0f}%" for name, t in
-                           (("draft", self.draft_s), ("selector", self.select_s), ("verify", self.verify_s)))
-        return (f"{s}; {n} cycles, mean acceptance length {self.mean_tau:.2f}\n"
-                f"  acceptance rate by block position 1..{len(self.accepted_at)}: {rate}\n"
-                f"  cycle time (wall clock per phase): {split}")
+from target import capture_features, check_draft_fits, load_target
 
 
 # ----------------------------------------------------------------------------- small pieces
-def now(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # CUDA runs asynchronously: time the work, not the kernel launches
-    return time.perf_counter()
-
-
 def new_cache(target):
     from transformers import DynamicCache
     cache = DynamicCache(config=target.config)
@@ -145,6 +110,14 @@ def rejection_sample(p, q, drafts, generator=None):
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
 
 
+def verify(logits, drafts, q, temperature: float, generator=None):
+    """The target's rows logits [B, V] against drafts [B-1] -> (a, next token): greedy, or rejection
+    sampling against the proposal q [1, B-1, V] (None when greedy)."""
+    if temperature == 0:
+        return accept_greedy(logits, drafts)
+    return rejection_sample(probs(logits, temperature), q[0], drafts, generator)
+
+
 # ----------------------------------------------------------------------------- the two decoding loops
 @torch.no_grad()
 def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=0.0, use_selector=True,
@@ -152,49 +125,34 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
     """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
     embed, head = target.get_input_embeddings(), target.get_output_embeddings().weight  # frozen, the target's
-    if head.shape != (c.vocab_size, c.hidden_size):
-        raise ValueError(f"draft expects a target head [{c.vocab_size}, {c.hidden_size}], got {list(head.shape)}")
-    stats, start = Stats(accepted_at=[0] * (c.block_size - 1)), now(dev)
+    start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
     cache, ctx = new_cache(target), model.ContextCache()
-    out, feats = model.capture_features(target, c.target_layer_ids, input_ids=prompt_ids, cache=cache,
-                                        use_cache=True, logits_to_keep=1)
+    out, feats = capture_features(target, c.target_layer_ids, input_ids=prompt_ids, cache=cache,
+                                  use_cache=True, logits_to_keep=1)
     crop(cache, P)
     ctx.append(draft, feats, torch.arange(P, device=dev)[None])         # draft context: positions 0..P-1
     first = sample(out.logits[0, -1], temperature, generator)
     ids, done = commit(prompt_ids, [first], P, max_new_tokens, stop_ids, on_tokens)
     while not done:
         s = ids.shape[1] - 1       # the anchor's position: last committed token, not yet run by the target
-        t0 = now(dev)
+        clock.start()
         h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s], device=dev))  # [1, B, H]
-        # Slot 0 is never scored, but on this CPU the [8, H] x [H, V] product took half the time of
-        # the [7, H] one (an oddity of the GEMM kernel's blocking), so score all B rows and drop row 0.
-        u = draft.unary_logits(h, head)[:, 1:]                          # [1, B-1, V]
-        t1 = now(dev)
+        u = draft.unary_logits(h, head)[:, 1:]      # [1, B-1, V]; all B rows scored: see README, "GEMM shapes"
+        clock.lap("draft")
         d, q = proposer(draft, h[:, 1:], u, ids, temperature, use_selector, generator)   # [1, B-1]
-        t2 = now(dev)
+        clock.lap("selector")
         block = torch.cat([ids[:, -1:], d], dim=1)                      # [1, B] at positions s..s+B-1
-        out, feats = model.capture_features(target, c.target_layer_ids, input_ids=block, cache=cache,
-                                            use_cache=True)
-        logits = out.logits[0]                                          # [B, V]
-        if temperature == 0:
-            a, nxt = accept_greedy(logits, d[0])
-        else:
-            a, nxt = rejection_sample(probs(logits, temperature), q[0], d[0], generator)
+        out, feats = capture_features(target, c.target_layer_ids, input_ids=block, cache=cache, use_cache=True)
+        a, nxt = verify(out.logits[0], d[0], q, temperature, generator)  # a accepted drafts, then the target's
         crop(cache, s + a + 1)     # keep anchor + accepted drafts; the new token enters with the next block
-        t3 = now(dev)
+        clock.lap("verify")
         # The verify pass already computed the features of the anchor and the accepted drafts: new context.
         ctx.append(draft, feats[:, :a + 1], torch.arange(s, s + a + 1, device=dev)[None])
-        t4 = now(dev)
+        clock.lap("draft")
         ids, done = commit(ids, d[0, :a].tolist() + [nxt], P, max_new_tokens, stop_ids, on_tokens)
-        stats.taus.append(a + 1)
-        for j in range(a):
-            stats.accepted_at[j] += 1
-        stats.draft_s += t1 - t0 + t4 - t3
-        stats.select_s += t2 - t1
-        stats.verify_s += t3 - t2
-    stats.new_tokens, stats.seconds = ids.shape[1] - P, now(dev) - start
-    return ids, stats
+        taus.append(a + 1)
+    return ids, Stats.of(ids.shape[1] - P, now(dev) - start, taus, c.block_size, clock)
 
 
 @torch.no_grad()
@@ -202,15 +160,75 @@ def target_generate(target, prompt_ids, max_new_tokens, temperature=0.0, generat
                     on_tokens=None):
     """Plain decoding, one target forward per token, same cache and sampling: the baseline."""
     dev, P = prompt_ids.device, prompt_ids.shape[1]
-    stats, start, cache = Stats(), now(dev), new_cache(target)
+    start, cache = now(dev), new_cache(target)
     logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     ids, done = commit(prompt_ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens)
     while not done:
         crop(cache, ids.shape[1] - 1)   # a no-op that also trims sliding-window layers
         logits = target(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
         ids, done = commit(ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens)
-    stats.new_tokens, stats.seconds = ids.shape[1] - P, now(dev) - start
-    return ids, stats
+    return ids, Stats(new_tokens=ids.shape[1] - P, seconds=now(dev) - start)
+
+
+# ----------------------------------------------------------------------------- statistics and timing
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    seconds: float = 0.0                          # wall clock of the whole call, prefill included
+    taus: list = field(default_factory=list)      # acceptance length per cycle: accepted drafts + 1, in 1..B
+    accepted_at: list = None                      # [j-1]: in how many cycles draft slot j was accepted
+    draft_s: float = 0.0                          # wall clock per phase, summed over the cycles
+    select_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def mean_tau(self):
+        return sum(self.taus) / len(self.taus) if self.taus else float("nan")
+
+    @property
+    def tok_per_s(self):
+        return self.new_tokens / self.seconds if self.seconds else float("nan")
+
+    @classmethod
+    def of(cls, new_tokens, seconds, taus, block_size, clock):
+        """A speculative call's statistics, from its acceptance lengths and its phase clock."""
+        accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]   # slot j accepted iff tau > j
+        return cls(new_tokens, seconds, taus, accepted_at, clock.seconds["draft"], clock.seconds["selector"],
+                   clock.seconds["verify"])
+
+    def summary(self) -> str:
+        s = f"{self.new_tokens} tokens in {self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s"
+        if not self.taus:
+            return s
+        n, phases = len(self.taus), self.draft_s + self.select_s + self.verify_s
+        rate = " ".join(f"{k / n:.2f}" for k in self.accepted_at)
+        split = " / ".join(f"{name} {100 * t / phases:.0f}%" for name, t in
+                           (("draft", self.draft_s), ("selector", self.select_s), ("verify", self.verify_s)))
+        return (f"{s}; {n} cycles, mean acceptance length {self.mean_tau:.2f}\n"
+                f"  acceptance rate by block position 1..{len(self.accepted_at)}: {rate}\n"
+                f"  cycle time (wall clock per phase): {split}")
+
+
+class PhaseClock:
+    """Wall clock per phase of a cycle, summed over the cycles: start() as a cycle begins, lap(phase) as
+    each phase ends adds the time since the last mark to that phase."""
+
+    def __init__(self, device):
+        self.device, self.seconds, self.last = device, {"draft": 0.0, "selector": 0.0, "verify": 0.0}, 0.0
+
+    def start(self):
+        self.last = now(self.device)
+
+    def lap(self, phase: str):
+        t = now(self.device)
+        self.seconds[phase] += t - self.last
+        self.last = t
+
+
+def now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # CUDA runs asynchronously: time the work, not the kernel launches
+    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------- command line
@@ -284,20 +302,21 @@ def main(argv=None):
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
     ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
+    ap.add_argument("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--unary", action="store_true", help="plain argmax / softmax proposals, no selector walk")
     ap.add_argument("--compare", action="store_true", help="also run plain target decoding and compare")
     ap.add_argument("--bench", nargs="+", choices=["mtbench", "humaneval", "gsm8k"], default=None)
-    ap.add_argument("--bench-limit", type=int, default=None, help="first N prompts of each set")
+    ap.add_argument("--bench-limit", type=bounded(int, low=1), default=None, help="first N prompts of each set")
     args = ap.parse_args(argv)
 
-    from prepare import load_target  # lazily: loading the embedded target needs the data packages
+    draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
     target, tok = load_target(args.target)
     target.eval()
     param = next(target.parameters())
-    draft = load_any(args.draft).to(device=param.device, dtype=param.dtype)
+    draft = draft.to(device=param.device, dtype=param.dtype)
+    check_draft_fits(draft.config, target)
     gen = torch.Generator(device=param.device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)
     if args.bench:
@@ -316,4 +335,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,4 +1,4 @@
-"""The DFlash / DFlash2 draft: backbone, save / load, target feature capture (SPEC 1-3).
+"""The DFlash / DFlash2 draft: backbone, the training and inference paths, save / load (SPEC 1-3).
 
 The draft proposes B-1 tokens in one forward pass. Its input is the block [anchor, MASK x (B-1)],
 embedded with the target's (frozen) embedding; it reads the target through `ctx`, the target's
@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import atomic_write
 from config import DraftConfig, config_to_dict, load_config
 from conv import GroupedDynamicCausalConv
 from selector import CandidateSelector, unary_transform
@@ -258,12 +259,10 @@ def save_draft(draft: DraftModel, out_dir: str, dtype=None):
     sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     cfg = config_to_dict(draft.config)
     cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_file(sd, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
+    with atomic_write(os.path.join(out_dir, "model.safetensors")) as tmp:
+        save_file(sd, tmp, metadata={"format": "pt"})
+    with atomic_write(os.path.join(out_dir, "config.json")) as tmp, open(tmp, "w") as f:
         json.dump(cfg, f, indent=2)
-    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
 
 
 def load_draft(path: str, dtype=torch.float32) -> DraftModel:
@@ -294,37 +293,3 @@ def check_state_dict(draft: DraftModel, sd: dict, source: str):
     if missing or unexpected or wrong:
         raise ValueError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
-
-
-# ----------------------------------------------------------------------------- target features
-def decoder_layers(target):
-    """The list of decoder layers of a Hugging Face causal LM (Llama, Qwen3, ...)."""
-    return target.model.layers
-
-
-@torch.no_grad()
-def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
-    """Run the target once; return (its outputs, features [N, S, n_t*H]).
-
-    The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
-    concatenated in list order. Forward hooks keep only those layers, not all of them. With
-    final_hidden=True also return the final normed hidden state [N, S, H] (target logits =
-    final @ lm_head^T), which the `kl` loss needs: (outputs, features, final).
-    """
-    layers, grabbed = decoder_layers(target), {}
-
-    def hook(key):
-        def fn(module, args, out):
-            grabbed[key] = out[0] if isinstance(out, tuple) else out
-        return fn
-
-    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
-    if final_hidden:
-        handles.append(target.model.norm.register_forward_hook(hook("final")))
-    try:
-        out = target(**forward_kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    features = torch.cat([grabbed[i] for i in layer_ids], dim=-1)
-    return (out, features, grabbed["final"]) if final_hidden else (out, features)

