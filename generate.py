@@ -1,6 +1,7 @@
 """Lossless speculative decoding with a DFlash / DFlash2 draft, that you can watch (SPEC section 5).
 
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --compare
+    python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show   # every block
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
 One cycle: the draft proposes B-1 tokens in ONE forward from the last committed token (the anchor),
@@ -11,6 +12,7 @@ the target's own greedy output token for token; at temperature > 0 rejection sam
 proposal distribution q keeps the output distributed exactly as the target's.
 """
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -121,8 +123,9 @@ def verify(logits, drafts, q, temperature: float, generator=None):
 # ----------------------------------------------------------------------------- the two decoding loops
 @torch.no_grad()
 def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=0.0, use_selector=True,
-                         generator=None, stop_ids=(), on_tokens=None, proposer=propose):
-    """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first."""
+                         generator=None, stop_ids=(), on_tokens=None, proposer=propose, on_cycle=None):
+    """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first.
+    on_cycle(drafts, unary argmax, accepted, bonus), if given, sees every cycle's block (--show)."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
     embed, head = target.get_input_embeddings(), target.get_output_embeddings().weight  # frozen, the target's
     start, clock, taus = now(dev), PhaseClock(dev), []
@@ -150,6 +153,8 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
         # The verify pass already computed the features of the anchor and the accepted drafts: new context.
         ctx.append(draft, feats[:, :a + 1], torch.arange(s, s + a + 1, device=dev)[None])
         clock.lap("draft")
+        if on_cycle:
+            on_cycle(d[0].tolist(), u[0].argmax(-1).tolist(), a, nxt)
         ids, done = commit(ids, d[0, :a].tolist() + [nxt], P, max_new_tokens, stop_ids, on_tokens)
         taus.append(a + 1)
     return ids, Stats.of(ids.shape[1] - P, now(dev) - start, taus, c.block_size, clock)
@@ -231,6 +236,48 @@ def now(device) -> float:
     return time.perf_counter()
 
 
+# ----------------------------------------------------------------------------- watching it speculate (--show)
+SHOW_KINDS = {"accepted": ("[", "]", "30;42", "accepted draft"), "rejected": ("{", "}", "97;41", "first rejected draft"),
+              "unchecked": ("(", ")", "2", "later draft, never checked"),
+              "bonus": ("<", ">", "30;46", "the target's bonus token")}   # plain brackets, ANSI colour, meaning
+DEPARTS = "*: the proposal is not the unary argmax there (the selector's path departs, or sampling did)"
+
+
+def mark(text: str, kind: str, color=False, departs=False) -> str:
+    """text as a token of this kind: in its brackets, or in its ANSI colour on a terminal; `*` after it
+    when the draft departs from the unary argmax."""
+    left, right, sgr, _ = SHOW_KINDS[kind]
+    star = ("\x1b[33m*\x1b[0m" if color else "*") if departs else ""
+    return (f"\x1b[{sgr}m{text}\x1b[0m" if color else f"{left}{text}{right}") + star
+
+
+def show_legend(color=False) -> str:
+    return "  ".join(mark(meaning, kind, color) for kind, (*_, meaning) in SHOW_KINDS.items()) + "  " + DEPARTS
+
+
+def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) -> str:
+    """One cycle as one line: drafts d_1..d_{B-1} [B-1], the first `accepted` of them accepted, the next
+    one rejected, the rest never checked, then the target's bonus token; a `*` marks a draft that is not
+    the unary argmax of its slot (unary [B-1]). text(id) -> the token's text."""
+    kinds = ["accepted"] * accepted + ["rejected"] + ["unchecked"] * len(drafts)
+    slots = [mark(text(d), kind, color, d != u) for d, u, kind in zip(drafts, unary, kinds)]
+    return " ".join(slots + [mark(text(bonus), "bonus", color)])
+
+
+class ShowBlocks:
+    """The on_cycle hook of --show: prints each cycle as `cycle  tau  block`."""
+
+    def __init__(self, tok, color: bool):
+        self.tok, self.color, self.cycles = tok, color, 0
+        print(show_legend(color))
+
+    def __call__(self, drafts, unary, accepted, bonus):
+        self.cycles += 1
+        text = lambda t: repr(self.tok.decode([t]))[1:-1]     # newlines and tabs shown escaped
+        print(f"{self.cycles:4d}  tau {accepted + 1}  {format_block(drafts, unary, accepted, bonus, text, self.color)}",
+              flush=True)
+
+
 # ----------------------------------------------------------------------------- command line
 class Printer:
     """Streams committed tokens as text: decode everything so far, print only the new characters."""
@@ -285,10 +332,14 @@ def bench(target, draft, tok, args, gen, stop):
 
 
 def reply(target, draft, tok, messages, args, gen, stop) -> str:
-    """Generate one answer, streaming it, then print the statistics (and the baseline with --compare)."""
+    """Generate one answer, streaming it (--show: its blocks, then the text), then print the statistics
+    (and the baseline with --compare)."""
     ids = encode(tok, messages, next(target.parameters()).device)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
-    out, stats = speculative_generate(target, draft, ids, use_selector=not args.unary, on_tokens=Printer(tok), **kw)
+    watch = dict(on_cycle=ShowBlocks(tok, sys.stdout.isatty())) if args.show else dict(on_tokens=Printer(tok))
+    out, stats = speculative_generate(target, draft, ids, use_selector=not args.unary, **watch, **kw)
+    if args.show:
+        print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), end="")
     print(f"\n[{'unary' if args.unary or not draft.candidate_selector else 'selector'}] {stats.summary()}")
     if args.compare:
         base, base_stats = target_generate(target, ids, **kw)
@@ -309,7 +360,11 @@ def main(argv=None):
     ap.add_argument("--compare", action="store_true", help="also run plain target decoding and compare")
     ap.add_argument("--bench", nargs="+", choices=["mtbench", "humaneval", "gsm8k"], default=None)
     ap.add_argument("--bench-limit", type=bounded(int, low=1), default=None, help="first N prompts of each set")
+    ap.add_argument("--show", action="store_true", help="print every cycle's block, in colour on a terminal, "
+                    "else with these markers: " + show_legend())
     args = ap.parse_args(argv)
+    if args.show and args.bench:
+        ap.error("--show prints the blocks of single answers; it does not go with --bench")
 
     draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
     target, tok = load_target(args.target)

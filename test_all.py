@@ -9,7 +9,7 @@ Sections, in file order (each starts with a "# ====" banner):
     loss.py                      labels, weights and every loss against hand-worked numbers, chunking
     prepare.py                   loss masks, conversation readers, regeneration, feature shards
     promptsets.py                the prompt sets (skipped without the data packages)
-    generate.py                  greedy is lossless, the rejection rule, sampling
+    generate.py                  greedy is lossless, the rejection rule, sampling, --show
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
     train.py                     loss goes down, resume, DDP == accumulation, freezing, compile
@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -1142,6 +1143,68 @@ def test_speculative_sampling_matches_target_distribution():
     assert 1 in taus and max(taus) > 1             # both rejections and acceptances happened
 
 
+# ---------------------------------------------------------------------------- watching it speculate: --show
+MARK = re.compile(r"([\[{(<])(\d+)([\]})>])(\*?)")     # one marked token of format_block with text=str
+
+
+def test_show_formats_a_block_by_hand():
+    text = lambda t: f"t{t}"
+    # 2 of 4 drafts accepted, slot 3 rejected, slot 4 never checked; slot 2 is not the unary argmax
+    assert generate.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text) == "[t5] [t6]* {t7} (t8) <t3>"
+    assert generate.format_block([5, 6], [5, 6], 2, 4, text) == "[t5] [t6] <t4>"          # all accepted
+    assert generate.format_block([5, 6], [1, 6], 0, 4, text) == "{t5}* (t6) <t4>"          # wrong at slot 1
+    coloured = generate.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text, color=True)
+    assert "\x1b[" in coloured and re.sub(r"\x1b\[[0-9;]*m", "", coloured) == "t5 t6* t7 t8 t3"
+
+
+def watch(target, draft, p, n, proposer):
+    """Decode with an on_cycle hook; -> (ids, stats, [(drafts, unary, a, bonus)], lines, unary argmax seen by
+    the proposer)."""
+    cycles, lines, seen = [], [], []
+
+    def on_cycle(*cycle):
+        cycles.append(cycle)
+        lines.append(generate.format_block(*cycle, text=str))
+
+    def recording(draft, h, u, ids, *rest):
+        seen.append(u[0].argmax(-1).tolist())
+        return proposer(draft, h, u, ids, *rest)
+
+    out, st = generate.speculative_generate(target, draft, p, n, proposer=recording, on_cycle=on_cycle)
+    return out, st, cycles, lines, seen
+
+
+@pytest.mark.parametrize("B", [2, 4, 7])
+def test_show_marks_always_right_and_wrong_at_k_drafts(B):
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    P, n = p.shape[1], 20
+    ref, _ = generate.target_generate(target, p, n + B)
+    for wrong_at in (lambda L: None, lambda L: L % (B - 1)):
+        out, st, cycles, lines, seen = watch(target, draft, p, n, scripted_proposer(ref, wrong_at))
+        assert len(lines) == len(st.taus) > 1 and [c[1] for c in cycles] == seen     # unary: the real argmax
+        L = P + 1
+        for (drafts, unary, a, bonus), line in zip(cycles, lines):
+            k = B - 1 if wrong_at(L) is None else wrong_at(L)
+            marks = MARK.findall(line)
+            assert "".join(m[0] for m in marks) == "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
+            assert [int(m[1]) for m in marks] == drafts + [bonus]
+            assert [m[3] == "*" for m in marks[:-1]] == [d != u for d, u in zip(drafts, unary)]
+            assert drafts[:k] == ref[0, L:L + k].tolist() and bonus == int(ref[0, L + k])   # the target's token
+            if k < B - 1:
+                assert drafts[k] != int(ref[0, L + k])                                     # the rejected one
+            L += k + 1
+
+
+def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
+    target, p = tiny_target("llama"), prompt()
+    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()   # Bs = 0: the unary path
+    trained = tiny_draft(4)                                                            # random codebooks
+    _, _, _, lines, _ = watch(target, fresh, p, 16, generate.propose)
+    assert not any("*" in line for line in lines)
+    _, _, cycles, lines, seen = watch(target, trained, p, 16, generate.propose)
+    assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
+
+
 # ============================================================================ export.py
 def write_ckpt(path, draft):
     torch.save({"model": draft.state_dict(), "config": config.config_to_dict(draft.config),
@@ -1228,6 +1291,7 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     (generate, ["--draft", "d", "--temperature", "-1"], "--temperature"),     # would prefer the least likely tokens
     (generate, ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
     (generate, ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
+    (generate, ["--draft", "d", "--bench", "gsm8k", "--show"], "--show"),
     (train, ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
     (train, ["--data", "d", "--lr", "-1e-3"], "--lr"),
     (train, ["--data", "d", "--lr", "nan"], "--lr"),
