@@ -4,6 +4,7 @@ rule that a user's mistake ends in one line. Nothing else belongs here.
 """
 import argparse
 import gc
+import json
 import math
 import os
 import sys
@@ -22,6 +23,11 @@ def atomic_write(path: str):
     tmp = path + ".tmp"
     yield tmp
     os.replace(tmp, path)
+
+
+def write_json(path: str, obj):
+    with atomic_write(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
 
 
 def end_distributed():

@@ -1,23 +1,38 @@
-"""Training checkpoint -> Hugging Face draft directory (config.json + model.safetensors, SPEC section 3).
+"""Training checkpoint -> servable draft directory, in either public checkpoint format (SPEC section 3).
 
     python export.py runs/smollm2/ckpt.pt --out-dir drafts/smollm2-dflash2 [--dtype bf16|fp16|fp32]
+    python export.py runs/q8 --out-dir drafts/q8-spec --format speculators --verifier Qwen/Qwen3-8B
 
+`zlab` (default) is the contract Z Lab, SGLang and vLLM load: config.json with a `dflash_config`,
+and the draft's tensors. `speculators` is what vllm-project/speculators trains and writes (vLLM serves
+it too): the same tensors, the draft's Qwen3 layer config nested under `transformer_layer_config`.
+Either is one model.safetensors or, past --max-shard-size, shards named by model.safetensors.index.json.
 The checkpoint train.py writes is one torch.save file holding {"model", "config", "optimizer",
 "step", "args"}. Only the draft's own tensors leave: no optimizer state, no embedding, no lm_head
-(those stay the target's). An exported directory is accepted as input too, to re-export in
-another dtype. Anything that does not match its config is refused with a message naming the file.
+(those stay the target's). load_any reads every form: a training checkpoint, or an exported
+directory in either format, so a draft can be re-exported in another dtype or format. Anything that
+does not match its config, or that a format cannot say, is refused with a message naming the field.
 """
 import argparse
 import os
+import re
 
 import torch
 
 import model
 from common import DTYPES, run
-from config import config_from_dict, load_config
+from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, read_json
 
+MAX_SHARD_BYTES = 5 * 10**9     # transformers 4.x's default (5.x raised its own to 50GB)
 # Wrappers add these to every key: torch.compile -> "_orig_mod.", DistributedDataParallel -> "module.".
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+# A speculators checkpoint may carry frozen copies of the verifier's tensors; the draft uses the target's own.
+VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+SPECULATORS_KEYS = {"architectures", "auto_map", "speculators_model_type", "speculators_version",
+                    "speculators_config", "transformer_layer_config", "draft_vocab_size", "target_hidden_size",
+                    "aux_hidden_state_layer_ids", "mask_token_id", "block_size", "sliding_window_non_causal",
+                    "sample_from_anchor", "dtype", "torch_dtype", "transformers_version", "tie_word_embeddings",
+                    *DFLASH2_FIELDS}
 
 
 def read_checkpoint(file: str) -> tuple:
@@ -38,33 +53,135 @@ def read_checkpoint(file: str) -> tuple:
 
 
 def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
-    """A draft from an exported directory, a training checkpoint file, or a run directory with ckpt.pt."""
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model.safetensors")):
-        return model.load_draft(path, dtype).eval()
+    """A draft from an exported directory (either format), a training checkpoint, or a run directory with ckpt.pt."""
+    cfg_file = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.isfile(cfg_file):
+        d = read_json(cfg_file)
+        if "speculators_model_type" not in d:
+            return model.load_draft(path, dtype).eval()
+        sd = {k: v for k, v in model.load_tensors(path).items() if k not in VERIFIER_COPIES}
+        return model.draft_from_state_dict(config_from_speculators(d, cfg_file), sd, source=path, dtype=dtype).eval()
     file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no draft at {path}: expected a checkpoint file, or a directory with "
-                                "model.safetensors + config.json, or one with ckpt.pt")
+                                "config.json + model.safetensors (or its shards), or one with ckpt.pt")
     cfg_dict, sd = read_checkpoint(file)
     return model.draft_from_state_dict(config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype).eval()
 
 
-def export(checkpoint_path_or_dir: str, out_dir: str, dtype=torch.bfloat16) -> str:
-    """Write out_dir/config.json + out_dir/model.safetensors (contract tensor names only, in dtype)."""
+# ----------------------------------------------------------------------------- the speculators format
+def config_from_speculators(d: dict, source: str):
+    """A speculators config.json -> DraftConfig, with the meaning speculators' DFlash2DraftModel gives it.
+
+    aux_hidden_state_layer_ids count HF hidden_states (0 = the embeddings), so target_layer_ids are
+    one less. Full-attention layers are always bidirectional there, and sliding ones are bidirectional
+    iff sliding_window_non_causal: so true is an explicit is_causal false, false an unset is_causal.
+    """
+    if d.get("speculators_model_type") != "dflash2":
+        raise ValueError(f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 is read")
+    missing = sorted({"transformer_layer_config", "aux_hidden_state_layer_ids", "draft_vocab_size", "block_size",
+                      "mask_token_id", "sliding_window_non_causal", "speculators_config", *DFLASH2_FIELDS} - set(d))
+    unknown = sorted(set(d) - SPECULATORS_KEYS)
+    if missing or unknown:
+        raise ValueError(f"{source}: speculators config: missing {missing}, not implemented {unknown}")
+    if not isinstance(d["transformer_layer_config"], dict):
+        raise ValueError(f"{source}: transformer_layer_config must be an object")
+    layer = dict(d["transformer_layer_config"])
+    if "is_causal" in layer or "dflash_config" in layer:
+        raise ValueError(f"{source}: transformer_layer_config.is_causal / dflash_config are not read by speculators; "
+                         "sliding_window_non_causal decides")
+    checks = {"sample_from_anchor": (d.get("sample_from_anchor", False), False),   # slot 0 never proposes (SPEC 1)
+              "draft_vocab_size": (d["draft_vocab_size"], layer.get("vocab_size")),  # DFlash2 needs the full vocab
+              "target_hidden_size": (d.get("target_hidden_size") or layer.get("hidden_size"), layer.get("hidden_size")),
+              "speculative_tokens": (((d["speculators_config"] or {}).get("proposal_methods") or [{}])[0]
+                                     .get("speculative_tokens"), d["block_size"] - 1)}
+    for name, (value, implemented) in checks.items():
+        if value != implemented:
+            raise ValueError(f"{source}: {name} = {value!r} is not implemented (only {implemented!r})")
+    aux = d["aux_hidden_state_layer_ids"]
+    if not isinstance(aux, list) or not all(isinstance(i, int) and i >= 1 for i in aux):
+        raise ValueError(f"{source}: aux_hidden_state_layer_ids must be layer outputs (integers >= 1), got {aux!r}")
+    layer.update(architectures=["DFlash2DraftModel"], dflash_config={
+        "block_size": d["block_size"], "target_layer_ids": [i - 1 for i in aux], "mask_token_id": d["mask_token_id"],
+        **{k: d[k] for k in DFLASH2_FIELDS}})
+    if d["sliding_window_non_causal"] and "sliding_attention" in (layer.get("layer_types") or []):
+        layer["is_causal"] = False                    # with no sliding layer the flag says nothing: stays unset
+    return config_from_dict(layer, f"{source} (transformer_layer_config)")
+
+
+def speculators_config(c, verifier: str) -> dict:
+    """The speculators config.json for config c; refuses what speculators 0.9.0 cannot say or would read otherwise."""
+    if not c.dflash2:
+        raise ValueError("--format speculators writes DFlash2 drafts (its dflash2 model type) only")
+    if not verifier:
+        raise ValueError("the speculators format names its verifier (--verifier), which speculators reloads "
+                         "embed_tokens and lm_head from")
+    for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
+        if getattr(c, name) is not None:
+            raise ValueError(f"{name} is set, but speculators' DFlash2 has no such field and would drop it; "
+                             "export in the zlab format")
+    causal = {c.causal_in_block(t == "sliding_attention") for t in c.layer_types}
+    # speculators makes full layers bidirectional; vLLM's translator applies one causal flag to every layer
+    if len(causal) > 1 or (True in causal and "full_attention" in c.layer_types):
+        raise ValueError(f"is_causal {c.is_causal!r} with layer_types {sorted(set(c.layer_types))}: the speculators "
+                         "format cannot say this so that speculators and vLLM both read it; export in the zlab format")
+    layer = config_to_dict(c)
+    for k in ("architectures", "dflash_config", "is_causal", "num_target_layers", "comment"):
+        layer.pop(k, None)
+    local = os.path.join(verifier, "config.json")     # a local verifier names its architectures
+    arch = read_json(local).get("architectures") or [] if os.path.isfile(local) else []
+    return {
+        "architectures": ["DFlash2DraftModel"], "speculators_model_type": "dflash2",
+        "speculators_version": "0.9.0",                 # the release this layout was checked against
+        "transformer_layer_config": layer, "draft_vocab_size": c.vocab_size, "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids], "mask_token_id": c.mask_token_id,
+        "block_size": c.block_size, "sliding_window_non_causal": not causal.pop(), "sample_from_anchor": False,
+        **{k: getattr(c, k) for k in DFLASH2_FIELDS}, "tie_word_embeddings": False,
+        "speculators_config": {
+            "algorithm": "dflash2", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": arch}},
+    }
+
+
+# ----------------------------------------------------------------------------- export
+def export(checkpoint_path_or_dir: str, out_dir: str, dtype=torch.bfloat16, fmt="zlab",
+           max_shard_bytes=MAX_SHARD_BYTES, verifier=None) -> str:
+    """Write out_dir/config.json + the draft's tensors (contract names only, in dtype), in format fmt."""
     draft = load_any(checkpoint_path_or_dir)          # fp32: no rounding before the one cast below
-    model.save_draft(draft, out_dir, dtype=dtype)
+    cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None   # refusals before writing
+    model.save_draft(draft, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, cfg=cfg)
     return out_dir
+
+
+def size_in_bytes(s: str) -> int:
+    """'5GB' -> 5 * 10**9, '500MiB' -> 500 * 2**20, '1000' -> 1000 (transformers' units)."""
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    m = re.fullmatch(r"(\d+)\s*([KMG]I?B)?", s.strip(), re.IGNORECASE)
+    if not m or int(m.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 5GB, 500MB, 2GiB)")
+    return int(m.group(1)) * units[(m.group(2) or "").upper()]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="ckpt.pt, a run directory holding it, or an exported draft directory")
-    ap.add_argument("--out-dir", required=True, help="directory for config.json + model.safetensors")
+    ap.add_argument("--out-dir", required=True, help="directory for config.json + the tensors")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export")
+    ap.add_argument("--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout")
+    ap.add_argument("--max-shard-size", type=size_in_bytes, default=MAX_SHARD_BYTES,
+                    help="tensor files larger than this are split into shards (default 5GB)")
+    ap.add_argument("--verifier", help="--format speculators: the target's hub name or local path, which "
+                    "speculators reloads embed_tokens and lm_head from")
     args = ap.parse_args(argv)
-    export(args.checkpoint, args.out_dir, DTYPES[args.dtype])
-    cfg = load_config(args.out_dir)
-    print(f"exported {'DFlash2' if cfg.dflash2 else 'DFlash'} draft ({args.dtype}) to {args.out_dir}")
+    if args.format == "speculators" and not args.verifier:
+        ap.error("--format speculators needs --verifier (the target model's hub name or path)")
+    export(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.format, args.max_shard_size, args.verifier)
+    draft = load_any(args.out_dir)
+    files = sorted(f for f in os.listdir(args.out_dir) if f.endswith(".safetensors"))
+    print(f"exported {'DFlash2' if draft.config.dflash2 else 'DFlash'} draft ({args.dtype}, {args.format} format, "
+          f"{len(files)} tensor file(s)) to {args.out_dir}")
 
 
 if __name__ == "__main__":

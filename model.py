@@ -14,12 +14,13 @@ head reranks the unary top-K; without them the same code is the plain DFlash bas
 """
 import json
 import os
+import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import atomic_write
+from common import atomic_write, write_json
 from config import DraftConfig, config_to_dict, load_config
 from conv import GroupedDynamicCausalConv
 from selector import CandidateSelector, unary_transform
@@ -39,12 +40,30 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x, pos, theta: float):
+def rope_frequencies(c: DraftConfig) -> tuple:
+    """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin).
+
+    Plain RoPE is written out. A scaled one (rope_parameters with rope_type yarn, llama3 or linear)
+    comes from transformers' own initialisation functions, given the Qwen3 config a public loader
+    builds from the same config.json, so the frequencies are the ones Z Lab and speculators use.
+    """
+    D = c.head_dim
+    if c.rope_scaling is None:
+        return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf = Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=D,
+                     max_position_embeddings=c.max_position_embeddings,
+                     rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling})
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
+    return inv_freq.float(), float(scale)   # yarn's scale is its attention factor; 1 for the others
+
+
+def rope(x, pos, inv_freq, scale=1.0):
     """Rotary embedding over the full head dim: x [N, heads, L, D], pos [N, L] absolute positions."""
-    D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)  # [D/2]
-    ang = pos[:, None, :, None].float() * inv_freq                                          # [N, 1, L, D/2]
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    ang = pos[:, None, :, None].float() * inv_freq.to(x.device)                          # [N, 1, L, D/2]
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
     x1, x2 = x.float().chunk(2, dim=-1)
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
@@ -70,7 +89,9 @@ def block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, causal: bool, window
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
-        self.nh, self.nkv, self.hd, self.theta = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope_theta
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        # a plain attribute, not a buffer: draft.to(bf16) must not round the frequencies
+        self.inv_freq, self.rope_scale = rope_frequencies(c)
         self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
@@ -83,13 +104,13 @@ class Attention(nn.Module):
         N, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(N, L, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(N, L, self.nkv, self.hd).transpose(1, 2)
-        return rope(k, pos, self.theta), v
+        return rope(k, pos, self.inv_freq, self.rope_scale), v
 
     def forward(self, x, pos, ctx_kv, mask):
         """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each [N, kv_heads, C, hd]."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
-        q = rope(q, pos, self.theta)                                         # [N, heads, Q, hd]
+        q = rope(q, pos, self.inv_freq, self.rope_scale)                     # [N, heads, Q, hd]
         k, v = self.kv(x, pos)
         k = torch.cat([ctx_kv[0], k], dim=2)                                 # [N, kv_heads, C + Q, hd]
         v = torch.cat([ctx_kv[1], v], dim=2)
@@ -178,10 +199,11 @@ class DraftModel(nn.Module):
         (one block, context K/V from the cache): only the inputs differ.
         """
         c = self.config
-        full = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.is_causal)
-        slide = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.is_causal, c.sliding_window) \
-            if "sliding_attention" in c.layer_types else None
-        h = x
+        full = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.causal_in_block(sliding=False))
+        slide = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.causal_in_block(sliding=True),
+                                     c.sliding_window) if "sliding_attention" in c.layer_types else None
+        # dflash_config.input_embedding_scale (Z Lab, vLLM) scales the embedded block, in both paths
+        h = x if c.input_embedding_scale is None else x * c.input_embedding_scale
         for layer, kv in zip(self.layers, ctx_kv):
             h = layer(h, q_pos, kv, slide if layer.sliding else full)
         return self.norm(h)
@@ -252,29 +274,73 @@ def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos)
 
 
 # ----------------------------------------------------------------------------- save / load
-def save_draft(draft: DraftModel, out_dir: str, dtype=None):
-    """config.json + model.safetensors with exactly the contract's tensor names, atomically."""
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def save_draft(draft: DraftModel, out_dir: str, dtype=None, max_shard_bytes=None, cfg=None):
+    """config.json (cfg, by default the contract's) + exactly the contract's tensors: one
+    model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json, split
+    as transformers splits (in order; a tensor larger than the limit gets a shard of its own)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    cfg = config_to_dict(draft.config)
-    cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
-    with atomic_write(os.path.join(out_dir, "model.safetensors")) as tmp:
-        save_file(sd, tmp, metadata={"format": "pt"})
-    with atomic_write(os.path.join(out_dir, "config.json")) as tmp, open(tmp, "w") as f:
-        json.dump(cfg, f, indent=2)
+    shards, size = [{}], 0
+    for k, v in sd.items():
+        if max_shard_bytes and shards[-1] and size + v.nbytes > max_shard_bytes:
+            shards, size = shards + [{}], 0
+        shards[-1][k], size = v, size + v.nbytes
+    n = len(shards)
+    names = [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for name, part in zip(names, shards):
+        with atomic_write(os.path.join(out_dir, name)) as tmp:
+            save_file(part, tmp, metadata={"format": "pt"})
+    if n > 1:
+        write_json(os.path.join(out_dir, INDEX), {"metadata": {"total_size": sum(v.nbytes for v in sd.values())},
+                                                  "weight_map": {k: f for f, p in zip(names, shards) for k in p}})
+    keep = set(names) | ({INDEX} if n > 1 else set())
+    for name in os.listdir(out_dir):                    # the weight files of an earlier export
+        if (name in (WEIGHTS, INDEX) or SHARD.fullmatch(name)) and name not in keep:
+            os.remove(os.path.join(out_dir, name))
+    cfg = dict(cfg or config_to_dict(draft.config), dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""))
+    write_json(os.path.join(out_dir, "config.json"), cfg)   # last: a directory with a config.json is complete
+
+
+def read_safetensors(file: str) -> dict:
+    from safetensors.torch import load_file
+    try:
+        return load_file(file)
+    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
+        raise ValueError(f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}") from None
+
+
+def load_tensors(path: str) -> dict:
+    """Every tensor of a draft directory: model.safetensors, or the shards its index names."""
+    index = os.path.join(path, INDEX)
+    if not os.path.isfile(index):
+        return read_safetensors(os.path.join(path, WEIGHTS))
+    if os.path.isfile(os.path.join(path, WEIGHTS)):
+        raise ValueError(f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous")
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a readable index (a JSON object with a weight_map): {e}") from None
+    sd = {}
+    for shard in sorted(set(weight_map.values())):
+        part = read_safetensors(os.path.join(path, os.path.basename(shard)))
+        stray = sorted(k for k in part if weight_map.get(k) != shard)
+        if stray:
+            raise ValueError(f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}")
+        sd.update(part)
+    if set(weight_map) - set(sd):
+        raise ValueError(f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}")
+    return sd
 
 
 def load_draft(path: str, dtype=torch.float32) -> DraftModel:
-    """A draft directory (config.json + model.safetensors) -> DraftModel; refuses mismatched tensors."""
-    from safetensors.torch import load_file
-    cfg = load_config(path)
-    file = os.path.join(path, "model.safetensors")
-    try:
-        sd = load_file(file)
-    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
-        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupted?): {e}") from None
-    return draft_from_state_dict(cfg, sd, source=path, dtype=dtype)
+    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel; refuses mismatched tensors."""
+    return draft_from_state_dict(load_config(path), load_tensors(path), source=path, dtype=dtype)
 
 
 def draft_from_state_dict(cfg: DraftConfig, sd: dict, source: str, dtype=torch.float32) -> DraftModel:
