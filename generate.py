@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 import model
-from common import bounded, run
+from common import DTYPES, bounded, run
 from export import load_any
 from target import capture_features, check_draft_fits, load_target
 
@@ -352,6 +352,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding with a DFlash / DFlash2 draft.")
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
+    ap.add_argument("--target-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                    help="the target's (and the draft's) dtype; auto: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
     ap.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     ap.add_argument("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
@@ -367,7 +369,8 @@ def main(argv=None):
         ap.error("--show prints the blocks of single answers; it does not go with --bench")
 
     draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
-    target, tok = load_target(args.target)
+    dtype = args.target_dtype if args.target_dtype != "auto" else "bf16" if torch.cuda.is_available() else "fp32"
+    target, tok = load_target(args.target, DTYPES[dtype])
     target.eval()
     param = next(target.parameters())
     draft = draft.to(device=param.device, dtype=param.dtype)

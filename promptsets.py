@@ -4,6 +4,7 @@ Training prompts (answered by the target itself with prepare.py --regenerate):
     prompts/instructions.txt   instructions, maths and code prompts written for this project
     chitchat-dataset           the first real question of each human conversation (MIT)
     mathematics-dataset        school maths questions, generated in a child process (Apache-2.0)
+    prompts/word_problems.py   grade-school word problems from the project's own templates
 Held out, never trained on (decontaminated by exact match and 13-word overlap):
     MT-Bench first turns (80), HumanEval prompts (164), GSM8K test questions (1319)
 """
@@ -103,6 +104,18 @@ def decontaminate(prompts, eval_texts, n: int = 13) -> list:
             out.append(p)
             seen.add(normalize(p))
     return out
+
+
+def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
+    """The maths demo's training set: project word problems and mathematics-dataset questions, 3 to 1,
+    decontaminated against every eval set (GSM8K test is its held-out set) and shuffled with seed.
+    A fixed pool: the first N are the same whatever N a run takes, so a larger run extends a smaller one."""
+    sys.path.insert(0, os.path.join(HERE, "prompts"))
+    from word_problems import word_problems
+    prompts = decontaminate(word_problems(n - n // 4, seed) + math_prompts(n // 4, seed),
+                            [p for name in EVAL_SETS for p in eval_prompts(name)])
+    random.Random(seed).shuffle(prompts)
+    return prompts
 
 
 def training_prompts(num_math: int = 1000, seed: int = 0) -> list:

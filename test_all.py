@@ -839,13 +839,13 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     # rerun: every shard exists, so the target never runs; a lost shard is rebuilt identically
     before = read_shards(out)
     os.remove(out / "shard-00001.safetensors")
-    seen, sample_features = [], prepare.sample_features
-    prepare.sample_features = lambda *a: seen.append(1) or sample_features(*a)
+    seen, batch_features = [], prepare.batch_features
+    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)   # a[2]: the sequences
     try:
         prepare.main(argv)
     finally:
-        prepare.sample_features = sample_features
-    assert len(seen) == 2                                 # shard 1 only
+        prepare.batch_features = batch_features
+    assert len(seen) == 2                                 # shard 1's two sequences only
     after = read_shards(out)
     assert before.keys() == after.keys()
     for name, (meta, tensors) in before.items():
@@ -858,9 +858,9 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
 def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     poison = tok.convert_tokens_to_ids("poison")
-    # NaN embeddings whenever the input holds the token "poison"
+    # NaN embeddings in every sequence that holds the token "poison" (features are batched)
     target.model.embed_tokens.register_forward_hook(
-        lambda m, args, out: out * float("nan") if (args[0] == poison).any() else out)
+        lambda m, args, out: out * torch.where((args[0] == poison).any(-1), float("nan"), 1.0)[:, None, None])
     convs = [PROMPTS[0] + [{"role": "assistant", "content": a}] for a in ["fine , thanks", "poison too", "the cat"]]
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
     prepare.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
