@@ -1387,6 +1387,23 @@ def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
     assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
 
 
+def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, tmp_path):
+    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8 steps
+    run(setup, tmp_path, "--num-samples", "4", "--eval-fraction", "0.3", "--epochs", "2", "--log-interval", "1")
+    records = [r for r in map(json.loads, open(tmp_path / "log.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
+    assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
+    samples = prepare.load_samples(str(setup / "feats"), False, None, 512)
+    flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
+    order = [train.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
+    assert sorted(set(order)) == [0, 1, 2, 3]           # only the first 4 sequences are ever drawn
+    tokens = sum(len(samples[i]["input_ids"]) for i in order)
+    anchors = sum(min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum())) for i in order)
+    r = records[-1]                                      # both rates share one elapsed time
+    assert r["target_tok_per_s"] / r["anchors_per_s"] == pytest.approx(tokens / anchors, rel=1e-3)
+
+
 def test_anchor_sampling():
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])         # anchors: p with mask[p] = mask[p+1] = 1
     assert train.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]

@@ -39,6 +39,7 @@ def parse_args(argv=None):
     a("--data", required=True, help="feature directory (prepare.py --features) or, with --online, a JSONL of conversations")
     a("--eval-data", default=None, help="held-out data of the same kind as --data; default: split off --eval-fraction")
     a("--eval-fraction", type=bounded(float, low=0.0, high=1.0), default=0.05)
+    a("--num-samples", type=bounded(int, low=1), default=None, help="train on the first N sequences of --data only")
     a("--online", action="store_true", help="run the target in this process to get features every step")
     a("--max-length", type=bounded(int, low=2), default=512, help="online: truncate conversations to this many tokens")
     # architecture overrides, validated by the same rules as the config file
@@ -191,10 +192,12 @@ def reduce_metrics(acc):
 # ----------------------------------------------------------------------------- steps, evaluation, checkpoints
 def split_and_schedule(samples, eval_samples, args, world):
     """-> (train samples, eval samples, sequences per step, steps per epoch, total steps). Without
-    --eval-data the last --eval-fraction of the training sequences are held out."""
+    --eval-data the last --eval-fraction of the training sequences are held out; --num-samples then
+    keeps the first N of the rest."""
     if eval_samples is None:
         n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
         samples, eval_samples = samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
+    samples = samples[:args.num_samples]
     per_step = world * args.grad_accum * args.batch_size
     steps_per_epoch = len(samples) // per_step
     if steps_per_epoch == 0:
@@ -319,7 +322,7 @@ def main(argv=None):
 
     # ------------------------------------------------------------------ loop
     bar = tqdm(total=total, initial=step, disable=not master or args.quiet, desc="train", dynamic_ncols=True)
-    t0 = time.time()
+    t0, seen = time.time(), torch.zeros(2)        # this rank's target tokens and anchors, for throughput
     stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
     while step < stop:
         epoch, micro_batches = step_micro_batches(step, steps_per_epoch, len(samples), args, rank, world)
@@ -337,6 +340,7 @@ def main(argv=None):
                 out["numerator"].backward()
             D += out["denominator"]
             add_into(acc, out["metrics"])
+            seen += torch.tensor([batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item()])
         # grad = sum of all numerators' gradients / global D. DDP already averaged over ranks (1/world).
         D = all_sum(D)
         for p in params:
@@ -353,15 +357,18 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}")
+        elapsed = time.time() - t0                  # this invocation's seconds, evaluations included
+        tok_s, anchor_s = (seen / elapsed).tolist()           # per rank (per GPU), as throughput is usually quoted
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}", tok_s=f"{tok_s:.0f}")
         if master and (step % args.log_interval == 0 or step == total):
             append_log(log_path, {"kind": "train", "step": step, "lr": sched.get_last_lr()[0], "alpha_t": alpha_t,
                                   "grad_norm": None if grad_norm is None else grad_norm.item(),
-                                  "elapsed_s": round(time.time() - t0, 1), **metrics})
+                                  "elapsed_s": round(elapsed, 1), "target_tok_per_s": round(tok_s, 1),
+                                  "anchors_per_s": round(anchor_s, 1), **metrics})
         if step % args.eval_interval == 0 and step < total:
             m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
             if master and m:
-                append_log(log_path, {"kind": "eval", "step": step, **m})
+                append_log(log_path, {"kind": "eval", "step": step, "elapsed_s": round(time.time() - t0, 1), **m})
         if master and (step % args.save_interval == 0 or step == stop):
             save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, args)
     bar.close()
@@ -372,7 +379,7 @@ def main(argv=None):
     else:
         final = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
         if master and final:
-            append_log(log_path, {"kind": "final", "step": step, **final})
+            append_log(log_path, {"kind": "final", "step": step, "elapsed_s": round(time.time() - t0, 1), **final})
             print_summary(final, cfg)
     end_distributed()
 
