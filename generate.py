@@ -127,7 +127,10 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
     """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first.
     on_cycle(drafts, unary argmax, accepted, bonus), if given, sees every cycle's block (--show)."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings().weight  # frozen, the target's
+    # The target's frozen embedding and head, in the draft's dtype: a bf16 draft beside an fp32 target
+    # is still lossless, since only the target's verify decides what is committed.
+    dt = next(draft.parameters()).dtype
+    embed, head = lambda t: target.get_input_embeddings()(t).to(dt), target.get_output_embeddings().weight.to(dt)
     start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
     cache, ctx = new_cache(target), model.ContextCache()
@@ -353,7 +356,10 @@ def main(argv=None):
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
     ap.add_argument("--target-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                    help="the target's (and the draft's) dtype; auto: bf16 on GPU, fp32 on CPU")
+                    help="the target's dtype; auto: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--draft-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                    help="the draft's dtype; auto: the target's. Output is the target's either way; a bf16 "
+                         "draft runs about 2x faster on CPUs with bf16 instructions (README, Results)")
     ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
     ap.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     ap.add_argument("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
@@ -373,7 +379,7 @@ def main(argv=None):
     target, tok = load_target(args.target, DTYPES[dtype])
     target.eval()
     param = next(target.parameters())
-    draft = draft.to(device=param.device, dtype=param.dtype)
+    draft = draft.to(device=param.device, dtype=param.dtype if args.draft_dtype == "auto" else DTYPES[args.draft_dtype])
     check_draft_fits(draft.config, target)
     gen = torch.Generator(device=param.device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)

@@ -188,8 +188,9 @@ class DraftModel(nn.Module):
                 m.reset_parameters()
 
     def context_kv(self, features, pos):
-        """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v)."""
-        ctx = self.hidden_norm(self.fc(features))                               # [N, C, H]
+        """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v).
+        The features are cast to the draft's dtype: a bf16 draft may read an fp32 target."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))      # [N, C, H]
         return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
 
     def forward(self, x, q_pos, q_anchor, q_block, ctx_kv, ctx_pos):

@@ -973,9 +973,12 @@ def scripted_proposer(ref, wrong_at):
     (4, "llama", {}, False),                         # --unary
     (7, "qwen3", {}, True),
     (4, "qwen3", dict(plain=True), True),            # plain DFlash: no selector, always the unary path
+    (4, "llama", dict(dtype=torch.bfloat16), True),  # a bf16 draft beside the fp32 target (--draft-dtype)
 ])
 def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
-    target, draft, p = tiny_target(kind), tiny_draft(B, **draft_kw), prompt()
+    dtype = draft_kw.get("dtype", torch.float32)
+    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k != "dtype"}).to(dtype)
+    target, p = tiny_target(kind), prompt()
     ref, _ = generate.target_generate(target, p, 30)
     out, stats = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector)
     assert torch.equal(out, ref)
