@@ -21,6 +21,7 @@ import torch
 import model
 from common import DTYPES, bounded, run
 from export import load_any
+from show import ShowBlocks, show_legend
 from target import capture_features, check_draft_fits, load_target
 
 
@@ -239,48 +240,6 @@ def now(device) -> float:
     return time.perf_counter()
 
 
-# ----------------------------------------------------------------------------- watching it speculate (--show)
-SHOW_KINDS = {"accepted": ("[", "]", "30;42", "accepted draft"), "rejected": ("{", "}", "97;41", "first rejected draft"),
-              "unchecked": ("(", ")", "2", "later draft, never checked"),
-              "bonus": ("<", ">", "30;46", "the target's bonus token")}   # plain brackets, ANSI colour, meaning
-DEPARTS = "*: the proposal is not the unary argmax there (the selector's path departs, or sampling did)"
-
-
-def mark(text: str, kind: str, color=False, departs=False) -> str:
-    """text as a token of this kind: in its brackets, or in its ANSI colour on a terminal; `*` after it
-    when the draft departs from the unary argmax."""
-    left, right, sgr, _ = SHOW_KINDS[kind]
-    star = ("\x1b[33m*\x1b[0m" if color else "*") if departs else ""
-    return (f"\x1b[{sgr}m{text}\x1b[0m" if color else f"{left}{text}{right}") + star
-
-
-def show_legend(color=False) -> str:
-    return "  ".join(mark(meaning, kind, color) for kind, (*_, meaning) in SHOW_KINDS.items()) + "  " + DEPARTS
-
-
-def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) -> str:
-    """One cycle as one line: drafts d_1..d_{B-1} [B-1], the first `accepted` of them accepted, the next
-    one rejected, the rest never checked, then the target's bonus token; a `*` marks a draft that is not
-    the unary argmax of its slot (unary [B-1]). text(id) -> the token's text."""
-    kinds = ["accepted"] * accepted + ["rejected"] + ["unchecked"] * len(drafts)
-    slots = [mark(text(d), kind, color, d != u) for d, u, kind in zip(drafts, unary, kinds)]
-    return " ".join(slots + [mark(text(bonus), "bonus", color)])
-
-
-class ShowBlocks:
-    """The on_cycle hook of --show: prints each cycle as `cycle  tau  block`."""
-
-    def __init__(self, tok, color: bool):
-        self.tok, self.color, self.cycles = tok, color, 0
-        print(show_legend(color))
-
-    def __call__(self, drafts, unary, accepted, bonus):
-        self.cycles += 1
-        text = lambda t: repr(self.tok.decode([t]))[1:-1]     # newlines and tabs shown escaped
-        print(f"{self.cycles:4d}  tau {accepted + 1}  {format_block(drafts, unary, accepted, bonus, text, self.color)}",
-              flush=True)
-
-
 # ----------------------------------------------------------------------------- command line
 class Printer:
     """Streams committed tokens as text: decode everything so far, print only the new characters."""
@@ -317,20 +276,27 @@ def bench(target, draft, tok, args, gen, stop):
     dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
     speculative_generate(target, draft, encode(tok, [{"role": "user", "content": "Hi"}], dev), 8)  # warm-up
-    print(f"{'set':<10} {'mode':<9} {'mean tau':>8} {'tok/s':>8} {'speedup':>8}   cycle: draft / selector / verify")
+    print(f"{'set':<10} {'mode':<9} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
+          "cycle: draft / selector / verify")
     for name in args.bench:
         runs = {m: [] for m in ["plain"] + modes}
+        same = {m: 0 for m in modes}          # answers equal to plain decoding's, token for token
         for text in eval_prompts(name)[:args.bench_limit]:
             ids = encode(tok, [{"role": "user", "content": text}], dev)
-            runs["plain"].append(target_generate(target, ids, **kw)[1])
+            plain, stats = target_generate(target, ids, **kw)
+            runs["plain"].append(stats)
             for m in modes:
-                runs[m].append(speculative_generate(target, draft, ids, use_selector=m == "selector", **kw)[1])
+                out, stats = speculative_generate(target, draft, ids, use_selector=m == "selector", **kw)
+                runs[m].append(stats)
+                same[m] += torch.equal(out, plain)
         tps = {m: sum(s.new_tokens for s in r) / sum(s.seconds for s in r) for m, r in runs.items()}
+        n = len(runs["plain"])
         for m in modes:  # mean tau pooled over all cycles of the set; phase shares of the summed cycle time
             taus = [t for s in runs[m] for t in s.taus]
             phases = [sum(getattr(s, k) for s in runs[m]) for k in ("draft_s", "select_s", "verify_s")]
             split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
-            print(f"{name:<10} {m:<9} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / tps['plain']:>7.2f}x   {split}")
+            print(f"{name:<10} {m:<9} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / tps['plain']:>7.2f}x "
+                  f"{same[m]:>3}/{n:<2}   {split}")
         print(f"{name:<10} {'plain':<9} {1.0:>8.2f} {tps['plain']:>8.1f} {1.0:>7.2f}x")
 
 

@@ -32,6 +32,7 @@ import loss as L
 import model
 import prepare
 import promptsets
+import show
 import train
 from conv import GroupedDynamicCausalConv
 from config import DraftConfig
@@ -1153,10 +1154,10 @@ MARK = re.compile(r"([\[{(<])(\d+)([\]})>])(\*?)")     # one marked token of for
 def test_show_formats_a_block_by_hand():
     text = lambda t: f"t{t}"
     # 2 of 4 drafts accepted, slot 3 rejected, slot 4 never checked; slot 2 is not the unary argmax
-    assert generate.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text) == "[t5] [t6]* {t7} (t8) <t3>"
-    assert generate.format_block([5, 6], [5, 6], 2, 4, text) == "[t5] [t6] <t4>"          # all accepted
-    assert generate.format_block([5, 6], [1, 6], 0, 4, text) == "{t5}* (t6) <t4>"          # wrong at slot 1
-    coloured = generate.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text, color=True)
+    assert show.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text) == "[t5] [t6]* {t7} (t8) <t3>"
+    assert show.format_block([5, 6], [5, 6], 2, 4, text) == "[t5] [t6] <t4>"          # all accepted
+    assert show.format_block([5, 6], [1, 6], 0, 4, text) == "{t5}* (t6) <t4>"          # wrong at slot 1
+    coloured = show.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text, color=True)
     assert "\x1b[" in coloured and re.sub(r"\x1b\[[0-9;]*m", "", coloured) == "t5 t6* t7 t8 t3"
 
 
@@ -1167,7 +1168,7 @@ def watch(target, draft, p, n, proposer):
 
     def on_cycle(*cycle):
         cycles.append(cycle)
-        lines.append(generate.format_block(*cycle, text=str))
+        lines.append(show.format_block(*cycle, text=str))
 
     def recording(draft, h, u, ids, *rest):
         seen.append(u[0].argmax(-1).tolist())
