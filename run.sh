@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 CFG=configs/smollm2-135m-dflash2.json
 DOMAIN=${DOMAIN:-math}
-N_TRAIN=${N_TRAIN:-2400}      # training prompts, answered by the target itself (on-policy data)
+N_TRAIN=${N_TRAIN:-1600}      # training prompts, answered by the target itself (on-policy data)
 N_EVAL=${N_EVAL:-48}          # held-out prompts
 case $DOMAIN in
     math) TRAIN_SET=math; EVAL_SET=math-eval ;;      # GSM8K test questions 1..48, never trained on

@@ -927,6 +927,23 @@ def test_training_prompts_hold_no_eval_prompt(training):
 
 
 @needs_data
+def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
+    pool = promptsets.math_training_prompts()
+    assert pool == promptsets.math_training_prompts()       # the same pool every call: a larger N extends a smaller
+    grams = lambda t: {tuple(t.split()[i:i + 13]) for i in range(len(t.split()) - 12)}
+    gsm = [promptsets.normalize(p) for p in promptsets.eval_prompts("gsm8k")]
+    banned = set().union(*map(grams, gsm))
+    normalized = [promptsets.normalize(p) for p in pool]
+    assert not set(gsm) & set(normalized) and not any(grams(p) & banned for p in normalized)
+    assert len(set(normalized)) == len(pool) > 7900          # 6,000 word problems + 2,000 mathematics-dataset
+    sys.path.insert(0, os.path.join(HERE, "prompts"))
+    from word_problems import TEMPLATES, word_problems
+    kinds = {next(i for i, t in enumerate(TEMPLATES) if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q))
+             for q in word_problems(72)}
+    assert kinds == set(range(len(TEMPLATES)))              # every kind of problem is represented
+
+
+@needs_data
 def test_decontaminate_drops_exact_and_13_gram_overlaps():
     gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
     thirteen = " ".join(promptsets.normalize(he).split()[5:18])
