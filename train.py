@@ -191,9 +191,8 @@ def reduce_metrics(acc):
 
 # ----------------------------------------------------------------------------- steps, evaluation, checkpoints
 def split_and_schedule(samples, eval_samples, args, world):
-    """-> (train samples, eval samples, sequences per step, steps per epoch, total steps). Without
-    --eval-data the last --eval-fraction of the training sequences are held out; --num-samples then
-    keeps the first N of the rest."""
+    """-> (train samples, eval samples, sequences per step, steps per epoch, total steps). Without --eval-data
+    the last --eval-fraction of the sequences are held out; --num-samples keeps the first N of the rest."""
     if eval_samples is None:
         n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
         samples, eval_samples = samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
@@ -358,7 +357,7 @@ def main(argv=None):
         step += 1
         bar.update(1)
         elapsed = time.time() - t0                  # this invocation's seconds, evaluations included
-        tok_s, anchor_s = (seen / elapsed).tolist()           # per rank (per GPU), as throughput is usually quoted
+        tok_s, anchor_s = (seen / elapsed).tolist() # per rank (per GPU), as throughput is usually quoted
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}", tok_s=f"{tok_s:.0f}")
         if master and (step % args.log_interval == 0 or step == total):
             append_log(log_path, {"kind": "train", "step": step, "lr": sched.get_last_lr()[0], "alpha_t": alpha_t,
@@ -390,9 +389,7 @@ def print_summary(m, cfg):
             "accept_oracle": f"accepted length, oracle top-{K}", "topk_recall": f"top-{K} recall",
             "unary_acc": "unary accuracy", "sel_acc": "selector teacher-forced accuracy", "loss": "loss"}
     print("\nheld-out metrics")
-    for k, name in rows.items():
-        if k in m:
-            print(f"  {name:40s} {m[k]:.4f}")
+    print("\n".join(f"  {name:40s} {m[k]:.4f}" for k, name in rows.items() if k in m))
     if "path_acc" in m:
         print(f"  {'selector path accuracy per position':40s} {m['path_acc']}")
 
