@@ -116,6 +116,12 @@ def tokenize_conversation(tokenizer, messages, max_length: int):
     return ids[:max_length], mask[:max_length]
 
 
+def anchor_positions(loss_mask):
+    """Where a training block may start (SPEC section 4): positions p with loss_mask[p] = loss_mask[p+1] = 1,
+    so both the anchor and the first label are supervised. loss_mask [S] -> positions [n] long."""
+    return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
+
+
 # ----------------------------------------------------------------------------- regeneration
 def prompt_part(messages):
     """The turns before the first assistant turn, or None when they hold no user turn."""
@@ -201,7 +207,7 @@ def batch_features(target, layer_ids, seqs, with_hidden: bool):
 
 
 def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_length=512, feature_dtype="bf16",
-                   save_target_hidden=False, shard_size=64, rank=0, world=1, batch_size=16):
+                   save_target_hidden=False, shard_size=64, rank=0, world=1, batch_size=1):
     """Write this rank's shards: shard k holds conversations [k*shard_size, (k+1)*shard_size) and
     belongs to rank k % world. Each shard is self-describing (safetensors metadata) and written
     atomically, so a rerun skips shards that exist and any rank can build the manifest. Within a
@@ -221,7 +227,7 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
             continue
         tensors, counts = {}, {"num_samples": 0, "skipped_nonfinite": 0, "skipped_no_anchor": 0}
         tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in conversations[k * shard_size:(k + 1) * shard_size]]
-        keep = [j for j, (ids, mask) in enumerate(tokenized) if (mask[:-1] & mask[1:]).any()]  # has an anchor
+        keep = [j for j, (ids, mask) in enumerate(tokenized) if len(anchor_positions(mask))]
         counts["skipped_no_anchor"] = len(tokenized) - len(keep)
         by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
         computed = {}
@@ -294,7 +300,7 @@ def load_samples(path: str, online: bool, tokenizer, max_length: int) -> list:
         samples = [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs]
     else:
         samples = load_features(path)
-    return [s for s in samples if (s["loss_mask"][:-1] * s["loss_mask"][1:]).sum() > 0]
+    return [s for s in samples if len(anchor_positions(s["loss_mask"]))]
 
 
 # ----------------------------------------------------------------------------- command line

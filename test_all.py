@@ -871,6 +871,25 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
     assert len(kept) == 2 and not any("poison" in k for k in kept)
 
 
+def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
+    # mixed lengths in one shard: batches of 3 are right-padded; every real position must be unchanged
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    answers = ["fine", "the cat is fine too . the cat is blue .", "hot", "the sky is blue , the sun is hot .", "ok !"]
+    convs = [PROMPTS[i] + [{"role": "assistant", "content": a}] for i, a in enumerate(answers)]
+    one, three = tmp_path / "one", tmp_path / "three"
+    one.mkdir(), three.mkdir()
+    for d, b in ((one, 1), (three, 3)):
+        prepare.write_features(target, tok, convs, str(d), [0, 3], feature_dtype="fp32", save_target_hidden=True,
+                               shard_size=8, batch_size=b)
+        prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
+    a, b = prepare.load_features(str(one)), prepare.load_features(str(three))
+    assert len({len(x["input_ids"]) for x in a}) > 1 and len(a) == len(b) == 5
+    for x, y in zip(a, b):                                  # same order, same tokens, same features
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        for k in ("features", "target_hidden"):
+            torch.testing.assert_close(x[k], y[k], rtol=1e-5, atol=1e-5)
+
+
 def test_shards_split_across_ranks(tmp_path):
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
     convs = [PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine"}] for i in range(7)]

@@ -101,9 +101,9 @@ def build_config(args) -> config.DraftConfig:
 
 
 def sample_anchors(loss_mask, num_anchors: int, generator):
-    """Positions p with loss_mask[p] = loss_mask[p+1] = 1, up to num_anchors drawn uniformly without
+    """Up to num_anchors of the anchor positions (prepare.anchor_positions), drawn uniformly without
     replacement, sorted (SPEC section 4)."""
-    cand = ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
+    cand = prepare.anchor_positions(loss_mask)
     pick = torch.randperm(len(cand), generator=generator)[:num_anchors]
     return cand[pick].sort().values
 
