@@ -22,7 +22,7 @@ import model
 from common import DTYPES, bounded, run
 from export import load_any
 from show import ShowBlocks, show_legend
-from target import capture_features, check_draft_fits, load_target
+from target import capture_features, check_draft_fits, load_target, pack_linears
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -326,6 +326,9 @@ def main(argv=None):
     ap.add_argument("--draft-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                     help="the draft's dtype; auto: the target's. Output is the target's either way; a bf16 "
                          "draft runs about 2x faster on CPUs with bf16 instructions (README, Results)")
+    ap.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                    help="hold the target's weights in oneDNN's layout (default: on for an fp32 / bf16 target on "
+                         "the CPU); --no-pack-weights for stock GEMMs, see README, CPU cost model")
     ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
     ap.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     ap.add_argument("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
@@ -343,8 +346,9 @@ def main(argv=None):
     draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
     dtype = args.target_dtype if args.target_dtype != "auto" else "bf16" if torch.cuda.is_available() else "fp32"
     target, tok = load_target(args.target, DTYPES[dtype])
-    target.eval()
     param = next(target.parameters())
+    if args.pack_weights or args.pack_weights is None and param.device.type == "cpu" and dtype != "fp16":
+        pack_linears(target)
     draft = draft.to(device=param.device, dtype=param.dtype if args.draft_dtype == "auto" else DTYPES[args.draft_dtype])
     check_draft_fits(draft.config, target)
     gen = torch.Generator(device=param.device).manual_seed(args.seed)

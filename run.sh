@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 CFG=configs/smollm2-135m-dflash2.json
 DOMAIN=${DOMAIN:-math}
-N_TRAIN=${N_TRAIN:-1600}      # training prompts, answered by the target itself (on-policy data)
+N_TRAIN=${N_TRAIN:-2400}      # training prompts, answered by the target itself (on-policy data)
 N_EVAL=${N_EVAL:-48}          # held-out prompts
 case $DOMAIN in
     math) TRAIN_SET=math; EVAL_SET=math-eval ;;      # GSM8K test questions 1..48, never trained on
@@ -33,7 +33,7 @@ python prepare.py --prompts $EVAL_SET --num-samples "$N_EVAL" $PREP --save-targe
 echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
 # 2. Train (the recipe study in README.md chose these flags). bf16 autocast is about 3x faster than fp32 here.
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
-    --out-dir "$OUT" --dtype bf16 --num-anchors 64 --lr 1e-3 --epochs 1 \
+    --out-dir "$OUT" --dtype bf16 --num-anchors 32 --lr 1e-3 --epochs 1 \
     --eval-interval 400 --save-interval 200 "$@"
 echo "[run.sh] train: $((SECONDS - t0)) s"
 # 3. Export the servable draft directory (config.json + model.safetensors).

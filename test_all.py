@@ -38,7 +38,7 @@ from conv import GroupedDynamicCausalConv
 from config import DraftConfig
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
-from target import capture_features, convert_embedded, embedded_dir, load_target
+from target import PackedLinear, capture_features, convert_embedded, embedded_dir, load_target, pack_linears
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -437,6 +437,38 @@ def test_cached_conversion_matches_gguf(smollm2):
         assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
     assert not target.training and not any(p.requires_grad for p in target.parameters())
     assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+
+
+# ---------------------------------------------------------------------------- packed weights (CPU decoding)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_linear_equals_linear(dtype, tol):
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
+        packed = PackedLinear(lin)
+        assert packed.weight is lin.weight                       # the dense weight stays readable
+        for x in (torch.randn(1, 1, 24), torch.randn(1, 8, 24), torch.randn(2, 3, 24), torch.randn(24, 5).T):
+            x = x.to(dtype)                                      # the last one is not contiguous
+            want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
+            got = packed(x)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
+    head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        want = target(input_ids=ids).logits
+        pack_linears(target)
+        got = target(input_ids=ids).logits
+    assert n_linear == 4 * 7 + 1 and sum(isinstance(m, PackedLinear) for m in target.modules()) == n_linear
+    assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
+    assert target.get_output_embeddings().weight is head
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="--pack-weights"):
+        pack_linears(tiny_target("llama").half())
 
 
 # ============================================================================ loss.py
@@ -1011,11 +1043,14 @@ def scripted_proposer(ref, wrong_at):
     (7, "qwen3", {}, True),
     (4, "qwen3", dict(plain=True), True),            # plain DFlash: no selector, always the unary path
     (4, "llama", dict(dtype=torch.bfloat16), True),  # a bf16 draft beside the fp32 target (--draft-dtype)
+    (4, "qwen3", dict(packed=True), True),           # the target's weights packed (--pack-weights)
 ])
 def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
     dtype = draft_kw.get("dtype", torch.float32)
-    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k != "dtype"}).to(dtype)
+    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "packed")}).to(dtype)
     target, p = tiny_target(kind), prompt()
+    if draft_kw.get("packed"):
+        pack_linears(target)
     ref, _ = generate.target_generate(target, p, 30)
     out, stats = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector)
     assert torch.equal(out, ref)
