@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: a DFlash2 draft for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU in
-# about 32 minutes, ending with its held-out accepted lengths.
+# about 38 minutes, ending with its held-out accepted lengths.
 #
 #   bash run.sh                  # DFlash2 on the maths demo: school word problems, held out on GSM8K test
 #   bash run.sh --dflash         # the plain DFlash baseline on the same data and budget

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import config
+import cost
 import export
 import generate
 import loss as L
@@ -1372,6 +1373,7 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     (train, ["--data", "d", "--lr", "nan"], "--lr"),
     (train, ["--data", "d", "--epochs", "0"], "--epochs"),
     (prepare, ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (cost, ["--context", "0"], "--context"),
 ])
 def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
     with pytest.raises(SystemExit) as stop:
