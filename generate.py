@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 import model
-from common import DTYPES, bounded, run
+from common import DTYPES, bounded, resolve_dtype, run
 from export import load_any
 from show import ShowBlocks, show_legend
 from target import capture_features, check_draft_fits, load_target, pack_linears
@@ -321,7 +321,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding with a DFlash / DFlash2 draft.")
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
-    ap.add_argument("--target-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+    ap.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
                     help="the target's dtype; auto: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--draft-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
                     help="the draft's dtype; auto: the target's. Output is the target's either way; a bf16 "
@@ -344,10 +344,11 @@ def main(argv=None):
         ap.error("--show prints the blocks of single answers; it does not go with --bench")
 
     draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
-    dtype = args.target_dtype if args.target_dtype != "auto" else "bf16" if torch.cuda.is_available() else "fp32"
-    target, tok = load_target(args.target, DTYPES[dtype])
+    gpu = "cuda" if torch.cuda.is_available() else "cpu"   # auto: bf16 where CUDA is present, as it always was here
+    target, tok = load_target(args.target, resolve_dtype(args.target_dtype, gpu))
+    target = target.to(gpu)
     param = next(target.parameters())
-    if args.pack_weights or args.pack_weights is None and param.device.type == "cpu" and dtype != "fp16":
+    if args.pack_weights or args.pack_weights is None and param.device.type == "cpu" and param.dtype != torch.float16:
         pack_linears(target)
     draft = draft.to(device=param.device, dtype=param.dtype if args.draft_dtype == "auto" else DTYPES[args.draft_dtype])
     check_draft_fits(draft.config, target)

@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from selector import top_k_candidates
@@ -236,3 +237,30 @@ def base_numerator(loss: str, totals: dict):
         return totals["N_kl"]
     lam = math.exp(-(totals["acc_mass"] / totals["w0"].clamp(min=1)).item())
     return lam * totals["N_ce"] + (1 - lam) * totals["N_tv"]
+
+
+# ----------------------------------------------------------------------------- over micro-batches and ranks
+# Every metric is a (numerator, denominator) pair: train.py adds the pairs over micro-batches, sums them
+# over ranks and divides once, so a metric is a ratio of global sums whatever the rank / accumulation split.
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def add_into(acc, metrics):
+    for k, (n, d) in metrics.items():
+        acc[k] = (acc[k][0] + n, acc[k][1] + d) if k in acc else (n.clone(), d.clone())
+
+
+def reduce_metrics(acc):
+    """{name: (num, den)}: sum numerators and denominators over ranks (all in one all_reduce), then divide:
+    ratios of global sums. A scalar metric gives a number, a per-position one a list."""
+    parts = [torch.cat([n.reshape(-1), d.reshape(-1)]).float() for n, d in acc.values()]    # [num ; den] each
+    flat, out, i = all_sum(torch.cat(parts)), {}, 0
+    for k, (n, _) in acc.items():
+        size = n.numel()
+        r = (flat[i:i + size] / flat[i + size:i + 2 * size].clamp(min=1e-9)).tolist()
+        i += 2 * size
+        out[k] = r[0] if size == 1 else [round(v, 4) for v in r]
+    return out

@@ -9,10 +9,9 @@
     python prepare.py --draft-config configs/smollm2-135m-dflash2.json --prompts default \\
         --out-dir data/smollm2 --regenerate --features            # torchrun splits the work by rank
 
-What OUT holds (load_features() reads it back for train.py):
+What OUT holds (features.py describes the shards and streams them back for train.py):
     conversations.jsonl        {"index", "messages"} per line, after --regenerate (usable as --data)
-    shard-00000.safetensors    per sample j: input_ids.j [S] int64, loss_mask.j [S] int64,
-                               features.j [S, n_t*H], target_hidden.j [S, H] (--save-target-hidden)
+    shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden (--save-target-hidden)
     manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
 
 The built-in prompt sets (--prompts default / eval) live in promptsets.py, the target in target.py.
@@ -26,12 +25,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import config
-from common import DTYPES, atomic_write, bounded, end_distributed, run, write_json
+from common import DTYPES, atomic_write, bounded, end_distributed, resolve_dtype, run
+from features import load_features, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
 from target import GGUF, capture_features, check_layer_ids, load_target
 
@@ -187,10 +185,6 @@ def merge_regenerated(out_dir: str, n: int) -> list:
 
 
 # ----------------------------------------------------------------------------- features
-def shard_path(out_dir: str, k: int) -> str:
-    return os.path.join(out_dir, f"shard-{k:05d}.safetensors")
-
-
 @torch.no_grad()
 def batch_features(target, layer_ids, seqs, with_hidden: bool):
     """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features [S_i, n_t*H]
@@ -219,22 +213,20 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
     for k in mine:
         path = shard_path(out_dir, k)
         if os.path.exists(path):
-            with safe_open(path, "pt") as f:
-                old = {key: f.metadata().get(key) for key in settings}
+            old = {key: shard_metadata(path).get(key) for key in settings}
             if old != settings:
                 raise ValueError(f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir")
             bar.update(1)
             continue
-        tensors, counts = {}, {"num_samples": 0, "skipped_nonfinite": 0, "skipped_no_anchor": 0}
         tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in conversations[k * shard_size:(k + 1) * shard_size]]
         keep = [j for j, (ids, mask) in enumerate(tokenized) if len(anchor_positions(mask))]
-        counts["skipped_no_anchor"] = len(tokenized) - len(keep)
         by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
         computed = {}
         for b in range(0, len(by_length), batch_size):
             batch = by_length[b:b + batch_size]
             computed.update(zip(batch, batch_features(target, layer_ids, [tokenized[j][0] for j in batch],
                                                       save_target_hidden)))
+        samples, nonfinite = [], 0
         for j in keep:                                    # samples keep their conversation order
             (ids, mask), (feats, hidden) = tokenized[j], computed[j]
             sample = {"input_ids": ids, "loss_mask": mask, "features": feats.to(DTYPES[feature_dtype]).cpu()}
@@ -242,65 +234,27 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
                 sample["target_hidden"] = hidden.to(DTYPES[feature_dtype]).cpu()
             # checked after the cast: fp16 overflows to inf on large activations
             if not all(torch.isfinite(sample[key]).all() for key in ("features", "target_hidden") if key in sample):
-                counts["skipped_nonfinite"] += 1
+                nonfinite += 1
                 continue
-            tensors.update({f"{key}.{counts['num_samples']}": t.contiguous() for key, t in sample.items()})
-            counts["num_samples"] += 1
-        with atomic_write(path) as tmp:
-            save_file(tensors, tmp, metadata={**settings, **{key: str(v) for key, v in counts.items()}})
+            samples.append(sample)
+        save_shard(path, samples, {**settings, "num_samples": len(samples), "skipped_nonfinite": nonfinite,
+                                   "skipped_no_anchor": len(tokenized) - len(keep)})
         tokens += sum(len(tokenized[j][0]) for j in keep)
         bar.update(1)
         bar.set_postfix(target_tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
     bar.close()
 
 
-def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_size):
-    """manifest.json from the shards' own metadata; run once every rank has written its shards."""
-    shards, totals = [], {"num_samples": 0, "skipped_nonfinite": 0, "skipped_no_anchor": 0}
-    for k in range(math.ceil(num_conversations / shard_size)):
-        path = shard_path(out_dir, k)
-        if not os.path.exists(path):
-            raise RuntimeError(f"{path} is missing: not every rank has finished")
-        with safe_open(path, "pt") as f:
-            meta = f.metadata()
-        shards.append({"file": os.path.basename(path), "num_samples": int(meta["num_samples"])})
-        totals = {key: v + int(meta[key]) for key, v in totals.items()}
-    manifest = {"target": target_name, "target_layer_ids": json.loads(meta["target_layer_ids"]),
-                "hidden_size": hidden_size, "feature_dtype": meta["feature_dtype"],
-                "target_hidden": meta["target_hidden"] == "True", "max_length": int(meta["max_length"]),
-                **totals, "shards": shards}
-    write_json(os.path.join(out_dir, "manifest.json"), manifest)
-
-
-def load_features(out_dir: str) -> list:
-    """-> one dict per sample: input_ids [S] long, loss_mask [S] long, features [S, n_t*H],
-    and target_hidden [S, H] when it was saved. Everything is read into memory."""
-    if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
-        raise FileNotFoundError(
-            f"{out_dir} is not a feature directory (it has no manifest.json); make one with: python prepare.py "
-            f"--data CONVERSATIONS.jsonl --features --draft-config CONFIG --out-dir {out_dir} "
-            "(or train on a conversations JSONL directly with train.py --online)")
-    with open(os.path.join(out_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    samples = []
-    for shard in manifest["shards"]:
-        t = load_file(os.path.join(out_dir, shard["file"]))
-        for j in range(shard["num_samples"]):
-            samples.append({key: t[f"{key}.{j}"] for key in ("input_ids", "loss_mask", "features", "target_hidden")
-                            if f"{key}.{j}" in t})
-    return samples
-
-
-def load_samples(path: str, online: bool, tokenizer, max_length: int) -> list:
+def load_samples(path: str, online: bool, tokenizer, max_length: int):
     """train.py's sequences: a conversations JSONL tokenised here (online: the target computes features
-    as it trains), or a feature directory (offline). Dicts as load_features() gives, without the
-    sequences that have no anchor (no two consecutive supervised tokens)."""
+    as it trains), or a feature directory (offline: streamed, features.FeatureSamples). Dicts as
+    load_features() gives, without the sequences that have no anchor (no two consecutive supervised tokens)."""
     if online:
         pairs = [tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]]
-        samples = [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs]
-    else:
-        samples = load_features(path)
-    return [s for s in samples if len(anchor_positions(s["loss_mask"]))]
+        return [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs if len(anchor_positions(mask))]
+    samples = load_features(path)
+    masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))   # no features read
+    return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -321,7 +275,7 @@ def barrier():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="HF directory or hub name (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--target-dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
@@ -358,7 +312,7 @@ def main(argv=None):
     layer_ids = config.load_config(args.draft_config).target_layer_ids if args.features else None
     if rank != 0:         # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
-    target, tok = load_target(args.target, DTYPES[args.target_dtype])
+    target, tok = load_target(args.target, resolve_dtype(args.target_dtype, device))
     if rank == 0:
         barrier()
     if layer_ids:

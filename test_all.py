@@ -7,12 +7,14 @@ Sections, in file order (each starts with a "# ====" banner):
     model.py and config.py       training path == inference path, validation rules, save / load contract
     target.py                    feature capture, the embedded target's conversion
     loss.py                      labels, weights and every loss against hand-worked numbers, chunking
-    prepare.py                   loss masks, conversation readers, regeneration, feature shards
+    prepare.py, features.py      loss masks, conversation readers, regeneration, feature shards, batched
+                                 capture, streamed reading equal to the shards and flat in memory
     promptsets.py                the prompt sets (skipped without the data packages)
     generate.py                  greedy is lossless, the rejection rule, sampling, --show
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py                     loss goes down, resume, DDP == accumulation, freezing, compile
+    train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
+                                 dtype, FLOPs against a hand count, MFU
 """
 import importlib.util
 import json
@@ -28,6 +30,8 @@ import torch
 import config
 import cost
 import export
+import features
+import flops
 import generate
 import loss as L
 import model
@@ -36,6 +40,7 @@ import promptsets
 import show
 import train
 from conv import GroupedDynamicCausalConv
+from common import resolve_dtype
 from config import DraftConfig
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
@@ -911,10 +916,17 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
     convs = [PROMPTS[i] + [{"role": "assistant", "content": a}] for i, a in enumerate(answers)]
     one, three = tmp_path / "one", tmp_path / "three"
     one.mkdir(), three.mkdir()
+    shapes, forward = {}, target.forward          # what each target forward is given: [rows, padded width]
     for d, b in ((one, 1), (three, 3)):
+        shapes[b] = []
+        target.forward = lambda **kw: shapes[b].append(tuple(kw["input_ids"].shape)) or forward(**kw)
         prepare.write_features(target, tok, convs, str(d), [0, 3], feature_dtype="fp32", save_target_hidden=True,
                                shard_size=8, batch_size=b)
         prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
+    del target.forward
+    # batches are taken in length order and padded only to their own longest sequence
+    lengths = sorted(len(prepare.tokenize_conversation(tok, c, 512)[0]) for c in convs)
+    assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [(3, lengths[2]), (2, lengths[4])]
     a, b = prepare.load_features(str(one)), prepare.load_features(str(three))
     assert len({len(x["input_ids"]) for x in a}) > 1 and len(a) == len(b) == 5
     for x, y in zip(a, b):                                  # same order, same tokens, same features
@@ -939,6 +951,86 @@ def test_shards_split_across_ranks(tmp_path):
     a, b = prepare.load_features(str(one)), prepare.load_features(str(two))
     assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def hand_made_features(out, shards, per_shard, length=6, width=8, hidden=4, dtype=torch.bfloat16, no_anchor=()):
+    """A feature directory written without a target: random tensors, sequence lengths that vary, every
+    loss_mask [0, 1, 1, ...] except the samples (shard, j) in no_anchor, whose 1s never touch."""
+    g = torch.Generator().manual_seed(0)
+    for k in range(shards):
+        samples = []
+        for j in range(per_shard):
+            S = length + (k + j) % 3
+            mask = torch.arange(S) % 2 if (k, j) in no_anchor else (torch.arange(S) > 0).long()
+            samples.append({"input_ids": torch.randint(0, 64, (S,), generator=g), "loss_mask": mask,
+                            "features": torch.randn(S, width, generator=g).to(dtype)})
+            if hidden:
+                samples[-1]["target_hidden"] = torch.randn(S, hidden, generator=g).to(dtype)
+        features.save_shard(features.shard_path(out, k), samples, {
+            "target_layer_ids": "[0]", "feature_dtype": "bf16", "max_length": 512, "target_hidden": bool(hidden),
+            "shard_size": per_shard, "num_samples": per_shard, "skipped_nonfinite": 0, "skipped_no_anchor": 0})
+    features.write_manifest(out, shards * per_shard, per_shard, "hand-made", width)
+
+
+def test_streamed_features_equal_the_shards_read_whole(tmp_path):
+    from safetensors.torch import load_file
+    hand_made_features(str(tmp_path), shards=3, per_shard=3, no_anchor=[(1, 2)])
+    whole = [load_file(str(tmp_path / f"shard-{k:05d}.safetensors")) for k in range(3)]
+    expected = [{key: whole[k][f"{key}.{j}"] for key in ("input_ids", "loss_mask", "features", "target_hidden")}
+                for k in range(3) for j in range(3)]
+    samples = prepare.load_features(str(tmp_path))
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                        for x, y in zip(a, b))
+    assert same(list(samples), expected) and same([samples[8], samples[-9]], [expected[8], expected[0]])
+    assert same(list(samples[2:7]), expected[2:7]) and same(list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]])
+    # train.py's view: the sequence without an anchor (shard 1, sample 2) is left out, the order kept
+    kept = prepare.load_samples(str(tmp_path), False, None, 512)
+    assert same(list(kept), expected[:5] + expected[6:])
+    with pytest.raises(IndexError):
+        samples[9]
+
+
+RSS_PROBE = """
+import os, sys, torch
+sys.path.insert(0, {here!r})
+import prepare
+from safetensors.torch import load_file
+folder, how = sys.argv[1], sys.argv[2]
+if how == "streamed":
+    samples = prepare.load_samples(folder, False, None, 512)
+else:   # every shard read whole into memory and kept (copied: safetensors maps files, the kernel may drop mapped pages)
+    shards = [load_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder)) if f.startswith("shard-")]
+    keys = ("input_ids", "loss_mask", "features")
+    samples = [{{k: t[f"{{k}}.{{j}}"].clone() for k in keys}} for t in shards for j in range(2)]
+total = 0.0                                  # one epoch in a seeded order: every sample's features are read
+for i in torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist():
+    total += float(samples[i]["features"].float().sum())
+# peak resident bytes of this process (VmHWM: unlike ru_maxrss, it starts afresh at exec, not at the parent's peak)
+print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak memory from Linux's /proc")
+def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_path):
+    one, ten = tmp_path / "one", tmp_path / "ten"
+    one.mkdir(), ten.mkdir()
+    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)   # 2 x 12.6 MB
+    shard = os.path.getsize(features.shard_path(str(one), 0))
+    for k in range(10):                      # ten shards: the same file under ten names (hard links)
+        os.link(features.shard_path(str(one), 0), features.shard_path(str(ten), k))
+    features.write_manifest(str(ten), 20, 2, "hand-made", 3072)
+
+    def peak(folder, how):
+        run = subprocess.run([sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how], check=True,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return int(run.stdout.split()[-1])
+    streamed_one, streamed_ten, whole_ten = peak(one, "streamed"), peak(ten, "streamed"), peak(ten, "whole")
+    print(f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, 10 shards {streamed_ten / 2**20:.1f}; "
+          f"read whole, 10 shards {whole_ten / 2**20:.1f} (a shard: {shard / 2**20:.1f})")      # pytest -s shows it
+    assert streamed_ten - streamed_one < shard / 4, (streamed_one, streamed_ten, shard)
+    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)   # the probe does see memory
 
 
 def test_layer_ids_beyond_the_target_raise(tmp_path):
@@ -1372,6 +1464,7 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     (train, ["--data", "d", "--lr", "-1e-3"], "--lr"),
     (train, ["--data", "d", "--lr", "nan"], "--lr"),
     (train, ["--data", "d", "--epochs", "0"], "--epochs"),
+    (train, ["--data", "d", "--peak-tflops", "0"], "--peak-tflops"),
     (prepare, ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"], "--max-new-tokens"),
     (cost, ["--context", "0"], "--context"),
 ])
@@ -1573,6 +1666,113 @@ def test_compile_matches_eager(setup, tmp_path):
     compiled = run(setup, tmp_path / "c", "--max-steps", "2", "--compile")
     for k, v in eager["model"].items():
         assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
+
+
+# ---------------------------------------------------------------------------- target dtype
+class Loaded(Exception):
+    """Stops a script right after it asked load_target for a dtype."""
+
+
+def test_target_dtype_auto_is_bf16_on_cuda_fp32_elsewhere(monkeypatch, tmp_path):
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda:1")) == torch.bfloat16     # a device name needs no GPU
+    assert resolve_dtype("fp16", "cuda") == torch.float16 and resolve_dtype("bf16", "cpu") == torch.bfloat16
+    # every script's default is auto, so on this machine the dtype each loaded before: fp32 on a CPU
+    asked = []
+
+    def fake_load_target(name, dtype):
+        asked.append(dtype)
+        raise Loaded
+    for script in (prepare, generate, train):
+        monkeypatch.setattr(script, "load_target", fake_load_target)
+    monkeypatch.setattr(generate, "load_any", lambda path: None)
+    for script, argv in ((prepare, ["--data", "d", "--out-dir", str(tmp_path), "--regenerate"]),
+                         (generate, ["--draft", "d", "--prompt", "hi"]), (train, ["--data", "d"]),
+                         (train, ["--data", "d", "--target-dtype", "fp16"])):
+        with pytest.raises(Loaded):
+            script.main(argv)
+    auto = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    assert asked == [auto, auto, auto, torch.float16]
+
+
+def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
+    dtypes, real = [], train.capture_features
+    monkeypatch.setattr(train, "capture_features", lambda target, *a, **kw:
+                        dtypes.append(next(target.parameters()).dtype) or real(target, *a, **kw))
+    for flag, dtype in ((["--target-dtype", "bf16"], torch.bfloat16), ([], torch.float32)):
+        dtypes.clear()
+        ck = run(setup, tmp_path / str(dtype), "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl",
+                 "--max-steps", "2", "--log-interval", "1", *flag)
+        assert ck["step"] == 2 and len(dtypes) >= 2 and set(dtypes) == {dtype}     # every step's target forward
+        # the draft keeps fp32 master weights whatever the target's dtype
+        assert all(v.dtype == torch.float32 for v in ck["model"].values())
+        if not torch.cuda.is_available():                                  # no MFU without a GPU's peak
+            assert not any("mfu" in r for r in map(json.loads, open(tmp_path / str(dtype) / "log.jsonl")))
+
+
+# ---------------------------------------------------------------------------- FLOPs and MFU
+def test_flops_per_step_against_a_hand_count():
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over 32/8 = 4
+    # groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded anchor is not counted).
+    per_slot_layer = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8) + 6 * 32 * 48 + 8 * 32 * 2 * 4          # 6144 + 9216 + 2048
+    backbone = 12 * 2 * per_slot_layer + 12 * 2 * (4 * 32 * 2 * 8) + 12 * 2 * 2 * 32 * 32     # slots, context k/v, fc
+    # keys read. Full layer (bidirectional): the anchor's a context rows + the 4 block slots, for each of 4 slots:
+    # (0 + 4) * 4 + (5 + 4) * 4 + (9 + 4) * 4 = 104. Sliding layer (causal, window 5): slot j reads
+    # min(a, 4 - j) context rows and j + 1 slots: 0 + 10, (4 + 3 + 2 + 1) + 10, 10 + 10 = 50.
+    scores = 4 * 4 * 8 * (104 + 50)
+    head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)                      # 3 x 3 labelled slots
+    batch = {"attention_mask": torch.tensor([[1] * 12 + [0] * 2]), "anchors": torch.tensor([[0, 5, 9, 0]]),
+             "anchor_valid": torch.tensor([[True, True, True, False]])}
+    assert backbone + scores + head_and_selector == 578000
+    assert flops.step_flops(cfg, batch) == 3 * 578000
+    assert flops.step_flops(cfg, batch, target_weights=1000) == 3 * 578000 + 2 * 1000 * 12
+
+    # keys read = what model.block_attention_mask lets through, for every in-block rule
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    _, q_pos, q_anchor, q_block = model.anchored_blocks(ids, torch.tensor([[0, 5, 9]]), 4, 63)
+    ctx_pos = torch.arange(12)[None]
+    for is_causal in (None, True, False):
+        c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5, is_causal=is_causal)
+        for sliding in (True, False):
+            mask = model.block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.causal_in_block(sliding),
+                                              c.sliding_window if sliding else None)
+            assert flops.keys_per_slot(c, torch.tensor([0, 5, 9]), sliding).sum() == mask.sum()
+    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention apart)
+    draft = model.DraftModel(cfg)
+    with FlopCounterMode(display=False) as counter:
+        model.forward_training(draft, lambda x: torch.zeros(*x.shape, 32), ids, torch.zeros(1, 12, 64),
+                               torch.tensor([[0, 5, 9]]))
+    assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
+    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) + lm_head
+    assert flops.linear_weights(tiny_target("llama")) == 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
+
+
+def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
+    gpu = torch.device("cuda:0")
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+                       ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert flops.peak_flops(gpu) == peak
+    assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12               # --peak-tflops wins
+    assert flops.peak_flops(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="--peak-tflops"):
+        flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
+
+
+def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, monkeypatch):
+    # a CPU has no peak; given one, train.py logs MFU = its step_flops summed / elapsed / peak
+    counted, real = [], flops.step_flops
+    monkeypatch.setattr(flops, "peak_flops", lambda device, peak_tflops: 1e5)
+    monkeypatch.setattr(flops, "step_flops", lambda cfg, batch, w=0: counted.append(
+        (real(cfg, batch, w), int(batch["attention_mask"].sum()))) or counted[-1][0])
+    run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
+    records = [r for r in map(json.loads, open(tmp_path / "log.jsonl")) if r["kind"] == "train"]
+    assert len(counted) == 3 and all(f > 0 for f, _ in counted)
+    # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak
+    done, tokens = map(sum, zip(*counted))
+    assert records[-1]["mfu"] / records[-1]["target_tok_per_s"] == pytest.approx(done / tokens / 1e5, rel=1e-3)
 
 
 # ============================================================================ checkpoint formats

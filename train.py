@@ -24,10 +24,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import config
+import flops
 import loss as L
 import model
 import prepare
-from common import atomic_write, bounded, end_distributed, run
+from common import DTYPES, atomic_write, bounded, end_distributed, resolve_dtype, run
 from target import capture_features, check_draft_fits, load_target
 
 
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     a("--eval-fraction", type=bounded(float, low=0.0, high=1.0), default=0.05)
     a("--num-samples", type=bounded(int, low=1), default=None, help="train on the first N sequences of --data only")
     a("--online", action="store_true", help="run the target in this process to get features every step")
+    a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="the target's weights (online: its "
+      "forward); auto: bf16 on GPU, fp32 on CPU. Its embedding and lm_head are used in fp32 either way")
     a("--max-length", type=bounded(int, low=2), default=512, help="online: truncate conversations to this many tokens")
     # architecture overrides, validated by the same rules as the config file
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
@@ -83,6 +86,8 @@ def parse_args(argv=None):
     a("--log-interval", type=bounded(int, low=1), default=10)
     a("--compile", action="store_true", help="torch.compile the draft")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU, fp32 on CPU")
+    a("--peak-tflops", type=bounded(float, above=0.0), default=None,
+      help="GPU only: the peak (dense bf16) TFLOP/s that MFU divides by; default: flops.PEAK_TFLOPS by device name")
     a("--seed", type=int, default=0)
     a("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -157,36 +162,11 @@ class DraftObjective(torch.nn.Module):
 
 def add_target_features(batch, target, cfg, need_final: bool):
     """Online mode: the live target provides features (and its final hidden state for kl)."""
-    out = capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False,
+    out = capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False, logits_to_keep=1,
                            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     batch["features"] = out[1].float()
     if need_final:
         batch["target_hidden"] = out[2].float()
-
-
-# ----------------------------------------------------------------------------- distributed helpers
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
-
-
-def add_into(acc, metrics):
-    for k, (n, d) in metrics.items():
-        acc[k] = (acc[k][0] + n, acc[k][1] + d) if k in acc else (n.clone(), d.clone())
-
-
-def reduce_metrics(acc):
-    """{name: (num, den)}: sum numerators and denominators over ranks (all in one all_reduce), then divide:
-    ratios of global sums. A scalar metric gives a number, a per-position one a list."""
-    parts = [torch.cat([n.reshape(-1), d.reshape(-1)]).float() for n, d in acc.values()]    # [num ; den] each
-    flat, out, i = all_sum(torch.cat(parts)), {}, 0
-    for k, (n, _) in acc.items():
-        size = n.numel()
-        r = (flat[i:i + size] / flat[i + size:i + 2 * size].clamp(min=1e-9)).tolist()
-        i += 2 * size
-        out[k] = r[0] if size == 1 else [round(v, 4) for v in r]
-    return out
 
 
 # ----------------------------------------------------------------------------- steps, evaluation, checkpoints
@@ -239,9 +219,9 @@ def evaluate(objective, samples, args, target, cfg, device, rank, world, autocas
             add_target_features(batch, target, cfg, args.loss == "kl")
         with autocast():
             metrics = objective(batch, alpha_t=None)["metrics"]
-        add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
+        L.add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
     objective.train()
-    return reduce_metrics(acc)
+    return L.reduce_metrics(acc)
 
 
 def append_log(path, record: dict):
@@ -280,17 +260,19 @@ def main(argv=None):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    use_bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
+    peak = flops.peak_flops(device, args.peak_tflops)      # FLOP/s for MFU; None on a CPU: no MFU
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     torch.manual_seed(args.seed)               # the draft's initial weights
     master = rank == 0
     log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
     cfg = build_config(args)
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, resolve_dtype(args.target_dtype, device))
     check_draft_fits(cfg, target)
-    embed_w = target.get_input_embeddings().weight.detach().to(device)
-    head_w = target.get_output_embeddings().weight.detach().to(device)
+    embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
+    head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
     target = target.to(device) if args.online else None       # offline: only embedding and head are kept
+    target_weights = flops.linear_weights(target) if args.online else 0    # 2x this per token: its forward
 
     # ------------------------------------------------------------------ data
     samples = prepare.load_samples(args.data, args.online, tokenizer, args.max_length)
@@ -318,10 +300,13 @@ def main(argv=None):
     log(f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {sum(p.numel() for p in draft.parameters()):,} parameters; "
         f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} sequences on {world} "
         f"rank(s), {device}")
+    if device.type == "cuda" and not peak:
+        log(f"no MFU: {torch.cuda.get_device_name(device)} is not in flops.PEAK_TFLOPS; give its --peak-tflops")
 
     # ------------------------------------------------------------------ loop
     bar = tqdm(total=total, initial=step, disable=not master or args.quiet, desc="train", dynamic_ncols=True)
     t0, seen = time.time(), torch.zeros(2)        # this rank's target tokens and anchors, for throughput
+    done = 0                                      # and its model FLOPs, for MFU (GPU only)
     stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
     while step < stop:
         epoch, micro_batches = step_micro_batches(step, steps_per_epoch, len(samples), args, rank, world)
@@ -338,15 +323,16 @@ def main(argv=None):
                 out = objective(batch, alpha_t)
                 out["numerator"].backward()
             D += out["denominator"]
-            add_into(acc, out["metrics"])
+            L.add_into(acc, out["metrics"])
             seen += torch.tensor([batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item()])
+            done += flops.step_flops(cfg, batch, target_weights) if peak else 0
         # grad = sum of all numerators' gradients / global D. DDP already averaged over ranks (1/world).
-        D = all_sum(D)
+        D = L.all_sum(D)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(world / D.clamp(min=1e-9))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip) if args.grad_clip > 0 else None
-        metrics = reduce_metrics(acc)
+        metrics = L.reduce_metrics(acc)
         if not math.isfinite(metrics["loss"]) or (grad_norm is not None and not torch.isfinite(grad_norm)):
             log(f"step {step}: loss {metrics['loss']} is not finite; stopping. The last good checkpoint is {ckpt_path}")
             end_distributed()
@@ -358,12 +344,13 @@ def main(argv=None):
         bar.update(1)
         elapsed = time.time() - t0                  # this invocation's seconds, evaluations included
         tok_s, anchor_s = (seen / elapsed).tolist() # per rank (per GPU), as throughput is usually quoted
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}", tok_s=f"{tok_s:.0f}")
+        mfu = {"mfu": round(done / elapsed / peak, 4)} if peak else {}
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}", tok_s=f"{tok_s:.0f}", **mfu)
         if master and (step % args.log_interval == 0 or step == total):
             append_log(log_path, {"kind": "train", "step": step, "lr": sched.get_last_lr()[0], "alpha_t": alpha_t,
                                   "grad_norm": None if grad_norm is None else grad_norm.item(),
                                   "elapsed_s": round(elapsed, 1), "target_tok_per_s": round(tok_s, 1),
-                                  "anchors_per_s": round(anchor_s, 1), **metrics})
+                                  "anchors_per_s": round(anchor_s, 1), **mfu, **metrics})
         if step % args.eval_interval == 0 and step < total:
             m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
             if master and m:

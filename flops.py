@@ -1,0 +1,79 @@
+"""How much arithmetic a training step does, and what fraction of the GPU's peak that is (MFU).
+
+Model FLOPs, as MFU is usually defined: the matmuls the step needs, counted once, with the
+backward pass at twice the forward (x3 in all), no activation recomputation, no padding and no
+masked-out attention score. Per draft layer, with H hidden, I intermediate, nh / nkv heads of size
+d, B slots per block, and for DFlash2 T conv taps over G channel groups:
+
+    per block slot       2H(2 nh d + 2 nkv d)   q, k, v, o projections of the block rows
+                         4 nh d * keys          scores and values over the keys the slot reads
+                         6 H I                  MLP (gate, up, down)
+                         8 H T G                DFlash2: the two convolutions' kernel projections
+    per context token    4 H nkv d              the context rows' k, v projections
+and once per sequence token 2 n_t H H (the fc over the n_t target layers); per labelled slot (B-1
+per block) 2 H V for the unary head over the vocabulary V, and for DFlash2 2 H r + 2 K r for the
+selector (rank r projection, K teacher-forced candidate scores). keys: the context before the
+block's anchor (inside the sliding window, for sliding layers) plus the slot's own block (all B
+slots, or its causal part). Online, the target's forward adds 2 N_t per token, N_t the weights of
+its linear layers (lm_head included: it runs). Left out: norms, RoPE, softmax, top-K, the
+no-gradient metrics and, for kl, the target's logits at the labelled slots.
+"""
+import torch
+
+# Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, with
+# sparsity). The first name found in torch.cuda.get_device_name() wins; --peak-tflops overrides.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
+    """Keys read by slot j of each block: context [n] rows before each anchor -> [n, B], following
+    model.block_attention_mask's rule (a sliding window counts the query itself)."""
+    B, W = cfg.block_size, cfg.sliding_window if sliding else None
+    j = torch.arange(B)
+    if cfg.causal_in_block(sliding):
+        own = j + 1 if W is None else (j + 1).clamp(max=W)                       # slots 0..j
+    else:
+        own = torch.full((B,), B) if W is None else B - (j - W + 1).clamp(min=0)
+    seen = context[:, None].expand(-1, B) if W is None else torch.minimum(context[:, None], (W - 1 - j).clamp(min=0))
+    return seen + own                                                            # [n, B]
+
+
+def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
+    """Matmul FLOPs of the draft's forward for blocks whose anchors have context [n] rows before
+    them, in sequences of `tokens` tokens in all (each one a context row)."""
+    H, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    n, B, V = len(context), cfg.block_size, cfg.vocab_size
+    slot = 2 * H * (2 * nh * d + 2 * nkv * d) + 6 * H * cfg.intermediate_size
+    if cfg.dflash2:
+        slot += 8 * H * cfg.conv_kernel_size * (H // cfg.conv_group_size)
+    keys = sum(int(keys_per_slot(cfg, context, t == "sliding_attention").sum()) for t in cfg.layer_types)
+    flops = cfg.num_hidden_layers * (n * B * slot + tokens * 4 * H * nkv * d) + 4 * nh * d * keys
+    flops += tokens * 2 * len(cfg.target_layer_ids) * H * H + n * (B - 1) * 2 * H * V
+    if cfg.dflash2:
+        flops += n * (B - 1) * 2 * cfg.selector_rank * (H + cfg.selector_top_k)
+    return flops
+
+
+def step_flops(cfg, batch: dict, target_weights: int = 0) -> int:
+    """Model FLOPs of one micro-batch (train.collate's dict): x3 the draft's forward, plus the online
+    target's forward (target_weights = linear_weights(target); 0 offline)."""
+    tokens = int(batch["attention_mask"].sum())
+    context = batch["anchors"][batch["anchor_valid"]].cpu()   # an anchor at position a reads a context rows
+    return 3 * forward_flops(cfg, context, tokens) + 2 * target_weights * tokens
+
+
+def linear_weights(model: torch.nn.Module) -> int:
+    """Weights of a model's linear layers: 2x this is its forward FLOPs per token."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def peak_flops(device: torch.device, peak_tflops=None):
+    """The device's peak FLOP/s for MFU, or None where none is known: a GPU not in PEAK_TFLOPS without
+    --peak-tflops. A CPU has no MFU here (its peak depends on cores, clocks and vector units)."""
+    if device.type != "cuda":
+        if peak_tflops is not None:
+            raise ValueError("--peak-tflops: MFU is only estimated on a CUDA GPU; this run is on the CPU")
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return None if peak is None else peak * 1e12
