@@ -11,9 +11,9 @@ Batch-1 speculative decoding trades one target forward per token for one per cyc
     speedup = tau * t_1 / (t_B + t_draft),  so it pays from tau > (t_B + t_draft) / t_1.
 
 On a GPU t_B is close to t_1 (the weights are read once for all B tokens). On a CPU it need not be: a
-stock fp32 GEMM re-packs the weight matrix on every call with more than one input row, which makes t_8
-about 2 t_1. Held in oneDNN's layout once (target.pack_linears, generate.py's default on the CPU), t_8
-comes back to about 1.25 t_1. This script measures both, so the numbers in README.md can be re-made.
+stock fp32 GEMM with more than one input row streams the weights far slower than its 1-row path, which
+made t_8 about 1.7 t_1 here. With the weights in oneDNN's own layout, converted once (target.pack_linears,
+generate.py's default on the CPU), t_8 came back to 1.2-1.4 t_1. This script measures both, so the numbers in README.md can be re-made.
 """
 import argparse
 import time
