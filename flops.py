@@ -27,7 +27,7 @@ PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
     """Keys read by slot j of each block: context [n] rows before each anchor -> [n, B], following
-    model.block_attention_mask's rule (a sliding window counts the query itself)."""
+    attention.attention_rule (a sliding window counts the query itself)."""
     B, W = cfg.block_size, cfg.sliding_window if sliding else None
     j = torch.arange(B)
     if cfg.causal_in_block(sliding):
@@ -55,10 +55,11 @@ def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
 
 
 def step_flops(cfg, batch: dict, target_weights: int = 0) -> int:
-    """Model FLOPs of one micro-batch (train.collate's dict): x3 the draft's forward, plus the online
+    """Model FLOPs of one micro-batch (pack.collate's dict): x3 the draft's forward, plus the online
     target's forward (target_weights = linear_weights(target); 0 offline)."""
     tokens = int(batch["attention_mask"].sum())
-    context = batch["anchors"][batch["anchor_valid"]].cpu()   # an anchor at position a reads a context rows
+    # an anchor at position a of its document reads a context rows
+    context = batch["positions"].gather(1, batch["anchors"])[batch["anchor_valid"]].cpu()
     return 3 * forward_flops(cfg, context, tokens) + 2 * target_weights * tokens
 
 

@@ -26,16 +26,19 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 # ----------------------------------------------------------------------------- labels and weights
-def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int):
+def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int, docs=None):
     """Labels and base weights of slots 1..B-1 of every block.
 
     input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels, prev, w0, each [N, A, B-1]
-    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1).
+    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1). docs [N, S]
+    numbers the documents of packed rows: a block's labels end where its anchor's document ends.
     """
     S = input_ids.shape[1]
     pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)    # [N, A, B]
     inside = pos < S
     flat = pos.clamp(max=S - 1).flatten(1)
+    if docs is not None:
+        inside = inside & (docs.gather(1, flat).view(pos.shape) == docs.gather(1, anchors)[..., None])
     tokens = input_ids.gather(1, flat).view(pos.shape)                         # x[a+j]
     mask = loss_mask.gather(1, flat).view(pos.shape).to(torch.float32)
     w0 = anchor_valid[..., None].float() * inside.float() * mask
@@ -171,12 +174,13 @@ def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand
 # ----------------------------------------------------------------------------- the objective
 def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, *, loss="ce",
               weighting="exp", gamma=None, dpace_alpha=0.5, target_hidden=None, alpha_t=None,
-              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16):
+              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16, docs=None):
     """Numerator, denominator and metric sums for one micro-batch.
 
     h [N, A, B, H] draft hidden states (model.forward_training); target_hidden [N, S, H] the
     target's final normed hidden states (needed by `kl`). alpha_t: selector weight this step, or
-    None when the selector is frozen (alpha == 0). Returns {"numerator", "denominator", "metrics"}
+    None when the selector is frozen (alpha == 0). docs [N, S]: the documents of packed rows, or None.
+    Returns {"numerator", "denominator", "metrics"}
     where metrics maps a name to a (numerator, denominator) pair of detached tensors.
     """
     N, A, B, H = h.shape
@@ -190,7 +194,7 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
         gamma = DEFAULT_GAMMA[B]
     opts = dict(weighting=weighting, gamma=gamma, dpace_alpha=dpace_alpha, selector_miss=selector_miss,
                 stop_gradient=stop_gradient, top_k=top_k)
-    labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B)   # [N, A, B-1]
+    labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)   # [N, A, B-1]
     target_at_slots = None          # [N, A, B-1, H]: the target predicts x[a+j] from position a+j-1
     if target_hidden is not None:
         pos = (anchors[..., None] + torch.arange(B - 1, device=h.device)).clamp(max=input_ids.shape[1] - 1)

@@ -19,7 +19,9 @@ import re
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
+from attention import attention_keys, block_attention_mask, flex, flex_block_mask
 from common import atomic_write, write_json
 from config import DraftConfig, config_to_dict, load_config
 from conv import GroupedDynamicCausalConv
@@ -68,24 +70,6 @@ def rope(x, pos, inv_freq, scale=1.0):
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
-def block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, causal: bool, window=None):
-    """Which keys each block query may read: [N, 1, Q, C + Q] booleans.
-
-    q_anchor, q_pos, q_block [N, Q]: the query's anchor position, absolute position and block id;
-    ctx_pos [N, C]: positions of the context rows. A query sees context strictly before its anchor
-    (the target has not verified the anchor yet at inference) and its own block only: all of it,
-    or its causal part. A sliding window counts the query itself: q_pos - k_pos < window.
-    """
-    ctx = ctx_pos[:, None, :] < q_anchor[:, :, None]                         # [N, Q, C]
-    blk = q_block[:, :, None] == q_block[:, None, :]                         # [N, Q, Q]
-    if causal:
-        blk = blk & (q_pos[:, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        ctx = ctx & (q_pos[:, :, None] - ctx_pos[:, None, :] < window)
-        blk = blk & (q_pos[:, :, None] - q_pos[:, None, :] < window)
-    return torch.cat([ctx, blk], dim=-1)[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -114,7 +98,10 @@ class Attention(nn.Module):
         k, v = self.kv(x, pos)
         k = torch.cat([ctx_kv[0], k], dim=2)                                 # [N, kv_heads, C + Q, hd]
         v = torch.cat([ctx_kv[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        if isinstance(mask, BlockMask):
+            y = flex(q, k, v, mask, self.nh != self.nkv)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
         return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
 
 
@@ -193,16 +180,24 @@ class DraftModel(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))      # [N, C, H]
         return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
 
-    def forward(self, x, q_pos, q_anchor, q_block, ctx_kv, ctx_pos):
+    def forward(self, x, q_pos, q_anchor, q_block, ctx_kv, ctx_pos, q_doc=None, ctx_doc=None, attention="sdpa"):
         """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].
 
         One path for training (many blocks flattened, q_block telling them apart) and inference
-        (one block, context K/V from the cache): only the inputs differ.
+        (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q] and ctx_doc [N, C]
+        tell packed documents apart (None: one document per row). attention: "sdpa" (a dense mask, the
+        reference) or "flex" (a BlockMask from the same rule).
         """
         c = self.config
-        full = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.causal_in_block(sliding=False))
-        slide = block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.causal_in_block(sliding=True),
-                                     c.sliding_window) if "sliding_attention" in c.layer_types else None
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
+        if q_doc is None:
+            q_doc, ctx_doc = torch.zeros_like(q_pos), torch.zeros_like(ctx_pos)
+        queries, keys = (q_anchor, q_pos, q_block, q_doc), attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc)
+        mask = block_attention_mask if attention == "sdpa" else flex_block_mask
+        full = mask(queries, keys, c.causal_in_block(sliding=False))
+        slide = mask(queries, keys, c.causal_in_block(sliding=True),
+                     c.sliding_window) if "sliding_attention" in c.layer_types else None
         # dflash_config.input_embedding_scale (Z Lab, vLLM) scales the embedded block, in both paths
         h = x if c.input_embedding_scale is None else x * c.input_embedding_scale
         for layer, kv in zip(self.layers, ctx_kv):
@@ -216,29 +211,37 @@ class DraftModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the two call paths
-def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int):
-    """Training blocks: input_ids [N, S], sorted anchors [N, A] -> flattened block inputs.
+def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int, positions, docs):
+    """Training blocks: input_ids [N, S], sorted anchors [N, A] (row indices) -> flattened block inputs.
 
-    Block a is [x[a], MASK x (B-1)] at positions a..a+B-1. Returns block_ids, q_pos, q_anchor,
-    q_block, each [N, A*B].
+    positions, docs [N, S]: each token's position in its document and the document's number (arange
+    and zeros for a row that is one conversation). Block a is [x[a], MASK x (B-1)] at positions
+    p..p+B-1, p = positions[a]. Returns block_ids, q_pos, q_anchor, q_block, q_doc, each [N, A*B].
     """
     N, A = anchors.shape
     j = torch.arange(block_size, device=anchors.device)                        # [B]
-    q_pos = (anchors[:, :, None] + j).reshape(N, A * block_size)
-    q_anchor = anchors.repeat_interleave(block_size, dim=1)
+    anchor_pos = positions.gather(1, anchors)                                  # [N, A]
+    q_pos = (anchor_pos[:, :, None] + j).reshape(N, A * block_size)
+    q_anchor = anchor_pos.repeat_interleave(block_size, dim=1)
     q_block = torch.arange(A, device=anchors.device).repeat_interleave(block_size)[None].expand(N, -1)
+    q_doc = docs.gather(1, anchors).repeat_interleave(block_size, dim=1)
     block_ids = torch.full_like(q_pos, mask_token_id)
     block_ids[:, ::block_size] = input_ids.gather(1, anchors)
-    return block_ids, q_pos, q_anchor, q_block
+    return block_ids, q_pos, q_anchor, q_block, q_doc
 
 
-def forward_training(draft, embed, input_ids, features, anchors):
-    """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H]."""
+def forward_training(draft, embed, input_ids, features, anchors, positions=None, docs=None, attention="sdpa"):
+    """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
+    positions, docs [N, S]: packed rows (pack.py); None for rows of one conversation each."""
     c = draft.config
     N, S = input_ids.shape
-    block_ids, q_pos, q_anchor, q_block = anchored_blocks(input_ids, anchors, c.block_size, c.mask_token_id)
-    ctx_pos = torch.arange(S, device=input_ids.device)[None].expand(N, -1)
-    h = draft(embed(block_ids), q_pos, q_anchor, q_block, draft.context_kv(features, ctx_pos), ctx_pos)
+    if positions is None:
+        positions = torch.arange(S, device=input_ids.device)[None].expand(N, -1)
+        docs = torch.zeros_like(positions)
+    block_ids, q_pos, q_anchor, q_block, q_doc = anchored_blocks(input_ids, anchors, c.block_size,
+                                                                 c.mask_token_id, positions, docs)
+    h = draft(embed(block_ids), q_pos, q_anchor, q_block, draft.context_kv(features, positions), positions,
+              q_doc, docs, attention)
     return h.view(N, anchors.shape[1], c.block_size, -1)
 
 

@@ -15,8 +15,11 @@ Sections, in file order (each starts with a "# ====" banner):
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
     train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
                                  dtype, FLOPs against a hand count, MFU
+    pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
+    checkpoint formats           the published config layouts and the speculators format
 """
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -27,6 +30,7 @@ import sys
 import pytest
 import torch
 
+import attention
 import config
 import cost
 import export
@@ -35,6 +39,7 @@ import flops
 import generate
 import loss as L
 import model
+import pack
 import prepare
 import promptsets
 import show
@@ -1576,10 +1581,10 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
 
 def test_anchor_sampling():
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])         # anchors: p with mask[p] = mask[p+1] = 1
-    assert train.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
+    assert pack.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
     counts = torch.zeros(8)
     for seed in range(300):                                 # 2 of the 3, uniformly, sorted
-        a = train.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
+        a = pack.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
         assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
         counts[a] += 1
     assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
@@ -1724,20 +1729,21 @@ def test_flops_per_step_against_a_hand_count():
     scores = 4 * 4 * 8 * (104 + 50)
     head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)                      # 3 x 3 labelled slots
     batch = {"attention_mask": torch.tensor([[1] * 12 + [0] * 2]), "anchors": torch.tensor([[0, 5, 9, 0]]),
-             "anchor_valid": torch.tensor([[True, True, True, False]])}
+             "anchor_valid": torch.tensor([[True, True, True, False]]), "positions": torch.arange(14)[None]}
     assert backbone + scores + head_and_selector == 578000
     assert flops.step_flops(cfg, batch) == 3 * 578000
     assert flops.step_flops(cfg, batch, target_weights=1000) == 3 * 578000 + 2 * 1000 * 12
 
-    # keys read = what model.block_attention_mask lets through, for every in-block rule
-    ids = torch.zeros(1, 12, dtype=torch.long)
-    _, q_pos, q_anchor, q_block = model.anchored_blocks(ids, torch.tensor([[0, 5, 9]]), 4, 63)
-    ctx_pos = torch.arange(12)[None]
+    # keys read = what attention.block_attention_mask lets through, for every in-block rule
+    ids, ctx_pos = torch.zeros(1, 12, dtype=torch.long), torch.arange(12)[None]
+    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(ids, torch.tensor([[0, 5, 9]]), 4, 63, ctx_pos,
+                                                               torch.zeros_like(ctx_pos))
+    keys = attention.attention_keys(q_pos, q_block, q_doc, ctx_pos, torch.zeros_like(ctx_pos))
     for is_causal in (None, True, False):
         c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5, is_causal=is_causal)
         for sliding in (True, False):
-            mask = model.block_attention_mask(q_anchor, q_pos, q_block, ctx_pos, c.causal_in_block(sliding),
-                                              c.sliding_window if sliding else None)
+            mask = attention.block_attention_mask((q_anchor, q_pos, q_block, q_doc), keys, c.causal_in_block(sliding),
+                                                  c.sliding_window if sliding else None)
             assert flops.keys_per_slot(c, torch.tensor([0, 5, 9]), sliding).sum() == mask.sum()
     # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention apart)
     draft = model.DraftModel(cfg)
@@ -1773,6 +1779,158 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak
     done, tokens = map(sum, zip(*counted))
     assert records[-1]["mfu"] / records[-1]["target_tok_per_s"] == pytest.approx(done / tokens / 1e5, rel=1e-3)
+
+
+# ============================================================================ pack.py and attention.py
+def packing_docs(c, lengths, seed=0):
+    """Documents whose first and last tokens are supervised, so that a block or a context read that
+    crossed a document boundary would change the loss; features and target hidden states random."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in lengths:
+        mask = (torch.rand(n, generator=g) > 0.25).long()
+        mask[:2], mask[-2:] = 1, 1
+        docs.append({"input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g), "loss_mask": mask,
+                     "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
+                     "target_hidden": torch.randn(n, c.hidden_size, generator=g)})
+    return docs
+
+
+def test_plan_rows_by_hand():
+    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2 fit
+    assert pack.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
+
+
+def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
+    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's path."""
+    draft.zero_grad()
+    h = model.forward_training(draft, lambda i: torch.nn.functional.embedding(i, embed_w), batch["input_ids"],
+                               batch["features"], batch["anchors"], batch["positions"], batch["docs"], args.attention)
+    out = train.DraftObjective(draft, embed_w, head_w, args)(batch, alpha_t=0.5)
+    out["numerator"].backward()
+    return h.detach(), out, {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kw, flags", [
+    (dict(), ["--loss", "kl"]),
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6, is_causal=True),
+     ["--position-weighting", "dpace", "--selector-miss", "replace"]),
+])
+def test_packed_row_equals_separate_rows(kw, flags):
+    c = tiny_config(**kw)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = torch.randn(c.vocab_size, c.hidden_size, generator=g), torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    docs = packing_docs(c, [7, 5, 9])
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "2", *flags])
+    args.attention = "sdpa"
+    # every anchor candidate, so both layouts train the same blocks
+    apart = pack.collate([[d] for d in docs], [0, 1, 2], 1000, 0, "cpu")
+    packed = pack.collate([docs], [0], 1000, 0, "cpu")
+    assert packed["positions"][0].tolist() == list(range(7)) + list(range(5)) + list(range(9))
+    starts, counts = [0, 7, 12], apart["anchor_valid"].sum(1).tolist()
+    assert packed["anchors"][0].tolist() == [a + s for i, s in enumerate(starts)
+                                             for a in apart["anchors"][i, :counts[i]].tolist()]
+    # no anchor at a document's last token, although the next document's first token is supervised
+    assert 6 not in packed["anchors"][0].tolist() and 11 not in packed["anchors"][0].tolist()
+    assert flops.step_flops(c, packed) == flops.step_flops(c, apart)    # the same blocks read the same keys
+    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, apart, args)
+    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, packed, args)
+    ends = [0] + list(itertools.accumulate(counts))
+    for i in range(3):
+        assert (h2[0, ends[i]:ends[i + 1]] - h1[i, :counts[i]]).abs().max() <= 1e-5
+    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
+    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
+    for k, (num, den) in out1["metrics"].items():
+        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
+    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
+    for k in g1:
+        assert torch.allclose(g2[k], g1[k], rtol=1e-4, atol=1e-6), k
+    # the packed row did mix documents in one row: doc 1's labels start right after doc 0's last token
+    assert packed["loss_mask"][0, 6] == packed["loss_mask"][0, 7] == 1
+
+
+def test_online_target_reads_packed_documents_apart(setup):
+    target, _ = load_target(str(setup / "target"))
+    cfg = tiny_config()
+    samples = [{"input_ids": torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)),
+                "loss_mask": torch.ones(n, dtype=torch.long)} for n in (6, 4, 9)]
+    packed = pack.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
+    train.add_target_features(packed, target, cfg, True, packed=True)
+    for i, (row, start) in enumerate([(0, 0), (0, 6), (1, 0)]):
+        alone = pack.collate([[samples[i]]], [0], 8, 0, "cpu")
+        train.add_target_features(alone, target, cfg, True, packed=False)
+        n = len(samples[i]["input_ids"])
+        for name in ("features", "target_hidden"):
+            assert torch.allclose(packed[name][row, start:start + n], alone[name][0], atol=1e-5), name
+    assert packed["features"][1, 9:].abs().max() == 0                  # row 1's padding
+
+
+def test_pack_flag_trains_offline_and_online(setup, tmp_path):
+    samples = prepare.load_samples(str(setup / "feats"), False, None, 512)
+    rows = pack.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)     # lengths 34 to 58
+    assert len(rows) < 8 and max(len(r) for r in rows) > 1              # rows of several conversations
+    # 10 sequences, 2 held out; one epoch = one step per row
+    run(setup, tmp_path / "off", "--pack", "--max-length", "100", "--eval-fraction", "0.2", "--log-interval", "1")
+    assert len(train_losses(tmp_path / "off")) == len(rows)
+    run(setup, tmp_path / "on", "--pack", "--max-length", "100", "--max-steps", "2", "--online",
+        "--data", str(setup / "convs.jsonl"), "--loss", "kl", "--log-interval", "1")
+    assert all(math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on"))
+
+
+def test_flex_attention_is_refused_for_cpu_training():
+    with pytest.raises(ValueError, match="--attention flex"):
+        train.main(["--data", "d", "--attention", "flex"])
+
+
+def lift_flex_cpu_guard(monkeypatch):
+    """torch (2.13) refuses FlexAttention with gradients on CPU by a device check; underneath, its eager
+    implementation (dense, the reference of the compiled kernels) is device-independent. Lifting the
+    check (and running both flex pieces eager) lets a CPU test compare the flex path's gradients; the
+    compiled backward kernels run on GPUs only."""
+    import torch.nn.attention.flex_attention as fa
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(attention, "compiled", lambda fn: fn)
+
+
+@pytest.mark.parametrize("kw, packed", [
+    (dict(), False),                                                   # bidirectional block
+    (dict(is_causal=True), False),                                     # causal block
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=37), False),
+    (dict(), True),                                                    # documents
+])
+def test_flex_equals_sdpa(kw, packed, monkeypatch):
+    c = tiny_config(**kw)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch 2.13's CPU
+    # kernel fails to compile once a change of shape has made the compiled flex_attention dynamic
+    docs = packing_docs(c, [100, 156, 130, 126] if packed else [256, 200])
+    rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
+    b = pack.collate(rows, [0, 1], 64, 0, "cpu")
+    assert b["anchors"].shape == (2, 64) and b["input_ids"].shape == (2, 256)
+    attend = lambda how: model.forward_training(draft, embed, b["input_ids"], b["features"], b["anchors"],
+                                                b["positions"], b["docs"], how)
+    with torch.no_grad():                                  # the compiled block-sparse kernel, forward
+        assert (attend("flex") - attend("sdpa")).abs().max() <= 1e-5
+    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(b["input_ids"], b["anchors"], c.block_size,
+                                                               c.mask_token_id, b["positions"], b["docs"])
+    keys = attention.attention_keys(q_pos, q_block, q_doc, b["positions"], b["docs"])
+    bm = attention.flex_block_mask((q_anchor, q_pos, q_block, q_doc), keys, False)
+    tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)    # [N, 1, Q tiles]
+    assert tiles.sum() <= 2 * (2 * 4 - 1)       # at least the first queries' tile of the last blocks' keys is skipped
+    lift_flex_cpu_guard(monkeypatch)
+    r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
+    grads = []
+    for how in ("sdpa", "flex"):
+        draft.zero_grad()
+        (attend(how) * r).sum().backward()
+        grads.append({k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None})
+    for k, g in grads[0].items():                          # fp32 rounding, relative to the gradient's scale
+        assert (grads[1][k] - g).abs().max() <= 1e-5 * g.abs().max(), k
 
 
 # ============================================================================ checkpoint formats

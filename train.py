@@ -4,10 +4,11 @@
     python train.py --online --data convs.jsonl                  # online: the target runs here
     torchrun --standalone --nproc_per_node=2 train.py ...        # DDP (gloo on CPU, nccl on GPU)
 
-Each optimizer step: for every micro-batch, sample anchors, run all anchored blocks of each sequence
-through the draft in one pass (model.forward_training), and get the objective's numerator and
-denominator (loss.py). Gradients of all numerators are summed over micro-batches and ranks and
-divided once by the global denominator, so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches.
+Each optimizer step: for every micro-batch of rows (a conversation each, or with --pack several:
+pack.py), sample anchors, run all anchored blocks of each row through the draft in one pass
+(model.forward_training), and get the objective's numerator and denominator (loss.py). Gradients of
+all numerators are summed over micro-batches and ranks and divided once by the global denominator,
+so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches.
 """
 import argparse
 import dataclasses
@@ -27,6 +28,7 @@ import config
 import flops
 import loss as L
 import model
+import pack
 import prepare
 from common import DTYPES, atomic_write, bounded, end_distributed, resolve_dtype, run
 from target import capture_features, check_draft_fits, load_target
@@ -44,7 +46,9 @@ def parse_args(argv=None):
     a("--online", action="store_true", help="run the target in this process to get features every step")
     a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="the target's weights (online: its "
       "forward); auto: bf16 on GPU, fp32 on CPU. Its embedding and lm_head are used in fp32 either way")
-    a("--max-length", type=bounded(int, low=2), default=512, help="online: truncate conversations to this many tokens")
+    a("--max-length", type=bounded(int, low=2), default=512,
+      help="online: truncate conversations to this many tokens; --pack: tokens per row")
+    a("--pack", action="store_true", help="pack several conversations into each row (pack.py)")
     # architecture overrides, validated by the same rules as the config file
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
     a("--block-size", type=bounded(int, low=2))
@@ -85,6 +89,8 @@ def parse_args(argv=None):
     a("--eval-samples", type=bounded(int, low=0), default=64, help="at most this many held-out sequences per evaluation")
     a("--log-interval", type=bounded(int, low=1), default=10)
     a("--compile", action="store_true", help="torch.compile the draft")
+    a("--attention", choices=["auto", "sdpa", "flex"], default="auto",
+      help="sdpa: dense mask; flex: block-sparse FlexAttention, GPU only; auto: flex on GPU, sdpa on CPU")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU, fp32 on CPU")
     a("--peak-tflops", type=bounded(float, above=0.0), default=None,
       help="GPU only: the peak (dense bf16) TFLOP/s that MFU divides by; default: flops.PEAK_TFLOPS by device name")
@@ -105,40 +111,6 @@ def build_config(args) -> config.DraftConfig:
     return config.plain_dflash(c) if args.dflash else c
 
 
-def sample_anchors(loss_mask, num_anchors: int, generator):
-    """Up to num_anchors of the anchor positions (prepare.anchor_positions), drawn uniformly without
-    replacement, sorted (SPEC section 4)."""
-    cand = prepare.anchor_positions(loss_mask)
-    pick = torch.randperm(len(cand), generator=generator)[:num_anchors]
-    return cand[pick].sort().values
-
-
-def collate(samples, keys, num_anchors, seed, device):
-    """Right-pad a list of samples into a batch on device; anchors are seeded per (seed, key) so that
-    every rank / accumulation layout draws the same anchors for the same sequence."""
-    N, S = len(samples), max(len(s["input_ids"]) for s in samples)
-    batch = {"input_ids": torch.zeros(N, S, dtype=torch.long), "loss_mask": torch.zeros(N, S, dtype=torch.long),
-             "attention_mask": torch.zeros(N, S, dtype=torch.long)}
-    for name in ("features", "target_hidden"):
-        if name in samples[0]:
-            batch[name] = torch.zeros(N, S, samples[0][name].shape[-1])
-    anchors = []
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        batch["input_ids"][i, :n], batch["loss_mask"][i, :n], batch["attention_mask"][i, :n] = \
-            s["input_ids"], s["loss_mask"], 1
-        for name in ("features", "target_hidden"):
-            if name in batch:
-                batch[name][i, :n] = s[name].float()
-        anchors.append(sample_anchors(s["loss_mask"], num_anchors, torch.Generator().manual_seed(seed * 1_000_003 + keys[i])))
-    A = max(len(a) for a in anchors)
-    batch["anchors"] = torch.zeros(N, A, dtype=torch.long)
-    batch["anchor_valid"] = torch.zeros(N, A, dtype=torch.bool)
-    for i, a in enumerate(anchors):
-        batch["anchors"][i, :len(a)], batch["anchor_valid"][i, :len(a)] = a, True
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 # ----------------------------------------------------------------------------- the training module
 class DraftObjective(torch.nn.Module):
     """draft + objective in one forward, so DDP sees every parameter use inside forward().
@@ -152,44 +124,50 @@ class DraftObjective(torch.nn.Module):
     def forward(self, batch, alpha_t):
         a = self.args
         embed = lambda ids: F.embedding(ids, self.embed_weight)
-        h = model.forward_training(self.draft, embed, batch["input_ids"], batch["features"], batch["anchors"])
+        h = model.forward_training(self.draft, embed, batch["input_ids"], batch["features"], batch["anchors"],
+                                   batch["positions"], batch["docs"], a.attention)
         return L.objective(self.draft, self.head_weight, h, batch["input_ids"], batch["loss_mask"], batch["anchors"],
                            batch["anchor_valid"], loss=a.loss, weighting=a.position_weighting, gamma=a.gamma,
                            dpace_alpha=a.dpace_alpha, target_hidden=batch.get("target_hidden"), alpha_t=alpha_t,
                            selector_miss=a.selector_miss, stop_gradient=a.selector_stop_gradient,
-                           chunk_blocks=a.chunk_blocks or None)
+                           chunk_blocks=a.chunk_blocks or None, docs=batch["docs"])
 
 
-def add_target_features(batch, target, cfg, need_final: bool):
-    """Online mode: the live target provides features (and its final hidden state for kl)."""
-    out = capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False, logits_to_keep=1,
-                           input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    batch["features"] = out[1].float()
-    if need_final:
-        batch["target_hidden"] = out[2].float()
+def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
+    """Online mode: the live target provides features (and its final hidden state for kl); it reads the
+    documents of packed rows one by one."""
+    ids, mask, back = pack.per_document(batch) if packed else (batch["input_ids"], batch["attention_mask"], None)
+    out = capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False,
+                           logits_to_keep=1, input_ids=ids, attention_mask=mask)
+    for name, value in [("features", out[1])] + ([("target_hidden", out[2])] if need_final else []):
+        batch[name] = back(value.float()) if packed else value.float()
 
 
 # ----------------------------------------------------------------------------- steps, evaluation, checkpoints
 def split_and_schedule(samples, eval_samples, args, world):
-    """-> (train samples, eval samples, sequences per step, steps per epoch, total steps). Without --eval-data
-    the last --eval-fraction of the sequences are held out; --num-samples keeps the first N of the rest."""
+    """-> (train samples, eval samples, rows, rows per step, steps per epoch, total steps). Without --eval-data
+    the last --eval-fraction of the sequences are held out; --num-samples keeps the first N of the rest. A row
+    (sample indices) is one sequence, or with --pack the sequences pack.plan_rows puts together."""
     if eval_samples is None:
         n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
         samples, eval_samples = samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
     samples = samples[:args.num_samples]
+    rows = [[i] for i in range(len(samples))]
+    if args.pack:
+        rows = pack.plan_rows(pack.lengths(samples), args.max_length)
     per_step = world * args.grad_accum * args.batch_size
-    steps_per_epoch = len(samples) // per_step
+    steps_per_epoch = len(rows) // per_step
     if steps_per_epoch == 0:
-        raise ValueError(f"{args.data}: {len(samples)} training sequences cannot fill one step of {per_step}")
-    return samples, eval_samples, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch
+        raise ValueError(f"{args.data}: {len(rows)} training rows cannot fill one step of {per_step}")
+    return samples, eval_samples, rows, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch
 
 
-def step_micro_batches(step, steps_per_epoch, num_samples, args, rank, world):
-    """This rank's micro-batches of optimizer step `step`: (epoch, [sample indices] per micro-batch). Each
+def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
+    """This rank's micro-batches of optimizer step `step`: (epoch, [row indices] per micro-batch). Each
     epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size entries, micro-batch
-    m of rank r at slot m * world + r, so every split into ranks x accumulation sees the same sequences."""
+    m of rank r at slot m * world + r, so every split into ranks x accumulation sees the same rows."""
     epoch, within = divmod(step, steps_per_epoch)
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(args.seed + epoch))
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + epoch))
     firsts = [(within * args.grad_accum * world + m * world + rank) * args.batch_size for m in range(args.grad_accum)]
     return epoch, [order[f:f + args.batch_size].tolist() for f in firsts]
 
@@ -214,9 +192,9 @@ def evaluate(objective, samples, args, target, cfg, device, rank, world, autocas
     # every rank must take part in the all_reduce; a rank with no sample of its own adds a zero copy
     mine = [(i, 1.0) for i in range(rank, n, world)] or [(rank % n, 0.0)]
     for i, keep in mine:
-        batch = collate([samples[i]], [10_000_000 + i], args.num_anchors, args.seed, device)
+        batch = pack.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
         if target is not None:
-            add_target_features(batch, target, cfg, args.loss == "kl")
+            add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
             metrics = objective(batch, alpha_t=None)["metrics"]
         L.add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
@@ -262,6 +240,11 @@ def main(argv=None):
         torch.cuda.set_device(device)
     use_bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
     peak = flops.peak_flops(device, args.peak_tflops)      # FLOP/s for MFU; None on a CPU: no MFU
+    if args.attention == "auto":
+        args.attention = "flex" if device.type == "cuda" else "sdpa"
+    if args.attention == "flex" and device.type == "cpu":
+        raise ValueError("--attention flex: torch runs FlexAttention on CPU forward only (no backward in 2.13); "
+                         "train on CPU with --attention sdpa")
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     torch.manual_seed(args.seed)               # the draft's initial weights
     master = rank == 0
@@ -277,7 +260,7 @@ def main(argv=None):
     # ------------------------------------------------------------------ data
     samples = prepare.load_samples(args.data, args.online, tokenizer, args.max_length)
     eval_samples = prepare.load_samples(args.eval_data, args.online, tokenizer, args.max_length) if args.eval_data else None
-    samples, eval_samples, per_step, steps_per_epoch, total = split_and_schedule(samples, eval_samples, args, world)
+    samples, eval_samples, rows, per_step, steps_per_epoch, total = split_and_schedule(samples, eval_samples, args, world)
 
     # ------------------------------------------------------------------ model, optimizer, resume
     draft = model.DraftModel(cfg).to(device)
@@ -298,8 +281,8 @@ def main(argv=None):
     if ddp:
         objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
     log(f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {sum(p.numel() for p in draft.parameters()):,} parameters; "
-        f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} sequences on {world} "
-        f"rank(s), {device}")
+        f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} rows on {world} rank(s), "
+        f"{device}, {args.attention} attention" + (f"; packed into {len(rows)} rows" if args.pack else ""))
     if device.type == "cuda" and not peak:
         log(f"no MFU: {torch.cuda.get_device_name(device)} is not in flops.PEAK_TFLOPS; give its --peak-tflops")
 
@@ -309,15 +292,15 @@ def main(argv=None):
     done = 0                                      # and its model FLOPs, for MFU (GPU only)
     stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
     while step < stop:
-        epoch, micro_batches = step_micro_batches(step, steps_per_epoch, len(samples), args, rank, world)
+        epoch, micro_batches = step_micro_batches(step, steps_per_epoch, len(rows), args, rank, world)
         alpha_t = L.selector_alpha(step, total, args.selector_loss_alpha, args.selector_warmup_ratio,
                                    args.selector_ramp_ratio) if selector_on else None
         acc, D = {}, torch.zeros((), device=device)
         for m, idx in enumerate(micro_batches):
-            batch = collate([samples[i] for i in idx], [epoch * len(samples) + i for i in idx], args.num_anchors,
-                            args.seed, device)
+            batch = pack.collate([[samples[j] for j in rows[r]] for r in idx], [epoch * len(rows) + r for r in idx],
+                                 args.num_anchors, args.seed, device)
             if target is not None:
-                add_target_features(batch, target, cfg, args.loss == "kl")
+                add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
             last = m == args.grad_accum - 1
             with autocast(), (objective.no_sync() if ddp and not last else torch.enable_grad()):
                 out = objective(batch, alpha_t)
