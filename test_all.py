@@ -1548,8 +1548,13 @@ def run(setup, out, *extra):
     return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
 
 
+def log_records(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def train_losses(out, key="loss"):
-    return [r[key] for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if r["kind"] == "train"]
+    return [r[key] for r in log_records(os.path.join(out, "log.jsonl")) if r["kind"] == "train"]
 
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
@@ -1565,7 +1570,7 @@ def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
 def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, tmp_path):
     # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8 steps
     run(setup, tmp_path, "--num-samples", "4", "--eval-fraction", "0.3", "--epochs", "2", "--log-interval", "1")
-    records = [r for r in map(json.loads, open(tmp_path / "log.jsonl")) if r["kind"] == "train"]
+    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == list(range(1, 9))
     # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
     assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
@@ -1712,7 +1717,7 @@ def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
         # the draft keeps fp32 master weights whatever the target's dtype
         assert all(v.dtype == torch.float32 for v in ck["model"].values())
         if not torch.cuda.is_available():                                  # no MFU without a GPU's peak
-            assert not any("mfu" in r for r in map(json.loads, open(tmp_path / str(dtype) / "log.jsonl")))
+            assert not any("mfu" in r for r in log_records(tmp_path / str(dtype) / "log.jsonl"))
 
 
 # ---------------------------------------------------------------------------- FLOPs and MFU
@@ -1774,7 +1779,7 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     monkeypatch.setattr(flops, "step_flops", lambda cfg, batch, w=0: counted.append(
         (real(cfg, batch, w), int(batch["attention_mask"].sum()))) or counted[-1][0])
     run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
-    records = [r for r in map(json.loads, open(tmp_path / "log.jsonl")) if r["kind"] == "train"]
+    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert len(counted) == 3 and all(f > 0 for f, _ in counted)
     # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak
     done, tokens = map(sum, zip(*counted))
