@@ -1011,7 +1011,7 @@ else:   # every shard read whole into memory and kept (copied: safetensors maps 
     samples = [{{k: t[f"{{k}}.{{j}}"].clone() for k in keys}} for t in shards for j in range(2)]
 total = 0.0                                  # one epoch in a seeded order: every sample's features are read
 for i in torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist():
-    total += float(samples[i]["features"].float().sum())
+    total += float(samples[i]["features"].sum())   # no fp32 copy: keep the allocator's churn out of the peak
 # peak resident bytes of this process (VmHWM: unlike ru_maxrss, it starts afresh at exec, not at the parent's peak)
 print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024)
 """
@@ -1029,7 +1029,10 @@ def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_pa
 
     def peak(folder, how):
         run = subprocess.run([sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how], check=True,
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             capture_output=True, text=True, timeout=300,
+                             # large blocks always mapped and unmapped: glibc's moving threshold would let
+                             # freed temporaries pile up on its heap and add noise to the peak
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"})
         return int(run.stdout.split()[-1])
     streamed_one, streamed_ten, whole_ten = peak(one, "streamed"), peak(ten, "streamed"), peak(ten, "whole")
     print(f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, 10 shards {streamed_ten / 2**20:.1f}; "
