@@ -143,10 +143,16 @@ class PackedLinear(torch.nn.Module):
         return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, self.packed_bias).to_dense()
 
 
+def can_pack(target) -> bool:
+    """oneDNN packs fp32 and bf16 weights, on the CPU only."""
+    param = next(target.parameters())
+    return param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
+
+
 def pack_linears(target):
     """Swap every nn.Linear of a CPU target (fp32 or bf16) for a PackedLinear, in place; returns the target."""
     param = next(target.parameters())
-    if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
+    if not can_pack(target):
         raise ValueError(f"--pack-weights: only for fp32 or bf16 targets on the CPU, not {param.dtype} on "
                          f"{param.device.type}")
     for module in list(target.modules()):

@@ -49,7 +49,7 @@ from common import resolve_dtype
 from config import DraftConfig
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
-from target import PackedLinear, capture_features, convert_embedded, embedded_dir, load_target, pack_linears
+from target import PackedLinear, can_pack, capture_features, convert_embedded, embedded_dir, load_target, pack_linears
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -478,6 +478,7 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
     assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
     assert target.get_output_embeddings().weight is head
     assert torch.allclose(got, want, atol=1e-5)
+    assert not can_pack(tiny_target("llama").half())         # generate.py's default skips it
     with pytest.raises(ValueError, match="--pack-weights"):
         pack_linears(tiny_target("llama").half())
 
