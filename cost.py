@@ -24,7 +24,7 @@ import model
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
-from generate import crop, new_cache
+from generate import crop, embed_and_head, new_cache
 from target import load_target, pack_linears
 
 
@@ -57,8 +57,7 @@ def target_ms(target, context: int, tokens: int, repeats: int) -> float:
 def draft_ms(draft, target, context: int, repeats: int) -> float:
     """Median ms of one draft forward from `context` cached rows plus its unary head over the block."""
     c, dt = draft.config, next(draft.parameters()).dtype
-    embed = lambda t: target.get_input_embeddings()(t).to(dt)
-    head = target.get_output_embeddings().weight.to(dt)
+    embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
     ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=dt),
                torch.arange(context)[None])

@@ -62,6 +62,13 @@ def commit(ids, new: list, prompt_len: int, max_new_tokens: int, stop_ids, on_to
     return ids, stop is not None or len(new) == room
 
 
+def embed_and_head(target, draft):
+    """The target's frozen embedding (a function of ids) and head weight [V, H], in the draft's dtype: a
+    bf16 draft beside an fp32 target is still lossless, since only the target's verify commits tokens."""
+    dt = next(draft.parameters()).dtype
+    return lambda t: target.get_input_embeddings()(t).to(dt), target.get_output_embeddings().weight.to(dt)
+
+
 # ----------------------------------------------------------------------------- propose and accept
 def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
     """The block's proposal. h [1, B-1, H] final draft hidden states, u [1, B-1, V] unary scores,
@@ -128,10 +135,7 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
     """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first.
     on_cycle(drafts, unary argmax, accepted, bonus), if given, sees every cycle's block (--show)."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
-    # The target's frozen embedding and head, in the draft's dtype: a bf16 draft beside an fp32 target
-    # is still lossless, since only the target's verify decides what is committed.
-    dt = next(draft.parameters()).dtype
-    embed, head = lambda t: target.get_input_embeddings()(t).to(dt), target.get_output_embeddings().weight.to(dt)
+    embed, head = embed_and_head(target, draft)
     start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
     cache, ctx = new_cache(target), model.ContextCache()
