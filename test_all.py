@@ -5,7 +5,7 @@ Sections, in file order (each starts with a "# ====" banner):
     conv.py                      the convolution against an explicit loop, identity at init
     selector.py                  scores, lattice and walks against their formulas
     model.py and config.py       training path == inference path, validation rules, save / load contract
-    target.py                    feature capture, the embedded target's conversion
+    target.py                    feature capture, the embedded target's conversion, packed weights
     loss.py                      labels, weights and every loss against hand-worked numbers, chunking
     prepare.py, features.py      loss masks, conversation readers, regeneration, feature shards, batched
                                  capture, streamed reading equal to the shards and flat in memory
@@ -16,6 +16,7 @@ Sections, in file order (each starts with a "# ====" banner):
     train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
                                  dtype, FLOPs against a hand count, MFU
     pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
+    checkpoint formats           published config layouts, Z Lab / speculators round trips, refusals
     checkpoint formats           the published config layouts and the speculators format
 """
 import importlib.util
