@@ -16,7 +16,6 @@ Sections, in file order (each starts with a "# ====" banner):
     train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
                                  dtype, FLOPs against a hand count, MFU
     pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
-    checkpoint formats           published config layouts, Z Lab / speculators round trips, refusals
     checkpoint formats           the published config layouts and the speculators format
 """
 import importlib.util
