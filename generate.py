@@ -22,7 +22,7 @@ import model
 from common import DTYPES, bounded, resolve_dtype, run
 from export import load_any
 from show import ShowBlocks, show_legend
-from target import can_pack, capture_features, check_draft_fits, load_target, pack_linears
+from target import capture_features, check_draft_fits, load_target, pack_if_wanted
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -352,8 +352,7 @@ def main(argv=None):
     target, tok = load_target(args.target, resolve_dtype(args.target_dtype, gpu))
     target = target.to(gpu)
     param = next(target.parameters())
-    if args.pack_weights or args.pack_weights is None and can_pack(target):
-        pack_linears(target)
+    pack_if_wanted(target, args.pack_weights)
     draft = draft.to(device=param.device, dtype=param.dtype if args.draft_dtype == "auto" else DTYPES[args.draft_dtype])
     check_draft_fits(draft.config, target)
     gen = torch.Generator(device=param.device).manual_seed(args.seed)

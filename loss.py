@@ -151,10 +151,11 @@ def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand
     covered = hit.any(-1) & valid
     greedy_ok = (u.argmax(-1) == labels) & valid
     q_label = logq.gather(-1, labels[..., None]).squeeze(-1).exp()
-    p_mass = covered.float() if logp is None else logp.gather(-1, cand_ids).exp().sum(-1)   # target mass in top-K
     out = dict(unary_acc=greedy_ok.float().sum(), target_prob=(n * q_label).sum(), tokens=n.sum(),
-               topk_recall=covered.float().sum(), topk_target_mass=(n * p_mass).sum(),
+               topk_recall=covered.float().sum(),
                accept_unary=leading_run(greedy_ok).sum(), accept_oracle=leading_run(covered).sum())
+    if logp is not None:                                               # the target's mass in the top-K
+        out["topk_target_mass"] = (n * logp.gather(-1, cand_ids).exp().sum(-1)).sum()
     if selector is None:
         return out
     label_idx = hit.float().argmax(-1)
@@ -220,8 +221,10 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
     blocks = (anchor_valid.float().sum()).detach()
     metrics = {"loss": (numerator.detach(), t["D"]), "base_loss": (base.detach(), t["D"]),
                "unary_acc": (t["unary_acc"], t["tokens"]), "target_prob": (t["target_prob"], t["tokens"]),
-               "topk_recall": (t["topk_recall"], t["tokens"]), "topk_target_mass": (t["topk_target_mass"], t["tokens"]),
+               "topk_recall": (t["topk_recall"], t["tokens"]),
                "accept_unary": (t["accept_unary"] + blocks, blocks), "accept_oracle": (t["accept_oracle"] + blocks, blocks)}
+    if "topk_target_mass" in t:                 # only where the target's distribution was given
+        metrics["topk_target_mass"] = (t["topk_target_mass"], t["tokens"])
     if "N_sel" in t:
         metrics.update(sel_loss=(t["N_sel"], t["D"]), sel_acc=(t["sel_acc"], t["sel_covered"]),
                        sel_prob=(t["sel_prob"], t["sel_covered"]), sel_ce=(t["sel_ce"], t["sel_covered"]),

@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 import config
 from common import DTYPES, atomic_write, bounded, end_distributed, resolve_dtype, run
-from features import load_features, save_shard, shard_metadata, shard_path, write_manifest
+from features import COUNTS, load_features, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
-from target import GGUF, capture_features, check_layer_ids, load_target
+from target import GGUF, capture_features, check_layer_ids, load_target, pack_if_wanted
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -211,14 +211,17 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
     mine = range(rank, math.ceil(len(conversations) / shard_size), world)
     bar, tokens = tqdm(total=len(mine), desc=f"features (rank {rank})", unit="shard"), 0
     for k in mine:
-        path = shard_path(out_dir, k)
+        path, chunk = shard_path(out_dir, k), conversations[k * shard_size:(k + 1) * shard_size]
         if os.path.exists(path):
-            old = {key: shard_metadata(path).get(key) for key in settings}
+            meta = shard_metadata(path)
+            old = {key: meta.get(key) for key in settings}
             if old != settings:
                 raise ValueError(f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir")
-            bar.update(1)
-            continue
-        tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in conversations[k * shard_size:(k + 1) * shard_size]]
+            if sum(int(meta[key]) for key in COUNTS) == len(chunk):
+                bar.update(1)
+                continue
+            # else: the last, partial shard of a run over fewer conversations (--num-samples grew): rebuilt
+        tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in chunk]
         keep = [j for j, (ids, mask) in enumerate(tokenized) if len(anchor_positions(mask))]
         by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
         computed = {}
@@ -297,6 +300,9 @@ def main(argv=None):
     p.add_argument("--feature-dtype", choices=DTYPES, default="bf16")
     p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
     p.add_argument("--shard-size", type=bounded(int, low=1), default=64)
+    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="hold the target's weights in oneDNN's layout (default: on for an fp32 / bf16 target on "
+                        "the CPU, where it regenerates and captures faster); --no-pack-weights for stock GEMMs")
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -317,7 +323,7 @@ def main(argv=None):
         barrier()
     if layer_ids:
         check_layer_ids(layer_ids, target)
-    target.to(device)
+    pack_if_wanted(target.to(device), args.pack_weights)
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:

@@ -149,6 +149,13 @@ def can_pack(target) -> bool:
     return param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
 
 
+def pack_if_wanted(target, wanted):
+    """--pack-weights: True packs (or refuses), False never, None (the default) where can_pack says so."""
+    if wanted or wanted is None and can_pack(target):
+        pack_linears(target)
+    return target
+
+
 def pack_linears(target):
     """Swap every nn.Linear of a CPU target (fp32 or bf16) for a PackedLinear, in place; returns the target."""
     param = next(target.parameters())

@@ -863,7 +863,16 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
             "--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2",
             "--features", "--feature-dtype", "bf16", "--save-target-hidden", "--shard-size", "2"]
-    prepare.main(argv)
+    packed, pack_if_wanted = [], prepare.pack_if_wanted        # on the CPU the target's weights are packed
+    prepare.pack_if_wanted = lambda t, w: packed.append(isinstance(pack_if_wanted(t, w).model.layers[0].mlp.up_proj,
+                                                                   PackedLinear))
+    try:
+        prepare.main(argv)
+        with pytest.raises(ValueError, match="use a new --out-dir"):     # refused, after loading the target
+            prepare.main(argv[:-1] + ["3", "--no-pack-weights"])
+    finally:
+        prepare.pack_if_wanted = pack_if_wanted
+    assert packed == [True, False]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
     assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
@@ -872,6 +881,7 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     samples = prepare.load_features(str(out))
     target, tok = load_target(target_dir)
     assert not any(p.requires_grad for p in target.parameters()) and not target.training
+    pack_linears(target)                                  # as prepare.py's target was
     for conv, s in zip(convs, samples):
         ids, mask = prepare.tokenize_conversation(tok, conv, 512)
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
@@ -939,6 +949,26 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
         for k in ("features", "target_hidden"):
             torch.testing.assert_close(x[k], y[k], rtol=1e-5, atol=1e-5)
+
+
+def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
+    # a rerun with more conversations (run.sh with a larger N_TRAIN) keeps the full shards and rebuilds
+    # the last one, which the smaller run had filled only in part
+    target, tok = tiny_target("qwen3"), tiny_tokenizer()
+    convs = [PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine " * (i + 1)}] for i in range(7)]
+    prepare.write_features(target, tok, convs[:5], str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32")
+    seen, batch_features = [], prepare.batch_features
+    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)   # a[2]: the sequences
+    try:
+        prepare.write_features(target, tok, convs, str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32")
+    finally:
+        prepare.batch_features = batch_features
+    assert len(seen) == 3                                 # shard 1 again, now with conversations 4, 5, 6
+    prepare.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
+    grown = prepare.load_features(str(tmp_path))
+    assert len(grown) == 7
+    for conv, sample in zip(convs, grown):
+        assert torch.equal(sample["input_ids"], prepare.tokenize_conversation(tok, conv, 512)[0])
 
 
 def test_shards_split_across_ranks(tmp_path):
@@ -1586,6 +1616,24 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
     anchors = sum(min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum())) for i in order)
     r = records[-1]                                      # both rates share one elapsed time
     assert r["target_tok_per_s"] / r["anchors_per_s"] == pytest.approx(tokens / anchors, rel=1e-3)
+
+
+def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
+    # ce's sums read only the labels: features stored with or without the target's hidden states give
+    # the same steps, and no target-mass metric is made up without them; tv reads them when stored
+    target, tok = load_target(str(setup / "target"))
+    convs, _ = prepare.read_conversations(str(setup / "convs.jsonl"))
+    os.makedirs(tmp_path / "feats")
+    prepare.write_features(target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4)
+    prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
+    timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
+    logs = {}
+    for name, extra in [("with", []), ("without", ["--data", str(tmp_path / "feats")]), ("tv", ["--loss", "tv"])]:
+        run(setup, tmp_path / name, "--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", *extra)
+        logs[name] = [{k: v for k, v in r.items() if k not in timing} for r in log_records(tmp_path / name / "log.jsonl")]
+    assert len(logs["with"]) == 5 and logs["with"] == logs["without"]      # 3 steps, an eval at 2, the final one
+    assert not any("topk_target_mass" in r for r in logs["with"])
+    assert all("topk_target_mass" in r for r in logs["tv"])
 
 
 def test_anchor_sampling():
