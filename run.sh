@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The main job: a DFlash2 draft for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU in
-# about 40 minutes, ending with its held-out accepted lengths.
+# about 38 minutes, ending with its held-out accepted lengths.
 #
 #   bash run.sh                  # DFlash2 on the maths demo: school word problems, held out on GSM8K test
 #   bash run.sh --dflash         # the plain DFlash baseline on the same data and budget
 #   DOMAIN=general bash run.sh   # the general mix (chat, code, maths), held out on MT-Bench/HumanEval/GSM8K
 #   bash run.sh --max-steps 4000 # any train.py flag; N_TRAIN=4800 bash run.sh for more data
 #
-# Steps 1 and 2 are resumable and skipped when already done, so a second run only trains.
+# Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
+# training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
 set -euo pipefail
 cd "$(dirname "$0")"
 CFG=configs/smollm2-135m-dflash2.json
@@ -21,8 +22,11 @@ case $DOMAIN in
 esac
 DATA=${DATA:-data/smollm2-$DOMAIN}
 NAME=dflash2
-for a in "$@"; do [ "$a" = --dflash ] && NAME=dflash; done
-OUT=out/smollm2-$DOMAIN-$NAME
+for a in "$@"; do
+    [ "$a" = --dflash ] && NAME=dflash
+    [ "$a" = --out-dir ] && { echo "error: run.sh: name the output folder with OUT=DIR bash run.sh, not --out-dir" >&2; exit 2; }
+done
+OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 
 t0=$SECONDS
 # 1. The target answers the prompts (greedy, bf16: 2.6x faster than fp32 here, its weights packed for
