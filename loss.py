@@ -179,7 +179,7 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
     """Numerator, denominator and metric sums for one micro-batch.
 
     h [N, A, B, H] draft hidden states (model.forward_training); target_hidden [N, S, H] the
-    target's final normed hidden states (needed by `kl`). alpha_t: selector weight this step, or
+    target's final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`). alpha_t: selector weight this step, or
     None when the selector is frozen (alpha == 0). docs [N, S]: the documents of packed rows, or None.
     Returns {"numerator", "denominator", "metrics"}
     where metrics maps a name to a (numerator, denominator) pair of detached tensors.
@@ -197,7 +197,9 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
                 stop_gradient=stop_gradient, top_k=top_k)
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)   # [N, A, B-1]
     target_at_slots = None          # [N, A, B-1, H]: the target predicts x[a+j] from position a+j-1
-    if target_hidden is not None:
+    # ce reads only the labels: the target's [blocks x (B-1), V] distribution would feed metrics alone,
+    # at about a third of a CPU step, so ce never makes it
+    if target_hidden is not None and loss != "ce":
         pos = (anchors[..., None] + torch.arange(B - 1, device=h.device)).clamp(max=input_ids.shape[1] - 1)
         target_at_slots = target_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(N, A, B - 1, H)
 

@@ -123,15 +123,12 @@ class DraftObjective(torch.nn.Module):
 
     def forward(self, batch, alpha_t):
         a = self.args
-        # ce reads only the labels. Given the target's hidden states, the objective would also make its
-        # [blocks x (B-1), V] distribution, for metrics alone: a third of a CPU step here.
-        target_hidden = batch.get("target_hidden") if a.loss != "ce" else None
         embed = lambda ids: F.embedding(ids, self.embed_weight)
         h = model.forward_training(self.draft, embed, batch["input_ids"], batch["features"], batch["anchors"],
                                    batch["positions"], batch["docs"], a.attention)
         return L.objective(self.draft, self.head_weight, h, batch["input_ids"], batch["loss_mask"], batch["anchors"],
                            batch["anchor_valid"], loss=a.loss, weighting=a.position_weighting, gamma=a.gamma,
-                           dpace_alpha=a.dpace_alpha, target_hidden=target_hidden, alpha_t=alpha_t,
+                           dpace_alpha=a.dpace_alpha, target_hidden=batch.get("target_hidden"), alpha_t=alpha_t,
                            selector_miss=a.selector_miss, stop_gradient=a.selector_stop_gradient,
                            chunk_blocks=a.chunk_blocks or None, docs=batch["docs"])
 
