@@ -1,5 +1,5 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
-nanochat's common.py): dtype names and what `auto` means, atomic writes, the end of a distributed run,
+nanochat's common.py): dtype names, atomic writes, the end of a distributed run,
 and the command-line rule that a user's mistake ends in one line. Nothing else belongs here.
 """
 import argparse
@@ -14,14 +14,6 @@ import torch
 import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def resolve_dtype(name: str, device) -> torch.dtype:
-    """A dtype flag's value (auto or a DTYPES name) -> torch dtype, for the device the model runs on.
-    auto: bf16 on CUDA (tensor-core speed, half the memory of fp32), fp32 on anything else."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 @contextmanager

@@ -6,26 +6,31 @@
 Batch-1 speculative decoding trades one target forward per token for one per cycle:
 
     plain:        t_1 per token                     (one target forward of 1 token)
-    speculative:  (t_B + t_draft) / tau per token   (a target forward of the B-token block, one draft
+    speculative:  (t_n + t_draft) / tau per token   (a target forward of the n verified tokens, one draft
                                                      forward with its head, tau tokens committed)
-    speedup = tau * t_1 / (t_B + t_draft),  so it pays from tau > (t_B + t_draft) / t_1.
+    speedup = tau * t_1 / (t_n + t_draft),  so it pays from tau > (t_n + t_draft) / t_1.
 
-On a GPU t_B is close to t_1 (the weights are read once for all B tokens). On a CPU it need not be: a
-stock fp32 GEMM with more than one input row streams the weights far slower than its 1-row path, which
-made t_8 about 1.7 t_1 here. With the weights in oneDNN's own layout, converted once (target.pack_linears,
-generate.py's default on the CPU), t_8 came back to 1.2-1.4 t_1. This script measures both, so the numbers in README.md can be re-made.
+On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be, and
+which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more than one row streamed the
+weights far slower than the 1-row path on one machine, oneDNN's packed weights (target.pack_linears)
+fixed that there and made plain decoding slower on another. So the functions below are also the short
+measurement behind `--pack-weights auto` (machine.choose_packing), cached per machine: the decode table
+for generate.py, the batched shapes for prepare.py.
 """
 import argparse
 import time
 
 import torch
 
+import machine
 import model
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
 from generate import crop, embed_and_head, new_cache
-from target import load_target, pack_linears
+from target import load_target, pack_linears, unpack_linears
+
+VERIFY_SIZES = (1, 2, 4, 8, 16, 24, 32)   # target forwards measured: a plain step, paths and trees
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -39,13 +44,14 @@ def median_ms(fn, repeats: int) -> float:
 
 
 @torch.no_grad()
-def target_ms(target, context: int, tokens: int, repeats: int) -> float:
-    """Median ms of one target forward of `tokens` new tokens after `context` cached ones (batch 1)."""
+def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) -> float:
+    """Median ms of one target forward of `tokens` new tokens after `context` cached ones, `rows` rows."""
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     cache = new_cache(target)
-    target(input_ids=torch.randint(0, vocab, (1, context), generator=gen), cache=cache, use_cache=True)
-    block = torch.randint(0, vocab, (1, tokens), generator=gen)
+    if context:
+        target(input_ids=torch.randint(0, vocab, (rows, context), generator=gen), cache=cache, use_cache=True)
+    block = torch.randint(0, vocab, (rows, tokens), generator=gen)
 
     def step():
         target(input_ids=block, cache=cache, use_cache=True)
@@ -66,30 +72,70 @@ def draft_ms(draft, target, context: int, repeats: int) -> float:
                      repeats)
 
 
+def both_layouts(target, measure) -> dict:
+    """{"stock": measure(), "packed": measure()} of an unpacked CPU target, which is left unpacked."""
+    out = {"stock": measure()}
+    pack_linears(target)
+    try:
+        out["packed"] = measure()
+    finally:
+        unpack_linears(target)
+    return out
+
+
+def target_key(target) -> str:
+    c, dtype = target.config, next(target.parameters()).dtype
+    return f"{c._name_or_path} {c.model_type} {c.hidden_size}x{c.num_hidden_layers} {dtype}"
+
+
+def decode_table(target, context: int = 200, repeats: int = 7, sizes=VERIFY_SIZES, refresh=False) -> dict:
+    """{"stock": {n: ms}, "packed": {n: ms}}: batch-1 target forwards of n tokens, measured once per machine
+    (refresh: measure again and keep the new numbers)."""
+    table = machine.cached(machine.machine_key("decode", target_key(target), context, sizes), lambda: both_layouts(
+        target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}), refresh)
+    return {layout: {int(n): ms for n, ms in row.items()} for layout, row in table.items()}
+
+
+def data_costs(target, repeats: int = 3) -> dict:
+    """{"stock": ms, "packed": ms} of prepare.py's two shapes, measured once per machine: one step of a
+    64-row regeneration after 128 tokens, plus one 256-token feature forward."""
+    def measure():
+        return target_ms(target, 128, 1, repeats, rows=64) + target_ms(target, 0, 256, repeats)
+    return machine.cached(machine.machine_key("data", target_key(target)), lambda: both_layouts(target, measure))
+
+
+def fastest(row: dict, n: int) -> str:
+    """The layout with the faster n-token forward in a decode table."""
+    return min(row, key=lambda layout: row[layout][n])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Measure the batch-1 cost model of speculative decoding.")
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", default=None, help="a trained draft (default: random weights of --draft-config)")
     ap.add_argument("--draft-config", default="configs/smollm2-135m-dflash2.json")
-    ap.add_argument("--draft-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES], default="auto",
+                    help="auto: what generate.py picks on this machine (machine.py)")
     ap.add_argument("--context", type=bounded(int, low=1), default=200, help="cached tokens before each forward")
     ap.add_argument("--repeats", type=bounded(int, low=1), default=15)
     args = ap.parse_args(argv)
 
+    draft_dtype = machine.resolve_dtype(args.draft_dtype, "cpu", "draft")
     draft = load_any(args.draft) if args.draft else model.DraftModel(load_config(args.draft_config))
-    draft = draft.to(DTYPES[args.draft_dtype]).eval()
-    B, sizes = draft.config.block_size, sorted({1, 4, draft.config.block_size, 16})
+    draft = draft.to(draft_dtype).eval()
+    B = draft.config.block_size
     target, _ = load_target(args.target, torch.float32)
     t_draft = draft_ms(draft, target, args.context, args.repeats)
-    print(f"context {args.context} tokens, {torch.get_num_threads()} threads; draft forward + head "
-          f"({args.draft_dtype}, block {B}): {t_draft:.1f} ms")
-    print(f"{'fp32 target':<22}" + "".join(f"{f'{n} tok':>10}" for n in sizes) + f"{'t_B / t_1':>11}{'pays from tau':>15}")
-    for name in ("stock GEMMs", "packed weights"):
-        if name == "packed weights":
-            pack_linears(target)
-        ms = {n: target_ms(target, args.context, n, args.repeats) for n in sizes}
-        print(f"{name:<22}" + "".join(f"{ms[n]:>8.1f}ms" for n in sizes) +
+    print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
+          f"forward + head ({machine.dtype_name(draft_dtype)}, block {B}): {t_draft:.1f} ms")
+    table = decode_table(target, args.context, args.repeats, refresh=True)   # generate.py reuses this measurement
+    print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>10}" for n in VERIFY_SIZES) + f"{'t_B / t_1':>11}"
+          f"{'pays from tau':>15}")
+    for layout, ms in table.items():
+        print(f"{layout + ' weights':<16}" + "".join(f"{ms[n]:>8.1f}ms" for n in VERIFY_SIZES) +
               f"{ms[B] / ms[1]:>11.2f}{(ms[B] + t_draft) / ms[1]:>15.2f}")
+    print(f"plain decoding is fastest with {fastest(table, 1)} weights, a block of {B} is verified fastest with "
+          f"{fastest(table, B)} weights; 'pays from tau' divides by the faster plain step of the two in generate.py")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 import model
-from common import DTYPES, bounded, resolve_dtype, run
+import machine
+from common import DTYPES, bounded, run
 from export import load_any
 from show import ShowBlocks, show_legend
-from target import capture_features, check_draft_fits, load_target, pack_if_wanted
+from target import PackedLinear, capture_features, check_draft_fits, load_target, pack_linears, unpack_linears
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -275,33 +276,48 @@ def stop_token_ids(target, tok) -> set:
     return ids
 
 
-def bench(target, draft, tok, args, gen, stop):
+def set_packed(target, packed: bool):
+    """Put the target's weights in the layout asked for (a no-op when they are already)."""
+    if packed != any(isinstance(m, PackedLinear) for m in target.modules()):
+        (pack_linears if packed else unpack_linears)(target)
+
+
+def bench(target, draft, tok, args, gen, stop, layouts):
+    """Each set's prompts decoded plainly (in both layouts when auto measured them: the baseline is the
+    faster) and speculatively, in each mode; one row each."""
     from promptsets import eval_prompts  # lazily: the prompt readers need the data wheels
     dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
+    plains = ["packed", "stock"] if layouts["table"] else ["packed" if layouts["plain"] else "stock"]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
-    speculative_generate(target, draft, encode(tok, [{"role": "user", "content": "Hi"}], dev), 8)  # warm-up
-    print(f"{'set':<10} {'mode':<9} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
+    warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
+    print(f"{'set':<10} {'mode':<14} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
           "cycle: draft / selector / verify")
     for name in args.bench:
-        runs = {m: [] for m in ["plain"] + modes}
-        same = {m: 0 for m in modes}          # answers equal to plain decoding's, token for token
-        for text in eval_prompts(name)[:args.bench_limit]:
-            ids = encode(tok, [{"role": "user", "content": text}], dev)
-            plain, stats = target_generate(target, ids, **kw)
-            runs["plain"].append(stats)
-            for m in modes:
-                out, stats = speculative_generate(target, draft, ids, use_selector=m == "selector", **kw)
-                runs[m].append(stats)
-                same[m] += torch.equal(out, plain)
+        prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
+        runs, outs = {}, {}
+        for layout in plains:
+            set_packed(target, layout == "packed")
+            target_generate(target, warm, 8)
+            results = [target_generate(target, ids, **kw) for ids in prompts]
+            runs[f"plain {layout}"] = [s for _, s in results]
+            outs.setdefault("plain", [o for o, _ in results])      # the first layout's answers: the reference
+        set_packed(target, layouts["speculate"])
+        speculative_generate(target, draft, warm, 8)
+        for m in modes:
+            results = [speculative_generate(target, draft, ids, use_selector=m == "selector", **kw) for ids in prompts]
+            runs[m], outs[m] = [s for _, s in results], [o for o, _ in results]
         tps = {m: sum(s.new_tokens for s in r) / sum(s.seconds for s in r) for m, r in runs.items()}
-        n = len(runs["plain"])
+        base, n = max(tps[f"plain {layout}"] for layout in plains), len(prompts)
         for m in modes:  # mean tau pooled over all cycles of the set; phase shares of the summed cycle time
             taus = [t for s in runs[m] for t in s.taus]
             phases = [sum(getattr(s, k) for s in runs[m]) for k in ("draft_s", "select_s", "verify_s")]
             split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
-            print(f"{name:<10} {m:<9} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / tps['plain']:>7.2f}x "
-                  f"{same[m]:>3}/{n:<2}   {split}")
-        print(f"{name:<10} {'plain':<9} {1.0:>8.2f} {tps['plain']:>8.1f} {1.0:>7.2f}x")
+            same = sum(torch.equal(a, b) for a, b in zip(outs[m], outs["plain"]))
+            print(f"{name:<10} {m:<14} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / base:>7.2f}x "
+                  f"{same:>3}/{n:<2}   {split}")
+        for layout in plains:
+            print(f"{name:<10} {'plain ' + layout:<14} {1.0:>8.2f} {tps['plain ' + layout]:>8.1f} "
+                  f"{tps['plain ' + layout] / base:>7.2f}x")
 
 
 def reply(target, draft, tok, messages, args, gen, stop) -> str:
@@ -321,18 +337,37 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def choose_layouts(target, block_size: int, wanted) -> dict:
+    """The target's GEMM layout for speculation (a verify of block_size tokens) and for plain decoding
+    (1 token): machine.choose_packing, from cost.py's decode table where it must measure. The target is
+    left in the speculation's layout; {"speculate", "plain": True if packed, "why", "table" or None}."""
+    import cost   # here, not at the top: cost.py imports this module's cache helpers
+    table = {}
+
+    def measure():
+        table.update(cost.decode_table(target))
+        return {layout: row[block_size] for layout, row in table.items()}
+    pack, why = machine.choose_packing(next(target.parameters()).dtype, target.device, wanted, measure)
+    plain = pack if not table else cost.fastest(table, 1) == "packed"
+    if pack:
+        pack_linears(target)
+    if table:
+        why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
+    return {"speculate": pack, "plain": plain, "why": why, "table": table or None}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding with a DFlash / DFlash2 draft.")
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
     ap.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
-                    help="the target's dtype; auto: bf16 on GPU, fp32 on CPU")
-    ap.add_argument("--draft-dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
-                    help="the draft's dtype; auto: the target's. Output is the target's either way; a bf16 "
-                         "draft runs about 2x faster on CPUs with bf16 instructions (README, Results)")
+                    help="the target's dtype; auto: bf16 on GPU, fp32 on CPU (lossless, see README)")
+    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES], default="auto",
+                    help="the draft's dtype; auto: bf16 on GPU and on CPUs with native bf16, else fp32 "
+                         "(machine.py). Output is the target's either way")
     ap.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                    help="hold the target's weights in oneDNN's layout (default: on for an fp32 / bf16 target on "
-                         "the CPU); --no-pack-weights for stock GEMMs, see README, CPU cost model")
+                    help="hold the target's weights in oneDNN's layout; default: whichever cost.py measured "
+                         "faster on this machine (cached); README, Your machine")
     ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
     ap.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     ap.add_argument("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
@@ -348,17 +383,21 @@ def main(argv=None):
         ap.error("--show prints the blocks of single answers; it does not go with --bench")
 
     draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
-    gpu = "cuda" if torch.cuda.is_available() else "cpu"   # auto: bf16 where CUDA is present, as it always was here
-    target, tok = load_target(args.target, resolve_dtype(args.target_dtype, gpu))
-    target = target.to(gpu)
-    param = next(target.parameters())
-    pack_if_wanted(target, args.pack_weights)
-    draft = draft.to(device=param.device, dtype=param.dtype if args.draft_dtype == "auto" else DTYPES[args.draft_dtype])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target_dtype = machine.resolve_dtype(args.target_dtype, device, "decode")
+    target, tok = load_target(args.target, target_dtype)
+    target = target.to(device)
     check_draft_fits(draft.config, target)
+    layouts = choose_layouts(target, draft.config.block_size, args.pack_weights)
+    draft_dtype = machine.resolve_dtype(args.draft_dtype, device, "draft")
+    draft = draft.to(device=device, dtype=draft_dtype)
+    print(machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(target_dtype)}, {layouts['why']}",
+                              draft=machine.dtype_name(draft_dtype)), file=sys.stderr)
+    param = next(target.parameters())
     gen = torch.Generator(device=param.device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)
     if args.bench:
-        return bench(target, draft, tok, args, gen, stop)
+        return bench(target, draft, tok, args, gen, stop, layouts)
     if args.prompt is not None:
         reply(target, draft, tok, [{"role": "user", "content": args.prompt}], args, gen, stop)
         return

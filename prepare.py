@@ -28,10 +28,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import config
-from common import DTYPES, atomic_write, bounded, end_distributed, resolve_dtype, run
+import machine
+from common import DTYPES, atomic_write, bounded, end_distributed, run
 from features import COUNTS, load_features, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
-from target import GGUF, capture_features, check_layer_ids, load_target, pack_if_wanted
+from target import GGUF, capture_features, check_layer_ids, load_target, pack_linears
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -270,6 +271,20 @@ PROMPT_SETS = {   # name -> seed -> prompts; the held-out sets never depend on t
 }
 
 
+def choose_layout(target, dtype, wanted):
+    """Pack the target's weights or not (machine.choose_packing, measuring prepare's shapes where it must),
+    and say what was chosen and why in one line."""
+    import cost   # here: cost.py loads the decoding code, which only this choice needs
+    pack, why = machine.choose_packing(dtype, target.device, wanted, lambda: cost.data_costs(target))
+    if pack:
+        pack_linears(target)
+    print(machine.choice_line(machine.describe(target.device), target=f"{machine.dtype_name(dtype)}, {why}"),
+          file=sys.stderr)
+    note = machine.slow_bf16_note(dtype, target.device)
+    if note:
+        print(note, file=sys.stderr)
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -278,7 +293,8 @@ def barrier():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="HF directory or hub name (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
+                   help="auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py)")
     p.add_argument("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
@@ -301,8 +317,8 @@ def main(argv=None):
     p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
     p.add_argument("--shard-size", type=bounded(int, low=1), default=64)
     p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="hold the target's weights in oneDNN's layout (default: on for an fp32 / bf16 target on "
-                        "the CPU, where it regenerates and captures faster); --no-pack-weights for stock GEMMs")
+                   help="hold the target's weights in oneDNN's layout; default: on for a bf16 target on a CPU "
+                        "with native bf16, for fp32 whichever a short measurement found faster (machine.py)")
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -318,12 +334,13 @@ def main(argv=None):
     layer_ids = config.load_config(args.draft_config).target_layer_ids if args.features else None
     if rank != 0:         # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
-    target, tok = load_target(args.target, resolve_dtype(args.target_dtype, device))
+    dtype = machine.resolve_dtype(args.target_dtype, device, "data")
+    target, tok = load_target(args.target, dtype)
     if rank == 0:
         barrier()
     if layer_ids:
         check_layer_ids(layer_ids, target)
-    pack_if_wanted(target.to(device), args.pack_weights)
+    choose_layout(target.to(device), dtype, args.pack_weights)
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The main job: a DFlash2 draft for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU in
-# about 38 minutes, ending with its held-out accepted lengths.
+# The main job: a DFlash2 draft for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU within
+# BUDGET_MIN minutes (default 45), ending with its held-out accepted lengths.
 #
 #   bash run.sh                  # DFlash2 on the maths demo: school word problems, held out on GSM8K test
 #   bash run.sh --dflash         # the plain DFlash baseline on the same data and budget
 #   DOMAIN=general bash run.sh   # the general mix (chat, code, maths), held out on MT-Bench/HumanEval/GSM8K
 #   bash run.sh --max-steps 4000 # any train.py flag; N_TRAIN=4800 bash run.sh for more data
+#   BUDGET_MIN=90 bash run.sh    # a longer budget: plan.py sizes the answers to it (N_TRAIN wins)
 #
+# Step 0 measures this machine for about a minute and sizes the job to the budget (plan.py): all 2,400
+# answers where bf16 is native, fewer on a CPU without it. Every precision and GEMM layout is `auto`:
+# machine.py picks them per CPU and each script prints what it chose.
 # Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
 set -euo pipefail
 cd "$(dirname "$0")"
 CFG=configs/smollm2-135m-dflash2.json
 DOMAIN=${DOMAIN:-math}
-N_TRAIN=${N_TRAIN:-2400}      # training prompts, answered by the target itself (on-policy data)
+BUDGET_MIN=${BUDGET_MIN:-45}  # the whole job, in minutes
 N_EVAL=${N_EVAL:-48}          # held-out prompts
 case $DOMAIN in
     math) TRAIN_SET=math; EVAL_SET=math-eval ;;      # GSM8K test questions 1..48, never trained on
@@ -22,23 +26,30 @@ case $DOMAIN in
 esac
 DATA=${DATA:-data/smollm2-$DOMAIN}
 NAME=dflash2
+PLAN=(--budget-min "$BUDGET_MIN" --data "$DATA/train" --draft-config "$CFG")
+[ -n "${N_TRAIN:-}" ] && PLAN+=(--num-samples "$N_TRAIN")
+prev=
 for a in "$@"; do
-    [ "$a" = --dflash ] && NAME=dflash
+    [ "$a" = --dflash ] && { NAME=dflash; PLAN+=(--dflash); }
+    [ "$prev" = --epochs ] && PLAN+=(--epochs "$a")
     [ "$a" = --out-dir ] && { echo "error: run.sh: name the output folder with OUT=DIR bash run.sh, not --out-dir" >&2; exit 2; }
+    prev=$a
 done
 OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 
 t0=$SECONDS
-# 1. The target answers the prompts (greedy, bf16: 2.6x faster than fp32 here, its weights packed for
-#    oneDNN: 1.3x more) and its features are captured at target_layer_ids, with its final hidden state
-#    for the kl loss.
-PREP="--regenerate --max-new-tokens 160 --features --draft-config $CFG --target-dtype bf16 --batch-size 64"
+# 0. The plan: how many training prompts (answered by the target itself: on-policy data) fit the budget.
+N_TRAIN=$(python plan.py "${PLAN[@]}" | sed -n 's/^N_TRAIN=//p')
+echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers"
+# 1. The target answers the prompts (greedy; in bf16 with packed weights where bf16 is native, else fp32)
+#    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.
+PREP="--regenerate --max-new-tokens 160 --features --draft-config $CFG --batch-size 64"
 python prepare.py --prompts $TRAIN_SET --num-samples "$N_TRAIN" $PREP --save-target-hidden --out-dir "$DATA/train"
 python prepare.py --prompts $EVAL_SET --num-samples "$N_EVAL" $PREP --save-target-hidden --out-dir "$DATA/eval"
 echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
-# 2. Train (the recipe study in README.md chose these flags). bf16 autocast is about 3x faster than fp32 here.
+# 2. Train (the recipe study in README.md chose these flags), in bf16 autocast where bf16 is native.
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
-    --out-dir "$OUT" --dtype bf16 --num-anchors 32 --lr 1e-3 --epochs 2 \
+    --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs 2 \
     --eval-interval 600 --save-interval 300 "$@"
 echo "[run.sh] train: $((SECONDS - t0)) s"
 # 3. Export the servable draft directory (config.json + model.safetensors).

@@ -149,15 +149,9 @@ def can_pack(target) -> bool:
     return param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
 
 
-def pack_if_wanted(target, wanted):
-    """--pack-weights: True packs (or refuses), False never, None (the default) where can_pack says so."""
-    if wanted or wanted is None and can_pack(target):
-        pack_linears(target)
-    return target
-
-
 def pack_linears(target):
-    """Swap every nn.Linear of a CPU target (fp32 or bf16) for a PackedLinear, in place; returns the target."""
+    """Swap every nn.Linear of a CPU target (fp32 or bf16) for a PackedLinear, in place; returns the target.
+    machine.choose_packing decides whether to (and refuses what this CPU cannot run)."""
     param = next(target.parameters())
     if not can_pack(target):
         raise ValueError(f"--pack-weights: only for fp32 or bf16 targets on the CPU, not {param.dtype} on "
@@ -166,4 +160,16 @@ def pack_linears(target):
         for name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):
                 setattr(module, name, PackedLinear(child))
+    return target
+
+
+def unpack_linears(target):
+    """Undo pack_linears: every PackedLinear back to an nn.Linear with the same (dense) weight."""
+    for module in list(target.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, PackedLinear):
+                linear = torch.nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=child.bias is not None,
+                                         device="meta")
+                linear.weight, linear.bias = child.weight, child.bias
+                setattr(module, name, linear)
     return target

@@ -30,7 +30,8 @@ import loss as L
 import model
 import pack
 import prepare
-from common import DTYPES, atomic_write, bounded, end_distributed, resolve_dtype, run
+import machine
+from common import DTYPES, atomic_write, bounded, end_distributed, run
 from target import capture_features, check_draft_fits, load_target
 
 
@@ -45,7 +46,7 @@ def parse_args(argv=None):
     a("--num-samples", type=bounded(int, low=1), default=None, help="train on the first N sequences of --data only")
     a("--online", action="store_true", help="run the target in this process to get features every step")
     a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="the target's weights (online: its "
-      "forward); auto: bf16 on GPU, fp32 on CPU. Its embedding and lm_head are used in fp32 either way")
+      "forward); auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py). Its embedding and lm_head are used in fp32 either way")
     a("--max-length", type=bounded(int, low=2), default=512,
       help="online: truncate conversations to this many tokens; --pack: tokens per row")
     a("--pack", action="store_true", help="pack several conversations into each row (pack.py)")
@@ -91,7 +92,7 @@ def parse_args(argv=None):
     a("--compile", action="store_true", help="torch.compile the draft")
     a("--attention", choices=["auto", "sdpa", "flex"], default="auto",
       help="sdpa: dense mask; flex: block-sparse FlexAttention, GPU only; auto: flex on GPU, sdpa on CPU")
-    a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU, fp32 on CPU")
+    a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU and on CPUs with native bf16, else fp32 (machine.py)")
     a("--peak-tflops", type=bounded(float, above=0.0), default=None,
       help="GPU only: the peak (dense bf16) TFLOP/s that MFU divides by; default: flops.PEAK_TFLOPS by device name")
     a("--seed", type=int, default=0)
@@ -238,7 +239,7 @@ def main(argv=None):
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    use_bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
+    use_bf16 = machine.resolve_dtype(args.dtype, device, "train") == torch.bfloat16
     peak = flops.peak_flops(device, args.peak_tflops)      # FLOP/s for MFU; None on a CPU: no MFU
     if args.attention == "auto":
         args.attention = "flex" if device.type == "cuda" else "sdpa"
@@ -250,7 +251,13 @@ def main(argv=None):
     master = rank == 0
     log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
     cfg = build_config(args)
-    target, tokenizer = load_target(args.target, resolve_dtype(args.target_dtype, device))
+    target_dtype = machine.resolve_dtype(args.target_dtype, device, "data")
+    log(machine.choice_line(machine.describe(device), draft=f"{'bf16 autocast' if use_bf16 else 'fp32'}", **(
+        {"online target": machine.dtype_name(target_dtype)} if args.online else {})))
+    for note in {machine.slow_bf16_note(torch.bfloat16 if use_bf16 else torch.float32, device),
+                 machine.slow_bf16_note(target_dtype, device) if args.online else ""} - {""}:
+        log(note)
+    target, tokenizer = load_target(args.target, target_dtype)
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
     head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)

@@ -1,0 +1,178 @@
+"""What this machine runs fast: one rule for the precision and the GEMM layout of every phase.
+
+A 2-core laptop and a cloud VM can differ by 16x on the same step (README, "Your machine"): bf16 is
+fast only where the CPU has bf16 instructions, and oneDNN's packed weights beat stock GEMMs on some
+CPUs and lose on others. So every `auto` flag of the project asks this file, for one of four phases:
+
+    data    the target in prepare.py and in online training: batched forwards of many rows
+    decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8 tokens in one
+            forward rounds differently from decoding them one by one, which flips near-ties (README)
+    train   the draft's autocast in train.py
+    draft   the draft in generate.py: it only proposes, so its precision cannot change the output
+
+    precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
+               AVX-512 kernels), else fp32; decode is fp32 on every CPU.
+    layout     CPU only. bf16: packed (oneDNN's bf16 kernels; stock bf16 GEMMs are slower). fp32: whichever
+               a short measurement on this machine found faster (cost.py; cached per machine, since the
+               capability cannot tell). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
+
+Each script prints one line of what it chose and why (`choice_line`).
+"""
+import json
+import os
+import platform
+
+import torch
+
+from common import DTYPES, atomic_write
+
+
+# ----------------------------------------------------------------------------- what the CPU has
+def cpu_info() -> dict:
+    """What torch reports about this CPU (the tests replace the torch calls to play other CPUs).
+    DFLASH2_CPU=generic makes every CPU look unknown to the rule: fp32 and stock GEMMs on any machine, so
+    that runs (and the test suite) compute the same thing everywhere."""
+    if os.environ.get("DFLASH2_CPU") == "generic":
+        return {"arch": "generic", "capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": False,
+                "amx": False, "onednn_isa": ""}
+    return {"arch": platform.machine().lower(),
+            "capability": torch.backends.cpu.get_cpu_capability(),   # "AVX512", "AVX2", "DEFAULT", "SVE256", ...
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),     # reads the hardware, not the kernels
+            "amx": torch.cpu._is_amx_tile_supported(),
+            "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}   # a cap on oneDNN's instructions, if set
+
+
+def known(info) -> bool:
+    """The rule knows x86 CPUs running AVX2 or AVX-512 kernels; anything else (ARM, an old x86) falls back."""
+    return info["arch"] in ("x86_64", "amd64") and info["capability"] in ("AVX2", "AVX512")
+
+
+def native_bf16(info) -> tuple:
+    """(True if bf16 GEMMs run on bf16 instructions here, why in words)."""
+    name = f"cpu {info['arch']} {info['capability']}"
+    if not known(info):
+        return False, f"{name}, unknown to the rule: fp32 with stock GEMMs"
+    has = [f for f in ("avx512_bf16", "amx") if info[f]]
+    if not has:
+        return False, f"cpu {info['capability']}, no native bf16"
+    # ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 keep the hardware's bf16 units idle
+    lowered = info["capability"] != "AVX512" or info["onednn_isa"] and "AVX512" not in info["onednn_isa"].upper() \
+        and "AMX" not in info["onednn_isa"].upper()
+    if lowered:
+        return False, f"cpu {info['capability']} kernels (capped; the hardware has {' + '.join(has)}), no native bf16"
+    return True, f"cpu AVX512 with {' + '.join(has)}"
+
+
+# ----------------------------------------------------------------------------- precision
+def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
+    """A dtype flag's value (auto or a DTYPES name) -> torch dtype for this phase on this device."""
+    assert phase in ("data", "decode", "train", "draft"), phase
+    if name != "auto":
+        return DTYPES[name]
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    if phase == "decode":
+        return torch.float32
+    return torch.bfloat16 if native_bf16(cpu_info())[0] else torch.float32
+
+
+def slow_bf16_note(dtype, device) -> str:
+    """A line for an explicit bf16 on a CPU without native bf16: it runs, but slowly (measured 4-16x)."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        native, why = native_bf16(cpu_info())
+        if not native:
+            return f"note: bf16 on this CPU ({why}) runs in software, often 4-16x slower than fp32"
+    return ""
+
+
+# ----------------------------------------------------------------------------- GEMM layout
+def packed_bf16_runs() -> bool:
+    """oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert: ask it with a 1 x 1 product."""
+    try:
+        w = torch.ones(1, 1, dtype=torch.bfloat16)
+        torch._C._nn.mkldnn_linear(w.to_mkldnn(), w.to_mkldnn(), None)
+        return True
+    except RuntimeError:
+        return False
+
+
+def check_packable(dtype, device):
+    """--pack-weights asked for: refuse, in one line, what this machine cannot run."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--pack-weights: only for fp32 or bf16 targets on the CPU, not {dtype} on "
+                         f"{torch.device(device).type}")
+    if dtype == torch.bfloat16 and not packed_bf16_runs():
+        raise ValueError(f"--pack-weights with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, avx512vl, "
+                         f"avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; use "
+                         f"--no-pack-weights or --target-dtype fp32")
+
+
+def choose_packing(dtype, device, wanted, measure=None) -> tuple:
+    """--pack-weights {True, False, None = auto} -> (pack?, why). measure() -> {"stock": ms, "packed": ms} of
+    the phase's own shape on this machine; it is called only where the rule cannot tell."""
+    if wanted is not None:
+        if wanted:
+            check_packable(dtype, device)
+        return wanted, "packed weights (asked)" if wanted else "stock GEMMs (asked)"
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False, "stock GEMMs"
+    info = cpu_info()
+    if not known(info):
+        return False, "stock GEMMs (unknown CPU)"
+    if dtype == torch.bfloat16:
+        if native_bf16(info)[0] and packed_bf16_runs():
+            return True, "packed weights (oneDNN bf16)"
+        return False, "stock GEMMs (no oneDNN bf16 here)"
+    ms = measure()
+    pack = ms["packed"] < ms["stock"]
+    return pack, (f"{'packed weights' if pack else 'stock GEMMs'} (measured {ms['packed']:.1f} ms packed vs "
+                  f"{ms['stock']:.1f} ms stock)")
+
+
+def choice_line(info_why: str, **parts) -> str:
+    """`cpu AVX2, no native bf16: target fp32, stock GEMMs (measured ...); draft fp32`."""
+    return info_why + ": " + "; ".join(f"{k} {v}" for k, v in parts.items())
+
+
+def describe(device) -> str:
+    if torch.device(device).type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    return native_bf16(cpu_info())[1].removesuffix(": fp32 with stock GEMMs")
+
+
+def dtype_name(dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+# ----------------------------------------------------------------------------- the per-machine cache
+def cache_path() -> str:
+    root = os.environ.get("DFLASH2_CACHE") or os.path.expanduser("~/.cache/dflash2")
+    return os.path.join(root, "machine.json")
+
+
+def machine_key(*extra) -> str:
+    """This CPU, its kernels, torch and the threads, plus what was measured: a new machine measures anew."""
+    model = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    info = cpu_info()
+    parts = [model or platform.processor(), info["capability"], info["onednn_isa"], f"torch {torch.__version__}",
+             f"{torch.get_num_threads()} threads", *map(str, extra)]
+    return " | ".join(parts)
+
+
+def cached(key: str, measure, refresh=False):
+    """measure()'s JSON-able result for this key, measured once and kept in cache_path() (refresh: again)."""
+    path = cache_path()
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):      # none yet, or unreadable: measure again and rewrite it
+        table = {}
+    if refresh or key not in table:
+        table[key] = measure()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_write(path) as tmp, open(tmp, "w") as f:
+            json.dump(table, f, indent=1)
+    return table[key]
