@@ -27,7 +27,7 @@ import model
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
-from generate import crop, embed_and_head, new_cache
+from generate import crop, embed_and_head, new_cache, with_cache
 from target import load_target, pack_linears, unpack_linears
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 24, 32)   # target forwards measured: a plain step, paths and trees
@@ -50,11 +50,11 @@ def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) ->
     vocab = target.config.vocab_size
     cache = new_cache(target)
     if context:
-        target(input_ids=torch.randint(0, vocab, (rows, context), generator=gen), cache=cache, use_cache=True)
+        target(input_ids=torch.randint(0, vocab, (rows, context), generator=gen), **with_cache(target, cache))
     block = torch.randint(0, vocab, (rows, tokens), generator=gen)
 
     def step():
-        target(input_ids=block, cache=cache, use_cache=True)
+        target(input_ids=block, **with_cache(target, cache))
         crop(cache, context)                                       # back to the same context every time
     return median_ms(step, repeats)
 

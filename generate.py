@@ -12,6 +12,7 @@ the target's own greedy output token for token; at temperature > 0 rejection sam
 proposal distribution q keeps the output distributed exactly as the target's.
 """
 import argparse
+import inspect
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,13 @@ def new_cache(target):
     cache = DynamicCache(config=target.config)
     cache.activate_past_recording()  # sliding-window layers keep their rows until crop(), so rejected ones can go
     return cache
+
+
+def with_cache(target, cache) -> dict:
+    """The forward's keyword arguments that read and extend cache. transformers 5.24 names it `cache`;
+    5.17 (and before) `past_key_values`, and takes any other name silently into **kwargs, uncached."""
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 def crop(cache, length: int):
@@ -140,8 +148,8 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
     start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
     cache, ctx = new_cache(target), model.ContextCache()
-    out, feats = capture_features(target, c.target_layer_ids, input_ids=prompt_ids, cache=cache,
-                                  use_cache=True, logits_to_keep=1)
+    out, feats = capture_features(target, c.target_layer_ids, input_ids=prompt_ids, logits_to_keep=1,
+                                  **with_cache(target, cache))
     crop(cache, P)
     ctx.append(draft, feats, torch.arange(P, device=dev)[None])         # draft context: positions 0..P-1
     first = sample(out.logits[0, -1], temperature, generator)
@@ -155,7 +163,7 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
         d, q = proposer(draft, h[:, 1:], u, ids, temperature, use_selector, generator)   # [1, B-1]
         clock.lap("selector")
         block = torch.cat([ids[:, -1:], d], dim=1)                      # [1, B] at positions s..s+B-1
-        out, feats = capture_features(target, c.target_layer_ids, input_ids=block, cache=cache, use_cache=True)
+        out, feats = capture_features(target, c.target_layer_ids, input_ids=block, **with_cache(target, cache))
         a, nxt = verify(out.logits[0], d[0], q, temperature, generator)  # a accepted drafts, then the target's
         crop(cache, s + a + 1)     # keep anchor + accepted drafts; the new token enters with the next block
         clock.lap("verify")
@@ -175,11 +183,11 @@ def target_generate(target, prompt_ids, max_new_tokens, temperature=0.0, generat
     """Plain decoding, one target forward per token, same cache and sampling: the baseline."""
     dev, P = prompt_ids.device, prompt_ids.shape[1]
     start, cache = now(dev), new_cache(target)
-    logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    logits = target(input_ids=prompt_ids, logits_to_keep=1, **with_cache(target, cache)).logits[0, -1]
     ids, done = commit(prompt_ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens)
     while not done:
         crop(cache, ids.shape[1] - 1)   # a no-op that also trims sliding-window layers
-        logits = target(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+        logits = target(input_ids=ids[:, -1:], **with_cache(target, cache)).logits[0, -1]
         ids, done = commit(ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens)
     return ids, Stats(new_tokens=ids.shape[1] - P, seconds=now(dev) - start)
 

@@ -44,7 +44,7 @@ MIN_SAMPLES = 200       # below this the draft learns too little to be worth the
 def train_step_s(cfg_args: list, target, repeats: int = 3) -> float:
     """Median seconds of one training step of the main recipe (train.py's objective, backward and fused
     AdamW) on one random 200-token conversation with 120 supervised tokens and 32 anchors."""
-    args = train.parse_args(["--data", "-", "--num-anchors", "32", *cfg_args])
+    args = train.parse_args(["--data", "-", "--num-anchors", "32", "--attention", "sdpa", *cfg_args])
     cfg = train.build_config(args)
     torch.manual_seed(0)
     draft = model.DraftModel(cfg)

