@@ -1661,6 +1661,14 @@ def test_resume_continues_exactly(setup, tmp_path):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
 
 
+def test_resume_refuses_an_optimizer_state_kept_by_position(setup, tmp_path):
+    ck = run(setup, tmp_path, "--max-steps", "2", "--steps-this-run", "1")
+    ck["optimizer"]["state"] = dict(enumerate(ck["optimizer"]["state"].values()))   # as opt.state_dict() keeps it
+    torch.save(ck, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="by position"):
+        run(setup, tmp_path, "--max-steps", "2", "--resume")
+
+
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
     common = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"), "--data",
               str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--warmup-ratio", "0",

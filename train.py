@@ -229,6 +229,9 @@ def load_checkpoint(path, draft, opt, sched) -> int:
     if not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)    # mapped: ranks share the pages
+    if any(isinstance(k, int) for k in ck["optimizer"]["state"]):
+        raise ValueError(f"--resume: {path} keeps its optimizer state by position (written before --fsdp); it "
+                         "exports, but resuming needs the state keyed by parameter name")
     fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
     return ck["step"]
