@@ -35,12 +35,7 @@ import features  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
 from common import bounded, run  # noqa: E402
-
-
-def rss_mib(field: str) -> float:
-    """VmRSS (resident now) or VmHWM (peak resident) of this process, in MiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024     # kB
+from train_cost import rss_gib  # noqa: E402
 
 
 def draft_config(hidden: int, layers: int, vocab: int) -> dict:
@@ -72,25 +67,26 @@ def worker(report: str, argv: list):
 
     def random_target(name, dtype):
         torch.manual_seed(0)
-        t = LlamaForCausalLM(LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-                                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=c["hidden_size"] // 64,
-                                         num_key_value_heads=c["hidden_size"] // 128, head_dim=64))
+        H = c["hidden_size"]
+        t = LlamaForCausalLM(LlamaConfig(vocab_size=c["vocab_size"], hidden_size=H, intermediate_size=256,
+                                         num_hidden_layers=2, num_attention_heads=H // 64, num_key_value_heads=H // 128,
+                                         head_dim=64))
         return t.to(dtype).eval().requires_grad_(False), None
 
-    peaks, save, step = {}, train.save_checkpoint, torch.optim.AdamW.step
+    peaks, save, step = {}, train.save_checkpoint, torch.optim.AdamW.step      # peaks in MiB
 
     def measured_step(*args, **kw):
         out = step(*args, **kw)
-        peaks["state"] = rss_mib("VmRSS")
+        peaks["state"] = rss_gib("VmRSS") * 1024
         return out
 
     def measured_save(*args, **kw):
-        peaks.setdefault("train", rss_mib("VmHWM"))
+        peaks.setdefault("train", rss_gib("VmHWM") * 1024)
         save(*args, **kw)
 
     train.load_target, train.save_checkpoint, torch.optim.AdamW.step = random_target, measured_save, measured_step
     train.main(argv)
-    peaks["end"] = rss_mib("VmHWM")
+    peaks["end"] = rss_gib("VmHWM") * 1024
     with open(f"{report}.{os.environ.get('RANK', '0')}", "w") as f:
         json.dump(peaks, f)
 
