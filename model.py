@@ -141,6 +141,11 @@ class Layer(nn.Module):
         self.mlp = MLP(c)
         self.attention_conv, self.mlp_conv = sublayer_wrapper(c), sublayer_wrapper(c)
 
+    def context_kv(self, ctx, pos):
+        """This layer's keys and values of the context rows; a method of the layer, not of its attention,
+        so that train.py --fsdp can gather the layer's shard for it as for forward (fsdp.py)."""
+        return self.self_attn.kv(ctx, pos)
+
     def forward(self, h, pos, ctx_kv, mask):
         h = h + self.attention_conv(self.input_layernorm(h), self.self_attn, pos, ctx_kv, mask)
         return h + self.mlp_conv(self.post_attention_layernorm(h), self.mlp)
@@ -178,7 +183,7 @@ class DraftModel(nn.Module):
         """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v).
         The features are cast to the draft's dtype: a bf16 draft may read an fp32 target."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))      # [N, C, H]
-        return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
+        return [layer.context_kv(ctx, pos) for layer in self.layers]
 
     def forward(self, x, q_pos, q_anchor, q_block, ctx_kv, ctx_pos, q_doc=None, ctx_doc=None, attention="sdpa"):
         """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].

@@ -13,8 +13,9 @@ Sections, in file order (each starts with a "# ====" banner):
     generate.py                  greedy is lossless (== transformers' generate), the rejection rule, sampling, --show
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
-                                 dtype, FLOPs against a hand count, MFU
+    train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile; FSDP ==
+                                 accumulation, resume onto another number of ranks; target dtype, FLOPs
+                                 against a hand count, MFU
     pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped without a GPU):
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -38,6 +40,7 @@ import cost
 import export
 import features
 import flops
+import fsdp
 import generate
 import machine
 import loss as L
@@ -48,6 +51,7 @@ import promptsets
 import show
 import train
 from conv import GroupedDynamicCausalConv
+from common import end_distributed
 from config import DraftConfig
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
@@ -1694,6 +1698,14 @@ def test_resume_continues_exactly(setup, tmp_path):
     assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
 
 
+def test_resume_refuses_an_optimizer_state_kept_by_position(setup, tmp_path):
+    ck = run(setup, tmp_path, "--max-steps", "2", "--steps-this-run", "1")
+    ck["optimizer"]["state"] = dict(enumerate(ck["optimizer"]["state"].values()))   # as opt.state_dict() keeps it
+    torch.save(ck, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="by position"):
+        run(setup, tmp_path, "--max-steps", "2", "--resume")
+
+
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
     common = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"), "--data",
               str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--warmup-ratio", "0",
@@ -1764,6 +1776,131 @@ def test_compile_matches_eager(setup, tmp_path):
     compiled = run(setup, tmp_path / "c", "--max-steps", "2", "--compile")
     for k, v in eager["model"].items():
         assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
+
+
+# ---------------------------------------------------------------------------- FSDP (train.py --fsdp, fsdp.py)
+def free_ports(n: int) -> list:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def two_rank_job(rank, runs, ports, target_dir, out):
+    """Rank `rank` of 2 (gloo), started as torchrun starts train.py: train.main for each argv in turn, each
+    with its own process group on its own port; then the target's features, whole and sharded, for a
+    batch of this rank's own."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    for argv, port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        train.main(argv)
+    os.environ["MASTER_PORT"] = str(ports[-1])
+    torch.distributed.init_process_group("gloo")
+    target, _ = load_target(target_dir)
+    ids = torch.randint(0, 60, (2, 7 + rank), generator=torch.Generator().manual_seed(rank))   # lengths differ
+    whole = capture_features(target, [0, 2], final_hidden=True, input_ids=ids)[1:]
+    sharded = capture_features(fsdp.shard_target(target), [0, 2], final_hidden=True, input_ids=ids)[1:]
+    torch.save({"whole": whole, "sharded": sharded}, os.path.join(out, f"features.{rank}.pt"))
+    end_distributed()
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(setup, tmp_path_factory):
+    """train.py --fsdp runs on 2 ranks (one torch.multiprocessing job for all, so the two processes start
+    once) and the runs on 1 process that they must equal: 2 ranks x 1 micro-batch == 1 process x 2."""
+    d = tmp_path_factory.mktemp("fsdp")
+    base = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"), "--data",
+            str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--warmup-ratio", "0",
+            "--lr", "1e-2", "--seed", "3", "--eval-interval", "1000", "--log-interval", "1", "--fsdp"]
+    two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
+    one = lambda out, *extra: train.main(base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra])
+    half, rest = ["--max-steps", "4", "--steps-this-run", "2"], ["--max-steps", "4", "--resume"]
+    online = ["--max-steps", "2", "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
+    pack_ = ["--max-steps", "2", "--pack", "--max-length", "100"]
+    frozen = ["--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"]
+    one("c", *half)                                        # 2 of 4 steps on 1 process; the other 2 on 2 ranks
+    runs = [two("step", "--max-steps", "1", "--eval-samples", "0"),
+            two("compiled", "--max-steps", "1", "--eval-samples", "0", "--compile"),
+            two("a", *half), two("a", *rest),              # 2 + 2 steps on 2 ranks
+            two("b", *half),                               # 2 steps on 2 ranks; the other 2 on 1 process
+            two("c", *rest),
+            two("online", *online, "--grad-accum", "2"), two("pack", *pack_), two("frozen", *frozen)]
+    ports = free_ports(len(runs) + 1)
+    torch.multiprocessing.spawn(two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2)
+    one("b", *rest)
+    one("straight", "--max-steps", "4")
+    one("one_step", "--max-steps", "1", "--eval-samples", "0")
+    one("online_one", *online, "--grad-accum", "4")
+    one("pack_one", *pack_)
+    one("frozen_one", *frozen)
+    return d
+
+
+def checkpoint_of(d, name):
+    return torch.load(d / name / "ckpt.pt", weights_only=False)
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("two, one", [("step", "one_step"), ("online", "online_one")])
+def test_fsdp_step_equals_one_process_with_accumulation(fsdp_runs, two, one):
+    # offline: 1 step, 2 ranks x 1 micro-batch vs 1 x 2; online (the target sharded too): 2 steps, 2 x 2 vs 1 x 4
+    a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
+    assert largest_difference(a["model"], b["model"]) <= 1e-5
+    assert b["model"]["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0    # it trained
+    la, lb = train_losses(fsdp_runs / two), train_losses(fsdp_runs / one)
+    assert len(la) == len(lb) == a["step"] and la == pytest.approx(lb, rel=1e-5)
+
+
+def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
+    # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2 ranks (c)
+    straight = checkpoint_of(fsdp_runs, "straight")
+    moments = lambda ck: {f"{name}.{m}": state[m] for name, state in ck["optimizer"]["state"].items()
+                          for m in ("exp_avg", "exp_avg_sq")}
+    for name in ("a", "b", "c"):
+        ck = checkpoint_of(fsdp_runs, name)
+        assert ck["step"] == 4
+        assert largest_difference(ck["model"], straight["model"]) <= 1e-5, name
+        assert largest_difference(moments(ck), moments(straight)) <= 1e-6, name
+        assert train_losses(fsdp_runs / name) == pytest.approx(train_losses(fsdp_runs / "straight"), rel=1e-5)
+    # one whole file whatever the ranks: export.py reads it as it reads any training checkpoint
+    sd = export.load_any(str(fsdp_runs / "a")).state_dict()
+    assert largest_difference(sd, checkpoint_of(fsdp_runs, "a")["model"]) == 0
+
+
+def test_fsdp_compile_equals_eager(fsdp_runs):
+    eager, compiled = checkpoint_of(fsdp_runs, "step"), checkpoint_of(fsdp_runs, "compiled")
+    assert largest_difference(eager["model"], compiled["model"]) <= 1e-5
+    assert train_losses(fsdp_runs / "compiled") == pytest.approx(train_losses(fsdp_runs / "step"), rel=1e-5)
+
+
+def test_fsdp_with_pack_and_with_a_frozen_selector_as_under_ddp(fsdp_runs):
+    for two, one in [("pack", "pack_one"), ("frozen", "frozen_one")]:
+        a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
+        assert largest_difference(a["model"], b["model"]) <= 1e-5, two
+        assert train_losses(fsdp_runs / two) == pytest.approx(train_losses(fsdp_runs / one), rel=1e-5)
+    # alpha 0: the sharded selector stays out of the optimizer, untouched by weight decay
+    frozen = checkpoint_of(fsdp_runs, "frozen")
+    torch.manual_seed(3)                                           # the runs' --seed: the draft's initial values
+    init = model.DraftModel(tiny_config()).state_dict()
+    selector = [k for k in init if k.startswith("candidate_selector")]
+    assert selector and all(torch.equal(frozen["model"][k], init[k]) for k in selector)
+    assert sorted(frozen["optimizer"]["param_groups"][0]["params"]) == sorted(set(init) - set(selector))
+
+
+def test_sharded_target_gives_each_rank_the_whole_targets_features(fsdp_runs):
+    for rank in (0, 1):
+        r = torch.load(fsdp_runs / f"features.{rank}.pt")
+        assert r["whole"][0].shape == (2, 7 + rank, 2 * 32)                 # features, then the final hidden state
+        for whole, sharded in zip(r["whole"], r["sharded"]):
+            assert torch.equal(whole, sharded)
 
 
 # ---------------------------------------------------------------------------- target dtype

@@ -3,6 +3,7 @@
     python train.py --data out/features                          # offline: features from prepare.py
     python train.py --online --data convs.jsonl                  # online: the target runs here
     torchrun --standalone --nproc_per_node=2 train.py ...        # DDP (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=8 train.py --fsdp ... # the draft (and online the target) sharded: fsdp.py
 
 Each optimizer step: for every micro-batch of rows (a conversation each, or with --pack several:
 pack.py), sample anchors, run all anchored blocks of each row through the draft in one pass
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 import config
 import flops
+import fsdp
 import loss as L
 import model
 import pack
@@ -90,6 +92,8 @@ def parse_args(argv=None):
     a("--eval-samples", type=bounded(int, low=0), default=64, help="at most this many held-out sequences per evaluation")
     a("--log-interval", type=bounded(int, low=1), default=10)
     a("--compile", action="store_true", help="torch.compile the draft")
+    a("--fsdp", action="store_true", help="under torchrun: shard the draft, its gradients and optimizer state and, "
+      "online, the target over the ranks (FSDP2, fsdp.py) instead of replicating them (DDP)")
     a("--attention", choices=["auto", "sdpa", "flex"], default="auto",
       help="sdpa: dense mask; flex: block-sparse FlexAttention, GPU only; auto: flex on GPU, sdpa on CPU")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on GPU and on CPUs with native bf16, else fp32 (machine.py)")
@@ -190,8 +194,9 @@ def evaluate(objective, samples, args, target, cfg, device, rank, world, autocas
         return {}
     objective.eval()
     acc = {}
-    # every rank must take part in the all_reduce; a rank with no sample of its own adds a zero copy
-    mine = [(i, 1.0) for i in range(rank, n, world)] or [(rank % n, 0.0)]
+    # every rank runs as many forwards (FSDP gathers weights in each) and takes part in the all_reduce:
+    # a rank short of samples of its own adds zero copies
+    mine = [(i % n, float(i < n)) for i in range(rank, -(-n // world) * world, world)]
     for i, keep in mine:
         batch = pack.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
         if target is not None:
@@ -208,22 +213,27 @@ def append_log(path, record: dict):
         f.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(path, draft, cfg, opt, sched, step, args):
-    """Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
-    state = {"model": draft.state_dict(), "config": config.config_to_dict(cfg), "optimizer": opt.state_dict(),
-             "scheduler": sched.state_dict(), "step": step, "args": vars(args)}
-    with atomic_write(path) as tmp:
-        torch.save(state, tmp)
+def save_checkpoint(path, draft, cfg, opt, sched, step, args, master):
+    """Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole state, one file whatever the
+    number of ranks. Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
+    model_state, opt_state = fsdp.full_state(draft, opt)
+    if master:
+        state = {"model": model_state, "config": config.config_to_dict(cfg), "optimizer": opt_state,
+                 "scheduler": sched.state_dict(), "step": step, "args": vars(args)}
+        with atomic_write(path) as tmp:
+            torch.save(state, tmp)
 
 
-def load_checkpoint(path, draft, opt, sched, device) -> int:
+def load_checkpoint(path, draft, opt, sched) -> int:
     """--resume: draft, optimizer and schedule as they were; returns the step to continue from. Nothing
     else needs restoring: after the draft's init every draw (order, anchors) has its own seeded generator."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    ck = torch.load(path, map_location=device, weights_only=False)
-    draft.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optimizer"])
+    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)    # mapped: ranks share the pages
+    if any(isinstance(k, int) for k in ck["optimizer"]["state"]):
+        raise ValueError(f"--resume: {path} keeps its optimizer state by position (written before --fsdp); it "
+                         "exports, but resuming needs the state keyed by parameter name")
+    fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
     return ck["step"]
 
@@ -232,10 +242,11 @@ def load_checkpoint(path, draft, opt, sched, device) -> int:
 def main(argv=None):
     # ------------------------------------------------------------------ setup: ranks, device, target
     args = parse_args(argv)
-    ddp = "RANK" in os.environ          # under torchrun, one process too: the same nccl / gloo path as many
-    if ddp:
+    distributed = "RANK" in os.environ      # under torchrun, one process too: the same nccl / gloo path as many
+    if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    sharded = distributed and args.fsdp and world > 1   # --fsdp on one process: nothing to shard
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -261,7 +272,10 @@ def main(argv=None):
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
     head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
-    target = target.to(device) if args.online else None       # offline: only embedding and head are kept
+    if args.online:                           # offline: only embedding and head are kept
+        target = fsdp.shard_target(target) if sharded else target.to(device)
+    else:
+        target = None
     target_weights = flops.linear_weights(target) if args.online else 0    # 2x this per token: its forward
 
     # ------------------------------------------------------------------ data
@@ -274,6 +288,9 @@ def main(argv=None):
     selector_on = cfg.dflash2 and args.selector_loss_alpha > 0
     if cfg.dflash2 and not selector_on:        # alpha == 0: the selector is frozen, out of the optimizer
         draft.candidate_selector.requires_grad_(False)
+    objective = DraftObjective(torch.compile(draft) if args.compile else draft, embed_w, head_w, args)
+    if sharded:                                # before the optimizer: its parameters become this rank's slices
+        fsdp.shard_draft(objective, draft.layers, use_bf16)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                             fused=True)   # one kernel for all tensors: 7% faster CPU steps here
@@ -282,16 +299,17 @@ def main(argv=None):
     ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.jsonl")
     if master and not args.resume and os.path.exists(log_path):
         os.remove(log_path)                  # a fresh run starts a fresh log
-    step = load_checkpoint(ckpt_path, draft, opt, sched, device) if args.resume else 0
+    step = load_checkpoint(ckpt_path, draft, opt, sched) if args.resume else 0
     if args.resume:
         log(f"resumed from {ckpt_path} at step {step}")
-    objective = DraftObjective(torch.compile(draft) if args.compile else draft, embed_w, head_w, args)
+    ddp = distributed and not args.fsdp
     if ddp:
         objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
     log(f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {sum(p.numel() for p in draft.parameters()):,} parameters; "
         f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} rows on {world} rank(s)"
-        f"{f' ({dist.get_backend()})' if ddp else ''}, "
-        f"{device}, {args.attention} attention" + (f"; packed into {len(rows)} rows" if args.pack else ""))
+        f"{f' ({dist.get_backend()})' if distributed else ''}, "
+        f"{device}, {args.attention} attention" + (", FSDP" if sharded else "")
+        + (f"; packed into {len(rows)} rows" if args.pack else ""))
     if device.type == "cuda" and not peak:
         log(f"no MFU: {torch.cuda.get_device_name(device)} is not in flops.PEAK_TFLOPS; give its --peak-tflops")
 
@@ -318,12 +336,13 @@ def main(argv=None):
             L.add_into(acc, out["metrics"])
             seen += torch.tensor([batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item()])
             done += flops.step_flops(cfg, batch, target_weights) if peak else 0
-        # grad = sum of all numerators' gradients / global D. DDP already averaged over ranks (1/world).
+        # grad = sum of all numerators' gradients / global D. DDP (or FSDP) already averaged over ranks (1/world).
         D = L.all_sum(D)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(world / D.clamp(min=1e-9))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip) if args.grad_clip > 0 else None
+        grad_norm = grad_norm.full_tensor() if sharded and grad_norm is not None else grad_norm   # FSDP: a DTensor
         metrics = L.reduce_metrics(acc)
         if not math.isfinite(metrics["loss"]) or (grad_norm is not None and not torch.isfinite(grad_norm)):
             log(f"step {step}: loss {metrics['loss']} is not finite; stopping. The last good checkpoint is {ckpt_path}")
@@ -347,8 +366,8 @@ def main(argv=None):
             m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
             if master and m:
                 append_log(log_path, {"kind": "eval", "step": step, "elapsed_s": round(time.time() - t0, 1), **m})
-        if master and (step % args.save_interval == 0 or step == stop):
-            save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, args)
+        if step % args.save_interval == 0 or step == stop:
+            save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, args, master)
     bar.close()
 
     # ------------------------------------------------------------------ end
