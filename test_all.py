@@ -685,6 +685,31 @@ def test_fresh_dflash2_base_loss_equals_plain_dflash():
     assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
 
 
+def test_acceptance_statistics_by_hand():
+    """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels [1, 2, 3]
+    and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0; block 1's (0, 1),
+    (0, 2), (1, 2): 0, 0, uncovered. Greedy right: [T, F, T] and [T, T, F] -> runs to slot j: 2, 1, 0."""
+    u = torch.tensor([[[3., 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5., 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]])
+    labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
+    cand_scores, cand_ids = top_k_candidates(u, 2)
+    out = L.metric_terms(None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True)
+    assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
+    assert out["rank_unary"].tolist() == [[2, 0], [1, 1], [1, 0]]
+    assert out["accept_unary"] == out["run_unary"].sum()          # the accepted length: the runs' sum
+    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same statistics
+    d2, _ = twin_drafts()
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    with torch.no_grad():
+        m = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True)
+        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)["metrics"]
+    m = m["metrics"]
+    for what in ("accepted_at", "rank"):
+        assert all(torch.equal(a, b) for a, b in zip(m[f"{what}_selector"], m[f"{what}_unary"]))
+    num, den = m["accepted_at_selector"]
+    assert (1 + (num / den).sum()).item() == pytest.approx((m["accept_selector"][0] / m["accept_selector"][1]).item())
+    assert m["rank_unary"][0].sum() == m["topk_recall"][0] and not any(k.startswith("rank") for k in plain)
+
+
 # ============================================================================ prepare.py
 # A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
 CONVERSATION = [
@@ -1656,6 +1681,29 @@ def test_resume_continues_exactly(setup, tmp_path):
         assert torch.equal(v, resumed["model"][k]), k
     for a, b in zip(straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
+    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates) beside
+    ckpt.pt, consistent with its logged accepted lengths; export.py copies it, generate.py reads it back;
+    an export of a draft without statistics leaves none behind; a broken file is refused by name."""
+    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
+    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
+    assert stats["block_size"] == 4 and stats["step"] == 4 and not any(k.startswith("rank") for k in final)
+    for mode in ("selector", "unary"):
+        r, rank = stats[mode]["accepted"], stats[mode]["rank"]
+        assert len(r) == 3 and r == sorted(r, reverse=True) and 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
+        assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
+    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert export.read_acceptance(str(tmp_path / "out"), 4) == {m: stats[m] for m in ("selector", "unary")}
+    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == export.read_acceptance(str(tmp_path / "out"), 4)
+    os.makedirs(tmp_path / "bare")
+    os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
+    export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
+    assert export.read_acceptance(str(tmp_path / "out"), 4) is None
+    (tmp_path / "bare" / "acceptance.json").write_text(json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}}))
+    with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
+        export.read_acceptance(str(tmp_path / "bare"), 4)
 
 
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
