@@ -14,9 +14,10 @@ On a GPU t_B is close to t_1 (the weights are read once for all B tokens). On a 
 stock fp32 GEMM with more than one input row streams the weights far slower than its 1-row path, which
 made t_8 about 1.7 t_1 here. With the weights in oneDNN's own layout, converted once (target.pack_linears,
 generate.py's default on the CPU), t_8 came back to 1.2-1.4 t_1. This script measures both, so the numbers in README.md can be re-made.
+A tree of N nodes (tree.py) costs t_{N+1}: the table runs to 32 tokens. generate.py's `auto` measures
+the same costs (measured_costs) and picks a path or a tree from them (tree.choose).
 """
 import argparse
-import time
 
 import torch
 
@@ -24,46 +25,53 @@ import model
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
-from generate import crop, embed_and_head, new_cache
+from generate import crop, embed_and_head, new_cache, now
 from target import load_target, pack_linears
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
     fn()                                                           # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now(device)
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now(device) - t0)
     return 1000 * sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
 def target_ms(target, context: int, tokens: int, repeats: int) -> float:
     """Median ms of one target forward of `tokens` new tokens after `context` cached ones (batch 1)."""
-    gen = torch.Generator().manual_seed(0)
+    gen, dev = torch.Generator().manual_seed(0), next(target.parameters()).device
     vocab = target.config.vocab_size
     cache = new_cache(target)
-    target(input_ids=torch.randint(0, vocab, (1, context), generator=gen), cache=cache, use_cache=True)
-    block = torch.randint(0, vocab, (1, tokens), generator=gen)
+    target(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(dev), cache=cache, use_cache=True)
+    block = torch.randint(0, vocab, (1, tokens), generator=gen).to(dev)
 
     def step():
         target(input_ids=block, cache=cache, use_cache=True)
         crop(cache, context)                                       # back to the same context every time
-    return median_ms(step, repeats)
+    return median_ms(step, repeats, dev)
 
 
 @torch.no_grad()
 def draft_ms(draft, target, context: int, repeats: int) -> float:
     """Median ms of one draft forward from `context` cached rows plus its unary head over the block."""
-    c, dt = draft.config, next(draft.parameters()).dtype
+    c, p = draft.config, next(draft.parameters())
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
-    ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=dt),
-               torch.arange(context)[None])
-    anchor, pos = torch.tensor([1]), torch.tensor([context])
+    ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
+               torch.arange(context, device=p.device)[None])
+    anchor, pos = torch.tensor([1], device=p.device), torch.tensor([context], device=p.device)
     return median_ms(lambda: draft.unary_logits(model.forward_inference(draft, embed, ctx, anchor, pos), head),
-                     repeats)
+                     repeats, p.device)
+
+
+def measured_costs(target, draft, sizes, context: int = 200, repeats: int = 5):
+    """This machine, now: ({n: ms of a target forward of n tokens for n in sizes}, ms of the draft's
+    forward with its head), each the median of `repeats` after `context` cached tokens."""
+    return ({n: target_ms(target, context, n, repeats) for n in sizes},
+            draft_ms(draft, target, context, repeats))
 
 
 def main(argv=None):
@@ -78,7 +86,7 @@ def main(argv=None):
 
     draft = load_any(args.draft) if args.draft else model.DraftModel(load_config(args.draft_config))
     draft = draft.to(DTYPES[args.draft_dtype]).eval()
-    B, sizes = draft.config.block_size, sorted({1, 4, draft.config.block_size, 16})
+    B, sizes = draft.config.block_size, sorted({1, 4, draft.config.block_size, 16, 24, 32})
     target, _ = load_target(args.target, torch.float32)
     t_draft = draft_ms(draft, target, args.context, args.repeats)
     print(f"context {args.context} tokens, {torch.get_num_threads()} threads; draft forward + head "
@@ -90,7 +98,6 @@ def main(argv=None):
         ms = {n: target_ms(target, args.context, n, args.repeats) for n in sizes}
         print(f"{name:<22}" + "".join(f"{ms[n]:>8.1f}ms" for n in sizes) +
               f"{ms[B] / ms[1]:>11.2f}{(ms[B] + t_draft) / ms[1]:>15.2f}")
-
 
 if __name__ == "__main__":
     run(main)
