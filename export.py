@@ -91,7 +91,8 @@ def read_acceptance(path: str, block_size: int):
         raise ValueError(f"{file}: not a JSON object")
     unknown = sorted(set(d) - {"block_size", "step", "selector", "unary"})
     if unknown or d.get("block_size") != block_size:
-        raise ValueError(f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), unknown keys {unknown}")
+        raise ValueError(f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "
+                         f"unknown keys {unknown}")
     shares = lambda v, n: isinstance(v, list) and len(v) == n and all(
         isinstance(x, (int, float)) and 0 <= x <= 1 for x in v)
     for mode in {"selector", "unary"} & set(d):

@@ -150,8 +150,8 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
             t, q = grower(draft, h[:, 1:], u, ids, tree_budget, use_selector), None
         clock.lap("selector")
         # One target forward over the block [anchor, nodes...]; a path's ancestor mask is the causal one.
-        n, tree_kw = len(t.tokens), {} if t.is_chain() else dict(
-            position_ids=s + torch.tensor([t.depths], device=dev), attention_mask=tree.attention_masks(t, cache, target.dtype))
+        n, tree_kw = len(t.tokens), {} if t.is_chain() else dict(position_ids=s + torch.tensor([t.depths], device=dev),
+                                                                 attention_mask=tree.attention_masks(t, cache, target.dtype))
         out, feats = capture_features(target, c.target_layer_ids, input_ids=torch.tensor([t.tokens], device=dev),
                                       cache=cache, use_cache=True, **tree_kw)
         if q is not None:          # sampled drafts: rejection sampling against q, as ever
@@ -296,7 +296,8 @@ def bench(target, draft, tok, args, gen, stop):
             plain, stats = target_generate(target, ids, **kw)
             runs["plain"].append(stats)
             for r in rows:
-                out, stats = speculative_generate(target, draft, ids, use_selector=r[0] == "selector", **shape_kw(r[1]), **kw)
+                out, stats = speculative_generate(target, draft, ids, use_selector=r[0] == "selector",
+                                                  **shape_kw(r[1]), **kw)
                 runs[r].append(stats)
                 same[r] += torch.equal(out, plain)
         tps = {r: sum(s.new_tokens for s in v) / sum(s.seconds for s in v) for r, v in runs.items()}

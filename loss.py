@@ -185,7 +185,8 @@ def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand
 # ----------------------------------------------------------------------------- the objective
 def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, *, loss="ce",
               weighting="exp", gamma=None, dpace_alpha=0.5, target_hidden=None, alpha_t=None,
-              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16, docs=None, acceptance=False):
+              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16, docs=None,
+              acceptance=False):
     """Numerator, denominator and metric sums for one micro-batch.
 
     h [N, A, B, H] draft hidden states (model.forward_training); target_hidden [N, S, H] the

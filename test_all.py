@@ -405,7 +405,8 @@ def test_shipped_configs_load():
 
 # ============================================================================ target.py
 def tiny_target(kind: str, initializer_range=0.02):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
     torch.manual_seed(0)
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=initializer_range)
@@ -1467,7 +1468,9 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
     """A budget of B-1 where each node opens only its best child is today's path, cycle for cycle: the same
     drafts each cycle, the same taus, the same output (the target's own greedy output)."""
     B = 5
-    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k != "dtype"}).to(draft_kw.get("dtype", torch.float32))
+    dkw = dict(draft_kw)
+    dtype = dkw.pop("dtype", torch.float32)
+    draft = tiny_draft(B, **dkw).to(dtype)
     target, p = tiny_target("llama"), prompt()
     runs = []
     for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: tree.draft_tree(*a, branch=False))):
@@ -1973,11 +1976,13 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
     assert stats["block_size"] == 4 and stats["step"] == 4 and not any(k.startswith("rank") for k in final)
     for mode in ("selector", "unary"):
         r, rank = stats[mode]["accepted"], stats[mode]["rank"]
-        assert len(r) == 3 and r == sorted(r, reverse=True) and 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
+        assert len(r) == 3 and r == sorted(r, reverse=True)
+        assert 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
         assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    assert export.read_acceptance(str(tmp_path / "out"), 4) == {m: stats[m] for m in ("selector", "unary")}
-    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == export.read_acceptance(str(tmp_path / "out"), 4)
+    stats_read = export.read_acceptance(str(tmp_path / "out"), 4)
+    assert stats_read == {m: stats[m] for m in ("selector", "unary")}
+    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read     # beside ckpt.pt too
     os.makedirs(tmp_path / "bare")
     os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
     export.export(str(tmp_path / "bare"), str(tmp_path / "out"))

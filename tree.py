@@ -76,19 +76,22 @@ def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1)
     budget's. Without branching only the best child opens: the path of best children.
     """
     L, tree = len(cand_ids), Tree([anchor], [-1], [0])
-    heap, count = [], 0           # (-score, tie-break, parent node, its depth + 1, parent's candidate, rank, parent score)
+    heap, count = [], 0        # (-score, tie-break, parent node, depth, parent's candidate, rank, parent's score)
 
-    def push(score, parent, depth, p, rank):     # candidate `rank` of the children of (parent: candidate p)
+    def row(depth, p):         # the children at `depth` of a node holding candidate p (anchor: p = 0)
+        rows = children[depth - 1] if depth <= L else [[]]
+        return rows[p] if len(rows) > 1 else rows[0]
+
+    def push(score, parent, depth, p, rank):     # the rank-th child of node `parent`
         nonlocal count
-        row = children[depth - 1][p if len(children[depth - 1]) > 1 else 0] if depth <= L else []
-        if rank < len(row) and row[rank][0] > -math.inf:                          # a certain miss gets no node
-            heapq.heappush(heap, (-(score + row[rank][0]), count, parent, depth, p, rank, score))
+        if rank < len(row(depth, p)) and row(depth, p)[rank][0] > -math.inf:     # a certain miss gets no node
+            heapq.heappush(heap, (-(score + row(depth, p)[rank][0]), count, parent, depth, p, rank, score))
             count += 1
 
     push(0.0, 0, 1, 0, 0)
     while heap and len(tree.tokens) <= budget:
         neg, _, parent, depth, p, rank, parent_score = heapq.heappop(heap)
-        c = children[depth - 1][p if len(children[depth - 1]) > 1 else 0][rank][1]
+        c = row(depth, p)[rank][1]
         tree.tokens.append(cand_ids[depth - 1][c])
         tree.parents.append(parent)
         tree.depths.append(depth)
@@ -113,9 +116,9 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
         s = sel.lattice(h, ids[:, -1], cand_ids, cand_scores)[0].float()         # [L, K, K]: [d, p] after cand p
         logp = torch.log_softmax(s, dim=-1)                                      # the selector's K-way q
     else:                   # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
-        by_id, perm = cand_ids.sort(dim=-1)
-        cand_ids = by_id.gather(-1, cand_scores.gather(-1, perm).float().sort(dim=-1, descending=True,
-                                                                              stable=True).indices)
+        by_id, perm = cand_ids.sort(dim=-1)                                     # in vocabulary order
+        best = cand_scores.gather(-1, perm).float().sort(dim=-1, descending=True, stable=True).indices
+        cand_ids = by_id.gather(-1, best)                                         # by score, then by id
         s = u[0].float().gather(-1, cand_ids[0])[:, None]                        # [L, 1, K]: any parent
         logp = torch.log_softmax(u[0].float(), dim=-1).gather(-1, cand_ids[0])[:, None]
     order = s.sort(dim=-1, descending=True, stable=True).indices                 # best first, ties in order
@@ -202,8 +205,8 @@ def expected_tau(stats: dict, budget: int, branch: bool) -> float:
         rest = sum(rho[1:])
         scale = min(a / rho[0] if rho[0] > 0 else 1.0, (1 - a) / rest if rest > 0 else 0.0)
         probs.append([a] + [x * scale for x in rho[1:]])
-    children = [[sorted(((math.log(x) if x > 0 else -math.inf, m) for m, x in enumerate(row)), key=lambda e: -e[0])]
-                for row in probs]
+    logs = [[(math.log(x) if x > 0 else -math.inf, m) for m, x in enumerate(row)] for row in probs]
+    children = [[sorted(row, key=lambda e: -e[0])] for row in logs]          # best first, ties by rank
     t = grow([list(range(len(row))) for row in probs], children, budget)
     p = [1.0]
     for i in range(1, len(t.tokens)):
@@ -241,7 +244,7 @@ def auto(target, draft, draft_path: str, mode: str, trees: bool = True):
     stats = (read_acceptance(draft_path, B) or {}).get(mode)
     if stats is None:
         return choose(None, None, None, B, trees)
-    sizes = [*range(1, B + 1), *(n + 1 for n in TREE_BUDGETS if trees)]
+    sizes = [*range(1, B + 1), *(n + 1 for n in TREE_BUDGETS if trees and "rank" in stats)]
     return choose(*cost.measured_costs(target, draft, sizes), stats, B, trees)
 
 
@@ -272,6 +275,6 @@ def choose(costs: dict, draft_ms: float, stats, B: int, trees: bool = True):
            f"{1000 * rate[best]:.1f} tok/s predicted, {rate[best] / plain:.2f}x plain ({1000 * plain:.1f} tok/s)")
     if best != path:
         why += f"; best path: {path[1]} drafts, tau {taus[path]:.2f}, {1000 * rate[path]:.1f} tok/s"
-    elif trees and len(shapes) > len([s for s in shapes if s[0] == "path"]):
+    elif any(s[0] == "tree" for s in shapes):
         why += "; no tree beats it here"
     return best, why + ("; speculation does not pay here by this prediction" if rate[best] <= plain else "")
