@@ -1968,8 +1968,9 @@ def test_resume_continues_exactly(setup, tmp_path):
 
 def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
     """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates) beside
-    ckpt.pt, consistent with its logged accepted lengths; export.py copies it, generate.py reads it back;
-    an export of a draft without statistics leaves none behind; a broken file is refused by name."""
+    ckpt.pt, consistent with its logged accepted lengths (and again, alone, when a finished run resumes);
+    export.py copies it, generate.py reads it back; an export of a draft without statistics leaves none
+    behind; a broken file is refused by name."""
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
     stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
     final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
@@ -1979,6 +1980,9 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
         assert len(r) == 3 and r == sorted(r, reverse=True)
         assert 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
         assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
+    os.remove(tmp_path / "run" / "acceptance.json")          # a finished run resumed only re-evaluates: the same
+    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
+    assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
     stats_read = export.read_acceptance(str(tmp_path / "out"), 4)
     assert stats_read == {m: stats[m] for m in ("selector", "unary")}
