@@ -6,7 +6,8 @@ Sections, in file order (each starts with a "# ====" banner):
     selector.py                  scores, lattice and walks against their formulas
     model.py and config.py       training path == inference path, validation rules, save / load contract
     target.py                    feature capture, the embedded target's conversion, packed weights
-    loss.py                      labels, weights and every loss against hand-worked numbers, chunking
+    loss.py                      labels, weights and every loss against hand-worked numbers, chunking,
+                                 the per-slot acceptance statistics
     prepare.py, features.py      loss masks, conversation readers, regeneration, feature shards, batched
                                  capture, streamed reading equal to the shards and flat in memory
     promptsets.py                the prompt sets (skipped without the data packages)
@@ -14,8 +15,8 @@ Sections, in file order (each starts with a "# ====" banner):
                                  growth, 4-D masks, KV gather, scripted trees, sampling, what auto chooses
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile, target
-                                 dtype, FLOPs against a hand count, MFU
+    train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation, freezing,
+                                 compile, target dtype, FLOPs against a hand count, MFU
     pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
 """
