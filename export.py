@@ -76,7 +76,7 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
 
 def acceptance_file(path: str) -> str:
     """Where a draft's acceptance statistics live: in its directory (an export or a run), or beside ckpt.pt."""
-    return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), ACCEPTANCE)
+    return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), ACCEPTANCE)
 
 
 def read_acceptance(path: str, block_size: int):
