@@ -15,10 +15,10 @@ which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more tha
 weights far slower than the 1-row path on one machine, oneDNN's packed weights (target.pack_linears)
 fixed that there and made plain decoding slower on another. So the functions below are also the short
 measurement behind `--pack-weights auto` (machine.choose_packing), cached per machine: the decode table
-for generate.py, the batched shapes for prepare.py.
+for generate.py, the batched shapes for prepare.py. A tree of N nodes (tree.py) costs t_{N+1}: the table
+runs to 33 tokens, and generate.py's `auto` picks a path or a tree from it (tree.choose).
 """
 import argparse
-import time
 
 import torch
 
@@ -27,49 +27,49 @@ import model
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
-from generate import crop, embed_and_head, new_cache, with_cache
+from generate import crop, embed_and_head, new_cache, now, with_cache
 from target import load_target, pack_linears, unpack_linears
 
-VERIFY_SIZES = (1, 2, 4, 8, 16, 24, 32)   # target forwards measured: a plain step, paths and trees
+VERIFY_SIZES = (1, 2, 4, 8, 16, 24, 32)   # target forwards cost.py prints: a plain step, paths and trees
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
     fn()                                                           # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now(device)
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now(device) - t0)
     return 1000 * sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
 def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) -> float:
     """Median ms of one target forward of `tokens` new tokens after `context` cached ones, `rows` rows."""
-    gen = torch.Generator().manual_seed(0)
+    gen, dev = torch.Generator().manual_seed(0), next(target.parameters()).device
     vocab = target.config.vocab_size
     cache = new_cache(target)
     if context:
-        target(input_ids=torch.randint(0, vocab, (rows, context), generator=gen), **with_cache(target, cache))
-    block = torch.randint(0, vocab, (rows, tokens), generator=gen)
+        target(input_ids=torch.randint(0, vocab, (rows, context), generator=gen).to(dev), **with_cache(target, cache))
+    block = torch.randint(0, vocab, (rows, tokens), generator=gen).to(dev)
 
     def step():
         target(input_ids=block, **with_cache(target, cache))
         crop(cache, context)                                       # back to the same context every time
-    return median_ms(step, repeats)
+    return median_ms(step, repeats, dev)
 
 
 @torch.no_grad()
 def draft_ms(draft, target, context: int, repeats: int) -> float:
     """Median ms of one draft forward from `context` cached rows plus its unary head over the block."""
-    c, dt = draft.config, next(draft.parameters()).dtype
+    c, p = draft.config, next(draft.parameters())
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
-    ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=dt),
-               torch.arange(context)[None])
-    anchor, pos = torch.tensor([1]), torch.tensor([context])
+    ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
+               torch.arange(context, device=p.device)[None])
+    anchor, pos = torch.tensor([1], device=p.device), torch.tensor([context], device=p.device)
     return median_ms(lambda: draft.unary_logits(model.forward_inference(draft, embed, ctx, anchor, pos), head),
-                     repeats)
+                     repeats, p.device)
 
 
 def both_layouts(target, measure) -> dict:
@@ -136,7 +136,6 @@ def main(argv=None):
               f"{ms[B] / ms[1]:>11.2f}{(ms[B] + t_draft) / ms[1]:>15.2f}")
     print(f"plain decoding is fastest with {fastest(table, 1)} weights, a block of {B} is verified fastest with "
           f"{fastest(table, B)} weights; 'pays from tau' divides by the faster plain step of the two in generate.py")
-
 
 if __name__ == "__main__":
     run(main)

@@ -16,12 +16,17 @@ does not match its config, or that a format cannot say, is refused with a messag
 import argparse
 import os
 import re
+import shutil
 
 import torch
 
 import model
 from common import DTYPES, run
 from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, read_json
+
+# train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export: generate.py's
+# `auto` reads them (tree.choose). A file of its own, so config.json stays the public contract.
+ACCEPTANCE = "acceptance.json"
 
 MAX_SHARD_BYTES = 5 * 10**9     # transformers 4.x's default (5.x raised its own to 50GB)
 # Wrappers add these to every key: torch.compile -> "_orig_mod.", DistributedDataParallel -> "module.".
@@ -67,6 +72,37 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
                                 "config.json + model.safetensors (or its shards), or one with ckpt.pt")
     cfg_dict, sd = read_checkpoint(file)
     return model.draft_from_state_dict(config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype).eval()
+
+
+def acceptance_file(path: str) -> str:
+    """Where a draft's acceptance statistics live: in its directory (an export or a run), or beside ckpt.pt."""
+    return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), ACCEPTANCE)
+
+
+def read_acceptance(path: str, block_size: int):
+    """The held-out acceptance statistics recorded with the draft at path, or None if it has none:
+    {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or unary
+    (their meaning: tree.expected_tau)."""
+    file = acceptance_file(path)
+    if not os.path.isfile(file):
+        return None
+    d, L = read_json(file), block_size - 1
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    unknown = sorted(set(d) - {"block_size", "step", "selector", "unary"})
+    if unknown or d.get("block_size") != block_size:
+        raise ValueError(f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "
+                         f"unknown keys {unknown}")
+    shares = lambda v, n: isinstance(v, list) and len(v) == n and all(
+        isinstance(x, (int, float)) and 0 <= x <= 1 for x in v)
+    for mode in {"selector", "unary"} & set(d):
+        m = d[mode] if isinstance(d[mode], dict) else {}
+        rank = m.get("rank", [[1.0]] * L)
+        if not (set(m) <= {"accepted", "rank"} and shares(m.get("accepted"), L) and isinstance(rank, list) and
+                len(rank) == L and all(isinstance(row, list) and row and shares(row, len(rank[0])) for row in rank)):
+            raise ValueError(f"{file}: {mode} must hold accepted: {L} rates in [0, 1], and may hold rank: {L} "
+                             "rows of K shares in [0, 1]")
+    return {mode: d[mode] for mode in ("selector", "unary") if mode in d}
 
 
 # ----------------------------------------------------------------------------- the speculators format
@@ -152,6 +188,11 @@ def export(checkpoint_path_or_dir: str, out_dir: str, dtype=torch.bfloat16, fmt=
     draft = load_any(checkpoint_path_or_dir)          # fp32: no rounding before the one cast below
     cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None   # refusals before writing
     model.save_draft(draft, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, cfg=cfg)
+    src, dst = acceptance_file(checkpoint_path_or_dir), os.path.join(out_dir, ACCEPTANCE)
+    if os.path.isfile(src) and not os.path.samefile(os.path.dirname(src), out_dir):
+        shutil.copyfile(src, dst)
+    elif not os.path.isfile(src) and os.path.isfile(dst):
+        os.remove(dst)                     # an earlier export's statistics, not this draft's
     return out_dir
 
 

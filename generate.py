@@ -10,6 +10,9 @@ agreeing prefix plus one bonus token from the target is committed, the target's 
 back to the committed tokens, and their target features become new draft context. Greedy output is
 the target's own greedy output token for token; at temperature > 0 rejection sampling against the
 proposal distribution q keeps the output distributed exactly as the target's.
+
+--verify-tokens k sends only the first k drafts; --tree-budget N sends a tree of N nodes instead of a
+path (tree.py); auto, the default, picks the one predicted fastest on this machine.
 """
 import argparse
 import inspect
@@ -21,10 +24,11 @@ import torch
 
 import model
 import machine
+import tree
 from common import DTYPES, bounded, run
 from export import load_any
-from show import ShowBlocks, show_legend
-from target import PackedLinear, capture_features, check_draft_fits, load_target, pack_linears, unpack_linears
+from show import Printer, ShowBlocks, show_legend
+from target import capture_features, check_draft_fits, load_target, pack_linears
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -97,14 +101,6 @@ def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None
     return torch.multinomial(q[0], 1, generator=generator).T, q
 
 
-def accept_greedy(logits, drafts):
-    """Target rows logits [B, V] (row j predicts the token after block slot j), drafts [B-1]
-    -> (a = accepted drafts, the target's next token)."""
-    best = logits.argmax(-1)                                          # [B]
-    a = int((drafts == best[:-1]).long().cumprod(0).sum())            # longest agreeing prefix
-    return a, int(best[a])                                            # the bonus: target's choice after it
-
-
 def accept_probability(p, q, d: int) -> float:
     """Rejection sampling accepts a draft token d ~ q with probability min(1, p(d) / q(d))."""
     return min(1.0, float(p[d] / q[d]))
@@ -129,21 +125,17 @@ def rejection_sample(p, q, drafts, generator=None):
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
 
 
-def verify(logits, drafts, q, temperature: float, generator=None):
-    """The target's rows logits [B, V] against drafts [B-1] -> (a, next token): greedy, or rejection
-    sampling against the proposal q [1, B-1, V] (None when greedy)."""
-    if temperature == 0:
-        return accept_greedy(logits, drafts)
-    return rejection_sample(probs(logits, temperature), q[0], drafts, generator)
-
-
 # ----------------------------------------------------------------------------- the two decoding loops
 @torch.no_grad()
 def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=0.0, use_selector=True,
-                         generator=None, stop_ids=(), on_tokens=None, proposer=propose, on_cycle=None):
+                         generator=None, stop_ids=(), on_tokens=None, proposer=propose, on_cycle=None,
+                         verify_tokens=None, tree_budget=None, grower=tree.draft_tree):
     """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first.
-    on_cycle(drafts, unary argmax, accepted, bonus), if given, sees every cycle's block (--show)."""
+    Each cycle verifies the path of verify_tokens drafts (default B-1), or with tree_budget a tree of that
+    many nodes (tree.py). on_cycle(drafts, unary argmax, accepted, bonus, tree=None), if given, sees every
+    cycle (--show); for a tree, drafts are its nodes and tree is (the Tree, the accepted nodes)."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
+    k = verify_tokens or c.block_size - 1
     embed, head = embed_and_head(target, draft)
     start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
@@ -160,20 +152,36 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
         h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s], device=dev))  # [1, B, H]
         u = draft.unary_logits(h, head)[:, 1:]      # [1, B-1, V]; all B rows scored: see README, "GEMM shapes"
         clock.lap("draft")
-        d, q = proposer(draft, h[:, 1:], u, ids, temperature, use_selector, generator)   # [1, B-1]
+        if tree_budget is None:    # a path: the first k drafts of the walk (q: what they were sampled from)
+            d, q = proposer(draft, h[:, 1:], u, ids, temperature, use_selector, generator)   # [1, B-1]
+            t, q = tree.Tree.chain(int(ids[0, -1]), d[0, :k].tolist()), None if q is None else q[:, :k]
+        else:                      # a tree, built deterministically from the draft's scores
+            t, q = grower(draft, h[:, 1:], u, ids, tree_budget, use_selector), None
         clock.lap("selector")
-        block = torch.cat([ids[:, -1:], d], dim=1)                      # [1, B] at positions s..s+B-1
-        out, feats = capture_features(target, c.target_layer_ids, input_ids=block, **with_cache(target, cache))
-        a, nxt = verify(out.logits[0], d[0], q, temperature, generator)  # a accepted drafts, then the target's
-        crop(cache, s + a + 1)     # keep anchor + accepted drafts; the new token enters with the next block
+        # One target forward over the block [anchor, nodes...]; a path's ancestor mask is the causal one.
+        n, tree_kw = len(t.tokens), {} if t.is_chain() else dict(position_ids=s + torch.tensor([t.depths], device=dev),
+                                                                 attention_mask=tree.attention_masks(t, cache, target.dtype))
+        out, feats = capture_features(target, c.target_layer_ids, input_ids=torch.tensor([t.tokens], device=dev),
+                                      **with_cache(target, cache), **tree_kw)
+        if q is not None:          # sampled drafts: rejection sampling against q, as ever
+            a, nxt = rejection_sample(probs(out.logits[0], temperature), q[0], d[0, :k], generator)
+            path = list(range(1, a + 1))
+        else:                      # follow the target's own token (argmax, or sampled from p) through the tree
+            path, nxt = tree.walk(t, out.logits[0], lambda row: sample(row, temperature, generator))
+        rows = [0] + path          # the anchor and the accepted nodes: only their KV rows stay, in this order
+        if rows != list(range(len(rows))):
+            tree.keep_rows(cache, n, rows)
+        crop(cache, s + len(rows)) # the new token enters with the next block
         clock.lap("verify")
         # The verify pass already computed the features of the anchor and the accepted drafts: new context.
-        ctx.append(draft, feats[:, :a + 1], torch.arange(s, s + a + 1, device=dev)[None])
+        ctx.append(draft, feats[:, rows], torch.arange(s, s + len(rows), device=dev)[None])
         clock.lap("draft")
         if on_cycle:
-            on_cycle(d[0].tolist(), u[0].argmax(-1).tolist(), a, nxt)
-        ids, done = commit(ids, d[0, :a].tolist() + [nxt], P, max_new_tokens, stop_ids, on_tokens)
-        taus.append(a + 1)
+            best = u[0].argmax(-1).tolist()                             # the unary argmax of each node's slot
+            on_cycle(t.tokens[1:], [best[i - 1] for i in t.depths[1:]], len(path), nxt,
+                     **({} if tree_budget is None else dict(tree=(t, path))))
+        ids, done = commit(ids, [t.tokens[i] for i in path] + [nxt], P, max_new_tokens, stop_ids, on_tokens)
+        taus.append(len(path) + 1)
     return ids, Stats.of(ids.shape[1] - P, now(dev) - start, taus, c.block_size, clock)
 
 
@@ -254,20 +262,6 @@ def now(device) -> float:
 
 
 # ----------------------------------------------------------------------------- command line
-class Printer:
-    """Streams committed tokens as text: decode everything so far, print only the new characters."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], 0
-
-    def __call__(self, new):
-        self.ids += new
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):              # else half a multi-byte character: wait for the rest
-            print(text[self.shown:], end="", flush=True)
-            self.shown = len(text)
-
-
 def encode(tok, messages, device):
     """A conversation -> prompt ids [1, P] through the target's chat template (plain text without one)."""
     if tok.chat_template:
@@ -284,48 +278,13 @@ def stop_token_ids(target, tok) -> set:
     return ids
 
 
-def set_packed(target, packed: bool):
-    """Put the target's weights in the layout asked for (a no-op when they are already)."""
-    if packed != any(isinstance(m, PackedLinear) for m in target.modules()):
-        (pack_linears if packed else unpack_linears)(target)
+def verify_arg(text):
+    """A --verify-tokens / --tree-budget value: auto, or a count >= 1."""
+    return text if text == "auto" else bounded(int, low=1)(text)
 
 
-def bench(target, draft, tok, args, gen, stop, layouts):
-    """Each set's prompts decoded plainly (in both layouts when auto measured them: the baseline is the
-    faster) and speculatively, in each mode; one row each."""
-    from promptsets import eval_prompts  # lazily: the prompt readers need the data wheels
-    dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
-    plains = ["packed", "stock"] if layouts["table"] else ["packed" if layouts["plain"] else "stock"]
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
-    warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
-    print(f"{'set':<10} {'mode':<14} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
-          "cycle: draft / selector / verify")
-    for name in args.bench:
-        prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
-        runs, outs = {}, {}
-        for layout in plains:
-            set_packed(target, layout == "packed")
-            target_generate(target, warm, 8)
-            results = [target_generate(target, ids, **kw) for ids in prompts]
-            runs[f"plain {layout}"] = [s for _, s in results]
-            outs.setdefault("plain", [o for o, _ in results])      # the first layout's answers: the reference
-        set_packed(target, layouts["speculate"])
-        speculative_generate(target, draft, warm, 8)
-        for m in modes:
-            results = [speculative_generate(target, draft, ids, use_selector=m == "selector", **kw) for ids in prompts]
-            runs[m], outs[m] = [s for _, s in results], [o for o, _ in results]
-        tps = {m: sum(s.new_tokens for s in r) / sum(s.seconds for s in r) for m, r in runs.items()}
-        base, n = max(tps[f"plain {layout}"] for layout in plains), len(prompts)
-        for m in modes:  # mean tau pooled over all cycles of the set; phase shares of the summed cycle time
-            taus = [t for s in runs[m] for t in s.taus]
-            phases = [sum(getattr(s, k) for s in runs[m]) for k in ("draft_s", "select_s", "verify_s")]
-            split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
-            same = sum(torch.equal(a, b) for a, b in zip(outs[m], outs["plain"]))
-            print(f"{name:<10} {m:<14} {sum(taus) / len(taus):>8.2f} {tps[m]:>8.1f} {tps[m] / base:>7.2f}x "
-                  f"{same:>3}/{n:<2}   {split}")
-        for layout in plains:
-            print(f"{name:<10} {'plain ' + layout:<14} {1.0:>8.2f} {tps['plain ' + layout]:>8.1f} "
-                  f"{tps['plain ' + layout] / base:>7.2f}x")
+def shape_kw(shape) -> dict:
+    return dict(verify_tokens=shape[1]) if shape[0] == "path" else dict(tree_budget=shape[1])
 
 
 def reply(target, draft, tok, messages, args, gen, stop) -> str:
@@ -333,11 +292,14 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     (and the baseline with --compare)."""
     ids = encode(tok, messages, next(target.parameters()).device)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
-    watch = dict(on_cycle=ShowBlocks(tok, sys.stdout.isatty())) if args.show else dict(on_tokens=Printer(tok))
-    out, stats = speculative_generate(target, draft, ids, use_selector=not args.unary, **watch, **kw)
+    watch = dict(on_cycle=ShowBlocks(tok, sys.stdout.isatty(), args.shape[0] == "tree")) if args.show else \
+        dict(on_tokens=Printer(tok))
+    out, stats = speculative_generate(target, draft, ids, use_selector=not args.unary, **shape_kw(args.shape),
+                                      **watch, **kw)
     if args.show:
         print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), end="")
-    print(f"\n[{'unary' if args.unary or not draft.candidate_selector else 'selector'}] {stats.summary()}")
+    mode = "unary" if args.unary or not draft.candidate_selector else "selector"
+    print(f"\n[{mode}, {tree.label(args.shape)}] {stats.summary()}")
     if args.compare:
         base, base_stats = target_generate(target, ids, **kw)
         same = "identical" if torch.equal(base, out) else "different (expected only at temperature > 0)"
@@ -345,23 +307,31 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def choose_layouts(target, block_size: int, wanted) -> dict:
-    """The target's GEMM layout for speculation (a verify of block_size tokens) and for plain decoding
-    (1 token): machine.choose_packing, from cost.py's decode table where it must measure. The target is
-    left in the speculation's layout; {"speculate", "plain": True if packed, "why", "table" or None}."""
+def choose_layouts(target, draft, wanted) -> dict:
+    """The target's GEMM layout for speculation (a verify of B tokens) and for plain decoding (1 token):
+    machine.choose_packing, from cost.py's decode table where it must measure. The target is left in the
+    speculation's layout. -> {"speculate", "plain": True if packed, "why", "table" (or None), "costs":
+    costs(sizes) -> ({n: ms of an n-token target forward}, draft ms), what tree.auto prices shapes with}."""
     import cost   # here, not at the top: cost.py imports this module's cache helpers
-    table = {}
+    B, table = draft.config.block_size, {}
+    sizes = tree.priced_sizes(B)
 
     def measure():
-        table.update(cost.decode_table(target))
-        return {layout: row[block_size] for layout, row in table.items()}
+        table.update(cost.decode_table(target, sizes=sizes))
+        return {layout: row[B] for layout, row in table.items()}
     pack, why = machine.choose_packing(next(target.parameters()).dtype, target.device, wanted, measure)
     plain = pack if not table else cost.fastest(table, 1) == "packed"
     if pack:
         pack_linears(target)
     if table:
         why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
-    return {"speculate": pack, "plain": plain, "why": why, "table": table or None}
+
+    def costs(want):   # the table of the speculation's layout where it was measured, else measured now
+        t_draft = cost.draft_ms(draft, target, 200, 5)
+        if table and set(want) <= set(sizes):
+            return {n: table["packed" if pack else "stock"][n] for n in want}, t_draft
+        return {n: cost.target_ms(target, 200, n, 5) for n in want}, t_draft
+    return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
 
 
 def main(argv=None):
@@ -384,11 +354,18 @@ def main(argv=None):
     ap.add_argument("--compare", action="store_true", help="also run plain target decoding and compare")
     ap.add_argument("--bench", nargs="+", choices=["mtbench", "humaneval", "gsm8k"], default=None)
     ap.add_argument("--bench-limit", type=bounded(int, low=1), default=None, help="first N prompts of each set")
+    ap.add_argument("--verify-tokens", nargs="+", type=verify_arg, metavar="{auto,1..B-1}",
+                    help="verify a path: the first k of the B-1 drafts; auto: the k predicted fastest here")
+    ap.add_argument("--tree-budget", nargs="+", type=verify_arg, metavar="{auto,N}",
+                    help="verify a tree of N drafted nodes in one target forward (tree.py); auto (the default): "
+                         "a tree or a path, whichever is predicted fastest here. --bench takes several: a row each")
     ap.add_argument("--show", action="store_true", help="print every cycle's block, in colour on a terminal, "
                     "else with these markers: " + show_legend())
     args = ap.parse_args(argv)
     if args.show and args.bench:
         ap.error("--show prints the blocks of single answers; it does not go with --bench")
+    if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
+        ap.error("--verify-tokens / --tree-budget: one value (several, one row each, only with --bench)")
 
     draft = load_any(args.draft)            # first: a mistake in it shows before the target loads
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -396,16 +373,19 @@ def main(argv=None):
     target, tok = load_target(args.target, target_dtype)
     target = target.to(device)
     check_draft_fits(draft.config, target)
-    layouts = choose_layouts(target, draft.config.block_size, args.pack_weights)
     draft_dtype = machine.resolve_dtype(args.draft_dtype, device, "draft")
     draft = draft.to(device=device, dtype=draft_dtype)
+    layouts = choose_layouts(target, draft, args.pack_weights)
     print(machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(target_dtype)}, {layouts['why']}",
                               draft=machine.dtype_name(draft_dtype)), file=sys.stderr)
     param = next(target.parameters())
     gen = torch.Generator(device=param.device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)
     if args.bench:
-        return bench(target, draft, tok, args, gen, stop, layouts)
+        import bench     # the benchmark rows: only --bench needs them
+        return bench.bench(target, draft, tok, args, gen, stop, layouts)
+    mode = "unary" if args.unary or not draft.candidate_selector else "selector"
+    args.shape = tree.plan(args.verify_tokens, args.tree_budget, draft, args.draft, mode, layouts["costs"])[0]
     if args.prompt is not None:
         reply(target, draft, tok, [{"role": "user", "content": args.prompt}], args, gen, stop)
         return

@@ -86,7 +86,8 @@ def chunk_terms(draft, lm_head_weight, h, labels, prev, w0, target_hidden, opts)
     with torch.no_grad():
         cand_scores, cand_ids = top_k_candidates(u, min(c.selector_top_k or opts["top_k"], c.vocab_size))  # [M, L, K]
     terms = objective_terms(draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_ids, opts)
-    terms.update(metric_terms(draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids))
+    terms.update(metric_terms(draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids,
+                              opts["acceptance"]))
     return terms
 
 
@@ -142,9 +143,10 @@ def leading_run(ok):
 
 
 @torch.no_grad()
-def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids):
+def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids, acceptance=False):
     """Metric sums, no gradient: how often the unary argmax, the top-K, the selector (teacher-forced) and
-    the selector's own greedy path get the label, and the accepted lengths those imply."""
+    the selector's own greedy path get the label, and the accepted lengths those imply. With acceptance,
+    per slot [L] and per slot and candidate [L, K] too: what acceptance.json holds (train.py)."""
     valid = w0 > 0
     n = valid.float()
     hit = cand_ids == labels[..., None]                                # [M, L, K]
@@ -156,6 +158,10 @@ def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand
                accept_unary=leading_run(greedy_ok).sum(), accept_oracle=leading_run(covered).sum())
     if logp is not None:                                               # the target's mass in the top-K
         out["topk_target_mass"] = (n * logp.gather(-1, cand_ids).exp().sum(-1)).sum()
+    K = cand_ids.shape[-1]
+    if acceptance:     # blocks whose path is right up to slot j; slots whose label is the draft's candidate k
+        out.update(slots=n.sum(0), run_unary=greedy_ok.float().cumprod(-1).sum(0),
+                   rank_unary=(F.one_hot(hit.float().argmax(-1), K) * covered[..., None]).sum(0).float())
     if selector is None:
         return out
     label_idx = hit.float().argmax(-1)
@@ -169,18 +175,24 @@ def metric_terms(selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand
     ok = (path == labels) & valid
     out["path_num"], out["path_den"] = ok.float().sum(0), n.sum(0)       # [L] accuracy per position
     out["accept_selector"] = leading_run(ok).sum()
+    if acceptance:     # the label's rank among the K candidates under the selector, given its predecessor
+        rank = (strict > strict.gather(-1, label_idx[..., None])).sum(-1)
+        out.update(run_selector=ok.float().cumprod(-1).sum(0),
+                   rank_selector=(F.one_hot(rank, K) * covered[..., None]).sum(0).float())
     return out
 
 
 # ----------------------------------------------------------------------------- the objective
 def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, *, loss="ce",
               weighting="exp", gamma=None, dpace_alpha=0.5, target_hidden=None, alpha_t=None,
-              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16, docs=None):
+              selector_miss="strict", stop_gradient=False, chunk_blocks=None, top_k=16, docs=None,
+              acceptance=False):
     """Numerator, denominator and metric sums for one micro-batch.
 
     h [N, A, B, H] draft hidden states (model.forward_training); target_hidden [N, S, H] the
     target's final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`). alpha_t: selector weight this step, or
     None when the selector is frozen (alpha == 0). docs [N, S]: the documents of packed rows, or None.
+    acceptance: add the per-slot statistics of acceptance.json to the metrics (held-out evaluation).
     Returns {"numerator", "denominator", "metrics"}
     where metrics maps a name to a (numerator, denominator) pair of detached tensors.
     """
@@ -194,7 +206,7 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
             raise ValueError(f"no default gamma for block size {B}; set --gamma")
         gamma = DEFAULT_GAMMA[B]
     opts = dict(weighting=weighting, gamma=gamma, dpace_alpha=dpace_alpha, selector_miss=selector_miss,
-                stop_gradient=stop_gradient, top_k=top_k)
+                stop_gradient=stop_gradient, top_k=top_k, acceptance=acceptance)
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)   # [N, A, B-1]
     target_at_slots = None          # [N, A, B-1, H]: the target predicts x[a+j] from position a+j-1
     # ce reads only the labels: the target's [blocks x (B-1), V] distribution would feed metrics alone,
@@ -232,6 +244,10 @@ def objective(draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_va
                        sel_prob=(t["sel_prob"], t["sel_covered"]), sel_ce=(t["sel_ce"], t["sel_covered"]),
                        accept_selector=(t["accept_selector"] + blocks, blocks),
                        path_acc=(t["path_num"], t["path_den"]))
+    for mode in ("unary", "selector") if acceptance else ():      # r_j per slot j; rho_j(k) per slot and rank
+        if f"run_{mode}" in t:
+            metrics[f"accepted_at_{mode}"] = (t[f"run_{mode}"], blocks.expand(B - 1))
+            metrics[f"rank_{mode}"] = (t[f"rank_{mode}"], t["slots"][:, None].expand_as(t[f"rank_{mode}"]))
     return {"numerator": numerator, "denominator": t["D"], "metrics": metrics}
 
 

@@ -6,16 +6,21 @@ Sections, in file order (each starts with a "# ====" banner):
     selector.py                  scores, lattice and walks against their formulas
     model.py and config.py       training path == inference path, validation rules, save / load contract
     target.py                    feature capture, the embedded target's conversion, packed weights
-    loss.py                      labels, weights and every loss against hand-worked numbers, chunking
+    loss.py                      labels, weights and every loss against hand-worked numbers, chunking,
+                                 the per-slot acceptance statistics
     prepare.py, features.py      loss masks, conversation readers, regeneration, feature shards, batched
                                  capture, streamed reading equal to the shards and flat in memory
     promptsets.py                the prompt sets (skipped without the data packages)
-    generate.py                  greedy is lossless (== transformers' generate), the rejection rule, sampling, --show
+    generate.py, tree.py         greedy is lossless (== transformers' generate), the rejection rule, sampling,
+                                 --show; trees: best-first growth, 4-D masks, KV gather, scripted trees,
+                                 sampling, what auto chooses
+    machine.py, cost.py, plan.py the rule per CPU (other CPUs played by monkeypatch), packed-layout choice
+                                 and refusals, the per-machine cache, the job's sizing by hand
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py, flops.py           loss goes down, resume, DDP == accumulation, freezing, compile; FSDP ==
-                                 accumulation, resume onto another number of ranks; target dtype, FLOPs
-                                 against a hand count, MFU
+    train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation, freezing,
+                                 compile; FSDP == accumulation, resume onto another number of ranks; target
+                                 dtype, FLOPs against a hand count, MFU
     pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped without a GPU):
@@ -50,6 +55,7 @@ import prepare
 import promptsets
 import show
 import train
+import tree
 from conv import GroupedDynamicCausalConv
 from common import end_distributed
 from config import DraftConfig
@@ -415,12 +421,18 @@ def test_shipped_configs_load():
 
 # ============================================================================ target.py
 def tiny_target(kind: str, initializer_range=0.02):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
     torch.manual_seed(0)
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=initializer_range)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    if kind in ("llama", "llama-eager"):
+        return LlamaForCausalLM(LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")).eval()
+    if kind == "mistral-sliding":                         # every layer a sliding window of 5
+        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
+    if kind == "qwen3-sliding":                           # sliding and full layers, a window of 5
+        return Qwen3ForCausalLM(Qwen3Config(**kw, layer_types=["sliding_attention", "full_attention"] * 2,
+                                            sliding_window=5, use_sliding_window=True)).eval()
     return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
 
 
@@ -696,6 +708,31 @@ def test_fresh_dflash2_base_loss_equals_plain_dflash():
     assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(a["denominator"], b["denominator"])
     # and its selector walk is the unary greedy path
     assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
+
+
+def test_acceptance_statistics_by_hand():
+    """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels [1, 2, 3]
+    and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0; block 1's (0, 1),
+    (0, 2), (1, 2): 0, 0, uncovered. Greedy right: [T, F, T] and [T, T, F] -> runs to slot j: 2, 1, 0."""
+    u = torch.tensor([[[3., 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5., 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]])
+    labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
+    cand_scores, cand_ids = top_k_candidates(u, 2)
+    out = L.metric_terms(None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True)
+    assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
+    assert out["rank_unary"].tolist() == [[2, 0], [1, 1], [1, 0]]
+    assert out["accept_unary"] == out["run_unary"].sum()          # the accepted length: the runs' sum
+    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same statistics
+    d2, _ = twin_drafts()
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    with torch.no_grad():
+        m = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True)
+        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)["metrics"]
+    m = m["metrics"]
+    for what in ("accepted_at", "rank"):
+        assert all(torch.equal(a, b) for a, b in zip(m[f"{what}_selector"], m[f"{what}_unary"]))
+    num, den = m["accepted_at_selector"]
+    assert (1 + (num / den).sum()).item() == pytest.approx((m["accept_selector"][0] / m["accept_selector"][1]).item())
+    assert m["rank_unary"][0].sum() == m["topk_recall"][0] and not any(k.startswith("rank") for k in plain)
 
 
 # ============================================================================ prepare.py
@@ -1448,6 +1485,279 @@ def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
 
 
+# ---------------------------------------------------------------------------- trees: --tree-budget, --verify-tokens
+def test_grow_best_first_by_hand():
+    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11: 20 (0.9),
+    21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21 .03: that order."""
+    lg = math.log
+    children = [[[(lg(0.7), 0), (lg(0.3), 1)]],
+                [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]]]
+    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
+    assert full == tree.Tree([5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2])
+    for n in range(7):                                   # a smaller budget is a prefix of a larger one
+        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
+        assert t == tree.Tree(full.tokens[:n + 1], full.parents[:n + 1], full.depths[:n + 1])
+    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(5, [10, 21])
+    assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
+    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]   # 11-20: anchor, 11, itself
+
+
+@pytest.mark.parametrize("draft_kw,use_selector", [({}, True), ({}, False), (dict(plain=True), True),
+                                                   (dict(dtype=torch.bfloat16), True)])
+def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
+    """A budget of B-1 where each node opens only its best child is today's path, cycle for cycle: the same
+    drafts each cycle, the same taus, the same output (the target's own greedy output)."""
+    B = 5
+    dkw = dict(draft_kw)
+    dtype = dkw.pop("dtype", torch.float32)
+    draft = tiny_draft(B, **dkw).to(dtype)
+    target, p = tiny_target("llama"), prompt()
+    runs = []
+    for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: tree.draft_tree(*a, branch=False))):
+        cycles = []
+        out, st = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector,
+                                                on_cycle=lambda *c, **_: cycles.append(c), **kw)
+        runs.append((out, st.taus, cycles))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:] and len(runs[0][2]) > 3
+    assert torch.equal(runs[0][0], generate.target_generate(target, p, 30)[0])
+    # ties: unary scores equal at tokens 5 and 3 of slot 1 -> argmax takes 3, and so does the tree
+    u = torch.zeros(1, B - 1, 64)
+    u[0, 0, [5, 3]], u[0, 1:, 7] = 1.0, 2.0
+    t = tree.draft_tree(draft, torch.zeros(1, B - 1, 32), u, torch.tensor([[1]]), B - 1, False, branch=False)
+    assert t.tokens[1:] == u[0].argmax(-1).tolist() == [3, 7, 7, 7]
+
+
+def path_logits(target, ctx, t, i):
+    """The target's logits after node i of tree t, from a plain forward over ctx and i's path."""
+    path = [i]
+    while t.parents[path[-1]] >= 0:
+        path.append(t.parents[path[-1]])
+    seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in reversed(path)]])], dim=1)
+    return target(input_ids=seq).logits[0, -1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
+def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
+    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path. Then
+    the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a plain one
+    (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
+    target, ctx = tiny_target(kind), prompt(9)
+    t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
+    with torch.no_grad():
+        cache = generate.new_cache(target)
+        target(input_ids=ctx, cache=cache, use_cache=True)
+        generate.crop(cache, 9)
+        masks = tree.attention_masks(t, cache, torch.float32)
+        assert isinstance(masks, dict) == (kind == "qwen3-sliding")     # sliding and full layers: one mask each
+        out = target(input_ids=torch.tensor([t.tokens]), position_ids=9 + torch.tensor([t.depths]),
+                     attention_mask=masks, cache=cache, use_cache=True).logits[0]
+        for i in range(len(t.tokens)):
+            assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
+        rows = [0, 1, 3, 5]                                             # anchor, 7, 9, 11: not a prefix
+        tree.keep_rows(cache, len(t.tokens), rows)
+        generate.crop(cache, 9 + len(rows))
+        seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
+        after = target(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits[0, -1]
+        assert (after - target(input_ids=seq).logits[0, -1]).abs().max() < 1e-5
+        # a chain's masks are the causal mask: the same logits as the forward without one
+        chain, cache = tree.Tree.chain(5, [7, 9, 11]), generate.new_cache(target)
+        target(input_ids=ctx, cache=cache, use_cache=True)
+        generate.crop(cache, 9)
+        masks = tree.attention_masks(chain, cache, torch.float32)
+        plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
+        masked = target(input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache).logits[0]
+        assert (plain - masked).abs().max() < 1e-5
+
+
+def scripted_grower(ref, kind, V=64):
+    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N] (r_1..r_D at
+    the committed length), in best-first order (parents first), cut at the budget; `expected` records how
+    many nodes each cycle must accept, known by construction:
+      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1} under w_d)
+      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
+      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
+    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an accepted
+    node's attention, changes the output."""
+    expected = []
+
+    def grower(draft, h, u, ids, budget, use_selector):
+        L, D = ids.shape[1], u.shape[1]
+        r = ref[0, L:L + D].tolist()
+        w = [(t + 1) % V for t in r]
+        if kind == "right":
+            nodes = [(d, r[d]) for d in range(D)] + [(d, w[d]) for d in range(D)] + \
+                [(d + 1, r[d + 1]) for d in range(D - 1)]
+            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]   # w_d is node D + 1 + d
+            accepted = min(budget, D)
+        elif kind == "wrong-at-k":
+            k = L % D
+            nodes = [(d, r[d]) for d in range(k)] + [(k, w[k]), (k, (r[k] + 2) % V)]
+            parents = list(range(k)) + [k, k]
+            if k + 1 < D:                                               # a trap under the first wrong child
+                nodes, parents = nodes + [(k + 1, r[k + 1])], parents + [k + 1]
+            accepted = min(budget, k)
+        else:
+            nodes, parents = [], []
+            for d in range(D):                                          # w_d is node 2d + 1, r_d node 2d + 2
+                nodes += [(d, w[d]), (d, r[d])]
+                parents += [2 * d, 2 * d]
+            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
+            parents += [2 * d + 1 for d in range(D - 1)]
+            accepted = min(budget // 2, D)
+        n = min(budget, len(nodes))
+        expected.append(accepted)
+        return tree.Tree([int(ids[0, -1])] + [t for _, t in nodes[:n]], [-1] + parents[:n],
+                         [0] + [d + 1 for d, _ in nodes[:n]])
+    return grower, expected
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-sliding"])
+@pytest.mark.parametrize("shape", ["right", "wrong-at-k", "branch-only"])
+def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, shape):
+    B, n = 5, 25
+    target, draft, p = tiny_target(kind), tiny_draft(B), prompt()
+    ref, _ = generate.target_generate(target, p, n + 2 * B)
+    for budget in (1, 3, 4, 8, 32):
+        grower, expected = scripted_grower(ref, shape)
+        out, st = generate.speculative_generate(target, draft, p, n, tree_budget=budget, grower=grower)
+        assert torch.equal(out, ref[:, :p.shape[1] + n]), (budget, shape)
+        assert st.taus == [a + 1 for a in expected] and len(st.taus) > 3
+
+
+@pytest.mark.parametrize("B", [2, 5])
+def test_verify_tokens_sends_the_first_k_drafts(B):
+    """A path of k <= B-1 drafts: greedy stays lossless at every k; always-right drafts give tau k + 1 each
+    cycle; k = B-1 is the default, today's behaviour, exactly."""
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = generate.target_generate(target, p, 30 + B)
+    for k in range(1, B):
+        sent = []
+
+        def recording(draft, h, u, ids, *rest):
+            d, q = scripted_proposer(ref, lambda L: None)(draft, h, u, ids, *rest)
+            sent.append(d.shape[1])
+            return d, q
+        out, st = generate.speculative_generate(target, draft, p, 30, verify_tokens=k, proposer=recording)
+        assert torch.equal(out, ref[:, :p.shape[1] + 30]) and st.taus == [k + 1] * len(st.taus)
+        out, st = generate.speculative_generate(target, draft, p, 30, verify_tokens=k)
+        assert torch.equal(out, ref[:, :p.shape[1] + 30])
+    default, st0 = generate.speculative_generate(target, draft, p, 30)
+    same, st1 = generate.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
+    assert torch.equal(default, same) and st0.taus == st1.taus
+
+
+def test_tree_walk_samples_exactly_the_target():
+    """At T > 0 the walk samples the target's token at each node and moves to the child holding it. With
+    fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the second,
+    after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test: V = 4, N =
+    20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach node 1)."""
+    p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
+    logits = torch.stack([p0, p1, p0, p0]).log()                       # rows: anchor, node 1 (0), node 2 (2), node 3
+    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])          # children of the anchor 0, 2; of node 1: 3
+    g, N = torch.Generator().manual_seed(0), 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(N):
+        path, nxt = tree.walk(t, logits, lambda row: generate.sample(row, 1.0, g))
+        committed = [t.tokens[i] for i in path] + [nxt]
+        first[committed[0]] += 1
+        if committed[0] == 0:
+            second[committed[1]] += 1
+    assert second.sum() > 7000 and tv(first, p0) < 0.025 and tv(second, p1) < 0.025
+
+
+def test_tree_sampling_matches_target_distribution():
+    """End to end at temperature 1 with a tree of 4 nodes, built deterministically from the draft: the
+    second new token must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1). Bound as in
+    test_speculative_sampling_matches_target_distribution (V = 6, N = 1200, eps = 0.07: < 1e-3)."""
+    V, N = 6, 1200
+    target, draft = tiny_vocab_pair(V)
+    p = torch.tensor([[1, 4, 2]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)
+        both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)
+    g, counts, taus, trees = torch.Generator().manual_seed(0), torch.zeros(V), [], []
+
+    def recording(*a):
+        trees.append(tree.draft_tree(*a))
+        return trees[-1]
+    for _ in range(N):
+        out, st = generate.speculative_generate(target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4,
+                                                grower=recording)
+        counts[out[0, 4]] += 1
+        taus += st.taus
+    assert tv(counts, p2) < 0.07
+    assert not trees[0].is_chain() and 1 in taus and max(taus) > 1    # branching, rejections and acceptances
+
+
+# ---------------------------------------------------------------------------- trees: what auto chooses
+def test_expected_tau_by_hand():
+    """rho_1 = [.6, .3], rho_2 = [.5, .25], r = [.6, .3]: the best candidates' rates already match
+    (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5), .15,
+    .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25 / .25)."""
+    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
+    assert tree.expected_tau(stats, 1, False) == pytest.approx(1.6)
+    assert tree.expected_tau(stats, 2, False) == pytest.approx(1.9)
+    assert [tree.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
+        [1.6, 1.9, 2.2, 2.5, 2.575, 2.575])
+    corr = {"accepted": [0.6, 0.45], "rank": [[0.6, 0.3], [0.5, 0.25]]}
+    # nodes: .6, .6 * .75 = .45, .3, .6 * .25 = .15, .3 * .75 = .225, .3 * .25 = .075
+    assert [tree.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx([2.05, 2.35, 2.575])
+    assert tree.expected_tau(corr, 2, False) == pytest.approx(2.05)   # no branching: the measured path
+
+
+def test_choose_by_hand():
+    """B = 3, draft 3 ms. Expected taus (test_expected_tau_by_hand): path 1: 1.6, path 2: 1.9, tree 2: 1.9,
+    tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms: path 1: 1.6 / 14, path 2: 1.9 / 15,
+    tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 = 0.139, the best, 1.39x plain (0.1)."""
+    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
+    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, 3.0, stats, 3)
+    assert shape == ("tree", 5) and "138.9 tok/s" in why and "1.39x" in why and "best path: 2 drafts" in why
+    # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path stays
+    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, 3.0, stats, 3)
+    assert shape == ("path", 2) and "no tree beats it here" in why
+    assert tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, 3.0, stats, 3, trees=False)[0] == ("path", 2)
+    # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
+    shape, why = tree.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, 3.0, stats, 3)
+    assert shape == ("path", 2) and "does not pay" in why
+    # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
+    assert tree.choose(None, None, None, 3)[0] == ("path", 2)
+    assert tree.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, 3.0, {"accepted": [0.6, 0.3]}, 3)[0] == ("path", 1)
+
+
+def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, capsys):
+    draft, draft_dir = tiny_draft(3), tmp_path / "d"
+    model.save_draft(draft, str(draft_dir))
+    measured = []
+    costs = lambda sizes: measured.append(sorted(sizes)) or (
+        {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0}, 3.0)
+    # without acceptance.json: the path of B-1 drafts, nothing measured
+    assert tree.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
+    assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
+    (draft_dir / "acceptance.json").write_text(json.dumps(
+        {"block_size": 3, "step": 1, "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}}))
+    assert tree.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
+    assert measured == [[1, 2, 3, 9, 17, 25, 33]]
+    assert capsys.readouterr().out.startswith("[selector] auto: tree of 5 nodes")
+    assert tree.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
+        ("path", 2), ("tree", 8), ("tree", 5)]
+    assert tree.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]   # no unary statistics
+    with pytest.raises(ValueError, match="--verify-tokens: at most 2"):
+        tree.plan([3], None, draft, str(draft_dir), "selector", costs)
+    (draft_dir / "acceptance.json").write_text(json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}}))
+    with pytest.raises(ValueError, match="acceptance.json: block_size 4"):
+        tree.plan(None, None, draft, str(draft_dir), "selector", costs)
+
+
+def test_show_formats_a_tree_by_hand():
+    text = lambda t: f"t{t}"
+    tokens, parents = [9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4]      # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
+    # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6 rejected; bonus 8
+    assert show.format_tree(tokens, parents, [2, 4], 8, text) == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
+    assert show.format_tree(tokens, parents, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
+    assert show.format_tree(tokens, parents, [1, 3], 8, text) == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
+
+
 # ============================================================================ export.py
 def write_ckpt(path, draft):
     torch.save({"model": draft.state_dict(), "config": config.config_to_dict(draft.config),
@@ -1535,6 +1845,9 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     (generate, ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
     (generate, ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
     (generate, ["--draft", "d", "--bench", "gsm8k", "--show"], "--show"),
+    (generate, ["--draft", "d", "--tree-budget", "8", "16"], "--tree-budget"),      # several: only with --bench
+    (generate, ["--draft", "d", "--tree-budget", "many"], "--tree-budget"),
+    (generate, ["--draft", "d", "--verify-tokens", "0"], "--verify-tokens"),
     (train, ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
     (train, ["--data", "d", "--lr", "-1e-3"], "--lr"),
     (train, ["--data", "d", "--lr", "nan"], "--lr"),
@@ -1690,6 +2003,35 @@ def assert_resumed_exactly(straight, resumed):
         assert torch.equal(v, resumed["model"][k]), k
     for a, b in zip(straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
+    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates) beside
+    ckpt.pt, consistent with its logged accepted lengths (and again, alone, when a finished run resumes);
+    export.py copies it, generate.py reads it back; an export of a draft without statistics leaves none
+    behind; a broken file is refused by name."""
+    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
+    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
+    assert stats["block_size"] == 4 and stats["step"] == 4 and not any(k.startswith("rank") for k in final)
+    for mode in ("selector", "unary"):
+        r, rank = stats[mode]["accepted"], stats[mode]["rank"]
+        assert len(r) == 3 and r == sorted(r, reverse=True)
+        assert 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
+        assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
+    os.remove(tmp_path / "run" / "acceptance.json")          # a finished run resumed only re-evaluates: the same
+    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
+    assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
+    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    stats_read = export.read_acceptance(str(tmp_path / "out"), 4)
+    assert stats_read == {m: stats[m] for m in ("selector", "unary")}
+    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read     # beside ckpt.pt too
+    os.makedirs(tmp_path / "bare")
+    os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
+    export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
+    assert export.read_acceptance(str(tmp_path / "out"), 4) is None
+    (tmp_path / "bare" / "acceptance.json").write_text(json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}}))
+    with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
+        export.read_acceptance(str(tmp_path / "bare"), 4)
 
 
 def test_resume_continues_exactly(setup, tmp_path):

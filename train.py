@@ -33,7 +33,8 @@ import model
 import pack
 import prepare
 import machine
-from common import DTYPES, atomic_write, bounded, end_distributed, run
+from common import DTYPES, atomic_write, bounded, end_distributed, run, write_json
+from export import ACCEPTANCE
 from target import capture_features, check_draft_fits, load_target
 
 
@@ -126,7 +127,7 @@ class DraftObjective(torch.nn.Module):
         self.draft, self.args = draft, args
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
-    def forward(self, batch, alpha_t):
+    def forward(self, batch, alpha_t, acceptance=False):
         a = self.args
         embed = lambda ids: F.embedding(ids, self.embed_weight)
         h = model.forward_training(self.draft, embed, batch["input_ids"], batch["features"], batch["anchors"],
@@ -135,7 +136,7 @@ class DraftObjective(torch.nn.Module):
                            batch["anchor_valid"], loss=a.loss, weighting=a.position_weighting, gamma=a.gamma,
                            dpace_alpha=a.dpace_alpha, target_hidden=batch.get("target_hidden"), alpha_t=alpha_t,
                            selector_miss=a.selector_miss, stop_gradient=a.selector_stop_gradient,
-                           chunk_blocks=a.chunk_blocks or None, docs=batch["docs"])
+                           chunk_blocks=a.chunk_blocks or None, docs=batch["docs"], acceptance=acceptance)
 
 
 def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
@@ -188,7 +189,7 @@ def lr_factor(step, total, args):
 
 
 @torch.no_grad()
-def evaluate(objective, samples, args, target, cfg, device, rank, world, autocast):
+def evaluate(objective, samples, args, target, cfg, device, rank, world, autocast, acceptance=False):
     n = min(len(samples), args.eval_samples)
     if n == 0:
         return {}
@@ -202,10 +203,26 @@ def evaluate(objective, samples, args, target, cfg, device, rank, world, autocas
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
-            metrics = objective(batch, alpha_t=None)["metrics"]
+            metrics = objective(batch, alpha_t=None, acceptance=acceptance)["metrics"]
         L.add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
     objective.train()
     return L.reduce_metrics(acc)
+
+
+def save_acceptance(out_dir, metrics: dict, cfg, step):
+    """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode (selector, unary)
+    the share of blocks whose greedy path was right up to each slot, and the share of each slot's labels
+    that were the draft's k-th candidate. export.py copies it beside the export; generate.py's `auto`
+    predicts accepted lengths from it (tree.expected_tau)."""
+    L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
+    listed = lambda v: v if isinstance(v, list) else [v]                   # a 1-element metric is a number
+    for mode in ("selector", "unary"):
+        if f"accepted_at_{mode}" in metrics:
+            rank = listed(metrics.pop(f"rank_{mode}"))
+            K = len(rank) // L
+            out[mode] = {"accepted": listed(metrics.pop(f"accepted_at_{mode}")),
+                         "rank": [rank[j * K:(j + 1) * K] for j in range(L)]}
+    write_json(os.path.join(out_dir, ACCEPTANCE), out)
 
 
 def append_log(path, record: dict):
@@ -374,8 +391,9 @@ def main(argv=None):
     if step < total:
         log(f"stopped at step {step} of {total}; continue with --resume")
     else:
-        final = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
+        final = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast, acceptance=True)
         if master and final:
+            save_acceptance(args.out_dir, final, cfg, step)
             append_log(log_path, {"kind": "final", "step": step, "elapsed_s": round(time.time() - t0, 1), **final})
             print_summary(final, cfg)
     end_distributed()

@@ -1,0 +1,65 @@
+"""generate.py --bench: each prompt set decoded plainly and speculatively, one row per way.
+
+    python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16 --max-new-tokens 128 \
+        --verify-tokens 7 --tree-budget 8 16 24 32
+
+Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts, a tree of N
+nodes, or auto's choice), then plain decoding. Where `--pack-weights auto` measured both GEMM layouts,
+plain decoding runs in both and the speedups divide by the faster of the two: the fastest plain
+decoding this machine has, not the layout speculation happens to use. "same" counts answers equal to
+plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new tokens
+over the wall time of each call (prefill included).
+"""
+import torch
+
+import tree
+from generate import encode, shape_kw, speculative_generate, target_generate
+from target import PackedLinear, pack_linears, unpack_linears
+
+
+def set_packed(target, packed: bool):
+    """Put the target's weights in the layout asked for (a no-op when they are already)."""
+    if packed != any(isinstance(m, PackedLinear) for m in target.modules()):
+        (pack_linears if packed else unpack_linears)(target)
+
+
+def tok_per_s(stats) -> float:
+    return sum(s.new_tokens for s in stats) / sum(s.seconds for s in stats)
+
+
+def bench(target, draft, tok, args, gen, stop, layouts):
+    from promptsets import eval_prompts  # lazily: the prompt readers need the data wheels
+    dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
+    rows = [(m, shape) for m in modes for shape in tree.plan(args.verify_tokens, args.tree_budget, draft, args.draft,
+                                                               m, layouts["costs"])]
+    plains = ["packed", "stock"] if layouts["table"] else ["packed" if layouts["plain"] else "stock"]
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
+    warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
+    print(f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
+          "cycle: draft / selector / verify")
+    for name in args.bench:
+        prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
+        runs, outs = {}, {}
+        for layout in plains:
+            set_packed(target, layout == "packed")
+            target_generate(target, warm, 8)                                    # warm-up
+            results = [target_generate(target, ids, **kw) for ids in prompts]
+            runs["plain " + layout] = [s for _, s in results]
+            outs.setdefault("plain", [o for o, _ in results])                  # the first layout's: the reference
+        set_packed(target, layouts["speculate"])
+        for r in rows:
+            speculative_generate(target, draft, warm, 8, use_selector=r[0] == "selector", **shape_kw(r[1]))
+            results = [speculative_generate(target, draft, ids, use_selector=r[0] == "selector", **shape_kw(r[1]), **kw)
+                       for ids in prompts]
+            runs[r], outs[r] = [s for _, s in results], [o for o, _ in results]
+        base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)
+        for r in rows:
+            taus = [t for s in runs[r] for t in s.taus]
+            phases = [sum(getattr(s, k) for s in runs[r]) for k in ("draft_s", "select_s", "verify_s")]
+            split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
+            same = sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
+            print(f"{name:<10} {r[0]:<14} {tree.label(r[1]):<18} {sum(taus) / len(taus):>8.2f} {tok_per_s(runs[r]):>8.1f} "
+                  f"{tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   {split}")
+        for layout in plains:
+            tps = tok_per_s(runs["plain " + layout])
+            print(f"{name:<10} {'plain ' + layout:<14} {'':<18} {1.0:>8.2f} {tps:>8.1f} {tps / base:>7.2f}x")
