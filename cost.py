@@ -24,13 +24,12 @@ import torch
 
 import machine
 import model
+import tree
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
 from generate import crop, embed_and_head, new_cache, now, with_cache
 from target import load_target, pack_linears, unpack_linears
-
-VERIFY_SIZES = (1, 2, 4, 8, 16, 24, 32)   # target forwards cost.py prints: a plain step, paths and trees
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
@@ -88,7 +87,7 @@ def target_key(target) -> str:
     return f"{c._name_or_path} {c.model_type} {c.hidden_size}x{c.num_hidden_layers} {dtype}"
 
 
-def decode_table(target, context: int = 200, repeats: int = 7, sizes=VERIFY_SIZES, refresh=False) -> dict:
+def decode_table(target, sizes, context: int = 200, repeats: int = 7, refresh=False) -> dict:
     """{"stock": {n: ms}, "packed": {n: ms}}: batch-1 target forwards of n tokens, measured once per machine
     (refresh: measure again and keep the new numbers)."""
     table = machine.cached(machine.machine_key("decode", target_key(target), context, sizes), lambda: both_layouts(
@@ -107,6 +106,32 @@ def data_costs(target, repeats: int = 3) -> dict:
 def fastest(row: dict, n: int) -> str:
     """The layout with the faster n-token forward in a decode table."""
     return min(row, key=lambda layout: row[layout][n])
+
+
+def decoding_layouts(target, draft, wanted) -> dict:
+    """The target's GEMM layout for speculation (a verify of B tokens) and for plain decoding (1 token):
+    machine.choose_packing, from the decode table where it must measure. The target is left in the
+    speculation's layout. -> {"speculate", "plain": True if packed, "why", "table" (or None), "costs":
+    costs(sizes) -> ({n: ms of an n-token target forward}, draft ms), what tree.auto prices shapes with}."""
+    B, table = draft.config.block_size, {}
+    sizes = tree.priced_sizes(B)
+
+    def measure():
+        table.update(decode_table(target, sizes=sizes))
+        return {layout: row[B] for layout, row in table.items()}
+    pack, why = machine.choose_packing(next(target.parameters()).dtype, target.device, wanted, measure)
+    plain = pack if not table else fastest(table, 1) == "packed"
+    if pack:
+        pack_linears(target)
+    if table:
+        why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
+
+    def costs(want):   # the table of the speculation's layout where it was measured, else measured now
+        t_draft = draft_ms(draft, target, 200, 5)
+        if table and set(want) <= set(sizes):
+            return {n: table["packed" if pack else "stock"][n] for n in want}, t_draft
+        return {n: target_ms(target, 200, n, 5) for n in want}, t_draft
+    return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
 
 
 def main(argv=None):
@@ -128,11 +153,12 @@ def main(argv=None):
     t_draft = draft_ms(draft, target, args.context, args.repeats)
     print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
           f"forward + head ({machine.dtype_name(draft_dtype)}, block {B}): {t_draft:.1f} ms")
-    table = decode_table(target, args.context, args.repeats, refresh=True)   # generate.py reuses this measurement
-    print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>10}" for n in VERIFY_SIZES) + f"{'t_B / t_1':>11}"
+    sizes = tree.priced_sizes(B)              # what generate.py's auto prices; it reuses this measurement
+    table = decode_table(target, sizes, args.context, args.repeats, refresh=True)
+    print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}"
           f"{'pays from tau':>15}")
     for layout, ms in table.items():
-        print(f"{layout + ' weights':<16}" + "".join(f"{ms[n]:>8.1f}ms" for n in VERIFY_SIZES) +
+        print(f"{layout + ' weights':<16}" + "".join(f"{ms[n]:>7.1f}ms" for n in sizes) +
               f"{ms[B] / ms[1]:>11.2f}{(ms[B] + t_draft) / ms[1]:>15.2f}")
     print(f"plain decoding is fastest with {fastest(table, 1)} weights, a block of {B} is verified fastest with "
           f"{fastest(table, B)} weights; 'pays from tau' divides by the faster plain step of the two in generate.py")

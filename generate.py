@@ -28,7 +28,7 @@ import tree
 from common import DTYPES, bounded, run
 from export import load_any
 from show import Printer, ShowBlocks, show_legend
-from target import capture_features, check_draft_fits, load_target, pack_linears
+from target import capture_features, check_draft_fits, load_target
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -307,33 +307,6 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def choose_layouts(target, draft, wanted) -> dict:
-    """The target's GEMM layout for speculation (a verify of B tokens) and for plain decoding (1 token):
-    machine.choose_packing, from cost.py's decode table where it must measure. The target is left in the
-    speculation's layout. -> {"speculate", "plain": True if packed, "why", "table" (or None), "costs":
-    costs(sizes) -> ({n: ms of an n-token target forward}, draft ms), what tree.auto prices shapes with}."""
-    import cost   # here, not at the top: cost.py imports this module's cache helpers
-    B, table = draft.config.block_size, {}
-    sizes = tree.priced_sizes(B)
-
-    def measure():
-        table.update(cost.decode_table(target, sizes=sizes))
-        return {layout: row[B] for layout, row in table.items()}
-    pack, why = machine.choose_packing(next(target.parameters()).dtype, target.device, wanted, measure)
-    plain = pack if not table else cost.fastest(table, 1) == "packed"
-    if pack:
-        pack_linears(target)
-    if table:
-        why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
-
-    def costs(want):   # the table of the speculation's layout where it was measured, else measured now
-        t_draft = cost.draft_ms(draft, target, 200, 5)
-        if table and set(want) <= set(sizes):
-            return {n: table["packed" if pack else "stock"][n] for n in want}, t_draft
-        return {n: cost.target_ms(target, 200, n, 5) for n in want}, t_draft
-    return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding with a DFlash / DFlash2 draft.")
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
@@ -375,7 +348,8 @@ def main(argv=None):
     check_draft_fits(draft.config, target)
     draft_dtype = machine.resolve_dtype(args.draft_dtype, device, "draft")
     draft = draft.to(device=device, dtype=draft_dtype)
-    layouts = choose_layouts(target, draft, args.pack_weights)
+    import cost   # here, not at the top: cost.py imports this module's cache helpers
+    layouts = cost.decoding_layouts(target, draft, args.pack_weights)
     print(machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(target_dtype)}, {layouts['why']}",
                               draft=machine.dtype_name(draft_dtype)), file=sys.stderr)
     param = next(target.parameters())

@@ -2358,10 +2358,10 @@ def test_cost_tables_measure_both_layouts_and_leave_the_target_stock(monkeypatch
     target, seen = tiny_target("llama"), []
     monkeypatch.setattr(cost, "target_ms", lambda t, context, n, repeats, rows=1: seen.append(
         (any(isinstance(m, PackedLinear) for m in t.modules()), n, rows)) or 10.0 + n + 5 * seen[-1][0])
-    table = cost.decode_table(target, sizes=(1, 8))
+    table = cost.decode_table(target, (1, 8))
     assert table == {"stock": {1: 11.0, 8: 18.0}, "packed": {1: 16.0, 8: 23.0}}
     assert seen == [(False, 1, 1), (False, 8, 1), (True, 1, 1), (True, 8, 1)]
-    assert cost.decode_table(target, sizes=(1, 8)) == table and len(seen) == 4             # cached
+    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 4             # cached
     assert cost.fastest(table, 1) == "stock"
     assert cost.data_costs(target) == {"stock": 10.0 + 1 + 10.0 + 256, "packed": 15.0 + 1 + 15.0 + 256}
     assert not any(isinstance(m, PackedLinear) for m in target.modules())
@@ -2386,6 +2386,23 @@ def test_plan_sizes_the_job_to_the_budget(tmp_path):
     assert plan.answers_made(str(tmp_path)) == 0
     (tmp_path / "manifest.json").write_text("{}")
     assert plan.answers_made(str(tmp_path)) == 2 and plan.answers_made(str(tmp_path / "none")) == 0
+
+
+def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
+    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    target, draft = tiny_target("llama"), tiny_draft(3)
+    stock, packed = {n: 75.0 + 5 * n for n in tree.priced_sizes(3)}, {n: 86.0 + 2 * n for n in tree.priced_sizes(3)}
+    monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "packed": packed})
+    monkeypatch.setattr(cost, "draft_ms", lambda *a: 3.0)
+    layouts = cost.decoding_layouts(target, draft, None)   # a verify of 3: 90 stock vs 92 packed; a step: 80 vs 88
+    assert (layouts["speculate"], layouts["plain"]) == (False, False) and "plain decoding stock" in layouts["why"]
+    stock.update({3: 95.0})                                                     # now a verify is faster packed
+    layouts = cost.decoding_layouts(target, draft, None)
+    assert (layouts["speculate"], layouts["plain"]) == (True, False)
+    assert any(isinstance(m, PackedLinear) for m in target.modules())          # left in the speculation's layout
+    assert layouts["costs"]([1, 2, 9]) == ({1: 88.0, 2: 90.0, 9: 104.0}, 3.0)  # priced from the packed row
+    asked = cost.decoding_layouts(tiny_target("llama"), draft, False)          # asked: nothing measured
+    assert asked["table"] is None and asked["speculate"] is False and asked["why"] == "stock GEMMs (asked)"
 
 
 def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
