@@ -2040,12 +2040,23 @@ def test_resume_continues_exactly(setup, tmp_path):
     assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
 
 
-def test_resume_refuses_an_optimizer_state_kept_by_position(setup, tmp_path):
-    ck = run(setup, tmp_path, "--max-steps", "2", "--steps-this-run", "1")
-    ck["optimizer"]["state"] = dict(enumerate(ck["optimizer"]["state"].values()))   # as opt.state_dict() keeps it
-    torch.save(ck, tmp_path / "ckpt.pt")
-    with pytest.raises(ValueError, match="by position"):
-        run(setup, tmp_path, "--max-steps", "2", "--resume")
+def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
+    """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does: it resumes
+    exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold other slices)."""
+    straight = run(setup, tmp_path / "a", "--max-steps", "4")
+    ck = run(setup, tmp_path / "b", "--max-steps", "4", "--steps-this-run", "2")
+    names = [n for g in ck["optimizer"]["param_groups"] for n in g["params"]]
+    ck["optimizer"]["state"] = {names.index(n): v for n, v in ck["optimizer"]["state"].items()}
+    for g in ck["optimizer"]["param_groups"]:
+        g["params"] = [names.index(n) for n in g["params"]]
+    torch.save(ck, tmp_path / "b" / "ckpt.pt")
+    resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume")
+    for k, v in straight["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+    assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])     # written back by name
+    torch.save(ck, tmp_path / "b" / "ckpt.pt")
+    with pytest.raises(ValueError, match="by position .* resume it without --fsdp"):
+        train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, None, sharded=True)
 
 
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):

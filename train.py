@@ -241,16 +241,20 @@ def save_checkpoint(path, draft, cfg, opt, sched, step, args, master):
             torch.save(state, tmp)
 
 
-def load_checkpoint(path, draft, opt, sched) -> int:
+def load_checkpoint(path, draft, opt, sched, sharded=False) -> int:
     """--resume: draft, optimizer and schedule as they were; returns the step to continue from. Nothing
     else needs restoring: after the draft's init every draw (order, anchors) has its own seeded generator."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)    # mapped: ranks share the pages
-    if any(isinstance(k, int) for k in ck["optimizer"]["state"]):
-        raise ValueError(f"--resume: {path} keeps its optimizer state by position (written before --fsdp); it "
-                         "exports, but resuming needs the state keyed by parameter name")
-    fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"])
+    if any(isinstance(k, int) for k in ck["optimizer"]["state"]):   # written before --fsdp: keyed by position
+        if sharded:
+            raise ValueError(f"--resume: {path} keeps its optimizer state by position (written before --fsdp); "
+                             "resume it without --fsdp once, and its next checkpoint is keyed by parameter name")
+        draft.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])   # the same parameters in the same order: the same run's flags
+    else:
+        fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
     return ck["step"]
 
@@ -316,7 +320,7 @@ def main(argv=None):
     ckpt_path, log_path = os.path.join(args.out_dir, "ckpt.pt"), os.path.join(args.out_dir, "log.jsonl")
     if master and not args.resume and os.path.exists(log_path):
         os.remove(log_path)                  # a fresh run starts a fresh log
-    step = load_checkpoint(ckpt_path, draft, opt, sched) if args.resume else 0
+    step = load_checkpoint(ckpt_path, draft, opt, sched, sharded) if args.resume else 0
     if args.resume:
         log(f"resumed from {ckpt_path} at step {step}")
     ddp = distributed and not args.fsdp
