@@ -21,7 +21,7 @@ import shutil
 import torch
 
 import model
-from common import DTYPES, run
+from common import DTYPES, run, write_json
 from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, read_json
 
 # train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export: generate.py's
@@ -77,6 +77,22 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
 def acceptance_file(path: str) -> str:
     """Where a draft's acceptance statistics live: in its directory (an export or a run), or beside ckpt.pt."""
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), ACCEPTANCE)
+
+
+def save_acceptance(out_dir, metrics: dict, cfg, step):
+    """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode (selector, unary)
+    the share of blocks whose greedy path was right up to each slot, and the share of each slot's labels
+    that were the draft's k-th candidate. export.py copies it beside the export; generate.py's `auto`
+    predicts accepted lengths from it (tree.expected_tau)."""
+    L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
+    listed = lambda v: v if isinstance(v, list) else [v]                   # a 1-element metric is a number
+    for mode in ("selector", "unary"):
+        if f"accepted_at_{mode}" in metrics:
+            rank = listed(metrics.pop(f"rank_{mode}"))
+            K = len(rank) // L
+            out[mode] = {"accepted": listed(metrics.pop(f"accepted_at_{mode}")),
+                         "rank": [rank[j * K:(j + 1) * K] for j in range(L)]}
+    write_json(os.path.join(out_dir, ACCEPTANCE), out)
 
 
 def read_acceptance(path: str, block_size: int):

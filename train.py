@@ -33,8 +33,8 @@ import model
 import pack
 import prepare
 import machine
-from common import DTYPES, atomic_write, bounded, end_distributed, run, write_json
-from export import ACCEPTANCE
+from common import DTYPES, atomic_write, bounded, end_distributed, run
+from export import save_acceptance
 from target import capture_features, check_draft_fits, load_target
 
 
@@ -209,22 +209,6 @@ def evaluate(objective, samples, args, target, cfg, device, rank, world, autocas
     return L.reduce_metrics(acc)
 
 
-def save_acceptance(out_dir, metrics: dict, cfg, step):
-    """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode (selector, unary)
-    the share of blocks whose greedy path was right up to each slot, and the share of each slot's labels
-    that were the draft's k-th candidate. export.py copies it beside the export; generate.py's `auto`
-    predicts accepted lengths from it (tree.expected_tau)."""
-    L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
-    listed = lambda v: v if isinstance(v, list) else [v]                   # a 1-element metric is a number
-    for mode in ("selector", "unary"):
-        if f"accepted_at_{mode}" in metrics:
-            rank = listed(metrics.pop(f"rank_{mode}"))
-            K = len(rank) // L
-            out[mode] = {"accepted": listed(metrics.pop(f"accepted_at_{mode}")),
-                         "rank": [rank[j * K:(j + 1) * K] for j in range(L)]}
-    write_json(os.path.join(out_dir, ACCEPTANCE), out)
-
-
 def append_log(path, record: dict):
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -286,17 +270,14 @@ def main(argv=None):
     target_dtype = machine.resolve_dtype(args.target_dtype, device, "data")
     log(machine.choice_line(machine.describe(device), draft=f"{'bf16 autocast' if use_bf16 else 'fp32'}", **(
         {"online target": machine.dtype_name(target_dtype)} if args.online else {})))
-    for note in {machine.slow_bf16_note(torch.bfloat16 if use_bf16 else torch.float32, device),
-                 machine.slow_bf16_note(target_dtype, device) if args.online else ""} - {""}:
+    for note in {machine.slow_bf16_note(dt, device) for dt in [torch.bfloat16] * use_bf16 + [target_dtype] * args.online} - {""}:
         log(note)
     target, tokenizer = load_target(args.target, target_dtype)
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
     head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
-    if args.online:                           # offline: only embedding and head are kept
-        target = fsdp.shard_target(target) if sharded else target.to(device)
-    else:
-        target = None
+    # offline only the embedding and head are kept; online the target runs, sharded under --fsdp
+    target = (fsdp.shard_target(target) if sharded else target.to(device)) if args.online else None
     target_weights = flops.linear_weights(target) if args.online else 0    # 2x this per token: its forward
 
     # ------------------------------------------------------------------ data
