@@ -109,16 +109,18 @@ def fastest(row: dict, n: int) -> str:
 
 
 def decoding_layouts(target, draft, wanted) -> dict:
-    """The target's GEMM layout for speculation (a verify of B tokens) and for plain decoding (1 token):
-    machine.choose_packing, from the decode table where it must measure. The target is left in the
-    speculation's layout. -> {"speculate", "plain": True if packed, "why", "table" (or None), "costs":
-    costs(sizes) -> ({n: ms of an n-token target forward}, draft ms), what tree.auto prices shapes with}."""
+    """The target's GEMM layout for speculation and for plain decoding (1 token): machine.choose_packing,
+    from the decode table where it must measure. Speculation's layout is the one with the smaller sum of
+    verify forwards of 2..B tokens (every path priced alike: one size alone was
+    too noisy a judge). The target is left in the speculation's layout. -> {"speculate", "plain": True if
+    packed, "why", "table" (or None), "costs": costs(sizes) -> ({n: ms of an n-token target forward}, draft
+    ms), what tree.auto prices shapes with; its 1-token price is the faster plain step of the two}."""
     B, table = draft.config.block_size, {}
     sizes = tree.priced_sizes(B)
 
     def measure():
         table.update(decode_table(target, sizes=sizes))
-        return {layout: row[B] for layout, row in table.items()}
+        return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
     pack, why = machine.choose_packing(next(target.parameters()).dtype, target.device, wanted, measure)
     plain = pack if not table else fastest(table, 1) == "packed"
     if pack:
@@ -129,7 +131,8 @@ def decoding_layouts(target, draft, wanted) -> dict:
     def costs(want):   # the table of the speculation's layout where it was measured, else measured now
         t_draft = draft_ms(draft, target, 200, 5)
         if table and set(want) <= set(sizes):
-            return {n: table["packed" if pack else "stock"][n] for n in want}, t_draft
+            row = table["packed" if pack else "stock"]
+            return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft
         return {n: target_ms(target, 200, n, 5) for n in want}, t_draft
     return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
 

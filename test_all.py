@@ -2405,13 +2405,15 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     stock, packed = {n: 75.0 + 5 * n for n in tree.priced_sizes(3)}, {n: 86.0 + 2 * n for n in tree.priced_sizes(3)}
     monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "packed": packed})
     monkeypatch.setattr(cost, "draft_ms", lambda *a: 3.0)
-    layouts = cost.decoding_layouts(target, draft, None)   # a verify of 3: 90 stock vs 92 packed; a step: 80 vs 88
+    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 90 + 92 = 182 packed; a step 80 vs 88
+    layouts = cost.decoding_layouts(target, draft, None)
     assert (layouts["speculate"], layouts["plain"]) == (False, False) and "plain decoding stock" in layouts["why"]
-    stock.update({3: 95.0})                                                     # now a verify is faster packed
+    stock.update({3: 100.0})                                                    # now 185 ms stock: packed
     layouts = cost.decoding_layouts(target, draft, None)
     assert (layouts["speculate"], layouts["plain"]) == (True, False)
     assert any(isinstance(m, PackedLinear) for m in target.modules())          # left in the speculation's layout
-    assert layouts["costs"]([1, 2, 9]) == ({1: 88.0, 2: 90.0, 9: 104.0}, 3.0)  # priced from the packed row
+    # priced from the packed row, but a plain step is the faster one of the two (stock, 80 ms)
+    assert layouts["costs"]([1, 2, 9]) == ({1: 80.0, 2: 90.0, 9: 104.0}, 3.0)
     asked = cost.decoding_layouts(tiny_target("llama"), draft, False)          # asked: nothing measured
     assert asked["table"] is None and asked["speculate"] is False and asked["why"] == "stock GEMMs (asked)"
 
