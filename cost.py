@@ -19,6 +19,7 @@ for generate.py, the batched shapes for prepare.py. A tree of N nodes (tree.py) 
 runs to 33 tokens, and generate.py's `auto` picks a path or a tree from it (tree.choose).
 """
 import argparse
+import functools
 
 import torch
 
@@ -128,12 +129,13 @@ def decoding_layouts(target, draft, wanted) -> dict:
     if table:
         why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
 
+    t_draft = functools.cache(lambda: draft_ms(draft, target, 200, 5))   # timed once, however many modes ask
+
     def costs(want):   # the table of the speculation's layout where it was measured, else measured now
-        t_draft = draft_ms(draft, target, 200, 5)
         if table and set(want) <= set(sizes):
             row = table["packed" if pack else "stock"]
-            return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft
-        return {n: target_ms(target, 200, n, 5) for n in want}, t_draft
+            return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft()
+        return {n: target_ms(target, 200, n, 5) for n in want}, t_draft()
     return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
 
 

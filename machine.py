@@ -25,6 +25,7 @@ import platform
 import torch
 
 from common import DTYPES, atomic_write
+from target import packable
 
 
 # ----------------------------------------------------------------------------- what the CPU has
@@ -98,7 +99,7 @@ def packed_bf16_runs() -> bool:
 
 def check_packable(dtype, device):
     """--pack-weights asked for: refuse, in one line, what this machine cannot run."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    if not packable(dtype, device):
         raise ValueError(f"--pack-weights: only for fp32 or bf16 targets on the CPU, not {dtype} on "
                          f"{torch.device(device).type}")
     if dtype == torch.bfloat16 and not packed_bf16_runs():
@@ -114,7 +115,7 @@ def choose_packing(dtype, device, wanted, measure=None) -> tuple:
         if wanted:
             check_packable(dtype, device)
         return wanted, "packed weights (asked)" if wanted else "stock GEMMs (asked)"
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    if not packable(dtype, device):
         return False, "stock GEMMs"
     info = cpu_info()
     if not known(info):

@@ -143,10 +143,14 @@ class PackedLinear(torch.nn.Module):
         return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, self.packed_bias).to_dense()
 
 
-def can_pack(target) -> bool:
+def packable(dtype, device) -> bool:
     """oneDNN packs fp32 and bf16 weights, on the CPU only."""
+    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
+def can_pack(target) -> bool:
     param = next(target.parameters())
-    return param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
+    return packable(param.dtype, param.device)
 
 
 def pack_linears(target):
