@@ -7,7 +7,8 @@ Batch-1 speculative decoding trades one target forward per token for one per cyc
 
     plain:        t_1 per token                     (one target forward of 1 token)
     speculative:  (t_n + t_draft) / tau per token   (a target forward of the n verified tokens, one draft
-                                                     forward with its head, tau tokens committed)
+                                                     forward with its head over the n-1 slots sent and
+                                                     its selector walk, tau tokens committed)
     speedup = tau * t_1 / (t_n + t_draft),  so it pays from tau > (t_n + t_draft) / t_1.
 
 On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be, and
@@ -29,7 +30,7 @@ import tree
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
-from generate import crop, embed_and_head, new_cache, now, with_cache
+from generate import crop, embed_and_head, new_cache, now, propose, with_cache
 from target import load_target, pack_linears, unpack_linears
 
 
@@ -60,16 +61,27 @@ def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) ->
 
 
 @torch.no_grad()
-def draft_ms(draft, target, context: int, repeats: int) -> float:
-    """Median ms of one draft forward from `context` cached rows plus its unary head over the block."""
+@torch.no_grad()
+def draft_ms(draft, target, context: int, repeats: int, slots: int = None, use_selector: bool = False) -> float:
+    """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
+    head over slots 0..slots (default B-1) as generate.py scores them, and with use_selector the selector's
+    walk over them (propose). On a CPU the head's cost depends on its rows: 3 rows cost a third of 8 on
+    one machine, so a short path's draft is cheaper than a full block's."""
     c, p = draft.config, next(draft.parameters())
+    L = slots or c.block_size - 1
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
     ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
                torch.arange(context, device=p.device)[None])
     anchor, pos = torch.tensor([1], device=p.device), torch.tensor([context], device=p.device)
-    return median_ms(lambda: draft.unary_logits(model.forward_inference(draft, embed, ctx, anchor, pos), head),
-                     repeats, p.device)
+    ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
+
+    def cycle():
+        h = model.forward_inference(draft, embed, ctx, anchor, pos)[:, :L + 1]
+        u = draft.unary_logits(h, head)[:, 1:]
+        if use_selector:
+            propose(draft, h[:, 1:], u, ids)
+    return median_ms(cycle, repeats, p.device)
 
 
 def both_layouts(target, measure) -> dict:
@@ -114,8 +126,9 @@ def decoding_layouts(target, draft, wanted) -> dict:
     from the decode table where it must measure. Speculation's layout is the one with the smaller sum of
     verify forwards of 2..B tokens (every path priced alike: one size alone was
     too noisy a judge). The target is left in the speculation's layout. -> {"speculate", "plain": True if
-    packed, "why", "table" (or None), "costs": costs(sizes) -> ({n: ms of an n-token target forward}, draft
-    ms), what tree.auto prices shapes with; its 1-token price is the faster plain step of the two}."""
+    packed, "why", "table" (or None), "costs": costs(sizes, mode) -> ({n: ms of an n-token target forward}, {L: ms of
+    the draft's cycle over L slots}), what tree.auto prices shapes with; its 1-token price is the faster
+    plain step of the two}."""
     B, table = draft.config.block_size, {}
     sizes = tree.priced_sizes(B)
 
@@ -129,13 +142,15 @@ def decoding_layouts(target, draft, wanted) -> dict:
     if table:
         why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
 
-    t_draft = functools.cache(lambda: draft_ms(draft, target, 200, 5))   # timed once, however many modes ask
+    @functools.cache   # timed once per mode, however many shapes ask
+    def t_draft(mode):
+        return {L: draft_ms(draft, target, 200, 5, L, mode == "selector") for L in range(1, B)}
 
-    def costs(want):   # the table of the speculation's layout where it was measured, else measured now
+    def costs(want, mode):   # the table of the speculation's layout where it was measured, else measured now
         if table and set(want) <= set(sizes):
             row = table["packed" if pack else "stock"]
-            return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft()
-        return {n: target_ms(target, 200, n, 5) for n in want}, t_draft()
+            return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft(mode)
+        return {n: target_ms(target, 200, n, 5) for n in want}, t_draft(mode)
     return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
 
 
@@ -155,19 +170,23 @@ def main(argv=None):
     draft = draft.to(draft_dtype).eval()
     B = draft.config.block_size
     target, _ = load_target(args.target, torch.float32)
-    t_draft = draft_ms(draft, target, args.context, args.repeats)
+    walk = draft.candidate_selector is not None     # what a cycle runs before its verify, per depth L
+    t_draft = {L: draft_ms(draft, target, args.context, args.repeats, L, walk) for L in range(1, B)}
     print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
-          f"forward + head ({machine.dtype_name(draft_dtype)}, block {B}): {t_draft:.1f} ms")
+          f"({machine.dtype_name(draft_dtype)}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
+          + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms")
     sizes = tree.priced_sizes(B)              # what generate.py's auto prices; it reuses this measurement
     table = decode_table(target, sizes, args.context, args.repeats, refresh=True)
-    print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}"
-          f"{'pays from tau':>15}")
+    print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}")
     plain = min(ms[1] for ms in table.values())          # the fastest plain decoding this machine has
     for layout, ms in table.items():
-        print(f"{layout + ' weights':<16}" + "".join(f"{ms[n]:>7.1f}ms" for n in sizes) +
-              f"{ms[B] / ms[1]:>11.2f}{(ms[B] + t_draft) / plain:>15.2f}")
-    print(f"plain decoding is fastest with {fastest(table, 1)} weights, a block of {B} is verified fastest with "
-          f"{fastest(table, B)} weights; 'pays from tau' is (t_B + t_draft) / the faster plain step, {plain:.1f} ms")
+        print(f"{layout + ' weights':<16}" + "".join(f"{ms[n]:>7.1f}ms" for n in sizes) + f"{ms[B] / ms[1]:>11.2f}")
+    print(f"plain decoding is fastest with {fastest(table, 1)} weights ({plain:.1f} ms), a block of {B} is verified "
+          f"fastest with {fastest(table, B)} weights. A path of k drafts pays from tau (t_(k+1) + draft_k) / {plain:.1f}:")
+    for layout, ms in table.items():
+        print(f"{layout + ' weights':<16}" + ", ".join(f"k={k} {(ms[k + 1] + t_draft[k]) / plain:.2f}"
+                                                          for k in range(1, B)))
+
 
 if __name__ == "__main__":
     run(main)

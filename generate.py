@@ -84,15 +84,16 @@ def embed_and_head(target, draft):
 
 # ----------------------------------------------------------------------------- propose and accept
 def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
-    """The block's proposal. h [1, B-1, H] final draft hidden states, u [1, B-1, V] unary scores,
-    ids [1, L] committed tokens (ids[:, -1] is the anchor) -> (drafts [1, B-1], q [1, B-1, V] or None).
+    """The block's proposal. h [1, L, H] final draft hidden states of slots 1..L (L <= B-1), u [1, L, V]
+    their unary scores, ids [1, P] committed tokens (ids[:, -1] is the anchor) -> (drafts [1, L], q [1, L, V]
+    or None).
 
     q is the distribution each draft token was sampled from; only rejection sampling needs it.
     Tests replace this function (the `proposer` argument) to force always-right / always-wrong drafts.
     """
     selector = draft.candidate_selector
     if use_selector and selector is not None:
-        d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator)   # q_k [1, B-1, K]
+        d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator)   # q_k [1, L, K]
         q = None if temperature == 0 else torch.zeros_like(u, dtype=torch.float32).scatter_(-1, cand, q_k)
         return d, q                                      # q: the selector's K-way q, zero off the candidates
     if temperature == 0:
@@ -136,6 +137,7 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
     cycle (--show); for a tree, drafts are its nodes and tree is (the Tree, the accepted nodes)."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
+    L = k if tree_budget is None else min(tree_budget, c.block_size - 1)   # the deepest slot this cycle can send
     embed, head = embed_and_head(target, draft)
     start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
@@ -150,13 +152,15 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
         s = ids.shape[1] - 1       # the anchor's position: last committed token, not yet run by the target
         clock.start()
         h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s], device=dev))  # [1, B, H]
-        u = draft.unary_logits(h, head)[:, 1:]      # [1, B-1, V]; all B rows scored: see README, "GEMM shapes"
+        # Only slots 1..L are scored: the head over the vocabulary is most of the draft's cost, and a slot
+        # is never sent beyond L. Row 0 (the anchor) is scored too: docs/results-amd-epyc.md, "GEMM shapes".
+        u = draft.unary_logits(h[:, :L + 1], head)[:, 1:]   # [1, L, V]
         clock.lap("draft")
         if tree_budget is None:    # a path: the first k drafts of the walk (q: what they were sampled from)
-            d, q = proposer(draft, h[:, 1:], u, ids, temperature, use_selector, generator)   # [1, B-1]
+            d, q = proposer(draft, h[:, 1:L + 1], u, ids, temperature, use_selector, generator)   # [1, L]
             t, q = tree.Tree.chain(int(ids[0, -1]), d[0, :k].tolist()), None if q is None else q[:, :k]
         else:                      # a tree, built deterministically from the draft's scores
-            t, q = grower(draft, h[:, 1:], u, ids, tree_budget, use_selector), None
+            t, q = grower(draft, h[:, 1:L + 1], u, ids, tree_budget, use_selector), None
         clock.lap("selector")
         # One target forward over the block [anchor, nodes...]; a path's ancestor mask is the causal one.
         n, tree_kw = len(t.tokens), {} if t.is_chain() else dict(position_ids=s + torch.tensor([t.depths], device=dev),

@@ -1638,12 +1638,39 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
             sent.append(d.shape[1])
             return d, q
         out, st = generate.speculative_generate(target, draft, p, 30, verify_tokens=k, proposer=recording)
-        assert torch.equal(out, ref[:, :p.shape[1] + 30]) and st.taus == [k + 1] * len(st.taus)
+        assert torch.equal(out, ref[:, :p.shape[1] + 30]) and st.taus == [k + 1] * len(st.taus) and set(sent) == {k}
         out, st = generate.speculative_generate(target, draft, p, 30, verify_tokens=k)
         assert torch.equal(out, ref[:, :p.shape[1] + 30])
     default, st0 = generate.speculative_generate(target, draft, p, 30)
     same, st1 = generate.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
     assert torch.equal(default, same) and st0.taus == st1.taus
+
+
+def test_a_cycle_scores_only_the_slots_it_can_send():
+    """The head over the vocabulary is most of a draft's cost, so a cycle scores only the slots it can send:
+    a path of k drafts slots 1..k, a tree of N nodes min(N, B-1). The walk goes slot by slot, so the
+    proposal over k slots is the first k of the whole block's walk, greedy and sampled alike."""
+    B = 5
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    for kw, L in [(dict(verify_tokens=1), 1), (dict(verify_tokens=3), 3), ({}, B - 1), (dict(tree_budget=2), 2),
+                  (dict(tree_budget=9), B - 1)]:
+        seen = []
+
+        def record(fn):
+            return lambda d_, h, u, *rest: seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
+        generate.speculative_generate(target, draft, p, 6, proposer=record(generate.propose),
+                                      grower=record(tree.draft_tree), **kw)
+        assert set(seen) == {(L, L)}
+    _, head = generate.embed_and_head(target, draft)
+    h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    u = draft.unary_logits(h, head)
+    full = generate.propose(draft, h, u, p)[0]
+    assert not torch.equal(full, u.argmax(-1))                  # the selector's walk leaves the argmax path
+    sampled = generate.propose(draft, h, u, p, 1.0, True, torch.Generator().manual_seed(1))[0]
+    for k in range(1, B):
+        assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
+        g = torch.Generator().manual_seed(1)
+        assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k])
 
 
 def test_tree_walk_samples_exactly_the_target():
@@ -1707,30 +1734,35 @@ def test_expected_tau_by_hand():
 
 
 def test_choose_by_hand():
-    """B = 3, draft 3 ms. Expected taus (test_expected_tau_by_hand): path 1: 1.6, path 2: 1.9, tree 2: 1.9,
-    tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms: path 1: 1.6 / 14, path 2: 1.9 / 15,
-    tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 = 0.139, the best, 1.39x plain (0.1)."""
+    """B = 3, draft 3 ms at either depth. Expected taus (test_expected_tau_by_hand): path 1: 1.6, path 2: 1.9,
+    tree 2: 1.9, tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms: path 1: 1.6 / 14, path
+    2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 = 0.139, the best, 1.39x plain (0.1)."""
     stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, 3.0, stats, 3)
+    d3 = {1: 3.0, 2: 3.0}
+    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
     assert shape == ("tree", 5) and "138.9 tok/s" in why and "1.39x" in why and "best path: 2 drafts" in why
     # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path stays
-    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, 3.0, stats, 3)
+    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
     assert shape == ("path", 2) and "no tree beats it here" in why
-    assert tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, 3.0, stats, 3, trees=False)[0] == ("path", 2)
+    assert tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == ("path", 2)
     # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
-    shape, why = tree.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, 3.0, stats, 3)
+    shape, why = tree.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
     assert shape == ("path", 2) and "does not pay" in why
     # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
     assert tree.choose(None, None, None, 3)[0] == ("path", 2)
-    assert tree.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, 3.0, {"accepted": [0.6, 0.3]}, 3)[0] == ("path", 1)
+    assert tree.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[0] == ("path", 1)
+    # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per ms, path
+    # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft cost said
+    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
+    assert shape == ("path", 1) and "per 12.0 ms cycle" in why and "+ draft 1.0)" in why
 
 
 def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, capsys):
     draft, draft_dir = tiny_draft(3), tmp_path / "d"
     model.save_draft(draft, str(draft_dir))
     measured = []
-    costs = lambda sizes: measured.append(sorted(sizes)) or (
-        {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0}, 3.0)
+    costs = lambda sizes, mode: measured.append(sorted(sizes)) or (
+        {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0}, {1: 3.0, 2: 3.0})
     # without acceptance.json: the path of B-1 drafts, nothing measured
     assert tree.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
     assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
@@ -2404,7 +2436,7 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     target, draft = tiny_target("llama"), tiny_draft(3)
     stock, packed = {n: 75.0 + 5 * n for n in tree.priced_sizes(3)}, {n: 86.0 + 2 * n for n in tree.priced_sizes(3)}
     monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "packed": packed})
-    monkeypatch.setattr(cost, "draft_ms", lambda *a: 3.0)
+    monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 3.0 + L + walk)
     # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 90 + 92 = 182 packed; a step 80 vs 88
     layouts = cost.decoding_layouts(target, draft, None)
     assert (layouts["speculate"], layouts["plain"]) == (False, False) and "plain decoding stock" in layouts["why"]
@@ -2413,7 +2445,8 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     assert (layouts["speculate"], layouts["plain"]) == (True, False)
     assert any(isinstance(m, PackedLinear) for m in target.modules())          # left in the speculation's layout
     # priced from the packed row, but a plain step is the faster one of the two (stock, 80 ms)
-    assert layouts["costs"]([1, 2, 9]) == ({1: 80.0, 2: 90.0, 9: 104.0}, 3.0)
+    assert layouts["costs"]([1, 2, 9], "selector") == ({1: 80.0, 2: 90.0, 9: 104.0}, {1: 5.0, 2: 6.0})
+    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 4.0, 2: 5.0}        # per depth, with the walk or not
     asked = cost.decoding_layouts(tiny_target("llama"), draft, False)          # asked: nothing measured
     assert asked["table"] is None and asked["speculate"] is False and asked["why"] == "stock GEMMs (asked)"
 

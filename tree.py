@@ -250,15 +250,16 @@ def auto(draft, draft_path: str, mode: str, costs, trees: bool = True):
     if stats is None:
         return choose(None, None, None, B, trees)
     sizes = [n for n in priced_sizes(B) if n <= B or trees and "rank" in stats]
-    return choose(*costs(sizes), stats, B, trees)
+    return choose(*costs(sizes, mode), stats, B, trees)
 
 
-def choose(costs: dict, draft_ms: float, stats, B: int, trees: bool = True):
+def choose(costs: dict, draft_ms: dict, stats, B: int, trees: bool = True):
     """The verify shape predicted fastest on this machine -> ((kind, n), one line saying why).
 
-    costs {n: ms of a target forward of n tokens} (cost.py's decode table), draft_ms: the draft's forward
-    with its head, stats: one mode's acceptance statistics (expected_tau), or None. A cycle that verifies
-    n drafts costs costs[n + 1] + draft_ms and commits expected_tau tokens. Candidates: the paths of
+    costs {n: ms of a target forward of n tokens} (cost.py's decode table), draft_ms {L: ms of the draft's
+    forward, its head over slots 1..L and its proposal} for L = 1..B-1, stats: one mode's acceptance
+    statistics (expected_tau), or None. A cycle that verifies n drafts, L = min(n, B-1) slots deep, costs
+    costs[n + 1] + draft_ms[L] and commits expected_tau tokens. Candidates: the paths of
     1..B-1 drafts and, with trees, a tree of every budget the table prices. A tree is taken only where
     it beats the best path: a budget that cannot pay here falls back to the path. Without statistics
     the choice is the path of B-1 drafts, as before `auto` existed. Speculation stays on even where the
@@ -271,12 +272,13 @@ def choose(costs: dict, draft_ms: float, stats, B: int, trees: bool = True):
     if trees and "rank" in stats:
         shapes += [("tree", n - 1) for n in sorted(costs) if n >= 3]
     taus = {s: expected_tau(stats, s[1], s[0] == "tree") for s in shapes}
-    rate = {s: taus[s] / (costs[s[1] + 1] + draft_ms) for s in shapes}        # tokens per ms
+    drafting = {s: draft_ms[min(s[1], B - 1)] for s in shapes}               # the slots it scores: its depth
+    rate = {s: taus[s] / (costs[s[1] + 1] + drafting[s]) for s in shapes}    # tokens per ms
     path = max((s for s in shapes if s[0] == "path"), key=rate.get)
     best = max(shapes, key=lambda s: (rate[s], s[0] == "path"))               # a tie goes to the path
     plain = 1 / costs[1]
-    why = (f"auto: {label(best)}: expected tau {taus[best]:.2f} per {costs[best[1] + 1] + draft_ms:.1f} ms cycle "
-           f"({best[1] + 1}-token target forward {costs[best[1] + 1]:.1f} + draft {draft_ms:.1f}) = "
+    why = (f"auto: {label(best)}: expected tau {taus[best]:.2f} per {costs[best[1] + 1] + drafting[best]:.1f} ms cycle "
+           f"({best[1] + 1}-token target forward {costs[best[1] + 1]:.1f} + draft {drafting[best]:.1f}) = "
            f"{1000 * rate[best]:.1f} tok/s predicted, {rate[best] / plain:.2f}x plain ({1000 * plain:.1f} tok/s)")
     if best != path:
         why += f"; best path: {path[1]} drafts, tau {taus[path]:.2f}, {1000 * rate[path]:.1f} tok/s"
