@@ -5,7 +5,7 @@ make and train on, so that `bash run.sh` ends within its budget on a fast CPU an
 
 The same job costs 16x more on a CPU without native bf16 (README, "Your machine"). Its time is
 
-    T(N) = LOAD_S + (N - have) * t_answer + held_out + N * epochs * t_step + evaluations
+    T(N) = spent + LOAD_S + (N - have) * t_answer + held_out + N * epochs * t_step + evaluations
 
     t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows, and every
                  batch of the maths set ran all 160 steps (some answer in each is cut there), so 160 / 64 batch
@@ -14,6 +14,7 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
     evaluations  one every 600 steps and one at the end, 48 answers each, forward only (~ t_step / 3 each)
     have         answers already made in the data folder (a rerun only trains)
+    spent        this measurement itself (one to two minutes: part of the job)
 
 all measured with the project's own code, in the phases' own precisions and layouts (machine.py). N is the
 largest that fits, at most --max-samples (the recipe's 2,400); epochs stay at 2 (a second pass over the data
@@ -75,11 +76,12 @@ def answers_made(data_dir: str) -> int:
         return 0
 
 
-def job_minutes(n: int, have: int, epochs: int, t_answer: float, t_step: float, held_out: float) -> float:
+def job_minutes(n: int, have: int, epochs: int, t_answer: float, t_step: float, held_out: float,
+                spent: float = 0.0) -> float:
     """T(N) above, in minutes."""
     steps = n * epochs
     evaluations = (steps // 600 + 1) * 48 * t_step / 3
-    return (LOAD_S + max(0, n - have) * t_answer + held_out + steps * t_step + evaluations) / 60
+    return (spent + LOAD_S + max(0, n - have) * t_answer + held_out + steps * t_step + evaluations) / 60
 
 
 def choose_samples(minutes, budget: float, most: int, have: int, given=None) -> tuple:
@@ -117,9 +119,10 @@ def main(argv=None):
     t_step = train_step_s(cfg_args, target)
     have = answers_made(args.data) if args.data else 0
     held_out = 0 if have else REGEN_STEPS * t_batch + 48 * t_capture
-    minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out)
+    spent = time.perf_counter() - t0
+    minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out, spent)
     n, why = choose_samples(minutes, args.budget_min, args.max_samples, have, args.num_samples)
-    print(f"[plan] {machine.describe('cpu')}; measured in {time.perf_counter() - t0:.0f} s: one answer "
+    print(f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer "
           f"{t_answer:.2f} s, one training step {t_step:.2f} s", file=sys.stderr)
     print(f"[plan] this machine: {n} answers ({why}), {args.epochs} epochs = {n * args.epochs} steps, about "
           f"{minutes(n):.0f} min", file=sys.stderr)

@@ -37,10 +37,10 @@ for a in "$@"; do
 done
 OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 
-t0=$SECONDS
+start=$SECONDS t0=$SECONDS
 # 0. The plan: how many training prompts (answered by the target itself: on-policy data) fit the budget.
 N_TRAIN=$(python plan.py "${PLAN[@]}" | sed -n 's/^N_TRAIN=//p')
-echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers"
+echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers"; t0=$SECONDS
 # 1. The target answers the prompts (greedy; in bf16 with packed weights where bf16 is native, else fp32)
 #    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.
 PREP="--regenerate --max-new-tokens 160 --features --draft-config $CFG --batch-size 64"
@@ -54,3 +54,4 @@ python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/ev
 echo "[run.sh] train: $((SECONDS - t0)) s"
 # 3. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"
+echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (budget $BUDGET_MIN min)"

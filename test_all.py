@@ -2416,6 +2416,7 @@ def test_plan_sizes_the_job_to_the_budget(tmp_path):
     # 40 + 1,000 * 1.5 + 60 + 2,000 * 1.3 + 4 evaluations of 48 answers at 1.3 / 3 s = 4,283.2 s
     assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60) == pytest.approx(4283.2 / 60)
     assert plan.job_minutes(1000, 1000, 2, 1.5, 1.3, 0) == pytest.approx((4283.2 - 1560) / 60)   # answers made
+    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, spent=90) == pytest.approx((4283.2 + 90) / 60)  # measuring
     slow = lambda n: plan.job_minutes(n, 0, 2, 1.5, 1.3, 60)
     n, why = plan.choose_samples(slow, 45, 2400, 0)
     assert slow(n) <= 45 < slow(n + 100) and n % 100 == 0 and why == "fits 45 min"
