@@ -48,8 +48,9 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             outs.setdefault("plain", [o for o, _ in results])                  # the first layout's: the reference
         set_packed(target, layouts["speculate"])
         for r in rows:
-            speculative_generate(target, draft, warm, 8, use_selector=r[0] == "selector", **shape_kw(r[1]))
-            results = [speculative_generate(target, draft, ids, use_selector=r[0] == "selector", **shape_kw(r[1]), **kw)
+            spec = dict(use_selector=r[0] == "selector", head_rows=layouts["head_rows"], **shape_kw(r[1]))
+            speculative_generate(target, draft, warm, 8, **spec)
+            results = [speculative_generate(target, draft, ids, **spec, **kw)
                        for ids in prompts]
             runs[r], outs[r] = [s for _, s in results], [o for o, _ in results]
         base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)

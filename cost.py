@@ -61,14 +61,32 @@ def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) ->
 
 
 @torch.no_grad()
+def fastest_rows(ms: dict, B: int) -> dict:
+    """{r: ms of the head over r block rows} -> {L: the fastest r that covers slots 1..L, i.e. r >= L + 1}."""
+    return {L: min(range(L + 1, B + 1), key=lambda r: (ms[r], r)) for L in range(1, B)}
+
+
 @torch.no_grad()
-def draft_ms(draft, target, context: int, repeats: int, slots: int = None, use_selector: bool = False) -> float:
+def head_rows(draft, target, repeats: int = 3) -> dict:
+    """{L: r}: the block rows generate.py's head scores to cover slots 1..L. Its GEMM [r, H] x [H, V] does
+    not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a third of 8 on one
+    machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in 2..B is timed here."""
+    c, p = draft.config, next(draft.parameters())
+    _, head = embed_and_head(target, draft)
+    h = torch.randn(1, c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
+    ms = {r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device) for r in range(2, c.block_size + 1)}
+    return fastest_rows(ms, c.block_size)
+
+
+@torch.no_grad()
+def draft_ms(draft, target, context: int, repeats: int, slots: int = None, use_selector: bool = False,
+             rows: int = None) -> float:
     """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
-    head over slots 0..slots (default B-1) as generate.py scores them, and with use_selector the selector's
-    walk over them (propose). On a CPU the head's cost depends on its rows: 3 rows cost a third of 8 on
-    one machine, so a short path's draft is cheaper than a full block's."""
+    head over rows 0..rows-1 (default slots + 1; slots default B-1) as generate.py scores them, and with
+    use_selector the selector's walk over slots 1..slots (propose)."""
     c, p = draft.config, next(draft.parameters())
     L = slots or c.block_size - 1
+    rows = rows or L + 1
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
     ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
@@ -77,10 +95,10 @@ def draft_ms(draft, target, context: int, repeats: int, slots: int = None, use_s
     ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
 
     def cycle():
-        h = model.forward_inference(draft, embed, ctx, anchor, pos)[:, :L + 1]
-        u = draft.unary_logits(h, head)[:, 1:]
+        h = model.forward_inference(draft, embed, ctx, anchor, pos)
+        u = draft.unary_logits(h[:, :rows], head)[:, 1:L + 1]
         if use_selector:
-            propose(draft, h[:, 1:], u, ids)
+            propose(draft, h[:, 1:L + 1], u, ids)
     return median_ms(cycle, repeats, p.device)
 
 
@@ -128,7 +146,7 @@ def decoding_layouts(target, draft, wanted) -> dict:
     too noisy a judge). The target is left in the speculation's layout. -> {"speculate", "plain": True if
     packed, "why", "table" (or None), "costs": costs(sizes, mode) -> ({n: ms of an n-token target forward}, {L: ms of
     the draft's cycle over L slots}), what tree.auto prices shapes with; its 1-token price is the faster
-    plain step of the two}."""
+    plain step of the two; "head_rows": head_rows(), the rows speculative_generate scores}."""
     B, table = draft.config.block_size, {}
     sizes = tree.priced_sizes(B)
 
@@ -142,16 +160,18 @@ def decoding_layouts(target, draft, wanted) -> dict:
     if table:
         why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
 
+    rows = head_rows(draft, target)
+
     @functools.cache   # timed once per mode, however many shapes ask
     def t_draft(mode):
-        return {L: draft_ms(draft, target, 200, 5, L, mode == "selector") for L in range(1, B)}
+        return {L: draft_ms(draft, target, 200, 5, L, mode == "selector", rows[L]) for L in range(1, B)}
 
     def costs(want, mode):   # the table of the speculation's layout where it was measured, else measured now
         if table and set(want) <= set(sizes):
             row = table["packed" if pack else "stock"]
             return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft(mode)
         return {n: target_ms(target, 200, n, 5) for n in want}, t_draft(mode)
-    return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs}
+    return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs, "head_rows": rows}
 
 
 def main(argv=None):
@@ -171,10 +191,12 @@ def main(argv=None):
     B = draft.config.block_size
     target, _ = load_target(args.target, torch.float32)
     walk = draft.candidate_selector is not None     # what a cycle runs before its verify, per depth L
-    t_draft = {L: draft_ms(draft, target, args.context, args.repeats, L, walk) for L in range(1, B)}
+    rows = head_rows(draft, target)
+    t_draft = {L: draft_ms(draft, target, args.context, args.repeats, L, walk, rows[L]) for L in range(1, B)}
     print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
           f"({machine.dtype_name(draft_dtype)}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
-          + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms")
+          + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms (head rows: "
+          + " ".join(str(r) for r in rows.values()) + ")")
     sizes = tree.priced_sizes(B)              # what generate.py's auto prices; it reuses this measurement
     table = decode_table(target, sizes, args.context, args.repeats, refresh=True)
     print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}")

@@ -130,14 +130,16 @@ def rejection_sample(p, q, drafts, generator=None):
 @torch.no_grad()
 def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=0.0, use_selector=True,
                          generator=None, stop_ids=(), on_tokens=None, proposer=propose, on_cycle=None,
-                         verify_tokens=None, tree_budget=None, grower=tree.draft_tree):
+                         verify_tokens=None, tree_budget=None, grower=tree.draft_tree, head_rows=None):
     """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came first.
     Each cycle verifies the path of verify_tokens drafts (default B-1), or with tree_budget a tree of that
     many nodes (tree.py). on_cycle(drafts, unary argmax, accepted, bonus, tree=None), if given, sees every
-    cycle (--show); for a tree, drafts are its nodes and tree is (the Tree, the accepted nodes)."""
+    cycle (--show); for a tree, drafts are its nodes and tree is (the Tree, the accepted nodes).
+    head_rows {L: r} (cost.head_rows): how many block rows the head scores to cover slots 1..L; default L + 1."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
     L = k if tree_budget is None else min(tree_budget, c.block_size - 1)   # the deepest slot this cycle can send
+    scored = head_rows[L] if head_rows else L + 1                          # rows 0..scored-1, scored > L
     embed, head = embed_and_head(target, draft)
     start, clock, taus = now(dev), PhaseClock(dev), []
     # Prefill: the target's cache and features for the prompt; the first new token from its last logit.
@@ -152,9 +154,9 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, temperature=
         s = ids.shape[1] - 1       # the anchor's position: last committed token, not yet run by the target
         clock.start()
         h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s], device=dev))  # [1, B, H]
-        # Only slots 1..L are scored: the head over the vocabulary is most of the draft's cost, and a slot
-        # is never sent beyond L. Row 0 (the anchor) is scored too: docs/results-amd-epyc.md, "GEMM shapes".
-        u = draft.unary_logits(h[:, :L + 1], head)[:, 1:]   # [1, L, V]
+        # Slots beyond L are never sent, and the head over the vocabulary is most of the draft's cost: it
+        # scores the fewest rows from 0 (the anchor) that cover slot L, or more where more cost less here.
+        u = draft.unary_logits(h[:, :scored], head)[:, 1:L + 1]   # [1, L, V]
         clock.lap("draft")
         if tree_budget is None:    # a path: the first k drafts of the walk (q: what they were sampled from)
             d, q = proposer(draft, h[:, 1:L + 1], u, ids, temperature, use_selector, generator)   # [1, L]
@@ -299,6 +301,7 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     watch = dict(on_cycle=ShowBlocks(tok, sys.stdout.isatty(), args.shape[0] == "tree")) if args.show else \
         dict(on_tokens=Printer(tok))
     out, stats = speculative_generate(target, draft, ids, use_selector=not args.unary, **shape_kw(args.shape),
+                                      head_rows=args.head_rows,
                                       **watch, **kw)
     if args.show:
         print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), end="")
@@ -364,6 +367,7 @@ def main(argv=None):
         return bench.bench(target, draft, tok, args, gen, stop, layouts)
     mode = "unary" if args.unary or not draft.candidate_selector else "selector"
     args.shape = tree.plan(args.verify_tokens, args.tree_budget, draft, args.draft, mode, layouts["costs"])[0]
+    args.head_rows = layouts["head_rows"]
     if args.prompt is not None:
         reply(target, draft, tok, [{"role": "user", "content": args.prompt}], args, gen, stop)
         return

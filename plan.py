@@ -9,8 +9,10 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
 
     t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows, and every
                  batch of the maths set ran all 160 steps (some answer in each is cut there), so 160 / 64 batch
-                 steps per answer, plus one feature forward of the whole conversation (~256 tokens)
-    held_out     the 48 held-out answers: one batch of 160 steps and 48 feature forwards (unless made)
+                 steps per answer, plus prepare.py's feature step for one conversation, run as prepare runs
+                 it (tokenize, forward with hooks, cast, check, write the shard) on 8 conversations of about
+                 200 tokens: the forward alone missed a third of it where bf16 is fast
+    held_out     the 48 held-out answers: one batch of 160 steps and 48 feature steps (unless made)
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
     evaluations  one every 600 steps and one at the end, 48 answers each, forward only (~ t_step / 3 each)
     have         answers already made in the data folder (a rerun only trains)
@@ -21,8 +23,10 @@ largest that fits, at most --max-samples (the recipe's 2,400); epochs stay at 2 
 cost nothing in the recipe study). An explicit N_TRAIN (--num-samples) or --epochs wins.
 """
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -34,10 +38,13 @@ import pack
 import prepare
 import train
 from common import bounded, run
+from config import load_config
 from target import load_target
 
 REGEN_STEPS, REGEN_CONTEXT = 160, 160   # decoding steps of a 64-row batch; its mean context (prompt + half an answer)
-CAPTURE_TOKENS = 256                     # a conversation's length in tokens, about (prompt + answer)
+CAPTURE_CONVERSATION = [{"role": "user", "content": "How many apples are left at the end? " * 6},   # ~200 tokens,
+                        {"role": "assistant", "content": "She has 12 apples and gives 5 away, so 7 are left. " * 10}]
+# as the maths answers measured (183 and 200 tokens on average, prompt included)
 LOAD_S = 40                              # loading the target four times, the draft's export
 MIN_SAMPLES = 200       # below this the draft learns too little to be worth the budget: say so instead
 
@@ -65,6 +72,20 @@ def train_step_s(cfg_args: list, target, repeats: int = 3) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return cost.median_ms(step, repeats) / 1000
+
+
+def capture_s(target, tokenizer, layer_ids, n: int = 8) -> float:
+    """Seconds of prepare.py's feature step per conversation (CAPTURE_CONVERSATION, n of them, one shard,
+    written to a temporary folder after one of warm-up; its progress bars are not shown)."""
+    with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+        for name, count in (("warm", 1), ("timed", n)):
+            folder = os.path.join(tmp, name)
+            os.makedirs(folder)
+            t0 = time.perf_counter()
+            prepare.write_features(target, tokenizer, [CAPTURE_CONVERSATION] * count, folder, layer_ids,
+                                   save_target_hidden=True)
+            seconds = time.perf_counter() - t0
+    return seconds / n
 
 
 def answers_made(data_dir: str) -> int:
@@ -110,10 +131,10 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     dtype = machine.resolve_dtype("auto", "cpu", "data")
-    target, _ = load_target(None, dtype)
+    target, tokenizer = load_target(None, dtype)
     prepare.choose_layout(target, dtype, None)       # the layout prepare.py will use, measured if it must
     t_batch = cost.target_ms(target, REGEN_CONTEXT, 1, 3, rows=64) / 1000
-    t_capture = cost.target_ms(target, 0, CAPTURE_TOKENS, 3) / 1000
+    t_capture = capture_s(target, tokenizer, load_config(args.draft_config).target_layer_ids)
     t_answer = REGEN_STEPS / 64 * t_batch + t_capture
     cfg_args = ["--draft-config", args.draft_config] + (["--dflash"] if args.dflash else [])
     t_step = train_step_s(cfg_args, target)
@@ -122,8 +143,8 @@ def main(argv=None):
     spent = time.perf_counter() - t0
     minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out, spent)
     n, why = choose_samples(minutes, args.budget_min, args.max_samples, have, args.num_samples)
-    print(f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer "
-          f"{t_answer:.2f} s, one training step {t_step:.2f} s", file=sys.stderr)
+    print(f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer {t_answer:.2f} s (regeneration "
+          f"{t_answer - t_capture:.2f} + features {t_capture:.2f}), one training step {t_step:.2f} s", file=sys.stderr)
     print(f"[plan] this machine: {n} answers ({why}), {args.epochs} epochs = {n * args.epochs} steps, about "
           f"{minutes(n):.0f} min", file=sys.stderr)
     if minutes(n) > args.budget_min:

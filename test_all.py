@@ -35,6 +35,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -1658,9 +1659,13 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
 
         def record(fn):
             return lambda d_, h, u, *rest: seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
-        generate.speculative_generate(target, draft, p, 6, proposer=record(generate.propose),
-                                      grower=record(tree.draft_tree), **kw)
+        out, _ = generate.speculative_generate(target, draft, p, 6, proposer=record(generate.propose),
+                                               grower=record(tree.draft_tree), **kw)
         assert set(seen) == {(L, L)}
+        # scoring more rows where more cost less (head_rows: every depth scores all B rows) changes nothing
+        wide, _ = generate.speculative_generate(target, draft, p, 6, proposer=record(generate.propose), grower=record(
+            tree.draft_tree), head_rows={d: B for d in range(1, B)}, **kw)
+        assert torch.equal(out, wide) and set(seen) == {(L, L)}
     _, head = generate.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
@@ -1671,6 +1676,14 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
         assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
         g = torch.Generator().manual_seed(1)
         assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k])
+
+
+def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
+    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is taken
+    (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of all."""
+    assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
+    assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
+    assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
 
 
 def test_tree_walk_samples_exactly_the_target():
@@ -2410,6 +2423,21 @@ def test_cost_tables_measure_both_layouts_and_leave_the_target_stock(monkeypatch
     assert not any(isinstance(m, PackedLinear) for m in target.modules())
 
 
+def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatch):
+    """capture_s runs prepare.py's own feature step once on one conversation (warm-up, not timed), then on
+    n, and divides by n: a fake step taking 0.02 s a conversation gives 0.02 s."""
+    import plan
+    import prepare
+    calls = []
+
+    def fake(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
+        calls.append((len(conversations), os.path.isdir(out_dir), save_target_hidden))
+        time.sleep(0.02 * len(conversations) + (0.5 if len(calls) == 1 else 0))    # a slow first call
+    monkeypatch.setattr(prepare, "write_features", fake)
+    assert 0.02 <= plan.capture_s(None, None, [0], n=8) < 0.04
+    assert calls == [(1, True, True), (8, True, True)]
+
+
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
     import plan
     # 1,000 answers, 2 epochs, 1.5 s an answer, 1.3 s a step (an AVX2 machine in fp32), 60 s of held-out answers:
@@ -2437,7 +2465,8 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     target, draft = tiny_target("llama"), tiny_draft(3)
     stock, packed = {n: 75.0 + 5 * n for n in tree.priced_sizes(3)}, {n: 86.0 + 2 * n for n in tree.priced_sizes(3)}
     monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "packed": packed})
-    monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 3.0 + L + walk)
+    monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk, rows: 3.0 + L + walk + rows)
+    monkeypatch.setattr(cost, "head_rows", lambda draft, target: {1: 3, 2: 3})
     # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 90 + 92 = 182 packed; a step 80 vs 88
     layouts = cost.decoding_layouts(target, draft, None)
     assert (layouts["speculate"], layouts["plain"]) == (False, False) and "plain decoding stock" in layouts["why"]
@@ -2446,8 +2475,9 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     assert (layouts["speculate"], layouts["plain"]) == (True, False)
     assert any(isinstance(m, PackedLinear) for m in target.modules())          # left in the speculation's layout
     # priced from the packed row, but a plain step is the faster one of the two (stock, 80 ms)
-    assert layouts["costs"]([1, 2, 9], "selector") == ({1: 80.0, 2: 90.0, 9: 104.0}, {1: 5.0, 2: 6.0})
-    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 4.0, 2: 5.0}        # per depth, with the walk or not
+    assert layouts["costs"]([1, 2, 9], "selector") == ({1: 80.0, 2: 90.0, 9: 104.0}, {1: 8.0, 2: 9.0})
+    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}        # per depth, with the walk or not
+    assert layouts["head_rows"] == {1: 3, 2: 3}                                # what speculative_generate scores
     asked = cost.decoding_layouts(tiny_target("llama"), draft, False)          # asked: nothing measured
     assert asked["table"] is None and asked["speculate"] is False and asked["why"] == "stock GEMMs (asked)"
 
