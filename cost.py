@@ -102,6 +102,11 @@ def draft_ms(draft, target, context: int, repeats: int, slots: int = None, use_s
     return median_ms(cycle, repeats, p.device)
 
 
+def draft_costs(draft, target, context: int, repeats: int, walk: bool, rows: dict) -> dict:
+    """{L: draft_ms over L slots} for L = 1..B-1, the head scoring rows[L] rows: what auto and the CLI price."""
+    return {L: draft_ms(draft, target, context, repeats, L, walk, rows[L]) for L in range(1, draft.config.block_size)}
+
+
 def both_layouts(target, measure) -> dict:
     """{"stock": measure(), "packed": measure()} of an unpacked CPU target, which is left unpacked."""
     out = {"stock": measure()}
@@ -164,7 +169,7 @@ def decoding_layouts(target, draft, wanted) -> dict:
 
     @functools.cache   # timed once per mode, however many shapes ask
     def t_draft(mode):
-        return {L: draft_ms(draft, target, 200, 5, L, mode == "selector", rows[L]) for L in range(1, B)}
+        return draft_costs(draft, target, 200, 5, mode == "selector", rows)
 
     def costs(want, mode):   # the table of the speculation's layout where it was measured, else measured now
         if table and set(want) <= set(sizes):
@@ -192,7 +197,7 @@ def main(argv=None):
     target, _ = load_target(args.target, torch.float32)
     walk = draft.candidate_selector is not None     # what a cycle runs before its verify, per depth L
     rows = head_rows(draft, target)
-    t_draft = {L: draft_ms(draft, target, args.context, args.repeats, L, walk, rows[L]) for L in range(1, B)}
+    t_draft = draft_costs(draft, target, args.context, args.repeats, walk, rows)
     print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
           f"({machine.dtype_name(draft_dtype)}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
           + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms (head rows: "
