@@ -8,7 +8,8 @@ nodes, or auto's choice), then plain decoding. Where `--pack-weights auto` measu
 plain decoding runs in both and the speedups divide by the faster of the two: the fastest plain
 decoding this machine has, not the layout speculation happens to use. "same" counts answers equal to
 plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new tokens
-over the wall time of each call (prefill included).
+over the wall time of each call (prefill included). Each prompt is decoded every way back to back before
+the next one starts, so a shared machine that speeds up or slows down meanwhile does so for every row.
 """
 import torch
 
@@ -39,20 +40,28 @@ def bench(target, draft, tok, args, gen, stop, layouts):
           "cycle: draft / selector / verify")
     for name in args.bench:
         prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
-        runs, outs = {}, {}
-        for layout in plains:
+        specs = {r: dict(use_selector=r[0] == "selector", head_rows=layouts["head_rows"], **shape_kw(r[1])) for r in rows}
+        for layout in plains:                                                   # warm-ups
             set_packed(target, layout == "packed")
-            target_generate(target, warm, 8)                                    # warm-up
-            results = [target_generate(target, ids, **kw) for ids in prompts]
-            runs["plain " + layout] = [s for _, s in results]
-            outs.setdefault("plain", [o for o, _ in results])                  # the first layout's: the reference
+            target_generate(target, warm, 8)
         set_packed(target, layouts["speculate"])
         for r in rows:
-            spec = dict(use_selector=r[0] == "selector", head_rows=layouts["head_rows"], **shape_kw(r[1]))
-            speculative_generate(target, draft, warm, 8, **spec)
-            results = [speculative_generate(target, draft, ids, **spec, **kw)
-                       for ids in prompts]
-            runs[r], outs[r] = [s for _, s in results], [o for o, _ in results]
+            speculative_generate(target, draft, warm, 8, **specs[r])
+        # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes, and a
+        # drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs of one VM).
+        runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
+        for ids in prompts:
+            for layout in plains:
+                set_packed(target, layout == "packed")
+                out, stats = target_generate(target, ids, **kw)
+                runs["plain " + layout].append(stats)
+                if layout == plains[0]:                                         # the first layout's: the reference
+                    outs.setdefault("plain", []).append(out)
+            set_packed(target, layouts["speculate"])
+            for r in rows:
+                out, stats = speculative_generate(target, draft, ids, **specs[r], **kw)
+                runs[r].append(stats)
+                outs.setdefault(r, []).append(out)
         base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)
         for r in rows:
             taus = [t for s in runs[r] for t in s.taus]
