@@ -60,7 +60,6 @@ def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) ->
     return median_ms(step, repeats, dev)
 
 
-@torch.no_grad()
 def fastest_rows(ms: dict, B: int) -> dict:
     """{r: ms of the head over r block rows} -> {L: the fastest r that covers slots 1..L, i.e. r >= L + 1}."""
     return {L: min(range(L + 1, B + 1), key=lambda r: (ms[r], r)) for L in range(1, B)}
@@ -79,14 +78,11 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
 
 
 @torch.no_grad()
-def draft_ms(draft, target, context: int, repeats: int, slots: int = None, use_selector: bool = False,
-             rows: int = None) -> float:
+def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool, rows: int) -> float:
     """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
-    head over rows 0..rows-1 (default slots + 1; slots default B-1) as generate.py scores them, and with
-    use_selector the selector's walk over slots 1..slots (propose)."""
+    head over rows 0..rows-1 (rows > L) as generate.py scores them, and with use_selector the selector's
+    walk over slots 1..L (propose)."""
     c, p = draft.config, next(draft.parameters())
-    L = slots or c.block_size - 1
-    rows = rows or L + 1
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
     ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
