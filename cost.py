@@ -30,7 +30,7 @@ import tree
 from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
-from generate import crop, embed_and_head, new_cache, now, propose, with_cache
+from generate import crop, draft_in, embed_and_head, new_cache, now, propose, with_cache
 from target import load_target, pack_linears, unpack_linears
 
 
@@ -180,22 +180,22 @@ def main(argv=None):
     ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
     ap.add_argument("--draft", default=None, help="a trained draft (default: random weights of --draft-config)")
     ap.add_argument("--draft-config", default="configs/smollm2-135m-dflash2.json")
-    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES], default="auto",
+    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES, "int8"], default="auto",
                     help="auto: what generate.py picks on this machine (machine.py)")
     ap.add_argument("--context", type=bounded(int, low=1), default=200, help="cached tokens before each forward")
     ap.add_argument("--repeats", type=bounded(int, low=1), default=15)
     args = ap.parse_args(argv)
 
-    draft_dtype = machine.resolve_dtype(args.draft_dtype, "cpu", "draft")
+    precision = machine.draft_precision(args.draft_dtype, "cpu")
     draft = load_any(args.draft) if args.draft else model.DraftModel(load_config(args.draft_config))
-    draft = draft.to(draft_dtype).eval()
-    B = draft.config.block_size
     target, _ = load_target(args.target, torch.float32)
+    draft = draft_in(precision, draft.eval(), target, "cpu")
+    B = draft.config.block_size
     walk = draft.candidate_selector is not None     # what a cycle runs before its verify, per depth L
     rows = head_rows(draft, target)
     t_draft = draft_costs(draft, target, args.context, args.repeats, walk, rows)
     print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
-          f"({machine.dtype_name(draft_dtype)}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
+          f"({precision}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
           + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms (head rows: "
           + " ".join(str(r) for r in rows.values()) + ")")
     sizes = tree.priced_sizes(B)              # what generate.py's auto prices; it reuses this measurement

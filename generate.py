@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import model
+import int8
 import machine
+import model
 import tree
 from common import DTYPES, bounded, run
 from export import load_any
@@ -76,10 +77,13 @@ def commit(ids, new: list, prompt_len: int, max_new_tokens: int, stop_ids, on_to
 
 
 def embed_and_head(target, draft):
-    """The target's frozen embedding (a function of ids) and head weight [V, H], in the draft's dtype: a
-    bf16 draft beside an fp32 target is still lossless, since only the target's verify commits tokens."""
+    """The target's frozen embedding (a function of ids) and head (a function of hidden states, h @ W^T), in
+    the draft's precision: a bf16 or int8 draft (int8.py) beside an fp32 target is still lossless, since only
+    the target's verify commits tokens."""
     dt = next(draft.parameters()).dtype
-    return lambda t: target.get_input_embeddings()(t).to(dt), target.get_output_embeddings().weight.to(dt)
+    w = target.get_output_embeddings().weight.to(dt)
+    head = draft.int8_head if hasattr(draft, "int8_head") else lambda h: h @ w.t()
+    return lambda t: target.get_input_embeddings()(t).to(dt), head
 
 
 # ----------------------------------------------------------------------------- propose and accept
@@ -268,6 +272,12 @@ def now(device) -> float:
 
 
 # ----------------------------------------------------------------------------- command line
+def draft_in(precision: str, draft, target, device):
+    """The draft on the device in machine.draft_precision's choice: a DTYPES name, or int8 weights on fp32."""
+    draft = draft.to(device=device, dtype=DTYPES.get(precision, torch.float32))
+    return int8.quantize(draft, target.get_output_embeddings().weight) if precision == "int8" else draft
+
+
 def encode(tok, messages, device):
     """A conversation -> prompt ids [1, P] through the target's chat template (plain text without one)."""
     if tok.chat_template:
@@ -320,9 +330,9 @@ def main(argv=None):
     ap.add_argument("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
     ap.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
                     help="the target's dtype; auto: bf16 on GPU, fp32 on CPU (lossless, see README)")
-    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES], default="auto",
-                    help="the draft's dtype; auto: bf16 on GPU and on CPUs with native bf16, else fp32 "
-                         "(machine.py). Output is the target's either way")
+    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES, "int8"], default="auto",
+                    help="the draft's precision; auto: bf16 on GPU and on CPUs with native bf16, int8 weights "
+                         "on other x86 CPUs (int8.py), else fp32 (machine.py). Output is the target's either way")
     ap.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                     help="hold the target's weights in oneDNN's layout; default: whichever cost.py measured "
                          "faster on this machine (cached); README, Your machine")
@@ -353,12 +363,12 @@ def main(argv=None):
     target, tok = load_target(args.target, target_dtype)
     target = target.to(device)
     check_draft_fits(draft.config, target)
-    draft_dtype = machine.resolve_dtype(args.draft_dtype, device, "draft")
-    draft = draft.to(device=device, dtype=draft_dtype)
+    precision = machine.draft_precision(args.draft_dtype, device)
+    draft = draft_in(precision, draft, target, device)
     import cost   # here, not at the top: cost.py imports this module's cache helpers
     layouts = cost.decoding_layouts(target, draft, args.pack_weights)
     print(machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(target_dtype)}, {layouts['why']}",
-                              draft=machine.dtype_name(draft_dtype)), file=sys.stderr)
+                              draft=precision), file=sys.stderr)
     param = next(target.parameters())
     gen = torch.Generator(device=param.device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)

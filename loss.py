@@ -78,7 +78,7 @@ def chunk_terms(draft, lm_head_weight, h, labels, prev, w0, target_hidden, opts)
     target_hidden [M, L, H] or None. The vocabulary-sized tensors are made once, here, for both halves:
     the objective's sums (with gradient) and the metrics' sums (without)."""
     c = draft.config
-    u = draft.unary_logits(h, lm_head_weight).float()                  # [M, L, V] unary scores
+    u = draft.unary_logits(h, lambda x: x @ lm_head_weight.t()).float()   # [M, L, V] unary scores
     logq = F.log_softmax(u, -1)                                        # the draft's distribution q
     logp = None                                                        # the target's p, when known
     if target_hidden is not None:

@@ -11,7 +11,8 @@ CPUs and lose on others. So every `auto` flag of the project asks this file, for
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
-               AVX-512 kernels), else fp32; decode is fp32 on every CPU.
+               AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on the other x86 CPUs
+               the rule knows: int8 weights (int8.py), since its few-row fp32 GEMMs are slow there.
     layout     CPU only. bf16: packed (oneDNN's bf16 kernels; stock bf16 GEMMs are slower). fp32: whichever
                a short measurement on this machine found faster (cost.py; cached per machine, since the
                capability cannot tell). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
@@ -24,6 +25,7 @@ import platform
 
 import torch
 
+import int8
 from common import DTYPES, atomic_write
 from target import packable
 
@@ -75,6 +77,21 @@ def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
     if phase == "decode":
         return torch.float32
     return torch.bfloat16 if native_bf16(cpu_info())[0] else torch.float32
+
+
+def draft_precision(name: str, device) -> str:
+    """generate.py's --draft-dtype (auto, int8 or a DTYPES name) -> the draft's precision name on this device."""
+    if name == "int8":
+        if torch.device(device).type != "cpu":
+            raise ValueError("--draft-dtype int8: the int8 kernels are CPU kernels; use bf16 on a GPU")
+        if not int8.runs():
+            raise ValueError(f"--draft-dtype int8: torch's quantized kernels do not run on this CPU "
+                             f"({cpu_info()['capability']}; fbgemm needs x86 with AVX2); use fp32")
+        return name
+    dtype = resolve_dtype(name, device, "draft")
+    if name == "auto" and dtype == torch.float32 and known(cpu_info()) and int8.runs():
+        return "int8"
+    return dtype_name(dtype)
 
 
 def slow_bf16_note(dtype, device) -> str:
@@ -158,7 +175,8 @@ def machine_key(*extra) -> str:
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     info = cpu_info()
-    parts = [model or platform.processor(), info["capability"], info["onednn_isa"], f"torch {torch.__version__}",
+    caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")]   # ISA caps
+    parts = [model or platform.processor(), info["capability"], info["onednn_isa"], *caps, f"torch {torch.__version__}",
              f"{torch.get_num_threads()} threads", *map(str, extra)]
     return " | ".join(parts)
 

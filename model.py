@@ -209,10 +209,11 @@ class DraftModel(nn.Module):
             h = layer(h, q_pos, kv, slide if layer.sliding else full)
         return self.norm(h)
 
-    def unary_logits(self, h, lm_head_weight):
-        """The draft's unary scores u = transform(h @ W_lm^T) with the target's frozen head."""
+    def unary_logits(self, h, head):
+        """The draft's unary scores u = transform(head(h)), head(h) = h @ W_lm^T the target's frozen head (a
+        function: generate.py may hold W_lm in int8, int8.py)."""
         c = self.config
-        return unary_transform(h @ lm_head_weight.t(), c.output_multiplier, c.final_logit_softcapping)
+        return unary_transform(head(h), c.output_multiplier, c.final_logit_softcapping)
 
 
 # ----------------------------------------------------------------------------- the two call paths

