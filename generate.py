@@ -331,8 +331,8 @@ def main(argv=None):
     ap.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
                     help="the target's dtype; auto: bf16 on GPU, fp32 on CPU (lossless, see README)")
     ap.add_argument("--draft-dtype", choices=["auto", *DTYPES, "int8"], default="auto",
-                    help="the draft's precision; auto: bf16 on GPU and on CPUs with native bf16, int8 weights "
-                         "on other x86 CPUs (int8.py), else fp32 (machine.py). Output is the target's either way")
+                    help="the draft's precision; auto: bf16 on GPU, int8 weights on x86 CPUs (int8.py), else bf16 "
+                         "where native, else fp32 (machine.py). Output is the target's either way")
     ap.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
                     help="hold the target's weights in oneDNN's layout; default: whichever cost.py measured "
                          "faster on this machine (cached); README, Your machine")

@@ -11,8 +11,8 @@ CPUs and lose on others. So every `auto` flag of the project asks this file, for
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
-               AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on the other x86 CPUs
-               the rule knows: int8 weights (int8.py), since its few-row fp32 GEMMs are slow there.
+               AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU the
+               rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
     layout     CPU only. bf16: packed (oneDNN's bf16 kernels; stock bf16 GEMMs are slower). fp32: whichever
                a short measurement on this machine found faster (cost.py; cached per machine, since the
                capability cannot tell). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
@@ -88,10 +88,9 @@ def draft_precision(name: str, device) -> str:
             raise ValueError(f"--draft-dtype int8: torch's quantized kernels do not run on this CPU "
                              f"({cpu_info()['capability']}; fbgemm needs x86 with AVX2); use fp32")
         return name
-    dtype = resolve_dtype(name, device, "draft")
-    if name == "auto" and dtype == torch.float32 and known(cpu_info()) and int8.runs():
+    if name == "auto" and torch.device(device).type == "cpu" and known(cpu_info()) and int8.runs():
         return "int8"
-    return dtype_name(dtype)
+    return dtype_name(resolve_dtype(name, device, "draft"))
 
 
 def slow_bf16_note(dtype, device) -> str:

@@ -2427,17 +2427,19 @@ def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch,
 
 
 def test_machine_rule_picks_the_drafts_precision(monkeypatch):
-    """generate.py's draft: bf16 where native, int8 weights on the other known x86 CPUs, fp32 elsewhere."""
+    """generate.py's draft: int8 weights on the x86 CPUs the rule knows, else bf16 where native, else fp32."""
     monkeypatch.setattr(machine.int8, "runs", lambda: True)
-    for cpu, want in (("avx512-bf16", "bf16"), ("avx2", "int8"), ("avx2-capped", "int8"), ("graviton", "fp32")):
+    for cpu, want in (("avx512-bf16", "int8"), ("avx2", "int8"), ("avx2-capped", "int8"), ("graviton", "fp32")):
         play_cpu(monkeypatch, *CPUS[cpu][0])
         assert machine.draft_precision("auto", "cpu") == want, cpu
         assert machine.draft_precision("fp32", "cpu") == "fp32" and machine.draft_precision("int8", "cpu") == "int8"
     assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
     with pytest.raises(ValueError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
         machine.draft_precision("int8", torch.device("cuda:0"))
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
-    monkeypatch.setattr(machine.int8, "runs", lambda: False)          # no quantized engine: fp32, or refused
+    monkeypatch.setattr(machine.int8, "runs", lambda: False)          # no quantized engine: bf16 where native
+    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
+    assert machine.draft_precision("auto", "cpu") == "bf16"
+    play_cpu(monkeypatch, *CPUS["avx2"][0])                            # else fp32; asked for, refused
     assert machine.draft_precision("auto", "cpu") == "fp32"
     with pytest.raises(ValueError, match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)"):
         machine.draft_precision("int8", "cpu")
