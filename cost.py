@@ -77,21 +77,29 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
     return fastest_rows(ms, c.block_size)
 
 
-@torch.no_grad()
-def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool, rows: int) -> float:
-    """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
-    head over rows 0..rows-1 (rows > L) as generate.py scores them, and with use_selector the selector's
-    walk over slots 1..L (propose)."""
+def draft_block(draft, target, context: int):
+    """A timing's draft forward: its (embed, head, forward), forward() -> hidden [1, B, H] of one block after
+    `context` cached rows of random features (the cost depends on their number, not their values)."""
     c, p = draft.config, next(draft.parameters())
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
     ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
                torch.arange(context, device=p.device)[None])
     anchor, pos = torch.tensor([1], device=p.device), torch.tensor([context], device=p.device)
+    return embed, head, lambda: model.forward_inference(draft, embed, ctx, anchor, pos)
+
+
+@torch.no_grad()
+def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool, rows: int) -> float:
+    """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
+    head over rows 0..rows-1 (rows > L) as generate.py scores them, and with use_selector the selector's
+    walk over slots 1..L (propose)."""
+    p = next(draft.parameters())
+    _, head, forward = draft_block(draft, target, context)
     ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
 
     def cycle():
-        h = model.forward_inference(draft, embed, ctx, anchor, pos)
+        h = forward()
         u = draft.unary_logits(h[:, :rows], head)[:, 1:L + 1]
         if use_selector:
             propose(draft, h[:, 1:L + 1], u, ids)

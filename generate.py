@@ -81,9 +81,11 @@ def embed_and_head(target, draft):
     the draft's precision: a bf16 or int8 draft (int8.py) beside an fp32 target is still lossless, since only
     the target's verify commits tokens."""
     dt = next(draft.parameters()).dtype
+    embed = lambda t: target.get_input_embeddings()(t).to(dt)
+    if hasattr(draft, "int8_head"):                                    # int8.quantize made it once
+        return embed, draft.int8_head
     w = target.get_output_embeddings().weight.to(dt)
-    head = draft.int8_head if hasattr(draft, "int8_head") else lambda h: h @ w.t()
-    return lambda t: target.get_input_embeddings()(t).to(dt), head
+    return embed, lambda h: h @ w.t()
 
 
 # ----------------------------------------------------------------------------- propose and accept

@@ -29,8 +29,9 @@ import torch.nn as nn
 
 def quantize_weight(w):
     """w [out, in] float -> (q [out, in] int8, s [out] fp32) with w ~ s[:, None] * q."""
-    s = (w.detach().float().abs().amax(1) / 127).clamp_min(1e-12)
-    return torch.round(w.detach().float() / s[:, None]).clamp(-127, 127).to(torch.int8), s
+    w = w.detach().float()
+    s = (w.abs().amax(1) / 127).clamp_min(1e-12)
+    return torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), s
 
 
 class Int8Linear(nn.Module):
@@ -39,7 +40,6 @@ class Int8Linear(nn.Module):
     def __init__(self, weight):
         super().__init__()
         q, s = quantize_weight(weight)
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         with warnings.catch_warnings():   # torch marks its quantized tensors deprecated (torchao's successors)
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros_like(s, dtype=torch.long), 0)

@@ -14,26 +14,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project's modules
 import machine  # noqa: E402
-import model  # noqa: E402
 from common import bounded, run  # noqa: E402
-from cost import median_ms  # noqa: E402
+from cost import draft_block, median_ms  # noqa: E402
 from export import load_any  # noqa: E402
-from generate import draft_in, embed_and_head  # noqa: E402
+from generate import draft_in  # noqa: E402
 from target import load_target  # noqa: E402
 
 
 @torch.no_grad()
 def costs(draft, target, context: int, repeats: int) -> dict:
-    c, p = draft.config, next(draft.parameters())
-    embed, head = embed_and_head(target, draft)
-    ctx = model.ContextCache()
-    ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype),
-               torch.arange(context)[None])
-    anchor, pos = torch.tensor([1]), torch.tensor([context])
-    h = model.forward_inference(draft, embed, ctx, anchor, pos)                  # [1, B, H]
-    return {"forward": median_ms(lambda: model.forward_inference(draft, embed, ctx, anchor, pos), repeats),
-            "head, 3 rows": median_ms(lambda: head(h[:, :3]), repeats),
-            f"head, {c.block_size} rows": median_ms(lambda: head(h), repeats)}
+    _, head, forward = draft_block(draft, target, context)
+    h = forward()                                                                # [1, B, H]
+    return {"forward": median_ms(forward, repeats), "head, 3 rows": median_ms(lambda: head(h[:, :3]), repeats),
+            f"head, {draft.config.block_size} rows": median_ms(lambda: head(h), repeats)}
 
 
 def main(argv=None):
