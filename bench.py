@@ -4,8 +4,8 @@
         --verify-tokens 7 --tree-budget 8 16 24 32
 
 Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts, a tree of N
-nodes, or auto's choice), then plain decoding. Where `--pack-weights auto` measured both GEMM layouts,
-plain decoding runs in both and the speedups divide by the faster of the two: the fastest plain
+nodes, or auto's choice), then plain decoding. Where `--target-gemm auto` measured the GEMM layouts,
+plain decoding runs in each and the speedups divide by the fastest: the fastest plain
 decoding this machine has, not the layout speculation happens to use. "same" counts answers equal to
 plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new tokens
 over the wall time of each call (prefill included). Each prompt is decoded every way back to back before
@@ -15,13 +15,7 @@ import torch
 
 import tree
 from generate import encode, shape_kw, speculative_generate, target_generate
-from target import PackedLinear, pack_linears, unpack_linears
-
-
-def set_packed(target, packed: bool):
-    """Put the target's weights in the layout asked for (a no-op when they are already)."""
-    if packed != any(isinstance(m, PackedLinear) for m in target.modules()):
-        (pack_linears if packed else unpack_linears)(target)
+from target import set_layout
 
 
 def tok_per_s(stats) -> float:
@@ -33,7 +27,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
     dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
     rows = [(m, shape) for m in modes for shape in tree.plan(args.verify_tokens, args.tree_budget, draft, args.draft,
                                                                m, layouts["costs"])]
-    plains = ["packed", "stock"] if layouts["table"] else ["packed" if layouts["plain"] else "stock"]
+    plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
     print(f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
@@ -42,9 +36,9 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
         specs = {r: dict(use_selector=r[0] == "selector", head_rows=layouts["head_rows"], **shape_kw(r[1])) for r in rows}
         for layout in plains:                                                   # warm-ups
-            set_packed(target, layout == "packed")
+            set_layout(target, layout)
             target_generate(target, warm, 8)
-        set_packed(target, layouts["speculate"])
+        set_layout(target, layouts["speculate"])
         for r in rows:
             speculative_generate(target, draft, warm, 8, **specs[r])
         # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes, and a
@@ -52,12 +46,12 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
         for ids in prompts:
             for layout in plains:
-                set_packed(target, layout == "packed")
+                set_layout(target, layout)
                 out, stats = target_generate(target, ids, **kw)
                 runs["plain " + layout].append(stats)
                 if layout == plains[0]:                                         # the first layout's: the reference
                     outs.setdefault("plain", []).append(out)
-            set_packed(target, layouts["speculate"])
+            set_layout(target, layouts["speculate"])
             for r in rows:
                 out, stats = speculative_generate(target, draft, ids, **specs[r], **kw)
                 runs[r].append(stats)

@@ -13,9 +13,10 @@ Batch-1 speculative decoding trades one target forward per token for one per cyc
 
 On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be, and
 which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more than one row streamed the
-weights far slower than the 1-row path on one machine, oneDNN's packed weights (target.pack_linears)
-fixed that there and made plain decoding slower on another. So the functions below are also the short
-measurement behind `--pack-weights auto` (machine.choose_packing), cached per machine: the decode table
+weights far slower than the 1-row path on two machines; oneDNN's packed weights (target.py) fixed that on
+an AMD EPYC and were twice as slow as stock on an Intel Xeon, where MKL's own packed GEMM fixed it. So
+the functions below are also the short measurement behind `--target-gemm auto` (machine.choose_layout),
+cached per machine: the decode table
 for generate.py, the batched shapes for prepare.py. A tree of N nodes (tree.py) costs t_{N+1}: the table
 runs to 33 tokens, and generate.py's `auto` picks a path or a tree from it (tree.choose).
 """
@@ -31,7 +32,7 @@ from common import DTYPES, bounded, run
 from config import load_config
 from export import load_any
 from generate import crop, draft_in, embed_and_head, new_cache, now, propose, with_cache
-from target import load_target, pack_linears, unpack_linears
+from target import drop_packs, load_target, set_layout
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
@@ -57,7 +58,9 @@ def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) ->
     def step():
         target(input_ids=block, **with_cache(target, cache))
         crop(cache, context)                                       # back to the same context every time
-    return median_ms(step, repeats, dev)
+    ms = median_ms(step, repeats, dev)
+    drop_packs(target)                       # MKL's packs for this many rows: a copy of the weights each
+    return ms
 
 
 def fastest_rows(ms: dict, B: int) -> dict:
@@ -111,14 +114,17 @@ def draft_costs(draft, target, context: int, repeats: int, walk: bool, rows: dic
     return {L: draft_ms(draft, target, context, repeats, L, walk, rows[L]) for L in range(1, draft.config.block_size)}
 
 
-def both_layouts(target, measure) -> dict:
-    """{"stock": measure(), "packed": measure()} of an unpacked CPU target, which is left unpacked."""
-    out = {"stock": measure()}
-    pack_linears(target)
+def each_layout(target, measure) -> dict:
+    """{layout: measure()} over the layouts this target can run in here (machine.layouts_here), which
+    start with "stock"; the target is left stock."""
+    param, out = next(target.parameters()), {}
     try:
-        out["packed"] = measure()
+        for layout in machine.layouts_here(param.dtype, param.device):
+            set_layout(target, layout)
+            out[layout] = measure()
     finally:
-        unpack_linears(target)
+        set_layout(target, "stock")
+        target.__dict__.pop("kept_layouts", None)          # the packed copies measured: freed
     return out
 
 
@@ -128,19 +134,21 @@ def target_key(target) -> str:
 
 
 def decode_table(target, sizes, context: int = 200, repeats: int = 7, refresh=False) -> dict:
-    """{"stock": {n: ms}, "packed": {n: ms}}: batch-1 target forwards of n tokens, measured once per machine
+    """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per machine
     (refresh: measure again and keep the new numbers)."""
-    table = machine.cached(machine.machine_key("decode", target_key(target), context, sizes), lambda: both_layouts(
+    key = machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")   # v1: stock, onednn
+    table = machine.cached(key, lambda: each_layout(
         target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}), refresh)
     return {layout: {int(n): ms for n, ms in row.items()} for layout, row in table.items()}
 
 
 def data_costs(target, repeats: int = 3) -> dict:
-    """{"stock": ms, "packed": ms} of prepare.py's two shapes, measured once per machine: one step of a
-    64-row regeneration after 128 tokens, plus one 256-token feature forward."""
+    """{layout: ms} of prepare.py's two shapes, measured once per machine: one step of a 64-row
+    regeneration after 128 tokens, plus one 256-token feature forward."""
     def measure():
         return target_ms(target, 128, 1, repeats, rows=64) + target_ms(target, 0, 256, repeats)
-    return machine.cached(machine.machine_key("data", target_key(target)), lambda: both_layouts(target, measure))
+    return machine.cached(machine.machine_key("data", target_key(target), "layouts v2"),
+                          lambda: each_layout(target, measure))
 
 
 def fastest(row: dict, n: int) -> str:
@@ -149,25 +157,24 @@ def fastest(row: dict, n: int) -> str:
 
 
 def decoding_layouts(target, draft, wanted) -> dict:
-    """The target's GEMM layout for speculation and for plain decoding (1 token): machine.choose_packing,
-    from the decode table where it must measure. Speculation's layout is the one with the smaller sum of
-    verify forwards of 2..B tokens (every path priced alike: one size alone was
-    too noisy a judge). The target is left in the speculation's layout. -> {"speculate", "plain": True if
-    packed, "why", "table" (or None), "costs": costs(sizes, mode) -> ({n: ms of an n-token target forward}, {L: ms of
-    the draft's cycle over L slots}), what tree.auto prices shapes with; its 1-token price is the faster
-    plain step of the two; "head_rows": head_rows(), the rows speculative_generate scores}."""
+    """The target's GEMM layout for speculation and for plain decoding (1 token): machine.choose_layout,
+    from the decode table where it must measure. Speculation's layout is the one with the smallest sum of
+    verify forwards of 2..B tokens (every path priced alike: one size alone was too noisy a judge). The
+    target is left in the speculation's layout. -> {"speculate", "plain": layout names, "why", "table" (or
+    None), "costs": costs(sizes, mode) -> ({n: ms of an n-token target forward}, {L: ms of the draft's cycle
+    over L slots}), what tree.auto prices shapes with; its 1-token price is the fastest plain step of the
+    table; "head_rows": head_rows(), the rows speculative_generate scores}."""
     B, table = draft.config.block_size, {}
     sizes = tree.priced_sizes(B)
 
     def measure():
         table.update(decode_table(target, sizes=sizes))
         return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
-    pack, why = machine.choose_packing(next(target.parameters()).dtype, target.device, wanted, measure)
-    plain = pack if not table else fastest(table, 1) == "packed"
-    if pack:
-        pack_linears(target)
+    layout, why = machine.choose_layout(next(target.parameters()).dtype, target.device, wanted, measure)
+    plain = fastest(table, 1) if table else layout
+    set_layout(target, layout)
     if table:
-        why += f"; plain decoding {'packed' if plain else 'stock'} ({table['packed'][1]:.1f} vs {table['stock'][1]:.1f} ms)"
+        why += f"; plain decoding {plain} (" + ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items()) + " ms)"
 
     rows = head_rows(draft, target)
 
@@ -177,10 +184,10 @@ def decoding_layouts(target, draft, wanted) -> dict:
 
     def costs(want, mode):   # the table of the speculation's layout where it was measured, else measured now
         if table and set(want) <= set(sizes):
-            row = table["packed" if pack else "stock"]
+            row = table[layout]
             return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft(mode)
         return {n: target_ms(target, 200, n, 5) for n in want}, t_draft(mode)
-    return {"speculate": pack, "plain": plain, "why": why, "table": table or None, "costs": costs, "head_rows": rows}
+    return {"speculate": layout, "plain": plain, "why": why, "table": table or None, "costs": costs, "head_rows": rows}
 
 
 def main(argv=None):
@@ -211,11 +218,11 @@ def main(argv=None):
     print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}")
     plain = min(ms[1] for ms in table.values())          # the fastest plain decoding this machine has
     for layout, ms in table.items():
-        print(f"{layout + ' weights':<16}" + "".join(f"{ms[n]:>7.1f}ms" for n in sizes) + f"{ms[B] / ms[1]:>11.2f}")
-    print(f"plain decoding is fastest with {fastest(table, 1)} weights ({plain:.1f} ms), a block of {B} is verified "
-          f"fastest with {fastest(table, B)} weights. A path of k drafts pays from tau (t_(k+1) + draft_k) / {plain:.1f}:")
+        print(f"{layout + ' GEMMs':<16}" + "".join(f"{ms[n]:>7.1f}ms" for n in sizes) + f"{ms[B] / ms[1]:>11.2f}")
+    print(f"plain decoding is fastest with {fastest(table, 1)} GEMMs ({plain:.1f} ms), a block of {B} is verified "
+          f"fastest with {fastest(table, B)} GEMMs. A path of k drafts pays from tau (t_(k+1) + draft_k) / {plain:.1f}:")
     for layout, ms in table.items():
-        print(f"{layout + ' weights':<16}" + ", ".join(f"k={k} {(ms[k + 1] + t_draft[k]) / plain:.2f}"
+        print(f"{layout + ' GEMMs':<16}" + ", ".join(f"k={k} {(ms[k + 1] + t_draft[k]) / plain:.2f}"
                                                           for k in range(1, B)))
 
 

@@ -335,9 +335,9 @@ def main(argv=None):
     ap.add_argument("--draft-dtype", choices=["auto", *DTYPES, "int8"], default="auto",
                     help="the draft's precision; auto: bf16 on GPU, int8 weights on x86 CPUs (int8.py), else bf16 "
                          "where native, else fp32 (machine.py). Output is the target's either way")
-    ap.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                    help="hold the target's weights in oneDNN's layout; default: whichever cost.py measured "
-                         "faster on this machine (cached); README, Your machine")
+    ap.add_argument("--target-gemm", choices=["auto", "stock", "onednn", "mkl"], default="auto",
+                    help="the target's GEMM layout (target.py): stock, oneDNN's packed weights or MKL's packed GEMM; "
+                         "auto: whichever cost.py measured fastest on this machine (cached); README, Your machine")
     ap.add_argument("--prompt", default=None, help="one prompt; without it, an interactive chat")
     ap.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     ap.add_argument("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
@@ -368,7 +368,7 @@ def main(argv=None):
     precision = machine.draft_precision(args.draft_dtype, device)
     draft = draft_in(precision, draft, target, device)
     import cost   # here, not at the top: cost.py imports this module's cache helpers
-    layouts = cost.decoding_layouts(target, draft, args.pack_weights)
+    layouts = cost.decoding_layouts(target, draft, args.target_gemm)
     print(machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(target_dtype)}, {layouts['why']}",
                               draft=precision), file=sys.stderr)
     param = next(target.parameters())

@@ -1,8 +1,9 @@
 """What this machine runs fast: one rule for the precision and the GEMM layout of every phase.
 
 A 2-core laptop and a cloud VM can differ by 16x on the same step (README, "Your machine"): bf16 is
-fast only where the CPU has bf16 instructions, and oneDNN's packed weights beat stock GEMMs on some
-CPUs and lose on others. So every `auto` flag of the project asks this file, for one of four phases:
+fast only where the CPU has bf16 instructions, and which GEMM layout is fastest (stock, oneDNN's
+packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the project asks this file,
+for one of four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
     decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8 tokens in one
@@ -13,9 +14,10 @@ CPUs and lose on others. So every `auto` flag of the project asks this file, for
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
                AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU the
                rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
-    layout     CPU only. bf16: packed (oneDNN's bf16 kernels; stock bf16 GEMMs are slower). fp32: whichever
-               a short measurement on this machine found faster (cost.py; cached per machine, since the
-               capability cannot tell). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
+    layout     CPU only (target.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels; stock bf16
+               GEMMs are slower). fp32: whichever a short measurement on this machine found fastest (cost.py;
+               cached per machine, since the capability cannot tell: oneDNN won on an AMD EPYC, MKL's packed
+               GEMM on an Intel Xeon). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
 
 Each script prints one line of what it chose and why (`choice_line`).
 """
@@ -113,37 +115,55 @@ def packed_bf16_runs() -> bool:
         return False
 
 
-def check_packable(dtype, device):
-    """--pack-weights asked for: refuse, in one line, what this machine cannot run."""
-    if not packable(dtype, device):
-        raise ValueError(f"--pack-weights: only for fp32 or bf16 targets on the CPU, not {dtype} on "
-                         f"{torch.device(device).type}")
-    if dtype == torch.bfloat16 and not packed_bf16_runs():
-        raise ValueError(f"--pack-weights with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, avx512vl, "
-                         f"avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; use "
-                         f"--no-pack-weights or --target-dtype fp32")
+def mkl_packs_run() -> bool:
+    """MKL's packed fp32 GEMM exists where torch was built with MKL (x86): ask it with a 1 x 1 product."""
+    try:
+        w = torch.ones(1, 1)
+        torch.ops.mkl._mkl_linear(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w, None, 1)
+        return True
+    except (RuntimeError, AttributeError):
+        return False
 
 
-def choose_packing(dtype, device, wanted, measure=None) -> tuple:
-    """--pack-weights {True, False, None = auto} -> (pack?, why). measure() -> {"stock": ms, "packed": ms} of
-    the phase's own shape on this machine; it is called only where the rule cannot tell."""
-    if wanted is not None:
-        if wanted:
-            check_packable(dtype, device)
-        return wanted, "packed weights (asked)" if wanted else "stock GEMMs (asked)"
-    if not packable(dtype, device):
-        return False, "stock GEMMs"
+def layouts_here(dtype, device) -> list:
+    """The GEMM layouts a target of this dtype can run in on this device, "stock" first."""
+    runs = {"onednn": lambda: dtype != torch.bfloat16 or packed_bf16_runs(), "mkl": mkl_packs_run}
+    return ["stock"] + [layout for layout in ("onednn", "mkl") if packable(layout, dtype, device) and runs[layout]()]
+
+
+def check_layout(layout: str, dtype, device):
+    """--target-gemm asked for: refuse, in one line, what this machine cannot run."""
+    if layout == "stock" or layout in layouts_here(dtype, device):
+        return
+    if not packable(layout, dtype, device):
+        raise ValueError(f"--target-gemm {layout}: only for {'fp32 or bf16' if layout == 'onednn' else 'fp32'} "
+                         f"targets on the CPU, not {dtype} on {torch.device(device).type}")
+    if layout == "onednn":
+        raise ValueError(f"--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
+                         f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; "
+                         f"use --target-gemm stock or --target-dtype fp32")
+    raise ValueError(f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock")
+
+
+def choose_layout(dtype, device, wanted, measure=None) -> tuple:
+    """--target-gemm {auto, stock, onednn, mkl} -> (layout, why). measure() -> {layout: ms} of the phase's
+    own shape in every layout of layouts_here(); it is called only where the rule cannot tell."""
+    if wanted != "auto":
+        check_layout(wanted, dtype, device)
+        return wanted, f"{wanted} GEMMs (asked)"
+    here = layouts_here(dtype, device)
+    if len(here) == 1:
+        return "stock", "stock GEMMs"
     info = cpu_info()
     if not known(info):
-        return False, "stock GEMMs (unknown CPU)"
+        return "stock", "stock GEMMs (unknown CPU)"
     if dtype == torch.bfloat16:
-        if native_bf16(info)[0] and packed_bf16_runs():
-            return True, "packed weights (oneDNN bf16)"
-        return False, "stock GEMMs (no oneDNN bf16 here)"
+        if native_bf16(info)[0] and "onednn" in here:
+            return "onednn", "onednn GEMMs (oneDNN bf16)"
+        return "stock", "stock GEMMs (no oneDNN bf16 here)"
     ms = measure()
-    pack = ms["packed"] < ms["stock"]
-    return pack, (f"{'packed weights' if pack else 'stock GEMMs'} (measured {ms['packed']:.1f} ms packed vs "
-                  f"{ms['stock']:.1f} ms stock)")
+    best = min(ms, key=ms.get)
+    return best, f"{best} GEMMs (measured " + ", ".join(f"{layout} {t:.1f}" for layout, t in ms.items()) + " ms)"
 
 
 def choice_line(info_why: str, **parts) -> str:

@@ -134,7 +134,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     dtype = machine.resolve_dtype("auto", "cpu", "data")
     target, tokenizer = load_target(None, dtype)
-    prepare.choose_layout(target, dtype, None)       # the layout prepare.py will use, measured if it must
+    prepare.choose_layout(target, dtype, "auto")     # the layout prepare.py will use, measured if it must
     t_batch = cost.target_ms(target, REGEN_CONTEXT, 1, 3, rows=64) / 1000
     t_capture = capture_s(target, tokenizer, load_config(args.draft_config).target_layer_ids)
     t_answer = REGEN_STEPS / 64 * t_batch + t_capture

@@ -32,7 +32,7 @@ import machine
 from common import DTYPES, atomic_write, bounded, end_distributed, run
 from features import COUNTS, load_features, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
-from target import GGUF, capture_features, check_layer_ids, load_target, pack_linears
+from target import GGUF, capture_features, check_layer_ids, load_target, set_layout
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -272,12 +272,11 @@ PROMPT_SETS = {   # name -> seed -> prompts; the held-out sets never depend on t
 
 
 def choose_layout(target, dtype, wanted):
-    """Pack the target's weights or not (machine.choose_packing, measuring prepare's shapes where it must),
-    and say what was chosen and why in one line."""
+    """Put the target's weights in a GEMM layout (machine.choose_layout, measuring prepare's shapes where it
+    must), and say what was chosen and why in one line."""
     import cost   # here: cost.py loads the decoding code, which only this choice needs
-    pack, why = machine.choose_packing(dtype, target.device, wanted, lambda: cost.data_costs(target))
-    if pack:
-        pack_linears(target)
+    layout, why = machine.choose_layout(dtype, target.device, wanted, lambda: cost.data_costs(target))
+    set_layout(target, layout)
     print(machine.choice_line(machine.describe(target.device), target=f"{machine.dtype_name(dtype)}, {why}"),
           file=sys.stderr)
     note = machine.slow_bf16_note(dtype, target.device)
@@ -316,9 +315,9 @@ def main(argv=None):
     p.add_argument("--feature-dtype", choices=DTYPES, default="bf16")
     p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
     p.add_argument("--shard-size", type=bounded(int, low=1), default=64)
-    p.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="hold the target's weights in oneDNN's layout; default: on for a bf16 target on a CPU "
-                        "with native bf16, for fp32 whichever a short measurement found faster (machine.py)")
+    p.add_argument("--target-gemm", choices=["auto", "stock", "onednn", "mkl"], default="auto",
+                   help="the target's GEMM layout (target.py); auto: oneDNN for a bf16 target on a CPU with native "
+                        "bf16, for fp32 whichever a short measurement found fastest (machine.py)")
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -340,7 +339,7 @@ def main(argv=None):
         barrier()
     if layer_ids:
         check_layer_ids(layer_ids, target)
-    choose_layout(target.to(device), dtype, args.pack_weights)
+    choose_layout(target.to(device), dtype, args.target_gemm)
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:

@@ -63,8 +63,8 @@ from common import end_distributed
 from config import DraftConfig
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
-from target import (PackedLinear, can_pack, capture_features, convert_embedded, embedded_dir, load_target, pack_linears,
-                    unpack_linears)
+from target import (MklLinear, PackedLinear, capture_features, convert_embedded, embedded_dir, layout_of, load_target,
+                    pack_linears, packable, set_layout, unpack_linears)
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -83,6 +83,7 @@ needs_data = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
 # Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)")
 needs_int8 = pytest.mark.skipif(not int8.runs(), reason="torch's quantized int8 kernels do not run on this CPU")
+needs_mkl = pytest.mark.skipif(not machine.mkl_packs_run(), reason="this torch has no MKL packed GEMM (not x86)")
 
 
 def tiny_config(**kw) -> DraftConfig:
@@ -506,9 +507,55 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
     assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
     assert target.get_output_embeddings().weight is head
     assert torch.allclose(got, want, atol=1e-5)
-    assert not can_pack(tiny_target("llama").half())         # generate.py's default skips it
-    with pytest.raises(ValueError, match="--pack-weights"):
+    assert not packable("onednn", torch.float16, "cpu") and not packable("mkl", torch.bfloat16, "cpu")
+    assert packable("onednn", torch.bfloat16, "cpu") and not packable("mkl", torch.float32, "cuda")
+    with pytest.raises(ValueError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"):
         pack_linears(tiny_target("llama").half())
+    with pytest.raises(ValueError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"):
+        pack_linears(tiny_target("llama").bfloat16(), "mkl")
+
+
+@needs_mkl
+def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
+    """MklLinear: the weight packed for each row count the first time it comes, reused after, and the product
+    that of F.linear up to fp32 summation order (K = 24 terms: a few ulps); more than MAX_ROWS rows (prefill)
+    take the stock GEMM and pack nothing."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(24, 40, bias=bias)
+        mkl = MklLinear(lin)
+        assert mkl.weight is lin.weight and mkl.packs == {}
+        for x in (torch.randn(1, 1, 24), torch.randn(1, 8, 24), torch.randn(2, 3, 24), torch.randn(24, 5).T,
+                  torch.randn(1, MklLinear.MAX_ROWS + 1, 24)):
+            want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
+            got = mkl(x)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert torch.allclose(got.double(), want, atol=24 * 2e-7 * want.abs().max().item(), rtol=0)
+        assert sorted(mkl.packs) == [1, 5, 6, 8]                # 1, 8, 2 x 3 and 5 rows; not 65
+        pack = mkl.packs[6]
+        mkl(torch.randn(6, 24))
+        assert mkl.packs[6] is pack                              # packed once
+
+
+@needs_mkl
+def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
+    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and coming back
+    to MKL reuses the modules packed before (bench.py switches per prompt; packing is not what it times)."""
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
+    mkl_modules = lambda: [m for m in target.modules() if isinstance(m, MklLinear)]
+    first = None
+    with torch.no_grad():
+        want = target(input_ids=ids).logits
+        for layout in ("mkl", "onednn", "stock", "mkl"):
+            set_layout(target, layout)
+            if first is not None and layout == "mkl":        # back: the same modules, packed for 5 rows already
+                assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
+            got = target(input_ids=ids[:, :5]).logits
+            assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
+            first = first or mkl_modules()
+        assert len(first) == 4 * 7 + 1
+        set_layout(target, "stock")
+    assert not any(isinstance(m, (MklLinear, PackedLinear)) for m in target.modules())
 
 
 # ============================================================================ loss.py
@@ -916,15 +963,15 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
             "--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2",
             "--features", "--feature-dtype", "bf16", "--save-target-hidden", "--shard-size", "2"]
-    packed, pack = [], prepare.pack_linears                   # the target's weights packed, as asked
-    prepare.pack_linears = lambda t: packed.append(isinstance(pack(t).model.layers[0].mlp.up_proj, PackedLinear))
+    packed, put = [], prepare.set_layout                   # the target's weights packed, as asked
+    prepare.set_layout = lambda t, layout: packed.append(type(put(t, layout).model.layers[0].mlp.up_proj).__name__)
     try:
-        prepare.main(argv + ["--pack-weights"])
+        prepare.main(argv + ["--target-gemm", "onednn"])
         with pytest.raises(ValueError, match="use a new --out-dir"):     # refused, after loading the target
             prepare.main(argv[:-1] + ["3"])                              # auto: stock on a CPU the rule does not know
     finally:
-        prepare.pack_linears = pack
-    assert packed == [True]
+        prepare.set_layout = put
+    assert packed == ["PackedLinear", "Linear"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
     assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
@@ -1227,17 +1274,18 @@ def scripted_proposer(ref, wrong_at):
     (7, "qwen3", {}, True),
     (4, "qwen3", dict(plain=True), True),            # plain DFlash: no selector, always the unary path
     (4, "llama", dict(dtype=torch.bfloat16), True),  # a bf16 draft beside the fp32 target (--draft-dtype)
-    (4, "qwen3", dict(packed=True), True),           # the target's weights packed (--pack-weights)
+    (4, "qwen3", dict(layout="onednn"), True),       # the target's weights packed (--target-gemm onednn)
+    pytest.param(4, "qwen3", dict(layout="mkl"), True, marks=needs_mkl),  # MKL packs per row count (--target-gemm mkl)
     pytest.param(4, "qwen3", dict(int8=True), True, marks=needs_int8),   # int8 draft weights (--draft-dtype int8)
 ])
 def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
     dtype = draft_kw.get("dtype", torch.float32)
-    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "packed", "int8")}).to(dtype)
+    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "layout", "int8")}).to(dtype)
     target, p = tiny_target(kind), prompt()
     if draft_kw.get("int8"):
         int8.quantize(draft, target.get_output_embeddings().weight)
-    if draft_kw.get("packed"):
-        pack_linears(target)
+    if draft_kw.get("layout"):
+        pack_linears(target, draft_kw["layout"])
     ref, _ = generate.target_generate(target, p, 30)
     out, stats = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector)
     assert torch.equal(out, ref)
@@ -1263,7 +1311,7 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculative_generate
 
     def plain(target, ids, max_new_tokens, **kw):
-        calls.append(("plain", any(isinstance(m, PackedLinear) for m in target.modules()), int(ids[0, 0])))
+        calls.append(("plain", layout_of(target), int(ids[0, 0])))
         return plain_gen(target, ids, max_new_tokens, **kw)
 
     def spec(target, draft, ids, max_new_tokens, **kw):
@@ -1273,16 +1321,16 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     monkeypatch.setattr(bench, "speculative_generate", spec)
     args = argparse.Namespace(verify_tokens=[1, 3], tree_budget=None, draft="d", bench=["gsm8k"], bench_limit=None,
                               max_new_tokens=12, temperature=0.0)
-    layouts = dict(table={"stock": {}, "packed": {}}, plain=False, speculate=False, head_rows=None, costs=None)
+    layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock", head_rows=None, costs=None)
     bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts)
-    ways = lambda f: [("plain", True, f), ("plain", False, f)] + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
+    ways = lambda f: [("plain", "onednn", f), ("plain", "stock", f)] + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
     assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))                                                # warm-ups
     assert calls[6:] == [c for i in range(3) for c in ways(int(prompt(seed=i)[0, 0]))]
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [r[1:4] for r in rows[:4]] == [["selector", "path", "of"], ["selector", "path", "of"],
                                           ["unary", "path", "of"], ["unary", "path", "of"]]
     assert [r[4] for r in rows[:4]] == ["1", "3", "1", "3"] and all(r[-6] == "3/3" for r in rows[:4])
-    assert [r[1:3] for r in rows[4:]] == [["plain", "packed"], ["plain", "stock"]]
+    assert [r[1:3] for r in rows[4:]] == [["plain", "onednn"], ["plain", "stock"]]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
@@ -2448,27 +2496,38 @@ def test_machine_rule_picks_the_drafts_precision(monkeypatch):
 def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
     def never():
         raise AssertionError("measured where the rule can tell")
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
     play_cpu(monkeypatch, *CPUS["graviton"][0])                      # unknown: stock, nothing measured
-    assert machine.choose_packing(torch.float32, "cpu", None, never) == (False, "stock GEMMs (unknown CPU)")
+    assert machine.choose_layout(torch.float32, "cpu", "auto", never) == ("stock", "stock GEMMs (unknown CPU)")
     play_cpu(monkeypatch, *CPUS["avx2"][0])
-    for ms, packed in (({"stock": 75.0, "packed": 86.0}, False), ({"stock": 40.0, "packed": 32.0}, True)):
-        pack, why = machine.choose_packing(torch.float32, "cpu", None, lambda: ms)
-        assert pack == packed and f"{ms['packed']:.1f} ms packed vs {ms['stock']:.1f} ms stock" in why
-    assert machine.choose_packing(torch.float16, "cpu", None, never)[0] is False
-    assert machine.choose_packing(torch.float32, "cuda", None, never)[0] is False
-    assert machine.choose_packing(torch.float32, "cpu", False, never) == (False, "stock GEMMs (asked)")
-    # bf16: packed where oneDNN runs it and bf16 is native, never measured
+    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn", "mkl"]
+    for ms, best in (({"stock": 75.0, "onednn": 86.0, "mkl": 80.0}, "stock"),
+                     ({"stock": 40.0, "onednn": 32.0, "mkl": 35.0}, "onednn"),
+                     ({"stock": 95.0, "onednn": 120.0, "mkl": 61.0}, "mkl")):
+        assert machine.choose_layout(torch.float32, "cpu", "auto", lambda: ms) == (
+            best, f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, mkl {ms['mkl']:.1f} ms)")
+    assert machine.choose_layout(torch.float16, "cpu", "auto", never) == ("stock", "stock GEMMs")
+    assert machine.choose_layout(torch.float32, "cuda", "auto", never) == ("stock", "stock GEMMs")
+    assert machine.choose_layout(torch.float32, "cpu", "stock", never) == ("stock", "stock GEMMs (asked)")
+    assert machine.choose_layout(torch.float32, "cpu", "mkl", never) == ("mkl", "mkl GEMMs (asked)")
+    # bf16: oneDNN where it runs and bf16 is native, never measured; MKL packs fp32 only
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: True)
-    assert machine.choose_packing(torch.bfloat16, "cpu", None, never)[0] is False        # AVX2: no native bf16
+    assert machine.layouts_here(torch.bfloat16, "cpu") == ["stock", "onednn"]
+    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "stock"      # AVX2: no native bf16
     play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
-    assert machine.choose_packing(torch.bfloat16, "cpu", None, never)[0] is True
-    # asked for what this CPU cannot run: one line naming the missing features
+    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "onednn"
+    # asked for what this machine cannot run: one line naming what is missing
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: False)
     with pytest.raises(ValueError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"):
-        machine.choose_packing(torch.bfloat16, "cpu", True, never)
-    with pytest.raises(ValueError, match="only for fp32 or bf16 targets on the CPU"):
-        machine.choose_packing(torch.float16, "cpu", True, never)
-    assert machine.choose_packing(torch.float32, "cpu", True, never) == (True, "packed weights (asked)")
+        machine.choose_layout(torch.bfloat16, "cpu", "onednn", never)
+    with pytest.raises(ValueError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"):
+        machine.choose_layout(torch.float16, "cpu", "onednn", never)
+    with pytest.raises(ValueError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"):
+        machine.choose_layout(torch.bfloat16, "cpu", "mkl", never)
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)                 # a torch without MKL (ARM)
+    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn"]
+    with pytest.raises(ValueError, match="--target-gemm mkl: this torch has no MKL"):
+        machine.choose_layout(torch.float32, "cpu", "mkl", never)
 
 
 def test_packed_bf16_probe_agrees_with_the_kernel():
@@ -2501,25 +2560,27 @@ def test_unpack_linears_undoes_pack_linears():
     weights = {k: v for k, v in target.state_dict().items()}
     with torch.no_grad():
         want = target(input_ids=ids).logits
-        unpack_linears(pack_linears(target))
+        for layout in machine.layouts_here(torch.float32, "cpu")[1:]:          # onednn, and mkl where it runs
+            unpack_linears(pack_linears(target, layout))
         got = target(input_ids=ids).logits
-    assert not any(isinstance(m, PackedLinear) for m in target.modules())
+    assert not any(isinstance(m, (PackedLinear, MklLinear)) for m in target.modules())
     assert all(target.state_dict()[k] is v or torch.equal(target.state_dict()[k], v) for k, v in weights.items())
     assert torch.equal(got, want)
 
 
-def test_cost_tables_measure_both_layouts_and_leave_the_target_stock(monkeypatch, tmp_path):
+def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch, tmp_path):
     monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "machine.json"))
-    target, seen = tiny_target("llama"), []
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
+    target, seen, extra = tiny_target("llama"), [], {"stock": 0.0, "onednn": 5.0, "mkl": 2.0}
     monkeypatch.setattr(cost, "target_ms", lambda t, context, n, repeats, rows=1: seen.append(
-        (any(isinstance(m, PackedLinear) for m in t.modules()), n, rows)) or 10.0 + n + 5 * seen[-1][0])
+        (layout_of(t), n, rows)) or 10.0 + n + extra[seen[-1][0]])
     table = cost.decode_table(target, (1, 8))
-    assert table == {"stock": {1: 11.0, 8: 18.0}, "packed": {1: 16.0, 8: 23.0}}
-    assert seen == [(False, 1, 1), (False, 8, 1), (True, 1, 1), (True, 8, 1)]
-    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 4             # cached
+    assert table == {"stock": {1: 11.0, 8: 18.0}, "onednn": {1: 16.0, 8: 23.0}, "mkl": {1: 13.0, 8: 20.0}}
+    assert seen == [(layout, n, 1) for layout in ("stock", "onednn", "mkl") for n in (1, 8)]
+    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 6             # cached
     assert cost.fastest(table, 1) == "stock"
-    assert cost.data_costs(target) == {"stock": 10.0 + 1 + 10.0 + 256, "packed": 15.0 + 1 + 15.0 + 256}
-    assert not any(isinstance(m, PackedLinear) for m in target.modules())
+    assert cost.data_costs(target) == {k: 10.0 + 1 + 10.0 + 256 + 2 * v for k, v in extra.items()}
+    assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__     # the packed copies freed
 
 
 def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatch):
@@ -2561,24 +2622,31 @@ def test_plan_sizes_the_job_to_the_budget(tmp_path):
 
 def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
     play_cpu(monkeypatch, *CPUS["avx2"][0])
-    target, draft = tiny_target("llama"), tiny_draft(3)
-    stock, packed = {n: 75.0 + 5 * n for n in tree.priced_sizes(3)}, {n: 86.0 + 2 * n for n in tree.priced_sizes(3)}
-    monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "packed": packed})
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
+    target, draft, sizes = tiny_target("llama"), tiny_draft(3), tree.priced_sizes(3)
+    stock, onednn, mkl = ({n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4)))
+    monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl})
     monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk, rows: 3.0 + L + walk + rows)
     monkeypatch.setattr(cost, "head_rows", lambda draft, target: {1: 3, 2: 3})
-    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 90 + 92 = 182 packed; a step 80 vs 88
-    layouts = cost.decoding_layouts(target, draft, None)
-    assert (layouts["speculate"], layouts["plain"]) == (False, False) and "plain decoding stock" in layouts["why"]
-    stock.update({3: 100.0})                                                    # now 185 ms stock: packed
-    layouts = cost.decoding_layouts(target, draft, None)
-    assert (layouts["speculate"], layouts["plain"]) == (True, False)
-    assert any(isinstance(m, PackedLinear) for m in target.modules())          # left in the speculation's layout
-    # priced from the packed row, but a plain step is the faster one of the two (stock, 80 ms)
+    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 / 88 / 86
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
+    assert layouts["why"].endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
+    stock.update({3: 100.0})                                                    # now 185 ms stock: onednn
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    assert (layouts["speculate"], layouts["plain"]) == ("onednn", "stock") and layout_of(target) == "onednn"
+    mkl.update({3: 80.0})                                                       # now 170 ms mkl
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    assert (layouts["speculate"], layouts["plain"]) == ("mkl", "stock")
+    assert layout_of(target) == "mkl"                                           # left in the speculation's layout
+    mkl.update({3: 94.0})
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    # priced from the onednn row, but a plain step is the fastest one of the three (stock, 80 ms)
     assert layouts["costs"]([1, 2, 9], "selector") == ({1: 80.0, 2: 90.0, 9: 104.0}, {1: 8.0, 2: 9.0})
     assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}        # per depth, with the walk or not
     assert layouts["head_rows"] == {1: 3, 2: 3}                                # what speculative_generate scores
-    asked = cost.decoding_layouts(tiny_target("llama"), draft, False)          # asked: nothing measured
-    assert asked["table"] is None and asked["speculate"] is False and asked["why"] == "stock GEMMs (asked)"
+    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")        # asked: nothing measured
+    assert asked["table"] is None and asked["speculate"] == "stock" and asked["why"] == "stock GEMMs (asked)"
 
 
 def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
