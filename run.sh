@@ -41,7 +41,7 @@ start=$SECONDS t0=$SECONDS
 # 0. The plan: how many training prompts (answered by the target itself: on-policy data) fit the budget.
 N_TRAIN=$(python plan.py "${PLAN[@]}" | sed -n 's/^N_TRAIN=//p')
 echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers"; t0=$SECONDS
-# 1. The target answers the prompts (greedy; in bf16 with packed weights where bf16 is native, else fp32)
+# 1. The target answers the prompts (greedy; in bf16 with oneDNN's packed weights where bf16 is native, else fp32)
 #    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.
 PREP="--regenerate --max-new-tokens 160 --features --draft-config $CFG --batch-size 64"
 python prepare.py --prompts $TRAIN_SET --num-samples "$N_TRAIN" $PREP --save-target-hidden --out-dir "$DATA/train"
