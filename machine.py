@@ -29,7 +29,7 @@ import torch
 
 import int8
 from common import DTYPES, atomic_write
-from target import packable
+from target import check_packable, packable
 
 
 # ----------------------------------------------------------------------------- what the CPU has
@@ -135,9 +135,7 @@ def check_layout(layout: str, dtype, device):
     """--target-gemm asked for: refuse, in one line, what this machine cannot run."""
     if layout == "stock" or layout in layouts_here(dtype, device):
         return
-    if not packable(layout, dtype, device):
-        raise ValueError(f"--target-gemm {layout}: only for {'fp32 or bf16' if layout == 'onednn' else 'fp32'} "
-                         f"targets on the CPU, not {dtype} on {torch.device(device).type}")
+    check_packable(layout, dtype, device)
     if layout == "onednn":
         raise ValueError(f"--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
                          f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; "

@@ -177,13 +177,18 @@ def packable(layout: str, dtype, device) -> bool:
     return torch.device(device).type == "cpu" and dtype in dtypes
 
 
+def check_packable(layout: str, dtype, device):
+    """Refuse, in one line, a layout this dtype and device cannot be packed into."""
+    if not packable(layout, dtype, device):
+        raise ValueError(f"--target-gemm {layout}: only for {'fp32 or bf16' if layout == 'onednn' else 'fp32'} "
+                         f"targets on the CPU, not {dtype} on {torch.device(device).type}")
+
+
 def pack_linears(target, layout: str = "onednn"):
     """Swap every nn.Linear of a CPU target for a PackedLinear ("onednn") or an MklLinear ("mkl"), in place;
     returns the target. machine.choose_layout decides which (and refuses what this CPU cannot run)."""
     param = next(target.parameters())
-    if not packable(layout, param.dtype, param.device):
-        raise ValueError(f"--target-gemm {layout}: only for {'fp32 or bf16' if layout == 'onednn' else 'fp32'} "
-                         f"targets on the CPU, not {param.dtype} on {param.device.type}")
+    check_packable(layout, param.dtype, param.device)
     for module in list(target.modules()):
         for name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):
