@@ -14,15 +14,17 @@ directory in either format, so a draft can be re-exported in another dtype or fo
 does not match its config, or that a format cannot say, is refused with a message naming the field.
 """
 import argparse
+import json
 import os
 import re
 import shutil
 
 import torch
+from safetensors.torch import load_file, save_file
 
 import model
-from common import DTYPES, run, write_json
-from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, read_json
+from common import DTYPES, atomic_write, run, write_json
+from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, load_config, read_json
 
 # train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export: generate.py's
 # `auto` reads them (tree.choose). A file of its own, so config.json stays the public contract.
@@ -40,6 +42,93 @@ SPECULATORS_KEYS = {"architectures", "auto_map", "speculators_model_type", "spec
                     *DFLASH2_FIELDS}
 
 
+# ----------------------------------------------------------------------------- draft directories: save / load
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, max_shard_bytes=None, cfg=None):
+    """config.json (cfg, by default the contract's) + exactly the contract's tensors: one
+    model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json, split
+    as transformers splits (in order; a tensor larger than the limit gets a shard of its own)."""
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    shards, size = [{}], 0
+    for k, v in sd.items():
+        if max_shard_bytes and shards[-1] and size + v.nbytes > max_shard_bytes:
+            shards, size = shards + [{}], 0
+        shards[-1][k], size = v, size + v.nbytes
+    n = len(shards)
+    names = [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for name, part in zip(names, shards):
+        with atomic_write(os.path.join(out_dir, name)) as tmp:
+            save_file(part, tmp, metadata={"format": "pt"})
+    if n > 1:
+        write_json(os.path.join(out_dir, INDEX), {"metadata": {"total_size": sum(v.nbytes for v in sd.values())},
+                                                  "weight_map": {k: f for f, p in zip(names, shards) for k in p}})
+    keep = set(names) | ({INDEX} if n > 1 else set())
+    for name in os.listdir(out_dir):                    # the weight files of an earlier export
+        if (name in (WEIGHTS, INDEX) or SHARD.fullmatch(name)) and name not in keep:
+            os.remove(os.path.join(out_dir, name))
+    cfg = dict(cfg or config_to_dict(draft.config), dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""))
+    write_json(os.path.join(out_dir, "config.json"), cfg)   # last: a directory with a config.json is complete
+
+
+def read_safetensors(file: str) -> dict:
+    try:
+        return load_file(file)
+    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
+        raise ValueError(f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}") from None
+
+
+def load_tensors(path: str) -> dict:
+    """Every tensor of a draft directory: model.safetensors, or the shards its index names."""
+    index = os.path.join(path, INDEX)
+    if not os.path.isfile(index):
+        return read_safetensors(os.path.join(path, WEIGHTS))
+    if os.path.isfile(os.path.join(path, WEIGHTS)):
+        raise ValueError(f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous")
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a readable index (a JSON object with a weight_map): {e}") from None
+    sd = {}
+    for shard in sorted(set(weight_map.values())):
+        part = read_safetensors(os.path.join(path, os.path.basename(shard)))
+        stray = sorted(k for k in part if weight_map.get(k) != shard)
+        if stray:
+            raise ValueError(f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}")
+        sd.update(part)
+    if set(weight_map) - set(sd):
+        raise ValueError(f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}")
+    return sd
+
+
+def load_draft(path: str, dtype=torch.float32) -> model.DraftModel:
+    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel; refuses mismatched tensors."""
+    return draft_from_state_dict(load_config(path), load_tensors(path), source=path, dtype=dtype)
+
+
+def draft_from_state_dict(cfg, sd: dict, source: str, dtype=torch.float32) -> model.DraftModel:
+    """A DraftModel holding the tensors sd, after checking they are exactly what cfg asks for."""
+    draft = model.DraftModel(cfg)
+    check_state_dict(draft, sd, source)
+    draft.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
+    return draft.to(dtype)
+
+
+def check_state_dict(draft: model.DraftModel, sd: dict, source: str):
+    expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    wrong = [f"{k}: {tuple(sd[k].shape)} != {expected[k]}" for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+
+
+# ----------------------------------------------------------------------------- training checkpoints
 def read_checkpoint(file: str) -> tuple:
     """A training checkpoint file -> (config dict, state dict), wrapper prefixes removed."""
     try:
@@ -63,15 +152,15 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
     if os.path.isdir(path) and os.path.isfile(cfg_file):
         d = read_json(cfg_file)
         if "speculators_model_type" not in d:
-            return model.load_draft(path, dtype).eval()
-        sd = {k: v for k, v in model.load_tensors(path).items() if k not in VERIFIER_COPIES}
-        return model.draft_from_state_dict(config_from_speculators(d, cfg_file), sd, source=path, dtype=dtype).eval()
+            return load_draft(path, dtype).eval()
+        sd = {k: v for k, v in load_tensors(path).items() if k not in VERIFIER_COPIES}
+        return draft_from_state_dict(config_from_speculators(d, cfg_file), sd, source=path, dtype=dtype).eval()
     file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no draft at {path}: expected a checkpoint file, or a directory with "
                                 "config.json + model.safetensors (or its shards), or one with ckpt.pt")
     cfg_dict, sd = read_checkpoint(file)
-    return model.draft_from_state_dict(config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype).eval()
+    return draft_from_state_dict(config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype).eval()
 
 
 def acceptance_file(path: str) -> str:
@@ -203,7 +292,7 @@ def export(checkpoint_path_or_dir: str, out_dir: str, dtype=torch.bfloat16, fmt=
     """Write out_dir/config.json + the draft's tensors (contract names only, in dtype), in format fmt."""
     draft = load_any(checkpoint_path_or_dir)          # fp32: no rounding before the one cast below
     cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None   # refusals before writing
-    model.save_draft(draft, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, cfg=cfg)
+    save_draft(draft, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, cfg=cfg)
     src, dst = acceptance_file(checkpoint_path_or_dir), os.path.join(out_dir, ACCEPTANCE)
     if os.path.isfile(src) and not os.path.samefile(os.path.dirname(src), out_dir):
         shutil.copyfile(src, dst)

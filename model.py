@@ -1,4 +1,4 @@
-"""The DFlash / DFlash2 draft: backbone, the training and inference paths, save / load (SPEC 1-3).
+"""The DFlash / DFlash2 draft: backbone, the training and inference paths (SPEC 1-3).
 
 The draft proposes B-1 tokens in one forward pass. Its input is the block [anchor, MASK x (B-1)],
 embedded with the target's (frozen) embedding; it reads the target through `ctx`, the target's
@@ -12,18 +12,15 @@ The block's final hidden states go through the target's lm_head (also frozen, ne
 With `conv_kernel_size` etc. set (DFlash2) every sublayer is wrapped by conv.py and a selector.py
 head reranks the unary top-K; without them the same code is the plain DFlash baseline.
 """
-import json
-import os
-import re
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from attention import attention_keys, block_attention_mask, flex, flex_block_mask
-from common import atomic_write, write_json
-from config import DraftConfig, config_to_dict, load_config
+from config import DraftConfig
 from conv import GroupedDynamicCausalConv
 from selector import CandidateSelector, unary_transform
 
@@ -52,8 +49,6 @@ def rope_frequencies(c: DraftConfig) -> tuple:
     D = c.head_dim
     if c.rope_scaling is None:
         return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     hf = Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=D,
                      max_position_embeddings=c.max_position_embeddings,
                      rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling})
@@ -281,91 +276,3 @@ def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos)
     q_anchor = anchor_pos[:, None].expand(N, B)
     q_block = torch.zeros_like(q_pos)
     return draft(embed(block_ids), q_pos, q_anchor, q_block, cache.kv, cache.pos)
-
-
-# ----------------------------------------------------------------------------- save / load
-WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
-def save_draft(draft: DraftModel, out_dir: str, dtype=None, max_shard_bytes=None, cfg=None):
-    """config.json (cfg, by default the contract's) + exactly the contract's tensors: one
-    model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json, split
-    as transformers splits (in order; a tensor larger than the limit gets a shard of its own)."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    shards, size = [{}], 0
-    for k, v in sd.items():
-        if max_shard_bytes and shards[-1] and size + v.nbytes > max_shard_bytes:
-            shards, size = shards + [{}], 0
-        shards[-1][k], size = v, size + v.nbytes
-    n = len(shards)
-    names = [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    for name, part in zip(names, shards):
-        with atomic_write(os.path.join(out_dir, name)) as tmp:
-            save_file(part, tmp, metadata={"format": "pt"})
-    if n > 1:
-        write_json(os.path.join(out_dir, INDEX), {"metadata": {"total_size": sum(v.nbytes for v in sd.values())},
-                                                  "weight_map": {k: f for f, p in zip(names, shards) for k in p}})
-    keep = set(names) | ({INDEX} if n > 1 else set())
-    for name in os.listdir(out_dir):                    # the weight files of an earlier export
-        if (name in (WEIGHTS, INDEX) or SHARD.fullmatch(name)) and name not in keep:
-            os.remove(os.path.join(out_dir, name))
-    cfg = dict(cfg or config_to_dict(draft.config), dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""))
-    write_json(os.path.join(out_dir, "config.json"), cfg)   # last: a directory with a config.json is complete
-
-
-def read_safetensors(file: str) -> dict:
-    from safetensors.torch import load_file
-    try:
-        return load_file(file)
-    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
-        raise ValueError(f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}") from None
-
-
-def load_tensors(path: str) -> dict:
-    """Every tensor of a draft directory: model.safetensors, or the shards its index names."""
-    index = os.path.join(path, INDEX)
-    if not os.path.isfile(index):
-        return read_safetensors(os.path.join(path, WEIGHTS))
-    if os.path.isfile(os.path.join(path, WEIGHTS)):
-        raise ValueError(f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous")
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index}: not a readable index (a JSON object with a weight_map): {e}") from None
-    sd = {}
-    for shard in sorted(set(weight_map.values())):
-        part = read_safetensors(os.path.join(path, os.path.basename(shard)))
-        stray = sorted(k for k in part if weight_map.get(k) != shard)
-        if stray:
-            raise ValueError(f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}")
-        sd.update(part)
-    if set(weight_map) - set(sd):
-        raise ValueError(f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}")
-    return sd
-
-
-def load_draft(path: str, dtype=torch.float32) -> DraftModel:
-    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel; refuses mismatched tensors."""
-    return draft_from_state_dict(load_config(path), load_tensors(path), source=path, dtype=dtype)
-
-
-def draft_from_state_dict(cfg: DraftConfig, sd: dict, source: str, dtype=torch.float32) -> DraftModel:
-    """A DraftModel holding the tensors sd, after checking they are exactly what cfg asks for."""
-    draft = DraftModel(cfg)
-    check_state_dict(draft, sd, source)
-    draft.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
-    return draft.to(dtype)
-
-
-def check_state_dict(draft: DraftModel, sd: dict, source: str):
-    expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
-    missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
-    wrong = [f"{k}: {tuple(sd[k].shape)} != {expected[k]}" for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
-    if missing or unexpected or wrong:
-        raise ValueError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")

@@ -1,4 +1,4 @@
-"""Training data for DFlash2 drafts (SPEC section 4): conversations, regeneration, features.
+"""Make training data for DFlash2 drafts (docs/semantics.md, section 4): regeneration, features.
 
     prompts (--prompts default) or conversations (--data FILE.jsonl)
       -> --regenerate: the target answers the prompts itself, greedily (on-policy data trains far
@@ -9,7 +9,7 @@
     python prepare.py --draft-config configs/smollm2-135m-dflash2.json --prompts default \\
         --out-dir data/smollm2 --regenerate --features            # torchrun splits the work by rank
 
-What OUT holds (features.py describes the shards and streams them back for train.py):
+Conversations are read and tokenised by data.py. What OUT holds (features.py describes the shards):
     conversations.jsonl        {"index", "messages"} per line, after --regenerate (usable as --data)
     shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden (--save-target-hidden)
     manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
@@ -28,97 +28,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import config
-import machine
 from common import DTYPES, atomic_write, bounded, end_distributed, run
-from features import COUNTS, load_features, save_shard, shard_metadata, shard_path, write_manifest
+from data import anchor_positions, read_conversations, render, tokenize_conversation
+from features import COUNTS, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
-from target import GGUF, capture_features, check_layer_ids, load_target, set_layout
-
-
-# ----------------------------------------------------------------------------- conversations
-ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
-
-
-def to_messages(record) -> list:
-    """One JSONL record -> [{"role", "content"}]. OpenAI style: {"messages": [{"role", "content"}]};
-    ShareGPT style: {"conversations": [{"from", "value"}]}. Raises ValueError saying what is wrong."""
-    if not isinstance(record, dict) or not ("messages" in record or "conversations" in record):
-        raise ValueError('expected an object with "messages" (OpenAI) or "conversations" (ShareGPT)')
-    turns, role_key, text_key = ((record["messages"], "role", "content") if "messages" in record
-                                 else (record["conversations"], "from", "value"))
-    if not isinstance(turns, list):
-        raise ValueError("the conversation must be a list of turns")
-    out = []
-    for t in turns:
-        if not isinstance(t, dict) or not isinstance(t.get(role_key), str) or not isinstance(t.get(text_key), str):
-            raise ValueError(f"each turn needs strings {role_key!r} and {text_key!r}; got {str(t)[:80]}")
-        if t[role_key] not in ROLES:
-            raise ValueError(f"unknown role {t[role_key]!r} (known: {sorted(ROLES)})")
-        out.append({"role": ROLES[t[role_key]], "content": t[text_key]})
-    return out
-
-
-def read_conversations(path: str, require_assistant: bool = True):
-    """JSONL -> (conversations, skipped). A malformed line raises ValueError naming file and line;
-    empty conversations, and assistant-free ones when require_assistant, are skipped and counted."""
-    conversations, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                messages = to_messages(json.loads(line))
-            except ValueError as e:    # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}, line {n}: {e}") from None
-            if not messages or (require_assistant and all(m["role"] != "assistant" for m in messages)):
-                skipped += 1
-                continue
-            conversations.append(messages)
-    return conversations, skipped
-
-
-# ----------------------------------------------------------------------------- tokenisation
-def render(tokenizer, messages, generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def assistant_spans(tokenizer, messages):
-    """(text, [(start, end)]): the rendered conversation and the character span of each answer.
-
-    An answer's span is what rendering it adds after the generation prompt (the role header):
-    its content and end-of-turn marker. Whitespace after the marker (ChatML's newline) belongs to
-    no turn. Templates that render a prefix differently from the whole conversation (e.g.
-    Qwen3 dropping earlier thinking) cannot be split this way and raise.
-    """
-    text, spans = render(tokenizer, messages), []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i == 0:      # an opening assistant turn answers nothing
-            continue
-        head, turn = render(tokenizer, messages[:i], True), render(tokenizer, messages[:i + 1])
-        if not (turn.startswith(head) and text.startswith(turn)):
-            raise ValueError(f"the chat template renders the conversation up to message {i} differently "
-                             "from the whole conversation; use single-turn data (--regenerate does)")
-        spans.append((len(head), len(head) + len(turn[len(head):].rstrip())))
-    return text, spans
-
-
-def tokenize_conversation(tokenizer, messages, max_length: int):
-    """-> input_ids [S] long, loss_mask [S] long (1 on assistant tokens incl. end-of-turn), S <= max_length."""
-    text, spans = assistant_spans(tokenizer, messages)
-    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does too.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for a, b in spans:                       # a token belongs to the turn its first character is in
-        mask |= ((starts >= a) & (starts < b)).long()
-    return ids[:max_length], mask[:max_length]
-
-
-def anchor_positions(loss_mask):
-    """Where a training block may start (SPEC section 4): positions p with loss_mask[p] = loss_mask[p+1] = 1,
-    so both the anchor and the first label are supervised. loss_mask [S] -> positions [n] long."""
-    return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
+from speed import machine, tune
+from target import GGUF, capture_features, check_layer_ids, load_target
 
 
 # ----------------------------------------------------------------------------- regeneration
@@ -249,18 +164,6 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
     bar.close()
 
 
-def load_samples(path: str, online: bool, tokenizer, max_length: int):
-    """train.py's sequences: a conversations JSONL tokenised here (online: the target computes features
-    as it trains), or a feature directory (offline: streamed, features.FeatureSamples). Dicts as
-    load_features() gives, without the sequences that have no anchor (no two consecutive supervised tokens)."""
-    if online:
-        pairs = [tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]]
-        return [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs if len(anchor_positions(mask))]
-    samples = load_features(path)
-    masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))   # no features read
-    return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
-
-
 # ----------------------------------------------------------------------------- command line
 PROMPT_SETS = {   # name -> seed -> prompts; the held-out sets never depend on the seed
     "default": lambda seed: training_prompts(seed=seed),
@@ -269,19 +172,6 @@ PROMPT_SETS = {   # name -> seed -> prompts; the held-out sets never depend on t
     "math-eval": lambda seed: eval_prompts("gsm8k"),               # GSM8K test, from its first question
     "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],          # the same, from its last: for recipe studies
 }
-
-
-def choose_layout(target, dtype, wanted):
-    """Put the target's weights in a GEMM layout (machine.choose_layout, measuring prepare's shapes where it
-    must), and say what was chosen and why in one line."""
-    import cost   # here: cost.py loads the decoding code, which only this choice needs
-    layout, why = machine.choose_layout(dtype, target.device, wanted, lambda: cost.data_costs(target))
-    set_layout(target, layout)
-    print(machine.choice_line(machine.describe(target.device), target=f"{machine.dtype_name(dtype)}, {why}"),
-          file=sys.stderr)
-    note = machine.slow_bf16_note(dtype, target.device)
-    if note:
-        print(note, file=sys.stderr)
 
 
 def barrier():
@@ -339,7 +229,7 @@ def main(argv=None):
         barrier()
     if layer_ids:
         check_layer_ids(layer_ids, target)
-    choose_layout(target.to(device), dtype, args.target_gemm)
+    tune.data_target(target.to(device), dtype, args.target_gemm)  # how to run here (speed/)
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:

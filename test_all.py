@@ -21,7 +21,7 @@ Sections, in file order (each starts with a "# ====" banner):
     train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation, freezing,
                                  compile; FSDP == accumulation, resume onto another number of ranks; target
                                  dtype, FLOPs against a hand count, MFU
-    pack.py and attention.py     a packed row == its documents one per row; flex == sdpa
+    data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped without a GPU):
                                  compiled flex == sdpa, bf16 step == fp32 step, torchrun + nccl resume, MFU
@@ -42,29 +42,31 @@ import torch
 
 import attention
 import config
-import cost
+import data
+import decoding
 import export
 import features
 import flops
 import fsdp
 import generate
-import int8
-import machine
 import loss as L
 import model
-import pack
 import prepare
 import promptsets
 import show
 import train
 import tree
-from conv import GroupedDynamicCausalConv
 from common import end_distributed
 from config import DraftConfig
+from conv import GroupedDynamicCausalConv
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
-from target import (MklLinear, PackedLinear, capture_features, convert_embedded, embedded_dir, layout_of, load_target,
-                    pack_linears, packable, set_layout, unpack_linears)
+from speed import auto, bench, cost, int8, machine, tune
+from speed.gemm import (MklLinear, PackedLinear, layout_of, pack_linears, packable, set_layout,
+                        unpack_linears)
+from target import (capture_features, convert_embedded, crop, embedded_dir, encode, load_target,
+                    new_cache, stop_token_ids)
+from tools import plan
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -383,7 +385,7 @@ def spec_tensor_shapes(c: DraftConfig):
 def test_save_load_round_trip_and_contract(tmp_path):
     c = tiny_config(output_multiplier=0.5, final_logit_softcapping=20.0)
     draft = randomize(DraftModel(c))
-    model.save_draft(draft, str(tmp_path))
+    export.save_draft(draft, str(tmp_path))
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -393,7 +395,7 @@ def test_save_load_round_trip_and_contract(tmp_path):
     assert cfg["dflash_config"] == dict(block_size=4, target_layer_ids=[0, 2], mask_token_id=63, conv_kernel_size=2,
                                         conv_group_size=8, selector_rank=8, selector_top_k=5,
                                         output_multiplier=0.5, final_logit_softcapping=20.0)
-    back = model.load_draft(str(tmp_path))
+    back = export.load_draft(str(tmp_path))
     assert back.config == c
     for k, v in draft.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
@@ -401,12 +403,12 @@ def test_save_load_round_trip_and_contract(tmp_path):
 
 def test_load_refuses_mismatched_tensors(tmp_path):
     draft = DraftModel(tiny_config())
-    model.save_draft(draft, str(tmp_path))
+    export.save_draft(draft, str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["dflash_config"]["selector_rank"] = 4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="predecessor_codebook"):
-        model.load_draft(str(tmp_path))
+        export.load_draft(str(tmp_path))
 
 
 def test_published_27b_layout_parameter_count():
@@ -833,7 +835,7 @@ def masked_runs(mask):
 # ---------------------------------------------------------------------------- tokenisation / loss mask
 def test_loss_mask_on_offline_chatml_tokenizer():
     tok = tiny_tokenizer()
-    ids, mask = prepare.tokenize_conversation(tok, CONVERSATION, max_length=512)
+    ids, mask = data.tokenize_conversation(tok, CONVERSATION, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
     assert ids.dtype == mask.dtype == torch.long
     assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
@@ -841,7 +843,7 @@ def test_loss_mask_on_offline_chatml_tokenizer():
     assert len(runs) == 2                                     # one run per answer, nothing else
     for start, _ in runs:                                     # the role header stays unmasked
         assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-    ids8, mask8 = prepare.tokenize_conversation(tok, CONVERSATION, max_length=8)
+    ids8, mask8 = data.tokenize_conversation(tok, CONVERSATION, max_length=8)
     assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
 
 
@@ -850,7 +852,7 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
     tok = smollm2["tokenizer"]
     conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
             {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "Six, of course!"}]
-    ids, mask = prepare.tokenize_conversation(tok, conv, max_length=512)
+    ids, mask = data.tokenize_conversation(tok, conv, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
     assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
     runs = masked_runs(mask)
@@ -873,18 +875,18 @@ def test_openai_and_sharegpt_jsonl_agree(tmp_path):
                 {"conversations": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "hello"}]}]
     openai = [{"messages": CONVERSATION, "id": 7},
               {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
-    a, skipped_a = prepare.read_conversations(write_lines(tmp_path / "a.jsonl", openai + [""]))  # a blank line is fine
-    b, skipped_b = prepare.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
+    a, skipped_a = data.read_conversations(write_lines(tmp_path / "a.jsonl", openai + [""]))  # a blank line is fine
+    b, skipped_b = data.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
     assert a == b and a[0] == CONVERSATION and skipped_a == skipped_b == 0
 
 
 def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
     lines = [{"messages": CONVERSATION}, {"messages": []}, {"messages": [{"role": "user", "content": "hi"}]},
              {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]}]
-    convs, skipped = prepare.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
+    convs, skipped = data.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
     assert convs == [CONVERSATION] and skipped == 3
     # prompts for --regenerate keep user-only conversations; only the empty one is skipped
-    convs, skipped = prepare.read_conversations(str(tmp_path / "c.jsonl"), require_assistant=False)
+    convs, skipped = data.read_conversations(str(tmp_path / "c.jsonl"), require_assistant=False)
     assert len(convs) == 3 and skipped == 1
 
 
@@ -897,7 +899,7 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
     path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
     with pytest.raises(ValueError, match=why) as e:
-        prepare.read_conversations(path)
+        data.read_conversations(path)
     assert "bad.jsonl, line 3" in str(e.value)
 
 
@@ -964,26 +966,26 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
             "--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2",
             "--features", "--feature-dtype", "bf16", "--save-target-hidden", "--shard-size", "2"]
-    packed, put = [], prepare.set_layout                   # the target's weights packed, as asked
-    prepare.set_layout = lambda t, layout: packed.append(type(put(t, layout).model.layers[0].mlp.up_proj).__name__)
+    packed, put = [], tune.set_layout                   # the target's weights packed, as asked
+    tune.set_layout = lambda t, layout: packed.append(type(put(t, layout).model.layers[0].mlp.up_proj).__name__)
     try:
         prepare.main(argv + ["--target-gemm", "onednn"])
         with pytest.raises(ValueError, match="use a new --out-dir"):     # refused, after loading the target
             prepare.main(argv[:-1] + ["3"])                              # auto: stock on a CPU the rule does not know
     finally:
-        prepare.set_layout = put
+        tune.set_layout = put
     assert packed == ["PackedLinear", "Linear"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
     assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
     assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest["skipped_nonfinite"] == 0
-    convs, _ = prepare.read_conversations(str(out / "conversations.jsonl"))
-    samples = prepare.load_features(str(out))
+    convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
+    samples = features.load_features(str(out))
     target, tok = load_target(target_dir)
     assert not any(p.requires_grad for p in target.parameters()) and not target.training
     pack_linears(target)                                  # as prepare.py's target was
     for conv, s in zip(convs, samples):
-        ids, mask = prepare.tokenize_conversation(tok, conv, 512)
+        ids, mask = data.tokenize_conversation(tok, conv, 512)
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
         with torch.no_grad():
             _, feats = capture_features(target, [0, 2], input_ids=ids[None])
@@ -1021,7 +1023,7 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
     prepare.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["skipped_nonfinite"] == 1 and manifest["num_samples"] == 2
-    kept = [tok.decode(s["input_ids"]) for s in prepare.load_features(str(tmp_path))]
+    kept = [tok.decode(s["input_ids"]) for s in features.load_features(str(tmp_path))]
     assert len(kept) == 2 and not any("poison" in k for k in kept)
 
 
@@ -1041,9 +1043,9 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
         prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
-    lengths = sorted(len(prepare.tokenize_conversation(tok, c, 512)[0]) for c in convs)
+    lengths = sorted(len(data.tokenize_conversation(tok, c, 512)[0]) for c in convs)
     assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [(3, lengths[2]), (2, lengths[4])]
-    a, b = prepare.load_features(str(one)), prepare.load_features(str(three))
+    a, b = features.load_features(str(one)), features.load_features(str(three))
     assert len({len(x["input_ids"]) for x in a}) > 1 and len(a) == len(b) == 5
     for x, y in zip(a, b):                                  # same order, same tokens, same features
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
@@ -1065,10 +1067,10 @@ def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
         prepare.batch_features = batch_features
     assert len(seen) == 3                                 # shard 1 again, now with conversations 4, 5, 6
     prepare.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
-    grown = prepare.load_features(str(tmp_path))
+    grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
     for conv, sample in zip(convs, grown):
-        assert torch.equal(sample["input_ids"], prepare.tokenize_conversation(tok, conv, 512)[0])
+        assert torch.equal(sample["input_ids"], data.tokenize_conversation(tok, conv, 512)[0])
 
 
 def test_shards_split_across_ranks(tmp_path):
@@ -1084,7 +1086,7 @@ def test_shards_split_across_ranks(tmp_path):
     prepare.write_features(target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2)
     for d in (one, two):
         prepare.write_manifest(str(d), 7, 2, "tiny", 32)
-    a, b = prepare.load_features(str(one)), prepare.load_features(str(two))
+    a, b = features.load_features(str(one)), features.load_features(str(two))
     assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
@@ -1114,7 +1116,7 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
     whole = [load_file(str(tmp_path / f"shard-{k:05d}.safetensors")) for k in range(3)]
     expected = [{key: whole[k][f"{key}.{j}"] for key in ("input_ids", "loss_mask", "features", "target_hidden")}
                 for k in range(3) for j in range(3)]
-    samples = prepare.load_features(str(tmp_path))
+    samples = features.load_features(str(tmp_path))
 
     def same(a, b):
         return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
@@ -1122,7 +1124,7 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
     assert same(list(samples), expected) and same([samples[8], samples[-9]], [expected[8], expected[0]])
     assert same(list(samples[2:7]), expected[2:7]) and same(list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]])
     # train.py's view: the sequence without an anchor (shard 1, sample 2) is left out, the order kept
-    kept = prepare.load_samples(str(tmp_path), False, None, 512)
+    kept = data.load_samples(str(tmp_path), False, None, 512)
     assert same(list(kept), expected[:5] + expected[6:])
     with pytest.raises(IndexError):
         samples[9]
@@ -1131,11 +1133,11 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
 RSS_PROBE = """
 import os, sys, torch
 sys.path.insert(0, {here!r})
-import prepare
+import data
 from safetensors.torch import load_file
 folder, how = sys.argv[1], sys.argv[2]
 if how == "streamed":
-    samples = prepare.load_samples(folder, False, None, 512)
+    samples = data.load_samples(folder, False, None, 512)
 else:   # every shard read whole into memory and kept (copied: safetensors maps files, the kernel may drop mapped pages)
     shards = [load_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder)) if f.startswith("shard-")]
     keys = ("input_ids", "loss_mask", "features")
@@ -1267,6 +1269,18 @@ def scripted_proposer(ref, wrong_at):
     return proposer
 
 
+def speculate(target, draft, p, n, proposer=None, grower=None, **kw):
+    """decoding.speculative_generate with its proposal (decoding.propose) or its tree growth
+    (tree.draft_tree) replaced for this call: how the tests script always-right, always-wrong or
+    hand-built drafts."""
+    with pytest.MonkeyPatch.context() as mp:
+        if proposer is not None:
+            mp.setattr(decoding, "propose", proposer)
+        if grower is not None:
+            mp.setattr(tree, "draft_tree", grower)
+        return decoding.speculative_generate(target, draft, p, n, **kw)
+
+
 # ---------------------------------------------------------------------------- greedy is lossless
 @pytest.mark.parametrize("B,kind,draft_kw,use_selector", [
     (2, "llama", {}, True),
@@ -1287,14 +1301,14 @@ def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector
         int8.quantize(draft, target.get_output_embeddings().weight)
     if draft_kw.get("layout"):
         pack_linears(target, draft_kw["layout"])
-    ref, _ = generate.target_generate(target, p, 30)
-    out, stats = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector)
+    ref, _ = decoding.target_generate(target, p, 30)
+    out, stats = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
     assert torch.equal(out, ref)
     assert stats.new_tokens == 30 and all(1 <= t <= B for t in stats.taus)
     # a stop token ends both loops right after its first occurrence
     stop = int(ref[0, p.shape[1] + 9])
-    ref_s, _ = generate.target_generate(target, p, 30, stop_ids={stop})
-    out_s, _ = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector, stop_ids={stop})
+    ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
+    out_s, _ = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector, stop_ids={stop})
     assert torch.equal(out_s, ref_s) and int(out_s[0, -1]) == stop and out_s.shape[1] <= p.shape[1] + 10
 
 
@@ -1303,11 +1317,9 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     prompt starts, so a drift in the machine's speed cannot fall on one way's whole run; a greedy row's
     answers all equal plain decoding's."""
     import argparse
-    import bench
-    import promptsets
     target, draft = tiny_target("llama"), tiny_draft(4)
     prompts = {f"q{i}": prompt(seed=i) for i in range(3)}
-    monkeypatch.setattr(promptsets, "eval_prompts", lambda name: list(prompts))
+    monkeypatch.setattr(bench, "eval_prompts", lambda name: list(prompts))
     monkeypatch.setattr(bench, "encode", lambda tok, messages, dev: prompts.get(messages[0]["content"], prompt(seed=9)))
     calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculative_generate
 
@@ -1322,7 +1334,7 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     monkeypatch.setattr(bench, "speculative_generate", spec)
     args = argparse.Namespace(verify_tokens=[1, 3], tree_budget=None, draft="d", bench=["gsm8k"], bench_limit=None,
                               max_new_tokens=12, temperature=0.0)
-    layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock", head_rows=None, costs=None)
+    layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock", costs=None)
     bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts)
     ways = lambda f: [("plain", "onednn", f), ("plain", "stock", f)] + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
     assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))                                                # warm-ups
@@ -1341,8 +1353,8 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
     that ignored the cache, as transformers 5.17 ignores `cache=`, was equally wrong in both)."""
     if device == "cpu":
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # generate.py: CUDA wherever it is
-    model.save_draft(tiny_draft(4), str(tmp_path / "draft"))
-    runs, real = [], generate.speculative_generate
+    export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
+    runs, real = [], decoding.speculative_generate
     monkeypatch.setattr(generate, "speculative_generate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1])
     text = "tell me about the cat ."
     generate.main(["--target", str(setup / "target"), "--draft", str(tmp_path / "draft"), "--prompt", text,
@@ -1350,8 +1362,8 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
     (out, stats), = runs
     target, tok = load_target(str(setup / "target"))
     target = target.to(device)
-    p = generate.encode(tok, [{"role": "user", "content": text}], device)
-    stop = sorted(generate.stop_token_ids(target, tok))
+    p = encode(tok, [{"role": "user", "content": text}], device)
+    stop = sorted(stop_token_ids(target, tok))
     ref = target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=24, do_sample=False,
                           eos_token_id=stop, pad_token_id=stop[0])
     assert out.device.type == device and torch.equal(out, ref), (out, ref)
@@ -1362,18 +1374,18 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
 def test_always_right_always_wrong_and_partial_drafts(B):
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     P, n = p.shape[1], 25
-    ref, _ = generate.target_generate(target, p, n + B)                 # long enough for any last block
+    ref, _ = decoding.target_generate(target, p, n + B)                 # long enough for any last block
     ref_n = ref[:, :P + n]
     # always right: every cycle accepts all B-1 drafts plus the bonus
-    out, st = generate.speculative_generate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
+    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
     assert torch.equal(out, ref_n) and st.taus == [B] * len(st.taus)
     assert st.accepted_at == [len(st.taus)] * (B - 1)
     # always wrong at slot 1: tau 1, one target token per cycle
-    out, st = generate.speculative_generate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
+    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
     assert torch.equal(out, ref_n) and st.taus == [1] * (n - 1)
     # wrong at slot k(L) + 1: exactly k(L) drafts accepted, which moves the crop point every cycle
     k = lambda L: L % (B - 1)
-    out, st = generate.speculative_generate(target, draft, p, n, proposer=scripted_proposer(ref, k))
+    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, k))
     assert torch.equal(out, ref_n)
     L, want = P + 1, []
     while L < P + n:
@@ -1387,14 +1399,14 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
     the context a fresh target pass over all committed tokens would: checked on every cycle."""
     B = 4
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = generate.target_generate(target, p, 20 + B)
+    ref, _ = decoding.target_generate(target, p, 20 + B)
     inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
 
     def recording(draft, h, u, ids, *rest):
         seen.append((ids.clone(), h.clone()))
         return inner(draft, h, u, ids, *rest)
 
-    generate.speculative_generate(target, draft, p, 20, proposer=recording)
+    speculate(target, draft, p, 20, proposer=recording)
     assert len(seen) > 1                              # the context grew over several cycles
     embed = target.get_input_embeddings()
     with torch.no_grad():
@@ -1411,17 +1423,17 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
 def test_acceptance_rule_hand_computed():
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     q = torch.tensor([0.25, 0.6, 0.05, 0.1])
-    assert [generate.accept_probability(p, q, d) for d in range(4)] == pytest.approx([1.0, 0.5, 1.0, 0.0])
+    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx([1.0, 0.5, 1.0, 0.0])
     # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
-    assert torch.allclose(generate.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
+    assert torch.allclose(decoding.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
     # p == q: every draft is accepted and the bonus comes from the last row
     pp = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.0, 1.0]])
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
-        assert generate.rejection_sample(pp, pp[:2], d, g) == (2, 1)
+        assert decoding.rejection_sample(pp, pp[:2], d, g) == (2, 1)
     # q puts all mass where p has none: always rejected, the token comes from p itself
-    assert generate.rejection_sample(pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g) == (0, 1)
+    assert decoding.rejection_sample(pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g) == (0, 1)
 
 
 def tv(counts, p):
@@ -1441,7 +1453,7 @@ def test_rejection_sampling_reproduces_target_distribution():
     first, second = torch.zeros(4), torch.zeros(4)
     for _ in range(N):
         d = torch.multinomial(q, 1, generator=g)[:, 0]
-        a, nxt = generate.rejection_sample(p, q, d, g)
+        a, nxt = decoding.rejection_sample(p, q, d, g)
         committed = d[:a].tolist() + [nxt]
         first[committed[0]] += 1
         if a >= 1:
@@ -1476,7 +1488,7 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
     counts, qs = torch.zeros(V), []
     with torch.no_grad():
         for _ in range(N):
-            d, q = generate.propose(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
+            d, q = decoding.propose(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
             counts[d[0, 0]] += 1
             qs.append(q[0, 0])
     q1 = torch.stack(qs)
@@ -1500,13 +1512,15 @@ def test_speculative_sampling_matches_target_distribution():
         p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)                  # [V]
     g, counts, proposed, taus = torch.Generator().manual_seed(0), torch.zeros(V), torch.zeros(V), []
 
+    real = decoding.propose
+
     def recording(draft, h, u, ids, *rest):
-        d, q = generate.propose(draft, h, u, ids, *rest)
+        d, q = real(draft, h, u, ids, *rest)
         proposed[d[0, 0]] += 1
         return d, q
 
     for _ in range(N):
-        out, st = generate.speculative_generate(target, draft, p, 2, temperature=1.0, generator=g, proposer=recording)
+        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, proposer=recording)
         counts[out[0, 4]] += 1
         taus += st.taus
     assert tv(counts, p2) < 0.07
@@ -1541,7 +1555,7 @@ def watch(target, draft, p, n, proposer):
         seen.append(u[0].argmax(-1).tolist())
         return proposer(draft, h, u, ids, *rest)
 
-    out, st = generate.speculative_generate(target, draft, p, n, proposer=recording, on_cycle=on_cycle)
+    out, st = speculate(target, draft, p, n, proposer=recording, on_cycle=on_cycle)
     return out, st, cycles, lines, seen
 
 
@@ -1549,7 +1563,7 @@ def watch(target, draft, p, n, proposer):
 def test_show_marks_always_right_and_wrong_at_k_drafts(B):
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     P, n = p.shape[1], 20
-    ref, _ = generate.target_generate(target, p, n + B)
+    ref, _ = decoding.target_generate(target, p, n + B)
     for wrong_at in (lambda L: None, lambda L: L % (B - 1)):
         out, st, cycles, lines, seen = watch(target, draft, p, n, scripted_proposer(ref, wrong_at))
         assert len(lines) == len(st.taus) > 1 and [c[1] for c in cycles] == seen     # unary: the real argmax
@@ -1570,9 +1584,9 @@ def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     target, p = tiny_target("llama"), prompt()
     fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()   # Bs = 0: the unary path
     trained = tiny_draft(4)                                                            # random codebooks
-    _, _, _, lines, _ = watch(target, fresh, p, 16, generate.propose)
+    _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.propose)
     assert not any("*" in line for line in lines)
-    _, _, cycles, lines, seen = watch(target, trained, p, 16, generate.propose)
+    _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.propose)
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
 
 
@@ -1603,14 +1617,14 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
     dtype = dkw.pop("dtype", torch.float32)
     draft = tiny_draft(B, **dkw).to(dtype)
     target, p = tiny_target("llama"), prompt()
-    runs = []
-    for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: tree.draft_tree(*a, branch=False))):
+    runs, grow = [], tree.draft_tree
+    for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: grow(*a, branch=False))):
         cycles = []
-        out, st = generate.speculative_generate(target, draft, p, 30, use_selector=use_selector,
-                                                on_cycle=lambda *c, **_: cycles.append(c), **kw)
+        out, st = speculate(target, draft, p, 30, use_selector=use_selector,
+                            on_cycle=lambda *c, **_: cycles.append(c), **kw)
         runs.append((out, st.taus, cycles))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:] and len(runs[0][2]) > 3
-    assert torch.equal(runs[0][0], generate.target_generate(target, p, 30)[0])
+    assert torch.equal(runs[0][0], decoding.target_generate(target, p, 30)[0])
     # ties: unary scores equal at tokens 5 and 3 of slot 1 -> argmax takes 3, and so does the tree
     u = torch.zeros(1, B - 1, 64)
     u[0, 0, [5, 3]], u[0, 1:, 7] = 1.0, 2.0
@@ -1635,9 +1649,9 @@ def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kin
     target, ctx = tiny_target(kind), prompt(9)
     t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
     with torch.no_grad():
-        cache = generate.new_cache(target)
+        cache = new_cache(target)
         target(input_ids=ctx, cache=cache, use_cache=True)
-        generate.crop(cache, 9)
+        crop(cache, 9)
         masks = tree.attention_masks(t, cache, torch.float32)
         assert isinstance(masks, dict) == (kind == "qwen3-sliding")     # sliding and full layers: one mask each
         out = target(input_ids=torch.tensor([t.tokens]), position_ids=9 + torch.tensor([t.depths]),
@@ -1646,14 +1660,14 @@ def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kin
             assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
         rows = [0, 1, 3, 5]                                             # anchor, 7, 9, 11: not a prefix
         tree.keep_rows(cache, len(t.tokens), rows)
-        generate.crop(cache, 9 + len(rows))
+        crop(cache, 9 + len(rows))
         seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
         after = target(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits[0, -1]
         assert (after - target(input_ids=seq).logits[0, -1]).abs().max() < 1e-5
         # a chain's masks are the causal mask: the same logits as the forward without one
-        chain, cache = tree.Tree.chain(5, [7, 9, 11]), generate.new_cache(target)
+        chain, cache = tree.Tree.chain(5, [7, 9, 11]), new_cache(target)
         target(input_ids=ctx, cache=cache, use_cache=True)
-        generate.crop(cache, 9)
+        crop(cache, 9)
         masks = tree.attention_masks(chain, cache, torch.float32)
         plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
         masked = target(input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache).logits[0]
@@ -1707,10 +1721,10 @@ def scripted_grower(ref, kind, V=64):
 def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, shape):
     B, n = 5, 25
     target, draft, p = tiny_target(kind), tiny_draft(B), prompt()
-    ref, _ = generate.target_generate(target, p, n + 2 * B)
+    ref, _ = decoding.target_generate(target, p, n + 2 * B)
     for budget in (1, 3, 4, 8, 32):
         grower, expected = scripted_grower(ref, shape)
-        out, st = generate.speculative_generate(target, draft, p, n, tree_budget=budget, grower=grower)
+        out, st = speculate(target, draft, p, n, tree_budget=budget, grower=grower)
         assert torch.equal(out, ref[:, :p.shape[1] + n]), (budget, shape)
         assert st.taus == [a + 1 for a in expected] and len(st.taus) > 3
 
@@ -1720,7 +1734,7 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
     """A path of k <= B-1 drafts: greedy stays lossless at every k; always-right drafts give tau k + 1 each
     cycle; k = B-1 is the default, today's behaviour, exactly."""
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = generate.target_generate(target, p, 30 + B)
+    ref, _ = decoding.target_generate(target, p, 30 + B)
     for k in range(1, B):
         sent = []
 
@@ -1728,12 +1742,12 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
             d, q = scripted_proposer(ref, lambda L: None)(draft, h, u, ids, *rest)
             sent.append(d.shape[1])
             return d, q
-        out, st = generate.speculative_generate(target, draft, p, 30, verify_tokens=k, proposer=recording)
+        out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=recording)
         assert torch.equal(out, ref[:, :p.shape[1] + 30]) and st.taus == [k + 1] * len(st.taus) and set(sent) == {k}
-        out, st = generate.speculative_generate(target, draft, p, 30, verify_tokens=k)
+        out, st = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
         assert torch.equal(out, ref[:, :p.shape[1] + 30])
-    default, st0 = generate.speculative_generate(target, draft, p, 30)
-    same, st1 = generate.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
+    default, st0 = decoding.speculative_generate(target, draft, p, 30)
+    same, st1 = decoding.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
     assert torch.equal(default, same) and st0.taus == st1.taus
 
 
@@ -1749,23 +1763,27 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
 
         def record(fn):
             return lambda d_, h, u, *rest: seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
-        out, _ = generate.speculative_generate(target, draft, p, 6, proposer=record(generate.propose),
-                                               grower=record(tree.draft_tree), **kw)
+        out, _ = speculate(target, draft, p, 6, proposer=record(decoding.propose),
+                           grower=record(tree.draft_tree), **kw)
         assert set(seen) == {(L, L)}
-        # scoring more rows where more cost less (head_rows: every depth scores all B rows) changes nothing
-        wide, _ = generate.speculative_generate(target, draft, p, 6, proposer=record(generate.propose), grower=record(
-            tree.draft_tree), head_rows={d: B for d in range(1, B)}, **kw)
+        # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores all B
+        # rows, zeros past the real ones) changes nothing
+        _, head = decoding.embed_and_head(target, draft)
+        draft.fast_head = cost.FastestRows(head, {d: B for d in range(1, B)})
+        wide, _ = speculate(target, draft, p, 6, proposer=record(decoding.propose),
+                            grower=record(tree.draft_tree), **kw)
+        del draft.fast_head
         assert torch.equal(out, wide) and set(seen) == {(L, L)}
-    _, head = generate.embed_and_head(target, draft)
+    _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
-    full = generate.propose(draft, h, u, p)[0]
+    full = decoding.propose(draft, h, u, p)[0]
     assert not torch.equal(full, u.argmax(-1))                  # the selector's walk leaves the argmax path
-    sampled = generate.propose(draft, h, u, p, 1.0, True, torch.Generator().manual_seed(1))[0]
+    sampled = decoding.propose(draft, h, u, p, 1.0, True, torch.Generator().manual_seed(1))[0]
     for k in range(1, B):
-        assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
+        assert torch.equal(decoding.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
         g = torch.Generator().manual_seed(1)
-        assert torch.equal(generate.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k])
+        assert torch.equal(decoding.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k])
 
 
 def test_int8_weights_hand_worked():
@@ -1798,9 +1816,9 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
     int8.quantize(draft, target.get_output_embeddings().weight)
     linears = {n: type(m) for n, m in draft.named_modules() if isinstance(m, (torch.nn.Linear, int8.Int8Linear))}
     assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
-    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "int8_head" in linears
-    _, head = generate.embed_and_head(target, draft)
-    assert head is draft.int8_head
+    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "fast_head" in linears
+    _, head = decoding.embed_and_head(target, draft)
+    assert head is draft.fast_head
     # every layer's projections, the convolutions' kernel projections and the selector's P are int8
     names = {n.rsplit(".", 1)[-1] for n in linears}
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "kernel_projection",
@@ -1826,7 +1844,7 @@ def test_tree_walk_samples_exactly_the_target():
     g, N = torch.Generator().manual_seed(0), 20000
     first, second = torch.zeros(4), torch.zeros(4)
     for _ in range(N):
-        path, nxt = tree.walk(t, logits, lambda row: generate.sample(row, 1.0, g))
+        path, nxt = tree.walk(t, logits, lambda row: decoding.sample(row, 1.0, g))
         committed = [t.tokens[i] for i in path] + [nxt]
         first[committed[0]] += 1
         if committed[0] == 0:
@@ -1847,12 +1865,14 @@ def test_tree_sampling_matches_target_distribution():
         p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)
     g, counts, taus, trees = torch.Generator().manual_seed(0), torch.zeros(V), [], []
 
+    grow = tree.draft_tree
+
     def recording(*a):
-        trees.append(tree.draft_tree(*a))
+        trees.append(grow(*a))
         return trees[-1]
     for _ in range(N):
-        out, st = generate.speculative_generate(target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4,
-                                                grower=recording)
+        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4,
+                            grower=recording)
         counts[out[0, 4]] += 1
         taus += st.taus
     assert tv(counts, p2) < 0.07
@@ -1865,14 +1885,14 @@ def test_expected_tau_by_hand():
     (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5), .15,
     .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25 / .25)."""
     stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    assert tree.expected_tau(stats, 1, False) == pytest.approx(1.6)
-    assert tree.expected_tau(stats, 2, False) == pytest.approx(1.9)
-    assert [tree.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
+    assert auto.expected_tau(stats, 1, False) == pytest.approx(1.6)
+    assert auto.expected_tau(stats, 2, False) == pytest.approx(1.9)
+    assert [auto.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
         [1.6, 1.9, 2.2, 2.5, 2.575, 2.575])
     corr = {"accepted": [0.6, 0.45], "rank": [[0.6, 0.3], [0.5, 0.25]]}
     # nodes: .6, .6 * .75 = .45, .3, .6 * .25 = .15, .3 * .75 = .225, .3 * .25 = .075
-    assert [tree.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx([2.05, 2.35, 2.575])
-    assert tree.expected_tau(corr, 2, False) == pytest.approx(2.05)   # no branching: the measured path
+    assert [auto.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx([2.05, 2.35, 2.575])
+    assert auto.expected_tau(corr, 2, False) == pytest.approx(2.05)   # no branching: the measured path
 
 
 def test_choose_by_hand():
@@ -1881,46 +1901,46 @@ def test_choose_by_hand():
     2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 = 0.139, the best, 1.39x plain (0.1)."""
     stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
     d3 = {1: 3.0, 2: 3.0}
-    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
+    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
     assert shape == ("tree", 5) and "138.9 tok/s" in why and "1.39x" in why and "best path: 2 drafts" in why
     # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path stays
-    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
+    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
     assert shape == ("path", 2) and "no tree beats it here" in why
-    assert tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == ("path", 2)
+    assert auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == ("path", 2)
     # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
-    shape, why = tree.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
+    shape, why = auto.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
     assert shape == ("path", 2) and "does not pay" in why
     # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
-    assert tree.choose(None, None, None, 3)[0] == ("path", 2)
-    assert tree.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[0] == ("path", 1)
+    assert auto.choose(None, None, None, 3)[0] == ("path", 2)
+    assert auto.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[0] == ("path", 1)
     # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per ms, path
     # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft cost said
-    shape, why = tree.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
+    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
     assert shape == ("path", 1) and "per 12.0 ms cycle" in why and "+ draft 1.0)" in why
 
 
 def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, capsys):
     draft, draft_dir = tiny_draft(3), tmp_path / "d"
-    model.save_draft(draft, str(draft_dir))
+    export.save_draft(draft, str(draft_dir))
     measured = []
     costs = lambda sizes, mode: measured.append(sorted(sizes)) or (
         {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0}, {1: 3.0, 2: 3.0})
     # without acceptance.json: the path of B-1 drafts, nothing measured
-    assert tree.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
+    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
     assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
     (draft_dir / "acceptance.json").write_text(json.dumps(
         {"block_size": 3, "step": 1, "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}}))
-    assert tree.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
+    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
     assert measured == [[1, 2, 3, 9, 17, 25, 33]]
     assert capsys.readouterr().out.startswith("[selector] auto: tree of 5 nodes")
-    assert tree.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
+    assert auto.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
         ("path", 2), ("tree", 8), ("tree", 5)]
-    assert tree.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]   # no unary statistics
+    assert auto.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]   # no unary statistics
     with pytest.raises(ValueError, match="--verify-tokens: at most 2"):
-        tree.plan([3], None, draft, str(draft_dir), "selector", costs)
+        auto.plan([3], None, draft, str(draft_dir), "selector", costs)
     (draft_dir / "acceptance.json").write_text(json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}}))
     with pytest.raises(ValueError, match="acceptance.json: block_size 4"):
-        tree.plan(None, None, draft, str(draft_dir), "selector", costs)
+        auto.plan(None, None, draft, str(draft_dir), "selector", costs)
 
 
 def test_show_formats_a_tree_by_hand():
@@ -1962,19 +1982,19 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 5
 
-    back = model.load_draft(str(tmp_path / "fp32"))
+    back = export.load_draft(str(tmp_path / "fp32"))
     assert back.config == draft.config
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
     assert torch.equal(block_hidden(back), block_hidden(draft))
 
     rounded = tiny_draft(4, output_multiplier=0.5)
     rounded.load_state_dict({k: v.bfloat16().float() for k, v in draft.state_dict().items()})
-    back = model.load_draft(str(tmp_path / "bf16"))
+    back = export.load_draft(str(tmp_path / "bf16"))
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in rounded.state_dict().items())
     assert torch.equal(block_hidden(back), block_hidden(rounded))
     # an exported directory re-exports unchanged
     export.export(str(tmp_path / "bf16"), str(tmp_path / "again"), torch.float32)
-    again = model.load_draft(str(tmp_path / "again"))
+    again = export.load_draft(str(tmp_path / "again"))
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in rounded.state_dict().items())
 
 
@@ -1987,7 +2007,7 @@ def test_export_refuses_broken_inputs(tmp_path):
     with pytest.raises(ValueError, match="predecessor_codebook"):
         export.export(str(tmp_path / "bad.pt"), str(tmp_path / "out"))
     # a truncated safetensors file, and a truncated checkpoint: refused, naming the file
-    model.save_draft(draft, str(tmp_path / "cut"))
+    export.save_draft(draft, str(tmp_path / "cut"))
     st = tmp_path / "cut" / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"cut/model\.safetensors"):
@@ -1996,7 +2016,7 @@ def test_export_refuses_broken_inputs(tmp_path):
     ck = tmp_path / "ckpt.pt"
     ck.write_bytes(ck.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"ckpt\.pt"):
-        generate.load_any(str(ck))
+        export.load_any(str(ck))
     assert not (tmp_path / "out").exists()                               # nothing half-written
 
 
@@ -2007,7 +2027,7 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert not set(config.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
-    back = model.load_draft(str(tmp_path / "out"))
+    back = export.load_draft(str(tmp_path / "out"))
     assert back.candidate_selector is None and isinstance(back.layers[0].attention_conv, model.PassThrough)
     assert not any("conv" in k or "selector" in k for k in back.state_dict())
     assert torch.equal(block_hidden(back), block_hidden(draft))
@@ -2089,7 +2109,7 @@ def setup(tmp_path_factory):
     with open(d / "convs.jsonl", "w") as f:
         for m in TRAIN_CONVERSATIONS * 2:
             f.write(json.dumps({"messages": m}) + "\n")
-    convs, _ = prepare.read_conversations(str(d / "convs.jsonl"))
+    convs, _ = data.read_conversations(str(d / "convs.jsonl"))
     os.makedirs(d / "feats")
     prepare.write_features(target, tok, convs, str(d / "feats"), [0, 2], feature_dtype="fp16",
                            save_target_hidden=True, shard_size=4)
@@ -2131,7 +2151,7 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
     assert [r["step"] for r in records] == list(range(1, 9))
     # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
     assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
-    samples = prepare.load_samples(str(setup / "feats"), False, None, 512)
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
     flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
     order = [train.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
     assert sorted(set(order)) == [0, 1, 2, 3]           # only the first 4 sequences are ever drawn
@@ -2145,7 +2165,7 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
     # ce's sums read only the labels: features stored with or without the target's hidden states give
     # the same steps, and no target-mass metric is made up without them; tv reads them when stored
     target, tok = load_target(str(setup / "target"))
-    convs, _ = prepare.read_conversations(str(setup / "convs.jsonl"))
+    convs, _ = data.read_conversations(str(setup / "convs.jsonl"))
     os.makedirs(tmp_path / "feats")
     prepare.write_features(target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4)
     prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
@@ -2161,10 +2181,10 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
 
 def test_anchor_sampling():
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])         # anchors: p with mask[p] = mask[p+1] = 1
-    assert pack.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
+    assert data.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
     counts = torch.zeros(8)
     for seed in range(300):                                 # 2 of the 3, uniformly, sorted
-        a = pack.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
+        a = data.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
         assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
         counts[a] += 1
     assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
@@ -2587,8 +2607,6 @@ def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch
 def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatch):
     """capture_s runs prepare.py's own feature step once on one conversation (warm-up, not timed), then on
     n, and divides by n: a fake step taking 0.02 s a conversation gives 0.02 s."""
-    import plan
-    import prepare
     calls = []
 
     def fake(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
@@ -2600,7 +2618,6 @@ def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatc
 
 
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
-    import plan
     # 1,000 answers, 2 epochs, 1.5 s an answer, 1.3 s a step (an AVX2 machine in fp32), 60 s of held-out answers:
     # 40 + 1,000 * 1.5 + 60 + 2,000 * 1.3 + 4 evaluations of 48 answers at 1.3 / 3 s = 4,283.2 s
     assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60) == pytest.approx(4283.2 / 60)
@@ -2624,11 +2641,10 @@ def test_plan_sizes_the_job_to_the_budget(tmp_path):
 def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
     play_cpu(monkeypatch, *CPUS["avx2"][0])
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    target, draft, sizes = tiny_target("llama"), tiny_draft(3), tree.priced_sizes(3)
+    target, draft, sizes = tiny_target("llama"), tiny_draft(3), auto.priced_sizes(3)
     stock, onednn, mkl = ({n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4)))
     monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl})
-    monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk, rows: 3.0 + L + walk + rows)
-    monkeypatch.setattr(cost, "head_rows", lambda draft, target: {1: 3, 2: 3})
+    monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 6.0 + L + walk)
     # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 / 88 / 86
     layouts = cost.decoding_layouts(target, draft, "auto")
     assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
@@ -2645,7 +2661,6 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     # priced from the onednn row, but a plain step is the fastest one of the three (stock, 80 ms)
     assert layouts["costs"]([1, 2, 9], "selector") == ({1: 80.0, 2: 90.0, 9: 104.0}, {1: 8.0, 2: 9.0})
     assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}        # per depth, with the walk or not
-    assert layouts["head_rows"] == {1: 3, 2: 3}                                # what speculative_generate scores
     asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")        # asked: nothing measured
     assert asked["table"] is None and asked["speculate"] == "stock" and asked["why"] == "stock GEMMs (asked)"
 
@@ -2665,9 +2680,9 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
                          (train, ["--data", "d", "--target-dtype", "fp16"])):
         with pytest.raises(Loaded):
             script.main(argv)
-    data = torch.bfloat16            # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
+    data_dtype = torch.bfloat16      # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
     decode = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    assert asked == [data, decode, data, torch.float16]
+    assert asked == [data_dtype, decode, data_dtype, torch.float16]
 
 
 def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
@@ -2751,7 +2766,7 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     assert records[-1]["mfu"] / records[-1]["target_tok_per_s"] == pytest.approx(done / tokens / 1e5, rel=1e-3)
 
 
-# ============================================================================ pack.py and attention.py
+# ============================================================================ data.py and attention.py
 def packing_docs(c, lengths, seed=0):
     """Documents whose first and last tokens are supervised, so that a block or a context read that
     crossed a document boundary would change the loss; features and target hidden states random."""
@@ -2768,7 +2783,7 @@ def packing_docs(c, lengths, seed=0):
 
 def test_plan_rows_by_hand():
     # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2 fit
-    assert pack.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
 
 
 def assert_same_sum(got, want, n: int, dtype, name=""):
@@ -2805,8 +2820,8 @@ def test_packed_row_equals_separate_rows(kw, flags):
     args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "2", *flags])
     args.attention = "sdpa"
     # every anchor candidate, so both layouts train the same blocks
-    apart = pack.collate([[d] for d in docs], [0, 1, 2], 1000, 0, "cpu")
-    packed = pack.collate([docs], [0], 1000, 0, "cpu")
+    apart = data.collate([[d] for d in docs], [0, 1, 2], 1000, 0, "cpu")
+    packed = data.collate([docs], [0], 1000, 0, "cpu")
     assert packed["positions"][0].tolist() == list(range(7)) + list(range(5)) + list(range(9))
     starts, counts = [0, 7, 12], apart["anchor_valid"].sum(1).tolist()
     assert packed["anchors"][0].tolist() == [a + s for i, s in enumerate(starts)
@@ -2837,10 +2852,10 @@ def test_online_target_reads_packed_documents_apart(setup):
     cfg = tiny_config()
     samples = [{"input_ids": torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)),
                 "loss_mask": torch.ones(n, dtype=torch.long)} for n in (6, 4, 9)]
-    packed = pack.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
+    packed = data.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
     train.add_target_features(packed, target, cfg, True, packed=True)
     for i, (row, start) in enumerate([(0, 0), (0, 6), (1, 0)]):
-        alone = pack.collate([[samples[i]]], [0], 8, 0, "cpu")
+        alone = data.collate([[samples[i]]], [0], 8, 0, "cpu")
         train.add_target_features(alone, target, cfg, True, packed=False)
         n = len(samples[i]["input_ids"])
         for name in ("features", "target_hidden"):
@@ -2849,8 +2864,8 @@ def test_online_target_reads_packed_documents_apart(setup):
 
 
 def test_pack_flag_trains_offline_and_online(setup, tmp_path):
-    samples = prepare.load_samples(str(setup / "feats"), False, None, 512)
-    rows = pack.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)     # lengths 34 to 58
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)     # lengths 34 to 58
     assert len(rows) < 8 and max(len(r) for r in rows) > 1              # rows of several conversations
     # 10 sequences, 2 held out; one epoch = one step per row
     run(setup, tmp_path / "off", "--pack", "--max-length", "100", "--eval-fraction", "0.2", "--log-interval", "1")
@@ -2893,7 +2908,7 @@ def flex_case(kw, packed, S=256, device="cpu"):
     a, b = S * 25 // 64, S // 2 + 2                                    # S = 256: documents of 100, 156 | 130, 126
     docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
     rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
-    batch = pack.collate(rows, [0, 1], S // 4, 0, device)
+    batch = data.collate(rows, [0, 1], S // 4, 0, device)
     attend = lambda how: model.forward_training(draft, embed, batch["input_ids"], batch["features"], batch["anchors"],
                                                 batch["positions"], batch["docs"], how)
     return c, draft, batch, attend
@@ -3220,7 +3235,7 @@ def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
         with pytest.raises(ValueError, match=why):
             export.load_any(str(tmp_path / "b"))
     idx.write_text(json.dumps(good))
-    model.save_draft(draft, str(tmp_path / "single"))
+    export.save_draft(draft, str(tmp_path / "single"))
     os.replace(tmp_path / "single" / "model.safetensors", tmp_path / "b" / "model.safetensors")
     with pytest.raises(ValueError, match="ambiguous"):
         export.load_any(str(tmp_path / "b"))

@@ -6,7 +6,7 @@
     torchrun --standalone --nproc_per_node=8 train.py --fsdp ... # the draft (and online the target) sharded: fsdp.py
 
 Each optimizer step: for every micro-batch of rows (a conversation each, or with --pack several:
-pack.py), sample anchors, run all anchored blocks of each row through the draft in one pass
+data.py), sample anchors, run all anchored blocks of each row through the draft in one pass
 (model.forward_training), and get the objective's numerator and denominator (loss.py). Gradients of
 all numerators are summed over micro-batches and ranks and divided once by the global denominator,
 so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches.
@@ -26,15 +26,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import config
+import data
 import flops
 import fsdp
 import loss as L
 import model
-import pack
-import prepare
-import machine
 from common import DTYPES, atomic_write, bounded, end_distributed, run
 from export import save_acceptance
+from speed import machine
 from target import capture_features, check_draft_fits, load_target
 
 
@@ -52,7 +51,7 @@ def parse_args(argv=None):
       "forward); auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py). Its embedding and lm_head are used in fp32 either way")
     a("--max-length", type=bounded(int, low=2), default=512,
       help="online: truncate conversations to this many tokens; --pack: tokens per row")
-    a("--pack", action="store_true", help="pack several conversations into each row (pack.py)")
+    a("--pack", action="store_true", help="pack several conversations into each row (data.py)")
     # architecture overrides, validated by the same rules as the config file
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
     a("--block-size", type=bounded(int, low=2))
@@ -142,7 +141,7 @@ class DraftObjective(torch.nn.Module):
 def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
     """Online mode: the live target provides features (and its final hidden state for kl); it reads the
     documents of packed rows one by one."""
-    ids, mask, back = pack.per_document(batch) if packed else (batch["input_ids"], batch["attention_mask"], None)
+    ids, mask, back = data.per_document(batch) if packed else (batch["input_ids"], batch["attention_mask"], None)
     out = capture_features(target, cfg.target_layer_ids, final_hidden=need_final, use_cache=False,
                            logits_to_keep=1, input_ids=ids, attention_mask=mask)
     for name, value in [("features", out[1])] + ([("target_hidden", out[2])] if need_final else []):
@@ -153,14 +152,14 @@ def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
 def split_and_schedule(samples, eval_samples, args, world):
     """-> (train samples, eval samples, rows, rows per step, steps per epoch, total steps). Without --eval-data
     the last --eval-fraction of the sequences are held out; --num-samples keeps the first N of the rest. A row
-    (sample indices) is one sequence, or with --pack the sequences pack.plan_rows puts together."""
+    (sample indices) is one sequence, or with --pack the sequences data.plan_rows puts together."""
     if eval_samples is None:
         n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
         samples, eval_samples = samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
     samples = samples[:args.num_samples]
     rows = [[i] for i in range(len(samples))]
     if args.pack:
-        rows = pack.plan_rows(pack.lengths(samples), args.max_length)
+        rows = data.plan_rows(data.lengths(samples), args.max_length)
     per_step = world * args.grad_accum * args.batch_size
     steps_per_epoch = len(rows) // per_step
     if steps_per_epoch == 0:
@@ -199,7 +198,7 @@ def evaluate(objective, samples, args, target, cfg, device, rank, world, autocas
     # a rank short of samples of its own adds zero copies
     mine = [(i % n, float(i < n)) for i in range(rank, -(-n // world) * world, world)]
     for i, keep in mine:
-        batch = pack.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
+        batch = data.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
@@ -281,8 +280,8 @@ def main(argv=None):
     target_weights = flops.linear_weights(target) if args.online else 0    # 2x this per token: its forward
 
     # ------------------------------------------------------------------ data
-    samples = prepare.load_samples(args.data, args.online, tokenizer, args.max_length)
-    eval_samples = prepare.load_samples(args.eval_data, args.online, tokenizer, args.max_length) if args.eval_data else None
+    samples = data.load_samples(args.data, args.online, tokenizer, args.max_length)
+    eval_samples = data.load_samples(args.eval_data, args.online, tokenizer, args.max_length) if args.eval_data else None
     samples, eval_samples, rows, per_step, steps_per_epoch, total = split_and_schedule(samples, eval_samples, args, world)
 
     # ------------------------------------------------------------------ model, optimizer, resume
@@ -326,7 +325,7 @@ def main(argv=None):
                                    args.selector_ramp_ratio) if selector_on else None
         acc, D = {}, torch.zeros((), device=device)
         for m, idx in enumerate(micro_batches):
-            batch = pack.collate([[samples[j] for j in rows[r]] for r in idx], [epoch * len(rows) + r for r in idx],
+            batch = data.collate([[samples[j] for j in rows[r]] for r in idx], [epoch * len(rows) + r for r in idx],
                                  args.num_anchors, args.seed, device)
             if target is not None:
                 add_target_features(batch, target, cfg, args.loss == "kl", args.pack)

@@ -101,7 +101,7 @@ def main():
             draft = random_draft(**kw)
             feats = torch.cat([out.hidden_states[i + 1] for i in draft.config.target_layer_ids], -1)
             src, dst = os.path.join(tmp, "zlab"), os.path.join(tmp, "spec")
-            model.save_draft(draft, src)
+            export.save_draft(draft, src)
             with contextlib.redirect_stdout(io.StringIO()):
                 export.main([src, "--out-dir", dst, "--dtype", "fp32", "--format", "speculators",
                              "--verifier", os.path.join(tmp, "target")])

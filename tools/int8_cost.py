@@ -13,11 +13,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project's modules
-import machine  # noqa: E402
 from common import bounded, run  # noqa: E402
-from cost import draft_block, median_ms  # noqa: E402
 from export import load_any  # noqa: E402
-from generate import draft_in  # noqa: E402
+from speed import machine  # noqa: E402
+from speed.cost import draft_block, median_ms  # noqa: E402
 from target import load_target  # noqa: E402
 
 
@@ -39,7 +38,7 @@ def main(argv=None):
     target, _ = load_target(args.target, torch.float32)
     print(f"{machine.describe('cpu')}; {torch.get_num_threads()} threads; median ms of {args.repeats}")
     for precision in ("fp32", "bf16", "int8"):
-        draft = draft_in(precision, load_any(args.draft).eval(), target, "cpu")
+        draft = machine.draft_in(precision, load_any(args.draft).eval(), target, "cpu")
         ms = costs(draft, target, args.context, args.repeats)
         print(f"{precision:<5} " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
 

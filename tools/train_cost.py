@@ -8,7 +8,7 @@
 The draft is --draft-config (default the Qwen3-8B-shaped DFlash2 config) cut to --num-layers with block
 size --block-size; the target's embedding and head are random [V, H] matrices and the conversations
 random tokens of --lengths, every token supervised, with random features. The step is train.py's own:
-pack.collate (right-padded rows, or with --pack the rows of pack.plan_rows), train.DraftObjective
+data.collate (right-padded rows, or with --pack the rows of data.plan_rows), train.DraftObjective
 (draft, objective, metrics) and the numerator's backward. --part forward runs the same without gradient
 (FlexAttention has no CPU backward); --part attention runs only the attention of one layer's shapes on
 the same layout (random q, k, v): the mask, dense or a BlockMask, and one SDPA or flex call, forward.
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)                       # the project's modules
 import attention  # noqa: E402
+import data  # noqa: E402
 import flops  # noqa: E402
 import model  # noqa: E402
-import pack  # noqa: E402
 import train  # noqa: E402
 from common import bounded, run, write_json  # noqa: E402
 
@@ -122,8 +122,8 @@ def main(argv=None):
     torch.manual_seed(0)
 
     samples = conversations(lengths, cfg, seed=0)
-    rows = pack.plan_rows(lengths, args.max_length) if args.pack else [[i] for i in range(len(lengths))]
-    batch = pack.collate([[samples[i] for i in r] for r in rows], list(range(len(rows))), args.num_anchors, 0, device)
+    rows = data.plan_rows(lengths, args.max_length) if args.pack else [[i] for i in range(len(lengths))]
+    batch = data.collate([[samples[i] for i in r] for r in rows], list(range(len(rows))), args.num_anchors, 0, device)
     note = lambda: ""
     if args.part == "attention":
         step, tiles = attention_call(cfg, batch, args.attention, device)

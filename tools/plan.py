@@ -1,7 +1,7 @@
 """Sizing the main job to this machine: measure it for about a minute, then choose how many answers to
 make and train on, so that `bash run.sh` ends within its budget on a fast CPU and on a slow one.
 
-    python plan.py --budget-min 45            # prints the plan, then N_TRAIN=... for run.sh to read
+    python tools/plan.py --budget-min 45      # prints the plan, then N_TRAIN=... for run.sh to read
 
 The same job costs 16x more on a CPU without native bf16 (README, "Your machine"). Its time is
 
@@ -18,7 +18,7 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
     have         answers already made in the data folder (a rerun only trains)
     spent        this measurement itself (one to two minutes: part of the job)
 
-all measured with the project's own code, in the phases' own precisions and layouts (machine.py). N is the
+all measured with the project's own code, in the phases' own precisions and layouts (speed/machine.py). N is the
 largest whose T(N) is at most 95% of the budget (a native job planned to 44 of 45 minutes took 44.8: its
 training steps ran 12% slower than measured), at most --max-samples (the recipe's 2,400); epochs stay at 2
 (a second pass over the data cost nothing in the recipe study). An explicit N_TRAIN (--num-samples) or --epochs wins.
@@ -32,15 +32,16 @@ import time
 
 import torch
 
-import cost
-import machine
-import model
-import pack
-import prepare
-import train
-from common import bounded, run
-from config import load_config
-from target import load_target
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+
+import data  # noqa: E402
+import model  # noqa: E402
+import prepare  # noqa: E402
+import train  # noqa: E402
+from common import bounded, run  # noqa: E402
+from config import load_config  # noqa: E402
+from speed import cost, machine, tune  # noqa: E402
+from target import load_target  # noqa: E402
 
 REGEN_STEPS, REGEN_CONTEXT = 160, 160   # decoding steps of a 64-row batch; its mean context (prompt + half an answer)
 CAPTURE_CONVERSATION = [{"role": "user", "content": "How many apples are left at the end? " * 6},   # ~200 tokens,
@@ -64,7 +65,7 @@ def train_step_s(cfg_args: list, target, repeats: int = 3) -> float:
     n = 200
     sample = {"input_ids": torch.randint(0, cfg.vocab_size, (n,)), "loss_mask": (torch.arange(n) >= 80).long(),
               "features": torch.randn(n, len(cfg.target_layer_ids) * cfg.hidden_size)}
-    batch = pack.collate([[sample]], [0], args.num_anchors, 0, "cpu")
+    batch = data.collate([[sample]], [0], args.num_anchors, 0, "cpu")
     bf16 = machine.resolve_dtype("auto", "cpu", "train") == torch.bfloat16
 
     def step():
@@ -134,7 +135,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     dtype = machine.resolve_dtype("auto", "cpu", "data")
     target, tokenizer = load_target(None, dtype)
-    prepare.choose_layout(target, dtype, "auto")     # the layout prepare.py will use, measured if it must
+    tune.data_target(target, dtype, "auto")     # the layout prepare.py will use, measured if it must
     t_batch = cost.target_ms(target, REGEN_CONTEXT, 1, 3, rows=64) / 1000
     t_capture = capture_s(target, tokenizer, load_config(args.draft_config).target_layer_ids)
     t_answer = REGEN_STEPS / 64 * t_batch + t_capture

@@ -1,20 +1,20 @@
 """What this machine runs fast: one rule for the precision and the GEMM layout of every phase.
 
-A 2-core laptop and a cloud VM can differ by 16x on the same step (README, "Your machine"): bf16 is
+A 2-core laptop and a cloud VM can differ by 16x on the same step (docs/cpu.md): bf16 is
 fast only where the CPU has bf16 instructions, and which GEMM layout is fastest (stock, oneDNN's
 packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the project asks this file,
 for one of four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
     decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8 tokens in one
-            forward rounds differently from decoding them one by one, which flips near-ties (README)
+            forward rounds differently from decoding them one by one, which flips near-ties (docs/cpu.md)
     train   the draft's autocast in train.py
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
                AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU the
                rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
-    layout     CPU only (target.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels; stock bf16
+    layout     CPU only (gemm.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels; stock bf16
                GEMMs are slower). fp32: whichever a short measurement on this machine found fastest (cost.py;
                cached per machine, since the capability cannot tell: oneDNN won on an AMD EPYC, MKL's packed
                GEMM on an Intel Xeon). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
@@ -27,9 +27,9 @@ import platform
 
 import torch
 
-import int8
 from common import DTYPES, atomic_write
-from target import check_packable, packable
+from speed import int8
+from speed.gemm import check_packable, packable
 
 
 # ----------------------------------------------------------------------------- what the CPU has
@@ -93,6 +93,14 @@ def draft_precision(name: str, device) -> str:
     if name == "auto" and torch.device(device).type == "cpu" and known(cpu_info()) and int8.runs():
         return "int8"
     return dtype_name(resolve_dtype(name, device, "draft"))
+
+
+def draft_in(precision: str, draft, target, device):
+    """The draft on the device in draft_precision's choice: a DTYPES name, or int8 weights on fp32."""
+    draft = draft.to(device=device, dtype=DTYPES.get(precision, torch.float32))
+    if precision == "int8":
+        int8.quantize(draft, target.get_output_embeddings().weight)
+    return draft
 
 
 def slow_bf16_note(dtype, device) -> str:

@@ -1,7 +1,7 @@
 """The cost model of speculative decoding on this machine: can a draft pay here, and from what tau?
 
-    python cost.py                                   # the embedded target, a random DFlash2 draft of the main config
-    python cost.py --draft out/smollm2-math-dflash2/export --context 400
+    python -m speed.cost                          # the embedded target, a random draft of the main config
+    python -m speed.cost --draft out/smollm2-math-dflash2/export --context 400
 
 Batch-1 speculative decoding trades one target forward per token for one per cycle:
 
@@ -13,26 +13,27 @@ Batch-1 speculative decoding trades one target forward per token for one per cyc
 
 On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be, and
 which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more than one row streamed the
-weights far slower than the 1-row path on two machines; oneDNN's packed weights (target.py) fixed that on
+weights far slower than the 1-row path on two machines; oneDNN's packed weights (gemm.py) fixed that on
 an AMD EPYC and were twice as slow as stock on an Intel Xeon, where MKL's own packed GEMM fixed it. So
 the functions below are also the short measurement behind `--target-gemm auto` (machine.choose_layout),
-cached per machine: the decode table
-for generate.py, the batched shapes for prepare.py. A tree of N nodes (tree.py) costs t_{N+1}: the table
-runs to 33 tokens, and generate.py's `auto` picks a path or a tree from it (tree.choose).
+cached per machine: the decode table for generate.py, the batched shapes for prepare.py. A tree of N
+nodes (tree.py) costs t_{N+1}: the table runs to 33 tokens, and generate.py's `auto` picks a path or a
+tree from it (auto.choose).
 """
 import argparse
 import functools
 
 import torch
 
-import machine
 import model
-import tree
 from common import DTYPES, bounded, run
 from config import load_config
+from decoding import embed_and_head, now, propose
 from export import load_any
-from generate import crop, draft_in, embed_and_head, new_cache, now, propose, with_cache
-from target import drop_packs, load_target, set_layout
+from speed import machine
+from speed.auto import priced_sizes
+from speed.gemm import drop_packs, set_layout
+from target import crop, load_target, new_cache, with_cache
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
@@ -70,14 +71,33 @@ def fastest_rows(ms: dict, B: int) -> dict:
 
 @torch.no_grad()
 def head_rows(draft, target, repeats: int = 3) -> dict:
-    """{L: r}: the block rows generate.py's head scores to cover slots 1..L. Its GEMM [r, H] x [H, V] does
+    """{L: r}: the block rows the head should score to cover slots 1..L. Its GEMM [r, H] x [H, V] does
     not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a third of 8 on one
     machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in 2..B is timed here."""
     c, p = draft.config, next(draft.parameters())
     _, head = embed_and_head(target, draft)
     h = torch.randn(1, c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
-    ms = {r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device) for r in range(2, c.block_size + 1)}
+    ms = {r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device)
+          for r in range(2, c.block_size + 1)}
     return fastest_rows(ms, c.block_size)
+
+
+class FastestRows(torch.nn.Module):
+    """The head over a block's first n rows [1, n, H] -> [1, n, V], computed as a GEMM of rows[n - 1]
+    rows (zeros past the n real ones) where that many cost less here. In a float GEMM output row i
+    depends on input row i alone; the int8 head (int8.py) quantizes its input per call, over the real
+    rows and the zeros."""
+
+    def __init__(self, head, rows: dict):
+        super().__init__()
+        self.head, self.rows = head, rows
+
+    def forward(self, h):
+        n = h.shape[1]
+        r = self.rows.get(n - 1, n)
+        if r > n:
+            h = torch.cat([h, h.new_zeros(h.shape[0], r - n, h.shape[2])], dim=1)
+        return self.head(h)[:, :n]
 
 
 def draft_block(draft, target, context: int):
@@ -93,25 +113,25 @@ def draft_block(draft, target, context: int):
 
 
 @torch.no_grad()
-def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool, rows: int) -> float:
+def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool) -> float:
     """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
-    head over rows 0..rows-1 (rows > L) as generate.py scores them, and with use_selector the selector's
-    walk over slots 1..L (propose)."""
+    head over rows 0..L as decoding.py scores them, and with use_selector the selector's walk over slots
+    1..L (propose)."""
     p = next(draft.parameters())
     _, head, forward = draft_block(draft, target, context)
     ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
 
     def cycle():
         h = forward()
-        u = draft.unary_logits(h[:, :rows], head)[:, 1:L + 1]
+        u = draft.unary_logits(h[:, :L + 1], head)[:, 1:]
         if use_selector:
             propose(draft, h[:, 1:L + 1], u, ids)
     return median_ms(cycle, repeats, p.device)
 
 
-def draft_costs(draft, target, context: int, repeats: int, walk: bool, rows: dict) -> dict:
-    """{L: draft_ms over L slots} for L = 1..B-1, the head scoring rows[L] rows: what auto and the CLI price."""
-    return {L: draft_ms(draft, target, context, repeats, L, walk, rows[L]) for L in range(1, draft.config.block_size)}
+def draft_costs(draft, target, context: int, repeats: int, walk: bool) -> dict:
+    """{L: draft_ms over L slots} for L = 1..B-1: what auto and the CLI price."""
+    return {L: draft_ms(draft, target, context, repeats, L, walk) for L in range(1, draft.config.block_size)}
 
 
 def each_layout(target, measure) -> dict:
@@ -162,10 +182,10 @@ def decoding_layouts(target, draft, wanted) -> dict:
     verify forwards of 2..B tokens (every path priced alike: one size alone was too noisy a judge). The
     target is left in the speculation's layout. -> {"speculate", "plain": layout names, "why", "table" (or
     None), "costs": costs(sizes, mode) -> ({n: ms of an n-token target forward}, {L: ms of the draft's cycle
-    over L slots}), what tree.auto prices shapes with; its 1-token price is the fastest plain step of the
-    table; "head_rows": head_rows(), the rows speculative_generate scores}."""
+    over L slots}), what auto.plan prices shapes with; its 1-token price is the fastest plain step of the
+    table}. The draft's cycle is timed with the head it will decode with (tune.py sets it first)."""
     B, table = draft.config.block_size, {}
-    sizes = tree.priced_sizes(B)
+    sizes = priced_sizes(B)
 
     def measure():
         table.update(decode_table(target, sizes=sizes))
@@ -176,18 +196,16 @@ def decoding_layouts(target, draft, wanted) -> dict:
     if table:
         why += f"; plain decoding {plain} (" + ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items()) + " ms)"
 
-    rows = head_rows(draft, target)
-
     @functools.cache   # timed once per mode, however many shapes ask
     def t_draft(mode):
-        return draft_costs(draft, target, 200, 5, mode == "selector", rows)
+        return draft_costs(draft, target, 200, 5, mode == "selector")
 
     def costs(want, mode):   # the table of the speculation's layout where it was measured, else measured now
         if table and set(want) <= set(sizes):
             row = table[layout]
             return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft(mode)
         return {n: target_ms(target, 200, n, 5) for n in want}, t_draft(mode)
-    return {"speculate": layout, "plain": plain, "why": why, "table": table or None, "costs": costs, "head_rows": rows}
+    return {"speculate": layout, "plain": plain, "why": why, "table": table or None, "costs": costs}
 
 
 def main(argv=None):
@@ -204,16 +222,17 @@ def main(argv=None):
     precision = machine.draft_precision(args.draft_dtype, "cpu")
     draft = load_any(args.draft) if args.draft else model.DraftModel(load_config(args.draft_config))
     target, _ = load_target(args.target, torch.float32)
-    draft = draft_in(precision, draft.eval(), target, "cpu")
+    draft = machine.draft_in(precision, draft.eval(), target, "cpu")
     B = draft.config.block_size
     walk = draft.candidate_selector is not None     # what a cycle runs before its verify, per depth L
     rows = head_rows(draft, target)
-    t_draft = draft_costs(draft, target, args.context, args.repeats, walk, rows)
+    draft.fast_head = FastestRows(embed_and_head(target, draft)[1], rows)
+    t_draft = draft_costs(draft, target, args.context, args.repeats, walk)
     print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
           f"({precision}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
           + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms (head rows: "
           + " ".join(str(r) for r in rows.values()) + ")")
-    sizes = tree.priced_sizes(B)              # what generate.py's auto prices; it reuses this measurement
+    sizes = priced_sizes(B)                   # what generate.py's auto prices; it reuses this measurement
     table = decode_table(target, sizes, args.context, args.repeats, refresh=True)
     print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}")
     plain = min(ms[1] for ms in table.values())          # the fastest plain decoding this machine has

@@ -13,9 +13,12 @@ the next one starts, so a shared machine that speeds up or slows down meanwhile 
 """
 import torch
 
-import tree
-from generate import encode, shape_kw, speculative_generate, target_generate
-from target import set_layout
+from decoding import shape_kw, speculative_generate, target_generate
+from promptsets import eval_prompts
+from speed.auto import plan
+from speed.gemm import set_layout
+from target import encode
+from tree import label
 
 
 def tok_per_s(stats) -> float:
@@ -23,9 +26,8 @@ def tok_per_s(stats) -> float:
 
 
 def bench(target, draft, tok, args, gen, stop, layouts):
-    from promptsets import eval_prompts  # lazily: the prompt readers need the data wheels
     dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
-    rows = [(m, shape) for m in modes for shape in tree.plan(args.verify_tokens, args.tree_budget, draft, args.draft,
+    rows = [(m, shape) for m in modes for shape in plan(args.verify_tokens, args.tree_budget, draft, args.draft,
                                                                m, layouts["costs"])]
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
@@ -34,7 +36,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
           "cycle: draft / selector / verify")
     for name in args.bench:
         prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
-        specs = {r: dict(use_selector=r[0] == "selector", head_rows=layouts["head_rows"], **shape_kw(r[1])) for r in rows}
+        specs = {r: dict(use_selector=r[0] == "selector", **shape_kw(r[1])) for r in rows}
         for layout in plains:                                                   # warm-ups
             set_layout(target, layout)
             target_generate(target, warm, 8)
@@ -62,7 +64,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             phases = [sum(getattr(s, k) for s in runs[r]) for k in ("draft_s", "select_s", "verify_s")]
             split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
             same = sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
-            print(f"{name:<10} {r[0]:<14} {tree.label(r[1]):<18} {sum(taus) / len(taus):>8.2f} {tok_per_s(runs[r]):>8.1f} "
+            print(f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} {tok_per_s(runs[r]):>8.1f} "
                   f"{tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   {split}")
         for layout in plains:
             tps = tok_per_s(runs["plain " + layout])

@@ -1,0 +1,216 @@
+"""Training data: from conversations to the batch a training step reads (docs/semantics.md, section 4).
+
+    conversations (JSONL, OpenAI or ShareGPT style)  ->  read_conversations
+    -> the target's chat template; loss_mask = 1 on assistant tokens    tokenize_conversation
+    -> where a block may start                                          anchor_positions
+    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, collate
+
+prepare.py makes the data (on-policy answers, offline features: features.py); train.py reads it back
+with load_samples and turns rows into batches with collate.
+
+A row is one conversation, or with `train.py --pack` several of them (documents) filled greedily up
+to --max-length tokens, so that a batch of conversations of mixed lengths is not mostly padding. A
+packed row trains exactly as its documents would one per row (a test checks hidden states, loss,
+metrics and gradients):
+
+    positions   restart at 0 in every document (RoPE sees each conversation as it was)
+    anchors     a block starts at p only if p and p+1 are supervised and in the same document
+    labels      a block's labels end at its document's end (loss.block_labels, docs)
+    attention   a block reads the context of its own document only (attention.attention_rule)
+    target      online, the target reads each conversation on its own (per_document)
+"""
+import json
+
+import torch
+
+from features import load_features
+
+
+# ----------------------------------------------------------------------------- conversations
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+
+
+def to_messages(record) -> list:
+    """One JSONL record -> [{"role", "content"}]. OpenAI style: {"messages": [{"role", "content"}]};
+    ShareGPT style: {"conversations": [{"from", "value"}]}. Raises ValueError saying what is wrong."""
+    if not isinstance(record, dict) or not ("messages" in record or "conversations" in record):
+        raise ValueError('expected an object with "messages" (OpenAI) or "conversations" (ShareGPT)')
+    turns, role_key, text_key = ((record["messages"], "role", "content") if "messages" in record
+                                 else (record["conversations"], "from", "value"))
+    if not isinstance(turns, list):
+        raise ValueError("the conversation must be a list of turns")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict) or not isinstance(t.get(role_key), str) or not isinstance(t.get(text_key), str):
+            raise ValueError(f"each turn needs strings {role_key!r} and {text_key!r}; got {str(t)[:80]}")
+        if t[role_key] not in ROLES:
+            raise ValueError(f"unknown role {t[role_key]!r} (known: {sorted(ROLES)})")
+        out.append({"role": ROLES[t[role_key]], "content": t[text_key]})
+    return out
+
+
+def read_conversations(path: str, require_assistant: bool = True):
+    """JSONL -> (conversations, skipped). A malformed line raises ValueError naming file and line;
+    empty conversations, and assistant-free ones when require_assistant, are skipped and counted."""
+    conversations, skipped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                messages = to_messages(json.loads(line))
+            except ValueError as e:    # json.JSONDecodeError is a ValueError too
+                raise ValueError(f"{path}, line {n}: {e}") from None
+            if not messages or (require_assistant and all(m["role"] != "assistant" for m in messages)):
+                skipped += 1
+                continue
+            conversations.append(messages)
+    return conversations, skipped
+
+
+# ----------------------------------------------------------------------------- tokenisation
+def render(tokenizer, messages, generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tokenizer, messages):
+    """(text, [(start, end)]): the rendered conversation and the character span of each answer.
+
+    An answer's span is what rendering it adds after the generation prompt (the role header):
+    its content and end-of-turn marker. Whitespace after the marker (ChatML's newline) belongs to
+    no turn. Templates that render a prefix differently from the whole conversation (e.g.
+    Qwen3 dropping earlier thinking) cannot be split this way and raise.
+    """
+    text, spans = render(tokenizer, messages), []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:      # an opening assistant turn answers nothing
+            continue
+        head, turn = render(tokenizer, messages[:i], True), render(tokenizer, messages[:i + 1])
+        if not (turn.startswith(head) and text.startswith(turn)):
+            raise ValueError(f"the chat template renders the conversation up to message {i} differently "
+                             "from the whole conversation; use single-turn data (--regenerate does)")
+        spans.append((len(head), len(head) + len(turn[len(head):].rstrip())))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages, max_length: int):
+    """-> input_ids [S] long, loss_mask [S] long (1 on assistant tokens incl. end-of-turn), S <= max_length."""
+    text, spans = assistant_spans(tokenizer, messages)
+    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does too.
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for a, b in spans:                       # a token belongs to the turn its first character is in
+        mask |= ((starts >= a) & (starts < b)).long()
+    return ids[:max_length], mask[:max_length]
+
+
+def anchor_positions(loss_mask):
+    """Where a training block may start (SPEC section 4): positions p with loss_mask[p] = loss_mask[p+1] = 1,
+    so both the anchor and the first label are supervised. loss_mask [S] -> positions [n] long."""
+    return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- what train.py reads
+def load_samples(path: str, online: bool, tokenizer, max_length: int):
+    """train.py's sequences: a conversations JSONL tokenised here (online: the target computes features
+    as it trains), or a feature directory (offline: streamed, features.FeatureSamples). Dicts as
+    load_features() gives, without the sequences that have no anchor (no two consecutive supervised tokens)."""
+    if online:
+        pairs = [tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]]
+        return [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs if len(anchor_positions(mask))]
+    samples = load_features(path)
+    masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))   # no features read
+    return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
+
+
+# ----------------------------------------------------------------------------- rows and batches
+def plan_rows(lengths, max_length: int) -> list:
+    """Sample indices per row, filled next-fit in the given order: a sample joins the open row if the
+    row stays within max_length tokens, else it opens the next row. A sample longer than max_length
+    gets a row of its own. Deterministic and independent of the seed and of the rank layout."""
+    rows, used = [], 0
+    for i, n in enumerate(lengths):
+        if not rows or used + n > max_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def lengths(samples) -> list:
+    """Token counts of samples; of a streamed feature directory (features.FeatureSamples) only the
+    input_ids are read, not the features."""
+    read = samples.read if hasattr(samples, "read") else lambda i, keys: samples[i]
+    return [len(read(i, ["input_ids"])["input_ids"]) for i in range(len(samples))]
+
+
+def join(docs) -> dict:
+    """One row from a list of samples: their tensors concatenated, plus positions (restarting per
+    document) and docs (the document's number), each [S]."""
+    row = {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
+    row["positions"] = torch.cat([torch.arange(len(d["input_ids"])) for d in docs])
+    row["docs"] = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(docs)])
+    return row
+
+
+def sample_anchors(loss_mask, num_anchors: int, generator, docs=None):
+    """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
+    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label share a document."""
+    cand = anchor_positions(loss_mask)
+    if docs is not None:
+        cand = cand[docs[cand] == docs[cand + 1]]
+    pick = torch.randperm(len(cand), generator=generator)[:num_anchors]
+    return cand[pick].sort().values
+
+
+def collate(rows, keys, num_anchors, seed, device):
+    """Right-pad rows (each a list of samples, its documents) into a batch on device; anchors are seeded
+    per (seed, key) so that every rank / accumulation layout draws the same anchors for the same row.
+    Padding has position 0 and document -1, no anchor and no label."""
+    rows = [join(docs) for docs in rows]
+    N, S = len(rows), max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": torch.zeros(N, S, dtype=torch.long), "loss_mask": torch.zeros(N, S, dtype=torch.long),
+             "attention_mask": torch.zeros(N, S, dtype=torch.long), "positions": torch.zeros(N, S, dtype=torch.long),
+             "docs": torch.full((N, S), -1, dtype=torch.long)}
+    for name in ("features", "target_hidden"):
+        if name in rows[0]:
+            batch[name] = torch.zeros(N, S, rows[0][name].shape[-1])
+    anchors = []
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        batch["attention_mask"][i, :n] = 1
+        for name in ("input_ids", "loss_mask", "positions", "docs", "features", "target_hidden"):
+            if name in batch:
+                batch[name][i, :n] = r[name]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + keys[i])
+        anchors.append(sample_anchors(r["loss_mask"], num_anchors, gen, r["docs"]))
+    A = max(len(a) for a in anchors)
+    batch["anchors"] = torch.zeros(N, A, dtype=torch.long)
+    batch["anchor_valid"] = torch.zeros(N, A, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        batch["anchors"][i, :len(a)], batch["anchor_valid"][i, :len(a)] = a, True
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------- online: the target per document
+def per_document(batch):
+    """The documents of packed rows as rows of their own, for the target, whose causal attention would
+    cross documents in a packed row: -> input_ids, attention_mask [D, L] (right-padded), and back(),
+    which puts the target's outputs [D, L, F] where their tokens sit in the rows: [N, S, F], padding 0."""
+    spans = []                                                   # (row, start, length) per document
+    for row, docs in enumerate(batch["docs"].tolist()):
+        spans += [(row, docs.index(d), docs.count(d)) for d in range(max(docs) + 1)]
+    ids = torch.zeros(len(spans), max(n for _, _, n in spans), dtype=torch.long, device=batch["input_ids"].device)
+    mask = torch.zeros_like(ids)
+    for d, (row, start, n) in enumerate(spans):
+        ids[d, :n], mask[d, :n] = batch["input_ids"][row, start:start + n], 1
+
+    def back(values):
+        out = values.new_zeros(*batch["input_ids"].shape, values.shape[-1])
+        for d, (row, start, n) in enumerate(spans):
+            out[row, start:start + n] = values[d, :n]
+        return out
+    return ids, mask, back
