@@ -1,8 +1,9 @@
-"""Which keys a block query may read, and the two ways to attend with that rule (SPEC 1; model.Attention).
+"""Which keys a block query may read, and the two ways to attend with that rule (docs/semantics.md,
+section 1; model.Attention).
 
-Training flattens A blocks of B slots into Q = A * B queries over keys [C context rows ; Q block rows].
-A query reads only the context before its anchor and the slots of its own block, so at S = 2048 and
-512 anchors almost every score of the [Q, C + Q] matrix is masked. Two paths, one rule:
+Training flattens A blocks of B slots into Q = A * B queries over keys [C context rows ; Q block
+rows]. A query reads only the context before its anchor and the slots of its own block, so at S =
+2048 and 512 anchors almost every score of the [Q, C + Q] matrix is masked. Two paths, one rule:
 
     sdpa  a dense [N, 1, Q, C + Q] boolean mask for F.scaled_dot_product_attention: the readable
           reference and the CPU default; every score is computed.
@@ -11,20 +12,24 @@ A query reads only the context before its anchor and the slots of its own block,
 
 Packed rows (pack.py) add documents: a query reads context of its own document only.
 """
+
 import functools
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
-def attention_rule(q_anchor, q_pos, q_block, q_doc, k_pos, k_block, k_doc, causal: bool, window=None):
-    """May a block query read a key? Elementwise, so the same rule serves broadcast tensors (the dense
-    mask) and single indices (flex_attention's mask_mod).
+def attention_rule(
+    q_anchor, q_pos, q_block, q_doc, k_pos, k_block, k_doc, causal: bool, window=None
+):
+    """May a block query read a key? Elementwise, so the same rule serves broadcast tensors (the
+    dense mask) and single indices (flex_attention's mask_mod).
 
     A query has an anchor position, a position, a block id and a document; a key has a position, a
-    block id (-1 for a context row) and a document. A query reads context of its own document strictly
-    before its anchor (the target has not verified the anchor yet at inference) and its own block
-    only: all of it, or its causal part. A sliding window counts the query itself: q_pos - k_pos < window.
+    block id (-1 for a context row) and a document. A query reads context of its own document
+    strictly before its anchor (the target has not verified the anchor yet at inference) and its own
+    block only: all of it, or its causal part. A sliding window counts the query itself: q_pos -
+    k_pos < window.
     """
     ctx = (k_block < 0) & (k_doc == q_doc) & (k_pos < q_anchor)
     blk = k_block == q_block
@@ -37,31 +42,43 @@ def attention_rule(q_anchor, q_pos, q_block, q_doc, k_pos, k_block, k_doc, causa
 
 
 def attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc):
-    """The keys' (position, block id, document), each [N, C + Q]: the C context rows, then the Q block rows."""
-    return (torch.cat([ctx_pos, q_pos], 1), torch.cat([torch.full_like(ctx_pos, -1), q_block], 1),
-            torch.cat([ctx_doc, q_doc], 1))
+    """The keys' (position, block id, document), each [N, C + Q]: the C context rows, then the Q
+    block rows."""
+    return (
+        torch.cat([ctx_pos, q_pos], 1),
+        torch.cat([torch.full_like(ctx_pos, -1), q_block], 1),
+        torch.cat([ctx_doc, q_doc], 1),
+    )
 
 
 def block_attention_mask(queries, keys, causal: bool, window=None):
-    """queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K] -> [N, 1, Q, K]
-    booleans for SDPA: the rule on every (query, key) pair."""
-    return attention_rule(*(t[:, :, None] for t in queries), *(t[:, None, :] for t in keys), causal, window)[:, None]
+    """queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K] -> [N, 1,
+    Q, K] booleans for SDPA: the rule on every (query, key) pair."""
+    return attention_rule(
+        *(t[:, :, None] for t in queries), *(t[:, None, :] for t in keys), causal, window
+    )[:, None]
 
 
 def flex_block_mask(queries, keys, causal: bool, window=None):
-    """The same rule as a BlockMask for flex_attention, which skips every (128 x 128) tile of scores that
-    no query of the tile may read: most of them (other blocks, context after the anchors). Built compiled:
-    eager, create_block_mask would evaluate the rule into dense [N, Q, K] tensors first."""
+    """The same rule as a BlockMask for flex_attention, which skips every (128 x 128) tile of scores
+    that no query of the tile may read: most of them (other blocks, context after the anchors).
+    Built compiled: eager, create_block_mask would evaluate the rule into dense [N, Q, K] tensors
+    first."""
+
     def mask_mod(b, h, q, k):
         return attention_rule(*(t[b, q] for t in queries), *(t[b, k] for t in keys), causal, window)
+
     (N, Q), K = queries[0].shape, keys[0].shape[1]
     return compiled(create_block_mask)(mask_mod, N, None, Q, K, device=queries[0].device)
 
 
 def flex(q, k, v, block_mask, gqa: bool):
-    """flex_attention is block-sparse only compiled (eager it is torch's dense reference). q and k leave
-    the fp32 norms; under autocast v is bf16, and all three go in as v's dtype, as SDPA's autocast casts them."""
-    return compiled(flex_attention)(q.to(v.dtype), k.to(v.dtype), v, block_mask=block_mask, enable_gqa=gqa)
+    """flex_attention is block-sparse only compiled (eager it is torch's dense reference). q and k
+    leave the fp32 norms; under autocast v is bf16, and all three go in as v's dtype, as SDPA's
+    autocast casts them."""
+    return compiled(flex_attention)(
+        q.to(v.dtype), k.to(v.dtype), v, block_mask=block_mask, enable_gqa=gqa
+    )
 
 
 @functools.cache
@@ -70,5 +87,6 @@ def compiled_once(fn):
 
 
 def compiled(fn):
-    """fn compiled, once; itself inside a region that is being compiled already (train.py --compile)."""
+    """fn compiled, once; itself inside a region that is being compiled already (train.py
+    --compile)."""
     return fn if torch.compiler.is_compiling() else compiled_once(fn)

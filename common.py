@@ -2,6 +2,7 @@
 nanochat's common.py): dtype names, atomic writes, the end of a distributed run,
 and the command-line rule that a user's mistake ends in one line. Nothing else belongs here.
 """
+
 import argparse
 import gc
 import json
@@ -42,23 +43,29 @@ def end_distributed():
 def bounded(kind, low=None, high=None, above=None):
     """An argparse type: kind(text) with low <= value <= high and value > above. argparse turns a
     refusal into `prog: error: argument --flag: must be ..., got ...` and exit status 2."""
+
     def parse(text):
-        value = kind(text)             # a ValueError here: argparse says "invalid int value"
+        value = kind(text)  # a ValueError here: argparse says "invalid int value"
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        for ok, rule in ((low is None or value >= low, f">= {low}"), (high is None or value <= high, f"<= {high}"),
-                         (above is None or value > above, f"> {above}")):
+        for ok, rule in (
+            (low is None or value >= low, f">= {low}"),
+            (high is None or value <= high, f"<= {high}"),
+            (above is None or value > above, f"> {above}"),
+        ):
             if not ok:
                 raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
+
     parse.__name__ = kind.__name__
     return parse
 
 
 def run(main):
-    """Run a script's main(). The project raises ValueError or OSError only for what its user can fix (a
-    bad path, config, checkpoint or JSONL line), each naming the file / field / line: those end in one
-    line `error: ...` and exit status 2. Anything else is a bug and keeps its traceback."""
+    """Run a script's main(). The project raises ValueError or OSError only for what its user can
+    fix (a bad path, config, checkpoint or JSONL line), each naming the file / field / line: those
+    end in one line `error: ...` and exit status 2. Anything else is a bug and keeps its
+    traceback."""
     try:
         main()
     except (ValueError, OSError) as e:

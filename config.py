@@ -1,4 +1,5 @@
-"""The draft config: what config.json of a DFlash / DFlash2 draft holds, and its rules (SPEC 3).
+"""The draft config: what config.json of a DFlash / DFlash2 draft holds, and its rules
+(docs/semantics.md, section 3).
 
 A draft config must declare DFlash2DraftModel (or DFlashDraftModel for the plain baseline): it is
 never derived from a target model's config. Every rule raises ValueError naming the field and value.
@@ -9,6 +10,7 @@ change what the draft computes (token ids, versions, the storage dtype), or must
 this code implements (`attention_bias: false`, `hidden_act: silu`, ...). Any other key, or another
 value, is refused by name: a field the code does not know might change the computation.
 """
+
 import dataclasses
 import json
 import math
@@ -16,14 +18,30 @@ import os
 from dataclasses import dataclass, field
 
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# The scaled RoPE types implemented (through transformers' own init functions, model.rope_frequencies),
-# each with the rope_parameters keys it reads: (required, optional). dynamic and longrope are left out:
-# their frequencies depend on the longest position seen so far, which the public loaders handle differently.
+# The scaled RoPE types implemented (through transformers' own init functions,
+# model.rope_frequencies),
+# each with the rope_parameters keys it reads: (required, optional). dynamic and longrope are left
+# out:
+# their frequencies depend on the longest position seen so far, which the public loaders handle
+# differently.
 ROPE_KEYS = {
     "linear": ({"factor"}, set()),
-    "llama3": ({"factor", "low_freq_factor", "high_freq_factor"}, {"original_max_position_embeddings"}),
-    "yarn": ({"factor"}, {"original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                          "mscale", "mscale_all_dim", "truncate"}),
+    "llama3": (
+        {"factor", "low_freq_factor", "high_freq_factor"},
+        {"original_max_position_embeddings"},
+    ),
+    "yarn": (
+        {"factor"},
+        {
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        },
+    ),
 }
 
 
@@ -38,15 +56,18 @@ class DraftConfig:
     vocab_size: int
     target_layer_ids: list
     mask_token_id: int
-    num_target_layers: int = None       # the target's layer count; None when the format does not say
+    # the target's layer count; None when the format does not say
+    num_target_layers: int = None
     block_size: int = 8
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
-    rope_scaling: dict = None           # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain
+    # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain
+    rope_scaling: dict = None
     max_position_embeddings: int = 40960
-    layer_types: list = None            # per layer "full_attention" | "sliding_attention"
+    layer_types: list = None  # per layer "full_attention" | "sliding_attention"
     sliding_window: int = None
-    is_causal: bool = None              # True / False: every layer causal / bidirectional in the block; None: unset
+    # True / False: every layer causal / bidirectional in the block; None: unset
+    is_causal: bool = None
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # DFlash2 only; all None means plain DFlash
@@ -69,9 +90,9 @@ class DraftConfig:
         return self.conv_kernel_size is not None
 
     def causal_in_block(self, sliding: bool) -> bool:
-        """Whether a layer attends causally inside its block. An explicit is_causal decides for every
-        layer. Unset (absent from config.json), sliding layers are causal and full layers bidirectional:
-        that is how Z Lab, SGLang and vLLM load a published draft that omits it."""
+        """Whether a layer attends causally inside its block. An explicit is_causal decides for
+        every layer. Unset (absent from config.json), sliding layers are causal and full layers
+        bidirectional: that is how Z Lab, SGLang and vLLM load a published draft that omits it."""
         return sliding if self.is_causal is None else self.is_causal
 
 
@@ -100,13 +121,20 @@ def _check_number(name, value, positive=False):
 def _check_rope_scaling(s):
     if not isinstance(s, dict) or s.get("rope_type") not in ROPE_KEYS:
         kind = s.get("rope_type") if isinstance(s, dict) else s
-        raise ValueError(f"rope_parameters.rope_type {kind!r} is not implemented (only default, "
-                         f"{', '.join(ROPE_KEYS)}); refused rather than run as plain RoPE")
+        raise ValueError(
+            f"rope_parameters.rope_type {kind!r} is not implemented (only default, "
+            f"{', '.join(ROPE_KEYS)}); refused rather than run as plain RoPE"
+        )
     required, optional = ROPE_KEYS[s["rope_type"]]
-    missing, unknown = sorted(required - set(s)), sorted(set(s) - required - optional - {"rope_type"})
+    missing, unknown = (
+        sorted(required - set(s)),
+        sorted(set(s) - required - optional - {"rope_type"}),
+    )
     if missing or unknown:
-        raise ValueError(f"rope_parameters for rope_type {s['rope_type']!r}: missing {missing}, "
-                         f"not implemented {unknown}")
+        raise ValueError(
+            f"rope_parameters for rope_type {s['rope_type']!r}: missing {missing}, "
+            f"not implemented {unknown}"
+        )
     for k, v in s.items():
         if k not in ("rope_type", "truncate"):
             _check_number(f"rope_parameters.{k}", v)
@@ -115,14 +143,25 @@ def _check_rope_scaling(s):
 
 
 def validate(c: DraftConfig):
-    """Every rule of SPEC section 3; each failure names the field and the bad value."""
-    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+    """Every rule of docs/semantics.md, section 3; each failure names the field and the bad
+    value."""
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
         _check_int(name, getattr(c, name), low=1)
     _check_int("block_size", c.block_size, low=2)
     if c.num_attention_heads % c.num_key_value_heads:
-        raise ValueError(f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "
-                         f"num_key_value_heads ({c.num_key_value_heads})")
+        raise ValueError(
+            f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({c.num_key_value_heads})"
+        )
     if not isinstance(c.target_layer_ids, (list, tuple)) or not c.target_layer_ids:
         raise ValueError(f"target_layer_ids must be a non-empty list, got {c.target_layer_ids!r}")
     if c.num_target_layers is not None:
@@ -135,12 +174,17 @@ def validate(c: DraftConfig):
     if c.rope_scaling is not None:
         _check_rope_scaling(c.rope_scaling)
     if len(c.layer_types) != c.num_hidden_layers:
-        raise ValueError(f"layer_types has {len(c.layer_types)} entries, num_hidden_layers is {c.num_hidden_layers}")
+        raise ValueError(
+            f"layer_types has {len(c.layer_types)} entries, num_hidden_layers is {c.num_hidden_layers}"
+        )
     for t in c.layer_types:
         if t not in ("full_attention", "sliding_attention"):
-            raise ValueError(f"layer_types entries must be full_attention or sliding_attention, got {t!r}")
+            raise ValueError(
+                f"layer_types entries must be full_attention or sliding_attention, got {t!r}"
+            )
     if "sliding_attention" in c.layer_types:
-        # a window narrower than the block would also cut the block, where the public loaders disagree
+        # a window narrower than the block would also cut the block, where the public loaders
+        # disagree
         _check_int("sliding_window", c.sliding_window, low=c.block_size)
     if c.is_causal is not None and not isinstance(c.is_causal, bool):
         raise ValueError(f"is_causal must be true, false or absent, got {c.is_causal!r}")
@@ -152,7 +196,9 @@ def validate(c: DraftConfig):
         _check_int("conv_kernel_size", c.conv_kernel_size, low=1, high=c.block_size)
         _check_int("conv_group_size", c.conv_group_size, low=1)
         if c.hidden_size % c.conv_group_size:
-            raise ValueError(f"conv_group_size ({c.conv_group_size}) must divide hidden_size ({c.hidden_size})")
+            raise ValueError(
+                f"conv_group_size ({c.conv_group_size}) must divide hidden_size ({c.hidden_size})"
+            )
         _check_int("selector_rank", c.selector_rank, low=1)
         _check_int("selector_top_k", c.selector_top_k, low=1, high=c.vocab_size)
     for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
@@ -162,18 +208,42 @@ def validate(c: DraftConfig):
         raise ValueError(f"final_logit_softcapping must be > 0, got {c.final_logit_softcapping}")
 
 
-# ----------------------------------------------------------------------------- config.json <-> DraftConfig
-NESTED = ("block_size", "target_layer_ids", "mask_token_id") + DFLASH2_FIELDS + (
-    "output_multiplier", "final_logit_softcapping", "input_embedding_scale")
-# Keys that do not change what the draft computes: special token ids, versions, storage dtype, the HF
+# ----------------------------------------------------------------------------- config.json <->
+# DraftConfig
+NESTED = (
+    ("block_size", "target_layer_ids", "mask_token_id")
+    + DFLASH2_FIELDS
+    + ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+)
+# Keys that do not change what the draft computes: special token ids, versions, storage dtype, the
+# HF
 # auto class. max_window_layers only derives layer_types when those are absent (refused below).
-HARMLESS = {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "use_cache", "dtype",
-            "torch_dtype", "_name_or_path", "auto_map", "max_window_layers"}
+HARMLESS = {
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "transformers_version",
+    "use_cache",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "auto_map",
+    "max_window_layers",
+}
 # Keys that change the computation, with the one value implemented here.
-FIXED = {"model_type": "qwen3", "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-         "partial_rotary_factor": 1.0}
+FIXED = {
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "partial_rotary_factor": 1.0,
+}
 READ = {f.name for f in dataclasses.fields(DraftConfig)} | {
-    "architectures", "dflash_config", "rope_parameters", "use_sliding_window"}
+    "architectures",
+    "dflash_config",
+    "rope_parameters",
+    "use_sliding_window",
+}
 
 
 def read_rope(d: dict, source: str) -> tuple:
@@ -181,27 +251,35 @@ def read_rope(d: dict, source: str) -> tuple:
     (rope_theta, rope_scaling), the way transformers reads them."""
     new, old = d.get("rope_parameters"), d.get("rope_scaling")
     if new and old:
-        raise ValueError(f"{source}: both rope_parameters and rope_scaling are set; keep one (rope_parameters)")
+        raise ValueError(
+            f"{source}: both rope_parameters and rope_scaling are set; keep one (rope_parameters)"
+        )
     p = new or old or {}
     if not isinstance(p, dict):
         raise ValueError(f"{source}: rope_parameters must be an object, got {p!r}")
     p = dict(p)
     if "full_attention" in p or "sliding_attention" in p:
         raise ValueError(f"{source}: rope_parameters per layer type is not implemented")
-    if "type" in p:                                   # the oldest spelling of rope_type
+    if "type" in p:  # the oldest spelling of rope_type
         p["rope_type"] = p.pop("type")
     theta, top = p.pop("rope_theta", None), d.get("rope_theta")
     if theta is not None and top is not None and theta != top:
         raise ValueError(f"{source}: rope_parameters.rope_theta {theta} != rope_theta {top}")
     if theta is None and top is None:
-        raise ValueError(f"{source}: no rope_theta (in rope_parameters or at the top level); transformers "
-                         "and vLLM default it differently, so it must be written")
+        raise ValueError(
+            f"{source}: no rope_theta (in rope_parameters or at the top level); transformers "
+            "and vLLM default it differently, so it must be written"
+        )
     if p.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{source}: rope_parameters.partial_rotary_factor other than 1.0 is not implemented")
+        raise ValueError(
+            f"{source}: rope_parameters.partial_rotary_factor other than 1.0 is not implemented"
+        )
     if p.get("rope_type", "default") == "default":
         if set(p) - {"rope_type"}:
-            raise ValueError(f"{source}: rope_parameters {sorted(set(p) - {'rope_type'})} not implemented "
-                             "for default RoPE")
+            raise ValueError(
+                f"{source}: rope_parameters {sorted(set(p) - {'rope_type'})} not implemented "
+                "for default RoPE"
+            )
         return (top if theta is None else theta), None
     return (top if theta is None else theta), p
 
@@ -209,27 +287,41 @@ def read_rope(d: dict, source: str) -> tuple:
 def config_from_dict(d: dict, source: str = "config") -> DraftConfig:
     """A DraftConfig from a config.json dict. Never derives DFlash2 from a target's config."""
     if "speculators_model_type" in d:
-        raise ValueError(f"{source}: a speculators-format config; read the directory with export.load_any, "
-                         "or convert it: python export.py DIR --out-dir NEW_DIR")
+        raise ValueError(
+            f"{source}: a speculators-format config; read the directory with export.load_any, "
+            "or convert it: python export.py DIR --out-dir NEW_DIR"
+        )
     arch = d.get("architectures") or []
     if "DFlash2DraftModel" not in arch and "DFlashDraftModel" not in arch:
-        raise ValueError(f"{source}: architectures is {arch!r}; a draft config must declare DFlash2DraftModel "
-                         "(or DFlashDraftModel). DFlash2 is never derived from a target model's config.")
+        raise ValueError(
+            f"{source}: architectures is {arch!r}; a draft config must declare DFlash2DraftModel "
+            "(or DFlashDraftModel). DFlash2 is never derived from a target model's config."
+        )
     unknown = sorted(set(d) - READ - HARMLESS - set(FIXED))
     nested = d.get("dflash_config") or {}
     unknown += [f"dflash_config.{k}" for k in sorted(set(nested) - set(NESTED))]
     if unknown:
-        raise ValueError(f"{source}: field(s) {unknown} not implemented; refused rather than ignored")
+        raise ValueError(
+            f"{source}: field(s) {unknown} not implemented; refused rather than ignored"
+        )
     for k, v in FIXED.items():
         if k in d and (d[k] != v or isinstance(d[k], bool) != isinstance(v, bool)):
             raise ValueError(f"{source}: {k} = {d[k]!r} is not implemented (only {v!r})")
     sliding = "sliding_attention" in (d.get("layer_types") or [])
     if d.get("use_sliding_window") is False and sliding:
-        raise ValueError(f"{source}: use_sliding_window is false, which makes transformers drop sliding_window, "
-                         "but layer_types has sliding_attention layers; set it true or use full_attention")
+        raise ValueError(
+            f"{source}: use_sliding_window is false, which makes transformers drop sliding_window, "
+            "but layer_types has sliding_attention layers; set it true or use full_attention"
+        )
     if "layer_types" not in d and d.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window without layer_types; write layer_types explicitly")
-    flat = {k: v for k, v in d.items() if k in READ and k not in ("dflash_config", "rope_parameters", "rope_scaling")}
+        raise ValueError(
+            f"{source}: use_sliding_window without layer_types; write layer_types explicitly"
+        )
+    flat = {
+        k: v
+        for k, v in d.items()
+        if k in READ and k not in ("dflash_config", "rope_parameters", "rope_scaling")
+    }
     flat.update(nested)  # nested values win over legacy top-level ones
     flat["rope_theta"], flat["rope_scaling"] = read_rope(d, source)
     if "DFlash2DraftModel" in arch:
@@ -239,7 +331,9 @@ def config_from_dict(d: dict, source: str = "config") -> DraftConfig:
     else:
         extra = [f for f in DFLASH2_FIELDS if flat.get(f) is not None]
         if extra:
-            raise ValueError(f"{source}: DFlashDraftModel must not set {extra} (those are DFlash2 fields)")
+            raise ValueError(
+                f"{source}: DFlashDraftModel must not set {extra} (those are DFlash2 fields)"
+            )
     names = {f.name for f in dataclasses.fields(DraftConfig)}
     required = [f.name for f in dataclasses.fields(DraftConfig) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in flat]
@@ -265,8 +359,9 @@ def load_config(path: str) -> DraftConfig:
 
 
 def config_to_dict(c: DraftConfig) -> dict:
-    """The public config.json contract (SPEC section 3), in transformers' current names. An unset
-    is_causal stays absent, so a re-export never states a value its source did not have."""
+    """The public config.json contract (docs/semantics.md, section 3), in transformers' current
+    names. An unset is_causal stays absent, so a re-export never states a value its source did not
+    have."""
     d = {
         "architectures": ["DFlash2DraftModel" if c.dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
@@ -274,12 +369,16 @@ def config_to_dict(c: DraftConfig) -> dict:
         "max_window_layers": c.num_hidden_layers,
         "hidden_act": "silu",
     }
-    if "sliding_attention" in c.layer_types:   # without it transformers' Qwen3Config drops sliding_window
+    # without it transformers' Qwen3Config drops sliding_window
+    if "sliding_attention" in c.layer_types:
         d["use_sliding_window"] = True
     for f in dataclasses.fields(DraftConfig):
         v = getattr(c, f.name)
         if f.name not in NESTED + ("rope_theta", "rope_scaling") and v is not None:
             d[f.name] = v
-    d["rope_parameters"] = {"rope_theta": c.rope_theta, **(c.rope_scaling or {"rope_type": "default"})}
+    d["rope_parameters"] = {
+        "rope_theta": c.rope_theta,
+        **(c.rope_scaling or {"rope_type": "default"}),
+    }
     d["dflash_config"] = {k: getattr(c, k) for k in NESTED if getattr(c, k) is not None}
     return d

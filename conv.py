@@ -1,4 +1,4 @@
-"""Grouped dynamic causal convolution: DFlash2's first addition (SPEC section 2.1).
+"""Grouped dynamic causal convolution: DFlash2's first addition (docs/semantics.md, section 2.1).
 
 A DFlash draft fills a block of B slots in parallel, and every slot only talks to its
 neighbours through attention. DFlash2 wraps each attention and MLP sublayer f in two short
@@ -14,6 +14,7 @@ the hidden state, shared by the G channels of a group. slot(i) = i mod B is the 
 block, so a tap never reads across a block boundary: many anchored blocks flattened into one
 training stream give exactly what each block gives alone at inference.
 """
+
 import torch
 import torch.nn as nn
 
@@ -43,23 +44,24 @@ class GroupedDynamicCausalConv(nn.Module):
         """Per-position kernels for both sides: a [N, S, H] -> [2, N, S, T, H]."""
         N, S, _ = a.shape
         T, Gn = self.kernel_size, self.num_groups
-        delta = self.kernel_projection(a).view(N, S, 2, T, Gn)          # [N, S, 2, T, H/G]
-        delta = delta.repeat_interleave(self.group_size, dim=-1)         # [N, S, 2, T, H]
-        return (self.base_kernel[:, None, None] + delta.permute(2, 0, 1, 3, 4))  # [2, N, S, T, H]
+        delta = self.kernel_projection(a).view(N, S, 2, T, Gn)  # [N, S, 2, T, H/G]
+        delta = delta.repeat_interleave(self.group_size, dim=-1)  # [N, S, 2, T, H]
+        return self.base_kernel[:, None, None] + delta.permute(2, 0, 1, 3, 4)  # [2, N, S, T, H]
 
     def convolve(self, x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         """x [N, S, H], kernel [N, S, T, H] -> [N, S, H]; causal inside each block of B slots."""
         S = x.shape[1]
-        slot = torch.arange(S, device=x.device) % self.block_size        # [S]
+        slot = torch.arange(S, device=x.device) % self.block_size  # [S]
         y = kernel[:, :, 0] * x
         for t in range(1, self.kernel_size):
-            shifted = torch.nn.functional.pad(x, (0, 0, t, 0))[:, :S]    # shifted[i] = x[i - t]
-            inside = (slot >= t).to(x.dtype)[None, :, None]             # tap stays in the block
+            shifted = torch.nn.functional.pad(x, (0, 0, t, 0))[:, :S]  # shifted[i] = x[i - t]
+            inside = (slot >= t).to(x.dtype)[None, :, None]  # tap stays in the block
             y = y + inside * kernel[:, :, t] * shifted
         return y
 
     def forward(self, a: torch.Tensor, sublayer, *args) -> torch.Tensor:
-        """a [N, S, H] is the normalised sublayer input; returns post(f(pre(a), *args)), to add to the
-        residual (args: what the sublayer takes besides its input, e.g. attention's positions and mask)."""
+        """a [N, S, H] is the normalised sublayer input; returns post(f(pre(a), *args)), to add to
+        the residual (args: what the sublayer takes besides its input, e.g. attention's positions
+        and mask)."""
         k = self.kernels(a)
         return self.convolve(sublayer(self.convolve(a, k[0]), *args), k[1])

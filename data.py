@@ -1,4 +1,5 @@
-"""Training data: from conversations to the batch a training step reads (docs/semantics.md, section 4).
+"""Training data: from conversations to the batch a training step reads (docs/semantics.md, section
+4).
 
     conversations (JSONL, OpenAI or ShareGPT style)  ->  read_conversations
     -> the target's chat template; loss_mask = 1 on assistant tokens    tokenize_conversation
@@ -19,30 +20,48 @@ metrics and gradients):
     attention   a block reads the context of its own document only (attention.attention_rule)
     target      online, the target reads each conversation on its own (per_document)
 """
+
 import json
 
 import torch
 
 from features import load_features
 
-
 # ----------------------------------------------------------------------------- conversations
-ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+ROLES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "system": "system",
+}
 
 
 def to_messages(record) -> list:
     """One JSONL record -> [{"role", "content"}]. OpenAI style: {"messages": [{"role", "content"}]};
-    ShareGPT style: {"conversations": [{"from", "value"}]}. Raises ValueError saying what is wrong."""
+    ShareGPT style: {"conversations": [{"from", "value"}]}. Raises ValueError saying what is
+    wrong."""
     if not isinstance(record, dict) or not ("messages" in record or "conversations" in record):
-        raise ValueError('expected an object with "messages" (OpenAI) or "conversations" (ShareGPT)')
-    turns, role_key, text_key = ((record["messages"], "role", "content") if "messages" in record
-                                 else (record["conversations"], "from", "value"))
+        raise ValueError(
+            'expected an object with "messages" (OpenAI) or "conversations" (ShareGPT)'
+        )
+    turns, role_key, text_key = (
+        (record["messages"], "role", "content")
+        if "messages" in record
+        else (record["conversations"], "from", "value")
+    )
     if not isinstance(turns, list):
         raise ValueError("the conversation must be a list of turns")
     out = []
     for t in turns:
-        if not isinstance(t, dict) or not isinstance(t.get(role_key), str) or not isinstance(t.get(text_key), str):
-            raise ValueError(f"each turn needs strings {role_key!r} and {text_key!r}; got {str(t)[:80]}")
+        if (
+            not isinstance(t, dict)
+            or not isinstance(t.get(role_key), str)
+            or not isinstance(t.get(text_key), str)
+        ):
+            raise ValueError(
+                f"each turn needs strings {role_key!r} and {text_key!r}; got {str(t)[:80]}"
+            )
         if t[role_key] not in ROLES:
             raise ValueError(f"unknown role {t[role_key]!r} (known: {sorted(ROLES)})")
         out.append({"role": ROLES[t[role_key]], "content": t[text_key]})
@@ -59,9 +78,11 @@ def read_conversations(path: str, require_assistant: bool = True):
                 continue
             try:
                 messages = to_messages(json.loads(line))
-            except ValueError as e:    # json.JSONDecodeError is a ValueError too
+            except ValueError as e:  # json.JSONDecodeError is a ValueError too
                 raise ValueError(f"{path}, line {n}: {e}") from None
-            if not messages or (require_assistant and all(m["role"] != "assistant" for m in messages)):
+            if not messages or (
+                require_assistant and all(m["role"] != "assistant" for m in messages)
+            ):
                 skipped += 1
                 continue
             conversations.append(messages)
@@ -70,7 +91,9 @@ def read_conversations(path: str, require_assistant: bool = True):
 
 # ----------------------------------------------------------------------------- tokenisation
 def render(tokenizer, messages, generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
 def assistant_spans(tokenizer, messages):
@@ -83,53 +106,67 @@ def assistant_spans(tokenizer, messages):
     """
     text, spans = render(tokenizer, messages), []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i == 0:      # an opening assistant turn answers nothing
+        if m["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing
             continue
-        head, turn = render(tokenizer, messages[:i], True), render(tokenizer, messages[:i + 1])
+        head, turn = render(tokenizer, messages[:i], True), render(tokenizer, messages[: i + 1])
         if not (turn.startswith(head) and text.startswith(turn)):
-            raise ValueError(f"the chat template renders the conversation up to message {i} differently "
-                             "from the whole conversation; use single-turn data (--regenerate does)")
-        spans.append((len(head), len(head) + len(turn[len(head):].rstrip())))
+            raise ValueError(
+                f"the chat template renders the conversation up to message {i} differently "
+                "from the whole conversation; use single-turn data (--regenerate does)"
+            )
+        spans.append((len(head), len(head) + len(turn[len(head) :].rstrip())))
     return text, spans
 
 
 def tokenize_conversation(tokenizer, messages, max_length: int):
-    """-> input_ids [S] long, loss_mask [S] long (1 on assistant tokens incl. end-of-turn), S <= max_length."""
+    """-> input_ids [S] long, loss_mask [S] long (1 on assistant tokens incl. end-of-turn), S <=
+    max_length."""
     text, spans = assistant_spans(tokenizer, messages)
-    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does too.
+    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does
+    # too.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for a, b in spans:                       # a token belongs to the turn its first character is in
+    for a, b in spans:  # a token belongs to the turn its first character is in
         mask |= ((starts >= a) & (starts < b)).long()
     return ids[:max_length], mask[:max_length]
 
 
 def anchor_positions(loss_mask):
-    """Where a training block may start (SPEC section 4): positions p with loss_mask[p] = loss_mask[p+1] = 1,
-    so both the anchor and the first label are supervised. loss_mask [S] -> positions [n] long."""
+    """Where a training block may start (docs/semantics.md, section 4): positions p with
+    loss_mask[p] = loss_mask[p+1] = 1, so both the anchor and the first label are supervised.
+    loss_mask [S] -> positions [n] long."""
     return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- what train.py reads
 def load_samples(path: str, online: bool, tokenizer, max_length: int):
-    """train.py's sequences: a conversations JSONL tokenised here (online: the target computes features
-    as it trains), or a feature directory (offline: streamed, features.FeatureSamples). Dicts as
-    load_features() gives, without the sequences that have no anchor (no two consecutive supervised tokens)."""
+    """train.py's sequences: a conversations JSONL tokenised here (online: the target computes
+    features as it trains), or a feature directory (offline: streamed, features.FeatureSamples).
+    Dicts as load_features() gives, without the sequences that have no anchor (no two consecutive
+    supervised tokens)."""
     if online:
-        pairs = [tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]]
-        return [{"input_ids": ids, "loss_mask": mask} for ids, mask in pairs if len(anchor_positions(mask))]
+        pairs = [
+            tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]
+        ]
+        return [
+            {"input_ids": ids, "loss_mask": mask}
+            for ids, mask in pairs
+            if len(anchor_positions(mask))
+        ]
     samples = load_features(path)
-    masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))   # no features read
+    # no features read
+    masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))
     return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
 
 
 # ----------------------------------------------------------------------------- rows and batches
 def plan_rows(lengths, max_length: int) -> list:
-    """Sample indices per row, filled next-fit in the given order: a sample joins the open row if the
-    row stays within max_length tokens, else it opens the next row. A sample longer than max_length
-    gets a row of its own. Deterministic and independent of the seed and of the rank layout."""
+    """Sample indices per row, filled next-fit in the given order: a sample joins the open row if
+    the row stays within max_length tokens, else it opens the next row. A sample longer than
+    max_length gets a row of its own. Deterministic and independent of the seed and of the rank
+    layout."""
     rows, used = [], 0
     for i, n in enumerate(lengths):
         if not rows or used + n > max_length:
@@ -158,7 +195,8 @@ def join(docs) -> dict:
 
 def sample_anchors(loss_mask, num_anchors: int, generator, docs=None):
     """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
-    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label share a document."""
+    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
+    share a document."""
     cand = anchor_positions(loss_mask)
     if docs is not None:
         cand = cand[docs[cand] == docs[cand + 1]]
@@ -167,14 +205,18 @@ def sample_anchors(loss_mask, num_anchors: int, generator, docs=None):
 
 
 def collate(rows, keys, num_anchors, seed, device):
-    """Right-pad rows (each a list of samples, its documents) into a batch on device; anchors are seeded
-    per (seed, key) so that every rank / accumulation layout draws the same anchors for the same row.
-    Padding has position 0 and document -1, no anchor and no label."""
+    """Right-pad rows (each a list of samples, its documents) into a batch on device; anchors are
+    seeded per (seed, key) so that every rank / accumulation layout draws the same anchors for the
+    same row. Padding has position 0 and document -1, no anchor and no label."""
     rows = [join(docs) for docs in rows]
     N, S = len(rows), max(len(r["input_ids"]) for r in rows)
-    batch = {"input_ids": torch.zeros(N, S, dtype=torch.long), "loss_mask": torch.zeros(N, S, dtype=torch.long),
-             "attention_mask": torch.zeros(N, S, dtype=torch.long), "positions": torch.zeros(N, S, dtype=torch.long),
-             "docs": torch.full((N, S), -1, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.zeros(N, S, dtype=torch.long),
+        "loss_mask": torch.zeros(N, S, dtype=torch.long),
+        "attention_mask": torch.zeros(N, S, dtype=torch.long),
+        "positions": torch.zeros(N, S, dtype=torch.long),
+        "docs": torch.full((N, S), -1, dtype=torch.long),
+    }
     for name in ("features", "target_hidden"):
         if name in rows[0]:
             batch[name] = torch.zeros(N, S, rows[0][name].shape[-1])
@@ -191,26 +233,31 @@ def collate(rows, keys, num_anchors, seed, device):
     batch["anchors"] = torch.zeros(N, A, dtype=torch.long)
     batch["anchor_valid"] = torch.zeros(N, A, dtype=torch.bool)
     for i, a in enumerate(anchors):
-        batch["anchors"][i, :len(a)], batch["anchor_valid"][i, :len(a)] = a, True
+        batch["anchors"][i, : len(a)], batch["anchor_valid"][i, : len(a)] = a, True
     return {k: v.to(device) for k, v in batch.items()}
 
 
-# ----------------------------------------------------------------------------- online: the target per document
+# ----------------------------------------------------------------------------- online: the target
+# per document
 def per_document(batch):
-    """The documents of packed rows as rows of their own, for the target, whose causal attention would
-    cross documents in a packed row: -> input_ids, attention_mask [D, L] (right-padded), and back(),
-    which puts the target's outputs [D, L, F] where their tokens sit in the rows: [N, S, F], padding 0."""
-    spans = []                                                   # (row, start, length) per document
+    """The documents of packed rows as rows of their own, for the target, whose causal attention
+    would cross documents in a packed row: -> input_ids, attention_mask [D, L] (right-padded), and
+    back(), which puts the target's outputs [D, L, F] where their tokens sit in the rows: [N, S, F],
+    padding 0."""
+    spans = []  # (row, start, length) per document
     for row, docs in enumerate(batch["docs"].tolist()):
         spans += [(row, docs.index(d), docs.count(d)) for d in range(max(docs) + 1)]
-    ids = torch.zeros(len(spans), max(n for _, _, n in spans), dtype=torch.long, device=batch["input_ids"].device)
+    ids = torch.zeros(
+        len(spans), max(n for _, _, n in spans), dtype=torch.long, device=batch["input_ids"].device
+    )
     mask = torch.zeros_like(ids)
     for d, (row, start, n) in enumerate(spans):
-        ids[d, :n], mask[d, :n] = batch["input_ids"][row, start:start + n], 1
+        ids[d, :n], mask[d, :n] = batch["input_ids"][row, start : start + n], 1
 
     def back(values):
         out = values.new_zeros(*batch["input_ids"].shape, values.shape[-1])
         for d, (row, start, n) in enumerate(spans):
-            out[row, start:start + n] = values[d, :n]
+            out[row, start : start + n] = values[d, :n]
         return out
+
     return ids, mask, back

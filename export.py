@@ -1,18 +1,21 @@
-"""Training checkpoint -> servable draft directory, in either public checkpoint format (SPEC section 3).
+"""Training checkpoint -> servable draft directory, in either public checkpoint format
+(docs/semantics.md, section 3).
 
     python export.py runs/smollm2/ckpt.pt --out-dir drafts/smollm2-dflash2 [--dtype bf16|fp16|fp32]
     python export.py runs/q8 --out-dir drafts/q8-spec --format speculators --verifier Qwen/Qwen3-8B
 
 `zlab` (default) is the contract Z Lab, SGLang and vLLM load: config.json with a `dflash_config`,
-and the draft's tensors. `speculators` is what vllm-project/speculators trains and writes (vLLM serves
-it too): the same tensors, the draft's Qwen3 layer config nested under `transformer_layer_config`.
-Either is one model.safetensors or, past --max-shard-size, shards named by model.safetensors.index.json.
-The checkpoint train.py writes is one torch.save file holding {"model", "config", "optimizer",
-"step", "args"}. Only the draft's own tensors leave: no optimizer state, no embedding, no lm_head
-(those stay the target's). load_any reads every form: a training checkpoint, or an exported
-directory in either format, so a draft can be re-exported in another dtype or format. Anything that
-does not match its config, or that a format cannot say, is refused with a message naming the field.
+and the draft's tensors. `speculators` is what vllm-project/speculators trains and writes (vLLM
+serves it too): the same tensors, the draft's Qwen3 layer config nested under
+`transformer_layer_config`. Either is one model.safetensors or, past --max-shard-size, shards named
+by model.safetensors.index.json. The checkpoint train.py writes is one torch.save file holding
+{"model", "config", "optimizer", "step", "args"}. Only the draft's own tensors leave: no optimizer
+state, no embedding, no lm_head (those stay the target's). load_any reads every form: a training
+checkpoint, or an exported directory in either format, so a draft can be re-exported in another
+dtype or format. Anything that does not match its config, or that a format cannot say, is refused
+with a message naming the field.
 """
+
 import argparse
 import json
 import os
@@ -26,23 +29,47 @@ import model
 from common import DTYPES, atomic_write, run, write_json
 from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, load_config, read_json
 
-# train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export: generate.py's
+# train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:
+# generate.py's
 # `auto` reads them (tree.choose). A file of its own, so config.json stays the public contract.
 ACCEPTANCE = "acceptance.json"
 
-MAX_SHARD_BYTES = 5 * 10**9     # transformers 4.x's default (5.x raised its own to 50GB)
-# Wrappers add these to every key: torch.compile -> "_orig_mod.", DistributedDataParallel -> "module.".
+MAX_SHARD_BYTES = 5 * 10**9  # transformers 4.x's default (5.x raised its own to 50GB)
+# Wrappers add these to every key: torch.compile -> "_orig_mod.", DistributedDataParallel ->
+# "module.".
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
-# A speculators checkpoint may carry frozen copies of the verifier's tensors; the draft uses the target's own.
-VERIFIER_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-SPECULATORS_KEYS = {"architectures", "auto_map", "speculators_model_type", "speculators_version",
-                    "speculators_config", "transformer_layer_config", "draft_vocab_size", "target_hidden_size",
-                    "aux_hidden_state_layer_ids", "mask_token_id", "block_size", "sliding_window_non_causal",
-                    "sample_from_anchor", "dtype", "torch_dtype", "transformers_version", "tie_word_embeddings",
-                    *DFLASH2_FIELDS}
+# A speculators checkpoint may carry frozen copies of the verifier's tensors; the draft uses the
+# target's own.
+VERIFIER_COPIES = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "verifier_lm_head.weight",
+    "verifier_norm.weight",
+)
+SPECULATORS_KEYS = {
+    "architectures",
+    "auto_map",
+    "speculators_model_type",
+    "speculators_version",
+    "speculators_config",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "aux_hidden_state_layer_ids",
+    "mask_token_id",
+    "block_size",
+    "sliding_window_non_causal",
+    "sample_from_anchor",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "tie_word_embeddings",
+    *DFLASH2_FIELDS,
+}
 
 
-# ----------------------------------------------------------------------------- draft directories: save / load
+# ----------------------------------------------------------------------------- draft directories:
+# save / load
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -52,33 +79,49 @@ def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, max_shard_byte
     model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json, split
     as transformers splits (in order; a tensor larger than the limit gets a shard of its own)."""
     os.makedirs(out_dir, exist_ok=True)
-    sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    sd = {
+        k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
+        for k, v in draft.state_dict().items()
+    }
     shards, size = [{}], 0
     for k, v in sd.items():
         if max_shard_bytes and shards[-1] and size + v.nbytes > max_shard_bytes:
             shards, size = shards + [{}], 0
         shards[-1][k], size = v, size + v.nbytes
     n = len(shards)
-    names = [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    names = (
+        [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
     for name, part in zip(names, shards):
         with atomic_write(os.path.join(out_dir, name)) as tmp:
             save_file(part, tmp, metadata={"format": "pt"})
     if n > 1:
-        write_json(os.path.join(out_dir, INDEX), {"metadata": {"total_size": sum(v.nbytes for v in sd.values())},
-                                                  "weight_map": {k: f for f, p in zip(names, shards) for k in p}})
+        write_json(
+            os.path.join(out_dir, INDEX),
+            {
+                "metadata": {"total_size": sum(v.nbytes for v in sd.values())},
+                "weight_map": {k: f for f, p in zip(names, shards) for k in p},
+            },
+        )
     keep = set(names) | ({INDEX} if n > 1 else set())
-    for name in os.listdir(out_dir):                    # the weight files of an earlier export
+    for name in os.listdir(out_dir):  # the weight files of an earlier export
         if (name in (WEIGHTS, INDEX) or SHARD.fullmatch(name)) and name not in keep:
             os.remove(os.path.join(out_dir, name))
-    cfg = dict(cfg or config_to_dict(draft.config), dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""))
-    write_json(os.path.join(out_dir, "config.json"), cfg)   # last: a directory with a config.json is complete
+    cfg = dict(
+        cfg or config_to_dict(draft.config),
+        dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""),
+    )
+    # last: a directory with a config.json is complete
+    write_json(os.path.join(out_dir, "config.json"), cfg)
 
 
 def read_safetensors(file: str) -> dict:
     try:
         return load_file(file)
     except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
-        raise ValueError(f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}") from None
+        raise ValueError(
+            f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}"
+        ) from None
 
 
 def load_tensors(path: str) -> dict:
@@ -87,26 +130,35 @@ def load_tensors(path: str) -> dict:
     if not os.path.isfile(index):
         return read_safetensors(os.path.join(path, WEIGHTS))
     if os.path.isfile(os.path.join(path, WEIGHTS)):
-        raise ValueError(f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous")
+        raise ValueError(
+            f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous"
+        )
     try:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index}: not a readable index (a JSON object with a weight_map): {e}") from None
+        raise ValueError(
+            f"{index}: not a readable index (a JSON object with a weight_map): {e}"
+        ) from None
     sd = {}
     for shard in sorted(set(weight_map.values())):
         part = read_safetensors(os.path.join(path, os.path.basename(shard)))
         stray = sorted(k for k in part if weight_map.get(k) != shard)
         if stray:
-            raise ValueError(f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}")
+            raise ValueError(
+                f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}"
+            )
         sd.update(part)
     if set(weight_map) - set(sd):
-        raise ValueError(f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}")
+        raise ValueError(
+            f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}"
+        )
     return sd
 
 
 def load_draft(path: str, dtype=torch.float32) -> model.DraftModel:
-    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel; refuses mismatched tensors."""
+    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel; refuses
+    mismatched tensors."""
     return draft_from_state_dict(load_config(path), load_tensors(path), source=path, dtype=dtype)
 
 
@@ -122,10 +174,16 @@ def check_state_dict(draft: model.DraftModel, sd: dict, source: str):
     expected = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
-    wrong = [f"{k}: {tuple(sd[k].shape)} != {expected[k]}" for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
+    wrong = [
+        f"{k}: {tuple(sd[k].shape)} != {expected[k]}"
+        for k in expected
+        if k in sd and tuple(sd[k].shape) != expected[k]
+    ]
     if missing or unexpected or wrong:
-        raise ValueError(f"{source}: tensors do not match the config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+        raise ValueError(
+            f"{source}: tensors do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
 
 
 # ----------------------------------------------------------------------------- training checkpoints
@@ -135,7 +193,9 @@ def read_checkpoint(file: str) -> tuple:
         # weights_only: a checkpoint is data; loading it must never run pickled code.
         ckpt = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{file}: not a readable training checkpoint (truncated or corrupted?): {e}") from None
+        raise ValueError(
+            f"{file}: not a readable training checkpoint (truncated or corrupted?): {e}"
+        ) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise ValueError(f"{file}: a training checkpoint needs 'model' and 'config' entries")
     sd = {}
@@ -147,47 +207,60 @@ def read_checkpoint(file: str) -> tuple:
 
 
 def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
-    """A draft from an exported directory (either format), a training checkpoint, or a run directory with ckpt.pt."""
+    """A draft from an exported directory (either format), a training checkpoint, or a run directory
+    with ckpt.pt."""
     cfg_file = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(cfg_file):
         d = read_json(cfg_file)
         if "speculators_model_type" not in d:
             return load_draft(path, dtype).eval()
         sd = {k: v for k, v in load_tensors(path).items() if k not in VERIFIER_COPIES}
-        return draft_from_state_dict(config_from_speculators(d, cfg_file), sd, source=path, dtype=dtype).eval()
+        return draft_from_state_dict(
+            config_from_speculators(d, cfg_file), sd, source=path, dtype=dtype
+        ).eval()
     file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"no draft at {path}: expected a checkpoint file, or a directory with "
-                                "config.json + model.safetensors (or its shards), or one with ckpt.pt")
+        raise FileNotFoundError(
+            f"no draft at {path}: expected a checkpoint file, or a directory with "
+            "config.json + model.safetensors (or its shards), or one with ckpt.pt"
+        )
     cfg_dict, sd = read_checkpoint(file)
-    return draft_from_state_dict(config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype).eval()
+    return draft_from_state_dict(
+        config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype
+    ).eval()
 
 
 def acceptance_file(path: str) -> str:
-    """Where a draft's acceptance statistics live: in its directory (an export or a run), or beside ckpt.pt."""
-    return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), ACCEPTANCE)
+    """Where a draft's acceptance statistics live: in its directory (an export or a run), or beside
+    ckpt.pt."""
+    return os.path.join(
+        path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), ACCEPTANCE
+    )
 
 
 def save_acceptance(out_dir, metrics: dict, cfg, step):
-    """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode (selector, unary)
-    the share of blocks whose greedy path was right up to each slot, and the share of each slot's labels
-    that were the draft's k-th candidate. export.py copies it beside the export; generate.py's `auto`
-    predicts accepted lengths from it (tree.expected_tau)."""
+    """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode
+    (selector, unary) the share of blocks whose greedy path was right up to each slot, and the share
+    of each slot's labels that were the draft's k-th candidate. export.py copies it beside the
+    export; generate.py's `auto` predicts accepted lengths from it (tree.expected_tau)."""
     L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
-    listed = lambda v: v if isinstance(v, list) else [v]                   # a 1-element metric is a number
+    # a 1-element metric is a number
+    listed = lambda v: v if isinstance(v, list) else [v]
     for mode in ("selector", "unary"):
         if f"accepted_at_{mode}" in metrics:
             rank = listed(metrics.pop(f"rank_{mode}"))
             K = len(rank) // L
-            out[mode] = {"accepted": listed(metrics.pop(f"accepted_at_{mode}")),
-                         "rank": [rank[j * K:(j + 1) * K] for j in range(L)]}
+            out[mode] = {
+                "accepted": listed(metrics.pop(f"accepted_at_{mode}")),
+                "rank": [rank[j * K : (j + 1) * K] for j in range(L)],
+            }
     write_json(os.path.join(out_dir, ACCEPTANCE), out)
 
 
 def read_acceptance(path: str, block_size: int):
     """The held-out acceptance statistics recorded with the draft at path, or None if it has none:
-    {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or unary
-    (their meaning: tree.expected_tau)."""
+    {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or
+    unary (their meaning: tree.expected_tau)."""
     file = acceptance_file(path)
     if not os.path.isfile(file):
         return None
@@ -196,108 +269,194 @@ def read_acceptance(path: str, block_size: int):
         raise ValueError(f"{file}: not a JSON object")
     unknown = sorted(set(d) - {"block_size", "step", "selector", "unary"})
     if unknown or d.get("block_size") != block_size:
-        raise ValueError(f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "
-                         f"unknown keys {unknown}")
-    shares = lambda v, n: isinstance(v, list) and len(v) == n and all(
-        isinstance(x, (int, float)) and 0 <= x <= 1 for x in v)
+        raise ValueError(
+            f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "
+            f"unknown keys {unknown}"
+        )
+    shares = lambda v, n: (
+        isinstance(v, list)
+        and len(v) == n
+        and all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in v)
+    )
     for mode in {"selector", "unary"} & set(d):
         m = d[mode] if isinstance(d[mode], dict) else {}
         rank = m.get("rank", [[1.0]] * L)
-        if not (set(m) <= {"accepted", "rank"} and shares(m.get("accepted"), L) and isinstance(rank, list) and
-                len(rank) == L and all(isinstance(row, list) and row and shares(row, len(rank[0])) for row in rank)):
-            raise ValueError(f"{file}: {mode} must hold accepted: {L} rates in [0, 1], and may hold rank: {L} "
-                             "rows of K shares in [0, 1]")
+        if not (
+            set(m) <= {"accepted", "rank"}
+            and shares(m.get("accepted"), L)
+            and isinstance(rank, list)
+            and len(rank) == L
+            and all(isinstance(row, list) and row and shares(row, len(rank[0])) for row in rank)
+        ):
+            raise ValueError(
+                f"{file}: {mode} must hold accepted: {L} rates in [0, 1], and may hold rank: {L} "
+                "rows of K shares in [0, 1]"
+            )
     return {mode: d[mode] for mode in ("selector", "unary") if mode in d}
 
 
-# ----------------------------------------------------------------------------- the speculators format
+# ----------------------------------------------------------------------------- the speculators
+# format
 def config_from_speculators(d: dict, source: str):
-    """A speculators config.json -> DraftConfig, with the meaning speculators' DFlash2DraftModel gives it.
+    """A speculators config.json -> DraftConfig, with the meaning speculators' DFlash2DraftModel
+    gives it.
 
     aux_hidden_state_layer_ids count HF hidden_states (0 = the embeddings), so target_layer_ids are
-    one less. Full-attention layers are always bidirectional there, and sliding ones are bidirectional
-    iff sliding_window_non_causal: so true is an explicit is_causal false, false an unset is_causal.
+    one less. Full-attention layers are always bidirectional there, and sliding ones are
+    bidirectional iff sliding_window_non_causal: so true is an explicit is_causal false, false an
+    unset is_causal.
     """
     if d.get("speculators_model_type") != "dflash2":
-        raise ValueError(f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 is read")
-    missing = sorted({"transformer_layer_config", "aux_hidden_state_layer_ids", "draft_vocab_size", "block_size",
-                      "mask_token_id", "sliding_window_non_causal", "speculators_config", *DFLASH2_FIELDS} - set(d))
+        raise ValueError(
+            f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 is read"
+        )
+    missing = sorted(
+        {
+            "transformer_layer_config",
+            "aux_hidden_state_layer_ids",
+            "draft_vocab_size",
+            "block_size",
+            "mask_token_id",
+            "sliding_window_non_causal",
+            "speculators_config",
+            *DFLASH2_FIELDS,
+        }
+        - set(d)
+    )
     unknown = sorted(set(d) - SPECULATORS_KEYS)
     if missing or unknown:
-        raise ValueError(f"{source}: speculators config: missing {missing}, not implemented {unknown}")
+        raise ValueError(
+            f"{source}: speculators config: missing {missing}, not implemented {unknown}"
+        )
     if not isinstance(d["transformer_layer_config"], dict):
         raise ValueError(f"{source}: transformer_layer_config must be an object")
     layer = dict(d["transformer_layer_config"])
     if "is_causal" in layer or "dflash_config" in layer:
-        raise ValueError(f"{source}: transformer_layer_config.is_causal / dflash_config are not read by speculators; "
-                         "sliding_window_non_causal decides")
-    checks = {"sample_from_anchor": (d.get("sample_from_anchor", False), False),   # slot 0 never proposes (SPEC 1)
-              "draft_vocab_size": (d["draft_vocab_size"], layer.get("vocab_size")),  # DFlash2 needs the full vocab
-              "target_hidden_size": (d.get("target_hidden_size") or layer.get("hidden_size"), layer.get("hidden_size")),
-              "speculative_tokens": (((d["speculators_config"] or {}).get("proposal_methods") or [{}])[0]
-                                     .get("speculative_tokens"), d["block_size"] - 1)}
+        raise ValueError(
+            f"{source}: transformer_layer_config.is_causal / dflash_config are not read by speculators; "
+            "sliding_window_non_causal decides"
+        )
+    # slot 0 never proposes (docs/semantics.md, section 1)
+    checks = {
+        "sample_from_anchor": (d.get("sample_from_anchor", False), False),
+        # DFlash2 needs the full vocab
+        "draft_vocab_size": (d["draft_vocab_size"], layer.get("vocab_size")),
+        "target_hidden_size": (
+            d.get("target_hidden_size") or layer.get("hidden_size"),
+            layer.get("hidden_size"),
+        ),
+        "speculative_tokens": (
+            ((d["speculators_config"] or {}).get("proposal_methods") or [{}])[0].get(
+                "speculative_tokens"
+            ),
+            d["block_size"] - 1,
+        ),
+    }
     for name, (value, implemented) in checks.items():
         if value != implemented:
-            raise ValueError(f"{source}: {name} = {value!r} is not implemented (only {implemented!r})")
+            raise ValueError(
+                f"{source}: {name} = {value!r} is not implemented (only {implemented!r})"
+            )
     aux = d["aux_hidden_state_layer_ids"]
     if not isinstance(aux, list) or not all(isinstance(i, int) and i >= 1 for i in aux):
-        raise ValueError(f"{source}: aux_hidden_state_layer_ids must be layer outputs (integers >= 1), got {aux!r}")
-    layer.update(architectures=["DFlash2DraftModel"], dflash_config={
-        "block_size": d["block_size"], "target_layer_ids": [i - 1 for i in aux], "mask_token_id": d["mask_token_id"],
-        **{k: d[k] for k in DFLASH2_FIELDS}})
+        raise ValueError(
+            f"{source}: aux_hidden_state_layer_ids must be layer outputs (integers >= 1), got {aux!r}"
+        )
+    layer.update(
+        architectures=["DFlash2DraftModel"],
+        dflash_config={
+            "block_size": d["block_size"],
+            "target_layer_ids": [i - 1 for i in aux],
+            "mask_token_id": d["mask_token_id"],
+            **{k: d[k] for k in DFLASH2_FIELDS},
+        },
+    )
     if d["sliding_window_non_causal"] and "sliding_attention" in (layer.get("layer_types") or []):
-        layer["is_causal"] = False                    # with no sliding layer the flag says nothing: stays unset
+        # with no sliding layer the flag says nothing: stays unset
+        layer["is_causal"] = False
     return config_from_dict(layer, f"{source} (transformer_layer_config)")
 
 
 def speculators_config(c, verifier: str) -> dict:
-    """The speculators config.json for config c; refuses what speculators 0.9.0 cannot say or would read otherwise."""
+    """The speculators config.json for config c; refuses what speculators 0.9.0 cannot say or would
+    read otherwise."""
     if not c.dflash2:
         raise ValueError("--format speculators writes DFlash2 drafts (its dflash2 model type) only")
     if not verifier:
-        raise ValueError("the speculators format names its verifier (--verifier), which speculators reloads "
-                         "embed_tokens and lm_head from")
+        raise ValueError(
+            "the speculators format names its verifier (--verifier), which speculators reloads "
+            "embed_tokens and lm_head from"
+        )
     for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
         if getattr(c, name) is not None:
-            raise ValueError(f"{name} is set, but speculators' DFlash2 has no such field and would drop it; "
-                             "export in the zlab format")
+            raise ValueError(
+                f"{name} is set, but speculators' DFlash2 has no such field and would drop it; "
+                "export in the zlab format"
+            )
     causal = {c.causal_in_block(t == "sliding_attention") for t in c.layer_types}
-    # speculators makes full layers bidirectional; vLLM's translator applies one causal flag to every layer
+    # speculators makes full layers bidirectional; vLLM's translator applies one causal flag to
+    # every layer
     if len(causal) > 1 or (True in causal and "full_attention" in c.layer_types):
-        raise ValueError(f"is_causal {c.is_causal!r} with layer_types {sorted(set(c.layer_types))}: the speculators "
-                         "format cannot say this so that speculators and vLLM both read it; export in the zlab format")
+        raise ValueError(
+            f"is_causal {c.is_causal!r} with layer_types {sorted(set(c.layer_types))}: the speculators "
+            "format cannot say this so that speculators and vLLM both read it; export in the zlab format"
+        )
     layer = config_to_dict(c)
     for k in ("architectures", "dflash_config", "is_causal", "num_target_layers", "comment"):
         layer.pop(k, None)
-    local = os.path.join(verifier, "config.json")     # a local verifier names its architectures
+    local = os.path.join(verifier, "config.json")  # a local verifier names its architectures
     arch = read_json(local).get("architectures") or [] if os.path.isfile(local) else []
     return {
-        "architectures": ["DFlash2DraftModel"], "speculators_model_type": "dflash2",
-        "speculators_version": "0.9.0",                 # the release this layout was checked against
-        "transformer_layer_config": layer, "draft_vocab_size": c.vocab_size, "target_hidden_size": None,
-        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids], "mask_token_id": c.mask_token_id,
-        "block_size": c.block_size, "sliding_window_non_causal": not causal.pop(), "sample_from_anchor": False,
-        **{k: getattr(c, k) for k in DFLASH2_FIELDS}, "tie_word_embeddings": False,
+        "architectures": ["DFlash2DraftModel"],
+        "speculators_model_type": "dflash2",
+        # the release this layout was checked against
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.vocab_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "mask_token_id": c.mask_token_id,
+        "block_size": c.block_size,
+        "sliding_window_non_causal": not causal.pop(),
+        "sample_from_anchor": False,
+        **{k: getattr(c, k) for k in DFLASH2_FIELDS},
+        "tie_word_embeddings": False,
         "speculators_config": {
-            "algorithm": "dflash2", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size - 1,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier, "architectures": arch}},
+            "algorithm": "dflash2",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": c.block_size - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": verifier, "architectures": arch},
+        },
     }
 
 
 # ----------------------------------------------------------------------------- export
-def export(checkpoint_path_or_dir: str, out_dir: str, dtype=torch.bfloat16, fmt="zlab",
-           max_shard_bytes=MAX_SHARD_BYTES, verifier=None) -> str:
-    """Write out_dir/config.json + the draft's tensors (contract names only, in dtype), in format fmt."""
-    draft = load_any(checkpoint_path_or_dir)          # fp32: no rounding before the one cast below
-    cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None   # refusals before writing
+def export(
+    checkpoint_path_or_dir: str,
+    out_dir: str,
+    dtype=torch.bfloat16,
+    fmt="zlab",
+    max_shard_bytes=MAX_SHARD_BYTES,
+    verifier=None,
+) -> str:
+    """Write out_dir/config.json + the draft's tensors (contract names only, in dtype), in format
+    fmt."""
+    draft = load_any(checkpoint_path_or_dir)  # fp32: no rounding before the one cast below
+    # refusals before writing
+    cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None
     save_draft(draft, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, cfg=cfg)
     src, dst = acceptance_file(checkpoint_path_or_dir), os.path.join(out_dir, ACCEPTANCE)
     if os.path.isfile(src) and not os.path.samefile(os.path.dirname(src), out_dir):
         shutil.copyfile(src, dst)
     elif not os.path.isfile(src) and os.path.isfile(dst):
-        os.remove(dst)                     # an earlier export's statistics, not this draft's
+        os.remove(dst)  # an earlier export's statistics, not this draft's
     return out_dir
 
 
@@ -312,22 +471,44 @@ def size_in_bytes(s: str) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", help="ckpt.pt, a run directory holding it, or an exported draft directory")
+    ap.add_argument(
+        "checkpoint", help="ckpt.pt, a run directory holding it, or an exported draft directory"
+    )
     ap.add_argument("--out-dir", required=True, help="directory for config.json + the tensors")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export")
-    ap.add_argument("--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout")
-    ap.add_argument("--max-shard-size", type=size_in_bytes, default=MAX_SHARD_BYTES,
-                    help="tensor files larger than this are split into shards (default 5GB)")
-    ap.add_argument("--verifier", help="--format speculators: the target's hub name or local path, which "
-                    "speculators reloads embed_tokens and lm_head from")
+    ap.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export"
+    )
+    ap.add_argument(
+        "--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout"
+    )
+    ap.add_argument(
+        "--max-shard-size",
+        type=size_in_bytes,
+        default=MAX_SHARD_BYTES,
+        help="tensor files larger than this are split into shards (default 5GB)",
+    )
+    ap.add_argument(
+        "--verifier",
+        help="--format speculators: the target's hub name or local path, which "
+        "speculators reloads embed_tokens and lm_head from",
+    )
     args = ap.parse_args(argv)
     if args.format == "speculators" and not args.verifier:
         ap.error("--format speculators needs --verifier (the target model's hub name or path)")
-    export(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.format, args.max_shard_size, args.verifier)
+    export(
+        args.checkpoint,
+        args.out_dir,
+        DTYPES[args.dtype],
+        args.format,
+        args.max_shard_size,
+        args.verifier,
+    )
     draft = load_any(args.out_dir)
     files = sorted(f for f in os.listdir(args.out_dir) if f.endswith(".safetensors"))
-    print(f"exported {'DFlash2' if draft.config.dflash2 else 'DFlash'} draft ({args.dtype}, {args.format} format, "
-          f"{len(files)} tensor file(s)) to {args.out_dir}")
+    print(
+        f"exported {'DFlash2' if draft.config.dflash2 else 'DFlash'} draft ({args.dtype}, {args.format} format, "
+        f"{len(files)} tensor file(s)) to {args.out_dir}"
+    )
 
 
 if __name__ == "__main__":

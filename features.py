@@ -3,8 +3,9 @@
 prepare.py --features writes them, train.py (offline) reads them back:
 
     OUT/shard-00000.safetensors   per sample j: input_ids.j [S] int64, loss_mask.j [S] int64,
-                                  features.j [S, n_t*H], target_hidden.j [S, H] (--save-target-hidden);
-                                  metadata: the settings that made the shard and its counts
+                                  features.j [S, n_t*H], target_hidden.j [S, H]
+                                  (--save-target-hidden); metadata: the settings that made the shard
+                                  and its counts
     OUT/manifest.json             target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
 
 Features are large: a Qwen3-8B target gives 5 x 4096 values per token (40 KB in bf16), so 100K
@@ -14,6 +15,7 @@ maps the file; only the tensors asked for are read, and a sample's pages go when
 What stays in memory is an index of (shard, sample) pairs, 16 bytes per sample, whatever the number
 of shards. Samples are addressed by position, like a list, so train.py's seeded order is unchanged.
 """
+
 import json
 import math
 import os
@@ -24,8 +26,10 @@ from safetensors.torch import save_file
 
 from common import atomic_write, write_json
 
-KEYS = ("input_ids", "loss_mask", "features", "target_hidden")      # what a sample may hold, in file order
-COUNTS = ("num_samples", "skipped_nonfinite", "skipped_no_anchor")  # per shard, summed in the manifest
+# what a sample may hold, in file order
+KEYS = ("input_ids", "loss_mask", "features", "target_hidden")
+# per shard, summed in the manifest
+COUNTS = ("num_samples", "skipped_nonfinite", "skipped_no_anchor")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -57,23 +61,31 @@ def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_s
         meta = shard_metadata(path)
         shards.append({"file": os.path.basename(path), "num_samples": int(meta["num_samples"])})
         totals = {key: v + int(meta[key]) for key, v in totals.items()}
-    manifest = {"target": target_name, "target_layer_ids": json.loads(meta["target_layer_ids"]),
-                "hidden_size": hidden_size, "feature_dtype": meta["feature_dtype"],
-                "target_hidden": meta["target_hidden"] == "True", "max_length": int(meta["max_length"]),
-                **totals, "shards": shards}
+    manifest = {
+        "target": target_name,
+        "target_layer_ids": json.loads(meta["target_layer_ids"]),
+        "hidden_size": hidden_size,
+        "feature_dtype": meta["feature_dtype"],
+        "target_hidden": meta["target_hidden"] == "True",
+        "max_length": int(meta["max_length"]),
+        **totals,
+        "shards": shards,
+    }
     write_json(os.path.join(out_dir, "manifest.json"), manifest)
 
 
 # ----------------------------------------------------------------------------- reading
 class FeatureSamples:
     """The samples of a feature directory as a sequence: samples[i] is a dict like the one written
-    (input_ids [S] long, loss_mask [S] long, features [S, n_t*H], target_hidden [S, H] if saved), read
-    on demand. A slice or a list of positions gives another FeatureSamples over those samples."""
+    (input_ids [S] long, loss_mask [S] long, features [S, n_t*H], target_hidden [S, H] if saved),
+    read on demand. A slice or a list of positions gives another FeatureSamples over those
+    samples."""
 
     def __init__(self, out_dir: str, files: list, index: torch.Tensor, keys: tuple):
         self.out_dir, self.files, self.keys = out_dir, files, keys
-        self.index = index                      # [n, 2] long: (shard number, sample number in that shard)
-        self.shard = None                       # (shard number, open safe_open handle): at most one
+        # [n, 2] long: (shard number, sample number in that shard)
+        self.index = index
+        self.shard = None  # (shard number, open safe_open handle): at most one
 
     def __len__(self) -> int:
         return len(self.index)
@@ -89,21 +101,26 @@ class FeatureSamples:
     def read(self, i: int, keys) -> dict:
         """Only the tensors `keys` of sample i (e.g. its loss_mask alone, without the features)."""
         k, j = self.index[i].tolist()
-        if self.shard is None or self.shard[0] != k:     # the previous shard's handle (and map) goes
+        # the previous shard's handle (and map) goes
+        if self.shard is None or self.shard[0] != k:
             self.shard = (k, safe_open(os.path.join(self.out_dir, self.files[k]), "pt"))
         return {key: self.shard[1].get_tensor(f"{key}.{j}") for key in keys}
 
 
 def load_features(out_dir: str) -> FeatureSamples:
-    """A feature directory -> its samples, in manifest order (shard by shard), streamed from disk."""
+    """A feature directory -> its samples, in manifest order (shard by shard), streamed from
+    disk."""
     if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
         raise FileNotFoundError(
             f"{out_dir} is not a feature directory (it has no manifest.json); make one with: python prepare.py "
             f"--data CONVERSATIONS.jsonl --features --draft-config CONFIG --out-dir {out_dir} "
-            "(or train on a conversations JSONL directly with train.py --online)")
+            "(or train on a conversations JSONL directly with train.py --online)"
+        )
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)
     files = [shard["file"] for shard in manifest["shards"]]
-    index = torch.tensor([(k, j) for k, shard in enumerate(manifest["shards"]) for j in range(shard["num_samples"])],
-                         dtype=torch.long).view(-1, 2)
+    index = torch.tensor(
+        [(k, j) for k, shard in enumerate(manifest["shards"]) for j in range(shard["num_samples"])],
+        dtype=torch.long,
+    ).view(-1, 2)
     return FeatureSamples(out_dir, files, index, KEYS if manifest["target_hidden"] else KEYS[:3])

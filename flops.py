@@ -18,6 +18,7 @@ slots, or its causal part). Online, the target's forward adds 2 N_t per token, N
 its linear layers (lm_head included: it runs). Left out: norms, RoPE, softmax, top-K, the
 no-gradient metrics and, for kl, the target's logits at the labelled slots.
 """
+
 import torch
 
 # Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, with
@@ -31,11 +32,15 @@ def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
     B, W = cfg.block_size, cfg.sliding_window if sliding else None
     j = torch.arange(B)
     if cfg.causal_in_block(sliding):
-        own = j + 1 if W is None else (j + 1).clamp(max=W)                       # slots 0..j
+        own = j + 1 if W is None else (j + 1).clamp(max=W)  # slots 0..j
     else:
         own = torch.full((B,), B) if W is None else B - (j - W + 1).clamp(min=0)
-    seen = context[:, None].expand(-1, B) if W is None else torch.minimum(context[:, None], (W - 1 - j).clamp(min=0))
-    return seen + own                                                            # [n, B]
+    seen = (
+        context[:, None].expand(-1, B)
+        if W is None
+        else torch.minimum(context[:, None], (W - 1 - j).clamp(min=0))
+    )
+    return seen + own  # [n, B]
 
 
 def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
@@ -46,7 +51,9 @@ def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
     slot = 2 * H * (2 * nh * d + 2 * nkv * d) + 6 * H * cfg.intermediate_size
     if cfg.dflash2:
         slot += 8 * H * cfg.conv_kernel_size * (H // cfg.conv_group_size)
-    keys = sum(int(keys_per_slot(cfg, context, t == "sliding_attention").sum()) for t in cfg.layer_types)
+    keys = sum(
+        int(keys_per_slot(cfg, context, t == "sliding_attention").sum()) for t in cfg.layer_types
+    )
     flops = cfg.num_hidden_layers * (n * B * slot + tokens * 4 * H * nkv * d) + 4 * nh * d * keys
     flops += tokens * 2 * len(cfg.target_layer_ids) * H * H + n * (B - 1) * 2 * H * V
     if cfg.dflash2:
@@ -69,11 +76,14 @@ def linear_weights(model: torch.nn.Module) -> int:
 
 
 def peak_flops(device: torch.device, peak_tflops=None):
-    """The device's peak FLOP/s for MFU, or None where none is known: a GPU not in PEAK_TFLOPS without
+    """The device's peak FLOP/s for MFU, or None where none is known: a GPU not in PEAK_TFLOPS
+    without
     --peak-tflops. A CPU has no MFU here (its peak depends on cores, clocks and vector units)."""
     if device.type != "cuda":
         if peak_tflops is not None:
-            raise ValueError("--peak-tflops: MFU is only estimated on a CUDA GPU; this run is on the CPU")
+            raise ValueError(
+                "--peak-tflops: MFU is only estimated on a CUDA GPU; this run is on the CPU"
+            )
         return None
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)

@@ -1,10 +1,10 @@
-"""Fully sharded training (train.py --fsdp): FSDP2's fully_shard for the draft and, online, for the frozen
-target; and the training checkpoint, whole, whatever the number of ranks.
+"""Fully sharded training (train.py --fsdp): FSDP2's fully_shard for the draft and, online, for the
+frozen target; and the training checkpoint, whole, whatever the number of ranks.
 
-Under DDP every rank holds the whole draft in fp32 with its gradients and AdamW's two moments, 16 bytes a
-parameter, and online the whole target too. fully_shard cuts every parameter along its first dimension
-into world slices; rank r keeps slice r of the weights, of the gradients and of the optimizer state, and
-holds a unit's whole weights only while that unit computes:
+Under DDP every rank holds the whole draft in fp32 with its gradients and AdamW's two moments, 16
+bytes a parameter, and online the whole target too. fully_shard cuts every parameter along its first
+dimension into world slices; rank r keeps slice r of the weights, of the gradients and of the
+optimizer state, and holds a unit's whole weights only while that unit computes:
 
     forward   all_gather(unit) -> compute -> free            a unit: one draft layer, then the root (the rest)
     backward  all_gather(unit) -> grads -> reduce_scatter     rank r keeps the rank-mean of slice r's gradient
@@ -13,32 +13,46 @@ holds a unit's whole weights only while that unit computes:
 The reduce-scatter averages over ranks as DDP's all-reduce does, so train.py's step (the numerators'
 gradients summed over micro-batches and ranks, divided once by the global denominator) is unchanged.
 
-Checkpoints: one consolidated file (train.py's ckpt.pt, as before), not a torch.distributed.checkpoint
-directory. Saving gathers each tensor in turn onto rank 0's CPU, which writes it atomically; loading reads
-the file memory-mapped on every rank, and each rank copies out its own slices. The same file serves 1 or
-N ranks, with or without --fsdp, and export.py reads it unchanged. It scales to the 2B-parameter drafts
-this project trains: weights and AdamW state are 12 bytes a parameter, 23 GB for 1.92B, on the CPU of one
-node; a DCP directory would only pay off where one host cannot hold the whole state (tens of billions).
+Checkpoints: one consolidated file (train.py's ckpt.pt, as before), not a
+torch.distributed.checkpoint directory. Saving gathers each tensor in turn onto rank 0's CPU, which
+writes it atomically; loading reads the file memory-mapped on every rank, and each rank copies out
+its own slices. The same file serves 1 or N ranks, with or without --fsdp, and export.py reads it
+unchanged. It scales to the 2B-parameter drafts this project trains: weights and AdamW state are 12
+bytes a parameter, 23 GB for 1.92B, on the CPU of one node; a DCP directory would only pay off where
+one host cannot hold the whole state (tens of billions).
 """
+
 import warnings
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from target import decoder_layers
 
 
 def shard_draft(objective, layers, bf16: bool):
-    """Shard the draft in place: one unit per layer, then the root `objective` (train.DraftObjective), whose
-    own unit takes the rest of the draft (fc, norms, selector), all used inside its forward. A layer also
-    computes the context's keys and values before the layers run (model.Layer.context_kv): registered as a
-    forward method, it gathers the layer's weights too. bf16: the layers compute with bf16 copies of the
-    fp32 master slices and reduce gradients in fp32; inputs are not cast, autocast chooses, as under DDP."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
-        if bf16 else MixedPrecisionPolicy()
-    # context_kv returns transposed views; FSDP warns that an in-place write into one would skip its hook,
+    """Shard the draft in place: one unit per layer, then the root `objective`
+    (train.DraftObjective), whose own unit takes the rest of the draft (fc, norms, selector), all
+    used inside its forward. A layer also computes the context's keys and values before the layers
+    run (model.Layer.context_kv): registered as a forward method, it gathers the layer's weights
+    too. bf16: the layers compute with bf16 copies of the fp32 master slices and reduce gradients in
+    fp32; inputs are not cast, autocast chooses, as under DDP."""
+    mp = (
+        MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    # context_kv returns transposed views; FSDP warns that an in-place write into one would skip its
+    # hook,
     # but nothing writes into them (model.Attention.forward concatenates them into new tensors)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for layer in layers:
@@ -48,9 +62,10 @@ def shard_draft(objective, layers, bf16: bool):
 
 
 def shard_target(target):
-    """Shard the frozen target (no gradients, no optimizer): one unit per decoder layer, then the root
-    (embedding, final norm, head), which frees its gathered weights after each forward too. On a GPU each
-    unit moves there as it is sharded, so no rank ever holds the whole target on its device."""
+    """Shard the frozen target (no gradients, no optimizer): one unit per decoder layer, then the
+    root (embedding, final norm, head), which frees its gathered weights after each forward too. On
+    a GPU each unit moves there as it is sharded, so no rank ever holds the whole target on its
+    device."""
     for layer in decoder_layers(target):
         fully_shard(layer)
     fully_shard(target, reshard_after_forward=True)
@@ -59,15 +74,18 @@ def shard_target(target):
 
 # ----------------------------------------------------------------------------- checkpoints
 def full_state(draft, opt) -> tuple:
-    """(draft state dict, optimizer state dict), whole and on the CPU, on rank 0 ({} on the other ranks).
-    Every rank must call it: under FSDP it gathers the slices. The optimizer's state is keyed by parameter
-    name, not by position, so that any rank layout can read it back."""
+    """(draft state dict, optimizer state dict), whole and on the CPU, on rank 0 ({} on the other
+    ranks). Every rank must call it: under FSDP it gathers the slices. The optimizer's state is
+    keyed by parameter name, not by position, so that any rank layout can read it back."""
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(draft, options=whole), get_optimizer_state_dict(draft, opt, options=whole)
+    return get_model_state_dict(draft, options=whole), get_optimizer_state_dict(
+        draft, opt, options=whole
+    )
 
 
 def load_full_state(draft, opt, model_state: dict, opt_state: dict):
-    """full_state's two dicts -> draft and optimizer, sharded or not: each rank keeps its own slices."""
+    """full_state's two dicts -> draft and optimizer, sharded or not: each rank keeps its own
+    slices."""
     whole = StateDictOptions(full_state_dict=True)
     set_model_state_dict(draft, model_state, options=whole)
     set_optimizer_state_dict(draft, opt, opt_state, options=whole)

