@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # The scaled RoPE types implemented (through transformers' own init functions,
-# model.rope_frequencies),
-# each with the rope_parameters keys it reads: (required, optional). dynamic and longrope are left
-# out:
-# their frequencies depend on the longest position seen so far, which the public loaders handle
-# differently.
+# model.rope_frequencies), each with the rope_parameters keys it reads: (required, optional).
+# dynamic and longrope are left out: their frequencies depend on the longest position seen so far,
+# which the public loaders handle differently.
 ROPE_KEYS = {
     "linear": ({"factor"}, set()),
     "llama3": (
@@ -175,7 +173,8 @@ def validate(c: DraftConfig):
         _check_rope_scaling(c.rope_scaling)
     if len(c.layer_types) != c.num_hidden_layers:
         raise ValueError(
-            f"layer_types has {len(c.layer_types)} entries, num_hidden_layers is {c.num_hidden_layers}"
+            f"layer_types has {len(c.layer_types)} entries, num_hidden_layers is "
+            f"{c.num_hidden_layers}"
         )
     for t in c.layer_types:
         if t not in ("full_attention", "sliding_attention"):
@@ -208,16 +207,14 @@ def validate(c: DraftConfig):
         raise ValueError(f"final_logit_softcapping must be > 0, got {c.final_logit_softcapping}")
 
 
-# ----------------------------------------------------------------------------- config.json <->
-# DraftConfig
+# ---------------------------------------------------------------------- config.json <-> DraftConfig
 NESTED = (
     ("block_size", "target_layer_ids", "mask_token_id")
     + DFLASH2_FIELDS
     + ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 )
 # Keys that do not change what the draft computes: special token ids, versions, storage dtype, the
-# HF
-# auto class. max_window_layers only derives layer_types when those are absent (refused below).
+# HF auto class. max_window_layers only derives layer_types when those are absent (refused below).
 HARMLESS = {
     "bos_token_id",
     "eos_token_id",

@@ -237,8 +237,7 @@ def collate(rows, keys, num_anchors, seed, device):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-# ----------------------------------------------------------------------------- online: the target
-# per document
+# ------------------------------------------------------------------ online: the target per document
 def per_document(batch):
     """The documents of packed rows as rows of their own, for the target, whose causal attention
     would cross documents in a packed row: -> input_ids, attention_mask [D, L] (right-padded), and

@@ -119,6 +119,15 @@ def rejection_sample(p, q, drafts, generator=None):
 
 # ----------------------------------------------------------------------------- the two decoding
 # loops
+def target_forward(target, cache, layer_ids, ids, **kw):
+    """The target over ids [1, n] after the cached rows, which it extends by n -> (logits [n', V],
+    features [1, n, k*H] at the draft's layer ids); n' = n unless kw keeps fewer logits."""
+    out, feats = capture_features(
+        target, layer_ids, input_ids=ids, **with_cache(target, cache), **kw
+    )
+    return out.logits[0], feats
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -135,42 +144,29 @@ def speculative_generate(
     on_cycle=None,
 ):
     """prompt_ids [1, P] -> (ids [1, P + n], Stats); n = max_new_tokens unless a stop token came
-    first.
-
-    Each cycle verifies a path of verify_tokens drafts (default B-1) or, with tree_budget, a tree of
-    that many nodes (tree.py). on_tokens(new ids) sees every committed batch (streaming);
-    on_cycle(drafts, unary argmax, accepted, bonus, tree=None) sees every cycle (--show); for a
-    tree, drafts are its nodes and tree is (the Tree, the accepted nodes)."""
+    first. Each cycle verifies a path of verify_tokens drafts (default B-1) or, with tree_budget, a
+    tree of that many nodes (tree.py). on_tokens(new ids) sees every committed batch (streaming);
+    on_cycle(drafts, unary argmax, accepted, bonus, tree=None) sees every cycle (--show)."""
     c, dev, P = draft.config, prompt_ids.device, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
     L = k if tree_budget is None else min(tree_budget, c.block_size - 1)  # deepest slot sent
     embed, head = embed_and_head(target, draft)
     start, clock, taus = now(dev), PhaseClock(dev), []
-    # Prefill: the target's cache and features for the prompt; the first new token from its last
-    # logit.
+    # Prefill: the target's cache and features for the prompt; its last logit gives the first token.
     cache, ctx = new_cache(target), model.ContextCache()
-    out, feats = capture_features(
-        target,
-        c.target_layer_ids,
-        input_ids=prompt_ids,
-        logits_to_keep=1,
-        **with_cache(target, cache),
-    )
+    logits, feats = target_forward(target, cache, c.target_layer_ids, prompt_ids, logits_to_keep=1)
     crop(cache, P)
     ctx.append(draft, feats, torch.arange(P, device=dev)[None])  # draft context: positions 0..P-1
-    first = sample(out.logits[0, -1], temperature, generator)
+    first = sample(logits[-1], temperature, generator)
     ids, done = commit(prompt_ids, [first], P, max_new_tokens, stop_ids, on_tokens)
     while not done:
-        # the anchor's position: last committed token, not yet run by the target
-        s = ids.shape[1] - 1
+        s = ids.shape[1] - 1  # the anchor: the last committed token, not yet run by the target
         clock.start()
-        # 1. Draft: ONE forward of [anchor, MASK x (B-1)] at positions s..s+B-1, reading the
-        # context.
-        pos = torch.tensor([s], device=dev)
-        h = model.forward_inference(draft, embed, ctx, ids[:, -1], pos)  # [1, B, H]
+        # 1. Draft: ONE forward of [anchor, MASK x (B-1)] at positions s..s+B-1, reading ctx.
+        h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s], device=dev))
         u = draft.unary_logits(h[:, : L + 1], head)[:, 1:]  # [1, L, V]: slots 1..L
         clock.lap("draft")
-        # 2. Propose: a path (the selector's walk, or the unary argmax; first k), or a tree.
+        # 2. Propose: a path (the selector's walk or the unary argmax, first k), or a tree.
         if tree_budget is None:
             d, q = propose(draft, h[:, 1 : L + 1], u, ids, temperature, use_selector, generator)
             t = tree.Tree.chain(int(ids[0, -1]), d[0, :k].tolist())
@@ -178,45 +174,34 @@ def speculative_generate(
         else:  # built deterministically from the draft's scores
             t, q = tree.draft_tree(draft, h[:, 1 : L + 1], u, ids, tree_budget, use_selector), None
         clock.lap("selector")
-        # 3. Verify: ONE target forward over [anchor, nodes...]. Node i sits at s + depth_i and sees
-        #    its ancestors only; a path's ancestor mask is the causal one.
-        n, tree_kw = len(t.tokens), {}
+        # 3. Verify: ONE target forward over [anchor, nodes...]. Node i sits at s + depth_i and
+        #    sees its ancestors only (a path's ancestor mask is the causal one).
+        tree_kw = {}
         if not t.is_chain():
+            masks = tree.attention_masks(t, cache, target.dtype)
             tree_kw = dict(
-                position_ids=s + torch.tensor([t.depths], device=dev),
-                attention_mask=tree.attention_masks(t, cache, target.dtype),
+                position_ids=s + torch.tensor([t.depths], device=dev), attention_mask=masks
             )
-        out, feats = capture_features(
-            target,
-            c.target_layer_ids,
-            input_ids=torch.tensor([t.tokens], device=dev),
-            **with_cache(target, cache),
-            **tree_kw,
-        )
-        # 4. Accept: the longest prefix the target agrees with, plus one token of its own (the
-        # bonus).
+        block = torch.tensor([t.tokens], device=dev)
+        logits, feats = target_forward(target, cache, c.target_layer_ids, block, **tree_kw)
+        # 4. Accept the longest prefix the target agrees with, plus a token of its own (the bonus).
         if q is not None:  # sampled drafts: accept d_j with probability min(1, p_j(d_j) / q_j(d_j))
-            a, nxt = rejection_sample(probs(out.logits[0], temperature), q[0], d[0, :k], generator)
+            a, nxt = rejection_sample(probs(logits, temperature), q[0], d[0, :k], generator)
             path = list(range(1, a + 1))
         else:  # follow the target's own token (argmax, or a sample from p) through the tree
-            path, nxt = tree.walk(t, out.logits[0], lambda row: sample(row, temperature, generator))
+            path, nxt = tree.walk(t, logits, lambda row: sample(row, temperature, generator))
         rows = [0] + path  # the anchor and the accepted nodes: only their KV rows stay, in order
         if rows != list(range(len(rows))):
-            tree.keep_rows(cache, n, rows)
+            tree.keep_rows(cache, len(t.tokens), rows)
         crop(cache, s + len(rows))  # the bonus token enters with the next block
         clock.lap("verify")
-        # 5. The verify already computed the features of the kept rows: they become draft context.
+        # 5. The verify computed the kept rows' features already: they become draft context.
         ctx.append(draft, feats[:, rows], torch.arange(s, s + len(rows), device=dev)[None])
         clock.lap("draft")
         if on_cycle:
             best = u[0].argmax(-1).tolist()  # the unary argmax of each node's slot
-            on_cycle(
-                t.tokens[1:],
-                [best[i - 1] for i in t.depths[1:]],
-                len(path),
-                nxt,
-                **({} if tree_budget is None else dict(tree=(t, path))),
-            )
+            seen = dict(tree=(t, path)) if tree_budget else {}  # for a tree: it, and the path taken
+            on_cycle(t.tokens[1:], [best[i - 1] for i in t.depths[1:]], len(path), nxt, **seen)
         new = [t.tokens[i] for i in path] + [nxt]
         ids, done = commit(ids, new, P, max_new_tokens, stop_ids, on_tokens)
         taus.append(len(path) + 1)
@@ -230,18 +215,14 @@ def target_generate(
     """Plain decoding, one target forward per token, same cache and sampling: the baseline."""
     dev, P = prompt_ids.device, prompt_ids.shape[1]
     start, cache = now(dev), new_cache(target)
-    logits = target(input_ids=prompt_ids, logits_to_keep=1, **with_cache(target, cache)).logits[
-        0, -1
-    ]
-    ids, done = commit(
-        prompt_ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens
-    )
+    logits = target(input_ids=prompt_ids, logits_to_keep=1, **with_cache(target, cache)).logits
+    token = sample(logits[0, -1], temperature, generator)
+    ids, done = commit(prompt_ids, [token], P, max_new_tokens, stop_ids, on_tokens)
     while not done:
         crop(cache, ids.shape[1] - 1)  # a no-op that also trims sliding-window layers
-        logits = target(input_ids=ids[:, -1:], **with_cache(target, cache)).logits[0, -1]
-        ids, done = commit(
-            ids, [sample(logits, temperature, generator)], P, max_new_tokens, stop_ids, on_tokens
-        )
+        logits = target(input_ids=ids[:, -1:], **with_cache(target, cache)).logits
+        token = sample(logits[0, -1], temperature, generator)
+        ids, done = commit(ids, [token], P, max_new_tokens, stop_ids, on_tokens)
     return ids, Stats(new_tokens=ids.shape[1] - P, seconds=now(dev) - start)
 
 

@@ -68,8 +68,7 @@ SPECULATORS_KEYS = {
 }
 
 
-# ----------------------------------------------------------------------------- draft directories:
-# save / load
+# ------------------------------------------------------------------- draft directories: save / load
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -295,8 +294,7 @@ def read_acceptance(path: str, block_size: int):
     return {mode: d[mode] for mode in ("selector", "unary") if mode in d}
 
 
-# ----------------------------------------------------------------------------- the speculators
-# format
+# --------------------------------------------------------------------------- the speculators format
 def config_from_speculators(d: dict, source: str):
     """A speculators config.json -> DraftConfig, with the meaning speculators' DFlash2DraftModel
     gives it.
@@ -308,7 +306,8 @@ def config_from_speculators(d: dict, source: str):
     """
     if d.get("speculators_model_type") != "dflash2":
         raise ValueError(
-            f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 is read"
+            f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 "
+            "is read"
         )
     missing = sorted(
         {
@@ -333,8 +332,8 @@ def config_from_speculators(d: dict, source: str):
     layer = dict(d["transformer_layer_config"])
     if "is_causal" in layer or "dflash_config" in layer:
         raise ValueError(
-            f"{source}: transformer_layer_config.is_causal / dflash_config are not read by speculators; "
-            "sliding_window_non_causal decides"
+            f"{source}: transformer_layer_config.is_causal / dflash_config are not read by "
+            "speculators; sliding_window_non_causal decides"
         )
     # slot 0 never proposes (docs/semantics.md, section 1)
     checks = {
@@ -360,7 +359,8 @@ def config_from_speculators(d: dict, source: str):
     aux = d["aux_hidden_state_layer_ids"]
     if not isinstance(aux, list) or not all(isinstance(i, int) and i >= 1 for i in aux):
         raise ValueError(
-            f"{source}: aux_hidden_state_layer_ids must be layer outputs (integers >= 1), got {aux!r}"
+            f"{source}: aux_hidden_state_layer_ids must be layer outputs (integers >= 1), got "
+            f"{aux!r}"
         )
     layer.update(
         architectures=["DFlash2DraftModel"],
@@ -398,8 +398,9 @@ def speculators_config(c, verifier: str) -> dict:
     # every layer
     if len(causal) > 1 or (True in causal and "full_attention" in c.layer_types):
         raise ValueError(
-            f"is_causal {c.is_causal!r} with layer_types {sorted(set(c.layer_types))}: the speculators "
-            "format cannot say this so that speculators and vLLM both read it; export in the zlab format"
+            f"is_causal {c.is_causal!r} with layer_types {sorted(set(c.layer_types))}: the "
+            "speculators format cannot say this so that speculators and vLLM both read it; export "
+            "in the zlab format"
         )
     layer = config_to_dict(c)
     for k in ("architectures", "dflash_config", "is_causal", "num_target_layers", "comment"):
@@ -506,8 +507,8 @@ def main(argv=None):
     draft = load_any(args.out_dir)
     files = sorted(f for f in os.listdir(args.out_dir) if f.endswith(".safetensors"))
     print(
-        f"exported {'DFlash2' if draft.config.dflash2 else 'DFlash'} draft ({args.dtype}, {args.format} format, "
-        f"{len(files)} tensor file(s)) to {args.out_dir}"
+        f"exported {'DFlash2' if draft.config.dflash2 else 'DFlash'} draft ({args.dtype}, "
+        f"{args.format} format, {len(files)} tensor file(s)) to {args.out_dir}"
     )
 
 

@@ -6,7 +6,8 @@ prepare.py --features writes them, train.py (offline) reads them back:
                                   features.j [S, n_t*H], target_hidden.j [S, H]
                                   (--save-target-hidden); metadata: the settings that made the shard
                                   and its counts
-    OUT/manifest.json             target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
+    OUT/manifest.json             target, target_layer_ids, hidden_size, feature_dtype, shards,
+                                  skip counts
 
 Features are large: a Qwen3-8B target gives 5 x 4096 values per token (40 KB in bf16), so 100K
 conversations of 1K tokens are 4 TB. FeatureSamples is a read-only sequence of sample dicts whose
@@ -112,9 +113,10 @@ def load_features(out_dir: str) -> FeatureSamples:
     disk."""
     if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
         raise FileNotFoundError(
-            f"{out_dir} is not a feature directory (it has no manifest.json); make one with: python prepare.py "
-            f"--data CONVERSATIONS.jsonl --features --draft-config CONFIG --out-dir {out_dir} "
-            "(or train on a conversations JSONL directly with train.py --online)"
+            f"{out_dir} is not a feature directory (it has no manifest.json); make one with: "
+            "python prepare.py --data CONVERSATIONS.jsonl --features --draft-config CONFIG "
+            f"--out-dir {out_dir} (or train on a conversations JSONL directly with train.py "
+            "--online)"
         )
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)

@@ -6,9 +6,12 @@ bytes a parameter, and online the whole target too. fully_shard cuts every param
 dimension into world slices; rank r keeps slice r of the weights, of the gradients and of the
 optimizer state, and holds a unit's whole weights only while that unit computes:
 
-    forward   all_gather(unit) -> compute -> free            a unit: one draft layer, then the root (the rest)
-    backward  all_gather(unit) -> grads -> reduce_scatter     rank r keeps the rank-mean of slice r's gradient
-    step      AdamW on this rank's slices                     the optimizer never sees a whole parameter
+    forward   all_gather(unit) -> compute -> free          a unit: one draft layer, then the root
+                                                           (the rest)
+    backward  all_gather(unit) -> grads -> reduce_scatter  rank r keeps the rank-mean of slice r's
+                                                           gradient
+    step      AdamW on this rank's slices                  the optimizer never sees a whole
+                                                           parameter
 
 The reduce-scatter averages over ranks as DDP's all-reduce does, so train.py's step (the numerators'
 gradients summed over micro-batches and ranks, divided once by the global denominator) is unchanged.
@@ -52,8 +55,8 @@ def shard_draft(objective, layers, bf16: bool):
         else MixedPrecisionPolicy()
     )
     # context_kv returns transposed views; FSDP warns that an in-place write into one would skip its
-    # hook,
-    # but nothing writes into them (model.Attention.forward concatenates them into new tensors)
+    # hook, but nothing writes into them (model.Attention.forward concatenates them into new
+    # tensors)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for layer in layers:
         fully_shard(layer, mp_policy=mp)

@@ -108,8 +108,9 @@ def parse_args(argv=None):
         nargs="+",
         type=verify_arg,
         metavar="{auto,N}",
-        help="verify a tree of N drafted nodes in one target forward (tree.py); auto (the default): "
-        "a tree or a path, whichever is predicted fastest here. --bench takes several: a row each",
+        help="verify a tree of N drafted nodes in one target forward (tree.py); "
+        "auto (the default): a tree or a path, whichever is predicted fastest here. --bench takes "
+        "several: a row each",
     )
     a(
         "--show",

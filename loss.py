@@ -270,7 +270,8 @@ def objective(
         raise ValueError(f"loss must be ce, kl, tv or lk, got {loss!r}")
     if loss == "kl" and target_hidden is None:
         raise ValueError(
-            "loss 'kl' needs the target's hidden states (prepare.py --save-target-hidden, or --online)"
+            "loss 'kl' needs the target's hidden states (prepare.py --save-target-hidden, or "
+            "--online)"
         )
     if weighting == "exp" and gamma is None:
         if B not in DEFAULT_GAMMA:
@@ -289,8 +290,7 @@ def objective(
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)
     target_at_slots = None  # [N, A, B-1, H]: the target predicts x[a+j] from position a+j-1
     # ce reads only the labels: the target's [blocks x (B-1), V] distribution would feed metrics
-    # alone,
-    # at about a third of a CPU step, so ce never makes it
+    # alone, at about a third of a CPU step, so ce never makes it
     if target_hidden is not None and loss != "ce":
         pos = (anchors[..., None] + torch.arange(B - 1, device=h.device)).clamp(
             max=input_ids.shape[1] - 1
@@ -366,11 +366,9 @@ def base_numerator(loss: str, totals: dict):
     return lam * totals["N_ce"] + (1 - lam) * totals["N_tv"]
 
 
-# ----------------------------------------------------------------------------- over micro-batches
-# and ranks
+# --------------------------------------------------------------------- over micro-batches and ranks
 # Every metric is a (numerator, denominator) pair: train.py adds the pairs over micro-batches, sums
-# them
-# over ranks and divides once, so a metric is a ratio of global sums whatever the rank /
+# them over ranks and divides once, so a metric is a ratio of global sums whatever the rank /
 # accumulation split.
 def all_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():

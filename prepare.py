@@ -11,8 +11,10 @@
 
 Conversations are read and tokenised by data.py. What OUT holds (features.py describes the shards):
     conversations.jsonl        {"index", "messages"} per line, after --regenerate (usable as --data)
-    shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden (--save-target-hidden)
-    manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards, skip counts
+    shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden
+                               (--save-target-hidden)
+    manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards,
+                               skip counts
 
 The built-in prompt sets (--prompts default / eval) live in promptsets.py, the target in target.py.
 """
@@ -189,8 +191,8 @@ def write_features(
             if sum(int(meta[key]) for key in COUNTS) == len(chunk):
                 bar.update(1)
                 continue
-            # else: the last, partial shard of a run over fewer conversations (--num-samples grew):
-            # rebuilt
+            # else: the last, partial shard of a run over fewer conversations
+            # (--num-samples grew): rebuilt
         tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in chunk]
         keep = [j for j, (ids, mask) in enumerate(tokenized) if len(anchor_positions(mask))]
         by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
@@ -268,7 +270,7 @@ def main(argv=None):
         "--target-dtype",
         choices=["auto", *DTYPES],
         default="auto",
-        help="auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py)",
+        help="auto: bf16 on GPU and on CPUs with native bf16, else fp32 (speed/machine.py)",
     )
     p.add_argument(
         "--draft-config", help="draft config JSON; its target_layer_ids pick the features"
@@ -318,8 +320,8 @@ def main(argv=None):
         "--target-gemm",
         choices=["auto", "stock", "onednn", "mkl"],
         default="auto",
-        help="the target's GEMM layout (target.py); auto: oneDNN for a bf16 target on a CPU with native "
-        "bf16, for fp32 whichever a short measurement found fastest (machine.py)",
+        help="the target's GEMM layout (speed/gemm.py); auto: oneDNN for a bf16 target on a CPU "
+        "with native bf16, for fp32 whichever a short measurement found fastest (speed/machine.py)",
     )
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:

@@ -18,6 +18,8 @@ import re
 import subprocess
 import sys
 
+from prompts.word_problems import word_problems
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -138,9 +140,6 @@ def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
     1, decontaminated against every eval set (GSM8K test is its held-out set) and shuffled with
     seed. A fixed pool: the first N are the same whatever N a run takes, so a larger run extends a
     smaller one."""
-    sys.path.insert(0, os.path.join(HERE, "prompts"))
-    from word_problems import word_problems
-
     prompts = decontaminate(
         word_problems(n - n // 4, seed) + math_prompts(n // 4, seed),
         [p for name in EVAL_SETS for p in eval_prompts(name)],

@@ -97,8 +97,9 @@ def check_draft_fits(cfg, target):
     head = tuple(target.get_output_embeddings().weight.shape)
     if head != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(
-            f"draft config vocab_size, hidden_size = {cfg.vocab_size}, {cfg.hidden_size}; the target's "
-            f"are {head[0]}, {head[1]}: a DFlash2 draft needs its target's full vocabulary and width"
+            f"draft config vocab_size, hidden_size = {cfg.vocab_size}, {cfg.hidden_size}; the "
+            f"target's are {head[0]}, {head[1]}: a DFlash2 draft needs its target's full "
+            "vocabulary and width"
         )
 
 
@@ -137,8 +138,7 @@ def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
     return (out, features, grabbed["final"]) if final_hidden else (out, features)
 
 
-# ----------------------------------------------------------------------------- the KV cache
-# decoding uses
+# ----------------------------------------------------------------------- the KV cache decoding uses
 def new_cache(target):
     """An empty KV cache for the target. Sliding-window layers keep their rows until crop(), so the
     rows of rejected drafts can still be dropped after a verify."""

@@ -5,29 +5,29 @@ CPU.
 Sections, in file order (each starts with a "# ====" banner):
     conv.py                      the convolution against an explicit loop, identity at init
     selector.py                  scores, lattice and walks against their formulas
-    model.py and config.py       training path == inference path, validation rules, save / load contract
+    model.py and config.py       training path == inference path, validation rules, save / load
     target.py                    feature capture, the embedded target's conversion, packed weights
-    loss.py                      labels, weights and every loss against hand-worked numbers, chunking,
-                                 the per-slot acceptance statistics
-    prepare.py, features.py      loss masks, conversation readers, regeneration, feature shards, batched
-                                 capture, streamed reading equal to the shards and flat in memory
+    loss.py                      labels, weights and every loss against hand-worked numbers,
+                                 chunking, the per-slot acceptance statistics
+    data.py, prepare.py,         loss masks, conversation readers, regeneration, feature shards,
+    features.py                  batched capture, streamed reading equal to the shards, flat memory
     promptsets.py                the prompt sets (skipped without the data packages)
-    generate.py, tree.py         greedy is lossless (== transformers' generate), the rejection rule, sampling,
-                                 --show; trees: best-first growth, 4-D masks, KV gather, scripted
-                                 trees, sampling, what auto chooses
-    machine.py, cost.py, plan.py the rule per CPU (other CPUs played by monkeypatch), packed-layout
-    choice
-                                 and refusals, the per-machine cache, the job's sizing by hand
+    decoding.py, generate.py,    greedy is lossless (== transformers' generate), the rejection rule,
+    tree.py                      sampling, --show; trees: best-first growth, 4-D masks, KV gather,
+                                 scripted trees, sampling, what auto chooses
+    speed/, tools/plan.py        the rule per CPU (other CPUs played by monkeypatch), packed-layout
+                                 choice and refusals, the per-machine cache, the job's sizing
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation, freezing,
-                                 compile; FSDP == accumulation, resume onto another number of ranks;
-                                 target dtype, FLOPs against a hand count, MFU
+    train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation,
+                                 freezing, compile; FSDP == accumulation, resume onto another
+                                 number of ranks; target dtype, FLOPs against a hand count, MFU
     data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
-    the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped without a GPU):
-                                 compiled flex == sdpa, bf16 step == fp32 step, torchrun + nccl
-                                 resume, MFU
+    the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped
+                                 without a GPU): compiled flex == sdpa, bf16 step == fp32 step,
+                                 torchrun + nccl resume, MFU
+    the project's shape          imports flow one way
 """
 
 import importlib.util
@@ -438,7 +438,7 @@ def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
 
 def spec_tensor_shapes(c: DraftConfig):
     """docs/semantics.md, section 3: the tensor list, written out independently of model.py."""
-    H, I, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
+    H, FF, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
     q, kv, T, G, V, r = (
         c.num_attention_heads * c.head_dim,
         c.num_key_value_heads * c.head_dim,
@@ -467,9 +467,9 @@ def spec_tensor_shapes(c: DraftConfig):
                 p + "self_attn.o_proj.weight": (H, q),
                 p + "self_attn.q_norm.weight": (c.head_dim,),
                 p + "self_attn.k_norm.weight": (c.head_dim,),
-                p + "mlp.gate_proj.weight": (I, H),
-                p + "mlp.up_proj.weight": (I, H),
-                p + "mlp.down_proj.weight": (H, I),
+                p + "mlp.gate_proj.weight": (FF, H),
+                p + "mlp.up_proj.weight": (FF, H),
+                p + "mlp.down_proj.weight": (H, FF),
             }
         )
         for conv in ("attention_conv", "mlp_conv"):
@@ -1049,7 +1049,8 @@ CONVERSATION = [
 ]
 ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
 CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 # ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
@@ -1582,14 +1583,18 @@ from safetensors.torch import load_file
 folder, how = sys.argv[1], sys.argv[2]
 if how == "streamed":
     samples = data.load_samples(folder, False, None, 512)
-else:   # every shard read whole into memory and kept (copied: safetensors maps files, the kernel may drop mapped pages)
-    shards = [load_file(os.path.join(folder, f)) for f in sorted(os.listdir(folder)) if f.startswith("shard-")]
+# else every shard is read whole into memory and kept (copied: safetensors maps files, the kernel
+# may drop mapped pages)
+else:
+    names = sorted(f for f in os.listdir(folder) if f.startswith("shard-"))
+    shards = [load_file(os.path.join(folder, f)) for f in names]
     keys = ("input_ids", "loss_mask", "features")
     samples = [{{k: t[f"{{k}}.{{j}}"].clone() for k in keys}} for t in shards for j in range(2)]
-total = 0.0                                  # one epoch in a seeded order: every sample's features are read
+total = 0.0  # one epoch in a seeded order: every sample's features are read
 for i in torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist():
-    total += float(samples[i]["features"].sum())   # no fp32 copy: keep the allocator's churn out of the peak
-# peak resident bytes of this process (VmHWM: unlike ru_maxrss, it starts afresh at exec, not at the parent's peak)
+    total += float(samples[i]["features"].sum())  # no fp32 copy: no allocator churn in the peak
+# peak resident bytes of this process (VmHWM: unlike ru_maxrss, it starts afresh at exec, not at
+# the parent's peak)
 print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024)
 """
 
@@ -1628,8 +1633,9 @@ def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_pa
         peak(ten, "whole"),
     )
     print(
-        f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, 10 shards {streamed_ten / 2**20:.1f}; "
         # pytest -s shows it
+        f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, "
+        f"10 shards {streamed_ten / 2**20:.1f}; "
         f"read whole, 10 shards {whole_ten / 2**20:.1f} (a shard: {shard / 2**20:.1f})"
     )
     assert streamed_ten - streamed_one < shard / 4, (streamed_one, streamed_ten, shard)
@@ -1705,7 +1711,7 @@ def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
     # 6,000 word problems + 2,000 mathematics-dataset
     assert len(set(normalized)) == len(pool) > 7900
     sys.path.insert(0, os.path.join(HERE, "prompts"))
-    from word_problems import TEMPLATES, word_problems
+    from prompts.word_problems import TEMPLATES, word_problems
 
     kinds = {
         next(
@@ -2319,7 +2325,8 @@ def scripted_grower(ref, kind, V=64):
     """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
     (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
     `expected` records how many nodes each cycle must accept, known by construction:
-      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1} under w_d)
+      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
+                    under w_d)
       wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
       branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
     Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
@@ -2414,7 +2421,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
     alike."""
     B = 5
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    for kw, L in [
+    for kw, depth in [
         (dict(verify_tokens=1), 1),
         (dict(verify_tokens=3), 3),
         ({}, B - 1),
@@ -2437,7 +2444,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             grower=record(tree.draft_tree),
             **kw,
         )
-        assert set(seen) == {(L, L)}
+        assert set(seen) == {(depth, depth)}
         # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores
         # all B
         # rows, zeros past the real ones) changes nothing
@@ -2453,7 +2460,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             **kw,
         )
         del draft.fast_head
-        assert torch.equal(out, wide) and set(seen) == {(L, L)}
+        assert torch.equal(out, wide) and set(seen) == {(depth, depth)}
     _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
@@ -3587,7 +3594,8 @@ def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
     ):
         assert machine.choose_layout(torch.float32, "cpu", "auto", lambda: ms) == (
             best,
-            f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, mkl {ms['mkl']:.1f} ms)",
+            f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, "
+            f"mkl {ms['mkl']:.1f} ms)",
         )
     assert machine.choose_layout(torch.float16, "cpu", "auto", never) == ("stock", "stock GEMMs")
     assert machine.choose_layout(torch.float32, "cuda", "auto", never) == ("stock", "stock GEMMs")
@@ -5106,7 +5114,8 @@ def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
 
 
 DETERMINISTIC_TRAIN = """import runpy, sys, torch
-torch.use_deterministic_algorithms(True, warn_only=True)   # scatter, gather and index backward without atomics
+# scatter, gather and index backward without atomics
+torch.use_deterministic_algorithms(True, warn_only=True)
 sys.path.insert(0, {here!r})
 runpy.run_path({train!r}, run_name="__main__")
 """
@@ -5180,3 +5189,94 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
     for out in ("a", "b"):
         mfu = [r["mfu"] for r in log_records(tmp_path / out / "log.jsonl") if r["kind"] == "train"]
         assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
+
+
+# ============================================================================ the project's shape
+def project_imports(root=HERE) -> tuple:
+    """-> ({module: the project modules it imports}, [function-level imports of project modules]).
+    Modules are the .py files of the top level, speed/, tools/ and prompts/, named as imported:
+    "model", "speed.cost", "tools.plan", "prompts.word_problems"."""
+    import ast
+
+    files = {}
+    for folder in ("", "speed", "tools", "prompts"):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            if name.endswith(".py") and name != "__init__.py":
+                module = ".".join(filter(None, [folder, name[:-3]]))
+                files[module] = os.path.join(root, folder, name)
+    files["speed"] = os.path.join(root, "speed", "__init__.py")
+
+    def resolve(name, here):
+        """The project module an import names, seen from module `here` (None: not the project's)."""
+        for candidate in (name, f"{here.rpartition('.')[0]}.{name}".lstrip(".")):
+            if candidate in files:
+                return candidate
+        return None
+
+    graph, inside_functions = {}, []
+    for module, path in files.items():
+        tree_ = ast.parse(open(path).read())
+        found = set()
+        for node in ast.walk(tree_):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            hits = {m for m in (resolve(n, module) for n in names) if m}
+            found |= hits
+            if hits and node.col_offset > 0 and module != "test_all":
+                inside_functions.append(f"{module}:{node.lineno}")
+        graph[module] = found - {module}
+    return graph, inside_functions
+
+
+def import_cycle(graph: dict):
+    """A cycle of the import graph as a list of modules, or None: depth-first search."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return stack[stack.index(n) :] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    return next((c for m in sorted(graph) if m not in state and (c := visit(m))), None)
+
+
+def reachable(graph: dict, start: str) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        for n in graph.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_imports_flow_one_way():
+    """No import cycle, no project import hidden inside a function, the training path reaches
+    neither decoding nor the cost model, the data path stands without prepare.py, and the CPU
+    machinery (speed/) is reached only through its two doors, machine.py and tune.py (and bench.py,
+    which is generate.py --bench)."""
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    graph, inside_functions = project_imports()
+    assert {"decoding", "speed.cost", "tools.plan", "prompts.word_problems"} <= set(graph)
+    assert import_cycle(graph) is None
+    assert inside_functions == []
+    training = reachable(graph, "train")
+    assert {"model", "loss", "data", "speed.machine"} <= training
+    assert not training & {"decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
+    assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
+    core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]
+    doors = {"speed", "speed.machine", "speed.tune", "speed.bench"}
+    assert {
+        m: graph[m] - doors for m in core if {n for n in graph[m] if n.startswith("speed")} - doors
+    } == {}

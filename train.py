@@ -14,6 +14,7 @@ so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -57,7 +58,8 @@ def parse_args(argv=None):
     a(
         "--data",
         required=True,
-        help="feature directory (prepare.py --features) or, with --online, a JSONL of conversations",
+        help="feature directory (prepare.py --features) or, with --online, a JSONL of "
+        "conversations",
     )
     a(
         "--eval-data",
@@ -81,7 +83,8 @@ def parse_args(argv=None):
         choices=["auto", *DTYPES],
         default="auto",
         help="the target's weights (online: its "
-        "forward); auto: bf16 on GPU and on CPUs with native bf16, else fp32 (machine.py). Its embedding and lm_head are used in fp32 either way",
+        "forward); auto: bf16 on GPU and on CPUs with native bf16, else fp32 (speed/machine.py). "
+        "Its embedding and lm_head are used in fp32 either way",
     )
     a(
         "--max-length",
@@ -143,7 +146,8 @@ def parse_args(argv=None):
         "--steps-this-run",
         type=bounded(int, low=1),
         default=None,
-        help="stop (with a checkpoint) after this many steps of this invocation; --resume continues",
+        help="stop (with a checkpoint) after this many steps of this invocation; --resume "
+        "continues",
     )
     # running
     a("--out-dir", default="out/draft")
@@ -168,19 +172,22 @@ def parse_args(argv=None):
         "--attention",
         choices=["auto", "sdpa", "flex"],
         default="auto",
-        help="sdpa: dense mask; flex: block-sparse FlexAttention, GPU only; auto: flex on GPU, sdpa on CPU",
+        help="sdpa: dense mask; flex: block-sparse FlexAttention, GPU only; auto: flex on GPU, "
+        "sdpa on CPU",
     )
     a(
         "--dtype",
         choices=["auto", "fp32", "bf16"],
         default="auto",
-        help="auto: bf16 autocast on GPU and on CPUs with native bf16, else fp32 (machine.py)",
+        help="auto: bf16 autocast on GPU and on CPUs with native bf16, else fp32 "
+        "(speed/machine.py)",
     )
     a(
         "--peak-tflops",
         type=bounded(float, above=0.0),
         default=None,
-        help="GPU only: the peak (dense bf16) TFLOP/s that MFU divides by; default: flops.PEAK_TFLOPS by device name",
+        help="GPU only: the peak (dense bf16) TFLOP/s that MFU divides by; default: "
+        "flops.PEAK_TFLOPS by device name",
     )
     a("--seed", type=int, default=0)
     a("--quiet", action="store_true", help="no progress bar")
@@ -398,6 +405,37 @@ def load_checkpoint(path, draft, opt, sched, sharded=False) -> int:
     return ck["step"]
 
 
+def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
+    """One optimizer step over this rank's args.grad_accum micro-batches (built as they are used)
+    -> (metrics, grad norm or None, whether the step was taken: not where the loss or the norm is
+    not finite).
+
+    The objective over every micro-batch of every rank is sum(numerators) / sum(denominators)
+    (loss.py). Each backward adds one numerator's gradient, and the sum is divided once by the
+    global denominator D, so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches."""
+    acc, D = {}, 0.0
+    for m, batch in enumerate(batches):
+        last = m == args.grad_accum - 1  # DDP all-reduces the gradients in the last backward only
+        with autocast(), torch.enable_grad() if last else no_sync():
+            out = objective(batch, alpha_t)
+            out["numerator"].backward()
+        D = D + out["denominator"]
+        L.add_into(acc, out["metrics"])
+    D = L.all_sum(D)  # the global denominator
+    for p in params:  # DDP and FSDP averaged the gradients over the ranks (1 / world): undo that
+        if p.grad is not None:
+            p.grad.mul_(world / D.clamp(min=1e-9))
+    norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip) if args.grad_clip > 0 else None
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
+    metrics = L.reduce_metrics(acc)
+    if not math.isfinite(metrics["loss"]) or (norm is not None and not torch.isfinite(norm)):
+        return metrics, norm, False
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return metrics, norm, True
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     # ------------------------------------------------------------------ setup: ranks, device,
@@ -492,8 +530,10 @@ def main(argv=None):
     if ddp:
         objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
     log(
-        f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: {sum(p.numel() for p in draft.parameters()):,} parameters; "
-        f"{len(samples)} train / {len(eval_samples)} eval sequences; {total} steps of {per_step} rows on {world} rank(s)"
+        f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: "
+        f"{sum(p.numel() for p in draft.parameters()):,} parameters; "
+        f"{len(samples)} train / {len(eval_samples)} eval sequences; "
+        f"{total} steps of {per_step} rows on {world} rank(s)"
         f"{f' ({dist.get_backend()})' if distributed else ''}, "
         f"{device}, {args.attention} attention"
         + (", FSDP" if sharded else "")
@@ -501,7 +541,8 @@ def main(argv=None):
     )
     if device.type == "cuda" and not peak:
         log(
-            f"no MFU: {torch.cuda.get_device_name(device)} is not in flops.PEAK_TFLOPS; give its --peak-tflops"
+            f"no MFU: {torch.cuda.get_device_name(device)} is not in flops.PEAK_TFLOPS; "
+            "give its --peak-tflops"
         )
 
     # ------------------------------------------------------------------ loop
@@ -512,83 +553,44 @@ def main(argv=None):
         desc="train",
         dynamic_ncols=True,
     )
-    # this rank's target tokens and anchors, for throughput
-    t0, seen = time.time(), torch.zeros(2)
-    done = 0  # and its model FLOPs, for MFU (GPU only)
+    t0 = time.time()
+    seen = torch.zeros(3, dtype=torch.float64)  # this rank's target tokens, anchors, model FLOPs
+
+    def make_batch(rows_of_batch, epoch):  # a micro-batch: rows of samples, anchors, features
+        keys = [epoch * len(rows) + r for r in rows_of_batch]
+        docs = [[samples[j] for j in rows[r]] for r in rows_of_batch]
+        batch = data.collate(docs, keys, args.num_anchors, args.seed, device)
+        if target is not None:
+            add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
+        flop = flops.step_flops(cfg, batch, target_weights) if peak else 0
+        counts = [batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item(), flop]
+        seen.add_(torch.tensor(counts, dtype=torch.float64))
+        return batch
+
+    no_sync = objective.no_sync if ddp else contextlib.nullcontext
     stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
     while step < stop:
-        epoch, micro_batches = step_micro_batches(
-            step, steps_per_epoch, len(rows), args, rank, world
+        epoch, micro = step_micro_batches(step, steps_per_epoch, len(rows), args, rank, world)
+        batches = (make_batch(idx, epoch) for idx in micro)
+        alpha = args.selector_loss_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
+        alpha_t = L.selector_alpha(step, total, *alpha) if selector_on else None
+        metrics, grad_norm, taken = train_step(
+            objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast
         )
-        alpha_t = (
-            L.selector_alpha(
-                step,
-                total,
-                args.selector_loss_alpha,
-                args.selector_warmup_ratio,
-                args.selector_ramp_ratio,
-            )
-            if selector_on
-            else None
-        )
-        acc, D = {}, torch.zeros((), device=device)
-        for m, idx in enumerate(micro_batches):
-            batch = data.collate(
-                [[samples[j] for j in rows[r]] for r in idx],
-                [epoch * len(rows) + r for r in idx],
-                args.num_anchors,
-                args.seed,
-                device,
-            )
-            if target is not None:
-                add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
-            last = m == args.grad_accum - 1
-            with autocast(), objective.no_sync() if ddp and not last else torch.enable_grad():
-                out = objective(batch, alpha_t)
-                out["numerator"].backward()
-            D += out["denominator"]
-            L.add_into(acc, out["metrics"])
-            seen += torch.tensor(
-                [batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item()]
-            )
-            done += flops.step_flops(cfg, batch, target_weights) if peak else 0
-        # grad = sum of all numerators' gradients / global D. DDP (or FSDP) already averaged over
-        # ranks (1/world).
-        D = L.all_sum(D)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(world / D.clamp(min=1e-9))
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip) if args.grad_clip > 0 else None
-        )
-        # FSDP: a DTensor
-        grad_norm = grad_norm.full_tensor() if sharded and grad_norm is not None else grad_norm
-        metrics = L.reduce_metrics(acc)
-        if not math.isfinite(metrics["loss"]) or (
-            grad_norm is not None and not torch.isfinite(grad_norm)
-        ):
+        if not taken:
             log(
-                f"step {step}: loss {metrics['loss']} is not finite; stopping. The last good checkpoint is {ckpt_path}"
+                f"step {step}: loss {metrics['loss']} or grad norm {grad_norm} is not finite; "
+                f"stopping. The last good checkpoint is {ckpt_path}"
             )
             end_distributed()
             sys.exit(1)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
         step += 1
         bar.update(1)
-        # this invocation's seconds, evaluations included
-        elapsed = time.time() - t0
-        # per rank (per GPU), as throughput is usually quoted
-        tok_s, anchor_s = (seen / elapsed).tolist()
-        # a tiny model's MFU is not 0
-        mfu = {"mfu": float(f"{done / elapsed / peak:.4g}")} if peak else {}
-        bar.set_postfix(
-            loss=f"{metrics['loss']:.3f}",
-            acc=f"{metrics['unary_acc']:.3f}",
-            tok_s=f"{tok_s:.0f}",
-            **mfu,
-        )
+        elapsed = time.time() - t0  # this invocation's seconds, evaluations included
+        tok_s, anchor_s, flop_s = (seen / elapsed).tolist()  # per rank (per GPU), as usually quoted
+        mfu = {"mfu": float(f"{flop_s / peak:.4g}")} if peak else {}  # a tiny model's is not 0
+        loss, acc = f"{metrics['loss']:.3f}", f"{metrics['unary_acc']:.3f}"
+        bar.set_postfix(loss=loss, acc=acc, tok_s=f"{tok_s:.0f}", **mfu)
         if master and (step % args.log_interval == 0 or step == total):
             append_log(
                 log_path,

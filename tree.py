@@ -1,17 +1,17 @@
 """Verify a tree, not a path: a cycle's drafts as a tree, checked in one target forward (DDTree for
 DFlash2).
 
-    python generate.py --draft D --prompt "..." --tree-budget 16 --show      # watch the trees
-    python generate.py --draft D --bench gsm8k --tree-budget 8 16 24 32     # one bench row per budget
+    python generate.py --draft D --prompt "..." --tree-budget 16 --show    # watch the trees
+    python generate.py --draft D --bench gsm8k --tree-budget 8 16 24 32   # one bench row per budget
 
 A cycle's draft forward scores all B-1 slots at once. A path sends one token per slot to the target;
 a tree sends up to N nodes, grown best-first from the anchor over each slot's top-K candidates
 (DDTree, arXiv 2604.12989). A node at depth d holds a candidate of slot d; its score is the sum of
 the log-probabilities along its path, one per edge:
 
-    DFlash2:           log softmax_K(s_d(parent -> .))[child]    the selector's edge scores, given the
-                                                                 parent's own token (selector.py)
-    DFlash, --unary:   log softmax_V(u_d)[child]                 the slot's own distribution (DDTree)
+    DFlash2:          log softmax_K(s_d(parent -> .))[child]  the selector's edge scores, given
+                                                              the parent's own token (selector.py)
+    DFlash, --unary:  log softmax_V(u_d)[child]               the slot's own distribution (DDTree)
 
 The target sees node i at position anchor + depth_i, attending to the committed context and to i's
 own ancestors only (one 4-D mask), so row i of its logits is exactly what it would say after i's
@@ -150,8 +150,7 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
     return grow(cand_ids[0].tolist(), children, budget, branch, int(ids[0, -1]))
 
 
-# ----------------------------------------------------------------------------- verify in one
-# forward
+# ---------------------------------------------------------------------------- verify in one forward
 def attention_masks(tree: Tree, cache, dtype):
     """The additive 4-D masks [1, 1, n, kv] for the tree's n block tokens after the cached context:
     each node sees every cached row (inside the sliding window on sliding layers) and its own

@@ -12,9 +12,9 @@ on grade-school arithmetic: several quantities, two to four operations, money, t
 import random
 
 NAMES = (
-    "Anna Ben Carla David Emma Farid Grace Hiro Isla Jamal Kofi Lena Mateo Nadia Omar Priya Quinn Rosa "
-    "Sam Tara Umar Vera Wen Xavier Yara Zoe Liam Mia Noah Ava Ethan Chloe Lucas Sofia Mason Aria Leo "
-    "Maya Owen Nora"
+    "Anna Ben Carla David Emma Farid Grace Hiro Isla Jamal Kofi Lena Mateo Nadia Omar Priya Quinn "
+    "Rosa Sam Tara Umar Vera Wen Xavier Yara Zoe Liam Mia Noah Ava Ethan Chloe Lucas Sofia Mason "
+    "Aria Leo Maya Owen Nora"
 ).split()
 THINGS = (
     "apples",
@@ -46,55 +46,71 @@ PLACES = (
 ).split(", ")
 
 TEMPLATES = [
-    "{A} has {n1} {C} of {T}. Each {c} holds {n2} {T}. {A} gives {n3} {T} to {B}. How many {T} does {A} have left?",
-    "{A} buys {n1} {T} at {P} for ${p1} each and {n2} {T2} for ${p2} each. How much does {A} spend in total?",
-    "{A} earns ${p1} an hour {J}. Last week {A} worked {n1} hours on Monday and {n2} hours on Saturday. "
-    "How much money did {A} earn last week?",
-    "A {c} of {T} costs ${p1} at {P}. {A} buys {n1} {C} and pays with a ${bill} bill. How much change does {A} get?",
-    "{A} read {n1} pages on Monday and twice as many pages on Tuesday. If the book has {big} pages, how many "
-    "pages are left to read?",
-    "There are {big} students in a school. {pct}% of them take the bus and the rest walk. How many students walk?",
-    "{A} had ${big}. {A} spent a quarter of it on {T} and ${p1} on lunch. How much money does {A} have now?",
+    "{A} has {n1} {C} of {T}. Each {c} holds {n2} {T}. {A} gives {n3} {T} to {B}. How many {T} "
+    "does {A} have left?",
+    "{A} buys {n1} {T} at {P} for ${p1} each and {n2} {T2} for ${p2} each. How much does {A} "
+    "spend in total?",
+    "{A} earns ${p1} an hour {J}. Last week {A} worked {n1} hours on Monday and {n2} hours on "
+    "Saturday. How much money did {A} earn last week?",
+    "A {c} of {T} costs ${p1} at {P}. {A} buys {n1} {C} and pays with a ${bill} bill. How much "
+    "change does {A} get?",
+    "{A} read {n1} pages on Monday and twice as many pages on Tuesday. If the book has {big} "
+    "pages, how many pages are left to read?",
+    "There are {big} students in a school. {pct}% of them take the bus and the rest walk. How "
+    "many students walk?",
+    "{A} had ${big}. {A} spent a quarter of it on {T} and ${p1} on lunch. How much money does {A} "
+    "have now?",
     "{A} is {n1} years old. {B} is {n2} years older than {A}. How old will {B} be in {n3} years?",
-    "A baker makes {n1} trays of {T} with {n2} on each tray. {A} sells {n3} of them in the morning and half of "
-    "the rest in the afternoon. How many are left at the end of the day?",
-    "{A} runs {n1} miles every weekday and {n2} miles on Saturday. How many miles does {A} run in {n3} weeks?",
-    "{A} collects {T}. {A} had {n1} and then bought {n2} {C} with {n3} in each. {A} then lost {n4}. "
-    "How many {T} does {A} have now?",
-    "A train travels at {n1}0 miles per hour for {n2} hours and then at {n3}0 miles per hour for {n4} hours. "
-    "How far does the train travel in total?",
+    "A baker makes {n1} trays of {T} with {n2} on each tray. {A} sells {n3} of them in the "
+    "morning and half of the rest in the afternoon. How many are left at the end of the day?",
+    "{A} runs {n1} miles every weekday and {n2} miles on Saturday. How many miles does {A} run in "
+    "{n3} weeks?",
+    "{A} collects {T}. {A} had {n1} and then bought {n2} {C} with {n3} in each. {A} then lost "
+    "{n4}. How many {T} does {A} have now?",
+    "A train travels at {n1}0 miles per hour for {n2} hours and then at {n3}0 miles per hour for "
+    "{n4} hours. How far does the train travel in total?",
     "{A} and {B} share {big} {T}. {A} gets {n1} more than {B}. How many {T} does {B} get?",
-    "A shirt costs ${p3}. It is on sale for {pct}% off. {A} buys {n1} shirts. How much does {A} pay?",
-    "{A} plants {n1} rows of {T2} with {n2} plants in each row. {n3} plants do not grow. How many plants grow?",
+    "A shirt costs ${p3}. It is on sale for {pct}% off. {A} buys {n1} shirts. How much does {A} "
+    "pay?",
+    "{A} plants {n1} rows of {T2} with {n2} plants in each row. {n3} plants do not grow. How many "
+    "plants grow?",
     "{A} saves ${p1} every week. How many weeks will it take {A} to save ${goal} for a bike?",
-    "A class has {n1} boys and {n2} girls. The teacher puts them into groups of {g}. How many groups are there?",
-    "{A} bought {n1} {C} of {T} with {n2} in each. {A} wants to give the same number to each of {g} friends. "
-    "How many does each friend get?",
-    "{A} drinks {n1} glasses of water a day. Each glass holds {n2}0 milliliters. How many liters does {A} drink "
-    "in {n3} days?",
-    "A recipe needs {n1} cups of flour for {n2} dozen {T}. How many cups of flour are needed for {n3} dozen {T}?",
+    "A class has {n1} boys and {n2} girls. The teacher puts them into groups of {g}. How many "
+    "groups are there?",
+    "{A} bought {n1} {C} of {T} with {n2} in each. {A} wants to give the same number to each of "
+    "{g} friends. How many does each friend get?",
+    "{A} drinks {n1} glasses of water a day. Each glass holds {n2}0 milliliters. How many liters "
+    "does {A} drink in {n3} days?",
+    "A recipe needs {n1} cups of flour for {n2} dozen {T}. How many cups of flour are needed for "
+    "{n3} dozen {T}?",
     "{A} has three times as many {T} as {B}. {B} has {n1} {T}. How many {T} do they have together?",
-    "A movie starts at {h}:15 PM and lasts {n1}0 minutes more than two hours. At what time does it end?",
-    "{A} pays ${p3} a month for a phone plan and ${p1} a month for music. How much does {A} pay in a year?",
-    "{A} scored {n1}, {n2} and {n3} points in three games. How many points does {A} need in the fourth game to "
-    "have an average of {avg} points?",
+    "A movie starts at {h}:15 PM and lasts {n1}0 minutes more than two hours. At what time does "
+    "it end?",
+    "{A} pays ${p3} a month for a phone plan and ${p1} a month for music. How much does {A} pay "
+    "in a year?",
+    "{A} scored {n1}, {n2} and {n3} points in three games. How many points does {A} need in the "
+    "fourth game to have an average of {avg} points?",
     "A farmer has {n1} cows and {n2} chickens. How many legs do the animals have altogether?",
-    "{A} walks {n1} blocks to school and {B} walks {n2} times as far. How many blocks do they walk together in "
-    "{n3} school days, going and coming back?",
+    "{A} walks {n1} blocks to school and {B} walks {n2} times as far. How many blocks do they "
+    "walk together in {n3} school days, going and coming back?",
     "At {P}, {T} are sold in {C} of {n1}. {A} needs {big} {T}. How many {C} does {A} need to buy?",
-    "{A} fills a pool that holds {big}0 liters at {n1}0 liters per minute. How many minutes does it take?",
-    "{A} has ${p3}. {B} has ${p1} less than {A}. {A} and {B} put their money together to buy a game that costs "
-    "${goal}. How much money is left?",
-    "A pizza is cut into {g} slices. {A} eats {n1} slices and {B} eats {n2} slices. What fraction of the pizza "
-    "is left?",
-    "{A} is making bracelets. Each bracelet needs {n1} beads. {A} has {big} beads. How many bracelets can {A} make "
-    "and how many beads are left over?",
-    "A store had {big} {T}. On Monday it sold {pct}% of them and on Tuesday it sold {n1} more. How many {T} are left?",
-    "{A} works {n1} hours a day, {n2} days a week, and earns ${p1} an hour. How much does {A} earn in {n3} weeks?",
-    "The perimeter of a rectangular garden is {per} meters. Its length is {n1} meters. What is its width?",
+    "{A} fills a pool that holds {big}0 liters at {n1}0 liters per minute. How many minutes does "
+    "it take?",
+    "{A} has ${p3}. {B} has ${p1} less than {A}. {A} and {B} put their money together to buy a "
+    "game that costs ${goal}. How much money is left?",
+    "A pizza is cut into {g} slices. {A} eats {n1} slices and {B} eats {n2} slices. What fraction "
+    "of the pizza is left?",
+    "{A} is making bracelets. Each bracelet needs {n1} beads. {A} has {big} beads. How many "
+    "bracelets can {A} make and how many beads are left over?",
+    "A store had {big} {T}. On Monday it sold {pct}% of them and on Tuesday it sold {n1} more. "
+    "How many {T} are left?",
+    "{A} works {n1} hours a day, {n2} days a week, and earns ${p1} an hour. How much does {A} "
+    "earn in {n3} weeks?",
+    "The perimeter of a rectangular garden is {per} meters. Its length is {n1} meters. What is "
+    "its width?",
     "{A} buys a bike for ${goal} and sells it for {pct}% more. How much profit does {A} make?",
-    "A bus can carry {n1}0 people. How many buses are needed for a school trip with {big} students and {n2} "
-    "teachers?",
+    "A bus can carry {n1}0 people. How many buses are needed for a school trip with {big} "
+    "students and {n2} teachers?",
 ]
 
 

@@ -1,4 +1,4 @@
-"""`auto`: which verify shape (a path of k drafts or a tree of N nodes) is predicted fastest here."""
+"""`auto`: the verify shape (a path of k drafts or a tree of N nodes) predicted fastest here."""
 
 import math
 
@@ -8,8 +8,7 @@ from tree import grow, label
 TREE_BUDGETS = (8, 16, 24, 32)  # the tree budgets `auto` prices besides the paths (priced_sizes)
 
 
-# ----------------------------------------------------------------------------- choose: a path or a
-# tree, how big
+# ---------------------------------------------------------------- choose: a path or a tree, how big
 def expected_tau(stats: dict, budget: int, branch: bool) -> float:
     """Expected tau (accepted drafts + 1) of a path of `budget` drafts (branch False) or of a
     best-first tree of `budget` nodes, from one mode's held-out statistics (acceptance.json, written
@@ -61,7 +60,8 @@ def plan(verify_tokens, tree_budget, draft, draft_path: str, mode: str, costs) -
     asked = [("path", v) for v in verify_tokens or []] + [("tree", v) for v in tree_budget or []]
     if any(kind == "path" and n != "auto" and n >= B for kind, n in asked):
         raise ValueError(
-            f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size {B})"
+            f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
+            f"{B})"
         )
     shapes = []
     for kind, n in asked or [("tree", "auto")]:
@@ -114,9 +114,10 @@ def choose(costs: dict, draft_ms: dict, stats, B: int, trees: bool = True):
     best = max(shapes, key=lambda s: (rate[s], s[0] == "path"))
     plain = 1 / costs[1]
     why = (
-        f"auto: {label(best)}: expected tau {taus[best]:.2f} per {costs[best[1] + 1] + drafting[best]:.1f} ms cycle "
-        f"({best[1] + 1}-token target forward {costs[best[1] + 1]:.1f} + draft {drafting[best]:.1f}) = "
-        f"{1000 * rate[best]:.1f} tok/s predicted, {rate[best] / plain:.2f}x plain ({1000 * plain:.1f} tok/s)"
+        f"auto: {label(best)}: expected tau {taus[best]:.2f} per "
+        f"{costs[best[1] + 1] + drafting[best]:.1f} ms cycle ({best[1] + 1}-token target forward "
+        f"{costs[best[1] + 1]:.1f} + draft {drafting[best]:.1f}) = {1000 * rate[best]:.1f} tok/s "
+        f"predicted, {rate[best] / plain:.2f}x plain ({1000 * plain:.1f} tok/s)"
     )
     if best != path:
         why += f"; best path: {path[1]} drafts, tau {taus[path]:.2f}, {1000 * rate[path]:.1f} tok/s"

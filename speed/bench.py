@@ -1,8 +1,7 @@
 """generate.py --bench: each prompt set decoded plainly and speculatively, one row per way.
 
-    python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16
-    --max-new-tokens 128 \
-        --verify-tokens 7 --tree-budget 8 16 24 32
+    python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16 \\
+        --max-new-tokens 128 --verify-tokens 7 --tree-budget 8 16 24 32
 
 Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts, a tree of N
 nodes, or auto's choice), then plain decoding. Where `--target-gemm auto` measured the GEMM layouts,
@@ -49,8 +48,8 @@ def bench(target, draft, tok, args, gen, stop, layouts):
     )
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
     print(
-        f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} {'same':>6}   "
-        "cycle: draft / selector / verify"
+        f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} "
+        f"{'same':>6}   cycle: draft / selector / verify"
     )
     for name in args.bench:
         prompts = [
@@ -65,9 +64,8 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         for r in rows:
             speculative_generate(target, draft, warm, 8, **specs[r])
         # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
-        # and a
-        # drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs of one
-        # VM).
+        # and a drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs
+        # of one VM).
         runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
         for ids in prompts:
             for layout in plains:
@@ -91,11 +89,13 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
             same = sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
             print(
-                f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} {tok_per_s(runs[r]):>8.1f} "
-                f"{tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   {split}"
+                f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} "
+                f"{tok_per_s(runs[r]):>8.1f} {tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   "
+                f"{split}"
             )
         for layout in plains:
             tps = tok_per_s(runs["plain " + layout])
             print(
-                f"{name:<10} {'plain ' + layout:<14} {'':<18} {1.0:>8.2f} {tps:>8.1f} {tps / base:>7.2f}x"
+                f"{name:<10} {'plain ' + layout:<14} {'':<18} {1.0:>8.2f} {tps:>8.1f} "
+                f"{tps / base:>7.2f}x"
             )

@@ -1,14 +1,15 @@
 """The cost model of speculative decoding on this machine: can a draft pay here, and from what tau?
 
-    python -m speed.cost                          # the embedded target, a random draft of the main config
+    python -m speed.cost  # the embedded target, a random draft of the main config
     python -m speed.cost --draft out/smollm2-math-dflash2/export --context 400
 
 Batch-1 speculative decoding trades one target forward per token for one per cycle:
 
     plain:        t_1 per token                     (one target forward of 1 token)
-    speculative:  (t_n + t_draft) / tau per token   (a target forward of the n verified tokens, one draft
-                                                     forward with its head over the n-1 slots sent
-                                                     and its selector walk, tau tokens committed)
+    speculative:  (t_n + t_draft) / tau per token   (a target forward of the n verified tokens,
+                                                     one draft forward with its head over the n-1
+                                                     slots sent and its selector walk, tau tokens
+                                                     committed)
     speedup = tau * t_1 / (t_n + t_draft),  so it pays from tau > (t_n + t_draft) / t_1.
 
 On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be,
@@ -286,8 +287,9 @@ def main(argv=None):
     draft.fast_head = FastestRows(embed_and_head(target, draft)[1], rows)
     t_draft = draft_costs(draft, target, args.context, args.repeats, walk)
     print(
-        f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} threads; draft "
-        f"({precision}, block {B}) forward + head over L slots{' + selector walk' * walk}: "
+        f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} "
+        f"threads; draft ({precision}, block {B}) forward + head over L "
+        f"slots{' + selector walk' * walk}: "
         + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items())
         + " ms (head rows: "
         + " ".join(str(r) for r in rows.values())
@@ -308,8 +310,9 @@ def main(argv=None):
             + f"{ms[B] / ms[1]:>11.2f}"
         )
     print(
-        f"plain decoding is fastest with {fastest(table, 1)} GEMMs ({plain:.1f} ms), a block of {B} is verified "
-        f"fastest with {fastest(table, B)} GEMMs. A path of k drafts pays from tau (t_(k+1) + draft_k) / {plain:.1f}:"
+        f"plain decoding is fastest with {fastest(table, 1)} GEMMs ({plain:.1f} ms), a block of "
+        f"{B} is verified fastest with {fastest(table, B)} GEMMs. A path of k drafts pays from tau "
+        f"(t_(k+1) + draft_k) / {plain:.1f}:"
     )
     for layout, ms in table.items():
         print(

@@ -7,9 +7,9 @@ it, oneDNN's bf16 GEMM of 2-7 rows is slow. So the draft's linear layers and the
 weights (measured, two threads, the SmolLM2 draft: the head over 3 rows 1.0 ms against 5.7 fp32 and
 113 bf16 natively, 1.6 against 10.9 fp32 under AVX2; `tools/int8_cost.py`):
 
-    weight  w[o, i] ~ s_o q[o, i],  q int8,  s_o = max_i |w[o, i]| / 127          one scale per output row
-    input   x[i] ~ a (r[i] - z),    r in 0..127, a and z from this call's min and max of x   (dynamic)
-    output  y[o] = a s_o sum_i (r[i] - z) q[o, i]                                  int32 sums, fp32 out
+    weight  w[o, i] ~ s_o q[o, i],  q int8,  s_o = max_i |w[o, i]| / 127        one scale per row
+    input   x[i] ~ a (r[i] - z),    r in 0..127, a and z from min and max of x  (dynamic: per call)
+    output  y[o] = a s_o sum_i (r[i] - z) q[o, i]                               int32 sums, fp32 out
 
 The inputs keep 7 bits, not 8: AVX2 sums the u8 x s8 products in pairs into 16 bits, which 8-bit
 inputs can overflow (fbgemm's `reduce_range`). The kernels are torch's quantized ops (fbgemm on

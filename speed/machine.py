@@ -6,20 +6,20 @@ packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the p
 file, for one of four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
-    decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8 tokens in one
-            forward rounds differently from decoding them one by one, which flips near-ties
-            (docs/cpu.md)
+    decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8
+            tokens in one forward rounds differently from decoding them one by one, which flips
+            near-ties (docs/cpu.md)
     train   the draft's autocast in train.py
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
                AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU
                the rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
-    layout     CPU only (gemm.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels; stock bf16
-               GEMMs are slower). fp32: whichever a short measurement on this machine found fastest
-               (cost.py; cached per machine, since the capability cannot tell: oneDNN won on an AMD
-               EPYC, MKL's packed GEMM on an Intel Xeon). A CPU the rule does not know (not x86 AVX2
-               / AVX-512): fp32, stock.
+    layout     CPU only (gemm.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels;
+               stock bf16 GEMMs are slower). fp32: whichever a short measurement on this machine
+               found fastest (cost.py; cached per machine, since the capability cannot tell:
+               oneDNN won on an AMD EPYC, MKL's packed GEMM on an Intel Xeon). A CPU the rule does
+               not know (not x86 AVX2 / AVX-512): fp32, stock.
 
 Each script prints one line of what it chose and why (`choice_line`).
 """
@@ -84,7 +84,8 @@ def native_bf16(info) -> tuple:
     if lowered:
         return (
             False,
-            f"cpu {info['capability']} kernels (capped; the hardware has {' + '.join(has)}), no native bf16",
+            f"cpu {info['capability']} kernels (capped; the hardware has {' + '.join(has)}), no "
+            "native bf16",
         )
     return True, f"cpu AVX512 with {' + '.join(has)}"
 
@@ -178,9 +179,9 @@ def check_layout(layout: str, dtype, device):
     check_packable(layout, dtype, device)
     if layout == "onednn":
         raise ValueError(
-            f"--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
-            f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) lacks; "
-            f"use --target-gemm stock or --target-dtype fp32"
+            "--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
+            f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) "
+            "lacks; use --target-gemm stock or --target-dtype fp32"
         )
     raise ValueError(
         f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock"
@@ -226,8 +227,7 @@ def dtype_name(dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
-# ----------------------------------------------------------------------------- the per-machine
-# cache
+# ---------------------------------------------------------------------------- the per-machine cache
 def cache_path() -> str:
     root = os.environ.get("DFLASH2_CACHE") or os.path.expanduser("~/.cache/dflash2")
     return os.path.join(root, "machine.json")

@@ -1,8 +1,9 @@
 """How to run here: one call per script, the core's door into this package.
 
     prepare.py   data_target(target, dtype, wanted)   the target's GEMM layout for batched forwards
-    generate.py  decoding(target, draft, args)        the draft in its precision with its fastest head,
-                                                      the target in its fastest layout, and a line
+    generate.py  decoding(target, draft, args)        the draft in its precision with its
+                                                      fastest head, the target in its fastest
+                                                      layout, and a line
                  verify_shapes(args, draft, mode, layouts)   the verify shapes asked, `auto` chosen
 
 Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement

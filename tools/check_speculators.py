@@ -5,9 +5,10 @@ It needs speculators==0.9.0, which pins transformers<=5.19, so it runs in a virt
 its own and never in the test run (test_all.py tests the format without speculators):
 
     python3 -m venv /work/venv-spec && /work/venv-spec/bin/pip install torch==2.13.0
-    echo 'torch==2.13.0' > /tmp/c.txt && /work/venv-spec/bin/pip install -c /tmp/c.txt
-    speculators==0.9.0
-    /work/venv-spec/bin/pip uninstall -y torchvision torchaudio   # their operator registration breaks transformers
+    echo 'torch==2.13.0' > /tmp/c.txt
+    /work/venv-spec/bin/pip install -c /tmp/c.txt speculators==0.9.0
+    # their operator registration breaks transformers:
+    /work/venv-spec/bin/pip uninstall -y torchvision torchaudio
     /work/venv-spec/bin/python tools/check_speculators.py
 
 A tiny random Qwen3 target is saved to a temporary directory and named as the verifier, so
@@ -146,7 +147,8 @@ def main():
         ids = torch.randint(0, 95, (1, S), generator=torch.Generator().manual_seed(2))
         out = target(ids, output_hidden_states=True)
         print(
-            f"speculators DFlash2DraftModel.from_pretrained vs this project, fp32, block 8 at anchor {ANCHOR}"
+            "speculators DFlash2DraftModel.from_pretrained vs this project, fp32, block 8 at "
+            f"anchor {ANCHOR}"
         )
         for name, kw in LAYOUTS.items():
             draft = random_draft(**kw)
@@ -172,8 +174,8 @@ def main():
             h_spec, u_spec = theirs(spec, ids, feats, draft.config.hidden_size)
             print(
                 f"  {name}: hidden max |diff| inference {(h_inf - h_spec).abs().max():.2e}, "
-                f"training {(h_train - h_spec).abs().max():.2e}; unary logits {(u - u_spec).abs().max():.2e} "
-                f"(logits up to {u.abs().max():.1f})"
+                f"training {(h_train - h_spec).abs().max():.2e}; unary logits "
+                f"{(u - u_spec).abs().max():.2e} (logits up to {u.abs().max():.1f})"
             )
 
 

@@ -13,7 +13,8 @@ its embedding and head). The difference between two layer counts, divided by the
 layers add, is what a draft parameter costs a rank, free of the fixed costs (torch, target, data):
 
     DDP:   fp32 weight 4 + gradient 4 + AdamW moments 8 = 16 bytes, + 4 for DDP's gradient buckets
-    FSDP:  those 16 bytes / world; the peak adds the one or two layers gathered whole while they compute
+    FSDP:  those 16 bytes / world; the peak adds the one or two layers gathered whole while
+           they compute
 
 glibc keeps freed blocks under its mmap threshold (adaptive, up to 32 MiB) on its heap, where the
 resident set still counts them: the runs fix MALLOC_MMAP_THRESHOLD_ at 128 KiB and
@@ -211,8 +212,9 @@ def main(argv=None):
                     ranks.append(json.load(f))
             rows.append((mode, layers, ranks))
     print(
-        f"\ndraft H {args.hidden_size}, vocab {args.vocab_size}, {args.nproc} ranks, {args.steps} steps; "
-        f"resident MiB per rank: after the last optimizer step / peak of training; rank 0's peak with the checkpoint save"
+        f"\ndraft H {args.hidden_size}, vocab {args.vocab_size}, {args.nproc} ranks, {args.steps} "
+        "steps; resident MiB per rank: after the last optimizer step / peak of training; rank 0's "
+        "peak with the checkpoint save"
     )
     ranks_head = " | ".join(f"rank {r}" for r in range(args.nproc))
     print(f"| mode | layers | draft parameters | {ranks_head} | with the save |")
@@ -230,8 +232,9 @@ def main(argv=None):
             for what, key in (("after the step", "state"), ("at the training peak", "train")):
                 mib = {layers: max(r[key] for r in ranks) for m, layers, ranks in rows if m == mode}
                 print(
-                    f"{mode}: layers {lo} -> {hi} add {added:,} parameters and {mib[hi] - mib[lo]:,.0f} MiB {what} "
-                    f"(the largest rank): {(mib[hi] - mib[lo]) * 2**20 / added:.1f} bytes a parameter"
+                    f"{mode}: layers {lo} -> {hi} add {added:,} parameters and "
+                    f"{mib[hi] - mib[lo]:,.0f} MiB {what} (the largest rank): "
+                    f"{(mib[hi] - mib[lo]) * 2**20 / added:.1f} bytes a parameter"
                 )
 
 

@@ -1,5 +1,5 @@
-"""Time the target's GEMMs alone, by row count, in each layout this machine runs (target.py): the
-cause behind cost.py's table, without attention, norms or Python around them.
+"""Time the target's GEMMs alone, by row count, in each layout this machine runs (speed/gemm.py):
+the cause behind cost.py's table, without attention, norms or Python around them.
 
     python tools/gemm_rows.py                   # rows 1 2 3 5 8, the embedded target
     python tools/gemm_rows.py --rows 1 4 9 17
@@ -45,8 +45,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     target, _ = load_target(args.target, torch.float32)
     print(
-        f"{machine.describe('cpu')}; {torch.get_num_threads()} threads; every linear of the target, median ms of "
-        f"{args.repeats}"
+        f"{machine.describe('cpu')}; {torch.get_num_threads()} threads; every linear of the "
+        f"target, median ms of {args.repeats}"
     )
     print(f"{'layout':<8}" + "".join(f"{f'{m} rows':>10}" for m in args.rows))
     for layout in machine.layouts_here(torch.float32, "cpu"):

@@ -1,23 +1,23 @@
 """The GPU path in one command: the CUDA tests, then the training-step rows README.md marks "not
 measured".
 
-    python tools/gpu_check.py out/gpu-check                        # on a CUDA GPU: within 8 minutes on one H100 / H200
-    python tools/gpu_check.py out/gpu-check2 --no-tests --modes compile   # only the rows a first run did not reach
-    python tools/gpu_check.py out/dry --dry-run                    # the same plumbing on the CPU at toy sizes, seconds
+    # on a CUDA GPU: within 8 minutes on one H100 / H200
+    python tools/gpu_check.py out/gpu-check
+    # only the rows a first run did not reach
+    python tools/gpu_check.py out/gpu-check2 --no-tests --modes compile
+    # the same plumbing on the CPU at toy sizes, seconds
+    python tools/gpu_check.py out/dry --dry-run
 
-1. The CUDA tests of test_all.py (every test with "cuda" in its name or parameter id; on a CPU they
-skip):
-   compiled flex vs sdpa, an online bf16 step vs the CPU's fp32 step and --compile vs eager, a
-   torchrun + nccl run that resumes exactly and logs MFU, greedy generate.py vs transformers'
-   generate.
-2. One training step (tools/train_cost.py --part step: forward, objective, backward; bf16 autocast;
-random weights
-   and conversations, every token supervised) for each S in --lengths, attention in --attention and
-   mode in
-   --modes, in this order: every eager row, then every compiled one. Each row runs in a fresh
-   process (a failed compile or an out-of-memory stays in its row; the peak memory is the row's
-   own): --warmup untimed steps (they compile), then --repeats timed ones, median. tokens/s and MFU
-   are per GPU: one process on one GPU.
+1. The CUDA tests of test_all.py (every test with "cuda" in its name or parameter id; on a CPU
+   they skip): compiled flex vs sdpa, an online bf16 step vs the CPU's fp32 step and --compile vs
+   eager, a torchrun + nccl run that resumes exactly and logs MFU, greedy generate.py vs
+   transformers' generate.
+2. One training step (tools/train_cost.py --part step: forward, objective, backward; bf16
+   autocast; random weights and conversations, every token supervised) for each S in --lengths,
+   attention in --attention and mode in --modes, in this order: every eager row, then every
+   compiled one. Each row runs in a fresh process (a failed compile or an out-of-memory stays in
+   its row; the peak memory is the row's own): --warmup untimed steps (they compile), then
+   --repeats timed ones, median. tokens/s and MFU are per GPU: one process on one GPU.
 
 Bounds: the tests get --tests-timeout-s, each row --row-timeout-s, all of it --budget-s; a row that
 no longer fits is listed as not reached. Written, and rewritten after each part: OUT/results.json
@@ -313,12 +313,14 @@ def summary(results: dict) -> str:
         else "no GPU"
     )
     lines = [
-        f"GPU check, {e['date']}: {gpu}; torch {e['torch']} (CUDA {e['cuda']}), transformers {e['transformers']}, "
-        f"triton {e['triton']}, Python {e['python']}; CPU {e['cpu']} ({e['cpu_count']} threads)"
+        f"GPU check, {e['date']}: {gpu}; torch {e['torch']} (CUDA {e['cuda']}), transformers "
+        f"{e['transformers']}, triton {e['triton']}, Python {e['python']}; CPU {e['cpu']} "
+        f"({e['cpu_count']} threads)"
     ]
     if a["dry_run"]:
         lines.append(
-            "DRY RUN on the CPU at toy sizes: the plumbing only; these numbers say nothing about a GPU."
+            "DRY RUN on the CPU at toy sizes: the plumbing only; these numbers say nothing about "
+            "a GPU."
         )
     lines.append(
         f"CUDA tests: {t['summary']}"
@@ -334,11 +336,11 @@ def summary(results: dict) -> str:
         else a["draft_config"]
     )
     lines += [
-        f"\nOne training step (tools/train_cost.py --part step, bf16 autocast): {draft}"
-        f"{' at toy widths' if a['dry_run'] else ''}, "
-        f"{results['num_layers']} layers, block {a['block_size']}, {a['num_anchors']} anchors a row, "
-        f"{a['batch_size']} row(s) of S tokens; median of {a['repeats']} timed steps after {a['warmup']} "
-        f"warm-up; tokens/s and MFU per GPU; peak memory of the timed steps (a GPU's allocated, a CPU's resident)\n",
+        "\nOne training step (tools/train_cost.py --part step, bf16 autocast): "
+        f"{draft}{' at toy widths' if a['dry_run'] else ''}, {results['num_layers']} layers, block "
+        f"{a['block_size']}, {a['num_anchors']} anchors a row, {a['batch_size']} row(s) of S "
+        f"tokens; median of {a['repeats']} timed steps after {a['warmup']} warm-up; tokens/s and "
+        "MFU per GPU; peak memory of the timed steps (a GPU's allocated, a CPU's resident)\n",
         "| S | attention | mode | step (s) | tokens/s | anchors/s | MFU | peak memory (GiB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -349,8 +351,8 @@ def summary(results: dict) -> str:
             continue
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.3f}"
         lines.append(
-            f"{head} {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['anchors_per_s']:.1f} | {mfu} | "
-            f"{r['peak_memory_gib']:.2f} |"
+            f"{head} {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | {r['anchors_per_s']:.1f} | "
+            f"{mfu} | {r['peak_memory_gib']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -437,7 +439,8 @@ def main(argv=None):
         print(summary(results).splitlines()[0], flush=True)
         if not args.no_tests:
             print(
-                f"CUDA tests: python {' '.join(TESTS[1:])} (at most {min(args.tests_timeout_s, left()):.0f} s)",
+                f"CUDA tests: python {' '.join(TESTS[1:])} (at most "
+                f"{min(args.tests_timeout_s, left()):.0f} s)",
                 flush=True,
             )
             results["tests"], out = run_tests(min(args.tests_timeout_s, left()))

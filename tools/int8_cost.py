@@ -2,10 +2,10 @@
 
     python tools/int8_cost.py --draft out/smollm2-math-dflash2/export
 
-For fp32, bf16 and int8 (int8.py) it prints the median ms of the draft's forward (one block of B
-rows against a context of 200 cached rows) and of the target's head over 3 and over B block rows,
-the two parts of a cycle's draft cost that depend on the precision (cost.py times the whole cycle,
-selector walk included).
+For fp32, bf16 and int8 (speed/int8.py) it prints the median ms of the draft's forward (one block
+of B rows against a context of 200 cached rows) and of the target's head over 3 and over B block
+rows, the two parts of a cycle's draft cost that depend on the precision (speed/cost.py times the
+whole cycle, selector walk included).
 """
 
 import argparse

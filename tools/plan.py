@@ -7,15 +7,16 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
 
     T(N) = spent + LOAD_S + (N - have) * t_answer + held_out + N * epochs * t_step + evaluations
 
-    t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows, and every
-                 batch of the maths set ran all 160 steps (some answer in each is cut there), so 160
-                 / 64 batch steps per answer, plus prepare.py's feature step for one conversation,
-                 run as prepare runs it (tokenize, forward with hooks, cast, check, write the shard)
-                 on 8 conversations of about 200 tokens: the forward alone missed a third of it
-                 where bf16 is fast
+    t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows,
+                 and every batch of the maths set ran all 160 steps (some answer in each is cut
+                 there), so 160 / 64 batch steps per answer, plus prepare.py's feature step for one
+                 conversation, run as prepare runs it (tokenize, forward with hooks, cast, check,
+                 write the shard) on 8 conversations of about 200 tokens: the forward alone missed
+                 a third of it where bf16 is fast
     held_out     the 48 held-out answers: one batch of 160 steps and 48 feature steps (unless made)
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
-    evaluations  one every 600 steps and one at the end, 48 answers each, forward only (~ t_step / 3 each)
+    evaluations  one every 600 steps and one at the end, 48 answers each, forward only
+                 (~ t_step / 3 each)
     have         answers already made in the data folder (a rerun only trains)
     spent        this measurement itself (one to two minutes: part of the job)
 
@@ -48,12 +49,11 @@ from target import load_target  # noqa: E402
 
 # decoding steps of a 64-row batch; its mean context (prompt + half an answer)
 REGEN_STEPS, REGEN_CONTEXT = 160, 160
-# ~200 tokens,
+# ~200 tokens, as the maths answers measured (183 and 200 tokens on average, prompt included)
 CAPTURE_CONVERSATION = [
     {"role": "user", "content": "How many apples are left at the end? " * 6},
     {"role": "assistant", "content": "She has 12 apples and gives 5 away, so 7 are left. " * 10},
 ]
-# as the maths answers measured (183 and 200 tokens on average, prompt included)
 LOAD_S = 40  # loading the target four times, the draft's export
 # below this the draft learns too little to be worth the budget: say so instead
 MIN_SAMPLES = 200
@@ -211,19 +211,20 @@ def main(argv=None):
     minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out, spent)
     n, why = choose_samples(minutes, args.budget_min, args.max_samples, have, args.num_samples)
     print(
-        f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer {t_answer:.2f} s (regeneration "
-        f"{t_answer - t_capture:.2f} + features {t_capture:.2f}), one training step {t_step:.2f} s",
+        f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer {t_answer:.2f} s "
+        f"(regeneration {t_answer - t_capture:.2f} + features {t_capture:.2f}), one training step "
+        f"{t_step:.2f} s",
         file=sys.stderr,
     )
     print(
-        f"[plan] this machine: {n} answers ({why}), {args.epochs} epochs = {n * args.epochs} steps, about "
-        f"{minutes(n):.0f} min",
+        f"[plan] this machine: {n} answers ({why}), {args.epochs} epochs = {n * args.epochs} "
+        f"steps, about {minutes(n):.0f} min",
         file=sys.stderr,
     )
     if minutes(n) > args.budget_min:
         print(
-            f"[plan] warning: even {n} answers take about {minutes(n):.0f} min here, over the budget of "
-            f"{args.budget_min:g}",
+            f"[plan] warning: even {n} answers take about {minutes(n):.0f} min here, over the "
+            f"budget of {args.budget_min:g}",
             file=sys.stderr,
         )
     print(f"N_TRAIN={n}")

@@ -1,11 +1,12 @@
 """Time and peak memory of one training step at scale: random weights, random conversations, no
 download.
 
-    OMP_NUM_THREADS=1 python tools/train_cost.py --num-anchors 64            # padded: one conversation per row
-    OMP_NUM_THREADS=1 python tools/train_cost.py --num-anchors 64 --pack     # the same conversations packed
+    # padded (one conversation per row), then the same conversations packed
+    OMP_NUM_THREADS=1 python tools/train_cost.py --num-anchors 64
+    OMP_NUM_THREADS=1 python tools/train_cost.py --num-anchors 64 --pack
     OMP_NUM_THREADS=1 python tools/train_cost.py --part attention --attention flex --warmup 1
-    python tools/train_cost.py --num-layers 5 --lengths 8192 --attention flex --dtype bf16 --compile
-    --warmup 2
+    python tools/train_cost.py --num-layers 5 --lengths 8192 --attention flex --dtype bf16 \\
+        --compile --warmup 2
 
 The draft is --draft-config (default the Qwen3-8B-shaped DFlash2 config) cut to --num-layers with
 block size --block-size; the target's embedding and head are random [V, H] matrices and the
@@ -108,7 +109,10 @@ def attention_call(cfg, batch, how: str, device):
             0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks.sum().item()
         )
         total = N * -(-Q // bm.BLOCK_SIZE[0]) * -(-K // bm.BLOCK_SIZE[1])
-        return f"; the BlockMask leaves {used} of {total} tiles of {bm.BLOCK_SIZE[0]} x {bm.BLOCK_SIZE[1]} scores to compute"
+        return (
+            f"; the BlockMask leaves {used} of {total} tiles of {bm.BLOCK_SIZE[0]} x "
+            f"{bm.BLOCK_SIZE[1]} scores to compute"
+        )
 
     return call, tiles
 
@@ -167,7 +171,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.attention == "flex" and device.type == "cpu" and args.part == "step":
         raise ValueError(
-            "--attention flex: torch runs FlexAttention on CPU forward only; use --part forward or attention"
+            "--attention flex: torch runs FlexAttention on CPU forward only; use --part forward "
+            "or attention"
         )
     if args.compile and args.part == "attention":
         raise ValueError("--compile compiles the draft; --part attention runs no draft")
@@ -245,12 +250,13 @@ def main(argv=None):
     tokens, anchors = batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item()
     mfu = flops.step_flops(cfg, batch) / t / peak if peak and args.part == "step" else None
     print(
-        f"{args.part}, {args.attention}, {'packed' if args.pack else 'padded'}, {args.dtype}"
-        f"{', compiled' if args.compile else ''}, {torch.get_num_threads()} thread(s), {device}: {N} rows x {S} tokens "
-        f"({tokens} real), {batch['anchors'].shape[1]} anchor slots per row ({anchors} valid), B = {cfg.block_size}: "
-        f"{t:.2f} s (median of {len(times)}); {tokens / t:.0f} tokens/s, {anchors / t:.1f} anchors/s"
-        f"{'' if mfu is None else f', MFU {mfu:.3f}'}; peak memory {peak_mem:.2f} GiB ({before:.2f} GiB before the step)"
-        f"{note()}"
+        f"{args.part}, {args.attention}, {'packed' if args.pack else 'padded'}, "
+        f"{args.dtype}{', compiled' if args.compile else ''}, {torch.get_num_threads()} thread(s), "
+        f"{device}: {N} rows x {S} tokens ({tokens} real), {batch['anchors'].shape[1]} anchor "
+        f"slots per row ({anchors} valid), B = {cfg.block_size}: {t:.2f} s (median of "
+        f"{len(times)}); {tokens / t:.0f} tokens/s, {anchors / t:.1f} "
+        f"anchors/s{'' if mfu is None else f', MFU {mfu:.3f}'}; peak memory {peak_mem:.2f} GiB "
+        f"({before:.2f} GiB before the step){note()}"
     )
     if args.json:
         write_json(
