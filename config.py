@@ -234,6 +234,7 @@ FIXED = {
     "attention_bias": False,
     "attention_dropout": 0.0,
     "partial_rotary_factor": 1.0,
+    "sample_from_anchor": False,
 }
 READ = {f.name for f in dataclasses.fields(DraftConfig)} | {
     "architectures",
@@ -365,6 +366,10 @@ def config_to_dict(c: DraftConfig) -> dict:
         "attention_bias": False,
         "max_window_layers": c.num_hidden_layers,
         "hidden_act": "silu",
+        # Slot 0 of a block is the anchor, never a proposal (docs/semantics.md, section 1). Said
+        # explicitly: readers of the key assume true where it is absent (llama.cpp b11434:
+        # src/models/dflash.cpp:317-318).
+        "sample_from_anchor": False,
     }
     # without it transformers' Qwen3Config drops sliding_window
     if "sliding_attention" in c.layer_types:

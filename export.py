@@ -403,7 +403,9 @@ def speculators_config(c, verifier: str) -> dict:
             "in the zlab format"
         )
     layer = config_to_dict(c)
-    for k in ("architectures", "dflash_config", "is_causal", "num_target_layers", "comment"):
+    # the speculators format says sample_from_anchor at its top level only
+    drop = ("architectures", "dflash_config", "is_causal", "num_target_layers", "comment")
+    for k in (*drop, "sample_from_anchor"):
         layer.pop(k, None)
     local = os.path.join(verifier, "config.json")  # a local verifier names its architectures
     arch = read_json(local).get("architectures") or [] if os.path.isfile(local) else []

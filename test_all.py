@@ -5191,6 +5191,70 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
 
 
+# ============================================================================ llama.cpp
+def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
+    """llama.cpp b11434 converts a DFlash2 draft with convert_hf_to_gguf.py (conversion/qwen.py,
+    DFlashModel) and runs it through src/models/dflash.cpp and common/speculative.cpp. Where a key
+    is missing it falls back to a default (block size 16, no conv / selector, non-causal, sample
+    from the anchor), so every key it needs must be in the export, with this project's meaning.
+    No build: the converter's reading is written out below and compared with the draft's."""
+    layers = ["full_attention", "sliding_attention", "full_attention"]
+    draft = tiny_draft(
+        4, num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False
+    )
+    c, ck = draft.config, tmp_path / "ck.pt"
+    torch.save({"model": draft.state_dict(), "config": config.config_to_dict(c)}, ck)
+    export.export(str(ck), str(tmp_path / "out"), torch.float32)
+    d = json.loads((tmp_path / "out" / "config.json").read_text())
+    dc = d.get("dflash_config", {})
+    assert d["architectures"] == ["DFlash2DraftModel"]  # qwen.py:721 maps it to DFlashModel
+    # GGUF key -> value as the converter computes it from config.json (conversion/qwen.py lines)
+    dflash2 = "conv_kernel_size" in dc  # :770, else plain DFlash
+    sizes = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    causal = d.get("is_causal", dc.get("causal"))  # :812-816; None: the key is not written
+    swa = d.get("use_sliding_window") and (dc.get("swa_window_size") or d.get("sliding_window"))
+    read = {
+        "dflash.block_size": dc.get("block_size", d.get("block_size", 16)),  # :767
+        "dflash.target_layers": [i + 1 for i in dc.get("target_layer_ids", [])],  # :798-801
+        "tokenizer.ggml.mask_token_id": dc.get("mask_token_id"),  # :753-755
+        **{f"dflash.{k}": dc.get(k) if dflash2 else None for k in sizes},  # :770-774
+        # absent, the draft runs every layer non-causal (common/speculative.cpp:1013, :1122)
+        "dflash.attention.causal": False if causal is None else bool(causal),
+        "dflash.attention.sliding_window": swa or None,  # :803-810
+        "dflash.attention.sliding_window_pattern": [
+            t == "sliding_attention" for t in d.get("layer_types") or []
+        ]
+        if swa
+        else None,
+        # DSparkModel's reading (qwen.py:942-944); DFlashModel does not write the key, and the
+        # loader assumes true where it is absent (src/models/dflash.cpp:317-318)
+        "dflash.sample_from_anchor": d.get("sample_from_anchor", True),
+        "dflash.block_count": d.get("num_hidden_layers"),  # conversion/base.py:1437
+        "dflash.rope.freq_base": d.get("rope_parameters", {}).get("rope_theta"),  # base.py:1507
+    }
+    # The draft's meaning. llama.cpp extracts layer INPUTS: the input of layer i + 1 is the output
+    # of layer i (HF hidden_states[i + 1]), the feature this project reads for target layer id i.
+    meaning = {
+        "dflash.block_size": c.block_size,
+        "dflash.target_layers": [i + 1 for i in c.target_layer_ids],
+        "tokenizer.ggml.mask_token_id": c.mask_token_id,
+        **{f"dflash.{k}": getattr(c, k) for k in sizes},
+        "dflash.attention.causal": c.causal_in_block(False),  # one flag for all layers there
+        "dflash.attention.sliding_window": c.sliding_window,
+        "dflash.attention.sliding_window_pattern": [t == "sliding_attention" for t in layers],
+        "dflash.sample_from_anchor": False,  # slot 0 is the anchor, never a proposal
+        "dflash.block_count": c.num_hidden_layers,
+        "dflash.rope.freq_base": c.rope_theta,
+    }
+    assert read == meaning
+    per_layer = {c.causal_in_block(t == "sliding_attention") for t in layers}
+    assert per_layer == {meaning["dflash.attention.causal"]}
+    assert c.target_layer_ids == [0, 2, 3] and read["dflash.target_layers"] == [1, 3, 4]
+    # the selector codebooks are bare parameters; the converter appends ".weight" (qwen.py:915-919)
+    names = set(export.load_tensors(str(tmp_path / "out")))
+    assert {f"candidate_selector.{k}_codebook" for k in ("predecessor", "successor")} <= names
+
+
 # ============================================================================ the project's shape
 def project_imports(root=HERE) -> tuple:
     """-> ({module: the project modules it imports}, [function-level imports of project modules]).
