@@ -52,8 +52,8 @@ def attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc):
 
 
 def block_attention_mask(queries, keys, causal: bool, window=None):
-    """queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K] -> [N, 1,
-    Q, K] booleans for SDPA: the rule on every (query, key) pair."""
+    """queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K]
+    -> [N, 1, Q, K] booleans for SDPA: the rule on every (query, key) pair."""
     return attention_rule(
         *(t[:, :, None] for t in queries), *(t[:, None, :] for t in keys), causal, window
     )[:, None]

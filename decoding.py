@@ -1,5 +1,5 @@
-"""Lossless speculative decoding with a DFlash / DFlash2 draft: the cycle (docs/semantics.md,
-section 5).
+"""Lossless speculative decoding with a DFlash / DFlash2 draft: the cycle.
+(docs/semantics.md, section 5)
 
 One cycle: the draft proposes B-1 tokens in ONE forward from the last committed token (the anchor),
 the selector walks its top-K lattice, ONE target forward verifies [anchor, d_1..d_{B-1}], the
@@ -22,8 +22,7 @@ import tree
 from target import capture_features, crop, new_cache, with_cache
 
 
-# ----------------------------------------------------------------------------- sampling and
-# committing
+# -------------------------------------------------------------------------- sampling and committing
 def probs(logits, temperature: float):
     return torch.softmax(logits.float() / temperature, dim=-1)
 
@@ -51,11 +50,11 @@ def commit(ids, new: list, prompt_len: int, max_new_tokens: int, stop_ids, on_to
 
 
 def embed_and_head(target, draft):
-    """The target's frozen embedding (a function of ids) and head (a function of hidden states, h @
-    W^T), in the draft's precision: a bf16 draft beside an fp32 target is still lossless, since only
-    the target's verify commits tokens. A draft tuned for this machine (speed/tune.py) brings a head
-    of its own, `draft.fast_head` (int8 weights, or more rows scored where more cost less): the same
-    rows come out."""
+    """The target's frozen embedding (a function of ids) and head (a function of hidden states,
+    h @ W^T), in the draft's precision: a bf16 draft beside an fp32 target is still lossless, since
+    only the target's verify commits tokens. A draft tuned for this machine (speed/tune.py) brings a
+    head of its own, `draft.fast_head` (int8 weights, or more rows scored where more cost less):
+    the same rows come out."""
     dt = next(draft.parameters()).dtype
     embed = lambda ids: target.get_input_embeddings()(ids).to(dt)  # noqa: E731
     if getattr(draft, "fast_head", None) is not None:
@@ -66,22 +65,19 @@ def embed_and_head(target, draft):
 
 # ----------------------------------------------------------------------------- propose and accept
 def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
-    """The block's proposal. h [1, L, H] final draft hidden states of slots 1..L (L <= B-1), u [1,
-    L, V] their unary scores, ids [1, P] committed tokens (ids[:, -1] is the anchor) -> (drafts [1,
-    L], q [1, L, V] or None).
+    """The block's proposal -> (drafts [1, L], q [1, L, V] or None).
+    h [1, L, H]: final draft hidden states of slots 1..L (L <= B-1); u [1, L, V]: their unary
+    scores; ids [1, P]: the committed tokens (ids[:, -1] is the anchor).
 
     q is the distribution each draft token was sampled from; only rejection sampling needs it.
     """
     selector = draft.candidate_selector
     if use_selector and selector is not None:
         d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator)  # q_k [1, L, K]
-        q = (
-            None
-            if temperature == 0
-            else torch.zeros_like(u, dtype=torch.float32).scatter_(-1, cand, q_k)
-        )
+        if temperature == 0:
+            return d, None
         # q: the selector's K-way q, zero off the candidates
-        return d, q
+        return d, torch.zeros_like(u, dtype=torch.float32).scatter_(-1, cand, q_k)
     if temperature == 0:
         return u.argmax(-1), None
     # plain DFlash / --unary: softmax(u / T) over the vocab
@@ -117,8 +113,7 @@ def rejection_sample(p, q, drafts, generator=None):
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
 
 
-# ----------------------------------------------------------------------------- the two decoding
-# loops
+# --------------------------------------------------------------------------- the two decoding loops
 def target_forward(target, cache, layer_ids, ids, **kw):
     """The target over ids [1, n] after the cached rows, which it extends by n -> (logits [n', V],
     features [1, n, k*H] at the draft's layer ids); n' = n unless kw keeps fewer logits."""
@@ -231,8 +226,7 @@ def shape_kw(shape) -> dict:
     return dict(verify_tokens=shape[1]) if shape[0] == "path" else dict(tree_budget=shape[1])
 
 
-# ----------------------------------------------------------------------------- statistics and
-# timing
+# ---------------------------------------------------------------------------- statistics and timing
 @dataclass
 class Stats:
     new_tokens: int = 0

@@ -31,8 +31,9 @@ def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int, d
     """Labels and base weights of slots 1..B-1 of every block.
 
     input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels, prev, w0, each [N, A, B-1]
-    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1). docs [N,
-    S] numbers the documents of packed rows: a block's labels end where its anchor's document ends.
+    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1).
+    docs [N, S] numbers the documents of packed rows: a block's labels end where its anchor's
+    document ends.
     """
     S = input_ids.shape[1]
     pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [N, A, B]
@@ -77,9 +78,9 @@ def selector_alpha(step: int, total_steps: int, alpha: float, warmup: float, ram
 
 # ----------------------------------------------------------------------------- one chunk of blocks
 def chunk_terms(draft, lm_head_weight, h, labels, prev, w0, target_hidden, opts):
-    """All sums of a chunk of M blocks: h [M, L, H] (L = B-1 labelled slots), labels / prev / w0 [M,
-    L], target_hidden [M, L, H] or None. The vocabulary-sized tensors are made once, here, for both
-    halves: the objective's sums (with gradient) and the metrics' sums (without)."""
+    """All sums of a chunk of M blocks: h [M, L, H] (L = B-1 labelled slots), labels / prev / w0
+    [M, L], target_hidden [M, L, H] or None. The vocabulary-sized tensors are made once, here, for
+    both halves: the objective's sums (with gradient) and the metrics' sums (without)."""
     c = draft.config
     u = draft.unary_logits(h, lambda x: x @ lm_head_weight.t()).float()  # [M, L, V] unary scores
     logq = F.log_softmax(u, -1)  # the draft's distribution q
@@ -146,8 +147,9 @@ def objective_terms(selector, h, u, logq, logp, labels, prev, w0, cand_ids, opts
 def selector_numerator(selector, hidden, unary, labels, prev, w, valid, cand_ids, miss: str):
     """sum w * counted * CE of the selector's K-way scores, teacher-forced predecessor prev [M, L].
 
-    strict: a slot counts only when its label is among the unary top-K candidates cand_ids [M, L,
-    K]. replace: an uncovered label takes the weakest candidate's place, with its own unary score.
+    strict: a slot counts only when its label is among the unary top-K candidates cand_ids
+    [M, L, K]. replace: an uncovered label takes the weakest candidate's place, with its own unary
+    score.
     """
     K = cand_ids.shape[-1]
     hit = cand_ids == labels[..., None]  # [M, L, K]
@@ -260,8 +262,8 @@ def objective(
 
     h [N, A, B, H] draft hidden states (model.forward_training); target_hidden [N, S, H] the
     target's final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`).
-    alpha_t: selector weight this step, or None when the selector is frozen (alpha == 0). docs [N,
-    S]: the documents of packed rows, or None. acceptance: add the per-slot statistics of
+    alpha_t: selector weight this step, or None when the selector is frozen (alpha == 0).
+    docs [N, S]: the documents of packed rows, or None. acceptance: add the per-slot statistics of
     acceptance.json to the metrics (held-out evaluation). Returns {"numerator", "denominator",
     "metrics"} where metrics maps a name to a (numerator, denominator) pair of detached tensors.
     """

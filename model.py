@@ -94,8 +94,8 @@ class Attention(nn.Module):
         return rope(k, pos, self.inv_freq, self.rope_scale), v
 
     def forward(self, x, pos, ctx_kv, mask):
-        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each [N, kv_heads, C,
-        hd]."""
+        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each
+        [N, kv_heads, C, hd]."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
         q = rope(q, pos, self.inv_freq, self.rope_scale)  # [N, heads, Q, hd]

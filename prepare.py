@@ -130,9 +130,9 @@ def merge_regenerated(out_dir: str, n: int) -> list:
 # ----------------------------------------------------------------------------- features
 @torch.no_grad()
 def batch_features(target, layer_ids, seqs, with_hidden: bool):
-    """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features [S_i,
-    n_t*H] and the target's final normed hidden state [S_i, H] (or None). Right padding leaves every
-    real position's causal view unchanged; the hidden state gives kl its target logits without
+    """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features
+    [S_i, n_t*H] and the target's final normed hidden state [S_i, H] (or None). Right padding leaves
+    every real position's causal view unchanged; the hidden state gives kl its target logits without
     storing [S, V]."""
     lengths = [len(x) for x in seqs]
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)

@@ -617,8 +617,7 @@ def test_cached_conversion_matches_gguf(smollm2):
     assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
 
 
-# ---------------------------------------------------------------------------- packed weights (CPU
-# decoding)
+# -------------------------------------------------------------------- packed weights (CPU decoding)
 @pytest.mark.parametrize(
     "dtype,tol",
     [
@@ -1127,8 +1126,7 @@ def masked_runs(mask):
     return runs
 
 
-# ---------------------------------------------------------------------------- tokenisation / loss
-# mask
+# ------------------------------------------------------------------------- tokenisation / loss mask
 def test_loss_mask_on_offline_chatml_tokenizer():
     tok = tiny_tokenizer()
     ids, mask = data.tokenize_conversation(tok, CONVERSATION, max_length=512)
@@ -1993,8 +1991,7 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
             assert (h - h_ref).abs().max() < 1e-4
 
 
-# ---------------------------------------------------------------------------- sampling: the
-# rejection rule
+# --------------------------------------------------------------------- sampling: the rejection rule
 def test_acceptance_rule_hand_computed():
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     q = torch.tensor([0.25, 0.6, 0.05, 0.1])
@@ -2132,8 +2129,7 @@ def test_speculative_sampling_matches_target_distribution():
     assert 1 in taus and max(taus) > 1  # both rejections and acceptances happened
 
 
-# ---------------------------------------------------------------------------- watching it
-# speculate: --show
+# -------------------------------------------------------------------- watching it speculate: --show
 # one marked token of format_block with text=str
 MARK = re.compile(r"([\[{(<])(\d+)([\]})>])(\*?)")
 
@@ -2594,8 +2590,7 @@ def test_tree_sampling_matches_target_distribution():
     assert not trees[0].is_chain() and 1 in taus and max(taus) > 1
 
 
-# ---------------------------------------------------------------------------- trees: what auto
-# chooses
+# ------------------------------------------------------------------------- trees: what auto chooses
 def test_expected_tau_by_hand():
     """rho_1 = [.6, .3], rho_2 = [.5, .25], r = [.6, .3]: the best candidates' rates already match
     (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5),

@@ -281,8 +281,7 @@ def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
         batch[name] = back(value.float()) if packed else value.float()
 
 
-# ----------------------------------------------------------------------------- steps, evaluation,
-# checkpoints
+# ------------------------------------------------------------------- steps, evaluation, checkpoints
 def split_and_schedule(samples, eval_samples, args, world):
     """-> (train samples, eval samples, rows, rows per step, steps per epoch, total steps). Without
     --eval-data the last --eval-fraction of the sequences are held out; --num-samples keeps the
@@ -438,8 +437,7 @@ def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
-    # ------------------------------------------------------------------ setup: ranks, device,
-    # target
+    # ----------------------------------------------------------------- setup: ranks, device, target
     args = parse_args(argv)
     # under torchrun, one process too: the same nccl / gloo path as many
     distributed = "RANK" in os.environ
