@@ -95,6 +95,14 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
     return fastest_rows(ms, c.block_size)
 
 
+def use_fastest_rows(draft, target):
+    """Give the draft, in its precision here, the head that scores its rows fastest
+    (draft.fast_head, which decoding.embed_and_head hands out): its own head, over head_rows' row
+    counts. -> those row counts, {L: r}."""
+    draft.fast_head = FastestRows(embed_and_head(target, draft)[1], head_rows(draft, target))
+    return draft.fast_head.rows
+
+
 class FastestRows(torch.nn.Module):
     """The head over a block's first n rows [1, n, H] -> [1, n, V], computed as a GEMM of rows[n -
     1] rows (zeros past the n real ones) where that many cost less here. In a float GEMM output row
@@ -283,8 +291,7 @@ def main(argv=None):
     B = draft.config.block_size
     # what a cycle runs before its verify, per depth L
     walk = draft.candidate_selector is not None
-    rows = head_rows(draft, target)
-    draft.fast_head = FastestRows(embed_and_head(target, draft)[1], rows)
+    rows = use_fastest_rows(draft, target)
     t_draft = draft_costs(draft, target, args.context, args.repeats, walk)
     print(
         f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} "

@@ -12,7 +12,6 @@ cached per machine (cost.py). Each is said in one line, so a run shows what it c
 
 import sys
 
-from decoding import embed_and_head
 from speed import auto, cost, machine
 from speed.gemm import set_layout
 
@@ -39,9 +38,7 @@ def decoding(target, draft, args):
     device = next(target.parameters()).device
     precision = machine.draft_precision(args.draft_dtype, device)
     draft = machine.draft_in(precision, draft, target, device)
-    draft.fast_head = cost.FastestRows(
-        embed_and_head(target, draft)[1], cost.head_rows(draft, target)
-    )
+    cost.use_fastest_rows(draft, target)
     layouts = cost.decoding_layouts(target, draft, args.target_gemm)
     dtype = next(target.parameters()).dtype
     target_line = f"{machine.dtype_name(dtype)}, {layouts['why']}"
