@@ -193,21 +193,28 @@ def join(docs) -> dict:
     return row
 
 
-def sample_anchors(loss_mask, num_anchors: int, generator, docs=None):
+def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_document=False):
     """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
     replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
-    share a document."""
+    share a document. per_document: each document of the row draws up to num_anchors of its own
+    (the public trainers' contract: one conversation, num_anchors), so a long document cannot take
+    the anchors of the short ones beside it; else the row draws num_anchors among all of them."""
     cand = anchor_positions(loss_mask)
     if docs is not None:
         cand = cand[docs[cand] == docs[cand + 1]]
-    pick = torch.randperm(len(cand), generator=generator)[:num_anchors]
-    return cand[pick].sort().values
+    groups = [cand]
+    if per_document and docs is not None:
+        groups = [cand[docs[cand] == d] for d in docs[cand].unique()]
+    picks = [g[torch.randperm(len(g), generator=generator)[:num_anchors]] for g in groups]
+    return torch.cat(picks).sort().values if picks else cand
 
 
-def collate(rows, keys, num_anchors, seed, device):
+def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=None):
     """Right-pad rows (each a list of samples, its documents) into a batch on device; anchors are
     seeded per (seed, key) so that every rank / accumulation layout draws the same anchors for the
-    same row. Padding has position 0 and document -1, no anchor and no label."""
+    same row (per_document: sample_anchors), or given: anchors[i] the positions of row i (the
+    anchors serving visited, train.py's served evaluation). Padding has position 0 and document -1,
+    no anchor and no label."""
     rows = [join(docs) for docs in rows]
     N, S = len(rows), max(len(r["input_ids"]) for r in rows)
     batch = {
@@ -220,15 +227,18 @@ def collate(rows, keys, num_anchors, seed, device):
     for name in ("features", "target_hidden"):
         if name in rows[0]:
             batch[name] = torch.zeros(N, S, rows[0][name].shape[-1])
-    anchors = []
+    given, anchors = anchors, []
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         batch["attention_mask"][i, :n] = 1
         for name in ("input_ids", "loss_mask", "positions", "docs", "features", "target_hidden"):
             if name in batch:
                 batch[name][i, :n] = r[name]
+        if given is not None:
+            anchors.append(torch.as_tensor(given[i], dtype=torch.long))
+            continue
         gen = torch.Generator().manual_seed(seed * 1_000_003 + keys[i])
-        anchors.append(sample_anchors(r["loss_mask"], num_anchors, gen, r["docs"]))
+        anchors.append(sample_anchors(r["loss_mask"], num_anchors, gen, r["docs"], per_document))
     A = max(len(a) for a in anchors)
     batch["anchors"] = torch.zeros(N, A, dtype=torch.long)
     batch["anchor_valid"] = torch.zeros(N, A, dtype=torch.bool)

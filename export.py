@@ -256,6 +256,13 @@ def save_acceptance(out_dir, metrics: dict, cfg, step):
     write_json(os.path.join(out_dir, ACCEPTANCE), out)
 
 
+def record_served(out_dir, served: dict):
+    """Add train.py's served evaluation (served tau beside teacher-forced tau) to
+    OUT_DIR/acceptance.json, under "served"."""
+    path = os.path.join(out_dir, ACCEPTANCE)
+    write_json(path, dict(read_json(path), served=served))
+
+
 def read_acceptance(path: str, block_size: int):
     """The held-out acceptance statistics recorded with the draft at path, or None if it has none:
     {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or
@@ -266,7 +273,7 @@ def read_acceptance(path: str, block_size: int):
     d, L = read_json(file), block_size - 1
     if not isinstance(d, dict):
         raise ValueError(f"{file}: not a JSON object")
-    unknown = sorted(set(d) - {"block_size", "step", "selector", "unary"})
+    unknown = sorted(set(d) - {"block_size", "step", "selector", "unary", "served"})
     if unknown or d.get("block_size") != block_size:
         raise ValueError(
             f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "

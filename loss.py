@@ -49,6 +49,18 @@ def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int, d
     return tokens[..., 1:], tokens[..., :-1], w0[..., 1:]
 
 
+def coverage(loss_mask, anchors, w0):
+    """(supervised tokens that some anchored block labels, supervised tokens): the share of the data
+    a step trains on. loss_mask [N, S], anchors [N, A], w0 [N, A, B-1] (block_labels) -> two
+    scalars. Token a+j is labelled by the block at anchor a where w0 > 0 (j = 1..B-1)."""
+    S = loss_mask.shape[1]
+    pos = anchors[..., None] + torch.arange(1, w0.shape[-1] + 1, device=anchors.device)
+    labelled = torch.zeros(loss_mask.shape, device=w0.device).scatter_reduce(
+        1, pos.clamp(max=S - 1).flatten(1), (w0 > 0).float().flatten(1), "amax"
+    )  # [N, S]: 1 where some block's valid slot is
+    return labelled.sum(), loss_mask.float().sum()
+
+
 def exp_weights(w0, gamma: float):
     """Fixed exponential decay over slots j = 1..B-1: w = w0 * exp(-(j-1)/gamma)."""
     j = torch.arange(w0.shape[-1], device=w0.device, dtype=w0.dtype)
@@ -332,6 +344,7 @@ def objective(
         "topk_recall": (t["topk_recall"], t["tokens"]),
         "accept_unary": (t["accept_unary"] + blocks, blocks),
         "accept_oracle": (t["accept_oracle"] + blocks, blocks),
+        "coverage": coverage(loss_mask, anchors, w0),
     }
     if "topk_target_mass" in t:  # only where the target's distribution was given
         metrics["topk_target_mass"] = (t["topk_target_mass"], t["tokens"])

@@ -30,6 +30,7 @@ Sections, in file order (each starts with a "# ====" banner):
     the project's shape          imports flow one way
 """
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -43,6 +44,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attention
 import config
@@ -57,6 +59,7 @@ import loss as L
 import model
 import prepare
 import promptsets
+import served
 import show
 import train
 import tree
@@ -2977,6 +2980,8 @@ def run(setup, out, *extra):
         "1e-2",
         "--seed",
         "3",
+        "--served-samples",
+        "0",
         *extra,
     ]
     train.main(args)
@@ -3149,6 +3154,153 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
         export.read_acceptance(str(tmp_path / "bare"), 4)
 
 
+# ---------------------------------------------------------------------------- served acceptance
+def greedy_sample(target, draft, n: int, extra: int):
+    """A held-out sequence whose answer is the target's own greedy answer: a 6-token prompt
+    (loss_mask 0), then n + extra greedy tokens (loss_mask 1), with the target's features."""
+    p = prompt()
+    full, _ = decoding.target_generate(target, p, n + extra)
+    mask = torch.zeros_like(full[0])
+    mask[p.shape[1] :] = 1
+    feats = capture_features(target, draft.config.target_layer_ids, input_ids=full)[1][0]
+    return {"input_ids": full[0], "loss_mask": mask, "features": feats}
+
+
+def fit(draft, target, sample, steps: int):
+    """A few Adam steps of the training objective on the sample at every anchor: a draft that
+    accepts some drafts and misses others (random drafts accept almost nothing)."""
+    embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
+    anchors = data.anchor_positions(sample["loss_mask"])[None]
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    draft.train()
+    for _ in range(steps):
+        embed = lambda x: F.embedding(x, embed_w.detach())
+        h = model.forward_training(draft, embed, ids, sample["features"][None], anchors)
+        out = L.objective(
+            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, gamma=2.0, alpha_t=1.0
+        )
+        opt.zero_grad()
+        out["numerator"].backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
+    """The identity behind train.py's served evaluation (served.py): the answer being the target's
+    own greedy answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} =
+    s_i + tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
+    served, so that every served block has all its labels."""
+    torch.manual_seed(0)
+    target, B, n = tiny_target("llama", initializer_range=0.3), 4, 40
+    draft = tiny_draft(B, plain=plain)
+    sample = greedy_sample(target, draft, n, extra=B)
+    fit(draft, target, sample, steps=8)
+    P = int(served.prompt_length(sample["loss_mask"]))
+    shown = {k: v[: P + n] for k, v in sample.items()}  # served: the prompt and n answer tokens
+    result = served.serve(target, draft, [shown], ("path", B - 1), use_selector=not plain)
+    _, stats = decoding.speculative_generate(target, draft, sample["input_ids"][None, :P], n)
+    anchors = result["anchors"][0]
+    assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
+    assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
+    assert result["tau"] == pytest.approx(stats.mean_tau) and result["tokens"] == n
+    assert len(set(stats.taus)) >= 3  # accepted and rejected drafts alike: not a trivial case
+    embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
+    mode = "accept_unary" if plain else "accept_selector"
+    taught = []
+    with torch.no_grad():
+        for a in anchors:  # one block each: its own accepted length
+            A = torch.tensor([[a]])
+            h = model.forward_training(
+                draft, lambda x: F.embedding(x, embed_w), ids, sample["features"][None], A
+            )
+            num, den = L.objective(draft, head_w, h, ids, mask, A, A >= 0, gamma=2.0)["metrics"][
+                mode
+            ]
+            taught.append(float(num / den))
+    assert taught == [float(t) for t in stats.taus]
+    # the same anchors through train.py's evaluation (data.collate with given anchors)
+    args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
+    objective = train.DraftObjective(draft, embed_w.detach(), head_w.detach(), args)
+    metrics = train.evaluate(
+        objective,
+        [sample],
+        args,
+        None,
+        draft.config,
+        torch.device("cpu"),
+        0,
+        1,
+        contextlib.nullcontext,
+        anchors=[anchors],
+    )
+    assert metrics[mode] == pytest.approx(stats.mean_tau, abs=1e-6)
+
+
+def test_final_evaluation_reports_served_tau_beside_teacher_forced(
+    setup, tmp_path, monkeypatch, capsys
+):
+    """train.py's final evaluation decodes --served-samples held-out prompts with the real loop
+    (the path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts
+    both in the log, in acceptance.json (which export.py carries and auto still reads) and in the
+    summary."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    flags = ["--max-steps", "2", "--eval-fraction", "0.3", "--served-samples", "2"]
+    run(setup, tmp_path / "run", *flags)
+    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
+    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    assert stats["served"] == {k[len("served_") :]: v for k, v in final.items() if "served_" in k}
+    s = stats["served"]
+    assert s["prompts"] == 2 and 1 <= s["path_tau"] <= 4 and 1 <= s["auto_tau"] <= 4
+    assert s["path_cycles"] >= 2 and 1 <= s["path_tf_tau"] <= 4
+    assert s["path_tf_blocks"] <= s["path_cycles"] and s["auto_shape"]
+    out = capsys.readouterr().out
+    assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
+    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert set(export.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
+
+
+# ---------------------------------------------------------------------------- anchor coverage
+def test_coverage_by_hand():
+    """Supervised tokens labelled by some valid block, over supervised tokens. B = 3 (slots 1, 2):
+    anchors 1 and 2 label tokens 2, 3 and 3, 4; token 6 is supervised but unlabelled; the anchor at
+    5 is invalid (padding)."""
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0, 1]])
+    anchors, valid = torch.tensor([[1, 2, 5]]), torch.tensor([[True, True, False]])
+    ids = torch.zeros_like(loss_mask)
+    _, _, w0 = L.block_labels(ids, loss_mask, anchors, valid, 3)
+    covered, supervised = L.coverage(loss_mask, anchors, w0)
+    assert (covered.item(), supervised.item()) == (3.0, 5.0)  # tokens 2, 3, 4 of 1, 2, 3, 4, 6
+
+
+def test_per_document_anchor_budget():
+    """--anchors-per document: each document of a packed row draws up to --num-anchors of its own
+    anchor positions; per row, the long document takes most of them. Either way an anchor and its
+    first label share a document."""
+    long_doc = {"input_ids": torch.arange(40), "loss_mask": torch.ones(40, dtype=torch.long)}
+    short = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.long)}
+    row = data.join([long_doc, short, short])
+    docs = row["docs"]
+    per_doc = data.sample_anchors(row["loss_mask"], 3, torch.Generator().manual_seed(0), docs, True)
+    assert [int((docs[per_doc] == d).sum()) for d in range(3)] == [3, 3, 3]
+    tiny_budget = data.sample_anchors(
+        row["loss_mask"], 6, torch.Generator().manual_seed(0), docs, True
+    )
+    assert [int((docs[tiny_budget] == d).sum()) for d in range(3)] == [6, 4, 4]  # a short one: 4
+    counts = torch.zeros(3)
+    for seed in range(50):
+        a = data.sample_anchors(row["loss_mask"], 9, torch.Generator().manual_seed(seed), docs)
+        assert len(a) == 9 and bool((docs[a] == docs[a + 1]).all())
+        counts += torch.bincount(docs[a], minlength=3)
+    assert counts[0] / counts.sum() > 0.7  # 39 of the row's 47 anchor positions
+    batch = data.collate([[long_doc, short, short]], [0], 3, 0, "cpu", per_document=True)
+    assert batch["anchor_valid"].sum() == 9
+    given = data.collate([[long_doc]], [0], 3, 0, "cpu", anchors=[[4, 9]])
+    assert batch["anchors"].shape[1] == 9 and given["anchors"].tolist() == [[4, 9]]
+
+
 def test_resume_continues_exactly(setup, tmp_path):
     straight = run(setup, tmp_path / "a", "--max-steps", "6")
     run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
@@ -3199,6 +3351,8 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
         "1000",
         "--eval-samples",
         "3",
+        "--served-samples",
+        "0",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
@@ -3351,6 +3505,8 @@ def fsdp_runs(setup, tmp_path_factory):
         "1000",
         "--log-interval",
         "1",
+        "--served-samples",
+        "0",
         "--fsdp",
     ]
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
@@ -5320,17 +5476,20 @@ def reachable(graph: dict, start: str) -> set:
 
 
 def test_imports_flow_one_way():
-    """No import cycle, no project import hidden inside a function, the training path reaches
-    neither decoding nor the cost model, the data path stands without prepare.py, and the CPU
-    machinery (speed/) is reached only through its two doors, machine.py and tune.py (and bench.py,
-    which is generate.py --bench)."""
+    """No import cycle, no project import hidden inside a function, the training step reaches
+    neither decoding nor the cost model (train.py's served evaluation does, through served.py), the
+    data path stands without prepare.py, and the CPU machinery (speed/) is reached only through its
+    two doors, machine.py and tune.py (and bench.py, which is generate.py --bench)."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     graph, inside_functions = project_imports()
     assert {"decoding", "speed.cost", "tools.plan", "prompts.word_problems"} <= set(graph)
     assert import_cycle(graph) is None
     assert inside_functions == []
-    training = reachable(graph, "train")
+    # the training step; train.py reaches decoding (and auto's cost model) only through served.py,
+    # its final evaluation
+    assert "served" in graph["train"] and "decoding" in graph["served"]
+    training = reachable({**graph, "train": graph["train"] - {"served"}}, "train")
     assert {"model", "loss", "data", "speed.machine"} <= training
     assert not training & {"decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")

@@ -15,6 +15,7 @@ so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches.
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -34,8 +35,9 @@ import flops
 import fsdp
 import loss as L
 import model
+import served
 from common import DTYPES, atomic_write, bounded, end_distributed, run
-from export import save_acceptance
+from export import record_served, save_acceptance
 from speed import machine
 from target import capture_features, check_draft_fits, load_target
 
@@ -110,6 +112,13 @@ def parse_args(argv=None):
     )
     a("--dpace-alpha", type=bounded(float, low=0.0, high=1.0), default=0.5)
     a("--num-anchors", type=bounded(int, low=1), default=512)
+    a(
+        "--anchors-per",
+        choices=["document", "row"],
+        default="document",
+        help="with --pack: --num-anchors for each document of a row (so a long document cannot "
+        "take a row's anchors; the public trainers' contract) or for the whole row",
+    )
     a("--selector-loss-alpha", type=bounded(float, low=0.0), default=1.0)
     a("--selector-warmup-ratio", type=bounded(float, low=0.0, high=1.0), default=0.0)
     a("--selector-ramp-ratio", type=bounded(float, low=0.0, high=1.0), default=0.0)
@@ -159,6 +168,13 @@ def parse_args(argv=None):
         type=bounded(int, low=0),
         default=64,
         help="at most this many held-out sequences per evaluation",
+    )
+    a(
+        "--served-samples",
+        type=bounded(int, low=0),
+        default=16,
+        help="the final evaluation also decodes this many held-out prompts with the real decoding "
+        "loop (served.py): served tau beside the teacher-forced one; 0: off",
     )
     a("--log-interval", type=bounded(int, low=1), default=10)
     a("--compile", action="store_true", help="torch.compile the draft")
@@ -336,9 +352,21 @@ def lr_factor(step, total, args):
 
 @torch.no_grad()
 def evaluate(
-    objective, samples, args, target, cfg, device, rank, world, autocast, acceptance=False
+    objective,
+    samples,
+    args,
+    target,
+    cfg,
+    device,
+    rank,
+    world,
+    autocast,
+    acceptance=False,
+    anchors=None,
 ):
-    n = min(len(samples), args.eval_samples)
+    """Teacher-forced held-out metrics over the first --eval-samples sequences, at random anchors
+    or, given anchors[i] for sequence i, at those (the ones serving visited)."""
+    n = min(len(samples), args.eval_samples if anchors is None else len(anchors))
     if n == 0:
         return {}
     objective.eval()
@@ -348,7 +376,10 @@ def evaluate(
     # a rank short of samples of its own adds zero copies
     mine = [(i % n, float(i < n)) for i in range(rank, -(-n // world) * world, world)]
     for i, keep in mine:
-        batch = data.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
+        given = None if anchors is None else [anchors[i]]
+        batch = data.collate(
+            [[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device, anchors=given
+        )
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
@@ -557,7 +588,8 @@ def main(argv=None):
     def make_batch(rows_of_batch, epoch):  # a micro-batch: rows of samples, anchors, features
         keys = [epoch * len(rows) + r for r in rows_of_batch]
         docs = [[samples[j] for j in rows[r]] for r in rows_of_batch]
-        batch = data.collate(docs, keys, args.num_anchors, args.seed, device)
+        per_doc = args.anchors_per == "document"
+        batch = data.collate(docs, keys, args.num_anchors, args.seed, device, per_doc)
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
         flop = flops.step_flops(cfg, batch, target_weights) if peak else 0
@@ -619,31 +651,65 @@ def main(argv=None):
     # ------------------------------------------------------------------ end
     if step < total:
         log(f"stopped at step {step} of {total}; continue with --resume")
-    else:
-        final = evaluate(
-            objective,
-            eval_samples,
-            args,
-            target,
-            cfg,
-            device,
-            rank,
-            world,
-            autocast,
-            acceptance=True,
-        )
-        if master and final:
-            save_acceptance(args.out_dir, final, cfg, step)
-            append_log(
-                log_path,
-                {"kind": "final", "step": step, "elapsed_s": round(time.time() - t0, 1), **final},
-            )
-            print_summary(final, cfg)
-    end_distributed()
+        end_distributed()
+        return
+    final = evaluate(
+        objective, eval_samples, args, target, cfg, device, rank, world, autocast, acceptance=True
+    )
+    state = fsdp.full_state(draft, opt)[0] if sharded else None  # every rank: FSDP gathers
+    end_distributed()  # what follows runs on rank 0 alone
+    if not (master and final):
+        return
+    save_acceptance(args.out_dir, final, cfg, step)  # first: auto's shape reads it
+    if args.served_samples:
+        if state is not None:
+            draft = model.DraftModel(cfg).to(device)
+            draft.load_state_dict(state)
+        served = served_evaluation(args, draft, embed_w, head_w, eval_samples, device, autocast)
+        record_served(args.out_dir, served)
+        final.update({f"served_{k}": v for k, v in served.items()})
+    append_log(
+        log_path, {"kind": "final", "step": step, "elapsed_s": round(time.time() - t0, 1), **final}
+    )
+    print_summary(final, cfg)
+
+
+def served_evaluation(args, draft, embed_w, head_w, samples, device, autocast) -> dict:
+    """The first --served-samples held-out prompts decoded by the real loop (served.py), greedily,
+    with the path of B-1 drafts and with the shape `auto` chooses; and the path's anchors scored
+    teacher-forced, where the data has a block's first label: served tau beside teacher-forced tau
+    at the same anchors (equal when the answers are the target's own greedy ones)."""
+    t0 = time.time()
+    target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
+    target = target.to(device)
+    chosen = [samples[i] for i in range(min(len(samples), args.served_samples))]
+    result = served.served_tau(target, copy.deepcopy(draft), tokenizer, chosen, args.out_dir)
+    anchors = [
+        [a for a in visited if a + 1 < len(s["loss_mask"]) and s["loss_mask"][a : a + 2].all()]
+        for s, visited in zip(chosen, result["path"]["anchors"])
+    ]
+    objective = DraftObjective(draft, embed_w, head_w, args)
+    online = target if args.online else None
+    tf = evaluate(
+        objective, chosen, args, online, draft.config, device, 0, 1, autocast, anchors=anchors
+    )
+    mode = "selector" if draft.candidate_selector is not None else "unary"
+    return {
+        "prompts": len(chosen),
+        "path_tau": round(result["path"]["tau"], 4),
+        "path_cycles": result["path"]["cycles"],
+        "path_tf_tau": round(tf[f"accept_{mode}"], 4),
+        "path_tf_blocks": sum(map(len, anchors)),
+        "auto_shape": result["auto"]["shape"],
+        "auto_tau": round(result["auto"]["tau"], 4),
+        "auto_cycles": result["auto"]["cycles"],
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def print_summary(m, cfg):
     K = cfg.selector_top_k or 16
+    mode = "selector" if cfg.dflash2 else "unary"
     rows = {
         "accept_unary": "accepted length, unary greedy path",
         "accept_selector": "accepted length, selector path",
@@ -657,6 +723,18 @@ def print_summary(m, cfg):
     print("\n".join(f"  {name:40s} {m[k]:.4f}" for k, name in rows.items() if k in m))
     if "path_acc" in m:
         print(f"  {'selector path accuracy per position':40s} {m['path_acc']}")
+    if "served_path_tau" in m:
+        path = f"path of {cfg.block_size - 1} drafts"
+        print(
+            f"\nserved: {m['served_prompts']} held-out prompts decoded greedily by the real loop\n"
+            f"  {'tau teacher-forced, random anchors':40s} {m[f'accept_{mode}']:.4f}\n"
+            f"  {'tau teacher-forced, served anchors':40s} {m['served_path_tf_tau']:.4f}"
+            f"  ({m['served_path_tf_blocks']} blocks)\n"
+            f"  {'tau served, ' + path:40s} {m['served_path_tau']:.4f}"
+            f"  ({m['served_path_cycles']} cycles)\n"
+            f"  {'tau served, auto: ' + m['served_auto_shape']:40s} {m['served_auto_tau']:.4f}"
+            f"  ({m['served_auto_cycles']} cycles)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""Why served tau differs from teacher-forced tau at random anchors, measured on held-out data.
+
+    python tools/served_gap.py --draft out/smollm2-math-dflash2 --data data/smollm2-math/eval \
+        --num-prompts 16
+
+For each held-out sequence the teacher-forced accepted length tau(p) of the block at EVERY anchor
+position p (the draft's greedy path: the selector's walk, or the unary argmax for plain DFlash),
+then four means over blocks:
+
+    all anchors      tau(p) over every anchor position: what random anchors estimate
+    walked           the anchors a decoding would visit if the answer were the target's greedy one:
+                     s_0 = P, s_{i+1} = s_i + tau(s_i) (served.py's identity), tau over them
+    served           the real loop (served.py, the draft in fp32 beside the target in fp32)
+    after a miss     tau(p) at the positions just after a block that missed before slot B-1
+                     (every walked anchor but the first is one)
+
+and how often the served anchors are the walked ones (all of them when the held-out answers are the
+fp32 target's greedy answers). all - walked is the anchors' share of the gap; walked - served the
+data's (answers made in another precision or batch than the one that serves).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+import data  # noqa: E402
+import loss as L  # noqa: E402
+import model  # noqa: E402
+import served  # noqa: E402
+from common import run  # noqa: E402
+from export import load_any  # noqa: E402
+from target import load_target, stop_token_ids  # noqa: E402
+
+
+@torch.no_grad()
+def taus_at_every_anchor(draft, embed_w, head_w, sample) -> dict:
+    """{p: tau(p)} for every anchor position p of one sequence, one block at a time."""
+    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
+    feats = sample["features"][None].float()
+    embed = lambda x: F.embedding(x, embed_w)  # noqa: E731
+    mode = "accept_selector" if draft.candidate_selector is not None else "accept_unary"
+    out = {}
+    for p in data.anchor_positions(sample["loss_mask"]).tolist():
+        A = torch.tensor([[p]])
+        h = model.forward_training(draft, embed, ids, feats, A)
+        num, den = L.objective(draft, head_w, h, ids, mask, A, A >= 0)["metrics"][mode]
+        out[p] = round(float(num / den))
+    return out
+
+
+def walk(P: int, tau: dict) -> list:
+    """The anchors s_0 = P, s_{i+1} = s_i + tau(s_i), while the block has its labels."""
+    anchors = []
+    s = P
+    while s in tau:
+        anchors.append(s)
+        s += tau[s]
+    return anchors
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--draft", required=True, help="a run directory, ckpt.pt or an export")
+    p.add_argument("--data", required=True, help="held-out feature directory (prepare.py)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--num-prompts", type=int, default=16)
+    args = p.parse_args(argv)
+    draft = load_any(args.draft)
+    target, tok = load_target(args.target, torch.float32)
+    embed_w = target.get_input_embeddings().weight.detach().float()
+    head_w = target.get_output_embeddings().weight.detach().float()
+    samples = data.load_samples(args.data, False, tok, 10**9)
+    chosen = [samples[i] for i in range(min(args.num_prompts, len(samples)))]
+    B, stop = draft.config.block_size, stop_token_ids(target, tok)
+    use_selector = draft.candidate_selector is not None
+    result = served.serve(target, draft, chosen, ("path", B - 1), use_selector, stop)
+    every, walked, after_miss, same, cycles = [], [], [], 0, 0
+    for s, visited in zip(chosen, result["anchors"]):
+        tau = taus_at_every_anchor(draft, embed_w, head_w, s)
+        P = served.prompt_length(s["loss_mask"])
+        path = walk(P, tau)
+        every += tau.values()
+        walked += [tau[a] for a in path]
+        after_miss += [tau[a + tau[a]] for a in tau if tau[a] < B and a + tau[a] in tau]
+        same += sum(a == b for a, b in zip(path, visited))
+        cycles += len(visited)
+    print(f"{len(chosen)} held-out prompts, block size {B}, {len(every)} anchor positions")
+    print(f"  tau, all anchors (teacher-forced)      {mean(every):.3f}  ({len(every)} blocks)")
+    print(f"  tau, walked anchors (teacher-forced)   {mean(walked):.3f}  ({len(walked)} blocks)")
+    print(f"  tau, served (the real loop)            {result['tau']:.3f}  ({cycles} cycles)")
+    print(f"  tau, anchors just after a miss         {mean(after_miss):.3f}  ({len(after_miss)})")
+    print(f"  served anchors that are walked ones    {same} of {cycles}")
+
+
+if __name__ == "__main__":
+    run(main)
