@@ -1,6 +1,7 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
 nanochat's common.py): dtype names, atomic writes, the end of a distributed run,
-and the command-line rule that a user's mistake ends in one line. Nothing else belongs here.
+the command-line rule that a user's mistake ends in one line, and the one --chat-template-kwargs
+flag. Nothing else belongs here.
 """
 
 import argparse
@@ -59,6 +60,40 @@ def bounded(kind, low=None, high=None, above=None):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def json_object(text):
+    """An argparse type: a JSON object -> dict. argparse turns a refusal into `prog: error: argument
+    --flag: ...` and exit status 2."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}), got {text}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text}")
+    return value
+
+
+def template_kwargs(text):
+    """--chat-template-kwargs: a JSON object, without the arguments data.render sets itself."""
+    value, taken = json_object(text), {"tokenize", "add_generation_prompt"}
+    if taken & set(value):
+        named = ", ".join(sorted(taken & set(value)))
+        raise argparse.ArgumentTypeError(f"{named}: set by data.render itself, got {text}")
+    return value
+
+
+def add_chat_template_kwargs(add):
+    """The one --chat-template-kwargs flag of prepare.py, train.py and generate.py: the same
+    template settings must render the data a draft trains on and the prompts it serves."""
+    add(
+        "--chat-template-kwargs",
+        type=template_kwargs,
+        default="{}",  # argparse applies the type to a string default: a fresh dict per parse
+        metavar="JSON",
+        help="keyword arguments for the target's chat template, e.g. "
+        "'{\"enable_thinking\": false}' (Qwen3); the same when regenerating, training and serving",
+    )
 
 
 def run(main):

@@ -22,10 +22,11 @@ metrics and gradients):
 """
 
 import json
+import os
 
 import torch
 
-from features import load_features
+from features import load_features, read_manifest
 
 # ----------------------------------------------------------------------------- conversations
 ROLES = {
@@ -68,16 +69,31 @@ def to_messages(record) -> list:
     return out
 
 
-def read_conversations(path: str, require_assistant: bool = True):
+def check_template_kwargs(made, wanted):
+    """Data that says which chat template kwargs rendered it (`made`: prepare.py records them)
+    must be read with the same: the draft learns the text it is trained on, and a Qwen3 answer with
+    and without thinking are different texts. None: not recorded / not rendered here."""
+    if made is not None and wanted is not None and made != wanted:
+        raise ValueError(
+            f"made with --chat-template-kwargs '{json.dumps(made)}', this run asks for "
+            f"'{json.dumps(wanted)}'; pass the same"
+        )
+
+
+def read_conversations(path: str, require_assistant: bool = True, chat_template_kwargs=None):
     """JSONL -> (conversations, skipped). A malformed line raises ValueError naming file and line;
-    empty conversations, and assistant-free ones when require_assistant, are skipped and counted."""
+    empty conversations, and assistant-free ones when require_assistant, are skipped and counted.
+    With chat_template_kwargs (the answers will be rendered with them), a line regenerated with
+    other kwargs is refused too (check_template_kwargs)."""
     conversations, skipped = [], 0
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                messages = to_messages(json.loads(line))
+                record = json.loads(line)
+                messages = to_messages(record)
+                check_template_kwargs(record.get("chat_template_kwargs"), chat_template_kwargs)
             except ValueError as e:  # json.JSONDecodeError is a ValueError too
                 raise ValueError(f"{path}, line {n}: {e}") from None
             if not messages or (
@@ -90,13 +106,19 @@ def read_conversations(path: str, require_assistant: bool = True):
 
 
 # ----------------------------------------------------------------------------- tokenisation
-def render(tokenizer, messages, generation_prompt=False) -> str:
+def render(tokenizer, messages, generation_prompt=False, chat_template_kwargs=None) -> str:
+    """The one place a chat template is applied (regeneration prompts, loss masks, online
+    training, generate.py's prompts), so that its keyword arguments (Qwen3's enable_thinking)
+    reach every one of them."""
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        **(chat_template_kwargs or {}),
     )
 
 
-def assistant_spans(tokenizer, messages):
+def assistant_spans(tokenizer, messages, chat_template_kwargs=None):
     """(text, [(start, end)]): the rendered conversation and the character span of each answer.
 
     An answer's span is what rendering it adds after the generation prompt (the role header):
@@ -104,11 +126,13 @@ def assistant_spans(tokenizer, messages):
     no turn. Templates that render a prefix differently from the whole conversation (e.g.
     Qwen3 dropping earlier thinking) cannot be split this way and raise.
     """
-    text, spans = render(tokenizer, messages), []
+    kw = chat_template_kwargs
+    text, spans = render(tokenizer, messages, chat_template_kwargs=kw), []
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing
             continue
-        head, turn = render(tokenizer, messages[:i], True), render(tokenizer, messages[: i + 1])
+        head = render(tokenizer, messages[:i], True, kw)
+        turn = render(tokenizer, messages[: i + 1], chat_template_kwargs=kw)
         if not (turn.startswith(head) and text.startswith(turn)):
             raise ValueError(
                 f"the chat template renders the conversation up to message {i} differently "
@@ -118,10 +142,10 @@ def assistant_spans(tokenizer, messages):
     return text, spans
 
 
-def tokenize_conversation(tokenizer, messages, max_length: int):
+def tokenize_conversation(tokenizer, messages, max_length: int, chat_template_kwargs=None):
     """-> input_ids [S] long, loss_mask [S] long (1 on assistant tokens incl. end-of-turn), S <=
     max_length."""
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = assistant_spans(tokenizer, messages, chat_template_kwargs)
     # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does
     # too.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -141,14 +165,17 @@ def anchor_positions(loss_mask):
 
 
 # ----------------------------------------------------------------------------- what train.py reads
-def load_samples(path: str, online: bool, tokenizer, max_length: int):
-    """train.py's sequences: a conversations JSONL tokenised here (online: the target computes
-    features as it trains), or a feature directory (offline: streamed, features.FeatureSamples).
-    Dicts as load_features() gives, without the sequences that have no anchor (no two consecutive
-    supervised tokens)."""
+def load_samples(path: str, online: bool, tokenizer, max_length: int, chat_template_kwargs=None):
+    """train.py's sequences: a conversations JSONL tokenised here with the chat template's
+    chat_template_kwargs (online: the target computes features as it trains), or a feature
+    directory (offline: streamed, features.FeatureSamples; tokenised by prepare.py, its manifest
+    says with which kwargs). Dicts as load_features() gives, without the sequences that have no
+    anchor (no two consecutive supervised tokens)."""
     if online:
+        kw = chat_template_kwargs or {}
         pairs = [
-            tokenize_conversation(tokenizer, m, max_length) for m in read_conversations(path)[0]
+            tokenize_conversation(tokenizer, m, max_length, kw)
+            for m in read_conversations(path, chat_template_kwargs=kw)[0]
         ]
         return [
             {"input_ids": ids, "loss_mask": mask}
@@ -156,6 +183,12 @@ def load_samples(path: str, online: bool, tokenizer, max_length: int):
             if len(anchor_positions(mask))
         ]
     samples = load_features(path)
+    # manifests from before prepare.py recorded the kwargs: rendered without any
+    made = read_manifest(path).get("chat_template_kwargs", {})
+    try:
+        check_template_kwargs(made, chat_template_kwargs)
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(path, 'manifest.json')}: {e}") from None
     # no features read
     masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))
     return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]

@@ -7,7 +7,7 @@ prepare.py --features writes them, train.py (offline) reads them back:
                                   (--save-target-hidden); metadata: the settings that made the shard
                                   and its counts
     OUT/manifest.json             target, target_layer_ids, hidden_size, feature_dtype, shards,
-                                  skip counts
+                                  skip counts, chat_template_kwargs (what rendered the text)
 
 Features are large: a Qwen3-8B target gives 5 x 4096 values per token (40 KB in bf16), so 100K
 conversations of 1K tokens are 4 TB. FeatureSamples is a read-only sequence of sample dicts whose
@@ -39,9 +39,10 @@ def shard_path(out_dir: str, k: int) -> str:
 
 
 def shard_metadata(path: str) -> dict:
-    """A shard's metadata (its header only; no tensor is read)."""
+    """A shard's metadata (its header only; no tensor is read). Shards from before prepare.py
+    recorded the chat template kwargs were rendered without any."""
     with safe_open(path, "pt") as f:
-        return f.metadata()
+        return {"chat_template_kwargs": "{}", **f.metadata()}
 
 
 def save_shard(path: str, samples: list, metadata: dict):
@@ -69,6 +70,7 @@ def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_s
         "feature_dtype": meta["feature_dtype"],
         "target_hidden": meta["target_hidden"] == "True",
         "max_length": int(meta["max_length"]),
+        "chat_template_kwargs": json.loads(meta["chat_template_kwargs"]),
         **totals,
         "shards": shards,
     }
@@ -108,9 +110,8 @@ class FeatureSamples:
         return {key: self.shard[1].get_tensor(f"{key}.{j}") for key in keys}
 
 
-def load_features(out_dir: str) -> FeatureSamples:
-    """A feature directory -> its samples, in manifest order (shard by shard), streamed from
-    disk."""
+def read_manifest(out_dir: str) -> dict:
+    """OUT/manifest.json, or FileNotFoundError saying how to make one."""
     if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
         raise FileNotFoundError(
             f"{out_dir} is not a feature directory (it has no manifest.json); make one with: "
@@ -119,7 +120,13 @@ def load_features(out_dir: str) -> FeatureSamples:
             "--online)"
         )
     with open(os.path.join(out_dir, "manifest.json")) as f:
-        manifest = json.load(f)
+        return json.load(f)
+
+
+def load_features(out_dir: str) -> FeatureSamples:
+    """A feature directory -> its samples, in manifest order (shard by shard), streamed from
+    disk."""
+    manifest = read_manifest(out_dir)
     files = [shard["file"] for shard in manifest["shards"]]
     index = torch.tensor(
         [(k, j) for k, shard in enumerate(manifest["shards"]) for j in range(shard["num_samples"])],

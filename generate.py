@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from common import DTYPES, bounded, run
+from common import DTYPES, add_chat_template_kwargs, bounded, run
 from decoding import shape_kw, speculative_generate, target_generate
 from export import load_any
 from show import Printer, ShowBlocks, show_legend
@@ -32,7 +32,7 @@ def verify_arg(text):
 def reply(target, draft, tok, messages, args, gen, stop) -> str:
     """Generate one answer, streaming it (--show: its blocks, then the text), then print the
     statistics (and the baseline with --compare)."""
-    ids = encode(tok, messages, next(target.parameters()).device)
+    ids = encode(tok, messages, next(target.parameters()).device, args.chat_template_kwargs)
     kw = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -89,6 +89,7 @@ def parse_args(argv=None):
         "packed GEMM; auto: whichever speed/cost.py measured fastest here (cached; docs/cpu.md)",
     )
     a("--prompt", default=None, help="one prompt; without it, an interactive chat")
+    add_chat_template_kwargs(a)
     a("--max-new-tokens", type=bounded(int, low=1), default=256)
     a("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
     a("--seed", type=int, default=0)

@@ -1,8 +1,9 @@
 """Make training data for DFlash2 drafts (docs/semantics.md, section 4): regeneration, features.
 
     prompts (--prompts default) or conversations (--data FILE.jsonl)
-      -> --regenerate: the target answers the prompts itself, greedily (on-policy data trains far
-         better drafts). Only the first assistant turn: a sample becomes system?/user + the answer.
+      -> --regenerate: the target answers the prompts itself, greedily or at --temperature
+         (on-policy data trains far better drafts). Only the first assistant turn: a sample
+         becomes system?/user + the answer. --chat-template-kwargs reaches every chat template.
       -> tokenise with the target's own chat template; loss_mask = 1 on assistant tokens only
       -> --features: the target's features at the draft's target_layer_ids
 
@@ -10,11 +11,12 @@
         --out-dir data/smollm2 --regenerate --features            # torchrun splits the work by rank
 
 Conversations are read and tokenised by data.py. What OUT holds (features.py describes the shards):
-    conversations.jsonl        {"index", "messages"} per line, after --regenerate (usable as --data)
+    conversations.jsonl        {"index", "messages", "chat_template_kwargs", "temperature", "seed"}
+                               per line, after --regenerate (usable as --data)
     shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden
                                (--save-target-hidden)
     manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards,
-                               skip counts
+                               skip counts, chat_template_kwargs
 
 The built-in prompt sets (--prompts default / eval) live in promptsets.py, the target in target.py.
 """
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import config
-from common import DTYPES, atomic_write, bounded, end_distributed, run
+from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
 from data import anchor_positions, read_conversations, render, tokenize_conversation
 from features import COUNTS, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
@@ -62,17 +64,69 @@ def read_regenerated(out_dir: str, own: str = None) -> dict:
     return done
 
 
+def regeneration_settings(record) -> dict:
+    """What shaped a regenerated answer, as its record keeps it: the chat template kwargs, the
+    temperature and, above 0, the seed. Records from before these were kept are greedy, without
+    kwargs."""
+    temperature = record.get("temperature", 0.0)
+    return {
+        "chat_template_kwargs": record.get("chat_template_kwargs", {}),
+        "temperature": temperature,
+        "seed": record.get("seed") if temperature > 0 else None,
+    }
+
+
+def check_resumable(done: dict, out_dir: str, settings: dict):
+    """A resumed regeneration must make its answers as the done ones were, or the data would mix
+    two distributions."""
+    for record in done.values():
+        if regeneration_settings(record) != regeneration_settings(settings):
+            raise ValueError(
+                f"{out_dir}: its regenerated.rank*.jsonl answers were made with "
+                f"{regeneration_settings(record)}, this run asks for "
+                f"{regeneration_settings(settings)}; use a new --out-dir or the same flags"
+            )
+
+
+def sampling(temperature: float, seed: int, batch: list) -> dict:
+    """generate()'s arguments: greedy at temperature 0, else plain sampling from softmax(logits / T)
+    (the target's own generation config may set top_k / top_p, Qwen3's 20 / 0.95: off), seeded by
+    the batch's first prompt so that a rerun, or a run resumed after whole batches (the rest sorts
+    into the same batches), samples the same answers."""
+    if temperature == 0:
+        return {"do_sample": False}
+    torch.manual_seed(seed * 1_000_003 + batch[0])
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
 @torch.no_grad()
 def regenerate(
-    target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_size=16, rank=0, world=1
+    target,
+    tokenizer,
+    prompts,
+    out_dir,
+    max_new_tokens=256,
+    batch_size=16,
+    rank=0,
+    world=1,
+    chat_template_kwargs=None,
+    temperature=0.0,
+    seed=0,
 ):
-    """Greedy answers of the target to prompts[i] for i % world == rank, appended as each batch ends
-    to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}); reruns skip done
+    """The target's answers to prompts[i] for i % world == rank (greedy at temperature 0), appended
+    as each batch ends to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"} and
+    the settings that made them: chat_template_kwargs, temperature, seed); reruns skip done
     indices."""
+    settings = {
+        "chat_template_kwargs": chat_template_kwargs or {},
+        "temperature": temperature,
+        "seed": seed,
+    }
     own = f"regenerated.rank{rank}.jsonl"
     done = read_regenerated(out_dir, own)
+    check_resumable(done, out_dir, settings)
     todo = [i for i in range(rank, len(prompts), world) if i not in done]
-    texts = {i: render(tokenizer, prompts[i], True) for i in todo}
+    texts = {i: render(tokenizer, prompts[i], True, settings["chat_template_kwargs"]) for i in todo}
     todo.sort(key=lambda i: len(texts[i]))  # similar lengths per batch: less padding
     tokenizer.padding_side = "left"  # so every row continues at the same right edge
     if tokenizer.pad_token is None:
@@ -93,8 +147,8 @@ def regenerate(
             out = target.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                **sampling(temperature, seed, batch),
             )
             # new [<= max_new_tokens]
             for i, new in zip(batch, out[:, enc["input_ids"].shape[1] :]):
@@ -109,7 +163,12 @@ def regenerate(
                     if finished
                     else len(new)
                 )
-                record = {"index": i, "messages": prompts[i] + [answer], "finished": finished}
+                record = {
+                    "index": i,
+                    "messages": prompts[i] + [answer],
+                    "finished": finished,
+                    **settings,
+                }
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
             bar.update(len(batch))
@@ -164,18 +223,21 @@ def write_features(
     rank=0,
     world=1,
     batch_size=1,
+    chat_template_kwargs=None,
 ):
     """Write this rank's shards: shard k holds conversations [k*shard_size, (k+1)*shard_size) and
-    belongs to rank k % world. Each shard is self-describing (safetensors metadata) and written
-    atomically, so a rerun skips shards that exist and any rank can build the manifest. Within a
-    shard the target runs batch_size sequences per forward, sorted by length so little is
-    padding."""
+    belongs to rank k % world, rendered with chat_template_kwargs. Each shard is self-describing
+    (safetensors metadata: the settings, the kwargs among them) and written atomically, so a rerun
+    skips shards that exist and any rank can build the manifest. Within a shard the target runs
+    batch_size sequences per forward, sorted by length so little is padding."""
+    kw = chat_template_kwargs or {}
     settings = {
         "target_layer_ids": json.dumps(layer_ids),
         "feature_dtype": feature_dtype,
         "max_length": str(max_length),
         "target_hidden": str(save_target_hidden),
         "shard_size": str(shard_size),
+        "chat_template_kwargs": json.dumps(kw, sort_keys=True),  # one spelling per dict
     }
     mine = range(rank, math.ceil(len(conversations) / shard_size), world)
     bar, tokens = tqdm(total=len(mine), desc=f"features (rank {rank})", unit="shard"), 0
@@ -193,7 +255,7 @@ def write_features(
                 continue
             # else: the last, partial shard of a run over fewer conversations
             # (--num-samples grew): rebuilt
-        tokenized = [tokenize_conversation(tokenizer, m, max_length) for m in chunk]
+        tokenized = [tokenize_conversation(tokenizer, m, max_length, kw) for m in chunk]
         keep = [j for j, (ids, mask) in enumerate(tokenized) if len(anchor_positions(mask))]
         by_length = sorted(keep, key=lambda j: len(tokenized[j][0]))
         computed = {}
@@ -259,7 +321,7 @@ def barrier():
         dist.barrier()
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -293,10 +355,23 @@ def main(argv=None):
         type=bounded(int, low=1),
         help="use only the first N conversations / prompts",
     )
-    p.add_argument("--seed", type=int, default=0, help="for the built-in prompt set")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="for the built-in prompt set and, at --temperature > 0, the regenerated answers",
+    )
     p.add_argument(
         "--regenerate", action="store_true", help="replace the first answer by the target's own"
     )
+    p.add_argument(
+        "--temperature",
+        type=bounded(float, low=0.0),
+        default=0.0,
+        help="of the regenerated answers: 0 is greedy, above 0 plain sampling from "
+        "softmax(logits / T); best the temperature the draft will serve at",
+    )
+    add_chat_template_kwargs(p.add_argument)
     p.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     p.add_argument(
         "--batch-size", type=bounded(int, low=1), default=16, help="prompts per regeneration batch"
@@ -330,6 +405,19 @@ def main(argv=None):
         p.error("--features needs --draft-config (it gives target_layer_ids)")
     if not (args.regenerate or args.features):
         p.error("nothing to do: add --regenerate and/or --features")
+    if args.temperature > 0 and not args.regenerate:
+        p.error("--temperature samples the regenerated answers; add --regenerate")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # what shapes the text: recorded with the data it makes, checked against the data it reads
+    made = {
+        "chat_template_kwargs": args.chat_template_kwargs,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    }
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:  # gloo only synchronises; a long regeneration must not time out the barrier
@@ -349,7 +437,10 @@ def main(argv=None):
 
     if args.data:
         conversations, skipped = read_conversations(
-            args.data, require_assistant=not args.regenerate
+            args.data,
+            require_assistant=not args.regenerate,
+            # --regenerate replaces the answers: only kept ones must match the template settings
+            chat_template_kwargs=None if args.regenerate else args.chat_template_kwargs,
         )
         print(
             f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr
@@ -363,7 +454,15 @@ def main(argv=None):
     if args.regenerate:
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
         regenerate(
-            target, tok, prompts, args.out_dir, args.max_new_tokens, args.batch_size, rank, world
+            target,
+            tok,
+            prompts,
+            args.out_dir,
+            args.max_new_tokens,
+            args.batch_size,
+            rank,
+            world,
+            **made,
         )
         barrier()
         conversations = merge_regenerated(args.out_dir, len(prompts))
@@ -371,7 +470,7 @@ def main(argv=None):
             path = os.path.join(args.out_dir, "conversations.jsonl")
             with atomic_write(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(
-                    json.dumps({"index": i, "messages": m}, ensure_ascii=False) + "\n"
+                    json.dumps({"index": i, "messages": m, **made}, ensure_ascii=False) + "\n"
                     for i, m in enumerate(conversations)
                 )
     if args.features:
@@ -388,6 +487,7 @@ def main(argv=None):
             rank,
             world,
             args.feature_batch_size,
+            args.chat_template_kwargs,
         )
         barrier()
         if rank == 0:

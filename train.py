@@ -36,7 +36,7 @@ import fsdp
 import loss as L
 import model
 import served
-from common import DTYPES, atomic_write, bounded, end_distributed, run
+from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
 from export import record_served, save_acceptance
 from speed import machine
 from target import capture_features, check_draft_fits, load_target
@@ -95,6 +95,8 @@ def parse_args(argv=None):
         help="online: truncate conversations to this many tokens; --pack: tokens per row",
     )
     a("--pack", action="store_true", help="pack several conversations into each row (data.py)")
+    # online: renders the conversations; offline: must be what prepare.py rendered the features with
+    add_chat_template_kwargs(a)
     # architecture overrides, validated by the same rules as the config file
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
     a("--block-size", type=bounded(int, low=2))
@@ -518,9 +520,10 @@ def main(argv=None):
     target_weights = flops.linear_weights(target) if args.online else 0
 
     # ------------------------------------------------------------------ data
-    samples = data.load_samples(args.data, args.online, tokenizer, args.max_length)
+    kw = args.chat_template_kwargs
+    samples = data.load_samples(args.data, args.online, tokenizer, args.max_length, kw)
     eval_samples = (
-        data.load_samples(args.eval_data, args.online, tokenizer, args.max_length)
+        data.load_samples(args.eval_data, args.online, tokenizer, args.max_length, kw)
         if args.eval_data
         else None
     )

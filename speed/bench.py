@@ -46,14 +46,15 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         generator=gen,
         stop_ids=stop,
     )
-    warm = encode(tok, [{"role": "user", "content": "Hi"}], dev)
+    kwargs = args.chat_template_kwargs
+    warm = encode(tok, [{"role": "user", "content": "Hi"}], dev, kwargs)
     print(
         f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} "
         f"{'same':>6}   cycle: draft / selector / verify"
     )
     for name in args.bench:
         prompts = [
-            encode(tok, [{"role": "user", "content": text}], dev)
+            encode(tok, [{"role": "user", "content": text}], dev, kwargs)
             for text in eval_prompts(name)[: args.bench_limit]
         ]
         specs = {r: dict(use_selector=r[0] == "selector", **shape_kw(r[1])) for r in rows}
