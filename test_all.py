@@ -3999,6 +3999,10 @@ def test_plan_sizes_the_job_to_the_budget(tmp_path):
     assert plan.job_minutes(1000, 1000, 2, 1.5, 1.3, 0) == pytest.approx((4283.2 - 1560) / 60)
     # measuring
     assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, spent=90) == pytest.approx((4283.2 + 90) / 60)
+    # the served evaluation: a fixed cost, whatever N
+    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, served=200) == pytest.approx(
+        (4283.2 + 200) / 60
+    )
     slow = lambda n: plan.job_minutes(n, 0, 2, 1.5, 1.3, 60)
     n, why = plan.choose_samples(slow, 45, 2400, 0)
     assert (

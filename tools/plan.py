@@ -6,6 +6,7 @@ to make and train on, so that `bash run.sh` ends within its budget on a fast CPU
 The same job costs 16x more on a CPU without native bf16 (README, "Your machine"). Its time is
 
     T(N) = spent + LOAD_S + (N - have) * t_answer + held_out + N * epochs * t_step + evaluations
+           + served
 
     t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows,
                  and every batch of the maths set ran all 160 steps (some answer in each is cut
@@ -17,6 +18,11 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
     evaluations  one every 600 steps and one at the end, 48 answers each, forward only
                  (~ t_step / 3 each)
+    served       the final evaluation's served tau (train.py --served-samples, served.py): 16
+                 held-out prompts decoded for up to 160 tokens each, twice (the path of B-1 drafts
+                 and auto's shape), at about one plain decoding step of the fp32 target per token
+                 (speculation here is within 0.9-1.2x of plain), plus SERVED_FIXED for loading the
+                 target and timing the draft
     have         answers already made in the data folder (a rerun only trains)
     spent        this measurement itself (one to two minutes: part of the job)
 
@@ -55,6 +61,7 @@ CAPTURE_CONVERSATION = [
     {"role": "assistant", "content": "She has 12 apples and gives 5 away, so 7 are left. " * 10},
 ]
 LOAD_S = 40  # loading the target four times, the draft's export
+SERVED_PROMPTS, SERVED_SHAPES, SERVED_FIXED = 16, 2, 30  # train.py's served evaluation
 # below this the draft learns too little to be worth the budget: say so instead
 MIN_SAMPLES = 200
 # of the budget: a shared VM's speed drifts by a tenth within one job (README, Your machine)
@@ -138,13 +145,13 @@ def job_minutes(
     t_step: float,
     held_out: float,
     spent: float = 0.0,
+    served: float = 0.0,
 ) -> float:
     """T(N) above, in minutes."""
     steps = n * epochs
     evaluations = (steps // 600 + 1) * 48 * t_step / 3
-    return (
-        spent + LOAD_S + max(0, n - have) * t_answer + held_out + steps * t_step + evaluations
-    ) / 60
+    fixed = spent + LOAD_S + held_out + served
+    return (fixed + max(0, n - have) * t_answer + steps * t_step + evaluations) / 60
 
 
 def choose_samples(minutes, budget: float, most: int, have: int, given=None) -> tuple:
@@ -207,13 +214,16 @@ def main(argv=None):
     t_step = train_step_s(cfg_args, target)
     have = answers_made(args.data) if args.data else 0
     held_out = 0 if have else REGEN_STEPS * t_batch + 48 * t_capture
+    serving, _ = load_target(None, machine.resolve_dtype("auto", "cpu", "decode"))
+    t_token = cost.target_ms(serving, REGEN_CONTEXT, 1, 3) / 1000
+    served = SERVED_PROMPTS * SERVED_SHAPES * REGEN_STEPS * t_token + SERVED_FIXED
     spent = time.perf_counter() - t0
-    minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out, spent)
+    minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out, spent, served)
     n, why = choose_samples(minutes, args.budget_min, args.max_samples, have, args.num_samples)
     print(
         f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer {t_answer:.2f} s "
         f"(regeneration {t_answer - t_capture:.2f} + features {t_capture:.2f}), one training step "
-        f"{t_step:.2f} s",
+        f"{t_step:.2f} s, the served evaluation {served / 60:.1f} min",
         file=sys.stderr,
     )
     print(
