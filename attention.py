@@ -37,7 +37,9 @@ def attention_rule(
         blk = blk & (k_pos <= q_pos)
     see = ctx | blk
     if window is not None:
-        see = see & (q_pos - k_pos < window)
+        # q_pos - k_pos < window, written so that the dense mask compares [N, Q, 1] with [N, 1, K]
+        # directly: the difference would be an int64 [N, Q, K] tensor, 8x the boolean mask
+        see = see & (k_pos > q_pos - window)
     return see
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -167,6 +168,9 @@ class DraftModel(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.config = c
+        # train.py --gradient-checkpointing: keep only each layer's input h [N, Q, H] through the
+        # forward and recompute the layer's activations in backward (about a third more compute)
+        self.gradient_checkpointing = False
         H = c.hidden_size
         self.fc = nn.Linear(len(c.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
@@ -236,7 +240,12 @@ class DraftModel(nn.Module):
         # dflash_config.input_embedding_scale (Z Lab, vLLM) scales the embedded block, in both paths
         h = x if c.input_embedding_scale is None else x * c.input_embedding_scale
         for layer, kv in zip(self.layers, ctx_kv):
-            h = layer(h, q_pos, kv, slide if layer.sliding else full)
+            args = (h, q_pos, kv, slide if layer.sliding else full)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                # non-reentrant: composes with DDP, FSDP2's per-layer gathers and torch.compile
+                h = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                h = layer(*args)
         return self.norm(h)
 
     def unary_logits(self, h, head):

@@ -89,7 +89,7 @@ from target import (
     new_cache,
     stop_token_ids,
 )
-from tools import plan
+from tools import plan, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -381,6 +381,46 @@ def test_dflash2_at_init_equals_plain_dflash():
         h2 = model.forward_training(d2, embed, ids, feats, anchors)
         h1 = model.forward_training(d1, embed, ids, feats, anchors)
     assert torch.equal(h1, h2)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer():
+    """train.py --gradient-checkpointing: the same loss and the same gradient for every parameter,
+    bit for bit on the CPU (the recomputation runs the same kernels on the same inputs), and every
+    layer runs twice per step, so a flag that were silently ignored would fail here."""
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # both masks
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(
+        num_hidden_layers=3, layer_types=layer_types, sliding_window=6
+    )
+    target_hidden = torch.randn(*ids.shape, draft.config.hidden_size)
+    calls = []
+    for layer in draft.layers:
+        # a pre-hook: the recomputation stops as soon as it has remade what backward needs, before
+        # a forward hook would fire
+        layer.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def step(checkpointed: bool):
+        draft.gradient_checkpointing = checkpointed
+        draft.zero_grad(set_to_none=True)
+        calls.clear()
+        out = run_objective(
+            draft, embed, head, ids, feats, anchors, loss_mask, valid,
+            loss="kl", target_hidden=target_hidden, alpha_t=1.0, chunk_blocks=2,
+        )  # fmt: skip
+        out["numerator"].backward()
+        return out["numerator"].detach(), grads(draft), len(calls)
+
+    loss, g, n = step(False)
+    loss_ckpt, g_ckpt, n_ckpt = step(True)
+    assert (n, n_ckpt) == (3, 6)
+    assert torch.equal(loss, loss_ckpt)
+    assert g.keys() == g_ckpt.keys() and all(v is not None for v in g.values())
+    for k in g:
+        assert torch.equal(g[k], g_ckpt[k]), k
+    # without gradients (evaluation) nothing is recomputed
+    calls.clear()
+    with torch.no_grad():
+        run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=1.0)
+    assert len(calls) == 3
 
 
 def valid_dict():
@@ -3646,6 +3686,11 @@ def fsdp_runs(setup, tmp_path_factory):
     runs = [
         two("step", "--max-steps", "1", "--eval-samples", "0"),
         two("compiled", "--max-steps", "1", "--eval-samples", "0", "--compile"),
+        two("checkpointed", "--max-steps", "1", "--eval-samples", "0", "--gradient-checkpointing"),
+        two(
+            "compiled_checkpointed",
+            *("--max-steps", "1", "--eval-samples", "0", "--compile", "--gradient-checkpointing"),
+        ),
         two("a", *half),
         two("a", *rest),  # 2 + 2 steps on 2 ranks
         # 2 steps on 2 ranks; the other 2 on 1 process
@@ -3717,6 +3762,17 @@ def test_fsdp_compile_equals_eager(fsdp_runs):
     assert train_losses(fsdp_runs / "compiled") == pytest.approx(
         train_losses(fsdp_runs / "step"), rel=1e-5
     )
+
+
+def test_fsdp_gradient_checkpointing_eager_and_compiled_equals_eager(fsdp_runs):
+    # FSDP2 gathers a layer again for its recomputation in backward; compiled, the checkpoint is
+    # traced into the graph
+    eager = checkpoint_of(fsdp_runs, "step")
+    for name in ("checkpointed", "compiled_checkpointed"):
+        assert largest_difference(eager["model"], checkpoint_of(fsdp_runs, name)["model"]) <= 1e-5
+        assert train_losses(fsdp_runs / name) == pytest.approx(
+            train_losses(fsdp_runs / "step"), rel=1e-5
+        )
 
 
 def test_fsdp_with_pack_and_with_a_frozen_selector_as_under_ddp(fsdp_runs):
@@ -5203,6 +5259,21 @@ def test_export_cli_refuses_bad_flags(tmp_path, capsys):
             export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "out"), *extra])
         assert e.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
+    """tools/train_cost.py --gradient-checkpointing: train.py's step with the draft's layers
+    checkpointed (the measurements of training-at-scale.md, "Long sequences"), at toy size."""
+    (tmp_path / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config())))
+    row = tmp_path / "row.json"
+    train_cost.main(  # block size 8: the objective has a default gamma for it
+        ["--draft-config", str(tmp_path / "draft.json"), "--num-layers", "2", "--block-size", "8"]
+        + ["--lengths", "40,24", "--num-anchors", "6", "--gradient-checkpointing"]
+        + ["--json", str(row)]
+    )
+    r = json.loads(row.read_text())
+    assert r["gradient_checkpointing"] and r["num_layers"] == 2 and r["block_size"] == 8
+    assert r["rows"] == 2 and r["tokens"] == 64 and r["anchors"] == 12 and r["peak_memory_gib"] > 0
 
 
 # ============================================================================ the GPU path

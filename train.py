@@ -181,6 +181,12 @@ def parse_args(argv=None):
     a("--log-interval", type=bounded(int, low=1), default=10)
     a("--compile", action="store_true", help="torch.compile the draft")
     a(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each draft layer's activations in backward instead of keeping them: "
+        "memory for long sequences and many anchors, for about a third more compute",
+    )
+    a(
         "--fsdp",
         action="store_true",
         help="under torchrun: shard the draft, its gradients and optimizer state and, "
@@ -533,6 +539,7 @@ def main(argv=None):
 
     # ------------------------------------------------------------------ model, optimizer, resume
     draft = model.DraftModel(cfg).to(device)
+    draft.gradient_checkpointing = args.gradient_checkpointing
     selector_on = cfg.dflash2 and args.selector_loss_alpha > 0
     # alpha == 0: the selector is frozen, out of the optimizer
     if cfg.dflash2 and not selector_on:

@@ -7,6 +7,8 @@ download.
     OMP_NUM_THREADS=1 python tools/train_cost.py --part attention --attention flex --warmup 1
     python tools/train_cost.py --num-layers 5 --lengths 8192 --attention flex --dtype bf16 \\
         --compile --warmup 2
+    # one long conversation, each layer recomputed in backward (docs/training-at-scale.md)
+    python tools/train_cost.py --num-layers 2 --lengths 32768 --gradient-checkpointing
 
 The draft is --draft-config (default the Qwen3-8B-shaped DFlash2 config) cut to --num-layers with
 block size --block-size; the target's embedding and head are random [V, H] matrices and the
@@ -16,7 +18,8 @@ train.DraftObjective (draft, objective, metrics) and the numerator's backward. -
 the same without gradient (FlexAttention has no CPU backward); --part attention runs only the
 attention of one layer's shapes on the same layout (random q, k, v): the mask, dense or a BlockMask,
 and one SDPA or flex call, forward.
---compile compiles the draft as train.py --compile does. On a GPU the step's MFU is printed too: its
+--compile compiles the draft as train.py --compile does, --gradient-checkpointing checkpoints its
+layers as train.py --gradient-checkpointing does. On a GPU the step's MFU is printed too: its
 model FLOPs (flops.step_flops, the objective's target-free offline step) / time / the GPU's peak.
 --json writes the measured row to a file (tools/gpu_check.py collects them).
 
@@ -153,6 +156,11 @@ def main(argv=None):
         "--compile", action="store_true", help="torch.compile the draft, as train.py --compile"
     )
     p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each layer in backward, as train.py --gradient-checkpointing",
+    )
+    p.add_argument(
         "--peak-tflops",
         type=bounded(float, above=0.0),
         default=None,
@@ -205,6 +213,7 @@ def main(argv=None):
     batch = data.collate(
         [[samples[i] for i in r] for r in rows], list(range(len(rows))), args.num_anchors, 0, device
     )
+    del samples  # train.py streams its samples: only the batch stays (S x 80 KiB at 8B shape)
     note = lambda: ""
     if args.part == "attention":
         step, tiles = attention_call(cfg, batch, args.attention, device)
@@ -213,6 +222,7 @@ def main(argv=None):
         # initialised where it runs: seconds, not minutes, at 8B shape
         with torch.device(device):
             draft = model.DraftModel(cfg)
+        draft.gradient_checkpointing = args.gradient_checkpointing
         embed_w, head_w = (
             torch.empty(cfg.vocab_size, cfg.hidden_size, device=device).normal_(0, 0.02)
             for _ in range(2)
@@ -251,7 +261,9 @@ def main(argv=None):
     mfu = flops.step_flops(cfg, batch) / t / peak if peak and args.part == "step" else None
     print(
         f"{args.part}, {args.attention}, {'packed' if args.pack else 'padded'}, "
-        f"{args.dtype}{', compiled' if args.compile else ''}, {torch.get_num_threads()} thread(s), "
+        f"{args.dtype}{', compiled' if args.compile else ''}"
+        f"{', checkpointed' if args.gradient_checkpointing else ''}, "
+        f"{torch.get_num_threads()} thread(s), "
         f"{device}: {N} rows x {S} tokens ({tokens} real), {batch['anchors'].shape[1]} anchor "
         f"slots per row ({anchors} valid), B = {cfg.block_size}: {t:.2f} s (median of "
         f"{len(times)}); {tokens / t:.0f} tokens/s, {anchors / t:.1f} "
@@ -267,6 +279,7 @@ def main(argv=None):
                 "packed": args.pack,
                 "dtype": args.dtype,
                 "compile": args.compile,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "device": str(device),
                 "rows": N,
                 "row_tokens": S,
