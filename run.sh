@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: a DFlash2 draft for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU within
-# BUDGET_MIN minutes (default 45), ending with its held-out accepted lengths.
+# BUDGET_MIN minutes (default 45), ending with its held-out accepted lengths: teacher-forced at random
+# anchors, and served (16 held-out prompts decoded by the real loop, served.py), side by side.
 #
 #   bash run.sh                  # DFlash2 on the maths demo: school word problems, held out on GSM8K test
 #   bash run.sh --dflash         # the plain DFlash baseline on the same data and budget

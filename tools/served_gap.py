@@ -8,6 +8,9 @@ position p (the draft's greedy path: the selector's walk, or the unary argmax fo
 then four means over blocks:
 
     all anchors      tau(p) over every anchor position: what random anchors estimate
+    harmonic         1 / mean(1 / tau(p)): a walk that advances tau tokens a cycle spends 1/tau(p)
+                     cycles per token at p, so over a long answer its tau (tokens / cycles) tends
+                     to this where tau(p) changes slowly along the answer
     walked           the anchors a decoding would visit if the answer were the target's greedy one:
                      s_0 = P, s_{i+1} = s_i + tau(s_i) (served.py's identity), tau over them
     served           the real loop (served.py, the draft in fp32 beside the target in fp32)
@@ -48,7 +51,8 @@ def taus_at_every_anchor(draft, embed_w, head_w, sample) -> dict:
     for p in data.anchor_positions(sample["loss_mask"]).tolist():
         A = torch.tensor([[p]])
         h = model.forward_training(draft, embed, ids, feats, A)
-        num, den = L.objective(draft, head_w, h, ids, mask, A, A >= 0)["metrics"][mode]
+        metrics = L.objective(draft, head_w, h, ids, mask, A, A >= 0, gamma=1.0)["metrics"]
+        num, den = metrics[mode]  # gamma weighs the loss only, not the metrics
         out[p] = round(float(num / den))
     return out
 
@@ -96,6 +100,8 @@ def main(argv=None):
         cycles += len(visited)
     print(f"{len(chosen)} held-out prompts, block size {B}, {len(every)} anchor positions")
     print(f"  tau, all anchors (teacher-forced)      {mean(every):.3f}  ({len(every)} blocks)")
+    harmonic = 1 / mean(1 / t for t in every)  # the walk spends 1/tau(p) cycles per token at p
+    print(f"  harmonic mean over all anchors         {harmonic:.3f}")
     print(f"  tau, walked anchors (teacher-forced)   {mean(walked):.3f}  ({len(walked)} blocks)")
     print(f"  tau, served (the real loop)            {result['tau']:.3f}  ({cycles} cycles)")
     print(f"  tau, anchors just after a miss         {mean(after_miss):.3f}  ({len(after_miss)})")
