@@ -8,9 +8,10 @@ position p (the draft's greedy path: the selector's walk, or the unary argmax fo
 then four means over blocks:
 
     all anchors      tau(p) over every anchor position: what random anchors estimate
-    harmonic         1 / mean(1 / tau(p)): a walk that advances tau tokens a cycle spends 1/tau(p)
-                     cycles per token at p, so over a long answer its tau (tokens / cycles) tends
-                     to this where tau(p) changes slowly along the answer
+    harmonic         1 / mean(1 / tau(p)): where tau(p) stays constant over long stretches, a walk
+                     spends 1/tau(p) cycles per token at p and its tau (tokens / cycles) is this;
+                     where tau(p) is independent from one position to the next, the walk samples it
+                     fairly and its tau is the arithmetic mean. A real walk lies between the two
     walked           the anchors a decoding would visit if the answer were the target's greedy one:
                      s_0 = P, s_{i+1} = s_i + tau(s_i) (served.py's identity), tau over them
     served           the real loop (served.py, the draft in fp32 beside the target in fp32)
