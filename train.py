@@ -694,7 +694,7 @@ def served_evaluation(args, draft, embed_w, head_w, samples, device, autocast) -
     target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
     target = target.to(device)
     chosen = [samples[i] for i in range(min(len(samples), args.served_samples))]
-    result = served.served_tau(target, copy.deepcopy(draft), tokenizer, chosen, args.out_dir)
+    result = served.served_tau(target, copy.deepcopy(draft).eval(), tokenizer, chosen, args.out_dir)
     anchors = [
         [a for a in visited if a + 1 < len(s["loss_mask"]) and s["loss_mask"][a : a + 2].all()]
         for s, visited in zip(chosen, result["path"]["anchors"])
