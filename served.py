@@ -19,7 +19,10 @@ import argparse
 import sys
 
 import torch
+import torch.nn.functional as F
 
+import loss as L
+import model
 from decoding import shape_kw, speculative_generate
 from speed import tune
 from target import stop_token_ids
@@ -57,6 +60,27 @@ def serve(target, draft, samples, shape, use_selector=True, stop_ids=()) -> dict
         anchors.append(served_anchors(P, stats.taus))
     tau = sum(taus) / len(taus) if taus else float("nan")
     return {"tau": tau, "cycles": len(taus), "tokens": tokens, "anchors": anchors}
+
+
+@torch.no_grad()
+def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
+    """The identity's other side: the block at each anchor of one sequence, teacher-forced as
+    training scores it (model.forward_training, loss.objective), one block at a time -> its
+    accepted length, 1 + the leading run of labels the draft's greedy path (the selector's walk, or
+    the unary argmax) gets right. embed_w, head_w [V, H]: the target's embedding and head."""
+    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]  # [1, S]
+    feats = sample["features"][None].float()  # [1, S, k*H]
+    embed = lambda x: F.embedding(x, embed_w)  # noqa: E731
+    mode = "accept_selector" if draft.candidate_selector is not None else "accept_unary"
+    taus = []
+    for a in anchors:
+        A = torch.tensor([[a]], device=ids.device)
+        h = model.forward_training(draft, embed, ids, feats, A)
+        # gamma weighs the loss only, not the metrics
+        metrics = L.objective(draft, head_w, h, ids, mask, A, A >= 0, gamma=1.0)["metrics"]
+        num, den = metrics[mode]
+        taus.append(float(num / den))
+    return taus
 
 
 def served_tau(target, draft, tokenizer, samples, draft_path: str) -> dict:

@@ -3371,19 +3371,8 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     assert result["tau"] == pytest.approx(stats.mean_tau) and result["tokens"] == n
     assert len(set(stats.taus)) >= 3  # accepted and rejected drafts alike: not a trivial case
     embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
     mode = "accept_unary" if plain else "accept_selector"
-    taught = []
-    with torch.no_grad():
-        for a in anchors:  # one block each: its own accepted length
-            A = torch.tensor([[a]])
-            h = model.forward_training(
-                draft, lambda x: F.embedding(x, embed_w), ids, sample["features"][None], A
-            )
-            num, den = L.objective(draft, head_w, h, ids, mask, A, A >= 0, gamma=2.0)["metrics"][
-                mode
-            ]
-            taught.append(float(num / den))
+    taught = served.teacher_forced_taus(draft, embed_w, head_w, sample, anchors)
     assert taught == [float(t) for t in stats.taus]
     # the same anchors through train.py's evaluation (data.collate with given anchors)
     args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])

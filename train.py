@@ -695,8 +695,8 @@ def served_evaluation(args, draft, embed_w, head_w, samples, device, autocast) -
     target = target.to(device)
     chosen = [samples[i] for i in range(min(len(samples), args.served_samples))]
     result = served.served_tau(target, copy.deepcopy(draft).eval(), tokenizer, chosen, args.out_dir)
-    anchors = [
-        [a for a in visited if a + 1 < len(s["loss_mask"]) and s["loss_mask"][a : a + 2].all()]
+    anchors = [  # where the data has the block's first label: a training anchor position
+        sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
         for s, visited in zip(chosen, result["path"]["anchors"])
     ]
     objective = DraftObjective(draft, embed_w, head_w, args)

@@ -28,34 +28,14 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 import data  # noqa: E402
-import loss as L  # noqa: E402
-import model  # noqa: E402
 import served  # noqa: E402
 from common import run  # noqa: E402
 from export import load_any  # noqa: E402
 from target import load_target, stop_token_ids  # noqa: E402
-
-
-@torch.no_grad()
-def taus_at_every_anchor(draft, embed_w, head_w, sample) -> dict:
-    """{p: tau(p)} for every anchor position p of one sequence, one block at a time."""
-    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
-    feats = sample["features"][None].float()
-    embed = lambda x: F.embedding(x, embed_w)  # noqa: E731
-    mode = "accept_selector" if draft.candidate_selector is not None else "accept_unary"
-    out = {}
-    for p in data.anchor_positions(sample["loss_mask"]).tolist():
-        A = torch.tensor([[p]])
-        h = model.forward_training(draft, embed, ids, feats, A)
-        metrics = L.objective(draft, head_w, h, ids, mask, A, A >= 0, gamma=1.0)["metrics"]
-        num, den = metrics[mode]  # gamma weighs the loss only, not the metrics
-        out[p] = round(float(num / den))
-    return out
 
 
 def walk(P: int, tau: dict) -> list:
@@ -91,7 +71,9 @@ def main(argv=None):
     result = served.serve(target, draft, chosen, ("path", B - 1), use_selector, stop)
     every, walked, after_miss, same, cycles = [], [], [], 0, 0
     for s, visited in zip(chosen, result["anchors"]):
-        tau = taus_at_every_anchor(draft, embed_w, head_w, s)
+        positions = data.anchor_positions(s["loss_mask"]).tolist()
+        taus = served.teacher_forced_taus(draft, embed_w, head_w, s, positions)
+        tau = dict(zip(positions, map(round, taus)))  # {p: tau(p)}
         P = served.prompt_length(s["loss_mask"])
         path = walk(P, tau)
         every += tau.values()
