@@ -5686,3 +5686,77 @@ def test_imports_flow_one_way():
     assert {
         m: graph[m] - doors for m in core if {n for n in graph[m] if n.startswith("speed")} - doors
     } == {}
+
+
+# ============================================================================ walkthrough.py
+def test_walkthrough_prints_what_the_functions_compute(capsys):
+    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
+    against hand-worked values and against the functions called directly."""
+    import walkthrough as W
+
+    text = W.main()
+    assert text == capsys.readouterr().out.rstrip("\n")
+    lines = [line.strip() for line in text.splitlines()]
+
+    def after(prefix):  # every printed line that starts with prefix, without it
+        return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
+
+    def ints(s):
+        return [int(v) for v in re.findall(r"-?\d+", s)]
+
+    # 0. the row: the prompt, the target's greedy answer (transformers' own generate), a next turn
+    target, draft = W.tiny_target(), W.tiny_draft()
+    prompt = torch.tensor([W.PROMPT])
+    answer = target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False
+    )[0, 2:].tolist()
+    x = W.PROMPT + answer + W.NEXT_TURN
+    assert ints(after("row x[0..9]")[0]) == x
+    # 1. the anchored blocks at anchors 2, 5, by hand
+    assert ints(after("block_ids")[0]) == [x[2], 31, 31, 31, x[5], 31, 31, 31]
+    assert ints(after("q_pos")[0]) == [2, 3, 4, 5, 5, 6, 7, 8]
+    assert ints(after("q_anchor")[0]) == [2] * 4 + [5] * 4
+    # 2. block 0 reads context 0..1 and itself, block 1 context 0..4 and itself; causal: j <= i
+    full, causal = after("b0 s1 pos 3")[0], after("b1 s2 pos 7")
+    assert full == "# # . . . . . . . . | # # # # | . . . ."
+    assert causal == ["# # # # # . . . . . | . . . . | # # # #", ". . . . | # # # ."]
+    # 3. the training path's block 1 is the inference path's
+    assert float(after("-> h [1, 4, 32]; max |difference| from training block 1:")[0]) < 1e-5
+    # 4. conv, T = 3: row i reads rows i - t for t <= slot(i) = i mod 4
+    for i in range(8):
+        reads = ["#" if i - 3 < r <= i and r >= i - i % 4 else "." for r in range(8)]
+        assert after(f"b{i // 4} s{i % 4} row {i}") == [" ".join(reads[:4] + ["|"] + reads[4:])]
+    assert after("a fresh module is the exact identity, conv(a, f) == f(a):") == ["True"]
+    # 5. the selector story: s(p -> c) = u[c] + A[p] Bs[c]
+    assert after("York ->") == ["0.60    2.50"] and after("Jersey ->") == ["2.10    1.00"]
+    assert after("unary path (the argmax per slot):") == ["New York Devils"]
+    assert after("the walk (the argmax after the previous pick):") == ["New York City"]
+    # path probabilities: York .525, Jersey .475, York City .525 * .870, Jersey Devils .475 * .750
+    nodes = [ints(s) for s in after("node ") if "depth" in s]
+    assert [(n[0], n[-1]) for n in nodes] == [(0, -1), (1, 0), (2, 0), (3, 1), (4, 2)]
+    assert [s.split()[1] for s in after("node ") if "depth" in s] == [
+        "New", "York", "Jersey", "City", "Devils"
+    ]  # fmt: skip
+    assert after("node 3 City") == ["# # . # ."]
+    # 6. labels x[a+j], weights w0 exp(-(j-1)/2), the ce loss computed here from the unary logits
+    assert [ints(s) for s in after("labels x[a+j]")] == [x[3:6], x[6:9]]
+    e1, e2 = math.exp(-0.5), math.exp(-1.0)
+    w = torch.tensor([[[1, e1, e2], [1, e1, 0.0]]])  # x[8] is not supervised
+    got = [[float(v) for v in s.split()] for s in after("w = w0 exp(-(j-1)/gamma)")]
+    assert torch.allclose(torch.tensor(got), w[0], atol=5e-4)
+    embed, head = W.target_io(target)
+    ids = torch.tensor([x])
+    with torch.no_grad():
+        _, feats = capture_features(target, W.LAYER_IDS, input_ids=ids)
+        h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
+        u = draft.unary_logits(h[:, :, 1:], head)
+    ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
+    printed = float(after("loss.objective, ce:")[0].split("=")[-1])
+    assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
+    # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
+    commits = [ints(s.split(":")[0]) for s in after("commit")]
+    assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
+    assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
+    _, stats = decoding.speculative_generate(target, draft, prompt, 6)
+    assert len(commits[0]) == stats.taus[0]
+    assert after(str(answer)) == [f", taus {stats.taus}; the target's own answer: True"]
