@@ -5597,12 +5597,12 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
 # ============================================================================ the project's shape
 def project_imports(root=HERE) -> tuple:
     """-> ({module: the project modules it imports}, [function-level imports of project modules]).
-    Modules are the .py files of the top level, speed/, tools/ and prompts/, named as imported:
-    "model", "speed.cost", "tools.plan", "prompts.word_problems"."""
+    Modules are the .py files of the top level, speed/, tools/, prompts/ and compat/, named as
+    imported: "model", "speed.cost", "tools.plan", "prompts.word_problems"."""
     import ast
 
     files = {}
-    for folder in ("", "speed", "tools", "prompts"):
+    for folder in ("", "speed", "tools", "prompts", "compat"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
             if name.endswith(".py") and name != "__init__.py":
                 module = ".".join(filter(None, [folder, name[:-3]]))
