@@ -10,7 +10,8 @@ rows]. A query reads only the context before its anchor and the slots of its own
     flex  a BlockMask (torch.nn.attention.flex_attention) built from the same rule: tiles of scores
           that no query may read are skipped. Compiled; on CPU torch (2.13) runs it forward only.
 
-Packed rows (pack.py) add documents: a query reads context of its own document only.
+Packed rows (train.py --pack, data.py) add documents: a query reads context of its own document
+only.
 """
 
 import functools

@@ -50,24 +50,26 @@ def rope_frequencies(c: DraftConfig) -> tuple:
     builds from the same config.json, so the frequencies are the ones Z Lab and speculators use.
     """
     D = c.head_dim
-    if c.rope_scaling is None:
-        return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
-    hf = Qwen3Config(
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        head_dim=D,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
-    )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
+    # on the CPU: the same bits wherever the draft is built (`with torch.device("meta")`, a GPU)
+    with torch.device("cpu"):
+        if c.rope_scaling is None:
+            return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
+        hf = Qwen3Config(
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            head_dim=D,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
+        )
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
     return inv_freq.float(), float(scale)  # yarn's scale is its attention factor; 1 for the others
 
 
 def rope(x, pos, inv_freq, scale=1.0):
     """Rotary embedding over the full head dim: x [N, heads, L, D], pos [N, L] absolute
     positions."""
-    # [N, 1, L, D/2]
-    ang = pos[:, None, :, None].float() * inv_freq.to(x.device)
+    # [N, 1, L, D/2]; inv_freq on x's device already (a buffer of Attention), so no copy here
+    ang = pos[:, None, :, None].float() * inv_freq
     emb = torch.cat([ang, ang], -1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -78,14 +80,25 @@ class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        # a plain attribute, not a buffer: draft.to(bf16) must not round the frequencies
-        self.inv_freq, self.rope_scale = rope_frequencies(c)
         self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
+        inv_freq, self.rope_scale = rope_frequencies(c)
+        # A buffer, so that draft.to(device) moves it and rope() copies nothing per call; not
+        # persistent, so state_dict and the exports hold exactly the contract's tensors. It starts
+        # where the weights are (a `with torch.device(...)` build puts them there).
+        self.register_buffer("inv_freq", inv_freq.to(self.q_proj.weight.device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # draft.to(bf16) casts every floating tensor, but rope() computes in fp32 and must not see
+        # rounded frequencies: inv_freq follows the module's device and keeps its fp32 values.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
     def kv(self, x, pos):
         """Keys (normed, rotated) and values of rows x [N, L, H] -> 2 x [N, kv_heads, L, hd]."""
@@ -205,6 +218,7 @@ class DraftModel(nn.Module):
     def forward(
         self,
         x,
+        *,
         q_pos,
         q_anchor,
         q_block,
@@ -216,10 +230,12 @@ class DraftModel(nn.Module):
     ):
         """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].
 
-        One path for training (many blocks flattened, q_block telling them apart) and inference
-        (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q] and ctx_doc
-        [N, C] tell packed documents apart (None: one document per row). attention: "sdpa" (a dense
-        mask, the reference) or "flex" (a BlockMask from the same rule).
+        The queries: positions q_pos, their blocks' anchor positions q_anchor and block numbers
+        q_block, each [N, Q]. The context: ctx_kv, one (k, v) per layer (context_kv), at positions
+        ctx_pos [N, C]. One path for training (many blocks flattened, q_block telling them apart)
+        and inference (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q]
+        and ctx_doc [N, C] tell packed documents apart (None: one document per row). attention:
+        "sdpa" (a dense mask, the reference) or "flex" (a BlockMask from the same rule).
         """
         c = self.config
         if attention not in ("sdpa", "flex"):
@@ -250,7 +266,7 @@ class DraftModel(nn.Module):
 
     def unary_logits(self, h, head):
         """The draft's unary scores u = transform(head(h)), head(h) = h @ W_lm^T the target's frozen
-        head (a function: generate.py may hold W_lm in int8, int8.py)."""
+        head (a function: generate.py may hold W_lm in int8, speed/int8.py)."""
         c = self.config
         return unary_transform(head(h), c.output_multiplier, c.final_logit_softcapping)
 
@@ -282,7 +298,8 @@ def forward_training(
     draft, embed, input_ids, features, anchors, positions=None, docs=None, attention="sdpa"
 ):
     """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
-    positions, docs [N, S]: packed rows (pack.py); None for rows of one conversation each."""
+    positions, docs [N, S]: packed rows (train.py --pack, data.py); None for rows of one
+    conversation each."""
     c = draft.config
     N, S = input_ids.shape
     if positions is None:
@@ -293,14 +310,14 @@ def forward_training(
     )
     h = draft(
         embed(block_ids),
-        q_pos,
-        q_anchor,
-        q_block,
-        draft.context_kv(features, positions),
-        positions,
-        q_doc,
-        docs,
-        attention,
+        q_pos=q_pos,
+        q_anchor=q_anchor,
+        q_block=q_block,
+        ctx_kv=draft.context_kv(features, positions),
+        ctx_pos=positions,
+        q_doc=q_doc,
+        ctx_doc=docs,
+        attention=attention,
     )
     return h.view(N, anchors.shape[1], c.block_size, -1)
 
@@ -337,4 +354,11 @@ def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos)
     q_pos = anchor_pos[:, None] + torch.arange(B, device=anchor_ids.device)
     q_anchor = anchor_pos[:, None].expand(N, B)
     q_block = torch.zeros_like(q_pos)
-    return draft(embed(block_ids), q_pos, q_anchor, q_block, cache.kv, cache.pos)
+    return draft(
+        embed(block_ids),
+        q_pos=q_pos,
+        q_anchor=q_anchor,
+        q_block=q_block,
+        ctx_kv=cache.kv,
+        ctx_pos=cache.pos,
+    )

@@ -4837,6 +4837,43 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     assert (ours - plain).abs().max() > 1e-2
 
 
+def test_rope_frequencies_follow_the_draft_and_stay_fp32():
+    """inv_freq is a non-persistent buffer of each Attention: draft.to(device) moves it, so rope()
+    copies nothing from the host per call on a GPU; draft.to(bf16) leaves it fp32, since rope()
+    computes in fp32; state_dict, and so every export, holds the same tensors as before, in
+    order."""
+    c = tiny_config(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    )
+    fp32 = model.rope_frequencies(c)[0]
+    sub = ["input_layernorm.weight"]
+    sub += [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    sub += ["self_attn.q_norm.weight", "self_attn.k_norm.weight", "post_attention_layernorm.weight"]
+    sub += [f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+    sub += [
+        f"{w}_conv.{p}"
+        for w in ("attention", "mlp")
+        for p in ("base_kernel", "kernel_projection.weight")
+    ]
+    keys = ["fc.weight", "hidden_norm.weight", *(f"layers.{i}.{k}" for i in range(2) for k in sub)]
+    keys += ["norm.weight"] + [
+        f"candidate_selector.{k}"
+        for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
+    ]
+    draft = DraftModel(c)
+    attns = [layer.self_attn for layer in draft.layers]
+    assert list(draft.state_dict()) == keys
+    assert all(torch.equal(a.inv_freq, fp32) and a.inv_freq.dtype == torch.float32 for a in attns)
+    draft.to(torch.bfloat16)
+    assert all(a.q_proj.weight.dtype == torch.bfloat16 for a in attns)
+    assert all(torch.equal(a.inv_freq, fp32) and a.inv_freq.dtype == torch.float32 for a in attns)
+    draft.to("meta")
+    assert all(a.inv_freq.is_meta and a.inv_freq.dtype == torch.float32 for a in attns)
+    assert list(draft.state_dict()) == keys
+    with torch.device("meta"):  # built where it runs: the frequencies start beside the weights
+        assert all(layer.self_attn.inv_freq.is_meta for layer in DraftModel(c).layers)
+
+
 DELETE = object()
 
 
@@ -5597,12 +5634,12 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
 # ============================================================================ the project's shape
 def project_imports(root=HERE) -> tuple:
     """-> ({module: the project modules it imports}, [function-level imports of project modules]).
-    Modules are the .py files of the top level, speed/, tools/ and prompts/, named as imported:
-    "model", "speed.cost", "tools.plan", "prompts.word_problems"."""
+    Modules are the .py files of the top level, speed/, tools/, prompts/ and compat/, named as
+    imported: "model", "speed.cost", "tools.plan", "prompts.word_problems"."""
     import ast
 
     files = {}
-    for folder in ("", "speed", "tools", "prompts"):
+    for folder in ("", "speed", "tools", "prompts", "compat"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
             if name.endswith(".py") and name != "__init__.py":
                 module = ".".join(filter(None, [folder, name[:-3]]))
