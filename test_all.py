@@ -5785,3 +5785,24 @@ def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefi
     target.register_forward_pre_hook(spy, with_kwargs=True)
     assert plan.forward_s(target, 4, 2, 10, repeats=3) > 0
     assert seen == [((4, 2), 10)] * 4
+
+
+def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
+    """The fast machine's costs times k: every plan fits 95% of its budget with each fixed cost
+    within its share or at its floor, or the budget is refused for a larger one that does."""
+    for k in (1, 2, 4, 8, 12, 16, 24):
+        c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})
+        for budget in (15, 45, 90):
+            try:
+                p = plan.choose(c, budget)
+            except ValueError as e:
+                needed = int(re.search(r"BUDGET_MIN=(\d+) would", str(e)).group(1))
+                assert needed > budget and plan.choose(c, needed).n >= 150
+                continue
+            assert sum(p.seconds.values()) <= plan.AIM * 60 * budget
+            assert plan.effective_steps(p.n, p.epochs) >= plan.MIN_STEPS
+            f = p.fixed
+            assert f.n_eval == plan.N_EVAL_MIN or p.seconds["held-out"] <= 0.02 * 60 * budget
+            assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
+                "served"
+            ] <= plan.SERVED_SHARE * 60 * budget

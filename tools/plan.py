@@ -530,7 +530,8 @@ def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
         parts += "; the data not measured"
     tau = f"{p.tau:.2f}" if domain == "math" else ""
     said = [
-        f"[plan] this machine: {p.n} answers ({p.why}) x {p.epochs} epochs = {p.n * p.epochs} "
+        f"[plan] this machine: {p.n} answers ({p.why}) x {p.epochs} epoch"
+        f"{'s' if p.epochs > 1 else ''} = {p.n * p.epochs} "
         f"steps, about {total / 60:.0f} min of {budget_min:g} ({parts})",
         f"[plan] expected held-out tau about {tau} (the learning curve in tools/plan.py, +-0.05)"
         if tau
