@@ -4036,34 +4036,35 @@ def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatc
 
 
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
-    # 1,000 answers, 2 epochs, 1.5 s an answer, 1.3 s a step (an AVX2 machine in fp32), 60 s of
-    # held-out answers:
-    # 40 + 1,000 * 1.5 + 60 + 2,000 * 1.3 + 4 evaluations of 48 answers at 1.3 / 3 s = 4,283.2 s
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60) == pytest.approx(4283.2 / 60)
-    # answers made
-    assert plan.job_minutes(1000, 1000, 2, 1.5, 1.3, 0) == pytest.approx((4283.2 - 1560) / 60)
-    # measuring
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, spent=90) == pytest.approx((4283.2 + 90) / 60)
-    # the served evaluation: a fixed cost, whatever N
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, served=200) == pytest.approx(
-        (4283.2 + 200) / 60
-    )
-    slow = lambda n: plan.job_minutes(n, 0, 2, 1.5, 1.3, 60)
-    n, why = plan.choose_samples(slow, 45, 2400, 0)
-    assert (
-        slow(n) <= 45 * plan.AIM < slow(n + 100)
-        and n % 100 == 0
-        and why == "fits 45 min with 5% to spare"
-    )
-    fast = lambda n: plan.job_minutes(n, 0, 2, 0.43, 0.25, 20)
-    assert plan.choose_samples(fast, 45, 2400, 0) == (2400, "the recipe's 2400")
-    assert plan.choose_samples(slow, 45, 2400, 0, given=1234) == (1234, "N_TRAIN given")
-    assert (
-        plan.choose_samples(lambda n: plan.job_minutes(n, 900, 2, 1.5, 1.3, 0), 45, 2400, 900)[0]
-        == 900
-    )
-    # nothing fits: the least
-    assert plan.choose_samples(lambda n: 1e9, 45, 2400, 0)[0] == plan.MIN_SAMPLES
+    # 1,000 answers x 2 epochs; 1.5 s an answer (regeneration 160 / 64 x 0.4 + features 0.5); the
+    # 48 held-out answers in one batch of 160 steps of 48 rows (0.2 + 0.2 x 32 / 48 s) and 48
+    # feature steps; 1.3 s a step; served 4 prompts x 100 tokens (40 + 400 x 0.015 s):
+    # 90 + 50 + 1,000 * 1.5 + (53.33 + 24) + 2,000 * 1.3 + 4 evaluations of 48 answers at
+    # 1.3 / 3 s + 46 = 4,446.53 s
+    c = plan.Costs(90, 1.3, 0.4, 0.2, 0.5, 40, 0.015)
+    f = plan.Fixed(48, 4, 100, 600, [])
+    parts = plan.job_seconds(c, 1000, 2, f)
+    assert parts["held-out"] == pytest.approx(77.333, abs=1e-3)
+    assert sum(parts.values()) == pytest.approx(4446.533, abs=1e-3)
+    # answers and held-out answers made: free
+    made = plan.job_seconds(c._replace(have=1000, eval_have=48), 1000, 2, f)
+    assert sum(made.values()) == pytest.approx(sum(parts.values()) - 1500 - parts["held-out"])
+    # N_TRAIN and --epochs given: neither the data nor the step measured, nor priced
+    unmeasured = c._replace(t_step=None, t_batch64=None, t_batch16=None, t_capture=None)
+    assert set(plan.job_seconds(unmeasured, 4, 2, f)) == {
+        "measuring",
+        "loading",
+        "layouts",
+        "held-out",
+        "served",
+    }
+    # the chosen pair fits AIM of the budget and the next answer count would not
+    p = plan.choose(c, 90)
+    assert sum(p.seconds.values()) <= 90 * 60 * plan.AIM
+    assert p.n % 100 == 0 and p.epochs == 2  # 1,100: the grid steps by 100 above 1,000
+    assert sum(plan.job_seconds(c, p.n + 100, 2, p.fixed).values()) > 90 * 60 * plan.AIM
+    assert plan.choose(c, 90, n=1234).n == 1234 and plan.choose(c, 90, n=1234).epochs == 2
+    assert plan.choose(c, 90, n=1234, epochs=3).why == "N_TRAIN and --epochs given"
     # answers already made count only when the folder was finished (its manifest written)
     (tmp_path / "conversations.jsonl").write_text('{"index": 0}\n{"index": 1}\n')
     assert plan.answers_made(str(tmp_path)) == 0
@@ -5797,3 +5798,121 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
     _, stats = decoding.speculative_generate(target, draft, prompt, 6)
     assert len(commits[0]) == stats.taus[0]
     assert after(str(answer)) == [f", taus {stats.taus}; the target's own answer: True"]
+
+# ==================================================================== tools/plan.py: slow CPUs
+# issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
+# 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
+# full size (30 s fixed, the rest over 16 prompts x 160 tokens); its held-out batch priced as a
+# 64-row one (a 16-row step not measured there)
+SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
+# the AMD EPYC with avx512_bf16 (docs/results-amd-epyc.md, docs/acceptance.md): 46 s of measuring,
+# an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
+FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
+
+
+def test_plan_keeps_a_slow_cpu_inside_45_minutes_fixed_costs_included():
+    """By hand: the budget's shares shrink the held-out set to its floor of 16 (160 x 0.756 + 16 x
+    2.17 = 155.7 s; 2% of 45 min is 54 s), the served evaluation to 5 prompts (30 + 5 x 160 x 0.2227
+    = 208.1 s; 6 would pass 9% of 45 min, 243 s) and evaluations to every 200 steps; then 370 + 50
+    + 155.7 + 208.1 + 180 x 4.06 + 360 x 2.78 + 2 x 16 x 2.78 / 3 = 2,545.1 s fits 95% of 45 min
+    (2,565 s) and 190 answers (2,641.3 s) do not."""
+    p = plan.choose(SLOW, 45)
+    assert (p.n, p.epochs) == (180, 2)
+    assert p.fixed[:4] == (16, 5, 160, 200)
+    assert sum(p.seconds.values()) == pytest.approx(2545.1, abs=0.1)
+    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
+    assert p.seconds["served"] <= plan.SERVED_SHARE * 45 * 60
+    assert p.fixed.shrunk == [
+        "held-out 16 of 48 answers",
+        "served 5 of 16 prompts x 160 tokens",
+        "an evaluation every 200 steps",
+    ]
+    # the old plan's choice, 200 answers x 2 epochs, at the full fixed costs: 53.6 minutes
+    full = plan.job_seconds(SLOW, 200, 2, plan.Fixed(48, 16, 160, 600, []))
+    assert sum(full.values()) / 60 == pytest.approx(53.56, abs=0.01)
+    # the curve: 180 x 2 between the two measured 200 x 2 drafts' 1.51-1.53 and 150 x 2's 1.47
+    assert 1.48 < p.tau < 1.51
+
+
+def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
+    """By hand: 46 + 50 + (160 x 0.0787 + 48 x 0.2 = 22.1) + 239 + 1,800 x 0.43 + 5,400 x 0.25 + 10
+    evaluations x 48 x 0.25 / 3 = 2,521.1 s; 1,800 answers x 3 epochs (5,400 steps, 3 of them
+    counted at 1,800 answers) beat 2,300 x 2 (4,600 steps, 2,528.1 s), and 1,900 x 3 (2,639.1 s)
+    and 2,400 x 2 (2,625.1 s) do not fit."""
+    p = plan.choose(FAST, 45)
+    assert (p.n, p.epochs) == (1800, 3) and p.fixed == plan.Fixed(48, 16, 160, 600, [])
+    assert sum(p.seconds.values()) == pytest.approx(2521.1, abs=0.1)
+    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
+    assert plan.expected_tau(1800, 3) > plan.expected_tau(2300, 2)
+    # an explicit N_TRAIN and --epochs are kept, with the fixed costs sized all the same
+    assert plan.choose(FAST, 45, n=4, epochs=1)[:2] == (4, 1)
+
+
+def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(monkeypatch, capsys):
+    """By hand: at 35 minutes the smallest useful job (150 answers x 2 epochs) takes 2,220.8 s of
+    the 1,995 that fit; at 40, 2,256.4 of 2,280 (served: 5 prompts again, 9% being 216 s)."""
+    with pytest.raises(ValueError) as e:
+        plan.choose(SLOW, 20)
+    assert str(e.value) == (
+        "BUDGET_MIN=20 cannot hold a useful job on this machine (at least 300 steps, as 150 "
+        "answers x 2 epochs): BUDGET_MIN=40 would, with 150 answers x 2 epochs, for a held-out tau "
+        "of about 1.47"
+    )
+    assert plan.choose(SLOW, 40)[:2] == (150, 2)
+    # before anything runs: one line, status 2
+    monkeypatch.setattr(plan, "measure", lambda args: (SLOW, "a slow CPU"))
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: plan.main(["--budget-min", "20"]))
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == ""
+    assert err.splitlines()[1:] == [f"error: {e.value}"]
+
+
+def test_plan_curve_reproduces_the_measured_drafts_and_credits_repeats_only_where_they_paid():
+    for n, epochs, tau, _ in plan.CURVE:
+        assert abs(plan.expected_tau(n, epochs) - tau) < 0.15
+    # the two 200 x 2 drafts (1.509, 1.527) and the 500 x 2 ones (1.751, 1.745)
+    assert plan.expected_tau(200, 2) == pytest.approx(1.52, abs=0.02)
+    assert plan.expected_tau(500, 2) == pytest.approx(1.75, abs=0.05)
+    # below 1,200 answers a third or fourth epoch counts for nothing; at 2,400 up to four
+    assert plan.expected_tau(150, 4) == plan.expected_tau(150, 2) < plan.expected_tau(300, 2)
+    assert plan.expected_tau(2400, 4) > plan.expected_tau(2400, 3) > plan.expected_tau(2400, 2)
+    assert plan.expected_tau(2400, 2, dflash=True) == pytest.approx(
+        plan.DFLASH_RATIO * plan.expected_tau(2400, 2)
+    )
+
+
+def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefill(monkeypatch):
+    """forward_s fills the KV cache with `context` positions of random keys and values, runs the
+    forward of rows x tokens (a warm-up and `repeats` timed), and crops back each time: every call
+    sees the same cache length, and no call is a prefill."""
+    target, seen = tiny_target("llama"), []
+
+    def spy(module, args, kw):
+        cache = kw.get("cache", kw.get("past_key_values"))
+        seen.append((tuple(kw["input_ids"].shape), cache.get_seq_length()))
+
+    target.register_forward_pre_hook(spy, with_kwargs=True)
+    assert plan.forward_s(target, 4, 2, 10, repeats=3) > 0
+    assert seen == [((4, 2), 10)] * 4
+
+
+def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
+    """The fast machine's costs times k: every plan fits 95% of its budget with each fixed cost
+    within its share or at its floor, or the budget is refused for a larger one that does."""
+    for k in (1, 2, 4, 8, 12, 16, 24):
+        c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})
+        for budget in (15, 45, 90):
+            try:
+                p = plan.choose(c, budget)
+            except ValueError as e:
+                needed = int(re.search(r"BUDGET_MIN=(\d+) would", str(e)).group(1))
+                assert needed > budget and plan.choose(c, needed).n >= 150
+                continue
+            assert sum(p.seconds.values()) <= plan.AIM * 60 * budget
+            assert plan.effective_steps(p.n, p.epochs) >= plan.MIN_STEPS
+            f = p.fixed
+            assert f.n_eval == plan.N_EVAL_MIN or p.seconds["held-out"] <= 0.02 * 60 * budget
+            assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
+                "served"
+            ] <= plan.SERVED_SHARE * 60 * budget
