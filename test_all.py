@@ -5799,6 +5799,7 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
     assert len(commits[0]) == stats.taus[0]
     assert after(str(answer)) == [f", taus {stats.taus}; the target's own answer: True"]
 
+
 # ==================================================================== tools/plan.py: slow CPUs
 # issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
 # 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
