@@ -57,6 +57,7 @@ import flops
 import fsdp
 import generate
 import loss as L
+import metrics
 import model
 import prepare
 import promptsets
@@ -846,9 +847,7 @@ def worked_example(loss, weighting="exp", target=False):
         torch.tensor([[0, 1, 1, 1]]),
         torch.tensor([[1]]),
         torch.tensor([[True]]),
-        loss=loss,
-        weighting=weighting,
-        gamma=2.0,
+        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
         target_hidden=th,
     )
     return out["numerator"].item(), out["denominator"].item()
@@ -898,9 +897,8 @@ def selector_case(third_token, miss="strict", alpha_t=1.0):
         torch.tensor([[1, 1, 1]]),
         torch.tensor([[0]]),
         torch.tensor([[True]]),
-        gamma=2.0,
+        L.LossConfig(gamma=2.0, selector_miss=miss),
         alpha_t=alpha_t,
-        selector_miss=miss,
     )
 
 
@@ -954,9 +952,26 @@ def model_batch(seed=0, **kw):
     return draft, embed, head, ids, feats, anchors, loss_mask, valid
 
 
-def run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw):
+def run_objective(
+    draft,
+    embed,
+    head,
+    ids,
+    feats,
+    anchors,
+    loss_mask,
+    valid,
+    *,
+    alpha_t=None,
+    target_hidden=None,
+    acceptance=False,
+    **cfg,
+):
     h = model.forward_training(draft, embed, ids, feats, anchors)
-    return L.objective(draft, head, h, ids, loss_mask, anchors, valid, gamma=3.0, **kw)
+    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
+    return L.objective(
+        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
+    )
 
 
 def grads(m):
@@ -1051,7 +1066,7 @@ def test_acceptance_statistics_by_hand():
     )
     labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
     cand_scores, cand_ids = top_k_candidates(u, 2)
-    out = L.metric_terms(
+    out = metrics.metric_terms(
         None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True
     )
     assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
@@ -3303,19 +3318,19 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
     assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    stats_read = export.read_acceptance(str(tmp_path / "out"), 4)
+    stats_read = metrics.read_acceptance(str(tmp_path / "out"), 4)
     assert stats_read == {m: stats[m] for m in ("selector", "unary")}
     # beside ckpt.pt too
-    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
+    assert metrics.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
     os.makedirs(tmp_path / "bare")
     os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
     export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
-    assert export.read_acceptance(str(tmp_path / "out"), 4) is None
+    assert metrics.read_acceptance(str(tmp_path / "out"), 4) is None
     (tmp_path / "bare" / "acceptance.json").write_text(
         json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}})
     )
     with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
-        export.read_acceptance(str(tmp_path / "bare"), 4)
+        metrics.read_acceptance(str(tmp_path / "bare"), 4)
 
 
 # ---------------------------------------------------------------------------- served acceptance
@@ -3341,8 +3356,9 @@ def fit(draft, target, sample, steps: int):
     for _ in range(steps):
         embed = lambda x: F.embedding(x, embed_w.detach())
         h = model.forward_training(draft, embed, ids, sample["features"][None], anchors)
+        cfg = L.LossConfig(gamma=2.0)
         out = L.objective(
-            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, gamma=2.0, alpha_t=1.0
+            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, cfg, alpha_t=1.0
         )
         opt.zero_grad()
         out["numerator"].backward()
@@ -3376,7 +3392,8 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     assert taught == [float(t) for t in stats.taus]
     # the same anchors through train.py's evaluation (data.collate with given anchors)
     args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
-    objective = train.DraftObjective(draft, embed_w.detach(), head_w.detach(), args)
+    cfg = train.loss_config(args)
+    objective = train.DraftObjective(draft, embed_w.detach(), head_w.detach(), cfg, args.attention)
     metrics = train.evaluate(
         objective,
         [sample],
@@ -3412,7 +3429,7 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     out = capsys.readouterr().out
     assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    assert set(export.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
+    assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
 
 
 # ---------------------------------------------------------------------------- anchor coverage
@@ -3424,7 +3441,7 @@ def test_coverage_by_hand():
     anchors, valid = torch.tensor([[1, 2, 5]]), torch.tensor([[True, True, False]])
     ids = torch.zeros_like(loss_mask)
     _, _, w0 = L.block_labels(ids, loss_mask, anchors, valid, 3)
-    covered, supervised = L.coverage(loss_mask, anchors, w0)
+    covered, supervised = metrics.coverage(loss_mask, anchors, w0)
     assert (covered.item(), supervised.item()) == (3.0, 5.0)  # tokens 2, 3, 4 of 1, 2, 3, 4, 6
 
 
@@ -3537,7 +3554,7 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
-    real = train.L.objective
+    real = train.loss.objective
 
     def poisoned(*args, **kw):  # the third step's loss, and so its gradients, are NaN
         out = real(*args, **kw)
@@ -3547,7 +3564,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_pat
         return out
 
     poisoned.calls = 0
-    monkeypatch.setattr(train.L, "objective", poisoned)
+    monkeypatch.setattr(train.loss, "objective", poisoned)
     with pytest.raises(SystemExit) as stop:
         run(setup, tmp_path, "--max-steps", "5", "--save-interval", "1")
     assert stop.value.code == 1
@@ -4338,7 +4355,10 @@ def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
         batch["docs"],
         args.attention,
     )
-    out = train.DraftObjective(draft, embed_w, head_w, args)(batch, alpha_t=0.5)
+    objective = train.DraftObjective(
+        draft, embed_w, head_w, train.loss_config(args), args.attention
+    )
+    out = objective(batch, alpha_t=0.5)
     out["numerator"].backward()
     return (
         h.detach(),
@@ -5716,7 +5736,7 @@ def test_imports_flow_one_way():
     # its final evaluation
     assert "served" in graph["train"] and "decoding" in graph["served"]
     training = reachable({**graph, "train": graph["train"] - {"served"}}, "train")
-    assert {"model", "loss", "data", "speed.machine"} <= training
+    assert {"model", "loss", "metrics", "data", "speed.machine"} <= training
     assert not training & {"decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
     core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]

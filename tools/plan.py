@@ -367,7 +367,7 @@ def train_step_s(cfg_args: list, target, repeats: int = 2) -> float:
         m.weight.detach().float()
         for m in (target.get_input_embeddings(), target.get_output_embeddings())
     ]
-    objective = train.DraftObjective(draft, *weights, args)
+    objective = train.DraftObjective(draft, *weights, train.loss_config(args), args.attention)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-3, fused=True)
     n = 200
     sample = {
