@@ -1303,8 +1303,16 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
     [
         ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),  # bad JSON
         ('{"messages": [{"role": "user"}]}', "line 3"),  # missing content
-        ('{"text": "hi"}', "line 3"),  # neither style
+        ('{"prompt": "hi"}', "line 3"),  # no format
         ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),  # unknown role
+        ('{"messages": [{"role": "tool", "content": "42"}]}', "unknown role 'tool'"),
+        ('{"messages": [], "text": "hi"}', "both 'messages' and 'text'"),  # two formats
+        ('{"conversations": [{"role": "user", "value": "hi"}]}', "'from' and 'value'"),  # mixed
+        ('{"text": ""}', "non-empty string"),
+        ('{"input_ids": [1, 2], "loss_mask": [0]}', "one per input id"),
+        ('{"input_ids": [1, -2], "loss_mask": [0, 1]}', "integers >= 0"),
+        ('{"input_ids": [1, 2], "loss_mask": [0, 2]}', "0 / 1"),
+        ('{"messages": [{"role": "user", "content": "a", "token_ids": [1]}]}', "last turn"),
     ],
 )
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
@@ -5686,3 +5694,137 @@ def test_imports_flow_one_way():
     assert {
         m: graph[m] - doors for m in core if {n for n in graph[m] if n.startswith("speed")} - doors
     } == {}
+
+
+# ------------------------------------------------------------ data formats (docs/training.md table)
+def read_one(tmp_path, record, **kw):
+    """The one conversation read_conversations makes of a one-line JSONL file."""
+    [conv], skipped = data.read_conversations(write_lines(tmp_path / "one.jsonl", [record]), **kw)
+    assert skipped == 0
+    return conv
+
+
+def check_supervised(tok, conv, answers=ANSWERS, kw=None):
+    """conv tokenizes to exactly CONVERSATION's ids (apply_chat_template's), and only the answers
+    with their end-of-turn markers are supervised."""
+    ids, mask = data.tokenize_conversation(tok, conv, 512, kw)
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, **(kw or {}))["input_ids"]
+    assert ids.tolist() == whole
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == answers
+    assert len(masked_runs(mask)) == 2
+
+
+def test_format_messages_openai_ultrachat(tmp_path):
+    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
+    conv = read_one(tmp_path, ultrachat)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_specforge_role_content(tmp_path):
+    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
+    conv = read_one(tmp_path, specforge)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_sharegpt_from_value(tmp_path):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [
+        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
+    ]
+    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
+    """SpecForge's {"id", "text"}: the text as the target's template rendered it is supervised
+    exactly as the same conversation given as turns, with and without template kwargs; an answer
+    cut short runs to the end; a text from another template is refused, naming line and header."""
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    conv = read_one(tmp_path, {"id": 3, "text": text})
+    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
+    check_supervised(tok, conv)
+    tok.chat_template = THINKING_CHATML
+    assert data.assistant_markers(tok, NO_THINKING) == (
+        "<|im_start|>assistant\n. . .\n\n",
+        "<|im_end|>",
+    )
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
+    check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
+    tok.chat_template = CHATML
+    cut = text.replace(". . .\n\n", "")[: -len("too .<|im_end|>\n")]  # the last answer cut short
+    ids, mask = data.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == (
+        "fine , thanks !<|im_end|>the cat is fine "
+    )
+    other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
+    with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
+        data.tokenize_conversation(tok, other, 512)
+
+
+@needs_smollm2
+def test_format_preformatted_text_on_smollm2(smollm2):
+    """The embedded target's own template (a default system prompt): preformatted text gives the
+    very ids and mask of the same turns."""
+    tok = smollm2["tokenizer"]
+    conv = CONVERSATION[1:]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    a = data.tokenize_conversation(tok, {"text": text}, 512)
+    b = data.tokenize_conversation(tok, conv, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
+
+
+def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
+    tok = tiny_tokenizer()
+    record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+    conv = read_one(tmp_path, record)
+    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    assert ids.tolist() == record["input_ids"] and mask.tolist() == record["loss_mask"]
+    assert data.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
+    # nothing supervised: skipped and counted, as an assistant-free conversation
+    path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
+    assert data.read_conversations(path)[1] == 1
+    big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
+    with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
+        data.tokenize_conversation(tok, big, 512)
+    with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
+        data.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
+
+
+def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
+    """An unknown role is refused by name, never guessed: one line naming file, line and role,
+    exit status 2 (common.run, as prepare.py and train.py end)."""
+    lines = [{"messages": CONVERSATION}, {"conversations": [{"from": "bing", "value": "hi"}]}]
+    path = write_lines(tmp_path / "roles.jsonl", lines)
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: data.read_conversations(path))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"error: {path}, line 2: unknown role 'bing' (known: assistant, gpt, human, system, user)"
+    ]
+
+
+def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
+    """An answer carrying the target's token_ids (prepare.py --regenerate keeps them) is
+    supervised as exactly those ids, even where re-tokenizing its text would split it otherwise
+    (retokenized_differs says so); ids that do not spell the content are refused."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(["thecat"])  # "the" + "cat" decode to "thecat", which re-tokenizes as one token
+    prompt = CONVERSATION[:2]
+    generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
+    answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
+    conv = read_one(tmp_path, {"messages": [*prompt, answer]})
+    assert conv[-1] == answer
+    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids.tolist() == head + generated
+    assert mask.tolist() == [0] * len(head) + [1] * len(generated)
+    assert data.retokenized_differs(tok, conv)
+    plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
+    assert not data.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
+    with pytest.raises(ValueError, match="do not spell its content"):
+        data.tokenize_conversation(tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512)
