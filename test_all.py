@@ -5828,3 +5828,166 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
     assert not data.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
     with pytest.raises(ValueError, match="do not spell its content"):
         data.tokenize_conversation(tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512)
+
+
+# ------------------------------------------------ regeneration on a server (regen_server.py)
+@contextlib.contextmanager
+def tiny_openai_server(target, tok, ids=True, fail_first=0, fail_after=None):
+    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
+    /v1/chat/completions renders the messages with tok's chat template (and the request's
+    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
+    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, without
+    the token it stopped at). The first fail_first requests, and every one after fail_after
+    answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts answered."""
+    import http.server
+    import threading
+
+    log, lock = {"requests": 0, "asked": []}, threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, code, body):
+            data_ = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data_)))
+            self.end_headers()
+            self.wfile.write(data_)
+
+        def do_GET(self):
+            self.reply(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                log["requests"] += 1
+                if log["requests"] <= fail_first:
+                    return self.reply(503, {"error": "loading"})
+                if fail_after is not None and len(log["asked"]) >= fail_after:
+                    return self.reply(500, {"error": "out of memory"})
+                assert body["temperature"] == 0 and body["model"] == "tiny"
+                text = tok.apply_chat_template(
+                    body["messages"],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **body["chat_template_kwargs"],
+                )
+                enc = tok(text, return_tensors="pt", add_special_tokens=False)
+                out = target.generate(
+                    **enc,
+                    max_new_tokens=body["max_tokens"],
+                    do_sample=False,
+                    pad_token_id=tok.eos_token_id,
+                )[0, enc["input_ids"].shape[1] :].tolist()
+                log["asked"].append(body["messages"])
+            stopped = tok.eos_token_id in out
+            new = out[: out.index(tok.eos_token_id)] if stopped else out
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": tok.decode(new, skip_special_tokens=True),
+                },
+                "finish_reason": "stop" if stopped else "length",
+            }
+            if ids:
+                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in new]}
+            usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(out)}
+            self.reply(200, {"object": "chat.completion", "choices": [choice], "usage": usage})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def in_process_answers(tmp_path, target, tok, prompts, **kw):
+    out = tmp_path / "in-process"
+    out.mkdir(exist_ok=True)
+    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
+    return prepare.merge_regenerated(str(out), len(prompts))
+
+
+def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
+    """Answers from a server equal in-process greedy regeneration of the same model, token ids
+    included (and the text alone where the server gives no ids); a rerun asks only for what is
+    not done; every record says, as computed here by hand, whether re-tokenizing would change it."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    out = tmp_path / "server"
+    out.mkdir()
+    with tiny_openai_server(target, tok) as (url, log):
+        client = dict(concurrency=3, retries=0, wait=0.0)
+        prepare.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
+        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
+    assert prepare.merge_regenerated(str(out), len(PROMPTS)) == expected
+    records = prepare.read_regenerated(str(out)).values()
+    for r in records:
+        ids = r["messages"][-1]["token_ids"]
+        again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        assert r["retokenized_differs"] == (again[: len(ids)] != ids)
+        assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
+    d = sum(r["retokenized_differs"] for r in records)
+    assert "5 answers keep the target's generated token ids" in prepare.fidelity(records)
+    assert f"would change {d} ({100 * d / 5:.1f}%)" in prepare.fidelity(records)
+    # no ids from the server: the text, re-tokenized; the share that differs by count
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with tiny_openai_server(target, tok, ids=False) as (url, log):
+        prepare.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
+    got = prepare.merge_regenerated(str(plain), len(PROMPTS))
+    strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
+    assert got == strip
+    for i, r in prepare.read_regenerated(str(plain)).items():
+        n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+        assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
+
+
+def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys):
+    """Failures are tried again (on the next server); a server that keeps failing, or is down,
+    ends prepare.py in one error line naming it, keeping the answers it gave; the rerun asks only
+    for the others and makes the in-process conversations."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    with tiny_openai_server(target, tok, fail_first=2) as (url, log):
+        out = tmp_path / "flaky"
+        out.mkdir()
+        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        assert log["requests"] == len(PROMPTS) + 2
+    target_dir, _ = tiny_setup(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--target", target_dir, "--data", user_only_jsonl(tmp_path), "--out-dir", str(out)]
+    argv += ["--regenerate", "--max-new-tokens", "6", "--retries", "1", "--retry-wait", "0"]
+
+    def fails(*server_argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            common.run(lambda: prepare.main(argv + list(server_argv)))
+        assert e.value.code == 2
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1
+        return errors[0]
+
+    [down] = free_ports(1)
+    line = fails("--server", f"http://127.0.0.1:{down}")
+    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    with tiny_openai_server(target, tok, fail_after=2) as (url, log):
+        line = fails("--server", url, "--concurrency", "1")
+    assert re.fullmatch(
+        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
+        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
+        r".jsonl, a rerun asks only for the 3 others",
+        line,
+    )
+    with tiny_openai_server(target, tok) as (url, log):
+        prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
+        assert len(log["asked"]) == 3
+    convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
+    tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
+    target_saved = prepare.load_target(target_dir)[0]
+    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
