@@ -62,6 +62,7 @@ import prepare
 import promptsets
 import served
 import show
+import tracking
 import train
 import tree
 from common import end_distributed
@@ -5991,3 +5992,71 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
     target_saved = prepare.load_target(target_dir)[0]
     assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
+
+
+# ------------------------------------------------------------------ tracking (tracking.py)
+LOG_RECORDS = [  # as train.py writes them to log.jsonl
+    {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
+    {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},
+    {"kind": "train", "step": 2, "lr": 2e-4, "alpha_t": 0.5, "grad_norm": 1.25, "loss": 2.0},
+    {"kind": "final", "step": 2, "path_acc": [0.5, 0.25], "served_auto_shape": "path"},
+]
+
+
+def test_tracking_flattens_log_records_under_their_names():
+    assert tracking.flatten(LOG_RECORDS[0]) == (
+        1,
+        {"train/lr": 1e-4, "train/alpha_t": 0.0, "train/loss": 2.5},
+        {},
+    )
+    assert tracking.flatten(LOG_RECORDS[3]) == (
+        2,
+        {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25},
+        {"final/served_auto_shape": "path"},
+    )
+    tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
+
+
+def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: tracking.Tracker("wandb", str(tmp_path), {}))
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --report-to wandb needs the wandb package: pip install wandb"
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="tensorboard is not installed (pip install tensorboard; not in requirements.txt)",
+)
+def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = tracking.Tracker("tensorboard", str(tmp_path), {"lr": 1e-4, "loss": "kl"})
+    for record in LOG_RECORDS:
+        tracker.log(record)
+    tracker.close()
+    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    reader.Reload()
+    scalars = {
+        tag: [(e.step, round(e.value, 6)) for e in reader.Scalars(tag)]
+        for tag in reader.Tags()["scalars"]
+    }
+    assert scalars == {
+        "train/lr": [(1, 1e-4), (2, 2e-4)],
+        "train/alpha_t": [(1, 0.0), (2, 0.5)],
+        "train/grad_norm": [(2, 1.25)],
+        "train/loss": [(1, 2.5), (2, 2.0)],
+        "eval/elapsed_s": [(1, 3.0)],
+        "eval/loss": [(1, 2.75)],
+        "final/path_acc/0": [(2, 0.5)],
+        "final/path_acc/1": [(2, 0.25)],
+    }
+    texts = {
+        tag: reader.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in reader.Tags()["tensors"]
+    }
+    assert texts["final/served_auto_shape/text_summary"] == "path"
+    assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}
