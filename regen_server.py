@@ -188,6 +188,8 @@ def regenerate(
     """prompts {index: turns} -> their records (to_record), as each answer arrives (in any
     order), from `concurrency` threads; thread k starts on servers[k % len(servers)]. The first
     failure that retries do not cure stops the threads and is raised (ServerError)."""
+    if not prompts:  # all done: no server is asked anything, nor needs to be up
+        return
     servers = [base_url(s) for s in servers]
     models = {
         s: model

@@ -5988,6 +5988,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     with tiny_openai_server(target, tok) as (url, log):
         prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
         assert len(log["asked"]) == 3
+    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
     convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
     tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
     target_saved = prepare.load_target(target_dir)[0]
