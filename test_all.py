@@ -6018,6 +6018,37 @@ def test_tracking_flattens_log_records_under_their_names():
     tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
 
 
+def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
+    """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
+    import types
+
+    calls = []
+    run = types.SimpleNamespace(
+        log=lambda values, step: calls.append(("log", values, step)),
+        finish=lambda: calls.append(("finish",)),
+    )
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = tracking.Tracker("wandb", str(tmp_path), {"lr": 1e-4})
+    for record in LOG_RECORDS[2:]:
+        tracker.log(record)
+    tracker.close()
+    assert calls == [
+        ("init", {"dir": str(tmp_path), "config": {"lr": 1e-4}}),
+        (
+            "log",
+            {"train/lr": 2e-4, "train/alpha_t": 0.5, "train/grad_norm": 1.25, "train/loss": 2.0},
+            2,
+        ),
+        (
+            "log",
+            {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25, "final/served_auto_shape": "path"},
+            2,
+        ),
+        ("finish",),
+    ]
+
+
 def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
     with pytest.raises(SystemExit) as e:
