@@ -303,13 +303,17 @@ def tokenize_conversation(tokenizer, conversation, max_length: int, chat_templat
     return ids[:max_length], mask[:max_length]
 
 
-def retokenized_differs(tokenizer, messages, chat_template_kwargs=None) -> bool:
+def retokenized_differs(tokenizer, messages, chat_template_kwargs=None):
     """Whether re-tokenizing a regenerated answer's text gives other ids than the target generated
     (its last turn's token_ids): the answer's span in the rendered conversation, tokenized, must
-    begin with them (an answer cut at --max-new-tokens has no end-of-turn token of its own)."""
+    begin with them (an answer cut at --max-new-tokens has no end-of-turn token of its own).
+    None where the template cannot be split into turns (assistant_spans): not known."""
     *prompt, answer = messages
     plain = [*prompt, {"role": "assistant", "content": answer["content"]}]
-    text, spans = assistant_spans(tokenizer, plain, chat_template_kwargs)
+    try:
+        text, spans = assistant_spans(tokenizer, plain, chat_template_kwargs)
+    except ValueError:
+        return None
     ids, mask = spans_to_tokens(tokenizer, text, spans[-1:])
     return ids[mask.bool()].tolist()[: len(answer["token_ids"])] != answer["token_ids"]
 
