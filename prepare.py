@@ -173,14 +173,10 @@ def regenerate(
             )
             # new [<= max_new_tokens]
             for i, new in zip(batch, out[:, enc["input_ids"].shape[1] :]):
-                # False: cut at max_new_tokens
-                finished = bool((new == tokenizer.eos_token_id).any())
+                stop = (new == tokenizer.eos_token_id).long()
+                finished = bool(stop.any())  # False: cut at max_new_tokens
                 # the answer up to and including end-of-turn; after it, padding
-                ids = new[
-                    : int((new == tokenizer.eos_token_id).long().argmax()) + 1
-                    if finished
-                    else len(new)
-                ].tolist()
+                ids = new[: int(stop.argmax()) + 1 if finished else len(new)].tolist()
                 tokens += len(ids)
                 answer = {
                     "role": "assistant",
