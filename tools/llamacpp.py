@@ -1085,7 +1085,11 @@ def regen_check(bins, ggufs, args) -> dict:
         proc.terminate()
         proc.wait()
     out["loadavg"].append(loadavg())
-    ids = {k: [c[-1]["token_ids"] for c in v[1]] for k, v in answers.items()}
+
+    def answer_ids(m):  # a server that returned no ids: its text, re-tokenized
+        return m.get("token_ids") or tok(m["content"], add_special_tokens=False)["input_ids"]
+
+    ids = {k: [answer_ids(c[-1]) for c in v[1]] for k, v in answers.items()}
     out["runs"] = {
         k: {
             "seconds": round(secs, 1),
