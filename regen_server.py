@@ -136,7 +136,8 @@ def to_record(index: int, prompt: list, reply: dict, tokenizer, settings: dict, 
     eos = tokenizer.eos_token_id
     if ids is not None:
         if finished and (not ids or ids[-1] != eos):
-            ids = ids + [eos]  # llama-server leaves out the token it stopped at
+            ids = ids + [eos]  # a server that leaves out the token it stopped at (llama-server
+            # keeps it), so that the answer ends as in-process
         answer = {
             "role": "assistant",
             "content": tokenizer.decode(ids, skip_special_tokens=True),

@@ -5833,13 +5833,14 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
 
 # ------------------------------------------------ regeneration on a server (regen_server.py)
 @contextlib.contextmanager
-def tiny_openai_server(target, tok, ids=True, fail_first=0, fail_after=None):
+def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
     """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
     /v1/chat/completions renders the messages with tok's chat template (and the request's
     chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
-    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, without
-    the token it stopped at). The first fail_first requests, and every one after fail_after
-    answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts answered."""
+    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
+    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
+    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
+    answered."""
     import http.server
     import threading
 
@@ -5894,7 +5895,8 @@ def tiny_openai_server(target, tok, ids=True, fail_first=0, fail_after=None):
                 "finish_reason": "stop" if stopped else "length",
             }
             if ids:
-                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in new]}
+                given = out[: len(new) + 1] if stop_id else new
+                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
             usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(out)}
             self.reply(200, {"object": "chat.completion", "choices": [choice], "usage": usage})
 
@@ -5908,8 +5910,8 @@ def tiny_openai_server(target, tok, ids=True, fail_first=0, fail_after=None):
         server.server_close()
 
 
-def in_process_answers(tmp_path, target, tok, prompts, **kw):
-    out = tmp_path / "in-process"
+def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
+    out = tmp_path / name
     out.mkdir(exist_ok=True)
     prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
     return prepare.merge_regenerated(str(out), len(prompts))
@@ -5920,7 +5922,15 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
     included (and the text alone where the server gives no ids); a rerun asks only for what is
     not done; every record says, as computed here by hand, whether re-tokenizing would change it."""
     target, tok = tiny_target("llama"), tiny_tokenizer()
+    # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
+    # (a tie goes to the lower id), so it comes where that token would
+    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
+    some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
+    with torch.no_grad():
+        target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
     expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
+    assert 0 < sum(stopped) < len(PROMPTS)
     out = tmp_path / "server"
     out.mkdir()
     with tiny_openai_server(target, tok) as (url, log):
@@ -5933,11 +5943,17 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
     for r in records:
         ids = r["messages"][-1]["token_ids"]
         again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        again += [tok.eos_token_id] * r["finished"]  # the template's end of turn
         assert r["retokenized_differs"] == (again[: len(ids)] != ids)
         assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
     d = sum(r["retokenized_differs"] for r in records)
     assert "5 answers keep the target's generated token ids" in prepare.fidelity(records)
     assert f"would change {d} ({100 * d / 5:.1f}%)" in prepare.fidelity(records)
+    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
+    nostop.mkdir()
+    with tiny_openai_server(target, tok, stop_id=False) as (url, log):
+        prepare.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
+    assert prepare.merge_regenerated(str(nostop), len(PROMPTS)) == expected
     # no ids from the server: the text, re-tokenized; the share that differs by count
     plain = tmp_path / "plain"
     plain.mkdir()
