@@ -63,6 +63,7 @@ import prepare
 import promptsets
 import served
 import show
+import tracking
 import train
 import tree
 from common import end_distributed
@@ -1318,8 +1319,16 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
     [
         ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),  # bad JSON
         ('{"messages": [{"role": "user"}]}', "line 3"),  # missing content
-        ('{"text": "hi"}', "line 3"),  # neither style
+        ('{"prompt": "hi"}', "line 3"),  # no format
         ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),  # unknown role
+        ('{"messages": [{"role": "tool", "content": "42"}]}', "unknown role 'tool'"),
+        ('{"messages": [], "text": "hi"}', "both 'messages' and 'text'"),  # two formats
+        ('{"conversations": [{"role": "user", "value": "hi"}]}', "'from' and 'value'"),  # mixed
+        ('{"text": ""}', "non-empty string"),
+        ('{"input_ids": [1, 2], "loss_mask": [0]}', "one per input id"),
+        ('{"input_ids": [1, -2], "loss_mask": [0, 1]}', "integers >= 0"),
+        ('{"input_ids": [1, 2], "loss_mask": [0, 2]}', "0 / 1"),
+        ('{"messages": [{"role": "user", "content": "a", "token_ids": [1]}]}', "last turn"),
     ],
 )
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
@@ -5937,3 +5946,416 @@ def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
             assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
                 "served"
             ] <= plan.SERVED_SHARE * 60 * budget
+
+
+# ------------------------------------------------------------ data formats (docs/training.md table)
+def read_one(tmp_path, record, **kw):
+    """The one conversation read_conversations makes of a one-line JSONL file."""
+    [conv], skipped = data.read_conversations(write_lines(tmp_path / "one.jsonl", [record]), **kw)
+    assert skipped == 0
+    return conv
+
+
+def check_supervised(tok, conv, answers=ANSWERS, kw=None):
+    """conv tokenizes to exactly CONVERSATION's ids (apply_chat_template's), and only the answers
+    with their end-of-turn markers are supervised."""
+    ids, mask = data.tokenize_conversation(tok, conv, 512, kw)
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, **(kw or {}))["input_ids"]
+    assert ids.tolist() == whole
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == answers
+    assert len(masked_runs(mask)) == 2
+
+
+def test_format_messages_openai_ultrachat(tmp_path):
+    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
+    conv = read_one(tmp_path, ultrachat)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_specforge_role_content(tmp_path):
+    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
+    conv = read_one(tmp_path, specforge)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_sharegpt_from_value(tmp_path):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [
+        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
+    ]
+    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
+    """SpecForge's {"id", "text"}: the text as the target's template rendered it is supervised
+    exactly as the same conversation given as turns, with and without template kwargs; an answer
+    cut short runs to the end; a text from another template is refused, naming line and header."""
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    conv = read_one(tmp_path, {"id": 3, "text": text})
+    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
+    check_supervised(tok, conv)
+    tok.chat_template = THINKING_CHATML
+    assert data.assistant_markers(tok, NO_THINKING) == (
+        "<|im_start|>assistant\n. . .\n\n",
+        "<|im_end|>",
+    )
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
+    check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
+    tok.chat_template = CHATML
+    cut = text.replace(". . .\n\n", "")[: -len("too .<|im_end|>\n")]  # the last answer cut short
+    ids, mask = data.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == (
+        "fine , thanks !<|im_end|>the cat is fine "
+    )
+    other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
+    with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
+        data.tokenize_conversation(tok, other, 512)
+
+
+@needs_smollm2
+def test_format_preformatted_text_on_smollm2(smollm2):
+    """The embedded target's own template (a default system prompt): preformatted text gives the
+    very ids and mask of the same turns."""
+    tok = smollm2["tokenizer"]
+    conv = CONVERSATION[1:]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    a = data.tokenize_conversation(tok, {"text": text}, 512)
+    b = data.tokenize_conversation(tok, conv, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
+
+
+def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
+    tok = tiny_tokenizer()
+    record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+    conv = read_one(tmp_path, record)
+    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    assert ids.tolist() == record["input_ids"] and mask.tolist() == record["loss_mask"]
+    assert data.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
+    # nothing supervised: skipped and counted, as an assistant-free conversation
+    path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
+    assert data.read_conversations(path)[1] == 1
+    big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
+    with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
+        data.tokenize_conversation(tok, big, 512)
+    with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
+        data.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
+
+
+def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
+    """An unknown role is refused by name, never guessed: one line naming file, line and role,
+    exit status 2 (common.run, as prepare.py and train.py end)."""
+    lines = [{"messages": CONVERSATION}, {"conversations": [{"from": "bing", "value": "hi"}]}]
+    path = write_lines(tmp_path / "roles.jsonl", lines)
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: data.read_conversations(path))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"error: {path}, line 2: unknown role 'bing' (known: assistant, gpt, human, system, user)"
+    ]
+
+
+def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
+    """An answer carrying the target's token_ids (prepare.py --regenerate keeps them) is
+    supervised as exactly those ids, even where re-tokenizing its text would split it otherwise
+    (retokenized_differs says so); ids that do not spell the content are refused."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(["thecat"])  # "the" + "cat" decode to "thecat", which re-tokenizes as one token
+    prompt = CONVERSATION[:2]
+    generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
+    answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
+    conv = read_one(tmp_path, {"messages": [*prompt, answer]})
+    assert conv[-1] == answer
+    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids.tolist() == head + generated
+    assert mask.tolist() == [0] * len(head) + [1] * len(generated)
+    assert data.retokenized_differs(tok, conv)
+    plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
+    assert not data.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
+    with pytest.raises(ValueError, match="do not spell its content"):
+        data.tokenize_conversation(tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512)
+
+
+# ------------------------------------------------ regeneration on a server (regen_server.py)
+@contextlib.contextmanager
+def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
+    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
+    /v1/chat/completions renders the messages with tok's chat template (and the request's
+    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
+    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
+    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
+    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
+    answered."""
+    import http.server
+    import threading
+
+    log, lock = {"requests": 0, "asked": []}, threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, code, body):
+            data_ = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data_)))
+            self.end_headers()
+            self.wfile.write(data_)
+
+        def do_GET(self):
+            self.reply(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                log["requests"] += 1
+                if log["requests"] <= fail_first:
+                    return self.reply(503, {"error": "loading"})
+                if fail_after is not None and len(log["asked"]) >= fail_after:
+                    return self.reply(500, {"error": "out of memory"})
+                assert body["temperature"] == 0 and body["model"] == "tiny"
+                text = tok.apply_chat_template(
+                    body["messages"],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **body["chat_template_kwargs"],
+                )
+                enc = tok(text, return_tensors="pt", add_special_tokens=False)
+                out = target.generate(
+                    **enc,
+                    max_new_tokens=body["max_tokens"],
+                    do_sample=False,
+                    pad_token_id=tok.eos_token_id,
+                )[0, enc["input_ids"].shape[1] :].tolist()
+                log["asked"].append(body["messages"])
+            stopped = tok.eos_token_id in out
+            new = out[: out.index(tok.eos_token_id)] if stopped else out
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": tok.decode(new, skip_special_tokens=True),
+                },
+                "finish_reason": "stop" if stopped else "length",
+            }
+            if ids:
+                given = out[: len(new) + 1] if stop_id else new
+                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
+            usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(out)}
+            self.reply(200, {"object": "chat.completion", "choices": [choice], "usage": usage})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
+    return prepare.merge_regenerated(str(out), len(prompts))
+
+
+def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
+    """Answers from a server equal in-process greedy regeneration of the same model, token ids
+    included (and the text alone where the server gives no ids); a rerun asks only for what is
+    not done; every record says, as computed here by hand, whether re-tokenizing would change it."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
+    # (a tie goes to the lower id), so it comes where that token would
+    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
+    some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
+    with torch.no_grad():
+        target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
+    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
+    assert 0 < sum(stopped) < len(PROMPTS)
+    out = tmp_path / "server"
+    out.mkdir()
+    with tiny_openai_server(target, tok) as (url, log):
+        client = dict(concurrency=3, retries=0, wait=0.0)
+        prepare.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
+        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
+    assert prepare.merge_regenerated(str(out), len(PROMPTS)) == expected
+    records = prepare.read_regenerated(str(out)).values()
+    for r in records:
+        ids = r["messages"][-1]["token_ids"]
+        again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        again += [tok.eos_token_id] * r["finished"]  # the template's end of turn
+        assert r["retokenized_differs"] == (again[: len(ids)] != ids)
+        assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
+    d = sum(r["retokenized_differs"] for r in records)
+    assert "5 answers keep the target's generated token ids" in prepare.fidelity(records)
+    assert f"would change {d} ({100 * d / 5:.1f}%)" in prepare.fidelity(records)
+    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
+    nostop.mkdir()
+    with tiny_openai_server(target, tok, stop_id=False) as (url, log):
+        prepare.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
+    assert prepare.merge_regenerated(str(nostop), len(PROMPTS)) == expected
+    # no ids from the server: the text, re-tokenized; the share that differs by count
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with tiny_openai_server(target, tok, ids=False) as (url, log):
+        prepare.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
+    got = prepare.merge_regenerated(str(plain), len(PROMPTS))
+    strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
+    assert got == strip
+    for i, r in prepare.read_regenerated(str(plain)).items():
+        n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+        assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
+
+
+def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys):
+    """Failures are tried again (on the next server); a server that keeps failing, or is down,
+    ends prepare.py in one error line naming it, keeping the answers it gave; the rerun asks only
+    for the others and makes the in-process conversations."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    with tiny_openai_server(target, tok, fail_first=2) as (url, log):
+        out = tmp_path / "flaky"
+        out.mkdir()
+        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        assert log["requests"] == len(PROMPTS) + 2
+    target_dir, _ = tiny_setup(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--target", target_dir, "--data", user_only_jsonl(tmp_path), "--out-dir", str(out)]
+    argv += ["--regenerate", "--max-new-tokens", "6", "--retries", "1", "--retry-wait", "0"]
+
+    def fails(*server_argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            common.run(lambda: prepare.main(argv + list(server_argv)))
+        assert e.value.code == 2
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1
+        return errors[0]
+
+    [down] = free_ports(1)
+    line = fails("--server", f"http://127.0.0.1:{down}")
+    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    with tiny_openai_server(target, tok, fail_after=2) as (url, log):
+        line = fails("--server", url, "--concurrency", "1")
+    assert re.fullmatch(
+        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
+        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
+        r".jsonl, a rerun asks only for the 3 others",
+        line,
+    )
+    with tiny_openai_server(target, tok) as (url, log):
+        prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
+        assert len(log["asked"]) == 3
+    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
+    convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
+    tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
+    target_saved = prepare.load_target(target_dir)[0]
+    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
+
+
+# ------------------------------------------------------------------ tracking (tracking.py)
+LOG_RECORDS = [  # as train.py writes them to log.jsonl
+    {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
+    {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},
+    {"kind": "train", "step": 2, "lr": 2e-4, "alpha_t": 0.5, "grad_norm": 1.25, "loss": 2.0},
+    {"kind": "final", "step": 2, "path_acc": [0.5, 0.25], "served_auto_shape": "path"},
+]
+
+
+def test_tracking_flattens_log_records_under_their_names():
+    assert tracking.flatten(LOG_RECORDS[0]) == (
+        1,
+        {"train/lr": 1e-4, "train/alpha_t": 0.0, "train/loss": 2.5},
+        {},
+    )
+    assert tracking.flatten(LOG_RECORDS[3]) == (
+        2,
+        {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25},
+        {"final/served_auto_shape": "path"},
+    )
+    tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
+
+
+def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
+    """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
+    import types
+
+    calls = []
+    run = types.SimpleNamespace(
+        log=lambda values, step: calls.append(("log", values, step)),
+        finish=lambda: calls.append(("finish",)),
+    )
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = tracking.Tracker("wandb", str(tmp_path), {"lr": 1e-4})
+    for record in LOG_RECORDS[2:]:
+        tracker.log(record)
+    tracker.close()
+    assert calls == [
+        ("init", {"dir": str(tmp_path), "config": {"lr": 1e-4}}),
+        (
+            "log",
+            {"train/lr": 2e-4, "train/alpha_t": 0.5, "train/grad_norm": 1.25, "train/loss": 2.0},
+            2,
+        ),
+        (
+            "log",
+            {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25, "final/served_auto_shape": "path"},
+            2,
+        ),
+        ("finish",),
+    ]
+
+
+def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: tracking.Tracker("wandb", str(tmp_path), {}))
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --report-to wandb needs the wandb package: pip install wandb"
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="tensorboard is not installed (pip install tensorboard; not in requirements.txt)",
+)
+def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = tracking.Tracker("tensorboard", str(tmp_path), {"lr": 1e-4, "loss": "kl"})
+    for record in LOG_RECORDS:
+        tracker.log(record)
+    tracker.close()
+    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    reader.Reload()
+    scalars = {
+        tag: [(e.step, round(e.value, 6)) for e in reader.Scalars(tag)]
+        for tag in reader.Tags()["scalars"]
+    }
+    assert scalars == {
+        "train/lr": [(1, 1e-4), (2, 2e-4)],
+        "train/alpha_t": [(1, 0.0), (2, 0.5)],
+        "train/grad_norm": [(2, 1.25)],
+        "train/loss": [(1, 2.5), (2, 2.0)],
+        "eval/elapsed_s": [(1, 3.0)],
+        "eval/loss": [(1, 2.75)],
+        "final/path_acc/0": [(2, 0.5)],
+        "final/path_acc/1": [(2, 0.25)],
+    }
+    texts = {
+        tag: reader.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in reader.Tags()["tensors"]
+    }
+    assert texts["final/served_auto_shape/text_summary"] == "path"
+    assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}
