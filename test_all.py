@@ -5893,9 +5893,9 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
     commits = [ints(s.split(":")[0]) for s in after("commit")]
     assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
     assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
-    _, stats = decoding.speculative_generate(target, draft, prompt, 6)
-    assert len(commits[0]) == stats.taus[0]
-    assert after(str(answer)) == [f", taus {stats.taus}; the target's own answer: True"]
+    _, taus = decoding.speculative_generate(target, draft, prompt, 6)
+    assert len(commits[0]) == taus[0]
+    assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
 
 
 # ==================================================================== tools/plan.py: slow CPUs
