@@ -52,7 +52,13 @@ echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
     --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs 2 \
     --eval-interval 600 --save-interval 300 "$@"
-echo "[run.sh] train: $((SECONDS - t0)) s"
-# 3. Export the servable draft directory (config.json + model.safetensors).
+echo "[run.sh] train: $((SECONDS - t0)) s"; t0=$SECONDS
+# 3. Served tau: 16 held-out prompts decoded by the real loop (with speed/tune.py's fast path), once the
+#    training has finished: its final record then closes the log (--steps-this-run stops it before).
+if tail -n 1 "$OUT/log.jsonl" | grep -q '"kind": "final"'; then
+    python served.py "$OUT" --fast
+    echo "[run.sh] served: $((SECONDS - t0)) s"
+fi
+# 4. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"
 echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (budget $BUDGET_MIN min)"
