@@ -35,6 +35,7 @@ import flops
 import fsdp
 import loss
 import model
+import tracking
 from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
 from metrics import add_into, all_sum, reduce_metrics, save_acceptance
 from speed import machine
@@ -88,6 +89,7 @@ def parse_args(argv=None):
     a("--eval-interval", type=bounded(int, low=1), default=200)
     a("--eval-samples", type=bounded(int, low=0), default=64, help="held-out sequences at most")
     a("--log-interval", type=bounded(int, low=1), default=10)
+    a("--report-to", choices=tracking.REPORT_TO, default="none", help="also wandb / tensorboard")
     a("--seed", type=int, default=0)
     a("--quiet", action="store_true", help="no progress bar")
     # --- scale and precision (docs/training-at-scale.md)
@@ -285,9 +287,12 @@ def evaluate(
     return reduce_metrics(acc)
 
 
-def append_log(path, record: dict):
+def append_log(path, record: dict, tracker=None):
+    """One log.jsonl record; --report-to sends the same record to the tracker (tracking.py)."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    if tracker is not None:
+        tracker.log(record)
 
 
 def save_checkpoint(path, draft, cfg, opt, sched, step, args, master):
@@ -430,6 +435,7 @@ def main(argv=None):
     log_path = os.path.join(args.out_dir, "log.jsonl")
     if master and not args.resume and os.path.exists(log_path):
         os.remove(log_path)  # a fresh run starts a fresh log
+    tracker = tracking.Tracker(args.report_to if master else "none", args.out_dir, vars(args))
     step = load_checkpoint(ckpt_path, draft, opt, sched, sharded) if args.resume else 0
     if args.resume:
         log(f"resumed from {ckpt_path} at step {step}")
@@ -487,14 +493,13 @@ def main(argv=None):
         if master and (step % args.log_interval == 0 or step == total):
             norm = None if grad_norm is None else grad_norm.item()
             record = dict(kind="train", step=step, lr=sched.get_last_lr()[0], alpha_t=alpha_t)
-            append_log(
-                log_path,
-                {**record, "grad_norm": norm, "elapsed_s": round(elapsed, 1), **rates, **metrics},
-            )
+            record.update(grad_norm=norm, elapsed_s=round(elapsed, 1), **rates, **metrics)
+            append_log(log_path, record, tracker)
         if step % args.eval_interval == 0 and step < total:
             m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
             if master and m:
-                append_log(log_path, {"kind": "eval", "step": step, "elapsed_s": since(), **m})
+                record = {"kind": "eval", "step": step, "elapsed_s": since(), **m}
+                append_log(log_path, record, tracker)
         if step % args.save_interval == 0 or step == stop:
             save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, args, master)
     bar.close()
@@ -502,6 +507,7 @@ def main(argv=None):
     # ------------------------------------------------------------------ end: the held-out summary
     if step < total:
         log(f"stopped at step {step} of {total}; continue with --resume")
+        tracker.close()
         end_distributed()
         return
     final = evaluate(
@@ -510,9 +516,11 @@ def main(argv=None):
     end_distributed()  # what follows runs on rank 0 alone
     if master and final:
         save_acceptance(args.out_dir, final, cfg, step)  # before the record: it pops what it keeps
-        append_log(log_path, {"kind": "final", "step": step, "elapsed_s": since(), **final})
+        record = {"kind": "final", "step": step, "elapsed_s": since(), **final}
+        append_log(log_path, record, tracker)
         print_summary(final, cfg)
         print(f"\nserved tau (the real decoding loop): python served.py {args.out_dir}")
+    tracker.close()
 
 
 def print_summary(m, cfg):
