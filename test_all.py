@@ -3633,9 +3633,9 @@ def fit(draft, target, sample, steps: int):
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
-    """The identity behind served.py's evaluation: the answer being the target's
-    own greedy answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} =
-    s_i + tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
+    """The identity behind served.py's evaluation: the answer being the target's own greedy
+    answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} = s_i +
+    tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
     served, so that every served block has all its labels."""
     torch.manual_seed(0)
     target, B, n = tiny_target("llama", initializer_range=0.3), 4, 40
@@ -5992,9 +5992,9 @@ def reachable(graph: dict, start: str) -> set:
 
 def test_imports_flow_one_way():
     """No import cycle, no project import hidden inside a function, train.py reaches neither
-    decoding nor the cost model (served.py does, and runs after it), the
-    data path stands without prepare.py, and the CPU machinery (speed/) is reached only through its
-    two doors, machine.py and tune.py (and bench.py, which is generate.py --bench)."""
+    decoding nor the cost model (served.py does, and runs after it), the data path stands without
+    prepare.py, and the CPU machinery (speed/) is reached only through its two doors, machine.py
+    and tune.py (and bench.py, which is generate.py --bench)."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     graph, inside_functions = project_imports()
