@@ -89,7 +89,7 @@ from target import (
     new_cache,
     stop_token_ids,
 )
-from tools import plan, train_cost
+from tools import gpu_check, plan, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -4630,7 +4630,7 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
         assert (got[k] - g).abs().max() <= 1e-5 * g.abs().max(), k
 
 
-def test_sdpa_on_cuda_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
+def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
     """--attention auto is flex on a CUDA device (also named by string) and sdpa on the CPU. The
     CUDA sdpa route (attention.memory_safe_sdpa) allows only kernels that keep no scores: run on
     this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
@@ -5481,23 +5481,15 @@ def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
 
 
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the same plumbing on the CPU at toy sizes. The shape flags
-    reach every row, each measured row's numbers agree with its batch, the rows the CPU cannot run
-    say why, and every CUDA test skips with needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run: the plan in its order (train.py compiled on the shipped block-8
+    config first, the CUDA tests last) and inside the 8-minute budget, and the same plumbing on the
+    CPU at toy sizes: train.py runs every step offline on random bf16 features, the sdpa step row's
+    numbers agree with its batch, the rows the CPU cannot run say why, and every CUDA test skips
+    with needs_cuda's reason."""
     out = tmp_path / "gpu"
     done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join("tools", "gpu_check.py"),
-            str(out),
-            "--dry-run",
-            "--lengths",
-            "48,80",
-            "--num-anchors",
-            "6",
-            "--batch-size",
-            "2",
-        ],
+        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"]
+        + ["--length", "80", "--num-anchors", "6", "--batch-size", "2"],
         cwd=HERE,
         capture_output=True,
         text=True,
@@ -5506,42 +5498,65 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
-    rows = results["rows"]
-    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in rows] == [
-        (S, how, mode)
-        for mode in ("eager", "compile")
-        for S in (48, 80)
-        for how in ("sdpa", "flex")
-    ]
-    measured = [r for r in rows if r["status"] == "measured"]
-    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in measured] == [
-        (48, "sdpa", "eager"),
-        (80, "sdpa", "eager"),
-    ]
-    # 2 rows of S random tokens, all supervised: 6 anchors a row, all valid
-    for r in measured:
-        assert r["rows"] == 2 and r["tokens"] == 2 * r["row_tokens"] and r["anchors"] == 12, r
-        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
-        assert r["device"] == "cpu" and r["dtype"] == "bf16" and r["peak_memory_gib"] > 0
-    reasons = {(r["attention"], r["mode"]): r["reason"] for r in rows if r["status"] == "skipped"}
-    assert set(reasons) == {("flex", "eager"), ("sdpa", "compile"), ("flex", "compile")}
-    assert "backward" in reasons["flex", "eager"] and "--dry-run" in reasons["sdpa", "compile"]
-    tests = results["tests"]
-    assert (
-        tests["exit_status"] == 0
-        and tests["counts"].get("skipped", 0) >= 5
-        and "failed" not in tests["counts"]
-    )
+    names = ["train", "compile", "eager", "sdpa", "tests"]
+    assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
+    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 8 * 60
+    # on a GPU the first item is train.py --compile (flex: auto) on the shipped block-8 config
+    args = gpu_check.parse_args([str(out)])
+    cmd = gpu_check.train_command(args, args.train_config, "T", "F", "O")
+    assert "--compile" in cmd and "--attention" not in cmd and cmd[1] == "train.py"
+    assert config.load_config(args.train_config).block_size == 8
+    assert args.train_config.endswith(os.path.join("configs", "smollm2-135m-dflash2.json"))
+    t = results["items"]["train"]
+    assert t["status"] == "measured" and t["steps_done"] == 4 == len(t["loss"]), t
+    assert all(math.isfinite(x) for x in t["loss"]) and t["error_line"] is None
+    r = results["items"]["sdpa"]  # 2 rows of 80 random tokens, all supervised: 6 anchors a row
+    assert r["status"] == "measured" and r["rows"] == 2 and r["tokens"] == 160, r
+    assert r["anchors"] == 12 and r["block_size"] == 8 and r["device"] == "cpu"
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
+    reasons = {n: results["items"][n]["reason"] for n in ("compile", "eager")}
+    assert all("backward" in why for why in reasons.values())
+    tests = results["items"]["tests"]
+    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
+    assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
     log = (out / "tests.log").read_text()
     skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
     assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
     summary = (out / "summary.txt").read_text()
-    for r in measured:  # the summary's table shows the JSON's numbers
-        assert (
-            f"| {r['row_tokens']} | sdpa | eager | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |"
-            in summary
-        )
-    assert summary.count("skipped: ") == 6 and f"{tests['summary']}" in summary
+    assert "= 480 s of the 480 s budget" in summary and tests["summary"] in summary
+    assert f"| sdpa | sdpa | no | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |" in summary
+    assert summary.count("skipped: ") == 2 and "4 of 4 steps" in summary
+
+
+def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
+    tmp_path, monkeypatch
+):
+    """tools/gpu_check.py: a row that ran out of memory is reported as such and does not fail the
+    check, one its share cut off does; a check stopped halfway (Ctrl-C in the second item) still
+    writes results.json and summary.txt with what it did and what stopped it."""
+    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
+    state, reason = gpu_check.outcome(1, oom, 60)
+    assert state == "out of memory" and "17.00 GiB" in reason
+    assert not gpu_check.failed({"status": state})
+    assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
+    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
+    assert gpu_check.failed({"status": "timed out"}) and gpu_check.failed({"exit_status": 1})
+    calls = []
+
+    def item(name, *rest):
+        calls.append(name)
+        if name == "compile":
+            raise KeyboardInterrupt
+        return {"status": "out of memory", "reason": "CUDA out of memory"}
+
+    monkeypatch.setattr(gpu_check, "run_item", item)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main([str(tmp_path), "--dry-run"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert calls == ["train", "compile"] and list(results["items"]) == ["train"]
+    assert results["stopped"] == "KeyboardInterrupt: "
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
 
 
 @pytest.fixture
