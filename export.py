@@ -29,11 +29,7 @@ import model
 from common import DTYPES, atomic_write, run, write_json
 from compat.speculators import VERIFIER_COPIES, config_from_speculators, speculators_config
 from config import config_from_dict, config_to_dict, load_config, read_json
-
-# train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:
-# generate.py's `auto` reads them (speed/auto.py, choose). A file of its own, so config.json stays
-# the public contract.
-ACCEPTANCE = "acceptance.json"
+from metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers 4.x's default (5.x raised its own to 50GB)
 # what wrappers put before every key: torch.compile "_orig_mod.", DistributedDataParallel "module."
@@ -199,78 +195,6 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
     return draft_from_state_dict(
         config_from_dict(cfg_dict, source=file), sd, source=file, dtype=dtype
     ).eval()
-
-
-def acceptance_file(path: str) -> str:
-    """Where a draft's acceptance statistics live: in its directory (an export or a run), or beside
-    ckpt.pt."""
-    return os.path.join(
-        path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), ACCEPTANCE
-    )
-
-
-def save_acceptance(out_dir, metrics: dict, cfg, step):
-    """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode
-    (selector, unary) the share of blocks whose greedy path was right up to each slot, and the share
-    of each slot's labels that were the draft's k-th candidate. export.py copies it beside the
-    export; generate.py's `auto` predicts accepted lengths from it (tree.expected_tau)."""
-    L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
-    # a 1-element metric is a number
-    listed = lambda v: v if isinstance(v, list) else [v]
-    for mode in ("selector", "unary"):
-        if f"accepted_at_{mode}" in metrics:
-            rank = listed(metrics.pop(f"rank_{mode}"))
-            K = len(rank) // L
-            out[mode] = {
-                "accepted": listed(metrics.pop(f"accepted_at_{mode}")),
-                "rank": [rank[j * K : (j + 1) * K] for j in range(L)],
-            }
-    write_json(os.path.join(out_dir, ACCEPTANCE), out)
-
-
-def record_served(out_dir, served: dict):
-    """Add train.py's served evaluation (served tau beside teacher-forced tau) to
-    OUT_DIR/acceptance.json, under "served"."""
-    path = os.path.join(out_dir, ACCEPTANCE)
-    write_json(path, dict(read_json(path), served=served))
-
-
-def read_acceptance(path: str, block_size: int):
-    """The held-out acceptance statistics recorded with the draft at path, or None if it has none:
-    {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or
-    unary (their meaning: tree.expected_tau)."""
-    file = acceptance_file(path)
-    if not os.path.isfile(file):
-        return None
-    d, L = read_json(file), block_size - 1
-    if not isinstance(d, dict):
-        raise ValueError(f"{file}: not a JSON object")
-    unknown = sorted(set(d) - {"block_size", "step", "selector", "unary", "served"})
-    if unknown or d.get("block_size") != block_size:
-        raise ValueError(
-            f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "
-            f"unknown keys {unknown}"
-        )
-    shares = lambda v, n: (
-        isinstance(v, list)
-        and len(v) == n
-        and all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in v)
-    )
-    for mode in {"selector", "unary"} & set(d):
-        m = d[mode] if isinstance(d[mode], dict) else {}
-        rank = m.get("rank", [[1.0]] * L)
-        if not (
-            set(m) <= {"accepted", "rank"}
-            and shares(m.get("accepted"), L)
-            and isinstance(rank, list)
-            and len(rank) == L
-            and all(isinstance(row, list) and row and shares(row, len(rank[0])) for row in rank)
-        ):
-            raise ValueError(
-                f"{file}: {mode} must hold accepted: {L} rates in [0, 1], and may hold rank: {L} "
-                "rows of K shares in [0, 1]"
-            )
-    return {mode: d[mode] for mode in ("selector", "unary") if mode in d}
 
 
 # ----------------------------------------------------------------------------- export

@@ -9,10 +9,16 @@
 
     python prepare.py --draft-config configs/smollm2-135m-dflash2.json --prompts default \\
         --out-dir data/smollm2 --regenerate --features            # torchrun splits the work by rank
+    python prepare.py --data convs.jsonl --target Qwen/Qwen3-8B --out-dir data/q8 --regenerate \\
+        --server http://gpu1:8000 --server http://gpu2:8000 --concurrency 64   # regen_server.py
 
 Conversations are read and tokenised by data.py. What OUT holds (features.py describes the shards):
+    regenerated.rank*.jsonl    the answers as they come: {"index", "messages", "finished", the
+                               settings, "retokenized_differs"} ("server" and "prompt_tokens_differ"
+                               from --server); what a rerun finds here it does not ask for again
     conversations.jsonl        {"index", "messages", "chat_template_kwargs", "temperature", "seed"}
-                               per line, after --regenerate (usable as --data)
+                               per line, after --regenerate (usable as --data); the answer keeps the
+                               token ids the target generated ("token_ids"), supervised as those
     shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden
                                (--save-target-hidden)
     manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards,
@@ -31,10 +37,18 @@ import sys
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 import config
+import regen_server
 from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
-from data import anchor_positions, read_conversations, render, tokenize_conversation
+from data import (
+    anchor_positions,
+    read_conversations,
+    render,
+    retokenized_differs,
+    tokenize_conversation,
+)
 from features import COUNTS, save_shard, shard_metadata, shard_path, write_manifest
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
 from speed import machine, tune
@@ -88,6 +102,15 @@ def check_resumable(done: dict, out_dir: str, settings: dict):
             )
 
 
+def pending(out_dir: str, n: int, rank: int, world: int, settings: dict):
+    """(this rank's prompt indices with no answer yet, its results file's name): what a rerun
+    still asks for, in-process or from a server. Done answers must have been made alike."""
+    own = f"regenerated.rank{rank}.jsonl"
+    done = read_regenerated(out_dir, own)
+    check_resumable(done, out_dir, settings)
+    return [i for i in range(rank, n, world) if i not in done], own
+
+
 def sampling(temperature: float, seed: int, batch: list) -> dict:
     """generate()'s arguments: greedy at temperature 0, else plain sampling from softmax(logits / T)
     (the target's own generation config may set top_k / top_p, Qwen3's 20 / 0.95: off), seeded by
@@ -114,18 +137,16 @@ def regenerate(
     seed=0,
 ):
     """The target's answers to prompts[i] for i % world == rank (greedy at temperature 0), appended
-    as each batch ends to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"} and
-    the settings that made them: chat_template_kwargs, temperature, seed); reruns skip done
+    as each batch ends to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}, the
+    settings that made them: chat_template_kwargs, temperature, seed, and whether re-tokenizing
+    the answer's text would change its tokens); the answer keeps its token_ids. Reruns skip done
     indices."""
     settings = {
         "chat_template_kwargs": chat_template_kwargs or {},
         "temperature": temperature,
         "seed": seed,
     }
-    own = f"regenerated.rank{rank}.jsonl"
-    done = read_regenerated(out_dir, own)
-    check_resumable(done, out_dir, settings)
-    todo = [i for i in range(rank, len(prompts), world) if i not in done]
+    todo, own = pending(out_dir, len(prompts), rank, world, settings)
     texts = {i: render(tokenizer, prompts[i], True, settings["chat_template_kwargs"]) for i in todo}
     todo.sort(key=lambda i: len(texts[i]))  # similar lengths per batch: less padding
     tokenizer.padding_side = "left"  # so every row continues at the same right edge
@@ -152,27 +173,118 @@ def regenerate(
             )
             # new [<= max_new_tokens]
             for i, new in zip(batch, out[:, enc["input_ids"].shape[1] :]):
+                stop = (new == tokenizer.eos_token_id).long()
+                finished = bool(stop.any())  # False: cut at max_new_tokens
+                # the answer up to and including end-of-turn; after it, padding
+                ids = new[: int(stop.argmax()) + 1 if finished else len(new)].tolist()
+                tokens += len(ids)
                 answer = {
                     "role": "assistant",
-                    "content": tokenizer.decode(new, skip_special_tokens=True),
+                    "content": tokenizer.decode(ids, skip_special_tokens=True),
+                    "token_ids": ids,  # supervised as generated (data.generated_tokens)
                 }
-                # False: cut at max_new_tokens
-                finished = bool((new == tokenizer.eos_token_id).any())
-                tokens += (
-                    int((new == tokenizer.eos_token_id).long().argmax()) + 1
-                    if finished
-                    else len(new)
-                )
+                messages = prompts[i] + [answer]
                 record = {
                     "index": i,
-                    "messages": prompts[i] + [answer],
+                    "messages": messages,
                     "finished": finished,
                     **settings,
+                    "retokenized_differs": retokenized_differs(
+                        tokenizer, messages, settings["chat_template_kwargs"]
+                    ),
                 }
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
             bar.update(len(batch))
             bar.set_postfix(new_tok_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+
+
+def regenerate_on_servers(
+    tokenizer,
+    prompts,
+    out_dir,
+    servers,
+    max_new_tokens=256,
+    rank=0,
+    world=1,
+    chat_template_kwargs=None,
+    temperature=0.0,
+    seed=0,
+    **client,
+):
+    """regenerate(), with the answers from OpenAI-compatible servers (regen_server.py; client:
+    concurrency, retries, wait, timeout, model): the same prompts, settings, records and resume,
+    each answer appended as it arrives. A server that fails past its retries ends the run in one
+    error naming it; what was written is kept."""
+    settings = {
+        "chat_template_kwargs": chat_template_kwargs or {},
+        "temperature": temperature,
+        "seed": seed,
+    }
+    todo, own = pending(out_dir, len(prompts), rank, world, settings)
+    answers = regen_server.regenerate(
+        {i: prompts[i] for i in todo}, tokenizer, servers, settings, max_new_tokens, **client
+    )
+    path, kept = os.path.join(out_dir, own), 0
+    with (
+        open(path, "a", encoding="utf-8") as f,
+        tqdm(
+            total=len(todo), desc=f"regenerate on {len(servers)} server(s)", disable=not todo
+        ) as bar,
+    ):
+        try:
+            for record in answers:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+                kept += 1
+                bar.update(1)
+        except regen_server.ServerError as e:
+            raise regen_server.ServerError(
+                f"{e}; {kept} new answers kept in {path}, a rerun asks only for the "
+                f"{len(todo) - kept} others"
+            ) from None
+
+
+def fidelity(records) -> str:
+    """How far the supervised tokens are the target's own, over regenerated records: answers with
+    their generated ids (supervised as those; the share re-tokenizing would have changed), answers
+    re-tokenized (the share whose token count differs from the server's), prompts a server
+    counted otherwise than this tokenizer renders them (a chat template other than the target's)."""
+    records = list(records)
+    with_ids = [r for r in records if "token_ids" in r["messages"][-1]]
+    lines = []
+    if with_ids:
+        d = sum(bool(r.get("retokenized_differs")) for r in with_ids)
+        unknown = sum(r.get("retokenized_differs") is None for r in with_ids)
+        lines.append(
+            f"{len(with_ids)} answers keep the target's generated token ids and are supervised as "
+            f"those; re-tokenizing their text would change {d} ({100 * d / len(with_ids):.1f}%)"
+            + (
+                f"; {unknown} could not be compared (the template splits no turns)"
+                if unknown
+                else ""
+            )
+        )
+    plain = [r for r in records if "token_ids" not in r["messages"][-1]]
+    counted = [r for r in plain if r.get("retokenized_differs") is not None]
+    if plain:
+        d = sum(r["retokenized_differs"] for r in counted)
+        lines.append(
+            f"{len(plain)} answers are re-tokenized (no token ids kept); "
+            + (
+                f"{d} of {len(counted)} ({100 * d / len(counted):.1f}%) re-tokenize to another "
+                "token count than the server generated, so at least that share differs"
+                if counted
+                else "no token count to compare with: the share that differs is unknown"
+            )
+        )
+    bad = sum(bool(r.get("prompt_tokens_differ")) for r in records)
+    if bad:
+        lines.append(
+            f"{bad} prompts: the server counted other prompt tokens than this target's chat "
+            "template renders; serve the target's own template (llama-server --jinja)"
+        )
+    return "\n".join(lines)
 
 
 def merge_regenerated(out_dir: str, n: int) -> list:
@@ -372,6 +484,38 @@ def parse_args(argv=None):
         "softmax(logits / T); best the temperature the draft will serve at",
     )
     add_chat_template_kwargs(p.add_argument)
+    p.add_argument(
+        "--server",
+        action="append",
+        metavar="URL",
+        help="regenerate on this OpenAI-compatible server (vLLM, SGLang, llama-server: "
+        "http://host:port) instead of in-process; repeat for several (regen_server.py)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=bounded(int, low=1),
+        default=8,
+        help="--server requests in flight at once, over all servers",
+    )
+    p.add_argument(
+        "--retries",
+        type=bounded(int, low=0),
+        default=5,
+        help="tries again per --server request that fails (down, timeout, 429, 5xx)",
+    )
+    p.add_argument(
+        "--retry-wait",
+        type=bounded(float, low=0.0),
+        default=1.0,
+        help="seconds before the first retry, doubled for each next one",
+    )
+    p.add_argument(
+        "--request-timeout", type=bounded(float, above=0.0), default=600.0, help="seconds"
+    )
+    p.add_argument(
+        "--server-model",
+        help="the model name sent to the servers (default: the first of each one's /v1/models)",
+    )
     p.add_argument("--max-new-tokens", type=bounded(int, low=1), default=256)
     p.add_argument(
         "--batch-size", type=bounded(int, low=1), default=16, help="prompts per regeneration batch"
@@ -407,6 +551,8 @@ def parse_args(argv=None):
         p.error("nothing to do: add --regenerate and/or --features")
     if args.temperature > 0 and not args.regenerate:
         p.error("--temperature samples the regenerated answers; add --regenerate")
+    if args.server and not args.regenerate:
+        p.error("--server regenerates the answers; add --regenerate")
     return args
 
 
@@ -427,12 +573,16 @@ def main(argv=None):
     if rank != 0:  # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
     dtype = machine.resolve_dtype(args.target_dtype, device, "data")
-    target, tok = load_target(args.target, dtype)
+    if args.server and not args.features and args.target:  # the servers run the target
+        target, tok = None, AutoTokenizer.from_pretrained(args.target)
+    else:
+        target, tok = load_target(args.target, dtype)
     if rank == 0:
         barrier()
     if layer_ids:
         check_layer_ids(layer_ids, target)
-    tune.data_target(target.to(device), dtype, args.target_gemm)  # how to run here (speed/)
+    if target is not None:
+        tune.data_target(target.to(device), dtype, args.target_gemm)  # how to run here (speed/)
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:
@@ -441,6 +591,7 @@ def main(argv=None):
             require_assistant=not args.regenerate,
             # --regenerate replaces the answers: only kept ones must match the template settings
             chat_template_kwargs=None if args.regenerate else args.chat_template_kwargs,
+            need_turns=args.regenerate,
         )
         print(
             f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr
@@ -453,18 +604,37 @@ def main(argv=None):
         raise ValueError(f"{args.data or '--prompts'}: no conversations to work on")
     if args.regenerate:
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
-        regenerate(
-            target,
-            tok,
-            prompts,
-            args.out_dir,
-            args.max_new_tokens,
-            args.batch_size,
-            rank,
-            world,
-            **made,
-        )
+        if args.server:
+            regenerate_on_servers(
+                tok,
+                prompts,
+                args.out_dir,
+                args.server,
+                args.max_new_tokens,
+                rank,
+                world,
+                **made,
+                concurrency=args.concurrency,
+                retries=args.retries,
+                wait=args.retry_wait,
+                timeout=args.request_timeout,
+                model=args.server_model,
+            )
+        else:
+            regenerate(
+                target,
+                tok,
+                prompts,
+                args.out_dir,
+                args.max_new_tokens,
+                args.batch_size,
+                rank,
+                world,
+                **made,
+            )
         barrier()
+        if rank == 0:
+            print(fidelity(read_regenerated(args.out_dir).values()), file=sys.stderr)
         conversations = merge_regenerated(args.out_dir, len(prompts))
         if rank == 0:  # all answers in one file, readable by --data for later runs
             path = os.path.join(args.out_dir, "conversations.jsonl")

@@ -7,10 +7,14 @@
 #   bash run.sh --dflash         # the plain DFlash baseline on the same data and budget
 #   DOMAIN=general bash run.sh   # the general mix (chat, code, maths), held out on MT-Bench/HumanEval/GSM8K
 #   bash run.sh --max-steps 4000 # any train.py flag; N_TRAIN=4800 bash run.sh for more data
-#   BUDGET_MIN=90 bash run.sh    # a longer budget: plan.py sizes the answers to it (N_TRAIN wins)
+#   BUDGET_MIN=90 bash run.sh    # a longer budget: plan.py sizes the job to it (N_TRAIN, --epochs win)
 #
-# Step 0 measures this machine for about a minute and sizes the job to the budget (tools/plan.py): on a 2-core
-# CPU about 1,500 of the recipe's 2,400 answers where bf16 is native, 600 without it. Every precision and
+# Step 0 measures this machine with small probes (under a minute) and sizes the job to the budget
+# (tools/plan.py): answers and epochs from a measured learning curve, and the fixed costs (held-out set,
+# served evaluation, evaluations during training) at the share of the budget they take on a fast CPU; a
+# budget too small for a useful job ends here, in one line naming the budget that would hold one. On a
+# 2-core CPU: about 1,500-1,800 answers where bf16 is native, 500 without it, 180 on an AVX2-only Zen 1
+# (docs/slow-cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
 # GEMM layout is `auto`: speed/machine.py picks them per CPU and each script prints what it chose.
 # Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
@@ -19,7 +23,6 @@ cd "$(dirname "$0")"
 CFG=configs/smollm2-135m-dflash2.json
 DOMAIN=${DOMAIN:-math}
 BUDGET_MIN=${BUDGET_MIN:-45}  # the whole job, in minutes
-N_EVAL=${N_EVAL:-48}          # held-out prompts
 case $DOMAIN in
     math) TRAIN_SET=math; EVAL_SET=math-eval ;;      # GSM8K test questions 1..48, never trained on
     general) TRAIN_SET=default; EVAL_SET=eval ;;     # MT-Bench, HumanEval, GSM8K interleaved
@@ -27,8 +30,11 @@ case $DOMAIN in
 esac
 DATA=${DATA:-data/smollm2-$DOMAIN}
 NAME=dflash2
-PLAN=(--budget-min "$BUDGET_MIN" --data "$DATA/train" --draft-config "$CFG")
+PLAN=(--budget-min "$BUDGET_MIN" --data "$DATA/train" --eval-data "$DATA/eval" --draft-config "$CFG" --domain "$DOMAIN")
 [ -n "${N_TRAIN:-}" ] && PLAN+=(--num-samples "$N_TRAIN")
+[ -n "${N_EVAL:-}" ] && PLAN+=(--n-eval "$N_EVAL")                       # held-out prompts
+[ -n "${SERVED_SAMPLES:-}" ] && PLAN+=(--served-samples "$SERVED_SAMPLES") # served evaluation
+[ -n "${SERVED_TOKENS:-}" ] && PLAN+=(--served-tokens "$SERVED_TOKENS")
 prev=
 for a in "$@"; do
     [ "$a" = --dflash ] && { NAME=dflash; PLAN+=(--dflash); }
@@ -39,9 +45,13 @@ done
 OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 
 start=$SECONDS t0=$SECONDS
-# 0. The plan: how many training prompts (answered by the target itself: on-policy data) fit the budget.
-N_TRAIN=$(python tools/plan.py "${PLAN[@]}" | sed -n 's/^N_TRAIN=//p')
-echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers"; t0=$SECONDS
+# 0. The plan: how many training prompts (answered by the target itself: on-policy data) and epochs fit
+#    the budget, and the sizes of its fixed costs; it prints KEY=value lines, read here.
+plan=$(python tools/plan.py "${PLAN[@]}")
+planned() { sed -n "s/^$1=//p" <<< "$plan"; }
+N_TRAIN=$(planned N_TRAIN) EPOCHS=$(planned EPOCHS) N_EVAL=$(planned N_EVAL) EVAL_INTERVAL=$(planned EVAL_INTERVAL)
+SERVED_SAMPLES=$(planned SERVED_SAMPLES) SERVED_TOKENS=$(planned SERVED_TOKENS) EXPECTED_TAU=$(planned EXPECTED_TAU)
+echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers x $EPOCHS epochs, expected held-out tau ${EXPECTED_TAU:-unknown}"; t0=$SECONDS
 # 1. The target answers the prompts (greedy; in bf16 with oneDNN's packed weights where bf16 is native, else fp32)
 #    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.
 PREP="--regenerate --max-new-tokens 160 --features --draft-config $CFG --batch-size 64"
@@ -50,8 +60,8 @@ python prepare.py --prompts $EVAL_SET --num-samples "$N_EVAL" $PREP --save-targe
 echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
 # 2. Train (the recipe study in README.md chose these flags), in bf16 autocast where bf16 is native.
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
-    --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs 2 \
-    --eval-interval 600 --save-interval 300 "$@"
+    --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs "$EPOCHS" \
+    --eval-interval "$EVAL_INTERVAL" --save-interval 300 "$@"
 echo "[run.sh] train: $((SECONDS - t0)) s"
 # 3. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import loss as L
+import loss
 import model
 from decoding import shape_kw, speculative_generate
 from speed import tune
@@ -72,12 +72,12 @@ def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
     feats = sample["features"][None].float()  # [1, S, k*H]
     embed = lambda x: F.embedding(x, embed_w)  # noqa: E731
     mode = "accept_selector" if draft.candidate_selector is not None else "accept_unary"
+    cfg = loss.LossConfig(gamma=1.0)  # gamma weighs the loss only, not the metrics
     taus = []
     for a in anchors:
         A = torch.tensor([[a]], device=ids.device)
         h = model.forward_training(draft, embed, ids, feats, A)
-        # gamma weighs the loss only, not the metrics
-        metrics = L.objective(draft, head_w, h, ids, mask, A, A >= 0, gamma=1.0)["metrics"]
+        metrics = loss.objective(draft, head_w, h, ids, mask, A, A >= 0, cfg)["metrics"]
         num, den = metrics[mode]
         taus.append(float(num / den))
     return taus

@@ -57,11 +57,13 @@ import flops
 import fsdp
 import generate
 import loss as L
+import metrics
 import model
 import prepare
 import promptsets
 import served
 import show
+import tracking
 import train
 import tree
 from common import end_distributed
@@ -846,9 +848,7 @@ def worked_example(loss, weighting="exp", target=False):
         torch.tensor([[0, 1, 1, 1]]),
         torch.tensor([[1]]),
         torch.tensor([[True]]),
-        loss=loss,
-        weighting=weighting,
-        gamma=2.0,
+        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
         target_hidden=th,
     )
     return out["numerator"].item(), out["denominator"].item()
@@ -898,9 +898,8 @@ def selector_case(third_token, miss="strict", alpha_t=1.0):
         torch.tensor([[1, 1, 1]]),
         torch.tensor([[0]]),
         torch.tensor([[True]]),
-        gamma=2.0,
+        L.LossConfig(gamma=2.0, selector_miss=miss),
         alpha_t=alpha_t,
-        selector_miss=miss,
     )
 
 
@@ -954,9 +953,26 @@ def model_batch(seed=0, **kw):
     return draft, embed, head, ids, feats, anchors, loss_mask, valid
 
 
-def run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw):
+def run_objective(
+    draft,
+    embed,
+    head,
+    ids,
+    feats,
+    anchors,
+    loss_mask,
+    valid,
+    *,
+    alpha_t=None,
+    target_hidden=None,
+    acceptance=False,
+    **cfg,
+):
     h = model.forward_training(draft, embed, ids, feats, anchors)
-    return L.objective(draft, head, h, ids, loss_mask, anchors, valid, gamma=3.0, **kw)
+    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
+    return L.objective(
+        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
+    )
 
 
 def grads(m):
@@ -1051,7 +1067,7 @@ def test_acceptance_statistics_by_hand():
     )
     labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
     cand_scores, cand_ids = top_k_candidates(u, 2)
-    out = L.metric_terms(
+    out = metrics.metric_terms(
         None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True
     )
     assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
@@ -1303,8 +1319,16 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
     [
         ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),  # bad JSON
         ('{"messages": [{"role": "user"}]}', "line 3"),  # missing content
-        ('{"text": "hi"}', "line 3"),  # neither style
+        ('{"prompt": "hi"}', "line 3"),  # no format
         ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),  # unknown role
+        ('{"messages": [{"role": "tool", "content": "42"}]}', "unknown role 'tool'"),
+        ('{"messages": [], "text": "hi"}', "both 'messages' and 'text'"),  # two formats
+        ('{"conversations": [{"role": "user", "value": "hi"}]}', "'from' and 'value'"),  # mixed
+        ('{"text": ""}', "non-empty string"),
+        ('{"input_ids": [1, 2], "loss_mask": [0]}', "one per input id"),
+        ('{"input_ids": [1, -2], "loss_mask": [0, 1]}', "integers >= 0"),
+        ('{"input_ids": [1, 2], "loss_mask": [0, 2]}', "0 / 1"),
+        ('{"messages": [{"role": "user", "content": "a", "token_ids": [1]}]}', "last turn"),
     ],
 )
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
@@ -3303,19 +3327,19 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
     assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    stats_read = export.read_acceptance(str(tmp_path / "out"), 4)
+    stats_read = metrics.read_acceptance(str(tmp_path / "out"), 4)
     assert stats_read == {m: stats[m] for m in ("selector", "unary")}
     # beside ckpt.pt too
-    assert export.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
+    assert metrics.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
     os.makedirs(tmp_path / "bare")
     os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
     export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
-    assert export.read_acceptance(str(tmp_path / "out"), 4) is None
+    assert metrics.read_acceptance(str(tmp_path / "out"), 4) is None
     (tmp_path / "bare" / "acceptance.json").write_text(
         json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}})
     )
     with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
-        export.read_acceptance(str(tmp_path / "bare"), 4)
+        metrics.read_acceptance(str(tmp_path / "bare"), 4)
 
 
 # ---------------------------------------------------------------------------- served acceptance
@@ -3341,8 +3365,9 @@ def fit(draft, target, sample, steps: int):
     for _ in range(steps):
         embed = lambda x: F.embedding(x, embed_w.detach())
         h = model.forward_training(draft, embed, ids, sample["features"][None], anchors)
+        cfg = L.LossConfig(gamma=2.0)
         out = L.objective(
-            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, gamma=2.0, alpha_t=1.0
+            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, cfg, alpha_t=1.0
         )
         opt.zero_grad()
         out["numerator"].backward()
@@ -3376,7 +3401,8 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     assert taught == [float(t) for t in stats.taus]
     # the same anchors through train.py's evaluation (data.collate with given anchors)
     args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
-    objective = train.DraftObjective(draft, embed_w.detach(), head_w.detach(), args)
+    cfg = train.loss_config(args)
+    objective = train.DraftObjective(draft, embed_w.detach(), head_w.detach(), cfg, args.attention)
     metrics = train.evaluate(
         objective,
         [sample],
@@ -3412,7 +3438,7 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     out = capsys.readouterr().out
     assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    assert set(export.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
+    assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
 
 
 # ---------------------------------------------------------------------------- anchor coverage
@@ -3424,7 +3450,7 @@ def test_coverage_by_hand():
     anchors, valid = torch.tensor([[1, 2, 5]]), torch.tensor([[True, True, False]])
     ids = torch.zeros_like(loss_mask)
     _, _, w0 = L.block_labels(ids, loss_mask, anchors, valid, 3)
-    covered, supervised = L.coverage(loss_mask, anchors, w0)
+    covered, supervised = metrics.coverage(loss_mask, anchors, w0)
     assert (covered.item(), supervised.item()) == (3.0, 5.0)  # tokens 2, 3, 4 of 1, 2, 3, 4, 6
 
 
@@ -3537,7 +3563,7 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
-    real = train.L.objective
+    real = train.loss.objective
 
     def poisoned(*args, **kw):  # the third step's loss, and so its gradients, are NaN
         out = real(*args, **kw)
@@ -3547,7 +3573,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_pat
         return out
 
     poisoned.calls = 0
-    monkeypatch.setattr(train.L, "objective", poisoned)
+    monkeypatch.setattr(train.loss, "objective", poisoned)
     with pytest.raises(SystemExit) as stop:
         run(setup, tmp_path, "--max-steps", "5", "--save-interval", "1")
     assert stop.value.code == 1
@@ -4036,34 +4062,35 @@ def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatc
 
 
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
-    # 1,000 answers, 2 epochs, 1.5 s an answer, 1.3 s a step (an AVX2 machine in fp32), 60 s of
-    # held-out answers:
-    # 40 + 1,000 * 1.5 + 60 + 2,000 * 1.3 + 4 evaluations of 48 answers at 1.3 / 3 s = 4,283.2 s
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60) == pytest.approx(4283.2 / 60)
-    # answers made
-    assert plan.job_minutes(1000, 1000, 2, 1.5, 1.3, 0) == pytest.approx((4283.2 - 1560) / 60)
-    # measuring
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, spent=90) == pytest.approx((4283.2 + 90) / 60)
-    # the served evaluation: a fixed cost, whatever N
-    assert plan.job_minutes(1000, 0, 2, 1.5, 1.3, 60, served=200) == pytest.approx(
-        (4283.2 + 200) / 60
-    )
-    slow = lambda n: plan.job_minutes(n, 0, 2, 1.5, 1.3, 60)
-    n, why = plan.choose_samples(slow, 45, 2400, 0)
-    assert (
-        slow(n) <= 45 * plan.AIM < slow(n + 100)
-        and n % 100 == 0
-        and why == "fits 45 min with 5% to spare"
-    )
-    fast = lambda n: plan.job_minutes(n, 0, 2, 0.43, 0.25, 20)
-    assert plan.choose_samples(fast, 45, 2400, 0) == (2400, "the recipe's 2400")
-    assert plan.choose_samples(slow, 45, 2400, 0, given=1234) == (1234, "N_TRAIN given")
-    assert (
-        plan.choose_samples(lambda n: plan.job_minutes(n, 900, 2, 1.5, 1.3, 0), 45, 2400, 900)[0]
-        == 900
-    )
-    # nothing fits: the least
-    assert plan.choose_samples(lambda n: 1e9, 45, 2400, 0)[0] == plan.MIN_SAMPLES
+    # 1,000 answers x 2 epochs; 1.5 s an answer (regeneration 160 / 64 x 0.4 + features 0.5); the
+    # 48 held-out answers in one batch of 160 steps of 48 rows (0.2 + 0.2 x 32 / 48 s) and 48
+    # feature steps; 1.3 s a step; served 4 prompts x 100 tokens (40 + 400 x 0.015 s):
+    # 90 + 50 + 1,000 * 1.5 + (53.33 + 24) + 2,000 * 1.3 + 4 evaluations of 48 answers at
+    # 1.3 / 3 s + 46 = 4,446.53 s
+    c = plan.Costs(90, 1.3, 0.4, 0.2, 0.5, 40, 0.015)
+    f = plan.Fixed(48, 4, 100, 600, [])
+    parts = plan.job_seconds(c, 1000, 2, f)
+    assert parts["held-out"] == pytest.approx(77.333, abs=1e-3)
+    assert sum(parts.values()) == pytest.approx(4446.533, abs=1e-3)
+    # answers and held-out answers made: free
+    made = plan.job_seconds(c._replace(have=1000, eval_have=48), 1000, 2, f)
+    assert sum(made.values()) == pytest.approx(sum(parts.values()) - 1500 - parts["held-out"])
+    # N_TRAIN and --epochs given: neither the data nor the step measured, nor priced
+    unmeasured = c._replace(t_step=None, t_batch64=None, t_batch16=None, t_capture=None)
+    assert set(plan.job_seconds(unmeasured, 4, 2, f)) == {
+        "measuring",
+        "loading",
+        "layouts",
+        "held-out",
+        "served",
+    }
+    # the chosen pair fits AIM of the budget and the next answer count would not
+    p = plan.choose(c, 90)
+    assert sum(p.seconds.values()) <= 90 * 60 * plan.AIM
+    assert p.n % 100 == 0 and p.epochs == 2  # 1,100: the grid steps by 100 above 1,000
+    assert sum(plan.job_seconds(c, p.n + 100, 2, p.fixed).values()) > 90 * 60 * plan.AIM
+    assert plan.choose(c, 90, n=1234).n == 1234 and plan.choose(c, 90, n=1234).epochs == 2
+    assert plan.choose(c, 90, n=1234, epochs=3).why == "N_TRAIN and --epochs given"
     # answers already made count only when the folder was finished (its manifest written)
     (tmp_path / "conversations.jsonl").write_text('{"index": 0}\n{"index": 1}\n')
     assert plan.answers_made(str(tmp_path)) == 0
@@ -4414,7 +4441,10 @@ def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
         batch["docs"],
         args.attention,
     )
-    out = train.DraftObjective(draft, embed_w, head_w, args)(batch, alpha_t=0.5)
+    objective = train.DraftObjective(
+        draft, embed_w, head_w, train.loss_config(args), args.attention
+    )
+    out = objective(batch, alpha_t=0.5)
     out["numerator"].backward()
     return (
         h.detach(),
@@ -5935,7 +5965,7 @@ def test_imports_flow_one_way():
     # its final evaluation
     assert "served" in graph["train"] and "decoding" in graph["served"]
     training = reachable({**graph, "train": graph["train"] - {"served"}}, "train")
-    assert {"model", "loss", "data", "speed.machine"} <= training
+    assert {"model", "loss", "metrics", "data", "speed.machine"} <= training
     assert not training & {"decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
     core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]
@@ -6017,3 +6047,535 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
     _, stats = decoding.speculative_generate(target, draft, prompt, 6)
     assert len(commits[0]) == stats.taus[0]
     assert after(str(answer)) == [f", taus {stats.taus}; the target's own answer: True"]
+
+
+# ==================================================================== tools/plan.py: slow CPUs
+# issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
+# 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
+# full size (30 s fixed, the rest over 16 prompts x 160 tokens); its held-out batch priced as a
+# 64-row one (a 16-row step not measured there)
+SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
+# the AMD EPYC with avx512_bf16 (docs/results-amd-epyc.md, docs/acceptance.md): 46 s of measuring,
+# an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
+FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
+
+
+def test_plan_keeps_a_slow_cpu_inside_45_minutes_fixed_costs_included():
+    """By hand: the budget's shares shrink the held-out set to its floor of 16 (160 x 0.756 + 16 x
+    2.17 = 155.7 s; 2% of 45 min is 54 s), the served evaluation to 5 prompts (30 + 5 x 160 x 0.2227
+    = 208.1 s; 6 would pass 9% of 45 min, 243 s) and evaluations to every 200 steps; then 370 + 50
+    + 155.7 + 208.1 + 180 x 4.06 + 360 x 2.78 + 2 x 16 x 2.78 / 3 = 2,545.1 s fits 95% of 45 min
+    (2,565 s) and 190 answers (2,641.3 s) do not."""
+    p = plan.choose(SLOW, 45)
+    assert (p.n, p.epochs) == (180, 2)
+    assert p.fixed[:4] == (16, 5, 160, 200)
+    assert sum(p.seconds.values()) == pytest.approx(2545.1, abs=0.1)
+    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
+    assert p.seconds["served"] <= plan.SERVED_SHARE * 45 * 60
+    assert p.fixed.shrunk == [
+        "held-out 16 of 48 answers",
+        "served 5 of 16 prompts x 160 tokens",
+        "an evaluation every 200 steps",
+    ]
+    # the old plan's choice, 200 answers x 2 epochs, at the full fixed costs: 53.6 minutes
+    full = plan.job_seconds(SLOW, 200, 2, plan.Fixed(48, 16, 160, 600, []))
+    assert sum(full.values()) / 60 == pytest.approx(53.56, abs=0.01)
+    # the curve: 180 x 2 between the two measured 200 x 2 drafts' 1.51-1.53 and 150 x 2's 1.47
+    assert 1.48 < p.tau < 1.51
+
+
+def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
+    """By hand: 46 + 50 + (160 x 0.0787 + 48 x 0.2 = 22.1) + 239 + 1,800 x 0.43 + 5,400 x 0.25 + 10
+    evaluations x 48 x 0.25 / 3 = 2,521.1 s; 1,800 answers x 3 epochs (5,400 steps, 3 of them
+    counted at 1,800 answers) beat 2,300 x 2 (4,600 steps, 2,528.1 s), and 1,900 x 3 (2,639.1 s)
+    and 2,400 x 2 (2,625.1 s) do not fit."""
+    p = plan.choose(FAST, 45)
+    assert (p.n, p.epochs) == (1800, 3) and p.fixed == plan.Fixed(48, 16, 160, 600, [])
+    assert sum(p.seconds.values()) == pytest.approx(2521.1, abs=0.1)
+    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
+    assert plan.expected_tau(1800, 3) > plan.expected_tau(2300, 2)
+    # an explicit N_TRAIN and --epochs are kept, with the fixed costs sized all the same
+    assert plan.choose(FAST, 45, n=4, epochs=1)[:2] == (4, 1)
+
+
+def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(monkeypatch, capsys):
+    """By hand: at 35 minutes the smallest useful job (150 answers x 2 epochs) takes 2,220.8 s of
+    the 1,995 that fit; at 40, 2,256.4 of 2,280 (served: 5 prompts again, 9% being 216 s)."""
+    with pytest.raises(ValueError) as e:
+        plan.choose(SLOW, 20)
+    assert str(e.value) == (
+        "BUDGET_MIN=20 cannot hold a useful job on this machine (at least 300 steps, as 150 "
+        "answers x 2 epochs): BUDGET_MIN=40 would, with 150 answers x 2 epochs, for a held-out tau "
+        "of about 1.47"
+    )
+    assert plan.choose(SLOW, 40)[:2] == (150, 2)
+    # before anything runs: one line, status 2
+    monkeypatch.setattr(plan, "measure", lambda args: (SLOW, "a slow CPU"))
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: plan.main(["--budget-min", "20"]))
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == ""
+    assert err.splitlines()[1:] == [f"error: {e.value}"]
+
+
+def test_plan_curve_reproduces_the_measured_drafts_and_credits_repeats_only_where_they_paid():
+    for n, epochs, tau, _ in plan.CURVE:
+        assert abs(plan.expected_tau(n, epochs) - tau) < 0.15
+    # the two 200 x 2 drafts (1.509, 1.527) and the 500 x 2 ones (1.751, 1.745)
+    assert plan.expected_tau(200, 2) == pytest.approx(1.52, abs=0.02)
+    assert plan.expected_tau(500, 2) == pytest.approx(1.75, abs=0.05)
+    # below 1,200 answers a third or fourth epoch counts for nothing; at 2,400 up to four
+    assert plan.expected_tau(150, 4) == plan.expected_tau(150, 2) < plan.expected_tau(300, 2)
+    assert plan.expected_tau(2400, 4) > plan.expected_tau(2400, 3) > plan.expected_tau(2400, 2)
+    assert plan.expected_tau(2400, 2, dflash=True) == pytest.approx(
+        plan.DFLASH_RATIO * plan.expected_tau(2400, 2)
+    )
+
+
+def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefill(monkeypatch):
+    """forward_s fills the KV cache with `context` positions of random keys and values, runs the
+    forward of rows x tokens (a warm-up and `repeats` timed), and crops back each time: every call
+    sees the same cache length, and no call is a prefill."""
+    target, seen = tiny_target("llama"), []
+
+    def spy(module, args, kw):
+        cache = kw.get("cache", kw.get("past_key_values"))
+        seen.append((tuple(kw["input_ids"].shape), cache.get_seq_length()))
+
+    target.register_forward_pre_hook(spy, with_kwargs=True)
+    assert plan.forward_s(target, 4, 2, 10, repeats=3) > 0
+    assert seen == [((4, 2), 10)] * 4
+
+
+def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
+    """The fast machine's costs times k: every plan fits 95% of its budget with each fixed cost
+    within its share or at its floor, or the budget is refused for a larger one that does."""
+    for k in (1, 2, 4, 8, 12, 16, 24):
+        c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})
+        for budget in (15, 45, 90):
+            try:
+                p = plan.choose(c, budget)
+            except ValueError as e:
+                needed = int(re.search(r"BUDGET_MIN=(\d+) would", str(e)).group(1))
+                assert needed > budget and plan.choose(c, needed).n >= 150
+                continue
+            assert sum(p.seconds.values()) <= plan.AIM * 60 * budget
+            assert plan.effective_steps(p.n, p.epochs) >= plan.MIN_STEPS
+            f = p.fixed
+            assert f.n_eval == plan.N_EVAL_MIN or p.seconds["held-out"] <= 0.02 * 60 * budget
+            assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
+                "served"
+            ] <= plan.SERVED_SHARE * 60 * budget
+
+
+# ------------------------------------------------------------ data formats (docs/training.md table)
+def read_one(tmp_path, record, **kw):
+    """The one conversation read_conversations makes of a one-line JSONL file."""
+    [conv], skipped = data.read_conversations(write_lines(tmp_path / "one.jsonl", [record]), **kw)
+    assert skipped == 0
+    return conv
+
+
+def check_supervised(tok, conv, answers=ANSWERS, kw=None):
+    """conv tokenizes to exactly CONVERSATION's ids (apply_chat_template's), and only the answers
+    with their end-of-turn markers are supervised."""
+    ids, mask = data.tokenize_conversation(tok, conv, 512, kw)
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, **(kw or {}))["input_ids"]
+    assert ids.tolist() == whole
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == answers
+    assert len(masked_runs(mask)) == 2
+
+
+def test_format_messages_openai_ultrachat(tmp_path):
+    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
+    conv = read_one(tmp_path, ultrachat)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_specforge_role_content(tmp_path):
+    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
+    conv = read_one(tmp_path, specforge)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_sharegpt_from_value(tmp_path):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [
+        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
+    ]
+    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
+    """SpecForge's {"id", "text"}: the text as the target's template rendered it is supervised
+    exactly as the same conversation given as turns, with and without template kwargs; an answer
+    cut short runs to the end; a text from another template is refused, naming line and header."""
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    conv = read_one(tmp_path, {"id": 3, "text": text})
+    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
+    check_supervised(tok, conv)
+    tok.chat_template = THINKING_CHATML
+    assert data.assistant_markers(tok, NO_THINKING) == (
+        "<|im_start|>assistant\n. . .\n\n",
+        "<|im_end|>",
+    )
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
+    check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
+    tok.chat_template = CHATML
+    cut = text.replace(". . .\n\n", "")[: -len("too .<|im_end|>\n")]  # the last answer cut short
+    ids, mask = data.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == (
+        "fine , thanks !<|im_end|>the cat is fine "
+    )
+    other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
+    with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
+        data.tokenize_conversation(tok, other, 512)
+
+
+@needs_smollm2
+def test_format_preformatted_text_on_smollm2(smollm2):
+    """The embedded target's own template (a default system prompt): preformatted text gives the
+    very ids and mask of the same turns."""
+    tok = smollm2["tokenizer"]
+    conv = CONVERSATION[1:]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    a = data.tokenize_conversation(tok, {"text": text}, 512)
+    b = data.tokenize_conversation(tok, conv, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
+
+
+def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
+    tok = tiny_tokenizer()
+    record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+    conv = read_one(tmp_path, record)
+    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    assert ids.tolist() == record["input_ids"] and mask.tolist() == record["loss_mask"]
+    assert data.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
+    # nothing supervised: skipped and counted, as an assistant-free conversation
+    path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
+    assert data.read_conversations(path)[1] == 1
+    big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
+    with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
+        data.tokenize_conversation(tok, big, 512)
+    with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
+        data.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
+
+
+def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
+    """An unknown role is refused by name, never guessed: one line naming file, line and role,
+    exit status 2 (common.run, as prepare.py and train.py end)."""
+    lines = [{"messages": CONVERSATION}, {"conversations": [{"from": "bing", "value": "hi"}]}]
+    path = write_lines(tmp_path / "roles.jsonl", lines)
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: data.read_conversations(path))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"error: {path}, line 2: unknown role 'bing' (known: assistant, gpt, human, system, user)"
+    ]
+
+
+def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
+    """An answer carrying the target's token_ids (prepare.py --regenerate keeps them) is
+    supervised as exactly those ids, even where re-tokenizing its text would split it otherwise
+    (retokenized_differs says so); ids that do not spell the content are refused."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(["thecat"])  # "the" + "cat" decode to "thecat", which re-tokenizes as one token
+    prompt = CONVERSATION[:2]
+    generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
+    answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
+    conv = read_one(tmp_path, {"messages": [*prompt, answer]})
+    assert conv[-1] == answer
+    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids.tolist() == head + generated
+    assert mask.tolist() == [0] * len(head) + [1] * len(generated)
+    assert data.retokenized_differs(tok, conv)
+    plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
+    assert not data.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
+    with pytest.raises(ValueError, match="do not spell its content"):
+        data.tokenize_conversation(tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512)
+
+
+# ------------------------------------------------ regeneration on a server (regen_server.py)
+@contextlib.contextmanager
+def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
+    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
+    /v1/chat/completions renders the messages with tok's chat template (and the request's
+    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
+    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
+    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
+    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
+    answered."""
+    import http.server
+    import threading
+
+    log, lock = {"requests": 0, "asked": []}, threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, code, body):
+            data_ = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data_)))
+            self.end_headers()
+            self.wfile.write(data_)
+
+        def do_GET(self):
+            self.reply(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                log["requests"] += 1
+                if log["requests"] <= fail_first:
+                    return self.reply(503, {"error": "loading"})
+                if fail_after is not None and len(log["asked"]) >= fail_after:
+                    return self.reply(500, {"error": "out of memory"})
+                assert body["temperature"] == 0 and body["model"] == "tiny"
+                text = tok.apply_chat_template(
+                    body["messages"],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **body["chat_template_kwargs"],
+                )
+                enc = tok(text, return_tensors="pt", add_special_tokens=False)
+                out = target.generate(
+                    **enc,
+                    max_new_tokens=body["max_tokens"],
+                    do_sample=False,
+                    pad_token_id=tok.eos_token_id,
+                )[0, enc["input_ids"].shape[1] :].tolist()
+                log["asked"].append(body["messages"])
+            stopped = tok.eos_token_id in out
+            new = out[: out.index(tok.eos_token_id)] if stopped else out
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": tok.decode(new, skip_special_tokens=True),
+                },
+                "finish_reason": "stop" if stopped else "length",
+            }
+            if ids:
+                given = out[: len(new) + 1] if stop_id else new
+                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
+            usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(out)}
+            self.reply(200, {"object": "chat.completion", "choices": [choice], "usage": usage})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
+    return prepare.merge_regenerated(str(out), len(prompts))
+
+
+def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
+    """Answers from a server equal in-process greedy regeneration of the same model, token ids
+    included (and the text alone where the server gives no ids); a rerun asks only for what is
+    not done; every record says, as computed here by hand, whether re-tokenizing would change it."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
+    # (a tie goes to the lower id), so it comes where that token would
+    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
+    some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
+    with torch.no_grad():
+        target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
+    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
+    assert 0 < sum(stopped) < len(PROMPTS)
+    out = tmp_path / "server"
+    out.mkdir()
+    with tiny_openai_server(target, tok) as (url, log):
+        client = dict(concurrency=3, retries=0, wait=0.0)
+        prepare.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
+        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
+    assert prepare.merge_regenerated(str(out), len(PROMPTS)) == expected
+    records = prepare.read_regenerated(str(out)).values()
+    for r in records:
+        ids = r["messages"][-1]["token_ids"]
+        again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        again += [tok.eos_token_id] * r["finished"]  # the template's end of turn
+        assert r["retokenized_differs"] == (again[: len(ids)] != ids)
+        assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
+    d = sum(r["retokenized_differs"] for r in records)
+    assert "5 answers keep the target's generated token ids" in prepare.fidelity(records)
+    assert f"would change {d} ({100 * d / 5:.1f}%)" in prepare.fidelity(records)
+    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
+    nostop.mkdir()
+    with tiny_openai_server(target, tok, stop_id=False) as (url, log):
+        prepare.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
+    assert prepare.merge_regenerated(str(nostop), len(PROMPTS)) == expected
+    # no ids from the server: the text, re-tokenized; the share that differs by count
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with tiny_openai_server(target, tok, ids=False) as (url, log):
+        prepare.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
+    got = prepare.merge_regenerated(str(plain), len(PROMPTS))
+    strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
+    assert got == strip
+    for i, r in prepare.read_regenerated(str(plain)).items():
+        n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+        assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
+
+
+def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys):
+    """Failures are tried again (on the next server); a server that keeps failing, or is down,
+    ends prepare.py in one error line naming it, keeping the answers it gave; the rerun asks only
+    for the others and makes the in-process conversations."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    with tiny_openai_server(target, tok, fail_first=2) as (url, log):
+        out = tmp_path / "flaky"
+        out.mkdir()
+        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        assert log["requests"] == len(PROMPTS) + 2
+    target_dir, _ = tiny_setup(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--target", target_dir, "--data", user_only_jsonl(tmp_path), "--out-dir", str(out)]
+    argv += ["--regenerate", "--max-new-tokens", "6", "--retries", "1", "--retry-wait", "0"]
+
+    def fails(*server_argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            common.run(lambda: prepare.main(argv + list(server_argv)))
+        assert e.value.code == 2
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1
+        return errors[0]
+
+    [down] = free_ports(1)
+    line = fails("--server", f"http://127.0.0.1:{down}")
+    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    with tiny_openai_server(target, tok, fail_after=2) as (url, log):
+        line = fails("--server", url, "--concurrency", "1")
+    assert re.fullmatch(
+        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
+        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
+        r".jsonl, a rerun asks only for the 3 others",
+        line,
+    )
+    with tiny_openai_server(target, tok) as (url, log):
+        prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
+        assert len(log["asked"]) == 3
+    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
+    convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
+    tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
+    target_saved = prepare.load_target(target_dir)[0]
+    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
+
+
+# ------------------------------------------------------------------ tracking (tracking.py)
+LOG_RECORDS = [  # as train.py writes them to log.jsonl
+    {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
+    {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},
+    {"kind": "train", "step": 2, "lr": 2e-4, "alpha_t": 0.5, "grad_norm": 1.25, "loss": 2.0},
+    {"kind": "final", "step": 2, "path_acc": [0.5, 0.25], "served_auto_shape": "path"},
+]
+
+
+def test_tracking_flattens_log_records_under_their_names():
+    assert tracking.flatten(LOG_RECORDS[0]) == (
+        1,
+        {"train/lr": 1e-4, "train/alpha_t": 0.0, "train/loss": 2.5},
+        {},
+    )
+    assert tracking.flatten(LOG_RECORDS[3]) == (
+        2,
+        {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25},
+        {"final/served_auto_shape": "path"},
+    )
+    tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
+
+
+def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
+    """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
+    import types
+
+    calls = []
+    run = types.SimpleNamespace(
+        log=lambda values, step: calls.append(("log", values, step)),
+        finish=lambda: calls.append(("finish",)),
+    )
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = tracking.Tracker("wandb", str(tmp_path), {"lr": 1e-4})
+    for record in LOG_RECORDS[2:]:
+        tracker.log(record)
+    tracker.close()
+    assert calls == [
+        ("init", {"dir": str(tmp_path), "config": {"lr": 1e-4}}),
+        (
+            "log",
+            {"train/lr": 2e-4, "train/alpha_t": 0.5, "train/grad_norm": 1.25, "train/loss": 2.0},
+            2,
+        ),
+        (
+            "log",
+            {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25, "final/served_auto_shape": "path"},
+            2,
+        ),
+        ("finish",),
+    ]
+
+
+def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: tracking.Tracker("wandb", str(tmp_path), {}))
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --report-to wandb needs the wandb package: pip install wandb"
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="tensorboard is not installed (pip install tensorboard; not in requirements.txt)",
+)
+def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = tracking.Tracker("tensorboard", str(tmp_path), {"lr": 1e-4, "loss": "kl"})
+    for record in LOG_RECORDS:
+        tracker.log(record)
+    tracker.close()
+    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    reader.Reload()
+    scalars = {
+        tag: [(e.step, round(e.value, 6)) for e in reader.Scalars(tag)]
+        for tag in reader.Tags()["scalars"]
+    }
+    assert scalars == {
+        "train/lr": [(1, 1e-4), (2, 2e-4)],
+        "train/alpha_t": [(1, 0.0), (2, 0.5)],
+        "train/grad_norm": [(2, 1.25)],
+        "train/loss": [(1, 2.5), (2, 2.0)],
+        "eval/elapsed_s": [(1, 3.0)],
+        "eval/loss": [(1, 2.75)],
+        "final/path_acc/0": [(2, 0.5)],
+        "final/path_acc/1": [(2, 0.25)],
+    }
+    texts = {
+        tag: reader.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in reader.Tags()["tensors"]
+    }
+    assert texts["final/served_auto_shape/text_summary"] == "path"
+    assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}

@@ -33,11 +33,11 @@ import config
 import data
 import flops
 import fsdp
-import loss as L
+import loss
 import model
 import served
 from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
-from export import record_served, save_acceptance
+from metrics import add_into, all_sum, record_served, reduce_metrics, save_acceptance
 from speed import machine
 from target import capture_features, check_draft_fits, load_target
 
@@ -243,17 +243,29 @@ def build_config(args) -> config.DraftConfig:
 
 
 # ----------------------------------------------------------------------------- the training module
+def loss_config(args) -> loss.LossConfig:
+    """The objective's flags, read once."""
+    return loss.LossConfig(
+        loss=args.loss,
+        weighting=args.position_weighting,
+        gamma=args.gamma,
+        dpace_alpha=args.dpace_alpha,
+        selector_miss=args.selector_miss,
+        stop_gradient=args.selector_stop_gradient,
+        chunk_blocks=args.chunk_blocks or None,
+    )
+
+
 class DraftObjective(torch.nn.Module):
     """draft + objective in one forward, so DDP sees every parameter use inside forward().
     The target's embedding and head are plain tensors, not parameters: frozen and never saved."""
 
-    def __init__(self, draft, embed_weight, head_weight, args):
+    def __init__(self, draft, embed_weight, head_weight, cfg: loss.LossConfig, attention: str):
         super().__init__()
-        self.draft, self.args = draft, args
+        self.draft, self.cfg, self.attention = draft, cfg, attention
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
     def forward(self, batch, alpha_t, acceptance=False):
-        a = self.args
         embed = lambda ids: F.embedding(ids, self.embed_weight)
         h = model.forward_training(
             self.draft,
@@ -263,9 +275,9 @@ class DraftObjective(torch.nn.Module):
             batch["anchors"],
             batch["positions"],
             batch["docs"],
-            a.attention,
+            self.attention,
         )
-        return L.objective(
+        return loss.objective(
             self.draft,
             self.head_weight,
             h,
@@ -273,15 +285,9 @@ class DraftObjective(torch.nn.Module):
             batch["loss_mask"],
             batch["anchors"],
             batch["anchor_valid"],
-            loss=a.loss,
-            weighting=a.position_weighting,
-            gamma=a.gamma,
-            dpace_alpha=a.dpace_alpha,
+            self.cfg,
             target_hidden=batch.get("target_hidden"),
             alpha_t=alpha_t,
-            selector_miss=a.selector_miss,
-            stop_gradient=a.selector_stop_gradient,
-            chunk_blocks=a.chunk_blocks or None,
             docs=batch["docs"],
             acceptance=acceptance,
         )
@@ -393,9 +399,9 @@ def evaluate(
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
             metrics = objective(batch, alpha_t=None, acceptance=acceptance)["metrics"]
-        L.add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
+        add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
     objective.train()
-    return L.reduce_metrics(acc)
+    return reduce_metrics(acc)
 
 
 def append_log(path, record: dict):
@@ -459,14 +465,14 @@ def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_
             out = objective(batch, alpha_t)
             out["numerator"].backward()
         D = D + out["denominator"]
-        L.add_into(acc, out["metrics"])
-    D = L.all_sum(D)  # the global denominator
+        add_into(acc, out["metrics"])
+    D = all_sum(D)  # the global denominator
     for p in params:  # DDP and FSDP averaged the gradients over the ranks (1 / world): undo that
         if p.grad is not None:
             p.grad.mul_(world / D.clamp(min=1e-9))
     norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip) if args.grad_clip > 0 else None
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
-    metrics = L.reduce_metrics(acc)
+    metrics = reduce_metrics(acc)
     if not math.isfinite(metrics["loss"]) or (norm is not None and not torch.isfinite(norm)):
         return metrics, norm, False
     opt.step()
@@ -546,7 +552,11 @@ def main(argv=None):
     if cfg.dflash2 and not selector_on:
         draft.candidate_selector.requires_grad_(False)
     objective = DraftObjective(
-        torch.compile(draft) if args.compile else draft, embed_w, head_w, args
+        torch.compile(draft) if args.compile else draft,
+        embed_w,
+        head_w,
+        loss_config(args),
+        args.attention,
     )
     # before the optimizer: its parameters become this rank's slices
     if sharded:
@@ -614,7 +624,7 @@ def main(argv=None):
         epoch, micro = step_micro_batches(step, steps_per_epoch, len(rows), args, rank, world)
         batches = (make_batch(idx, epoch) for idx in micro)
         alpha = args.selector_loss_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
-        alpha_t = L.selector_alpha(step, total, *alpha) if selector_on else None
+        alpha_t = loss.selector_alpha(step, total, *alpha) if selector_on else None
         metrics, grad_norm, taken = train_step(
             objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast
         )
@@ -630,8 +640,12 @@ def main(argv=None):
         elapsed = time.time() - t0  # this invocation's seconds, evaluations included
         tok_s, anchor_s, flop_s = (seen / elapsed).tolist()  # per rank (per GPU), as usually quoted
         mfu = {"mfu": float(f"{flop_s / peak:.4g}")} if peak else {}  # a tiny model's is not 0
-        loss, acc = f"{metrics['loss']:.3f}", f"{metrics['unary_acc']:.3f}"
-        bar.set_postfix(loss=loss, acc=acc, tok_s=f"{tok_s:.0f}", **mfu)
+        bar.set_postfix(
+            loss=f"{metrics['loss']:.3f}",
+            acc=f"{metrics['unary_acc']:.3f}",
+            tok_s=f"{tok_s:.0f}",
+            **mfu,
+        )
         if master and (step % args.log_interval == 0 or step == total):
             append_log(
                 log_path,
@@ -699,7 +713,7 @@ def served_evaluation(args, draft, embed_w, head_w, samples, device, autocast) -
         sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
         for s, visited in zip(chosen, result["path"]["anchors"])
     ]
-    objective = DraftObjective(draft, embed_w, head_w, args)
+    objective = DraftObjective(draft, embed_w, head_w, loss_config(args), args.attention)
     online = target if args.online else None
     tf = evaluate(
         objective, chosen, args, online, draft.config, device, 0, 1, autocast, anchors=anchors

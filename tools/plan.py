@@ -1,44 +1,71 @@
-"""Sizing the main job to this machine: measure it for about a minute, then choose how many answers
-to make and train on, so that `bash run.sh` ends within its budget on a fast CPU and on a slow one.
+"""Sizing the main job to this machine: measure it with small probes (52 s on one core held to
+AVX2 beside other work, docs/slow-cpu.md), then choose how many answers to make and train on, how
+many epochs, and how large the job's fixed costs are, so that `bash run.sh` ends within its budget
+on a fast CPU and on a slow one, with the best draft the budget allows.
 
-    python tools/plan.py --budget-min 45      # prints the plan, then N_TRAIN=... for run.sh to read
+    python tools/plan.py --budget-min 45      # prints the plan, then N_TRAIN=... lines for run.sh
 
 The same job costs 16x more on a CPU without native bf16 (README, "Your machine"). Its time is
 
-    T(N) = spent + LOAD_S + (N - have) * t_answer + held_out + N * epochs * t_step + evaluations
-           + served
+    T(N, E) = spent + LOAD_S + layouts + (N - have) * t_answer + held_out + N * E * t_step
+              + evaluations + served
 
     t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows,
                  and every batch of the maths set ran all 160 steps (some answer in each is cut
                  there), so 160 / 64 batch steps per answer, plus prepare.py's feature step for one
                  conversation, run as prepare runs it (tokenize, forward with hooks, cast, check,
-                 write the shard) on 8 conversations of about 200 tokens: the forward alone missed
-                 a third of it where bf16 is fast
-    held_out     the 48 held-out answers: one batch of 160 steps and 48 feature steps (unless made)
+                 write the shard) on conversations of about 200 tokens
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
-    evaluations  one every 600 steps and one at the end, 48 answers each, forward only
-                 (~ t_step / 3 each)
-    served       the final evaluation's served tau (train.py --served-samples, served.py): 16
-                 held-out prompts decoded for up to 160 tokens each, twice (the path of B-1 drafts
-                 and auto's shape), at about one plain decoding step of the fp32 target per token
-                 (speculation here is within 0.9-1.2x of plain), plus SERVED_FIXED for loading the
-                 target and timing the draft
+    held_out     the N_EVAL held-out answers: one batch of 160 steps of N_EVAL rows and N_EVAL
+                 feature steps (unless made)
+    evaluations  one every EVAL_INTERVAL steps and one at the end, N_EVAL answers each, forward
+                 only (~ t_step / 3 each)
+    served       served.py's evaluation: SERVED_SAMPLES held-out prompts decoded for up to
+                 SERVED_TOKENS tokens each, twice (the path of B-1 drafts and auto's shape); a
+                 token of the path costs a verify of B tokens plus the draft over the tau it
+                 commits (priced at the weakest draft this project trained, tau 1.45, so a slow CPU
+                 is not under-priced), plus its fixed part: loading, and its one-off measurement of
+                 the target's decoding layouts (speed/cost.py's decode table)
+    layouts      prepare.py's one-off measurement of the target's GEMM layouts for its batched
+                 shapes, where the rule must measure them (fp32 on a CPU with several layouts); the
+                 plan does not run it (it cost minutes on a slow CPU) but prices it from its probes
     have         answers already made in the data folder (a rerun only trains)
-    spent        this measurement itself (one to two minutes: part of the job)
+    spent        this measurement itself (part of the job)
 
-all measured with the project's own code, in the phases' own precisions and layouts
-(speed/machine.py). N is the largest whose T(N) is at most 95% of the budget (a native job planned
-to 44 of 45 minutes took 44.8: its training steps ran 12% slower than measured), at most
---max-samples (the recipe's 2,400); epochs stay at 2 (a second pass over the data cost nothing in
-the recipe study). An explicit N_TRAIN (--num-samples) or --epochs wins.
+all measured with the project's own code, in the phases' own precisions, with probes small enough
+to cost seconds anywhere: a decoding step of 64 rows after 160 tokens is timed on a KV cache filled
+with random keys and values (a step's cost does not depend on them), not after a prefill of 10,240
+tokens. An explicit N_TRAIN (--num-samples) skips the probes of the data (regeneration and
+features: its held-out set stays at 48 unless N_EVAL is given), and with --epochs too the training
+step's probe; the served evaluation's three short probes always run.
+
+The fixed costs scale with the machine. On the AMD EPYC with avx512_bf16 of
+docs/results-amd-epyc.md the full-size ones take, of a 45-minute job: the 48 held-out answers
+about 1%, the served evaluation of 16 prompts x 160 tokens about 9% (239 s, docs/acceptance.md),
+an evaluation of 48 answers every 600 steps 16/600 of training. Here each gets the same share of
+the budget at most (HELD_OUT_SHARE, SERVED_SHARE, EVAL_SHARE): fewer held-out answers (down to
+16), fewer served prompts (down to 4) and then fewer served tokens (down to 64), an evaluation
+every 12.5 x N_EVAL steps. The plan's line says what it shrank.
+
+N and E are the pair whose T(N, E) is at most 95% of the budget (a native job planned to 44 of 45
+minutes took 44.8: its training steps ran 12% slower than measured) with the highest expected
+held-out tau, from the learning curve the project measured (CURVE: tau against answers x epochs on
+this target and these 48 GSM8K questions, on three machines and an emulated one): tau = a + b
+ln(steps), a and b fitted to CURVE by least squares, where repeated epochs count only up to
+free_epochs(N) (2 up to 1,200 answers: the same 400 steps over 150 answers lost 0.11 against 400
+fresh ones; 4 at 2,400: four epochs over 2,400 answers kept gaining). Below MIN_STEPS of such
+steps a draft is not worth a budget (tau about 1.45), and the plan refuses in one line, with the
+budget that would hold one.
 """
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import tempfile
 import time
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,7 +78,9 @@ import train  # noqa: E402
 from common import bounded, run  # noqa: E402
 from config import load_config  # noqa: E402
 from speed import cost, machine, tune  # noqa: E402
-from target import load_target  # noqa: E402
+from speed.auto import priced_sizes  # noqa: E402
+from speed.gemm import drop_packs  # noqa: E402
+from target import crop, load_target, new_cache, with_cache  # noqa: E402
 
 # decoding steps of a 64-row batch; its mean context (prompt + half an answer)
 REGEN_STEPS, REGEN_CONTEXT = 160, 160
@@ -60,15 +89,272 @@ CAPTURE_CONVERSATION = [
     {"role": "user", "content": "How many apples are left at the end? " * 6},
     {"role": "assistant", "content": "She has 12 apples and gives 5 away, so 7 are left. " * 10},
 ]
-LOAD_S = 40  # loading the target four times, the draft's export
-SERVED_PROMPTS, SERVED_SHAPES, SERVED_FIXED = 16, 2, 30  # train.py's served evaluation
-# below this the draft learns too little to be worth the budget: say so instead
-MIN_SAMPLES = 200
+LOAD_S = 50  # loading the target five times (plan, prepare twice, train, served), the export
 # of the budget: a shared VM's speed drifts by a tenth within one job (README, Your machine)
 AIM = 0.95
 
+# ------------------------------------------------------------------------ the learning curve
+# (answers, epochs, held-out tau of the selector path, where): bash run.sh's recipe (32 anchors,
+# block 8, lr 1e-3 cosine), teacher-forced on the first 48 GSM8K test questions
+CURVE = [
+    (2400, 2, 2.037, "AMD EPYC, avx512_bf16"),
+    (2400, 1, 1.856, "AMD EPYC, avx512_bf16, --epochs 1"),
+    (2400, 4, 2.304, "AMD EPYC, avx512_bf16, --epochs 4"),
+    (1800, 2, 1.889, "AMD EPYC, avx512_bf16"),
+    (2400, 2, 1.956, "Xeon AMX, one thread beside other work"),
+    (2300, 2, 1.984, "Xeon AMX"),
+    (1500, 2, 1.896, "Xeon AMX"),
+    (1400, 2, 1.894, "Xeon AMX"),
+    (400, 2, 1.716, "Xeon AMX, BUDGET_MIN=15"),
+    (600, 2, 1.734, "Xeon, emulated AVX2 (two variables)"),
+    (500, 2, 1.751, "Xeon, emulated AVX2 (four caps), stock GEMMs"),
+    (500, 2, 1.745, "Xeon, emulated AVX2 (four caps)"),
+    (200, 2, 1.509, "Xeon, emulated AVX2, one thread beside other work"),
+    (200, 2, 1.527, "AMD EPYC Zen 1, AVX2 only (issue 36)"),
+]
+# fewer effective steps than 150 answers twice: not worth a budget
+MIN_STEPS = 300
+# the plain DFlash baseline's tau over DFlash2's selector path on the same data (0.88-0.94 in
+# docs/results-*.md)
+DFLASH_RATIO = 0.90
 
-def train_step_s(cfg_args: list, target, repeats: int = 3) -> float:
+# ------------------------------------------------------------------------------ the fixed costs
+N_EVAL_FULL, N_EVAL_MIN, HELD_OUT_SHARE = 48, 16, 0.02
+SERVED_FULL, SERVED_MIN, SERVED_SHARE = (16, 160), (4, 64), 0.09
+SERVED_SHAPES = 2  # the path of B-1 drafts and auto's shape
+SERVED_TAU = 1.45  # the weakest draft served so far (issue 36: path of 7, 1.447)
+DRAFT_SHARE = 0.25  # a cycle's draft, in plain target steps (int8: 10-15 ms against 55-80)
+SERVED_LOAD_S = 30  # loading the target and the draft, the draft's head rows
+DECODE_CONTEXT = 200  # speed/cost.py's decode table: its context
+# an evaluation of N_EVAL answers (~ N_EVAL / 3 steps) every EVAL_INTERVAL steps, as 48 every 600
+EVAL_SHARE = 16 / 600
+
+
+# ------------------------------------------------------------------------- the curve, as a rule
+def free_epochs(n: int) -> float:
+    """Epochs over n answers that train as well as fresh answers would: 2 up to 1,200 answers (e2
+    against d1 in docs/results-amd-epyc.md), 4 at 2,400 (the longer recipe there), linear
+    between."""
+    return min(4.0, max(2.0, n / 600))
+
+
+def effective_steps(n: int, epochs: int) -> float:
+    return n * min(epochs, free_epochs(n))
+
+
+def fit_curve(points=CURVE) -> tuple:
+    """(a, b) of tau = a + b ln(effective steps), least squares over the points."""
+    xs = [math.log(effective_steps(n, e)) for n, e, _, _ in points]
+    ys = [tau for _, _, tau, _ in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+A, B = fit_curve()
+
+
+def expected_tau(n: int, epochs: int, dflash: bool = False) -> float:
+    """The held-out tau the curve expects of n answers x epochs (residuals of the fit: 0.05 rms)."""
+    tau = A + B * math.log(max(1.0, effective_steps(n, epochs)))
+    return max(1.0, tau * (DFLASH_RATIO if dflash else 1.0))
+
+
+# -------------------------------------------------------------------------------- the sizing
+class Costs(NamedTuple):
+    """What the probes measured, in seconds (None: not measured, because N_TRAIN / --epochs made
+    it unnecessary). The sizing below is a function of these numbers alone, so a slow CPU can be
+    planned for on a fast one."""
+
+    spent: float  # the measurement itself
+    t_step: Optional[float]  # one training step
+    t_batch64: Optional[float]  # one regeneration step of 64 rows (the training answers)
+    t_batch16: Optional[float]  # one of 16 rows (the held-out batch at its smallest)
+    t_capture: Optional[float]  # prepare.py's feature step, per conversation
+    served_fixed: float  # the served evaluation's part that does not scale with prompts x tokens
+    served_token: float  # a served prompt-token, all shapes together
+    layouts: float = 0.0  # prepare.py's one-off layout measurement, if it must make one
+    have: int = 0  # training answers already made
+    eval_have: int = 0  # held-out answers already made
+
+
+def t_answer(c: Costs) -> float:
+    return REGEN_STEPS / 64 * c.t_batch64 + c.t_capture
+
+
+def held_out_s(c: Costs, n_eval: int) -> float:
+    """One regeneration batch of n_eval rows (its step interpolated between 16 and 64 rows) and
+    n_eval feature steps; nothing if the set is made."""
+    if c.eval_have >= n_eval:
+        return 0.0
+    rows = min(n_eval, 64)
+    step = c.t_batch16 + (c.t_batch64 - c.t_batch16) * max(0, rows - 16) / 48
+    return REGEN_STEPS * step + (n_eval - c.eval_have) * c.t_capture
+
+
+def served_s(c: Costs, samples: int, tokens: int) -> float:
+    return c.served_fixed + samples * tokens * c.served_token if samples else 0.0
+
+
+def eval_interval(n_eval: int) -> int:
+    """Steps between evaluations so that they cost EVAL_SHARE of training: 600 for 48 answers."""
+    return max(1, round(n_eval / 3 / EVAL_SHARE))
+
+
+class Fixed(NamedTuple):
+    n_eval: int
+    served_samples: int
+    served_tokens: int
+    eval_interval: int
+    shrunk: list  # what was made smaller than the full size, in words
+
+
+def size_fixed(c: Costs, budget_s: float, n_eval=None, served=(None, None)) -> Fixed:
+    """The held-out set, the served evaluation and the evaluation interval, each at its full size
+    or the largest within its share of the budget (given ones kept)."""
+    shrunk = []
+    if n_eval is None:
+        n_eval = N_EVAL_FULL
+        if c.t_capture is not None and c.eval_have < N_EVAL_FULL:
+            while n_eval > N_EVAL_MIN and held_out_s(c, n_eval) > HELD_OUT_SHARE * budget_s:
+                n_eval -= 8
+        if n_eval < N_EVAL_FULL:
+            shrunk.append(f"held-out {n_eval} of {N_EVAL_FULL} answers")
+    samples, tokens = served
+    if samples is None or tokens is None:
+        share = SERVED_SHARE * budget_s
+        p = SERVED_FULL[0] if samples is None else samples
+        t = SERVED_FULL[1] if tokens is None else tokens
+        while samples is None and p > SERVED_MIN[0] and served_s(c, p, t) > share:
+            p -= 1
+        while tokens is None and t > SERVED_MIN[1] and served_s(c, p, t) > share:
+            t -= 16
+        if samples is None and served_s(c, p, t) > share:
+            shrunk.append(
+                f"served evaluation off ({p} prompts x {t} tokens would take "
+                f"{served_s(c, p, t) / 60:.1f} min)"
+            )
+            p = 0
+        elif (p, t) != SERVED_FULL:
+            shrunk.append(f"served {p} of {SERVED_FULL[0]} prompts x {t} tokens")
+        samples, tokens = p, t
+    interval = eval_interval(n_eval)
+    if interval != eval_interval(N_EVAL_FULL):
+        shrunk.append(f"an evaluation every {interval} steps")
+    return Fixed(n_eval, samples, tokens, interval, shrunk)
+
+
+def job_seconds(c: Costs, n: int, epochs: int, f: Fixed) -> dict:
+    """T(N, E) above, by part, in seconds (parts not measured are left out)."""
+    steps = n * epochs
+    parts = {
+        "measuring": c.spent,
+        "loading": LOAD_S,
+        "layouts": c.layouts if n > c.have or f.n_eval > c.eval_have else 0.0,
+        "held-out": held_out_s(c, f.n_eval) if c.t_capture is not None else 0.0,
+        "served": served_s(c, f.served_samples, f.served_tokens),
+    }
+    if c.t_batch64 is not None:
+        parts["answers"] = max(0, n - c.have) * t_answer(c)
+    if c.t_step is not None:
+        parts["training"] = steps * c.t_step
+        parts["evaluations"] = (steps // f.eval_interval + 1) * f.n_eval * c.t_step / 3
+    return parts
+
+
+def sizes(most: int, have: int) -> list:
+    """The answer counts the plan considers: tens below 500, fifties below 1,000, then hundreds,
+    up to the most, and the answers already made."""
+    grid = [*range(10, 500, 10), *range(500, 1000, 50), *range(1000, most, 100), most, have]
+    return sorted({n for n in grid if 0 < n <= most})
+
+
+class Plan(NamedTuple):
+    n: int
+    epochs: int
+    fixed: Fixed
+    seconds: dict
+    tau: float
+    why: str
+
+
+def best_plan(c: Costs, budget_min: float, most, epochs, n_eval, served, dflash) -> Optional[Plan]:
+    """The (N, E) with the highest expected tau (then the shortest job) among those of at least
+    MIN_STEPS effective steps whose T(N, E) fits AIM of the budget; None if none does."""
+    budget_s = 60 * budget_min
+    f = size_fixed(c, budget_s, n_eval, served)
+    best = None
+    for e in [epochs] if epochs else [1, 2, 3, 4]:
+        for k in sizes(most, c.have):
+            seconds = job_seconds(c, k, e, f)
+            if effective_steps(k, e) < MIN_STEPS or sum(seconds.values()) > AIM * budget_s:
+                continue
+            key = (round(expected_tau(k, e, dflash), 3), -sum(seconds.values()))
+            if best is None or key > best[0]:
+                why = "the recipe's answers" if k == most else f"fits {budget_min:g} min, 5% spare"
+                best = key, Plan(k, e, f, seconds, expected_tau(k, e, dflash), why)
+    return best and best[1]
+
+
+def choose(
+    c: Costs,
+    budget_min: float,
+    most: int = 2400,
+    n=None,
+    epochs=None,
+    n_eval=None,
+    served=(None, None),
+    dflash=False,
+) -> Plan:
+    """The plan: N_TRAIN (and --epochs, else the recipe's 2) as given, else best_plan. A
+    ValueError if no job fits: its one line names the smallest budget, in fives of minutes, that
+    holds one here, and what that job would give."""
+    if n is not None:
+        e = epochs or 2
+        f = size_fixed(c, 60 * budget_min, n_eval, served)
+        why = "N_TRAIN and --epochs given" if epochs else "N_TRAIN given"
+        return Plan(n, e, f, job_seconds(c, n, e, f), expected_tau(n, e, dflash), why)
+    plan = best_plan(c, budget_min, most, epochs, n_eval, served, dflash)
+    if plan:
+        return plan
+    start = 5 * math.ceil(budget_min / 5 + 1e-9)
+    for minutes in range(start, 24 * 60 + 1, 5):
+        p = best_plan(c, minutes, most, epochs, n_eval, served, dflash)
+        if p:
+            raise ValueError(
+                f"BUDGET_MIN={budget_min:g} cannot hold a useful job on this machine (at least "
+                f"{MIN_STEPS} steps, as {MIN_STEPS // 2} answers x 2 epochs): BUDGET_MIN={minutes}"
+                f" would, with {p.n} answers x {p.epochs} epochs, for a held-out tau of about "
+                f"{p.tau:.2f}"
+            )
+    raise ValueError(f"BUDGET_MIN={budget_min:g} cannot hold a useful job here, nor can a day")
+
+
+# ------------------------------------------------------------------------------- the probes
+@torch.no_grad()
+def forward_s(target, rows: int, tokens: int, context: int, repeats: int = 3) -> float:
+    """Median seconds of one target forward of `tokens` new tokens in `rows` rows after `context`
+    cached ones, the cache filled with random keys and values: a forward's cost does not depend on
+    them, and no prefill of rows x context tokens is paid (on a slow CPU that prefill cost a
+    minute)."""
+    cfg, p = target.config, next(target.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (rows, cfg.num_key_value_heads, context, head_dim)
+    cache = new_cache(target)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(shape, dtype=p.dtype), torch.randn(shape, dtype=p.dtype), layer)
+    block = torch.randint(0, cfg.vocab_size, (rows, tokens))
+
+    def step():
+        target(input_ids=block, **with_cache(target, cache))
+        crop(cache, context)  # back to the same context every time
+
+    seconds = cost.median_ms(step, repeats) / 1000
+    drop_packs(target)  # MKL's packs for these rows: a copy of the weights each
+    return seconds
+
+
+def train_step_s(cfg_args: list, target, repeats: int = 2) -> float:
     """Median seconds of one training step of the main recipe (train.py's objective, backward and
     fused AdamW) on one random 200-token conversation with 120 supervised tokens and 32 anchors."""
     args = train.parse_args(
@@ -81,7 +367,7 @@ def train_step_s(cfg_args: list, target, repeats: int = 3) -> float:
         m.weight.detach().float()
         for m in (target.get_input_embeddings(), target.get_output_embeddings())
     ]
-    objective = train.DraftObjective(draft, *weights, args)
+    objective = train.DraftObjective(draft, *weights, train.loss_config(args), args.attention)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-3, fused=True)
     n = 200
     sample = {
@@ -102,7 +388,7 @@ def train_step_s(cfg_args: list, target, repeats: int = 3) -> float:
     return cost.median_ms(step, repeats) / 1000
 
 
-def capture_s(target, tokenizer, layer_ids, n: int = 8) -> float:
+def capture_s(target, tokenizer, layer_ids, n: int = 3) -> float:
     """Seconds of prepare.py's feature step per conversation (CAPTURE_CONVERSATION, n of them, one
     shard, written to a temporary folder after one of warm-up; its progress bars are not shown)."""
     with (
@@ -126,6 +412,34 @@ def capture_s(target, tokenizer, layer_ids, n: int = 8) -> float:
     return seconds / n
 
 
+def served_costs(t_1: float, t_verify: float, t_prefill: float, layouts: int, sizes: int) -> tuple:
+    """(fixed s, s per prompt-token over all shapes) of served.py's evaluation, from a plain step
+    t_1, a verify of a block t_verify and a DECODE_CONTEXT-token prefill t_prefill: a cycle of the
+    path costs a verify and the draft and commits SERVED_TAU tokens (auto's shape priced alike);
+    the decode table times `sizes` verify sizes in every layout, each after a prefill, over
+    8 forwards of about a verify each."""
+    per_token = SERVED_SHAPES * (t_verify + DRAFT_SHARE * t_1) / SERVED_TAU
+    table = layouts * sizes * (t_prefill + 8 * t_verify)
+    return SERVED_LOAD_S + table, per_token
+
+
+def must_measure_layout(dtype) -> bool:
+    """Whether machine.py's rule would measure the layouts for this dtype here (it settles bf16
+    and one-layout machines without measuring)."""
+
+    class Measuring(Exception):
+        pass
+
+    def measure():
+        raise Measuring
+
+    try:
+        machine.choose_layout(dtype, torch.device("cpu"), "auto", measure)
+    except Measuring:
+        return True
+    return False
+
+
 def answers_made(data_dir: str) -> int:
     """Answers already made (regenerated, then captured) in the data folder of an earlier run."""
     try:
@@ -137,40 +451,111 @@ def answers_made(data_dir: str) -> int:
         return 0
 
 
-def job_minutes(
-    n: int,
-    have: int,
-    epochs: int,
-    t_answer: float,
-    t_step: float,
-    held_out: float,
-    spent: float = 0.0,
-    served: float = 0.0,
-) -> float:
-    """T(N) above, in minutes."""
-    steps = n * epochs
-    evaluations = (steps // 600 + 1) * 48 * t_step / 3
-    fixed = spent + LOAD_S + held_out + served
-    return (fixed + max(0, n - have) * t_answer + steps * t_step + evaluations) / 60
-
-
-def choose_samples(minutes, budget: float, most: int, have: int, given=None) -> tuple:
-    """(N, why): N_TRAIN if given; else the answers already made if they fit; else the most answers,
-    in steps of 100 down to MIN_SAMPLES, whose job fits AIM of the budget (the rest is the
-    estimate's margin)."""
-    if given:
-        return given, "N_TRAIN given"
-    if have and minutes(have) <= AIM * budget:
-        return have, f"the {have} answers already made"
-    n = most
-    while n > MIN_SAMPLES and minutes(n) > AIM * budget:
-        n = max(MIN_SAMPLES, n - 100)
-    return (
-        n,
-        f"the recipe's {n}"
-        if n == most
-        else f"fits {budget:g} min with {100 - 100 * AIM:.0f}% to spare",
+def measure(args) -> tuple:
+    """-> (Costs, the probes' line)."""
+    t0 = time.perf_counter()
+    have = answers_made(args.data) if args.data else 0
+    eval_have = answers_made(args.eval_data) if args.eval_data else 0
+    data_dtype = machine.resolve_dtype("auto", "cpu", "data")
+    decode_dtype = machine.resolve_dtype("auto", "cpu", "decode")
+    need_data = args.num_samples is None
+    need_step = not (args.num_samples and args.epochs)
+    words = []
+    t_step = t_batch64 = t_batch16 = t_capture = None
+    layouts = 0.0
+    target = tokenizer = None
+    if need_data or need_step:
+        target, tokenizer = load_target(None, data_dtype)
+    if need_data:
+        # prepare's layout: set here where the rule needs no measurement, else priced below and
+        # left to prepare (these probes then run in the stock layout, the slowest of the choices)
+        measuring = must_measure_layout(data_dtype)
+        if not measuring:
+            tune.data_target(target, data_dtype, "auto")
+        t_batch64 = forward_s(target, 64, 1, REGEN_CONTEXT)
+        t_batch16 = forward_s(target, 16, 1, REGEN_CONTEXT)
+        layer_ids = load_config(args.draft_config).target_layer_ids
+        t_capture = capture_s(target, tokenizer, layer_ids)
+        if measuring:
+            t_256 = forward_s(target, 1, 256, 0)
+            count = len(machine.layouts_here(data_dtype, torch.device("cpu")))
+            # data_costs per layout: a prefill of 64 x 128 tokens (about 96 steps of 64 rows: it
+            # took 372 s for 3 layouts where t_batch64 was 1.16 s and t_256 3.0 s, one core held
+            # to AVX2, docs/slow-cpu.md), 4 steps, 4 forwards of 256 tokens
+            layouts = count * (100 * t_batch64 + 4 * t_256)
+        regen = REGEN_STEPS / 64 * t_batch64
+        words.append(
+            f"one answer {regen + t_capture:.2f} s (regeneration {regen:.2f} + features "
+            f"{t_capture:.2f})"
+        )
+        if layouts:
+            words.append(f"prepare's layout choice about {layouts / 60:.1f} min, once")
+    if need_step:
+        cfg_args = ["--draft-config", args.draft_config] + (["--dflash"] if args.dflash else [])
+        t_step = train_step_s(cfg_args, target)
+        words.append(f"one training step {t_step:.2f} s")
+    if target is None or decode_dtype != data_dtype:
+        target, _ = load_target(None, decode_dtype)
+    block = load_config(args.draft_config).block_size
+    t_1 = forward_s(target, 1, 1, REGEN_CONTEXT)
+    t_verify = forward_s(target, 1, block, REGEN_CONTEXT)
+    t_prefill = forward_s(target, 1, DECODE_CONTEXT, 0, repeats=1)
+    count = len(machine.layouts_here(decode_dtype, torch.device("cpu")))
+    served_fixed, served_token = served_costs(
+        t_1, t_verify, t_prefill, count, len(priced_sizes(block))
     )
+    words.append(f"a served token {1000 * t_1:.0f} ms plain, {1000 * t_verify:.0f} ms a verify")
+    spent = time.perf_counter() - t0
+    line = f"{machine.describe('cpu')}; measured in {spent:.0f} s: " + ", ".join(words)
+    c = Costs(
+        spent,
+        t_step,
+        t_batch64,
+        t_batch16,
+        t_capture,
+        served_fixed,
+        served_token,
+        layouts,
+        have,
+        eval_have,
+    )
+    return c, line
+
+
+def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
+    """The plan in words (stderr) and the KEY=value lines run.sh reads (stdout)."""
+    total = sum(p.seconds.values())
+    parts = ", ".join(f"{k} {v / 60:.1f}" for k, v in p.seconds.items() if v)
+    if "answers" not in p.seconds:
+        parts += "; the data not measured"
+    tau = f"{p.tau:.2f}" if domain == "math" else ""
+    said = [
+        f"[plan] this machine: {p.n} answers ({p.why}) x {p.epochs} epoch"
+        f"{'s' if p.epochs > 1 else ''} = {p.n * p.epochs} "
+        f"steps, about {total / 60:.0f} min of {budget_min:g} ({parts})",
+        f"[plan] expected held-out tau about {tau} (the learning curve in tools/plan.py, +-0.05)"
+        if tau
+        else "[plan] expected tau: no learning curve measured for this domain",
+        "[plan] fixed costs at full size"
+        if not p.fixed.shrunk
+        else "[plan] sized to the budget: " + "; ".join(p.fixed.shrunk),
+    ]
+    if "training" in p.seconds and total > 60 * budget_min:
+        said.append(
+            f"[plan] warning: {p.n} answers take about {total / 60:.0f} min here, over the "
+            f"budget of {budget_min:g}"
+        )
+    f = p.fixed
+    out = [
+        f"N_TRAIN={p.n}",
+        f"EPOCHS={p.epochs}",
+        f"N_EVAL={f.n_eval}",
+        f"SERVED_SAMPLES={f.served_samples}",
+        f"SERVED_TOKENS={f.served_tokens}",
+        f"EVAL_INTERVAL={f.eval_interval}",
+        f"EXPECTED_TAU={tau}",
+    ]
+    return said, out
 
 
 def main(argv=None):
@@ -192,52 +577,38 @@ def main(argv=None):
         default=2400,
         help="the recipe's answers, at most",
     )
-    p.add_argument("--epochs", type=bounded(int, low=1), default=2)
+    p.add_argument(
+        "--epochs", type=bounded(int, low=1), default=None, help="given: keep it; else chosen"
+    )
+    p.add_argument("--n-eval", type=bounded(int, low=1), default=None, help="N_EVAL given")
+    p.add_argument("--served-samples", type=bounded(int, low=0), default=None)
+    p.add_argument("--served-tokens", type=bounded(int, low=1), default=None)
     p.add_argument(
         "--data", default=None, help="the training data folder (answers already there are free)"
     )
+    p.add_argument("--eval-data", default=None, help="the held-out data folder (likewise)")
     p.add_argument("--draft-config", default="configs/smollm2-135m-dflash2.json")
     p.add_argument(
         "--dflash", action="store_true", help="plan the plain DFlash baseline's (cheaper) steps"
     )
+    p.add_argument("--domain", choices=["math", "general"], default="math")
     args = p.parse_args(argv)
 
-    t0 = time.perf_counter()
-    dtype = machine.resolve_dtype("auto", "cpu", "data")
-    target, tokenizer = load_target(None, dtype)
-    # the layout prepare.py will use, measured if it must
-    tune.data_target(target, dtype, "auto")
-    t_batch = cost.target_ms(target, REGEN_CONTEXT, 1, 3, rows=64) / 1000
-    t_capture = capture_s(target, tokenizer, load_config(args.draft_config).target_layer_ids)
-    t_answer = REGEN_STEPS / 64 * t_batch + t_capture
-    cfg_args = ["--draft-config", args.draft_config] + (["--dflash"] if args.dflash else [])
-    t_step = train_step_s(cfg_args, target)
-    have = answers_made(args.data) if args.data else 0
-    held_out = 0 if have else REGEN_STEPS * t_batch + 48 * t_capture
-    serving, _ = load_target(None, machine.resolve_dtype("auto", "cpu", "decode"))
-    t_token = cost.target_ms(serving, REGEN_CONTEXT, 1, 3) / 1000
-    served = SERVED_PROMPTS * SERVED_SHAPES * REGEN_STEPS * t_token + SERVED_FIXED
-    spent = time.perf_counter() - t0
-    minutes = lambda n: job_minutes(n, have, args.epochs, t_answer, t_step, held_out, spent, served)
-    n, why = choose_samples(minutes, args.budget_min, args.max_samples, have, args.num_samples)
-    print(
-        f"[plan] {machine.describe('cpu')}; measured in {spent:.0f} s: one answer {t_answer:.2f} s "
-        f"(regeneration {t_answer - t_capture:.2f} + features {t_capture:.2f}), one training step "
-        f"{t_step:.2f} s, the served evaluation {served / 60:.1f} min",
-        file=sys.stderr,
+    c, line = measure(args)
+    print(f"[plan] {line}", file=sys.stderr)
+    plan = choose(
+        c,
+        args.budget_min,
+        args.max_samples,
+        args.num_samples,
+        args.epochs,
+        args.n_eval,
+        (args.served_samples, args.served_tokens),
+        args.dflash,
     )
-    print(
-        f"[plan] this machine: {n} answers ({why}), {args.epochs} epochs = {n * args.epochs} "
-        f"steps, about {minutes(n):.0f} min",
-        file=sys.stderr,
-    )
-    if minutes(n) > args.budget_min:
-        print(
-            f"[plan] warning: even {n} answers take about {minutes(n):.0f} min here, over the "
-            f"budget of {args.budget_min:g}",
-            file=sys.stderr,
-        )
-    print(f"N_TRAIN={n}")
+    said, out = plan_lines(plan, args.budget_min, args.domain)
+    print("\n".join(said), file=sys.stderr)
+    print("\n".join(out))
 
 
 if __name__ == "__main__":

@@ -228,7 +228,11 @@ def main(argv=None):
             for _ in range(2)
         )
         objective = train.DraftObjective(
-            torch.compile(draft) if args.compile else draft, embed_w, head_w, targs
+            torch.compile(draft) if args.compile else draft,
+            embed_w,
+            head_w,
+            train.loss_config(targs),
+            targs.attention,
         )
 
         def step():

@@ -1,0 +1,78 @@
+"""Experiment tracking: `train.py --report-to {none,wandb,tensorboard}` sends each record train.py
+writes to log.jsonl to wandb or TensorBoard too, under the same names.
+
+    {"kind": "train", "step": 40, "loss": 2.1, "path_acc": [0.9, 0.7], "auto_shape": "path"}
+      -> at step 40: train/loss 2.1, train/path_acc/0 0.9, train/path_acc/1 0.7 (scalars),
+         train/auto_shape "path" (text); a None (no value yet, e.g. grad_norm) is left out
+
+The package is imported only when asked for, and one that is missing ends the run in one line
+saying what to install; neither is in requirements.txt. wandb takes its project, entity and mode
+from its own variables (WANDB_PROJECT, WANDB_MODE=offline...); TensorBoard's events go to
+OUT/tensorboard (`tensorboard --logdir OUT/tensorboard`). log.jsonl stays the record of the run.
+"""
+
+import importlib
+import json
+import os
+
+REPORT_TO = ("none", "wandb", "tensorboard")
+PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("torch.utils.tensorboard", "tensorboard")}
+
+
+def flatten(record: dict):
+    """A log.jsonl record -> (step, {name: number}, {name: text}); name = kind/key, a list's
+    items kind/key/i."""
+    prefix, numbers, texts = record["kind"], {}, {}
+    for key, value in record.items():
+        if key in ("kind", "step") or value is None:
+            continue
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            name = f"{prefix}/{key}" if i is None else f"{prefix}/{key}/{i}"
+            if isinstance(v, (bool, int, float)):
+                numbers[name] = float(v)
+            elif v is not None:
+                texts[name] = v if isinstance(v, str) else json.dumps(v)
+    return record["step"], numbers, texts
+
+
+def need(report_to: str):
+    """The module --report-to needs, imported now; missing: ValueError saying what to install."""
+    module, package = PACKAGES[report_to]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"--report-to {report_to} needs the {package} package: pip install {package}"
+        ) from None
+
+
+class Tracker:
+    """log(record) for every log.jsonl record, close() at the end; --report-to none does
+    nothing. config: the run's flags, stored with the run."""
+
+    def __init__(self, report_to: str, out_dir: str, config: dict):
+        self.report_to, self.run, self.writer = report_to, None, None
+        if report_to == "wandb":
+            self.run = need("wandb").init(dir=out_dir, config=config)
+        elif report_to == "tensorboard":
+            writer = need("tensorboard").SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            writer.add_text("config", json.dumps(config, indent=1, default=str))
+            self.writer = writer
+
+    def log(self, record: dict):
+        step, numbers, texts = flatten(record)
+        if self.run is not None:
+            self.run.log({**numbers, **texts}, step=step)
+        if self.writer is not None:
+            for name, v in numbers.items():
+                self.writer.add_scalar(name, v, step)
+            for name, v in texts.items():
+                self.writer.add_text(name, v, step)
+            self.writer.flush()
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish()
+        if self.writer is not None:
+            self.writer.close()
