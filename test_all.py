@@ -5492,7 +5492,9 @@ def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
     embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
     args = train.parse_args(["--data", "x", "--gamma", "2", "--num-anchors", "8"])
     args.attention = "sdpa"
-    objective = train.DraftObjective(torch.compile(draft), embed_w, head_w, args)
+    objective = train.DraftObjective(
+        torch.compile(draft), embed_w, head_w, train.loss_config(args), args.attention
+    )
     docs = packing_docs(c, [20, 45, 70, 33, 100, 120, 9, 58, 12])
     micro = [[0, 1], [2, 3], [6, 7], [4, 1], [5, 6], [6, 8]]
     batches = [data.collate([[docs[j]] for j in rows], rows, 8, 0, "cpu") for rows in micro]
