@@ -1044,6 +1044,53 @@ def test_chunked_equals_unchunked(loss, weighting, miss):
             assert (g[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k
 
 
+def test_objective_casts_the_frozen_head_once_under_autocast():
+    """Under bf16 autocast the objective casts the frozen head [V, H] once per call, not in every
+    chunk and every chunk's recompute (autocast keeps no cast of a tensor that needs no grad): one
+    copy of it in all, counted at the dispatcher, here over 5 anchors in chunks of 2 with kl (two
+    matmuls a chunk) and a backward. The sums are those of the head cast by autocast itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(1)
+    th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size)
+
+    class Casts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == head.data_ptr():
+                Casts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    outs = []
+    for weight in (head, head.bfloat16()):  # as given; cast before, as autocast would
+        draft.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+            out = run_objective(
+                draft,
+                embed,
+                weight,
+                ids,
+                feats,
+                anchors,
+                loss_mask,
+                valid,
+                loss="kl",
+                alpha_t=0.5,
+                target_hidden=th,
+                chunk_blocks=2,
+            )
+            out["numerator"].backward()
+        outs.append((out, grads(draft), Casts.n))
+    (a, ga, n), (b, gb, _) = outs
+    assert n == 1
+    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
+        a["denominator"], b["denominator"]
+    )
+    assert all(torch.equal(a["metrics"][k][0], b["metrics"][k][0]) for k in a["metrics"])
+    assert all(v is None or torch.equal(gb[k], v) for k, v in ga.items())
+
+
 def test_fresh_dflash2_base_loss_equals_plain_dflash():
     d2, d1 = twin_drafts()
     _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
@@ -4338,6 +4385,29 @@ def test_plan_rows_by_hand():
     # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2
     # fit
     assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_prepare_binds_its_gpu_before_the_process_group(setup, monkeypatch):
+    """prepare.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
+    LOCAL_RANK 1 binds cuda:1 first, then makes its gloo group, so that nothing it does lands on
+    GPU 0."""
+    calls = []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        prepare.dist, "init_process_group", lambda backend, **kw: calls.append((backend,))
+    )
+
+    def stop(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "load_target", stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["--data", str(setup / "convs.jsonl"), "--out-dir", "x", "--regenerate"])
+    assert calls == [("set_device", "cuda:1"), ("gloo",)]
 
 
 def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
