@@ -4,10 +4,14 @@
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
---compare also decodes plainly and says whether the outputs are identical (they are, at T = 0);
---show prints every cycle's block; --bench decodes prompt sets every way (speed/bench.py). Without
---prompt it is a chat. --verify-tokens k sends the first k drafts of each cycle, --tree-budget N a
-tree of N nodes (tree.py); `auto`, the default, picks the shape predicted fastest here (speed/).
+--compare also decodes plainly and says whether the outputs are identical (they are, at T = 0, up
+to a numerics tie, which it names); --show prints every cycle's block; --bench decodes prompt sets
+every way (speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k
+drafts of each cycle, --tree-budget N a tree of N nodes (tree.py).
+
+By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
+target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
+three (the int8 draft on x86, packed target GEMMs, `auto`'s path or tree) and says what it replaced.
 """
 
 import argparse
@@ -16,12 +20,12 @@ import sys
 import torch
 
 from common import DTYPES, add_chat_template_kwargs, bounded, run
-from decoding import shape_kw, speculative_generate, target_generate
+from decoding import target_generate
 from export import load_any
-from show import Printer, ShowBlocks, show_legend
+from show import Printer, ShowBlocks, show_legend, timed
 from speed import bench, machine, tune
-from target import check_draft_fits, encode, load_target, stop_token_ids
-from tree import label
+from target import check_draft_fits, encode, load_target, new_cache, stop_token_ids, with_cache
+from tree import label, speculate
 
 
 def verify_arg(text):
@@ -33,34 +37,78 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     """Generate one answer, streaming it (--show: its blocks, then the text), then print the
     statistics (and the baseline with --compare)."""
     ids = encode(tok, messages, next(target.parameters()).device, args.chat_template_kwargs)
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        generator=gen,
-        stop_ids=stop,
-    )
+    kw = dict(temperature=args.temperature, generator=gen, stop_ids=stop)
     if args.show:
-        watch = dict(on_cycle=ShowBlocks(tok, sys.stdout.isatty(), args.shape[0] == "tree"))
+        watch = ShowBlocks(tok, sys.stdout.isatty(), args.shape[0] == "tree")
     else:
-        watch = dict(on_tokens=Printer(tok))
-    out, stats = speculative_generate(
-        target, draft, ids, use_selector=not args.unary, **shape_kw(args.shape), **watch, **kw
+        watch = Printer(tok)
+    use_selector = not args.unary
+    n = args.max_new_tokens
+    out, stats = speculate(
+        target, draft, ids, n, args.shape, use_selector=use_selector, watch=watch, **kw
     )
     if args.show:
         print(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), end="")
     print(f"\n[{args.mode}, {label(args.shape)}] {stats.summary()}")
     if args.compare:
-        base, base_stats = target_generate(target, ids, **kw)
-        same = (
-            "identical"
-            if torch.equal(base, out)
-            else "different (expected only at temperature > 0)"
-        )
+        base, base_stats = timed(lambda: target_generate(target, ids, n, **kw), ids)
         print(
             f"[plain] {base_stats.summary()}\n"
-            f"  speedup {stats.tok_per_s / base_stats.tok_per_s:.2f}x, output {same}"
+            f"  speedup {stats.tok_per_s / base_stats.tok_per_s:.2f}x, output "
+            + compare(target, ids.shape[1], base, out, args.temperature, draft.config.block_size)
         )
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------- --compare: a tie or a bug
+# At temperature 0 speculative output is the target's greedy output, but "the target's" is up to
+# rounding: a verify of n tokens and a one-token step run differently shaped GEMMs, which round
+# differently (the SmolLM2 target, the same positions both ways: logits up to 5e-5 apart in fp32,
+# 0.7 in bf16). Where its top two tokens are closer than that, either side may win.
+def compare(target, P: int, plain, spec, temperature: float, block_size: int) -> str:
+    """--compare's verdict on two decodings of one prompt [1, P]: identical, or where they part
+    and whether that is a numerics tie or a bug."""
+    if torch.equal(plain, spec):
+        return "identical"
+    if temperature > 0:
+        return "different (expected only at temperature > 0)"
+    n = min(plain.shape[1], spec.shape[1])
+    i = next((j for j in range(P, n) if plain[0, j] != spec[0, j]), n)
+    if i == n:  # one stopped where the other went on: no token to weigh
+        return f"different at token {i - P + 1}: NOT a tie: a bug (one output is cut short)"
+    step, block = logits_two_ways(target, plain[:, :i], block_size)
+    dtype = machine.dtype_name(next(target.parameters()).dtype)
+    tie, a, b = numerics_tie(step, block, int(plain[0, i]), int(spec[0, i]), dtype)
+    at = f"different at token {i - P + 1}"
+    if tie:
+        return f"{at}: a numerics tie (top-2 logits {a:.6g}, {b:.6g} within {dtype} rounding)"
+    return f"{at}: NOT a tie: a bug (logits {a:.6g}, {b:.6g}: further apart than {dtype} rounding)"
+
+
+@torch.no_grad()
+def logits_two_ways(target, prefix, m: int):
+    """The target's logits [V] after prefix [1, L], computed twice: as a one-token step after
+    L - 1 cached tokens (as plain decoding does) and as the last row of an m-token block after
+    L - m (as a verify does) -> (step, block), fp32."""
+    rows = []
+    for n in (1, min(m, prefix.shape[1] - 1)):
+        cache = new_cache(target)
+        target(input_ids=prefix[:, :-n], **with_cache(target, cache))
+        rows.append(target(input_ids=prefix[:, -n:], **with_cache(target, cache)).logits[0, -1])
+    return rows[0].float(), rows[1].float()
+
+
+def numerics_tie(step, block, plain_token: int, spec_token: int, dtype: str):
+    """Whether two greedy decodings that part here, plain at plain_token and speculation at
+    spec_token, part on a numerics tie -> (tie, a, b), a and b the step's logits of the two tokens.
+
+    step, block [V]: the target's logits at this position as a one-token step and as a verify's
+    row (logits_two_ways). Each token's logit may move by up to the largest difference between
+    the two, and by one rounding of itself in the target's dtype; a tie is two logits that close."""
+    a, b = float(step[plain_token]), float(step[spec_token])
+    noise = float((step - block).abs().max())
+    rounding = torch.finfo(DTYPES[dtype]).eps * max(abs(a), abs(b))
+    return abs(a - b) <= 2 * noise + rounding, a, b
 
 
 def parse_args(argv=None):
@@ -69,24 +117,35 @@ def parse_args(argv=None):
     a("--target", default=None, help="target model name or path (default: the embedded target)")
     a("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
     a(
+        "--fast",
+        action="store_true",
+        help="run as fast as speed/ knows here: --draft-dtype auto, --target-gemm auto and "
+        "--tree-budget auto, each where not given (docs/cpu.md)",
+    )
+    a(
         "--target-dtype",
         choices=["auto", *DTYPES],
         default="auto",
-        help="the target's dtype; auto: bf16 on GPU, fp32 on CPU (lossless, see docs/cpu.md)",
+        help="the target's dtype; auto: fp32 on every device, so that greedy output is plain "
+        "greedy's token for token (docs/speculation.md); bf16 is faster on a GPU, and --compare "
+        "names the near-ties it flips",
     )
     a(
         "--draft-dtype",
         choices=["auto", *DTYPES, "int8"],
-        default="auto",
-        help="the draft's precision; auto: bf16 on GPU, int8 weights on x86 CPUs (speed/int8.py), "
-        "else bf16 where native, else fp32 (speed/machine.py). Output is the target's either way",
+        default=None,
+        help="the draft's precision (default: as trained, fp32); auto: int8 weights on x86 CPUs "
+        "(speed/int8.py), bf16 on a GPU, else bf16 where native, else fp32 (speed/machine.py). A "
+        "precision given also scores the draft's head over the row count fastest here "
+        "(speed/cost.py). Output is the target's either way",
     )
     a(
         "--target-gemm",
         choices=["auto", "stock", "onednn", "mkl"],
-        default="auto",
-        help="the target's GEMM layout (speed/gemm.py): stock, oneDNN's packed weights or MKL's "
-        "packed GEMM; auto: whichever speed/cost.py measured fastest here (cached; docs/cpu.md)",
+        default=None,
+        help="the target's GEMM layout (speed/gemm.py; default stock): oneDNN's packed weights or "
+        "MKL's packed GEMM; auto: whichever speed/cost.py measures fastest here (once per "
+        "machine, cached; docs/cpu.md)",
     )
     a("--prompt", default=None, help="one prompt; without it, an interactive chat")
     add_chat_template_kwargs(a)
@@ -102,16 +161,18 @@ def parse_args(argv=None):
         nargs="+",
         type=verify_arg,
         metavar="{auto,1..B-1}",
-        help="verify a path: the first k of the B-1 drafts; auto: the k predicted fastest here",
+        help="verify a path: the first k of the B-1 drafts (default: all B-1); auto: the k "
+        "predicted fastest here, from the draft's acceptance.json and this machine's measured "
+        "costs (without acceptance.json: B-1)",
     )
     a(
         "--tree-budget",
         nargs="+",
         type=verify_arg,
         metavar="{auto,N}",
-        help="verify a tree of N drafted nodes in one target forward (tree.py); "
-        "auto (the default): a tree or a path, whichever is predicted fastest here. --bench takes "
-        "several: a row each",
+        help="verify a tree of N drafted nodes in one target forward (tree.py); auto (--fast's "
+        "default): a tree or a path, whichever is predicted fastest here, as for --verify-tokens "
+        "auto. --bench takes several: a row each",
     )
     a(
         "--show",
@@ -129,6 +190,28 @@ def parse_args(argv=None):
     return args
 
 
+def fill_defaults(args, B: int) -> str:
+    """The defaults run what decoding.py shows: the draft as trained, stock GEMMs, the path of B-1
+    drafts. --fast puts speed/'s `auto` in place of each of the three not given. -> the line saying
+    what it replaced ("" without --fast)."""
+    replaced = []
+    if args.fast and args.draft_dtype is None:
+        args.draft_dtype = "auto"
+        replaced.append("--draft-dtype auto for the draft as trained")
+    if args.fast and args.target_gemm is None:
+        args.target_gemm = "auto"
+        replaced.append("--target-gemm auto for stock GEMMs")
+    if not (args.verify_tokens or args.tree_budget):
+        if args.fast:
+            args.tree_budget = ["auto"]
+            replaced.append(f"--tree-budget auto for the {label(('path', B - 1))}")
+        else:
+            args.verify_tokens = [B - 1]
+    if not args.fast:
+        return ""
+    return "--fast: " + (", ".join(replaced) if replaced else "nothing to replace, all three given")
+
+
 def main(argv=None):
     args = parse_args(argv)
     draft = load_any(args.draft)  # first: a mistake in it shows before the target loads
@@ -137,6 +220,9 @@ def main(argv=None):
     target, tok = load_target(args.target, target_dtype)
     target = target.to(device)
     check_draft_fits(draft.config, target)
+    fast = fill_defaults(args, draft.config.block_size)
+    if fast:
+        print(fast, file=sys.stderr)
     draft, layouts, line = tune.decoding(target, draft, args)  # how to run here (speed/)
     print(line, file=sys.stderr)
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -23,10 +23,9 @@ import torch.nn.functional as F
 
 import loss
 import model
-from decoding import shape_kw, speculative_generate
 from speed import tune
 from target import stop_token_ids
-from tree import label
+from tree import label, speculate
 
 
 def prompt_length(loss_mask) -> int:
@@ -53,8 +52,9 @@ def serve(target, draft, samples, shape, use_selector=True, stop_ids=()) -> dict
         P = prompt_length(s["loss_mask"])
         prompt = s["input_ids"][None, :P].to(device)  # [1, P]
         n = len(s["input_ids"]) - P  # the answer's length
-        kw = dict(use_selector=use_selector, stop_ids=stop_ids, **shape_kw(shape))
-        _, stats = speculative_generate(target, draft, prompt, n, **kw)
+        _, stats = speculate(
+            target, draft, prompt, n, shape, use_selector=use_selector, stop_ids=stop_ids
+        )
         taus += stats.taus
         tokens += stats.new_tokens
         anchors.append(served_anchors(P, stats.taus))

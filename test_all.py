@@ -1956,16 +1956,18 @@ def scripted_proposer(ref, wrong_at):
     return proposer
 
 
-def speculate(target, draft, p, n, proposer=None, grower=None, **kw):
-    """decoding.speculative_generate with its proposal (decoding.propose) or its tree growth
-    (tree.draft_tree) replaced for this call: how the tests script always-right, always-wrong or
-    hand-built drafts."""
+def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
+    """tree.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
+    proposal (decoding.propose) or its tree growth (tree.draft_tree) replaced for this call: how the
+    tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
+    k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
+    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
     with pytest.MonkeyPatch.context() as mp:
         if proposer is not None:
             mp.setattr(decoding, "propose", proposer)
         if grower is not None:
             mp.setattr(tree, "draft_tree", grower)
-        return decoding.speculative_generate(target, draft, p, n, **kw)
+        return tree.speculate(target, draft, p, n, shape, **kw)
 
 
 # ---------------------------------------------------------------------------- greedy is lossless
@@ -1999,9 +2001,9 @@ def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector
     if draft_kw.get("layout"):
         pack_linears(target, draft_kw["layout"])
     ref, _ = decoding.target_generate(target, p, 30)
-    out, stats = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
+    out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
     assert torch.equal(out, ref)
-    assert stats.new_tokens == 30 and all(1 <= t <= B for t in stats.taus)
+    assert out.shape[1] == p.shape[1] + 30 and all(1 <= t <= B for t in taus)
     # a stop token ends both loops right after its first occurrence
     stop = int(ref[0, p.shape[1] + 9])
     ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
@@ -2029,20 +2031,18 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
         "encode",
         lambda tok, messages, dev, kwargs: prompts.get(messages[0]["content"], prompt(seed=9)),
     )
-    calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculative_generate
+    calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculate
 
     def plain(target, ids, max_new_tokens, **kw):
         calls.append(("plain", layout_of(target), int(ids[0, 0])))
         return plain_gen(target, ids, max_new_tokens, **kw)
 
-    def spec(target, draft, ids, max_new_tokens, **kw):
-        calls.append(
-            ("selector" if kw["use_selector"] else "unary", kw["verify_tokens"], int(ids[0, 0]))
-        )
-        return spec_gen(target, draft, ids, max_new_tokens, **kw)
+    def spec(target, draft, ids, max_new_tokens, shape, **kw):
+        calls.append(("selector" if kw["use_selector"] else "unary", shape[1], int(ids[0, 0])))
+        return spec_gen(target, draft, ids, max_new_tokens, shape, **kw)
 
     monkeypatch.setattr(bench, "target_generate", plain)
-    monkeypatch.setattr(bench, "speculative_generate", spec)
+    monkeypatch.setattr(bench, "speculate", spec)
     args = argparse.Namespace(
         verify_tokens=[1, 3],
         tree_budget=None,
@@ -2085,9 +2085,9 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
         # generate.py: CUDA wherever it is
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
-    runs, real = [], decoding.speculative_generate
+    runs, real = [], tree.speculate
     monkeypatch.setattr(
-        generate, "speculative_generate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
+        generate, "speculate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
     )
     text = "tell me about the cat ."
     generate.main(
@@ -2121,6 +2121,73 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
     )
     assert out.device.type == device and torch.equal(out, ref), (out, ref)
     assert stats.new_tokens == ref.shape[1] - p.shape[1] > 1
+
+
+def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
+    """--compare at the first token where plain and speculative greedy output part: a tie when the
+    two tokens' logits are closer than a one-token step and a block verify differ there (the
+    largest difference, on either side) plus one rounding in the target's dtype; else a bug."""
+    step, block = torch.tensor([10.0, 9.9, 3.0, 0.0]), torch.tensor([9.95, 10.0, 3.0, 0.0])
+    # noise 0.1: 0.1 apart <= 2 * 0.1 + 2^-7 * 10 in bf16; 7 apart is not
+    assert generate.numerics_tie(step, block, 0, 1, "bf16") == (True, 10.0, pytest.approx(9.9))
+    assert generate.numerics_tie(step, block, 0, 2, "bf16") == (False, 10.0, 3.0)
+    # the two computations agree exactly: only the dtype's own rounding, eps * 10: 1.2e-6 in fp32,
+    # 0.078 in bf16
+    near, apart = torch.tensor([10.0, 10.0 - 8e-7]), torch.tensor([10.0, 9.999])
+    assert generate.numerics_tie(near, near, 0, 1, "fp32")[0]
+    assert not generate.numerics_tie(apart, apart, 0, 1, "fp32")[0]
+    assert generate.numerics_tie(apart, apart, 0, 1, "bf16")[0]
+    bf16_target = torch.nn.Linear(1, 1).to(torch.bfloat16)
+    monkeypatch.setattr(generate, "logits_two_ways", lambda target, prefix, m: (step, block))
+    plain, tie, bug = (
+        torch.tensor([[7, 7, 0, 5]]),
+        torch.tensor([[7, 7, 1, 5]]),
+        torch.tensor([[7, 7, 2]]),
+    )
+    assert generate.compare(bf16_target, 2, plain, plain[:, :3], 0.0, 4).endswith("cut short)")
+    assert generate.compare(bf16_target, 2, plain, plain, 0.0, 4) == "identical"
+    assert generate.compare(bf16_target, 2, plain, tie, 1.0, 4).endswith("at temperature > 0)")
+    assert generate.compare(bf16_target, 2, plain, tie, 0.0, 4) == (
+        "different at token 1: a numerics tie (top-2 logits 10, 9.9 within bf16 rounding)"
+    )
+    assert generate.compare(bf16_target, 2, plain, bug, 0.0, 4).startswith(
+        "different at token 1: NOT a tie: a bug"
+    )
+
+
+def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
+    """Without --fast: the draft as trained (no --draft-dtype), stock GEMMs, the path of B-1 drafts,
+    nothing said. --fast: speed/'s auto for each of the three not given, and one line naming what
+    it replaced; an explicit flag keeps its value either way."""
+    args = generate.parse_args(["--draft", "d"])
+    assert generate.fill_defaults(args, 8) == ""
+    assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
+        None,
+        None,
+        [7],
+        None,
+    )
+    args = generate.parse_args(["--draft", "d", "--fast"])
+    assert generate.fill_defaults(args, 8) == (
+        "--fast: --draft-dtype auto for the draft as trained, --target-gemm auto for stock GEMMs, "
+        "--tree-budget auto for the path of 7 drafts"
+    )
+    assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
+        "auto",
+        "auto",
+        None,
+        ["auto"],
+    )
+    args = generate.parse_args(
+        ["--draft", "d", "--fast", "--draft-dtype", "fp32", "--verify-tokens", "3"]
+    )
+    assert generate.fill_defaults(args, 8) == "--fast: --target-gemm auto for stock GEMMs"
+    assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
+        "fp32",
+        "auto",
+        [3],
+        None,
+    )
 
 
 @pytest.mark.parametrize("B", [2, 4, 7])
@@ -2330,19 +2397,20 @@ def test_show_formats_a_block_by_hand():
 
 
 def watch(target, draft, p, n, proposer):
-    """Decode with an on_cycle hook; -> (ids, stats, [(drafts, unary, a, bonus)], lines, unary
-    argmax seen by the proposer)."""
+    """Decode with a watcher; -> (ids, stats, [(drafts, unary, a, bonus)], lines, unary argmax seen
+    by the proposer)."""
     cycles, lines, seen = [], [], []
 
-    def on_cycle(*cycle):
-        cycles.append(cycle)
-        lines.append(show.format_block(*cycle, text=str))
+    def on_cycle(c):
+        if c.drafts is not None:  # not the prefill's token
+            cycles.append((c.drafts, c.unary, c.accepted, c.bonus))
+            lines.append(show.format_block(*cycles[-1], text=str))
 
     def recording(draft, h, u, ids, *rest):
         seen.append(u[0].argmax(-1).tolist())
         return proposer(draft, h, u, ids, *rest)
 
-    out, st = speculate(target, draft, p, n, proposer=recording, on_cycle=on_cycle)
+    out, st = speculate(target, draft, p, n, proposer=recording, watch=on_cycle)
     return out, st, cycles, lines, seen
 
 
@@ -2433,7 +2501,7 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
             p,
             30,
             use_selector=use_selector,
-            on_cycle=lambda *c, **_: cycles.append(c),
+            watch=lambda c: cycles.append((c.drafts, c.unary, c.accepted, c.bonus)),
             **kw,
         )
         runs.append((out, st.taus, cycles))
@@ -2587,11 +2655,11 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
             and st.taus == [k + 1] * len(st.taus)
             and set(sent) == {k}
         )
-        out, st = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
+        out, _ = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
         assert torch.equal(out, ref[:, : p.shape[1] + 30])
-    default, st0 = decoding.speculative_generate(target, draft, p, 30)
-    same, st1 = decoding.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
-    assert torch.equal(default, same) and st0.taus == st1.taus
+    default, taus0 = decoding.speculative_generate(target, draft, p, 30)
+    same, taus1 = decoding.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
+    assert torch.equal(default, same) and taus0 == taus1
 
 
 def test_a_cycle_scores_only_the_slots_it_can_send():
@@ -2629,7 +2697,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
         # all B
         # rows, zeros past the real ones) changes nothing
         _, head = decoding.embed_and_head(target, draft)
-        draft.fast_head = cost.FastestRows(head, {d: B for d in range(1, B)})
+        draft.head = cost.FastestRows(head, {d: B for d in range(1, B)})
         wide, _ = speculate(
             target,
             draft,
@@ -2639,7 +2707,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             grower=record(tree.draft_tree),
             **kw,
         )
-        del draft.fast_head
+        del draft.head
         assert torch.equal(out, wide) and set(seen) == {(depth, depth)}
     _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
@@ -2694,9 +2762,9 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
         if isinstance(m, (torch.nn.Linear, int8.Int8Linear))
     }
     assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
-    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "fast_head" in linears
+    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "head" in linears
     _, head = decoding.embed_and_head(target, draft)
-    assert head is draft.fast_head
+    assert head is draft.head
     # every layer's projections, the convolutions' kernel projections and the selector's P are int8
     names = {n.rsplit(".", 1)[-1] for n in linears}
     assert {
@@ -3436,7 +3504,7 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     P = int(served.prompt_length(sample["loss_mask"]))
     shown = {k: v[: P + n] for k, v in sample.items()}  # served: the prompt and n answer tokens
     result = served.serve(target, draft, [shown], ("path", B - 1), use_selector=not plain)
-    _, stats = decoding.speculative_generate(target, draft, sample["input_ids"][None, :P], n)
+    _, stats = tree.speculate(target, draft, sample["input_ids"][None, :P], n, ("path", B - 1))
     anchors = result["anchors"][0]
     assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
     assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
@@ -3919,9 +3987,10 @@ def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch,
         assert machine.resolve_dtype("auto", "cpu", phase) == dtype, phase
     # lossless decoding, every CPU
     assert machine.resolve_dtype("auto", "cpu", "decode") == torch.float32
-    # a device name needs no GPU
+    # a device name needs no GPU; decoding's target stays fp32 there too (lossless)
     for phase in ("data", "decode", "train", "draft"):
-        assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == torch.bfloat16
+        gpu = torch.float32 if phase == "decode" else torch.bfloat16
+        assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == gpu
         # an explicit name is kept
         assert machine.resolve_dtype("fp16", "cpu", phase) == torch.float16
     note = machine.slow_bf16_note(torch.bfloat16, "cpu")
@@ -6035,7 +6104,7 @@ def test_imports_flow_one_way():
     assert inside_functions == []
     # the training step; train.py reaches decoding (and auto's cost model) only through served.py,
     # its final evaluation
-    assert "served" in graph["train"] and "decoding" in graph["served"]
+    assert "served" in graph["train"] and "decoding" in reachable(graph, "served")
     training = reachable({**graph, "train": graph["train"] - {"served"}}, "train")
     assert {"model", "loss", "metrics", "data", "speed.machine"} <= training
     assert not training & {"decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
@@ -6116,9 +6185,9 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
     commits = [ints(s.split(":")[0]) for s in after("commit")]
     assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
     assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
-    _, stats = decoding.speculative_generate(target, draft, prompt, 6)
-    assert len(commits[0]) == stats.taus[0]
-    assert after(str(answer)) == [f", taus {stats.taus}; the target's own answer: True"]
+    _, taus = decoding.speculative_generate(target, draft, prompt, 6)
+    assert len(commits[0]) == taus[0]
+    assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
 
 
 # ==================================================================== tools/plan.py: slow CPUs

@@ -25,15 +25,33 @@ Each node opens only its best child when branching is off: a tree of budget k is
 drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is fastest depends on
 the machine: `auto` (speed/auto.py) predicts it from measured costs and held-out acceptance
 statistics.
+
+tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps;
+speculate() runs either shape, timed (show.py), as generate.py, speed/bench.py and served.py do.
 """
 
 import heapq
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from decoding import (
+    Cycle,
+    commit,
+    draft_scores,
+    embed_and_head,
+    extend_context,
+    prefill,
+    sample,
+    speculative_generate,
+    target_forward,
+    unary_best,
+)
 from selector import top_k_candidates
+from show import phase, timed
+from target import crop
 
 # candidates per slot where the draft has no selector_top_k (plain DFlash)
 TOP_K = 16
@@ -68,6 +86,20 @@ class Tree:
 
 
 # ----------------------------------------------------------------------------- build
+@dataclass(order=True)
+class Opening:
+    """A node that may join the tree next: its score's negative and the order it was pushed in are
+    what the heap orders by (best score first, ties to the earlier); the rest says where it goes."""
+
+    neg_score: float
+    order: int
+    parent: int = field(compare=False)  # the node it would be a child of
+    depth: int = field(compare=False)
+    p: int = field(compare=False)  # the parent's candidate index (the anchor's: 0)
+    rank: int = field(compare=False)  # it would be the parent's rank-th child, 0: the best
+    parent_score: float = field(compare=False)
+
+
 def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1) -> Tree:
     """The best-first tree of `budget` nodes (fewer if the lattice has fewer).
 
@@ -81,36 +113,32 @@ def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1)
     children.
     """
     L, tree = len(cand_ids), Tree([anchor], [-1], [0])
-    # (-score, tie-break, parent node, depth, parent's candidate, rank, parent's score)
-    heap, count = [], 0
+    heap, order = [], itertools.count()
 
-    # the children at `depth` of a node holding candidate p (anchor: p = 0)
-    def row(depth, p):
+    def kids(depth, p):  # the children at `depth` of a node holding candidate p (anchor: p = 0)
         rows = children[depth - 1] if depth <= L else [[]]
         return rows[p] if len(rows) > 1 else rows[0]
 
-    def push(score, parent, depth, p, rank):  # the rank-th child of node `parent`
-        nonlocal count
-        # a certain miss gets no node
-        if rank < len(row(depth, p)) and row(depth, p)[rank][0] > -math.inf:
-            heapq.heappush(
-                heap, (-(score + row(depth, p)[rank][0]), count, parent, depth, p, rank, score)
-            )
-            count += 1
+    def push(parent_score, parent, depth, p, rank):  # the rank-th child of node `parent`
+        row = kids(depth, p)
+        if rank < len(row) and row[rank][0] > -math.inf:  # a certain miss gets no node
+            score = parent_score + row[rank][0]
+            heapq.heappush(heap, Opening(-score, next(order), parent, depth, p, rank, parent_score))
 
     push(0.0, 0, 1, 0, 0)
     while heap and len(tree.tokens) <= budget:
-        neg, _, parent, depth, p, rank, parent_score = heapq.heappop(heap)
-        c = row(depth, p)[rank][1]
-        tree.tokens.append(cand_ids[depth - 1][c])
-        tree.parents.append(parent)
-        tree.depths.append(depth)
-        push(-neg, len(tree.tokens) - 1, depth + 1, c, 0)  # its best child
-        if branch:
-            push(parent_score, parent, depth, p, rank + 1)  # its next sibling
+        node = heapq.heappop(heap)
+        c = kids(node.depth, node.p)[node.rank][1]
+        tree.tokens.append(cand_ids[node.depth - 1][c])
+        tree.parents.append(node.parent)
+        tree.depths.append(node.depth)
+        push(-node.neg_score, len(tree.tokens) - 1, node.depth + 1, c, 0)  # its best child
+        if branch:  # its next sibling
+            push(node.parent_score, node.parent, node.depth, node.p, node.rank + 1)
     return tree
 
 
+@phase("selector")
 @torch.no_grad()
 def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) -> Tree:
     """The cycle's tree: h [1, L, H] final draft hidden states, u [1, L, V] unary scores of slots
@@ -129,8 +157,7 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
         s = sel.lattice(h, ids[:, -1], cand_ids, cand_scores)[0].float()
         # the selector's K-way q
         logp = torch.log_softmax(s, dim=-1)
-    # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
-    else:
+    else:  # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
         # in vocabulary order
         by_id, perm = cand_ids.sort(dim=-1)
         best = (
@@ -151,6 +178,7 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
 
 
 # ---------------------------------------------------------------------------- verify in one forward
+@phase("verify")
 def attention_masks(tree: Tree, cache, dtype):
     """The additive 4-D masks [1, 1, n, kv] for the tree's n block tokens after the cached context:
     each node sees every cached row (inside the sliding window on sliding layers) and its own
@@ -183,11 +211,11 @@ def attention_masks(tree: Tree, cache, dtype):
     return masks if len(masks) > 1 else masks.popitem()[1]
 
 
+@phase("verify")
 def walk(tree: Tree, logits, pick):
     """Follow the target through the tree: logits [n, V] (row i: the target after node i's path),
-    pick(row)
-    -> the target's token there (its argmax, or a sample from p, exactly as plain decoding picks).
-    -> (accepted nodes, the token after the last of them: the bonus)."""
+    pick(row) -> the target's token there (its argmax, or a sample from p, exactly as plain
+    decoding picks) -> (accepted nodes, the token after the last of them: the bonus)."""
     child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if i}
     node, path = 0, []
     while True:
@@ -198,17 +226,89 @@ def walk(tree: Tree, logits, pick):
         path.append(node)
 
 
+@phase("verify")
 def keep_rows(cache, n: int, rows: list):
     """After a forward of n block tokens, move the KV rows of the kept block nodes `rows`
     (ascending) to the front of the block's rows, in every layer; crop() then drops the rest. The
     block's rows are the last n of every layer, sliding ones included (their cache keeps its past
-    until crop: generate.new_cache)."""
+    until crop: target.new_cache)."""
+    if rows == list(range(len(rows))):  # already in front: a path's accepted prefix
+        return
     idx = torch.tensor(rows)
     for layer in cache.layers:
         # [1, heads, rows, head_dim]
         for t in (layer.keys, layer.values):
             start = t.shape[2] - n
             t[:, :, start : start + len(rows)] = t[:, :, start + idx.to(t.device)]
+
+
+# ------------------------------------------------------------------------- the cycle, with a tree
+@torch.no_grad()
+def tree_generate(
+    target,
+    draft,
+    prompt_ids,
+    max_new_tokens,
+    budget: int,
+    *,
+    use_selector=True,
+    temperature=0.0,
+    generator=None,
+    stop_ids=(),
+    watch=None,
+):
+    """decoding.speculative_generate's cycle with a tree of `budget` nodes verified in place of the
+    path: the same steps, but for the proposal (draft_tree), the verify's positions and mask, the
+    walk, and the KV rows kept. -> (ids [1, P + n], taus)."""
+    c, P, dev = draft.config, prompt_ids.shape[1], prompt_ids.device
+    L = min(budget, c.block_size - 1)  # the deepest slot a tree of `budget` nodes reaches
+    embed, head = embed_and_head(target, draft)
+    pick = lambda row: sample(row, temperature, generator)  # noqa: E731
+    cache, ctx, logits = prefill(target, draft, prompt_ids)
+    ids, done = commit(prompt_ids, [pick(logits)], P, max_new_tokens, stop_ids)
+    if watch:
+        watch(Cycle(ids[0, P:].tolist()))
+    taus = []
+    while not done:
+        s = ids.shape[1] - 1  # the anchor
+        # 1. Draft: the same block forward, slots 1..L scored.
+        h, u = draft_scores(draft, embed, head, ctx, ids, L)
+        # 2. Grow the tree best-first over each slot's top-K, from the draft's scores alone.
+        t = draft_tree(draft, h, u, ids, budget, use_selector)
+        # 3. Verify: ONE target forward over [anchor, nodes...]; node i sits at s + depth_i and
+        #    sees its ancestors only (a path's ancestor mask is the causal one).
+        kw = {}
+        if not t.is_chain():
+            pos = s + torch.tensor([t.depths], device=dev)
+            kw = dict(position_ids=pos, attention_mask=attention_masks(t, cache, target.dtype))
+        block = torch.tensor([t.tokens], device=dev)
+        logits, feats = target_forward(target, cache, c.target_layer_ids, block, **kw)
+        # 4. Accept: follow the target's own token (argmax, or a sample from p) down the tree.
+        path, bonus = walk(t, logits, pick)
+        # 5. Keep only the KV rows of the anchor and the accepted nodes, in order; crop the rest.
+        rows = [0] + path
+        keep_rows(cache, len(t.tokens), rows)
+        crop(cache, s + len(rows))
+        # 6. Their features become draft context.
+        extend_context(draft, ctx, feats[:, rows], s)
+        ids, done = commit(ids, [t.tokens[i] for i in path] + [bonus], P, max_new_tokens, stop_ids)
+        taus.append(len(path) + 1)
+        if watch:
+            best = unary_best(u)
+            unary = [best[d - 1] for d in t.depths[1:]]  # the unary argmax of each node's slot
+            new = ids[0, s + 1 :].tolist()
+            watch(Cycle(new, t.tokens[1:], unary, len(path), bonus, tree=t, path=path))
+    return ids, taus
+
+
+def speculate(target, draft, prompt_ids, max_new_tokens, shape, **kw):
+    """Speculative decoding as the scripts run it: a verify shape, ("path", k) or ("tree", n), and
+    its statistics -> (ids [1, P + n], show.Stats). kw: speculative_generate's (use_selector,
+    temperature, generator, stop_ids, watch)."""
+    kind, n = shape
+    run = speculative_generate if kind == "path" else tree_generate
+    decode = lambda: run(target, draft, prompt_ids, max_new_tokens, n, **kw)  # noqa: E731
+    return timed(decode, prompt_ids, draft.config.block_size)
 
 
 def label(shape) -> str:

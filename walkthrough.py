@@ -404,11 +404,11 @@ def decode(say, target, draft, embed, head, ids, h_train):
     cache, ctx, ids2 = prefill(target, draft, prompt)
     say("  cycle 1 again, a scripted draft right at slots 1 and 2, wrong at slot 3:")
     ids2, tau2, _ = cycle(say, target, draft, embed, head, cache, ctx, ids2, script)
-    out, stats = serve(target, draft, prompt, ANSWER)
+    out, taus = serve(target, draft, prompt, ANSWER)
     new = out[0, len(PROMPT) :].tolist()
     say("  the whole answer, decoding.speculative_generate with the random draft:")
-    say(f"    {new}, taus {stats.taus}; the target's own answer: {new == answer}")
-    return ids1, tau, ids2, tau2, out, stats
+    say(f"    {new}, taus {taus}; the target's own answer: {new == answer}")
+    return ids1, tau, ids2, tau2, out, taus
 
 
 # ----------------------------------------------------------------------------- main

@@ -1,6 +1,7 @@
 """CPU speed: how to run the target and the draft fast on this machine. A reader learning DFlash2
-can skip this package: with `--target-dtype fp32 --draft-dtype fp32 --target-gemm stock
---verify-tokens K` nothing in it changes what runs.
+can skip this package: generate.py's defaults run nothing of it on the draft or the target (the
+draft as trained, stock GEMMs, the path of B-1 drafts); `--fast`, a `--draft-dtype`, a
+`--target-gemm` or an `auto` shape opt in.
 
 The core reaches it through two modules only:
     machine.py  the rule (no measurement): the precision of each phase on this CPU. train.py

@@ -15,12 +15,13 @@ for every row.
 
 import torch
 
-from decoding import shape_kw, speculative_generate, target_generate
+from decoding import target_generate
 from promptsets import eval_prompts
+from show import timed
 from speed.auto import plan
 from speed.gemm import set_layout
 from target import encode
-from tree import label
+from tree import label, speculate
 
 
 def tok_per_s(stats) -> float:
@@ -40,12 +41,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         )
     ]
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        generator=gen,
-        stop_ids=stop,
-    )
+    new, kw = args.max_new_tokens, dict(temperature=args.temperature, generator=gen, stop_ids=stop)
     kwargs = args.chat_template_kwargs
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev, kwargs)
     print(
@@ -57,13 +53,12 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             encode(tok, [{"role": "user", "content": text}], dev, kwargs)
             for text in eval_prompts(name)[: args.bench_limit]
         ]
-        specs = {r: dict(use_selector=r[0] == "selector", **shape_kw(r[1])) for r in rows}
         for layout in plains:  # warm-ups
             set_layout(target, layout)
             target_generate(target, warm, 8)
         set_layout(target, layouts["speculate"])
         for r in rows:
-            speculative_generate(target, draft, warm, 8, **specs[r])
+            speculate(target, draft, warm, 8, r[1], use_selector=r[0] == "selector")
         # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
         # and a drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs
         # of one VM).
@@ -71,14 +66,17 @@ def bench(target, draft, tok, args, gen, stop, layouts):
         for ids in prompts:
             for layout in plains:
                 set_layout(target, layout)
-                out, stats = target_generate(target, ids, **kw)
+                out, stats = timed(lambda: target_generate(target, ids, new, **kw), ids)
                 runs["plain " + layout].append(stats)
                 # the first layout's: the reference
                 if layout == plains[0]:
                     outs.setdefault("plain", []).append(out)
             set_layout(target, layouts["speculate"])
             for r in rows:
-                out, stats = speculative_generate(target, draft, ids, **specs[r], **kw)
+                use_selector = r[0] == "selector"
+                out, stats = speculate(
+                    target, draft, ids, new, r[1], use_selector=use_selector, **kw
+                )
                 runs[r].append(stats)
                 outs.setdefault(r, []).append(out)
         base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)

@@ -30,8 +30,9 @@ import torch
 import model
 from common import DTYPES, bounded, run
 from config import load_config
-from decoding import embed_and_head, now, propose
+from decoding import embed_and_head, propose
 from export import load_any
+from show import now
 from speed import machine
 from speed.auto import priced_sizes
 from speed.gemm import drop_packs, set_layout
@@ -96,11 +97,11 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
 
 
 def use_fastest_rows(draft, target):
-    """Give the draft, in its precision here, the head that scores its rows fastest
-    (draft.fast_head, which decoding.embed_and_head hands out): its own head, over head_rows' row
-    counts. -> those row counts, {L: r}."""
-    draft.fast_head = FastestRows(embed_and_head(target, draft)[1], head_rows(draft, target))
-    return draft.fast_head.rows
+    """Give the draft, in its precision here, the head that scores its rows fastest (draft.head,
+    which decoding.embed_and_head scores with where a draft carries one): its own head, over
+    head_rows' row counts. -> those row counts, {L: r}."""
+    draft.head = FastestRows(embed_and_head(target, draft)[1], head_rows(draft, target))
+    return draft.head.rows
 
 
 class FastestRows(torch.nn.Module):

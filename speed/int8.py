@@ -68,12 +68,12 @@ def runs() -> bool:
 
 
 def quantize(draft, head_weight):
-    """An fp32 CPU draft in place: every nn.Linear but fc -> Int8Linear, and draft.fast_head, the
-    target's head [V, H] in int8, which decoding.embed_and_head hands out instead of the fp32
+    """An fp32 CPU draft in place: every nn.Linear but fc -> Int8Linear, and draft.head, the
+    target's head [V, H] in int8, which decoding.embed_and_head scores with instead of the fp32
     product."""
     for name, m in list(draft.named_modules()):
         if isinstance(m, nn.Linear) and name != "fc":
             parent, _, child = name.rpartition(".")
             setattr(draft.get_submodule(parent), child, Int8Linear(m.weight))
-    draft.fast_head = Int8Linear(head_weight)
+    draft.head = Int8Linear(head_weight)
     return draft

@@ -6,15 +6,16 @@ packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the p
 file, for one of four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
-    decode  the target in generate.py, batch 1: fp32 on a CPU, because in bf16 verifying 8
-            tokens in one forward rounds differently from decoding them one by one, which flips
-            near-ties (docs/cpu.md)
+    decode  the target in generate.py, batch 1: fp32 on every device, because in bf16 verifying
+            8 tokens in one forward rounds differently from decoding them one by one, which flips
+            near-ties (docs/speculation.md, "Greedy equality and the target's precision")
     train   the draft's autocast in train.py
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
     precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
-               AVX-512 kernels), else fp32; decode is fp32 on every CPU. The draft, on every x86 CPU
-               the rule knows: int8 weights (int8.py), measured faster than bf16 and fp32 alike.
+               AVX-512 kernels), else fp32; decode is fp32 on every device. The draft, on every
+               x86 CPU the rule knows: int8 weights (int8.py), measured faster than bf16 and fp32
+               alike.
     layout     CPU only (gemm.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels;
                stock bf16 GEMMs are slower). fp32: whichever a short measurement on this machine
                found fastest (cost.py; cached per machine, since the capability cannot tell:
@@ -96,10 +97,10 @@ def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
     assert phase in ("data", "decode", "train", "draft"), phase
     if name != "auto":
         return DTYPES[name]
+    if phase == "decode":  # lossless: greedy speculation equals plain greedy token for token
+        return torch.float32
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    if phase == "decode":
-        return torch.float32
     return torch.bfloat16 if native_bf16(cpu_info())[0] else torch.float32
 
 
@@ -189,9 +190,11 @@ def check_layout(layout: str, dtype, device):
 
 
 def choose_layout(dtype, device, wanted, measure=None) -> tuple:
-    """--target-gemm {auto, stock, onednn, mkl} -> (layout, why). measure() -> {layout: ms} of the
-    phase's own shape in every layout of layouts_here(); it is called only where the rule cannot
-    tell."""
+    """--target-gemm {auto, stock, onednn, mkl} or None (generate.py's default: stock, nothing asked
+    or measured) -> (layout, why). measure() -> {layout: ms} of the phase's own shape in every
+    layout of layouts_here(); it is called only where the rule cannot tell."""
+    if wanted is None:
+        return "stock", "stock GEMMs"
     if wanted != "auto":
         check_layout(wanted, dtype, device)
         return wanted, f"{wanted} GEMMs (asked)"

@@ -2,8 +2,8 @@
 
     prepare.py   data_target(target, dtype, wanted)   the target's GEMM layout for batched forwards
     generate.py  decoding(target, draft, args)        the draft in its precision with its
-                                                      fastest head, the target in its fastest
-                                                      layout, and a line
+                                                      fastest head (or as trained), the target
+                                                      in its layout, and a line
                  verify_shapes(args, draft, mode, layouts)   the verify shapes asked, `auto` chosen
 
 Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement
@@ -33,12 +33,17 @@ def data_target(target, dtype, wanted: str):
 
 def decoding(target, draft, args):
     """generate.py: the draft in --draft-dtype's precision here, with the head that scores its rows
-    fastest (draft.fast_head); the target in --target-gemm's layout. -> (draft, layouts, line);
+    fastest (draft.head), or, with no --draft-dtype (None), as trained: nothing of this package
+    touches it; the target in --target-gemm's layout (None: stock). -> (draft, layouts, line);
     layouts is cost.decoding_layouts' answer, which verify_shapes and --bench price with."""
     device = next(target.parameters()).device
-    precision = machine.draft_precision(args.draft_dtype, device)
-    draft = machine.draft_in(precision, draft, target, device)
-    cost.use_fastest_rows(draft, target)
+    if args.draft_dtype is None:
+        draft = draft.to(device)
+        precision = f"{machine.dtype_name(next(draft.parameters()).dtype)} (as trained)"
+    else:
+        precision = machine.draft_precision(args.draft_dtype, device)
+        draft = machine.draft_in(precision, draft, target, device)
+        cost.use_fastest_rows(draft, target)
     layouts = cost.decoding_layouts(target, draft, args.target_gemm)
     dtype = next(target.parameters()).dtype
     target_line = f"{machine.dtype_name(dtype)}, {layouts['why']}"

@@ -488,7 +488,7 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
             # it writes a few tokens past -n (a prefix is enough) but stops at an EOG as generate.py
             rest = text[sum(map(len, pieces)) :]
             same = m == len(pieces) and (not ended or rest.strip(b"\n") == b"")
-            ours, stats = speculative_generate(
+            ours, taus = speculative_generate(
                 target, draft, ids, args.max_new_tokens, verify_tokens=k, stop_ids=stop
             )
             row[f"k{k}"] = {
@@ -497,8 +497,8 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
                 "generate_spec_same": torch.equal(ours, gen),
                 "llama_cycles": len(spec["cycles"]),
                 "llama_accepted": sum(c[0] for c in spec["cycles"]),
-                "generate_cycles": len(stats.taus),
-                "generate_accepted": sum(t - 1 for t in stats.taus),
+                "generate_cycles": len(taus),
+                "generate_accepted": sum(t - 1 for t in taus),
                 # cycles are compared where both wrote the same tokens
                 "cycles": compare_cycles(target, draft, gen[:, : P + m], P, spec["cycles"]),
             }
@@ -595,6 +595,7 @@ def generate_bench(draft, args) -> dict:
         str(args.prompts),
         "--max-new-tokens",
         str(args.max_new_tokens),
+        "--fast",  # the speed rows: the int8 draft, packed GEMMs, auto's shape
     ]
     out = sh(
         cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, what="generate.py --bench"
