@@ -2,32 +2,52 @@
 test (explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core
 CPU.
 
-Sections, in file order (each starts with a "# ====" banner):
+Part 1, "# ==== the method, by hand": the tests marked `method` (python -m pytest -m method -q
+test_all.py), in reading order, each naming the section of docs/semantics.md it pins; one "# ----"
+banner each:
     conv.py                      the convolution against an explicit loop, identity at init
-    selector.py                  scores, lattice and walks against their formulas
-    model.py and config.py       training path == inference path, validation rules, save / load
+    selector.py                  the unary transform, scores, lattice and walks against their
+                                 formulas
+    attention.py and model.py    the attention rule: many anchored blocks in one training pass ==
+                                 one block against a cache, every layout; DFlash2 at init == DFlash
+    loss.py                      anchors, labels, weights and every loss against hand-worked numbers
+    decoding.py                  greedy is lossless on tiny models; scripted always-right and
+                                 wrong-at-k drafts; the rejection rule by hand and what it samples
+    tree.py                      best-first growth by hand, ancestor masks, scripted trees, the tree
+                                 walk samples the target
+    walkthrough.py               the walkthrough's printed numbers, by hand
+Part 2, "# ==== the machinery": what the method runs on, then one "# ====" banner each (its "# ----"
+banners are subsections):
+    model.py and config.py       gradient checkpointing, validation rules, save / load, the shipped
+                                 configs
     target.py                    feature capture, the embedded target's conversion, packed weights
-    loss.py                      labels, weights and every loss against hand-worked numbers,
-                                 chunking, the per-slot acceptance statistics
-    data.py, prepare.py,         loss masks, conversation readers, regeneration, feature shards,
-    features.py                  batched capture, streamed reading equal to the shards, flat memory
+    loss.py                      chunking, the per-slot acceptance statistics
+    prepare.py                   data.py, prepare.py, features.py: loss masks, conversation readers,
+                                 regeneration, feature shards, batched capture, streamed reading
+                                 equal to the shards, flat memory
     promptsets.py                the prompt sets (skipped without the data packages)
-    decoding.py, generate.py,    greedy is lossless (== transformers' generate), the rejection rule,
-    tree.py                      sampling, --show; trees: best-first growth, 4-D masks, KV gather,
-                                 scripted trees, sampling, what auto chooses
-    speed/, tools/plan.py        the rule per CPU (other CPUs played by monkeypatch), packed-layout
-                                 choice and refusals, the per-machine cache, the job's sizing
+    generate.py                  bench, the command line == transformers' generate, lossless in each
+                                 precision and CPU layout, sampling against the target's
+                                 distribution, --show, --verify-tokens, the cycle's head rows, int8,
+                                 tree == path, tree sampling, what auto chooses
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py, flops.py           loss goes down, resume, acceptance.json, DDP == accumulation,
-                                 freezing, compile; FSDP == accumulation, resume onto another
-                                 number of ranks; target dtype, FLOPs against a hand count, MFU
+    train.py                     train.py, flops.py: loss goes down, resume, acceptance.json, served
+                                 acceptance, anchor coverage, DDP == accumulation, freezing,
+                                 compile; FSDP == accumulation, resume onto another number of ranks;
+                                 the rule per CPU (speed/: other CPUs played by monkeypatch),
+                                 packed-layout choice and refusals, the per-machine cache,
+                                 tools/plan.py's sizing; target dtype, FLOPs against a hand count,
+                                 MFU
     data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
-    the GPU path                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped
+    the GPU path (tools/gpu_check.py)
+                                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped
                                  without a GPU): compiled flex == sdpa, bf16 step == fp32 step,
                                  torchrun + nccl resume, MFU
+    llama.cpp                    the converter reads every key it needs from an export
     the project's shape          imports flow one way
+    tools/plan.py: slow CPUs     the plan keeps slow and fast CPUs inside the budget
 """
 
 import contextlib
@@ -162,7 +182,12 @@ def randomize(m: torch.nn.Module, seed=0, std=0.2):
     return m
 
 
-# ============================================================================ conv.py
+# ============================================================================ the method, by hand
+# The tests marked `method` (python -m pytest -m method -q test_all.py), in reading order,
+# each naming the section of docs/semantics.md it pins.
+
+
+# ---------------------------------------------------------------------------- conv.py
 def conv_loop(conv, a, f):
     """docs/semantics.md, section 2.1 written as plain loops over position, tap and channel."""
     N, S, H = a.shape
@@ -184,6 +209,8 @@ def conv_loop(conv, a, f):
     return run(f(run(a, 0)), 1)
 
 
+# pins docs/semantics.md section 2.1
+@pytest.mark.method
 def test_conv_equals_explicit_loop():
     torch.manual_seed(0)
     conv = randomize(
@@ -196,6 +223,8 @@ def test_conv_equals_explicit_loop():
         assert torch.allclose(conv(a, f), conv_loop(conv, a, f), atol=1e-6)
 
 
+# pins docs/semantics.md section 2.1
+@pytest.mark.method
 def test_conv_never_crosses_block_boundary():
     torch.manual_seed(0)
     conv = randomize(GroupedDynamicCausalConv(16, 3, 4, block_size=4))
@@ -212,6 +241,8 @@ def test_conv_never_crosses_block_boundary():
         assert torch.allclose(conv(a, f)[:, 8:12], conv(a[:, 8:12], f), atol=1e-6)
 
 
+# pins docs/semantics.md section 2.1
+@pytest.mark.method
 def test_conv_identity_at_init_is_exact():
     torch.manual_seed(0)
     conv = GroupedDynamicCausalConv(16, 2, 4, block_size=4)
@@ -227,6 +258,8 @@ def test_conv_identity_at_init_is_exact():
             assert torch.count_nonzero(cv.kernel_projection.weight) == 0
 
 
+# pins docs/semantics.md section 2.1
+@pytest.mark.method
 def test_conv_gradients_reach_both_parameters():
     torch.manual_seed(0)
     conv = GroupedDynamicCausalConv(16, 2, 4, block_size=4)  # identity init
@@ -236,13 +269,9 @@ def test_conv_gradients_reach_both_parameters():
     assert conv.kernel_projection.weight.grad.abs().sum() > 0
 
 
-# ============================================================================ selector.py
-def make_selector(seed=0, fresh=False):
-    torch.manual_seed(seed)
-    s = CandidateSelector(hidden_size=12, vocab_size=30, rank=6, top_k=5, initializer_range=0.02)
-    return s if fresh else randomize(s, seed, std=0.5)
-
-
+# ---------------------------------------------------------------------------- selector.py
+# pins docs/semantics.md section 1 (output)
+@pytest.mark.method
 def test_unary_transform_formula():
     z = torch.tensor([-3.0, 0.0, 2.0])
     assert torch.allclose(unary_transform(z, 0.5, None), torch.tensor([-1.5, 0.0, 1.0]))
@@ -251,6 +280,14 @@ def test_unary_transform_formula():
     assert torch.equal(unary_transform(z), z)
 
 
+def make_selector(seed=0, fresh=False):
+    torch.manual_seed(seed)
+    s = CandidateSelector(hidden_size=12, vocab_size=30, rank=6, top_k=5, initializer_range=0.02)
+    return s if fresh else randomize(s, seed, std=0.5)
+
+
+# pins docs/semantics.md section 2.2
+@pytest.mark.method
 def test_selector_scores_equal_formula():
     s = make_selector()
     h = torch.randn(3, 12)
@@ -274,6 +311,8 @@ def test_selector_scores_equal_formula():
                     assert torch.allclose(got[n, p, c], want, atol=1e-5)
 
 
+# pins docs/semantics.md section 2.2
+@pytest.mark.method
 def test_fresh_selector_walk_is_unary_argmax():
     s = make_selector(fresh=True)
     h, u = torch.randn(4, 7, 12), torch.randn(4, 7, 30)
@@ -281,6 +320,8 @@ def test_fresh_selector_walk_is_unary_argmax():
     assert torch.equal(ids, u.argmax(-1))
 
 
+# pins docs/semantics.md section 2.2
+@pytest.mark.method
 def test_lattice_rows_match_the_sequential_walk():
     s = make_selector(seed=3)
     h, u = torch.randn(4, 6, 12), torch.randn(4, 6, 30)
@@ -302,6 +343,8 @@ def test_lattice_rows_match_the_sequential_walk():
         assert not torch.equal(ids, u.argmax(-1))
 
 
+# pins docs/semantics.md section 2.2
+@pytest.mark.method
 def test_sampling_walk_distribution():
     s = make_selector(seed=4)
     h, u = torch.randn(3, 5, 12), torch.randn(3, 5, 30)
@@ -321,8 +364,7 @@ def test_sampling_walk_distribution():
                 prev = ids[n, j]
 
 
-# ============================================================================ model.py and
-# config.py
+# ------------------------------------------------------------------------ attention.py and model.py
 def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
@@ -333,6 +375,8 @@ def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     return ids, feats, anchors
 
 
+# pins docs/semantics.md section 1 (the attention rule)
+@pytest.mark.method
 @pytest.mark.parametrize(
     "kw",
     [
@@ -374,6 +418,8 @@ def twin_drafts():
     return d2, d1
 
 
+# pins docs/semantics.md section 2
+@pytest.mark.method
 def test_dflash2_at_init_equals_plain_dflash():
     d2, d1 = twin_drafts()
     c2 = d2.config
@@ -385,6 +431,815 @@ def test_dflash2_at_init_equals_plain_dflash():
     assert torch.equal(h1, h2)
 
 
+# ---------------------------------------------------------------------------- loss.py
+# pins docs/semantics.md section 4 (anchors)
+@pytest.mark.method
+def test_anchor_sampling():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])  # anchors: p with mask[p] = mask[p+1] = 1
+    assert data.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
+    counts = torch.zeros(8)
+    for seed in range(300):  # 2 of the 3, uniformly, sorted
+        a = data.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
+        assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
+        counts[a] += 1
+    assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
+
+
+# pins docs/semantics.md section 4 (labels and base weights)
+@pytest.mark.method
+def test_block_labels_by_hand():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1, 0, 1]])
+    labels, prev, w0 = L.block_labels(
+        ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3
+    )
+    # the last slot of anchor 3 runs past S
+    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]
+    assert prev.tolist() == [[[6, 7], [8, 9], [5, 6]]]
+    assert w0.tolist() == [[[1, 0], [1, 0], [0, 0]]]
+
+
+# pins docs/semantics.md section 4 (position weights)
+@pytest.mark.method
+def test_dpace_weights_formula():
+    q = torch.tensor([[0.6, 0.5, 0.9]])
+    w0 = torch.tensor([[1.0, 0.0, 1.0]])
+    # s = [.8, 1, .95]; P = [.8, .8, .76]; d = [.8 + .76, .76, .76]
+    assert torch.allclose(L.dpace_weights(q, w0, 0.5), torch.tensor([[1.56, 0.0, 0.76]]))
+
+
+HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)  # [V=4, H=8]
+
+
+def hand_config(**kw):
+    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
+    directly."""
+    base = dict(
+        hidden_size=8,
+        intermediate_size=8,
+        vocab_size=4,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        conv_group_size=8,
+        selector_rank=1,
+        selector_top_k=2,
+        mask_token_id=3,
+        block_size=3,
+    )
+    return tiny_config(**{**base, **kw})
+
+
+def hand_hidden(rows):
+    h = torch.zeros(1, 1, 3, 8)
+    for j, r in rows.items():
+        h[0, 0, j, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return h
+
+
+def worked_example(loss, weighting="exp", target=False):
+    """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
+    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
+    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    th = None
+    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
+        th = torch.zeros(1, 4, 8)
+        th[0, 1, :4] = torch.tensor(q1).log()
+        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    draft = DraftModel(config.plain_dflash(hand_config()))
+    out = L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[0, 1, 2, 1]]),
+        torch.tensor([[0, 1, 1, 1]]),
+        torch.tensor([[1]]),
+        torch.tensor([[True]]),
+        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
+        target_hidden=th,
+    )
+    return out["numerator"].item(), out["denominator"].item()
+
+
+# pins docs/semantics.md section 4 (base loss)
+@pytest.mark.method
+def test_base_losses_worked_example():
+    # exp weights, gamma 2: [1, e^-1/2]
+    e = math.exp(-0.5)
+    assert worked_example("ce") == pytest.approx((-math.log(0.6) - e * math.log(0.5), 1 + e))
+    assert worked_example("tv") == pytest.approx((0.4 + e * 0.5, 1 + e))
+    lam = math.exp(-(0.6 + 0.5) / 2)
+    ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
+    assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
+    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
+    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
+    # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
+    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
+    # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
+    assert worked_example("ce", "dpace") == pytest.approx(
+        (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
+    )
+
+
+def ce_of(scores, idx):
+    return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
+
+
+def selector_case(third_token, miss="strict", alpha_t=1.0):
+    """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
+    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
+    {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
+    draft = DraftModel(hand_config())
+    sel = draft.candidate_selector
+    with torch.no_grad():
+        sel.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
+        sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
+        sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
+    h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
+    return L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[2, 1, third_token]]),
+        torch.tensor([[1, 1, 1]]),
+        torch.tensor([[0]]),
+        torch.tensor([[True]]),
+        L.LossConfig(gamma=2.0, selector_miss=miss),
+        alpha_t=alpha_t,
+    )
+
+
+# pins docs/semantics.md section 4 (selector loss)
+@pytest.mark.method
+def test_selector_loss_strict_and_replace():
+    e = math.exp(-0.5)
+    # slot 1 label 1, anchor row A[2] = 0
+    ce1 = ce_of([1.0, 0.5], 1)
+    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
+    # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
+    out = selector_case(3)
+    sel_n = out["metrics"]["sel_loss"][0].item()
+    assert sel_n == pytest.approx(ce1 + e * ce_of([-0.9, 1.0], 1), rel=1e-5)
+    # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
+    out = selector_case(0)
+    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1, rel=1e-5)
+    assert out["metrics"]["sel_acc"][1].item() == 1  # only slot 1 is covered
+    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
+    assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
+    # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
+    out = selector_case(0, miss="replace")
+    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(
+        ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5
+    )
+
+
+# pins docs/semantics.md section 4 (selector loss)
+@pytest.mark.method
+def test_self_conditioned_path_feeds_back_its_own_choice():
+    m = selector_case(3)["metrics"]
+    # slot 1: path and teacher both pick 0 (label 1) -> wrong. Slot 2: the teacher predecessor 1
+    # gives 3 = label, but the path continues from its own 0 and picks 2.
+    assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
+    assert m["path_acc"][0].tolist() == [0.0, 0.0] and m["path_acc"][1].tolist() == [1.0, 1.0]
+    assert m["accept_selector"][0].item() == 1  # only the anchor
+    assert m["accept_oracle"][0].item() == 3  # both labels are in the top-2
+    assert m["topk_recall"][0].item() == 2
+
+
+def grads(m):
+    return {k: (None if p.grad is None else p.grad.clone()) for k, p in m.named_parameters()}
+
+
+def model_batch(seed=0, **kw):
+    c = tiny_config(**kw)
+    torch.manual_seed(seed)
+    draft = randomize(DraftModel(c), seed, std=0.1)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    head = torch.randn(c.vocab_size, c.hidden_size)
+    ids, feats, anchors = random_batch(c, S=24, A=5)
+    loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[1, -1] = False
+    return draft, embed, head, ids, feats, anchors, loss_mask, valid
+
+
+def run_objective(
+    draft,
+    embed,
+    head,
+    ids,
+    feats,
+    anchors,
+    loss_mask,
+    valid,
+    *,
+    alpha_t=None,
+    target_hidden=None,
+    acceptance=False,
+    **cfg,
+):
+    h = model.forward_training(draft, embed, ids, feats, anchors)
+    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
+    return L.objective(
+        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
+    )
+
+
+# pins docs/semantics.md section 4 (selector loss)
+@pytest.mark.method
+def test_selector_gradients_and_stop_gradient():
+    draft, *rest = model_batch()
+    run_objective(draft, *rest, alpha_t=1.0)["numerator"].backward()
+    g = grads(draft)
+    for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+        assert g["candidate_selector." + k].abs().sum() > 0, k
+    # with stop_gradient the backbone sees only the base loss
+    draft.zero_grad(set_to_none=True)
+    run_objective(draft, *rest, alpha_t=1.0, stop_gradient=True)["numerator"].backward()
+    g_stop = grads(draft)
+    draft.zero_grad(set_to_none=True)
+    run_objective(draft, *rest, alpha_t=None)["numerator"].backward()
+    g_base = grads(draft)
+    for k, v in g_base.items():
+        if not k.startswith("candidate_selector"):
+            assert torch.allclose(g_stop[k], v, atol=1e-7), k
+    assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
+    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
+    # used)
+    draft.zero_grad(set_to_none=True)
+    run_objective(draft, *rest, alpha_t=0.0)["numerator"].backward()
+    sel_grad = draft.candidate_selector.successor_codebook.grad
+    assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
+
+
+# pins docs/semantics.md section 2 and 2.2
+@pytest.mark.method
+def test_fresh_dflash2_base_loss_equals_plain_dflash():
+    d2, d1 = twin_drafts()
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    with torch.no_grad():
+        a = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
+        b = run_objective(d1, embed, head, ids, feats, anchors, loss_mask, valid)
+    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
+        a["denominator"], b["denominator"]
+    )
+    # and its selector walk is the unary greedy path
+    assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
+
+
+# pins docs/semantics.md section 4 (selector weight schedule)
+@pytest.mark.method
+def test_selector_alpha_schedule():
+    got = [L.selector_alpha(t, 10, 0.9, 0.2, 0.3) for t in range(6)]
+    assert got == pytest.approx([0, 0, 0.3, 0.6, 0.9, 0.9])
+    assert L.selector_alpha(0, 10, 0.5, 0.0, 0.0) == 0.5
+
+
+# ---------------------------------------------------------------------------- decoding.py
+def assert_lossless(target, draft, p, B, use_selector):
+    """Greedy speculative decoding gives the target's greedy output, every cycle sends 1 to B
+    tokens, and a stop token ends both loops right after its first occurrence."""
+    ref, _ = decoding.target_generate(target, p, 30)
+    out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
+    assert torch.equal(out, ref)
+    assert out.shape[1] == p.shape[1] + 30 and all(1 <= t <= B for t in taus)
+    # a stop token ends both loops right after its first occurrence
+    stop = int(ref[0, p.shape[1] + 9])
+    ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
+    out_s, _ = decoding.speculative_generate(
+        target, draft, p, 30, use_selector=use_selector, stop_ids={stop}
+    )
+    assert (
+        torch.equal(out_s, ref_s)
+        and int(out_s[0, -1]) == stop
+        and out_s.shape[1] <= p.shape[1] + 10
+    )
+
+
+def prompt(n=6, vocab=64, seed=0):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_draft(B=4, plain=False, seed=0, **kw):
+    """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
+    kw.setdefault("conv_kernel_size", min(2, B))
+    c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
+    c = config.plain_dflash(c) if plain else c
+    return randomize(DraftModel(c), seed=seed, std=0.2).eval()
+
+
+def tiny_target(kind: str, initializer_range=0.02):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        initializer_range=initializer_range,
+    )
+    if kind in ("llama", "llama-eager"):
+        return LlamaForCausalLM(
+            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
+        ).eval()
+    if kind == "mistral-sliding":  # every layer a sliding window of 5
+        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
+    if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
+        return Qwen3ForCausalLM(
+            Qwen3Config(
+                **kw,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                sliding_window=5,
+                use_sliding_window=True,
+            )
+        ).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+@pytest.mark.parametrize(
+    "B,kind,draft_kw,use_selector",
+    [
+        (2, "llama", {}, True),
+        (4, "llama", {}, True),
+        (4, "llama", {}, False),  # --unary
+        (7, "qwen3", {}, True),
+        # plain DFlash: no selector, always the unary path
+        (4, "qwen3", dict(plain=True), True),
+    ],
+)
+def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
+    target, draft, p = tiny_target(kind), tiny_draft(B, **draft_kw), prompt()
+    assert_lossless(target, draft, p, B, use_selector)
+
+
+def scripted_proposer(ref, wrong_at):
+    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
+    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
+    wrong_at(L) + 1."""
+
+    def proposer(draft, h, u, ids, temperature, use_selector, generator):
+        L, B1 = ids.shape[1], u.shape[1]
+        d = ref[:, L : L + B1].clone()
+        k = wrong_at(L)
+        if k is not None:
+            d[0, k] = (d[0, k] + 1) % u.shape[-1]
+        return d, None
+
+    return proposer
+
+
+def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
+    """tree.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
+    proposal (decoding.propose) or its tree growth (tree.draft_tree) replaced for this call: how the
+    tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
+    k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
+    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
+    with pytest.MonkeyPatch.context() as mp:
+        if proposer is not None:
+            mp.setattr(decoding, "propose", proposer)
+        if grower is not None:
+            mp.setattr(tree, "draft_tree", grower)
+        return tree.speculate(target, draft, p, n, shape, **kw)
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+@pytest.mark.parametrize("B", [2, 4, 7])
+def test_always_right_always_wrong_and_partial_drafts(B):
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    P, n = p.shape[1], 25
+    # long enough for any last block
+    ref, _ = decoding.target_generate(target, p, n + B)
+    ref_n = ref[:, : P + n]
+    # always right: every cycle accepts all B-1 drafts plus the bonus
+    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
+    assert torch.equal(out, ref_n) and st.taus == [B] * len(st.taus)
+    assert st.accepted_at == [len(st.taus)] * (B - 1)
+    # always wrong at slot 1: tau 1, one target token per cycle
+    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
+    assert torch.equal(out, ref_n) and st.taus == [1] * (n - 1)
+    # wrong at slot k(L) + 1: exactly k(L) drafts accepted, which moves the crop point every cycle
+    k = lambda L: L % (B - 1)
+    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, k))
+    assert torch.equal(out, ref_n)
+    L, want = P + 1, []
+    while L < P + n:
+        want.append(k(L) + 1)
+        L += k(L) + 1
+    assert st.taus == want
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+def test_draft_context_equals_a_fresh_prefill_every_cycle():
+    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
+    exactly the context a fresh target pass over all committed tokens would: checked on every
+    cycle."""
+    B = 4
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 20 + B)
+    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
+
+    def recording(draft, h, u, ids, *rest):
+        seen.append((ids.clone(), h.clone()))
+        return inner(draft, h, u, ids, *rest)
+
+    speculate(target, draft, p, 20, proposer=recording)
+    assert len(seen) > 1  # the context grew over several cycles
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for ids, h in seen:
+            s = ids.shape[1] - 1
+            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
+            ctx = model.ContextCache()
+            ctx.append(draft, feats, torch.arange(s)[None])
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
+            # cache vs no-cache float noise; a wrong row is ~0.1
+            assert (h - h_ref).abs().max() < 1e-4
+
+
+# pins docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+def test_acceptance_rule_hand_computed():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.25, 0.6, 0.05, 0.1])
+    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx(
+        [1.0, 0.5, 1.0, 0.0]
+    )
+    # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
+    assert torch.allclose(decoding.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
+    # p == q: every draft is accepted and the bonus comes from the last row
+    pp = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
+        assert decoding.rejection_sample(pp, pp[:2], d, g) == (2, 1)
+    # q puts all mass where p has none: always rejected, the token comes from p itself
+    assert decoding.rejection_sample(
+        pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g
+    ) == (0, 1)
+
+
+def tv(counts, p):
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+# pins docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+def test_rejection_sampling_reproduces_target_distribution():
+    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
+    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
+    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
+    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
+    0.3), so committing drafts unchecked would fail by a wide margin."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
+    g, N = torch.Generator().manual_seed(0), 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(N):
+        d = torch.multinomial(q, 1, generator=g)[:, 0]
+        a, nxt = decoding.rejection_sample(p, q, d, g)
+        committed = d[:a].tolist() + [nxt]
+        first[committed[0]] += 1
+        if a >= 1:
+            second[committed[1]] += 1
+    # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
+    assert second.sum() > 8000
+    assert tv(first, p[0]) < 0.025 and tv(second, p[1]) < 0.025
+
+
+def tiny_vocab_pair(V=6, B=3):
+    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
+    distributions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+    ).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
+    c = tiny_config(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        num_target_layers=2,
+        target_layer_ids=[0, 1],
+        mask_token_id=V - 1,
+        block_size=B,
+        conv_group_size=4,
+        selector_rank=4,
+        selector_top_k=3,
+    )
+    return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
+
+
+# pins docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+@pytest.mark.parametrize("use_selector", [True, False])
+def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
+    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
+    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
+    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
+    target, draft = tiny_vocab_pair()
+    g, N, V = torch.Generator().manual_seed(0), 2000, 6
+    h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
+    counts, qs = torch.zeros(V), []
+    with torch.no_grad():
+        for _ in range(N):
+            d, q = decoding.propose(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
+            counts[d[0, 0]] += 1
+            qs.append(q[0, 0])
+    q1 = torch.stack(qs)
+    assert torch.allclose(q1, q1[0].expand_as(q1)) and torch.allclose(q1.sum(-1), torch.ones(N))
+    assert tv(counts, q1[0]) < 0.07
+    assert (q1[0] > 0).sum() == (3 if use_selector else V)
+    if use_selector:  # and it is not the unary softmax
+        assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
+
+
+# ---------------------------------------------------------------------------- tree.py
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_grow_best_first_by_hand():
+    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11:
+    20 (0.9), 21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21
+    .03: that order."""
+    lg = math.log
+    children = [
+        [[(lg(0.7), 0), (lg(0.3), 1)]],
+        [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
+    ]
+    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
+    assert full == tree.Tree(
+        [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
+    )
+    # a smaller budget is a prefix of a larger one
+    for n in range(7):
+        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
+        assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
+    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
+        5, [10, 21]
+    )
+    assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
+    # 11-20: anchor, 11, itself
+    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
+
+
+def path_logits(target, ctx, t, i):
+    """The target's logits after node i of tree t, from a plain forward over ctx and i's path."""
+    path = [i]
+    while t.parents[path[-1]] >= 0:
+        path.append(t.parents[path[-1]])
+    seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in reversed(path)]])], dim=1)
+    return target(input_ids=seq).logits[0, -1]
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+@pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
+def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
+    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
+    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
+    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
+    target, ctx = tiny_target(kind), prompt(9)
+    t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
+    with torch.no_grad():
+        cache = new_cache(target)
+        target(input_ids=ctx, cache=cache, use_cache=True)
+        crop(cache, 9)
+        masks = tree.attention_masks(t, cache, torch.float32)
+        # sliding and full layers: one mask each
+        assert isinstance(masks, dict) == (kind == "qwen3-sliding")
+        out = target(
+            input_ids=torch.tensor([t.tokens]),
+            position_ids=9 + torch.tensor([t.depths]),
+            attention_mask=masks,
+            cache=cache,
+            use_cache=True,
+        ).logits[0]
+        for i in range(len(t.tokens)):
+            assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
+        # anchor, 7, 9, 11: not a prefix
+        rows = [0, 1, 3, 5]
+        tree.keep_rows(cache, len(t.tokens), rows)
+        crop(cache, 9 + len(rows))
+        seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
+        after = target(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits[0, -1]
+        assert (after - target(input_ids=seq).logits[0, -1]).abs().max() < 1e-5
+        # a chain's masks are the causal mask: the same logits as the forward without one
+        chain, cache = tree.Tree.chain(5, [7, 9, 11]), new_cache(target)
+        target(input_ids=ctx, cache=cache, use_cache=True)
+        crop(cache, 9)
+        masks = tree.attention_masks(chain, cache, torch.float32)
+        plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
+        masked = target(
+            input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache
+        ).logits[0]
+        assert (plain - masked).abs().max() < 1e-5
+
+
+def scripted_grower(ref, kind, V=64):
+    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
+    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
+    `expected` records how many nodes each cycle must accept, known by construction:
+      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
+                    under w_d)
+      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
+      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
+    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
+    accepted node's attention, changes the output."""
+    expected = []
+
+    def grower(draft, h, u, ids, budget, use_selector):
+        L, D = ids.shape[1], u.shape[1]
+        r = ref[0, L : L + D].tolist()
+        w = [(t + 1) % V for t in r]
+        if kind == "right":
+            nodes = (
+                [(d, r[d]) for d in range(D)]
+                + [(d, w[d]) for d in range(D)]
+                + [(d + 1, r[d + 1]) for d in range(D - 1)]
+            )
+            # w_d is node D + 1 + d
+            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
+            accepted = min(budget, D)
+        elif kind == "wrong-at-k":
+            k = L % D
+            nodes = [(d, r[d]) for d in range(k)] + [(k, w[k]), (k, (r[k] + 2) % V)]
+            parents = list(range(k)) + [k, k]
+            # a trap under the first wrong child
+            if k + 1 < D:
+                nodes, parents = nodes + [(k + 1, r[k + 1])], parents + [k + 1]
+            accepted = min(budget, k)
+        else:
+            nodes, parents = [], []
+            # w_d is node 2d + 1, r_d node 2d + 2
+            for d in range(D):
+                nodes += [(d, w[d]), (d, r[d])]
+                parents += [2 * d, 2 * d]
+            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
+            parents += [2 * d + 1 for d in range(D - 1)]
+            accepted = min(budget // 2, D)
+        n = min(budget, len(nodes))
+        expected.append(accepted)
+        return tree.Tree(
+            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
+            [-1] + parents[:n],
+            [0] + [d + 1 for d, _ in nodes[:n]],
+        )
+
+    return grower, expected
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+@pytest.mark.parametrize("kind", ["llama", "qwen3-sliding"])
+@pytest.mark.parametrize("shape", ["right", "wrong-at-k", "branch-only"])
+def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, shape):
+    B, n = 5, 25
+    target, draft, p = tiny_target(kind), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, n + 2 * B)
+    for budget in (1, 3, 4, 8, 32):
+        grower, expected = scripted_grower(ref, shape)
+        out, st = speculate(target, draft, p, n, tree_budget=budget, grower=grower)
+        assert torch.equal(out, ref[:, : p.shape[1] + n]), (budget, shape)
+        assert st.taus == [a + 1 for a in expected] and len(st.taus) > 3
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_walk_samples_exactly_the_target():
+    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
+    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
+    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
+    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
+    node 1)."""
+    p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
+    # rows: anchor, node 1 (0), node 2 (2), node 3
+    logits = torch.stack([p0, p1, p0, p0]).log()
+    # children of the anchor 0, 2; of node 1: 3
+    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
+    g, N = torch.Generator().manual_seed(0), 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(N):
+        path, nxt = tree.walk(t, logits, lambda row: decoding.sample(row, 1.0, g))
+        committed = [t.tokens[i] for i in path] + [nxt]
+        first[committed[0]] += 1
+        if committed[0] == 0:
+            second[committed[1]] += 1
+    assert second.sum() > 7000 and tv(first, p0) < 0.025 and tv(second, p1) < 0.025
+
+
+# ---------------------------------------------------------------------------- walkthrough.py
+# pins docs/walkthrough.md
+@pytest.mark.method
+def test_walkthrough_prints_what_the_functions_compute(capsys):
+    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
+    against hand-worked values and against the functions called directly."""
+    import walkthrough as W
+
+    text = W.main()
+    assert text == capsys.readouterr().out.rstrip("\n")
+    lines = [line.strip() for line in text.splitlines()]
+
+    def after(prefix):  # every printed line that starts with prefix, without it
+        return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
+
+    def ints(s):
+        return [int(v) for v in re.findall(r"-?\d+", s)]
+
+    # 0. the row: the prompt, the target's greedy answer (transformers' own generate), a next turn
+    target, draft = W.tiny_target(), W.tiny_draft()
+    prompt = torch.tensor([W.PROMPT])
+    answer = target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False
+    )[0, 2:].tolist()
+    x = W.PROMPT + answer + W.NEXT_TURN
+    assert ints(after("row x[0..9]")[0]) == x
+    # 1. the anchored blocks at anchors 2, 5, by hand
+    assert ints(after("block_ids")[0]) == [x[2], 31, 31, 31, x[5], 31, 31, 31]
+    assert ints(after("q_pos")[0]) == [2, 3, 4, 5, 5, 6, 7, 8]
+    assert ints(after("q_anchor")[0]) == [2] * 4 + [5] * 4
+    # 2. block 0 reads context 0..1 and itself, block 1 context 0..4 and itself; causal: j <= i
+    full, causal = after("b0 s1 pos 3")[0], after("b1 s2 pos 7")
+    assert full == "# # . . . . . . . . | # # # # | . . . ."
+    assert causal == ["# # # # # . . . . . | . . . . | # # # #", ". . . . | # # # ."]
+    # 3. the training path's block 1 is the inference path's
+    assert float(after("-> h [1, 4, 32]; max |difference| from training block 1:")[0]) < 1e-5
+    # 4. conv, T = 3: row i reads rows i - t for t <= slot(i) = i mod 4
+    for i in range(8):
+        reads = ["#" if i - 3 < r <= i and r >= i - i % 4 else "." for r in range(8)]
+        assert after(f"b{i // 4} s{i % 4} row {i}") == [" ".join(reads[:4] + ["|"] + reads[4:])]
+    assert after("a fresh module is the exact identity, conv(a, f) == f(a):") == ["True"]
+    # 5. the selector story: s(p -> c) = u[c] + A[p] Bs[c]
+    assert after("York ->") == ["0.60    2.50"] and after("Jersey ->") == ["2.10    1.00"]
+    assert after("unary path (the argmax per slot):") == ["New York Devils"]
+    assert after("the walk (the argmax after the previous pick):") == ["New York City"]
+    # path probabilities: York .525, Jersey .475, York City .525 * .870, Jersey Devils .475 * .750
+    nodes = [ints(s) for s in after("node ") if "depth" in s]
+    assert [(n[0], n[-1]) for n in nodes] == [(0, -1), (1, 0), (2, 0), (3, 1), (4, 2)]
+    assert [s.split()[1] for s in after("node ") if "depth" in s] == [
+        "New", "York", "Jersey", "City", "Devils"
+    ]  # fmt: skip
+    assert after("node 3 City") == ["# # . # ."]
+    # 6. labels x[a+j], weights w0 exp(-(j-1)/2), the ce loss computed here from the unary logits
+    assert [ints(s) for s in after("labels x[a+j]")] == [x[3:6], x[6:9]]
+    e1, e2 = math.exp(-0.5), math.exp(-1.0)
+    w = torch.tensor([[[1, e1, e2], [1, e1, 0.0]]])  # x[8] is not supervised
+    got = [[float(v) for v in s.split()] for s in after("w = w0 exp(-(j-1)/gamma)")]
+    assert torch.allclose(torch.tensor(got), w[0], atol=5e-4)
+    embed, head = W.target_io(target)
+    ids = torch.tensor([x])
+    with torch.no_grad():
+        _, feats = capture_features(target, W.LAYER_IDS, input_ids=ids)
+        h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
+        u = draft.unary_logits(h[:, :, 1:], head)
+    ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
+    printed = float(after("loss.objective, ce:")[0].split("=")[-1])
+    assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
+    # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
+    commits = [ints(s.split(":")[0]) for s in after("commit")]
+    assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
+    assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
+    _, taus = decoding.speculative_generate(target, draft, prompt, 6)
+    assert len(commits[0]) == taus[0]
+    assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
+
+
+# ============================================================================ the machinery
+# Formats, command lines, CPU speed, FSDP, the GPU path, llama.cpp: what the method runs on.
+
+
+# =========================================================================== model.py and config.py
 def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer():
     """train.py --gradient-checkpointing: the same loss and the same gradient for every parameter,
     bit for bit on the CPU (the recomputation runs the same kernels on the same inputs), and every
@@ -579,46 +1434,6 @@ def test_shipped_configs_load():
 
 
 # ============================================================================ target.py
-def tiny_target(kind: str, initializer_range=0.02):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        initializer_range=initializer_range,
-    )
-    if kind in ("llama", "llama-eager"):
-        return LlamaForCausalLM(
-            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
-        ).eval()
-    if kind == "mistral-sliding":  # every layer a sliding window of 5
-        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
-    if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
-        return Qwen3ForCausalLM(
-            Qwen3Config(
-                **kw,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                sliding_window=5,
-                use_sliding_window=True,
-            )
-        ).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_capture_features_equals_hidden_states(kind):
     target = tiny_target(kind)
@@ -782,228 +1597,6 @@ def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
 
 
 # ============================================================================ loss.py
-def test_block_labels_by_hand():
-    ids = torch.tensor([[5, 6, 7, 8, 9]])
-    mask = torch.tensor([[0, 1, 1, 0, 1]])
-    labels, prev, w0 = L.block_labels(
-        ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3
-    )
-    # the last slot of anchor 3 runs past S
-    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]
-    assert prev.tolist() == [[[6, 7], [8, 9], [5, 6]]]
-    assert w0.tolist() == [[[1, 0], [1, 0], [0, 0]]]
-
-
-def test_selector_alpha_schedule():
-    got = [L.selector_alpha(t, 10, 0.9, 0.2, 0.3) for t in range(6)]
-    assert got == pytest.approx([0, 0, 0.3, 0.6, 0.9, 0.9])
-    assert L.selector_alpha(0, 10, 0.5, 0.0, 0.0) == 0.5
-
-
-def hand_config(**kw):
-    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
-    directly."""
-    base = dict(
-        hidden_size=8,
-        intermediate_size=8,
-        vocab_size=4,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=8,
-        conv_group_size=8,
-        selector_rank=1,
-        selector_top_k=2,
-        mask_token_id=3,
-        block_size=3,
-    )
-    return tiny_config(**{**base, **kw})
-
-
-HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)  # [V=4, H=8]
-
-
-def hand_hidden(rows):
-    h = torch.zeros(1, 1, 3, 8)
-    for j, r in rows.items():
-        h[0, 0, j, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return h
-
-
-def worked_example(loss, weighting="exp", target=False):
-    """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
-    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
-    th = None
-    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
-        th = torch.zeros(1, 4, 8)
-        th[0, 1, :4] = torch.tensor(q1).log()
-        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
-    draft = DraftModel(config.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
-        target_hidden=th,
-    )
-    return out["numerator"].item(), out["denominator"].item()
-
-
-def test_base_losses_worked_example():
-    # exp weights, gamma 2: [1, e^-1/2]
-    e = math.exp(-0.5)
-    assert worked_example("ce") == pytest.approx((-math.log(0.6) - e * math.log(0.5), 1 + e))
-    assert worked_example("tv") == pytest.approx((0.4 + e * 0.5, 1 + e))
-    lam = math.exp(-(0.6 + 0.5) / 2)
-    ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
-    assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
-    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
-    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
-    # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
-    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
-    # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
-    assert worked_example("ce", "dpace") == pytest.approx(
-        (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
-    )
-
-
-def test_dpace_weights_formula():
-    q = torch.tensor([[0.6, 0.5, 0.9]])
-    w0 = torch.tensor([[1.0, 0.0, 1.0]])
-    # s = [.8, 1, .95]; P = [.8, .8, .76]; d = [.8 + .76, .76, .76]
-    assert torch.allclose(L.dpace_weights(q, w0, 0.5), torch.tensor([[1.56, 0.0, 0.76]]))
-
-
-def selector_case(third_token, miss="strict", alpha_t=1.0):
-    """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
-    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
-    {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
-    draft = DraftModel(hand_config())
-    sel = draft.candidate_selector
-    with torch.no_grad():
-        sel.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
-        sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
-        sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
-    h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[2, 1, third_token]]),
-        torch.tensor([[1, 1, 1]]),
-        torch.tensor([[0]]),
-        torch.tensor([[True]]),
-        L.LossConfig(gamma=2.0, selector_miss=miss),
-        alpha_t=alpha_t,
-    )
-
-
-def ce_of(scores, idx):
-    return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
-
-
-def test_selector_loss_strict_and_replace():
-    e = math.exp(-0.5)
-    # slot 1 label 1, anchor row A[2] = 0
-    ce1 = ce_of([1.0, 0.5], 1)
-    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
-    # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
-    out = selector_case(3)
-    sel_n = out["metrics"]["sel_loss"][0].item()
-    assert sel_n == pytest.approx(ce1 + e * ce_of([-0.9, 1.0], 1), rel=1e-5)
-    # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
-    out = selector_case(0)
-    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1, rel=1e-5)
-    assert out["metrics"]["sel_acc"][1].item() == 1  # only slot 1 is covered
-    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
-    assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
-    # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
-    out = selector_case(0, miss="replace")
-    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(
-        ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5
-    )
-
-
-def test_self_conditioned_path_feeds_back_its_own_choice():
-    m = selector_case(3)["metrics"]
-    # slot 1: path and teacher both pick 0 (label 1) -> wrong. Slot 2: the teacher predecessor 1
-    # gives 3 = label, but the path continues from its own 0 and picks 2.
-    assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
-    assert m["path_acc"][0].tolist() == [0.0, 0.0] and m["path_acc"][1].tolist() == [1.0, 1.0]
-    assert m["accept_selector"][0].item() == 1  # only the anchor
-    assert m["accept_oracle"][0].item() == 3  # both labels are in the top-2
-    assert m["topk_recall"][0].item() == 2
-
-
-def model_batch(seed=0, **kw):
-    c = tiny_config(**kw)
-    torch.manual_seed(seed)
-    draft = randomize(DraftModel(c), seed, std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
-    head = torch.randn(c.vocab_size, c.hidden_size)
-    ids, feats, anchors = random_batch(c, S=24, A=5)
-    loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    valid[1, -1] = False
-    return draft, embed, head, ids, feats, anchors, loss_mask, valid
-
-
-def run_objective(
-    draft,
-    embed,
-    head,
-    ids,
-    feats,
-    anchors,
-    loss_mask,
-    valid,
-    *,
-    alpha_t=None,
-    target_hidden=None,
-    acceptance=False,
-    **cfg,
-):
-    h = model.forward_training(draft, embed, ids, feats, anchors)
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
-    return L.objective(
-        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
-    )
-
-
-def grads(m):
-    return {k: (None if p.grad is None else p.grad.clone()) for k, p in m.named_parameters()}
-
-
-def test_selector_gradients_and_stop_gradient():
-    draft, *rest = model_batch()
-    run_objective(draft, *rest, alpha_t=1.0)["numerator"].backward()
-    g = grads(draft)
-    for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
-        assert g["candidate_selector." + k].abs().sum() > 0, k
-    # with stop_gradient the backbone sees only the base loss
-    draft.zero_grad(set_to_none=True)
-    run_objective(draft, *rest, alpha_t=1.0, stop_gradient=True)["numerator"].backward()
-    g_stop = grads(draft)
-    draft.zero_grad(set_to_none=True)
-    run_objective(draft, *rest, alpha_t=None)["numerator"].backward()
-    g_base = grads(draft)
-    for k, v in g_base.items():
-        if not k.startswith("candidate_selector"):
-            assert torch.allclose(g_stop[k], v, atol=1e-7), k
-    assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
-    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
-    # used)
-    draft.zero_grad(set_to_none=True)
-    run_objective(draft, *rest, alpha_t=0.0)["numerator"].backward()
-    sel_grad = draft.candidate_selector.successor_codebook.grad
-    assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
-
-
 @pytest.mark.parametrize(
     "loss,weighting,miss",
     [("ce", "exp", "strict"), ("lk", "dpace", "replace"), ("kl", "exp", "strict")],
@@ -1091,19 +1684,6 @@ def test_objective_casts_the_frozen_head_once_under_autocast():
     assert all(v is None or torch.equal(gb[k], v) for k, v in ga.items())
 
 
-def test_fresh_dflash2_base_loss_equals_plain_dflash():
-    d2, d1 = twin_drafts()
-    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
-    with torch.no_grad():
-        a = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
-        b = run_objective(d1, embed, head, ids, feats, anchors, loss_mask, valid)
-    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
-        a["denominator"], b["denominator"]
-    )
-    # and its selector walk is the unary greedy path
-    assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
-
-
 def test_acceptance_statistics_by_hand():
     """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels
     [1, 2, 3] and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0;
@@ -1153,12 +1733,18 @@ CONVERSATION = [
     {"role": "user", "content": "and the cat ?"},
     {"role": "assistant", "content": "the cat is fine too ."},
 ]
+
+
 ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
+
+
 CHATML = (
     "{% for m in messages %}"
     "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
 # ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
 # ChatML.
 WORDS = [
@@ -1280,6 +1866,8 @@ THINKING_CHATML = (
     "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ head }}{% endif %}"
 )
+
+
 NO_THINKING = {"enable_thinking": False}
 
 
@@ -1928,93 +2516,30 @@ def test_math_prompts_are_deterministic():
 
 
 # ============================================================================ generate.py
-def tiny_draft(B=4, plain=False, seed=0, **kw):
-    """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
-    kw.setdefault("conv_kernel_size", min(2, B))
-    c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
-    c = config.plain_dflash(c) if plain else c
-    return randomize(DraftModel(c), seed=seed, std=0.2).eval()
-
-
-def prompt(n=6, vocab=64, seed=0):
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def scripted_proposer(ref, wrong_at):
-    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
-    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
-    wrong_at(L) + 1."""
-
-    def proposer(draft, h, u, ids, temperature, use_selector, generator):
-        L, B1 = ids.shape[1], u.shape[1]
-        d = ref[:, L : L + B1].clone()
-        k = wrong_at(L)
-        if k is not None:
-            d[0, k] = (d[0, k] + 1) % u.shape[-1]
-        return d, None
-
-    return proposer
-
-
-def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """tree.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
-    proposal (decoding.propose) or its tree growth (tree.draft_tree) replaced for this call: how the
-    tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
-    k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
-    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
-    with pytest.MonkeyPatch.context() as mp:
-        if proposer is not None:
-            mp.setattr(decoding, "propose", proposer)
-        if grower is not None:
-            mp.setattr(tree, "draft_tree", grower)
-        return tree.speculate(target, draft, p, n, shape, **kw)
-
-
 # ---------------------------------------------------------------------------- greedy is lossless
 @pytest.mark.parametrize(
-    "B,kind,draft_kw,use_selector",
+    "kind,draft_kw",
     [
-        (2, "llama", {}, True),
-        (4, "llama", {}, True),
-        (4, "llama", {}, False),  # --unary
-        (7, "qwen3", {}, True),
-        # plain DFlash: no selector, always the unary path
-        (4, "qwen3", dict(plain=True), True),
         # a bf16 draft beside the fp32 target (--draft-dtype)
-        (4, "llama", dict(dtype=torch.bfloat16), True),
+        ("llama", dict(dtype=torch.bfloat16)),
         # the target's weights packed (--target-gemm onednn)
-        (4, "qwen3", dict(layout="onednn"), True),
+        ("qwen3", dict(layout="onednn")),
         # MKL packs per row count (--target-gemm mkl)
-        pytest.param(4, "qwen3", dict(layout="mkl"), True, marks=needs_mkl),
+        pytest.param("qwen3", dict(layout="mkl"), marks=needs_mkl),
         # int8 draft weights (--draft-dtype int8)
-        pytest.param(4, "qwen3", dict(int8=True), True, marks=needs_int8),
+        pytest.param("qwen3", dict(int8=True), marks=needs_int8),
     ],
 )
-def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
-    dtype = draft_kw.get("dtype", torch.float32)
-    draft = tiny_draft(
-        B, **{k: v for k, v in draft_kw.items() if k not in ("dtype", "layout", "int8")}
-    ).to(dtype)
+def test_greedy_is_lossless_in_each_precision_and_cpu_layout(kind, draft_kw):
+    """The method's lossless test (test_greedy_speculative_equals_target_greedy) with the draft
+    and the target stored as decoding on a CPU stores them."""
+    draft = tiny_draft(4).to(draft_kw.get("dtype", torch.float32))
     target, p = tiny_target(kind), prompt()
     if draft_kw.get("int8"):
         int8.quantize(draft, target.get_output_embeddings().weight)
     if draft_kw.get("layout"):
         pack_linears(target, draft_kw["layout"])
-    ref, _ = decoding.target_generate(target, p, 30)
-    out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
-    assert torch.equal(out, ref)
-    assert out.shape[1] == p.shape[1] + 30 and all(1 <= t <= B for t in taus)
-    # a stop token ends both loops right after its first occurrence
-    stop = int(ref[0, p.shape[1] + 9])
-    ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
-    out_s, _ = decoding.speculative_generate(
-        target, draft, p, 30, use_selector=use_selector, stop_ids={stop}
-    )
-    assert (
-        torch.equal(out_s, ref_s)
-        and int(out_s[0, -1]) == stop
-        and out_s.shape[1] <= p.shape[1] + 10
-    )
+    assert_lossless(target, draft, p, 4, True)
 
 
 def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
@@ -2190,166 +2715,7 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
     )
 
 
-@pytest.mark.parametrize("B", [2, 4, 7])
-def test_always_right_always_wrong_and_partial_drafts(B):
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    P, n = p.shape[1], 25
-    # long enough for any last block
-    ref, _ = decoding.target_generate(target, p, n + B)
-    ref_n = ref[:, : P + n]
-    # always right: every cycle accepts all B-1 drafts plus the bonus
-    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
-    assert torch.equal(out, ref_n) and st.taus == [B] * len(st.taus)
-    assert st.accepted_at == [len(st.taus)] * (B - 1)
-    # always wrong at slot 1: tau 1, one target token per cycle
-    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
-    assert torch.equal(out, ref_n) and st.taus == [1] * (n - 1)
-    # wrong at slot k(L) + 1: exactly k(L) drafts accepted, which moves the crop point every cycle
-    k = lambda L: L % (B - 1)
-    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, k))
-    assert torch.equal(out, ref_n)
-    L, want = P + 1, []
-    while L < P + n:
-        want.append(k(L) + 1)
-        L += k(L) + 1
-    assert st.taus == want
-
-
-def test_draft_context_equals_a_fresh_prefill_every_cycle():
-    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
-    exactly the context a fresh target pass over all committed tokens would: checked on every
-    cycle."""
-    B = 4
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, 20 + B)
-    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
-
-    def recording(draft, h, u, ids, *rest):
-        seen.append((ids.clone(), h.clone()))
-        return inner(draft, h, u, ids, *rest)
-
-    speculate(target, draft, p, 20, proposer=recording)
-    assert len(seen) > 1  # the context grew over several cycles
-    embed = target.get_input_embeddings()
-    with torch.no_grad():
-        for ids, h in seen:
-            s = ids.shape[1] - 1
-            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
-            ctx = model.ContextCache()
-            ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
-            # cache vs no-cache float noise; a wrong row is ~0.1
-            assert (h - h_ref).abs().max() < 1e-4
-
-
 # --------------------------------------------------------------------- sampling: the rejection rule
-def test_acceptance_rule_hand_computed():
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    q = torch.tensor([0.25, 0.6, 0.05, 0.1])
-    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx(
-        [1.0, 0.5, 1.0, 0.0]
-    )
-    # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
-    assert torch.allclose(decoding.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
-    # p == q: every draft is accepted and the bonus comes from the last row
-    pp = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.0, 1.0]])
-    g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
-        assert decoding.rejection_sample(pp, pp[:2], d, g) == (2, 1)
-    # q puts all mass where p has none: always rejected, the token comes from p itself
-    assert decoding.rejection_sample(
-        pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g
-    ) == (0, 1)
-
-
-def tv(counts, p):
-    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
-
-
-def test_rejection_sampling_reproduces_target_distribution():
-    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
-    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
-    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
-    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
-    0.3), so committing drafts unchecked would fail by a wide margin."""
-    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
-    q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
-    assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
-    g, N = torch.Generator().manual_seed(0), 20000
-    first, second = torch.zeros(4), torch.zeros(4)
-    for _ in range(N):
-        d = torch.multinomial(q, 1, generator=g)[:, 0]
-        a, nxt = decoding.rejection_sample(p, q, d, g)
-        committed = d[:a].tolist() + [nxt]
-        first[committed[0]] += 1
-        if a >= 1:
-            second[committed[1]] += 1
-    # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
-    assert second.sum() > 8000
-    assert tv(first, p[0]) < 0.025 and tv(second, p[1]) < 0.025
-
-
-def tiny_vocab_pair(V=6, B=3):
-    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
-    distributions."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-        )
-    ).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
-    c = tiny_config(
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=V,
-        num_target_layers=2,
-        target_layer_ids=[0, 1],
-        mask_token_id=V - 1,
-        block_size=B,
-        conv_group_size=4,
-        selector_rank=4,
-        selector_top_k=3,
-    )
-    return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
-
-
-@pytest.mark.parametrize("use_selector", [True, False])
-def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
-    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
-    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
-    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
-    target, draft = tiny_vocab_pair()
-    g, N, V = torch.Generator().manual_seed(0), 2000, 6
-    h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
-    counts, qs = torch.zeros(V), []
-    with torch.no_grad():
-        for _ in range(N):
-            d, q = decoding.propose(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
-            counts[d[0, 0]] += 1
-            qs.append(q[0, 0])
-    q1 = torch.stack(qs)
-    assert torch.allclose(q1, q1[0].expand_as(q1)) and torch.allclose(q1.sum(-1), torch.ones(N))
-    assert tv(counts, q1[0]) < 0.07
-    assert (q1[0] > 0).sum() == (3 if use_selector else V)
-    if use_selector:  # and it is not the unary softmax
-        assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
-
-
 def test_speculative_sampling_matches_target_distribution():
     """End to end at temperature 1 with the selector's q: the second new token (the first one a
     draft proposes) must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1), computed
@@ -2453,33 +2819,7 @@ def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
 
 
-# ---------------------------------------------------------------------------- trees: --tree-budget,
-# --verify-tokens
-def test_grow_best_first_by_hand():
-    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11:
-    20 (0.9), 21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21
-    .03: that order."""
-    lg = math.log
-    children = [
-        [[(lg(0.7), 0), (lg(0.3), 1)]],
-        [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
-    ]
-    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
-    assert full == tree.Tree(
-        [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
-    )
-    # a smaller budget is a prefix of a larger one
-    for n in range(7):
-        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
-        assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
-    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
-        5, [10, 21]
-    )
-    assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
-    # 11-20: anchor, 11, itself
-    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
-
-
+# ------------------------------------------------------------ trees: --tree-budget, --verify-tokens
 @pytest.mark.parametrize(
     "draft_kw,use_selector",
     [({}, True), ({}, False), (dict(plain=True), True), (dict(dtype=torch.bfloat16), True)],
@@ -2516,123 +2856,6 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
         draft, torch.zeros(1, B - 1, 32), u, torch.tensor([[1]]), B - 1, False, branch=False
     )
     assert t.tokens[1:] == u[0].argmax(-1).tolist() == [3, 7, 7, 7]
-
-
-def path_logits(target, ctx, t, i):
-    """The target's logits after node i of tree t, from a plain forward over ctx and i's path."""
-    path = [i]
-    while t.parents[path[-1]] >= 0:
-        path.append(t.parents[path[-1]])
-    seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in reversed(path)]])], dim=1)
-    return target(input_ids=seq).logits[0, -1]
-
-
-@pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
-def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
-    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
-    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
-    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
-    target, ctx = tiny_target(kind), prompt(9)
-    t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
-    with torch.no_grad():
-        cache = new_cache(target)
-        target(input_ids=ctx, cache=cache, use_cache=True)
-        crop(cache, 9)
-        masks = tree.attention_masks(t, cache, torch.float32)
-        # sliding and full layers: one mask each
-        assert isinstance(masks, dict) == (kind == "qwen3-sliding")
-        out = target(
-            input_ids=torch.tensor([t.tokens]),
-            position_ids=9 + torch.tensor([t.depths]),
-            attention_mask=masks,
-            cache=cache,
-            use_cache=True,
-        ).logits[0]
-        for i in range(len(t.tokens)):
-            assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
-        # anchor, 7, 9, 11: not a prefix
-        rows = [0, 1, 3, 5]
-        tree.keep_rows(cache, len(t.tokens), rows)
-        crop(cache, 9 + len(rows))
-        seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
-        after = target(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits[0, -1]
-        assert (after - target(input_ids=seq).logits[0, -1]).abs().max() < 1e-5
-        # a chain's masks are the causal mask: the same logits as the forward without one
-        chain, cache = tree.Tree.chain(5, [7, 9, 11]), new_cache(target)
-        target(input_ids=ctx, cache=cache, use_cache=True)
-        crop(cache, 9)
-        masks = tree.attention_masks(chain, cache, torch.float32)
-        plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
-        masked = target(
-            input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache
-        ).logits[0]
-        assert (plain - masked).abs().max() < 1e-5
-
-
-def scripted_grower(ref, kind, V=64):
-    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
-    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
-    `expected` records how many nodes each cycle must accept, known by construction:
-      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
-                    under w_d)
-      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
-      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
-    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
-    accepted node's attention, changes the output."""
-    expected = []
-
-    def grower(draft, h, u, ids, budget, use_selector):
-        L, D = ids.shape[1], u.shape[1]
-        r = ref[0, L : L + D].tolist()
-        w = [(t + 1) % V for t in r]
-        if kind == "right":
-            nodes = (
-                [(d, r[d]) for d in range(D)]
-                + [(d, w[d]) for d in range(D)]
-                + [(d + 1, r[d + 1]) for d in range(D - 1)]
-            )
-            # w_d is node D + 1 + d
-            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
-            accepted = min(budget, D)
-        elif kind == "wrong-at-k":
-            k = L % D
-            nodes = [(d, r[d]) for d in range(k)] + [(k, w[k]), (k, (r[k] + 2) % V)]
-            parents = list(range(k)) + [k, k]
-            # a trap under the first wrong child
-            if k + 1 < D:
-                nodes, parents = nodes + [(k + 1, r[k + 1])], parents + [k + 1]
-            accepted = min(budget, k)
-        else:
-            nodes, parents = [], []
-            # w_d is node 2d + 1, r_d node 2d + 2
-            for d in range(D):
-                nodes += [(d, w[d]), (d, r[d])]
-                parents += [2 * d, 2 * d]
-            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
-            parents += [2 * d + 1 for d in range(D - 1)]
-            accepted = min(budget // 2, D)
-        n = min(budget, len(nodes))
-        expected.append(accepted)
-        return tree.Tree(
-            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
-            [-1] + parents[:n],
-            [0] + [d + 1 for d, _ in nodes[:n]],
-        )
-
-    return grower, expected
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3-sliding"])
-@pytest.mark.parametrize("shape", ["right", "wrong-at-k", "branch-only"])
-def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, shape):
-    B, n = 5, 25
-    target, draft, p = tiny_target(kind), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, n + 2 * B)
-    for budget in (1, 3, 4, 8, 32):
-        grower, expected = scripted_grower(ref, shape)
-        out, st = speculate(target, draft, p, n, tree_budget=budget, grower=grower)
-        assert torch.equal(out, ref[:, : p.shape[1] + n]), (budget, shape)
-        assert st.taus == [a + 1 for a in expected] and len(st.taus) > 3
 
 
 @pytest.mark.parametrize("B", [2, 5])
@@ -2787,28 +3010,6 @@ def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
     assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
-
-
-def test_tree_walk_samples_exactly_the_target():
-    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
-    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
-    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
-    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
-    node 1)."""
-    p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
-    # rows: anchor, node 1 (0), node 2 (2), node 3
-    logits = torch.stack([p0, p1, p0, p0]).log()
-    # children of the anchor 0, 2; of node 1: 3
-    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
-    g, N = torch.Generator().manual_seed(0), 20000
-    first, second = torch.zeros(4), torch.zeros(4)
-    for _ in range(N):
-        path, nxt = tree.walk(t, logits, lambda row: decoding.sample(row, 1.0, g))
-        committed = [t.tokens[i] for i in path] + [nxt]
-        first[committed[0]] += 1
-        if committed[0] == 0:
-            second[committed[1]] += 1
-    assert second.sum() > 7000 and tv(first, p0) < 0.025 and tv(second, p1) < 0.025
 
 
 def test_tree_sampling_matches_target_distribution():
@@ -3396,17 +3597,6 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
     assert all("topk_target_mass" in r for r in logs["tv"])
 
 
-def test_anchor_sampling():
-    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])  # anchors: p with mask[p] = mask[p+1] = 1
-    assert data.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
-    counts = torch.zeros(8)
-    for seed in range(300):  # 2 of the 3, uniformly, sorted
-        a = data.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
-        assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
-        counts[a] += 1
-    assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
-
-
 def assert_resumed_exactly(straight, resumed):
     """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit
     for bit equal."""
@@ -3737,8 +3927,7 @@ def test_compile_matches_eager(setup, tmp_path):
         assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
 
 
-# ---------------------------------------------------------------------------- FSDP (train.py
-# --fsdp, fsdp.py)
+# ------------------------------------------------------------------ FSDP (train.py --fsdp, fsdp.py)
 def free_ports(n: int) -> list:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -4429,8 +4618,7 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     )
 
 
-# ============================================================================ data.py and
-# attention.py
+# ========================================================================= data.py and attention.py
 def packing_docs(c, lengths, seed=0):
     """Documents whose first and last tokens are supervised, so that a block or a context read that
     crossed a document boundary would change the loss; features and target hidden states random."""
@@ -5605,8 +5793,7 @@ def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
     assert r["rows"] == 2 and r["tokens"] == 64 and r["anchors"] == 12 and r["peak_memory_gib"] > 0
 
 
-# ============================================================================ the GPU path
-# (tools/gpu_check.py)
+# ================================================================ the GPU path (tools/gpu_check.py)
 # Last in the file on purpose: compiling flex at a second length makes later compiles dynamic, which
 # torch
 # 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after
@@ -6116,86 +6303,14 @@ def test_imports_flow_one_way():
     } == {}
 
 
-# ============================================================================ walkthrough.py
-def test_walkthrough_prints_what_the_functions_compute(capsys):
-    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
-    against hand-worked values and against the functions called directly."""
-    import walkthrough as W
-
-    text = W.main()
-    assert text == capsys.readouterr().out.rstrip("\n")
-    lines = [line.strip() for line in text.splitlines()]
-
-    def after(prefix):  # every printed line that starts with prefix, without it
-        return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
-
-    def ints(s):
-        return [int(v) for v in re.findall(r"-?\d+", s)]
-
-    # 0. the row: the prompt, the target's greedy answer (transformers' own generate), a next turn
-    target, draft = W.tiny_target(), W.tiny_draft()
-    prompt = torch.tensor([W.PROMPT])
-    answer = target.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False
-    )[0, 2:].tolist()
-    x = W.PROMPT + answer + W.NEXT_TURN
-    assert ints(after("row x[0..9]")[0]) == x
-    # 1. the anchored blocks at anchors 2, 5, by hand
-    assert ints(after("block_ids")[0]) == [x[2], 31, 31, 31, x[5], 31, 31, 31]
-    assert ints(after("q_pos")[0]) == [2, 3, 4, 5, 5, 6, 7, 8]
-    assert ints(after("q_anchor")[0]) == [2] * 4 + [5] * 4
-    # 2. block 0 reads context 0..1 and itself, block 1 context 0..4 and itself; causal: j <= i
-    full, causal = after("b0 s1 pos 3")[0], after("b1 s2 pos 7")
-    assert full == "# # . . . . . . . . | # # # # | . . . ."
-    assert causal == ["# # # # # . . . . . | . . . . | # # # #", ". . . . | # # # ."]
-    # 3. the training path's block 1 is the inference path's
-    assert float(after("-> h [1, 4, 32]; max |difference| from training block 1:")[0]) < 1e-5
-    # 4. conv, T = 3: row i reads rows i - t for t <= slot(i) = i mod 4
-    for i in range(8):
-        reads = ["#" if i - 3 < r <= i and r >= i - i % 4 else "." for r in range(8)]
-        assert after(f"b{i // 4} s{i % 4} row {i}") == [" ".join(reads[:4] + ["|"] + reads[4:])]
-    assert after("a fresh module is the exact identity, conv(a, f) == f(a):") == ["True"]
-    # 5. the selector story: s(p -> c) = u[c] + A[p] Bs[c]
-    assert after("York ->") == ["0.60    2.50"] and after("Jersey ->") == ["2.10    1.00"]
-    assert after("unary path (the argmax per slot):") == ["New York Devils"]
-    assert after("the walk (the argmax after the previous pick):") == ["New York City"]
-    # path probabilities: York .525, Jersey .475, York City .525 * .870, Jersey Devils .475 * .750
-    nodes = [ints(s) for s in after("node ") if "depth" in s]
-    assert [(n[0], n[-1]) for n in nodes] == [(0, -1), (1, 0), (2, 0), (3, 1), (4, 2)]
-    assert [s.split()[1] for s in after("node ") if "depth" in s] == [
-        "New", "York", "Jersey", "City", "Devils"
-    ]  # fmt: skip
-    assert after("node 3 City") == ["# # . # ."]
-    # 6. labels x[a+j], weights w0 exp(-(j-1)/2), the ce loss computed here from the unary logits
-    assert [ints(s) for s in after("labels x[a+j]")] == [x[3:6], x[6:9]]
-    e1, e2 = math.exp(-0.5), math.exp(-1.0)
-    w = torch.tensor([[[1, e1, e2], [1, e1, 0.0]]])  # x[8] is not supervised
-    got = [[float(v) for v in s.split()] for s in after("w = w0 exp(-(j-1)/gamma)")]
-    assert torch.allclose(torch.tensor(got), w[0], atol=5e-4)
-    embed, head = W.target_io(target)
-    ids = torch.tensor([x])
-    with torch.no_grad():
-        _, feats = capture_features(target, W.LAYER_IDS, input_ids=ids)
-        h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
-        u = draft.unary_logits(h[:, :, 1:], head)
-    ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
-    printed = float(after("loss.objective, ce:")[0].split("=")[-1])
-    assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
-    # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
-    commits = [ints(s.split(":")[0]) for s in after("commit")]
-    assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
-    assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
-    _, taus = decoding.speculative_generate(target, draft, prompt, 6)
-    assert len(commits[0]) == taus[0]
-    assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
-
-
 # ==================================================================== tools/plan.py: slow CPUs
 # issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
 # 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
 # full size (30 s fixed, the rest over 16 prompts x 160 tokens); its held-out batch priced as a
 # 64-row one (a 16-row step not measured there)
 SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
+
+
 # the AMD EPYC with avx512_bf16 (docs/results-amd-epyc.md, docs/acceptance.md): 46 s of measuring,
 # an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
 FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
