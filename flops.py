@@ -62,7 +62,7 @@ def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
 
 
 def step_flops(cfg, batch: dict, target_weights: int = 0) -> int:
-    """Model FLOPs of one micro-batch (pack.collate's dict): x3 the draft's forward, plus the online
+    """Model FLOPs of one micro-batch (data.collate's dict): x3 the draft's forward, plus the online
     target's forward (target_weights = linear_weights(target); 0 offline)."""
     tokens = int(batch["attention_mask"].sum())
     # an anchor at position a of its document reads a context rows
@@ -77,8 +77,8 @@ def linear_weights(model: torch.nn.Module) -> int:
 
 def peak_flops(device: torch.device, peak_tflops=None):
     """The device's peak FLOP/s for MFU, or None where none is known: a GPU not in PEAK_TFLOPS
-    without
-    --peak-tflops. A CPU has no MFU here (its peak depends on cores, clocks and vector units)."""
+    without --peak-tflops. A CPU has no MFU here (its peak depends on cores, clocks and vector
+    units)."""
     if device.type != "cuda":
         if peak_tflops is not None:
             raise ValueError(
@@ -88,3 +88,35 @@ def peak_flops(device: torch.device, peak_tflops=None):
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     return None if peak is None else peak * 1e12
+
+
+class Meter:
+    """train.py's throughput: what this rank has done (target tokens, anchors, model FLOPs) and its
+    rates, with MFU = model FLOP/s / the device's peak where that is known (peak_flops)."""
+
+    def __init__(self, device: torch.device, peak_tflops=None):
+        self.peak = peak_flops(device, peak_tflops)  # FLOP/s; None (a CPU): no MFU, no counting
+        self.note = ""  # a line for the log
+        if device.type == "cuda" and not self.peak:
+            name = torch.cuda.get_device_name(device)
+            self.note = f"no MFU: {name} is not in flops.PEAK_TFLOPS; give its --peak-tflops"
+        self.seen = torch.zeros(3, dtype=torch.float64)  # target tokens, anchors, model FLOPs
+
+    def count(self, cfg, batch: dict, target=None):
+        """Add one micro-batch; target: the online target (None offline), whose forward counts."""
+        weights = linear_weights(target) if target is not None and self.peak else 0
+        flop = step_flops(cfg, batch, weights) if self.peak else 0
+        counts = [batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item(), flop]
+        self.seen.add_(torch.tensor(counts, dtype=torch.float64))
+
+    def rates(self, seconds: float) -> dict:
+        """Per second over `seconds`, as train.py logs them; MFU to 4 digits (a tiny model's is
+        not 0)."""
+        tok_s, anchor_s, flop_s = (self.seen / seconds).tolist()
+        out = {"target_tok_per_s": round(tok_s, 1), "anchors_per_s": round(anchor_s, 1)}
+        return {**out, "mfu": float(f"{flop_s / self.peak:.4g}")} if self.peak else out
+
+    def brief(self, rates: dict) -> dict:
+        """rates for a progress bar."""
+        mfu = {"mfu": rates["mfu"]} if "mfu" in rates else {}
+        return {"tok_s": f"{rates['target_tok_per_s']:.0f}", **mfu}

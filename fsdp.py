@@ -40,6 +40,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from target import decoder_layers
 
 
+def shard(objective, layers, target, bf16: bool):
+    """train.py --fsdp over more than one rank, before the optimizer is built (its parameters
+    become this rank's slices): the online target (None offline), then the draft."""
+    if target is not None:
+        shard_target(target)
+    shard_draft(objective, layers, bf16)
+
+
 def shard_draft(objective, layers, bf16: bool):
     """Shard the draft in place: one unit per layer, then the root `objective`
     (train.DraftObjective), whose own unit takes the rest of the draft (fc, norms, selector), all
@@ -86,9 +94,20 @@ def full_state(draft, opt) -> tuple:
     )
 
 
-def load_full_state(draft, opt, model_state: dict, opt_state: dict):
+def load_full_state(draft, opt, model_state: dict, opt_state: dict, source="", sharded=False):
     """full_state's two dicts -> draft and optimizer, sharded or not: each rank keeps its own
-    slices."""
+    slices. A checkpoint written before --fsdp keeps AdamW's state by position, as
+    opt.state_dict() does: it loads as torch saved it, unsharded only (source: its file)."""
+    if any(isinstance(k, int) for k in opt_state["state"]):
+        if sharded:
+            raise ValueError(
+                f"--resume: {source} keeps its optimizer state by position (written before "
+                "--fsdp); resume it without --fsdp once, and its next checkpoint is keyed by "
+                "parameter name"
+            )
+        draft.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)  # the same parameters in the same order: the same flags
+        return
     whole = StateDictOptions(full_state_dict=True)
     set_model_state_dict(draft, model_state, options=whole)
     set_optimizer_state_dict(draft, opt, opt_state, options=whole)

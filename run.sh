@@ -62,7 +62,14 @@ echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
     --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs "$EPOCHS" \
     --eval-interval "$EVAL_INTERVAL" --save-interval 300 "$@"
-echo "[run.sh] train: $((SECONDS - t0)) s"
-# 3. Export the servable draft directory (config.json + model.safetensors).
+echo "[run.sh] train: $((SECONDS - t0)) s"; t0=$SECONDS
+# 3. Served tau: held-out prompts decoded by the real loop (with speed/tune.py's fast path), once the
+#    training has finished: its final record then closes the log (--steps-this-run stops it before).
+#    The plan sizes it (SERVED_SAMPLES=0: off).
+if [ "${SERVED_SAMPLES:-16}" != 0 ] && tail -n 1 "$OUT/log.jsonl" | grep -q '"kind": "final"'; then
+    python served.py "$OUT" --fast --samples "${SERVED_SAMPLES:-16}" ${SERVED_TOKENS:+--max-new-tokens "$SERVED_TOKENS"}
+    echo "[run.sh] served: $((SECONDS - t0)) s"
+fi
+# 4. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"
 echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (budget $BUDGET_MIN min)"

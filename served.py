@@ -1,6 +1,15 @@
-"""Served acceptance: held-out prompts decoded by the real loop (decoding.py), greedily, so that
-train.py reports the tau a user will see beside the teacher-forced one (docs/semantics.md,
-section 4, "Served acceptance").
+"""Served acceptance: held-out prompts decoded by the real loop (decoding.py), greedily, so that a
+trained draft reports the tau a user will see beside the teacher-forced one (docs/semantics.md,
+section 4, "Served acceptance"). After train.py, on its output directory:
+
+    python served.py OUT_DIR              # the draft as stored (fp32), the stock target, a path of
+                                          # B-1 drafts: what decoding.py and model.py say
+    python served.py OUT_DIR --fast       # speed/tune.py's draft precision and target GEMMs, and
+                                          # also the shape `auto` chooses (run.sh's numbers)
+
+It reads OUT_DIR/ckpt.pt (the draft and the training run's flags: its held-out data, target, chat
+template kwargs) and adds its numbers to OUT_DIR/acceptance.json ("served") and to log.jsonl (a
+"served" record).
 
 Teacher-forced tau (loss.py) is measured at anchors drawn uniformly from the supervised tokens. A
 served cycle's anchor is wherever the previous cycle stopped: serving visits
@@ -16,15 +25,25 @@ anchors fall, not of the draft.
 """
 
 import argparse
+import copy
+import json
+import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+import data
 import loss
 import model
-from speed import tune
-from target import stop_token_ids
+import train
+from common import bounded, run
+from export import load_any
+from metrics import record_served
+from speed import machine, tune
+from target import check_draft_fits, load_target, stop_token_ids
 from tree import label, speculate
 
 
@@ -42,22 +61,25 @@ def served_anchors(P: int, taus: list) -> list:
 
 
 @torch.no_grad()
-def serve(target, draft, samples, shape, use_selector=True, stop_ids=()) -> dict:
-    """Decode each sample's prompt greedily for as many tokens as its answer has, verifying shape,
-    ("path", k) or ("tree", n) -> {"tau": accepted drafts + 1 per cycle, over all cycles of all
-    prompts; "cycles"; "tokens": committed; "anchors": [the anchors of each sample]}."""
+def serve(target, draft, samples, shape, use_selector=True, stop_ids=(), max_new_tokens=None):
+    """Decode each sample's prompt greedily for as many tokens as its answer has (at most
+    max_new_tokens), verifying shape, ("path", k) or ("tree", n) -> {"tau": accepted drafts + 1 per
+    cycle, over all cycles of all prompts; "cycles"; "tokens": committed; "anchors": [the anchors
+    of each sample]}. A progress bar over the prompts shows the tokens a second."""
     device = next(target.parameters()).device
-    taus, anchors, tokens = [], [], 0
-    for s in samples:
+    taus, anchors, tokens, t0 = [], [], 0, time.time()
+    bar = tqdm(samples, desc=f"served, {label(shape)}", unit="prompt", dynamic_ncols=True)
+    for s in bar:
         P = prompt_length(s["loss_mask"])
         prompt = s["input_ids"][None, :P].to(device)  # [1, P]
-        n = len(s["input_ids"]) - P  # the answer's length
+        n = min(len(s["input_ids"]) - P, max_new_tokens or len(s["input_ids"]))  # answer's length
         _, stats = speculate(
             target, draft, prompt, n, shape, use_selector=use_selector, stop_ids=stop_ids
         )
         taus += stats.taus
         tokens += stats.new_tokens
         anchors.append(served_anchors(P, stats.taus))
+        bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.1f}")
     tau = sum(taus) / len(taus) if taus else float("nan")
     return {"tau": tau, "cycles": len(taus), "tokens": tokens, "anchors": anchors}
 
@@ -83,26 +105,155 @@ def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
     return taus
 
 
-def served_tau(target, draft, tokenizer, samples, draft_path: str) -> dict:
-    """train.py's served evaluation: the draft as generate.py would run it here (speed/tune.py:
-    its precision, its head, the target's GEMM layout) decodes the samples' prompts with the path
-    of B-1 drafts and with the shape `auto` chooses from draft_path's acceptance.json.
-    -> {"path": serve(...), "auto": serve(...) with its "shape"}. The draft is changed in place
-    (precision): pass a copy."""
-    options = argparse.Namespace(draft_dtype="auto", target_gemm="auto")
-    draft, layouts, line = tune.decoding(target, draft, options)
-    print(line, file=sys.stderr)
+def served_evaluation(args, draft, target, tokenizer, samples, out_dir, fast, max_new_tokens=None):
+    """The samples' prompts decoded greedily by the real loop with the path of B-1 drafts (and,
+    fast, with the shape `auto` chooses), and the path's anchors scored teacher-forced where the
+    data has a block's first label: served tau beside teacher-forced tau at the same anchors (equal
+    when the answers are the target's own greedy ones). args: the training run's flags; draft: as
+    stored, on the target's device. -> the numbers acceptance.json keeps under "served"."""
+    device = next(target.parameters()).device
+    # teacher-forced as train.py scores: its precision, and the target's embedding and head in the
+    # dtype training loaded the target in (taken before --fast may pack the target's weights)
+    weights = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    as_trained = machine.resolve_dtype(args.target_dtype, device, "data")
+    embed_w, head_w = (w.detach().to(as_trained).to(device, torch.float32) for w in weights)
+    bf16 = machine.resolve_dtype(args.dtype, device, "train") == torch.bfloat16
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     use_selector = draft.candidate_selector is not None
     mode = "selector" if use_selector else "unary"
-    asked = argparse.Namespace(verify_tokens=None, tree_budget=["auto"], draft=draft_path)
-    auto_shape = tune.verify_shapes(asked, draft, mode, layouts)[0]
-    path_shape = ("path", draft.config.block_size - 1)
+    path = ("path", draft.config.block_size - 1)
+    shapes, served = {"path": path}, draft.eval()
+    stored = f"draft {machine.dtype_name(next(draft.parameters()).dtype)} as stored"
+    if fast:  # the draft is changed in place (precision): a copy
+        options = argparse.Namespace(draft_dtype="auto", target_gemm="auto")
+        served, layouts, line = tune.decoding(target, copy.deepcopy(draft).eval(), options)
+        print(f"--fast replaces the {stored} and the stock target GEMMs: {line}", file=sys.stderr)
+        asked = argparse.Namespace(verify_tokens=None, tree_budget=["auto"], draft=out_dir)
+        shapes["auto"] = tune.verify_shapes(asked, served, mode, layouts)[0]
+        print(
+            f"--fast adds auto's {label(shapes['auto'])} beside the {label(path)}", file=sys.stderr
+        )
+    else:
+        dtype = machine.dtype_name(next(target.parameters()).dtype)
+        line = f"{stored}; target {dtype} (auto for decoding: speed/machine.py), stock GEMMs"
+        print(f"served.py: {line}; the {label(path)} (--fast: speed/tune.py's)", file=sys.stderr)
     stop = stop_token_ids(target, tokenizer)
-    out = {"path": serve(target, draft, samples, path_shape, use_selector, stop)}
-    out["auto"] = (
-        out["path"]
-        if auto_shape == path_shape
-        else serve(target, draft, samples, auto_shape, use_selector, stop)
+    out = {}
+    for name, shape in shapes.items():
+        same = name != "path" and shape == path
+        kw = dict(use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens)
+        out[name] = out["path"] if same else serve(target, served, samples, shape, **kw)
+    anchors = [  # where the data has the block's first label: a training anchor position
+        sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
+        for s, visited in zip(samples, out["path"]["anchors"])
+    ]
+    objective = train.DraftObjective(
+        draft, embed_w, head_w, train.loss_config(args), args.attention
     )
-    out["auto"] = dict(out["auto"], shape=label(auto_shape))
-    return out
+    online = target if args.online else None
+    tf = train.evaluate(
+        objective, samples, args, online, draft.config, device, 0, 1, autocast, anchors=anchors
+    )
+    result = {
+        "prompts": len(samples),
+        "path_tau": round(out["path"]["tau"], 4),
+        "path_cycles": out["path"]["cycles"],
+        "path_tf_tau": round(tf[f"accept_{mode}"], 4),
+        "path_tf_blocks": sum(map(len, anchors)),
+    }
+    if fast:
+        auto = out["auto"]
+        result.update(auto_shape=label(shapes["auto"]), auto_tau=round(auto["tau"], 4))
+        result["auto_cycles"] = auto["cycles"]
+    return result
+
+
+def print_served(s, final, cfg):
+    """The served block beside training's teacher-forced tau at random anchors (its final
+    record)."""
+    mode = "selector" if cfg.dflash2 else "unary"
+    path = f"path of {cfg.block_size - 1} drafts"
+    print(
+        f"\nserved: {s['prompts']} held-out prompts decoded greedily by the real loop\n"
+        f"  {'tau teacher-forced, random anchors':40s} {final[f'accept_{mode}']:.4f}\n"
+        f"  {'tau teacher-forced, served anchors':40s} {s['path_tf_tau']:.4f}"
+        f"  ({s['path_tf_blocks']} blocks)\n"
+        f"  {'tau served, ' + path:40s} {s['path_tau']:.4f}  ({s['path_cycles']} cycles)"
+    )
+    if "auto_shape" in s:
+        auto = f"tau served, auto: {s['auto_shape']}"
+        print(f"  {auto:40s} {s['auto_tau']:.4f}  ({s['auto_cycles']} cycles)")
+
+
+# ----------------------------------------------------------------------------- the command line
+def read_run(out_dir) -> tuple:
+    """train.py's output directory -> (its flags, the draft as stored, its step, its final log
+    record). A run that has not finished (no final record at the checkpoint's step: train.py writes
+    acceptance.json just before it) is refused."""
+    file, log = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
+    if not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"{out_dir}: no such directory (train.py's --out-dir)")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: no training checkpoint (train.py writes it)")
+    draft = load_any(file)  # refuses a checkpoint that is not one, in one line
+    saved = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(saved.get("args"), dict):
+        raise ValueError(f"{file}: no training flags ('args'): not written by train.py")
+    finals = []
+    if os.path.isfile(log):
+        with open(log) as f:
+            for i, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{log}:{i}: not JSON ({e.msg})") from None
+                finals += [record] if record.get("kind") == "final" else []
+    if not finals or finals[-1].get("step") != saved.get("step"):
+        raise ValueError(
+            f"{log}: no final record at {file}'s step {saved.get('step')}: the run has not "
+            "finished (train.py --resume continues it)"
+        )
+    return argparse.Namespace(**saved["args"]), draft, saved.get("step"), finals[-1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="train.py's --out-dir (ckpt.pt, log.jsonl)")
+    p.add_argument("--samples", type=bounded(int, low=1), default=16, help="held-out prompts")
+    p.add_argument(
+        "--max-new-tokens", type=bounded(int, low=1), default=None, help="default: the answer's"
+    )
+    p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs, auto")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    opts = parse_args(argv)
+    t0 = time.time()
+    args, draft, step, final = read_run(opts.out_dir)
+    held = args.eval_data or args.data
+    if not os.path.exists(held):
+        raise FileNotFoundError(f"{held}: the held-out data of {opts.out_dir} is not there")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
+    target = target.to(device)
+    check_draft_fits(draft.config, target)
+    samples = train.load_split(args, tokenizer, training=False)[1]
+    chosen = [samples[i] for i in range(min(len(samples), opts.samples))]
+    if not chosen:
+        raise ValueError(f"{held}: no held-out sequences (train.py --eval-data, --eval-fraction)")
+    draft = draft.to(device)
+    s = served_evaluation(
+        args, draft, target, tokenizer, chosen, opts.out_dir, opts.fast, opts.max_new_tokens
+    )
+    s["seconds"] = round(time.time() - t0, 1)
+    record_served(opts.out_dir, s)
+    record = {"kind": "served", "step": step, **{f"served_{k}": v for k, v in s.items()}}
+    train.append_log(os.path.join(opts.out_dir, "log.jsonl"), record)
+    print_served(s, final, draft.config)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -3484,8 +3484,6 @@ def run(setup, out, *extra):
         "1e-2",
         "--seed",
         "3",
-        "--served-samples",
-        "0",
         *extra,
     ]
     train.main(args)
@@ -3682,7 +3680,7 @@ def fit(draft, target, sample, steps: int):
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
-    """The identity behind train.py's served evaluation (served.py): the answer being the target's
+    """The identity behind served.py's evaluation: the answer being the target's
     own greedy answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} =
     s_i + tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
     served, so that every served block has all its labels."""
@@ -3726,16 +3724,18 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
 def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     setup, tmp_path, monkeypatch, capsys
 ):
-    """train.py's final evaluation decodes --served-samples held-out prompts with the real loop
-    (the path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts
-    both in the log, in acceptance.json (which export.py carries and auto still reads) and in the
-    summary."""
+    """served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop (the
+    path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts both
+    in the log, in acceptance.json (which export.py carries and auto still reads) and in the
+    summary. Without --fast: the path alone, the draft as stored. A user's mistake: one line."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    flags = ["--max-steps", "2", "--eval-fraction", "0.3", "--served-samples", "2"]
-    run(setup, tmp_path / "run", *flags)
+    run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
+    served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
+    record = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "served"][-1]
     final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
     stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
-    assert stats["served"] == {k[len("served_") :]: v for k, v in final.items() if "served_" in k}
+    assert stats["served"] == {k[len("served_") :]: v for k, v in record.items() if "served_" in k}
+    assert not any("served_" in k for k in final) and record["step"] == final["step"] == 2
     s = stats["served"]
     assert s["prompts"] == 2 and 1 <= s["path_tau"] <= 4 and 1 <= s["auto_tau"] <= 4
     assert s["path_cycles"] >= 2 and 1 <= s["path_tf_tau"] <= 4
@@ -3744,6 +3744,14 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
     assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
+    served.main([str(tmp_path / "run"), "--samples", "1", "--max-new-tokens", "3"])
+    plain = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
+    assert plain["prompts"] == 1 and "auto_shape" not in plain and 1 <= plain["path_tau"] <= 4
+    assert plain["path_cycles"] <= 3  # each cycle commits a token at least
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        served.main([str(tmp_path / "none")])
+    with pytest.raises(FileNotFoundError, match="no training checkpoint"):
+        served.main([str(setup / "feats")])
 
 
 # ---------------------------------------------------------------------------- anchor coverage
@@ -3835,8 +3843,6 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
         "1000",
         "--eval-samples",
         "3",
-        "--served-samples",
-        "0",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
@@ -3988,8 +3994,6 @@ def fsdp_runs(setup, tmp_path_factory):
         "1000",
         "--log-interval",
         "1",
-        "--served-samples",
-        "0",
         "--fsdp",
     ]
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
@@ -6279,8 +6283,8 @@ def reachable(graph: dict, start: str) -> set:
 
 
 def test_imports_flow_one_way():
-    """No import cycle, no project import hidden inside a function, the training step reaches
-    neither decoding nor the cost model (train.py's served evaluation does, through served.py), the
+    """No import cycle, no project import hidden inside a function, train.py reaches neither
+    decoding nor the cost model (served.py does, and runs after it), the
     data path stands without prepare.py, and the CPU machinery (speed/) is reached only through its
     two doors, machine.py and tune.py (and bench.py, which is generate.py --bench)."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
@@ -6289,12 +6293,12 @@ def test_imports_flow_one_way():
     assert {"decoding", "speed.cost", "tools.plan", "prompts.word_problems"} <= set(graph)
     assert import_cycle(graph) is None
     assert inside_functions == []
-    # the training step; train.py reaches decoding (and auto's cost model) only through served.py,
-    # its final evaluation
-    assert "served" in graph["train"] and "decoding" in reachable(graph, "served")
-    training = reachable({**graph, "train": graph["train"] - {"served"}}, "train")
+    # training reaches no decoding: the served evaluation is served.py's, which imports train.py
+    assert "train" in graph["served"] and "decoding" in reachable(graph, "served")
+    training = reachable(graph, "train")
     assert {"model", "loss", "metrics", "data", "speed.machine"} <= training
-    assert not training & {"decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
+    no = {"served", "decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
+    assert not training & no
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
     core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]
     doors = {"speed", "speed.machine", "speed.tune", "speed.bench"}

@@ -35,7 +35,7 @@ def train(args, flags, out, steps, evaluate: bool) -> list:
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", args.data]
     cmd += ["--draft-config", args.draft_config, "--eval-data", args.eval_data, "--lr", "1e-3"]
     cmd += ["--out-dir", out, "--max-steps", str(steps), "--log-interval", "1", "--quiet"]
-    cmd += ["--save-interval", str(10**9), "--eval-interval", str(10**9), "--served-samples", "0"]
+    cmd += ["--save-interval", str(10**9), "--eval-interval", str(10**9)]
     cmd += ["--eval-samples", str(args.eval_samples if evaluate else 0)]
     cmd += flags + (PACK_LENGTH if "--pack" in flags else []) + args.extra
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
