@@ -5,6 +5,7 @@
     -> the target's chat template; loss_mask = 1 on assistant tokens    tokenize_conversation
     -> where a block may start                                          anchor_positions
     -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, collate
+    -> static shapes for compiled steps; made ahead by DataLoader workers  static_shapes, loader
 
 prepare.py makes the data (on-policy answers, offline features: features.py); train.py reads it back
 with load_samples and turns rows into batches with collate.
@@ -380,8 +381,9 @@ def lengths(samples) -> list:
 
 def join(docs) -> dict:
     """One row from a list of samples: their tensors concatenated, plus positions (restarting per
-    document) and docs (the document's number), each [S]."""
-    row = {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
+    document) and docs (the document's number), each [S]. A row of one document keeps its tensors
+    (no copy: collate copies them once, into the batch)."""
+    row = dict(docs[0]) if len(docs) == 1 else {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
     row["positions"] = torch.cat([torch.arange(len(d["input_ids"])) for d in docs])
     row["docs"] = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(docs)])
     return row
@@ -408,7 +410,8 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
     seeded per (seed, key) so that every rank / accumulation layout draws the same anchors for the
     same row (per_document: sample_anchors), or given: anchors[i] the positions of row i (the
     anchors serving visited, train.py's served evaluation). Padding has position 0 and document -1,
-    no anchor and no label."""
+    no anchor and no label. features keep their stored dtype (the draft casts them,
+    model.DraftModel.context_kv); target_hidden is fp32, as the objective reads it."""
     rows = [join(docs) for docs in rows]
     N, S = len(rows), max(len(r["input_ids"]) for r in rows)
     batch = {
@@ -420,7 +423,9 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
     }
     for name in ("features", "target_hidden"):
         if name in rows[0]:
-            batch[name] = torch.zeros(N, S, rows[0][name].shape[-1])
+            # features in their stored dtype (bf16: half the bytes to copy); target_hidden fp32
+            dtype = rows[0][name].dtype if name == "features" else torch.float32
+            batch[name] = torch.zeros(N, S, rows[0][name].shape[-1], dtype=dtype)
     given, anchors = anchors, []
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
@@ -439,6 +444,85 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
     for i, a in enumerate(anchors):
         batch["anchors"][i, : len(a)], batch["anchor_valid"][i, : len(a)] = a, True
     return {k: v.to(device) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------- static shapes
+# A compiled step (train.py --compile, flex attention) specialises on its shapes: each new one
+# compiles again. Rows are padded to LENGTH_UNIT tokens times a power of two and the anchors to
+# --num-anchors times one, so that a run meets a handful of shapes (log2(longest / 64) + 1 lengths)
+# instead of one per step.
+LENGTH_UNIT = 64
+
+
+def static_size(n: int, unit: int) -> int:
+    """The smallest unit * 2^k >= n (k >= 0): static_size(100, 64) = 128, static_size(512, 512) =
+    512."""
+    return unit * (1 << (-(-n // unit) - 1).bit_length())
+
+
+def pad_batch(batch, length: int, num_anchors: int) -> dict:
+    """A batch right-padded to `length` tokens and `num_anchors` anchor slots, on its device.
+    Padded tokens are collate's padding (no attention, no label, document -1, features 0); padded
+    anchors are invalid (position 0, anchor_valid False), so the objective gives their blocks
+    weight 0 and the loss, its gradients and the metrics are the unpadded batch's."""
+    N, S = batch["input_ids"].shape
+    A = batch["anchors"].shape[1]
+    if length < S or num_anchors < A:
+        raise ValueError(f"cannot pad {S} tokens, {A} anchors to {length}, {num_anchors}")
+    out = {}
+    for k, v in batch.items():
+        size = num_anchors if k in ("anchors", "anchor_valid") else length
+        out[k] = v.new_full((N, size, *v.shape[2:]), -1 if k == "docs" else 0)
+        out[k][:, : v.shape[1]] = v
+    return out
+
+
+def static_shapes(batch, num_anchors: int) -> dict:
+    """pad_batch to static_size: S up to 64 * 2^k tokens, the anchors to --num-anchors (with
+    --anchors-per document, a power of two times it)."""
+    S, A = batch["input_ids"].shape[1], batch["anchors"].shape[1]
+    return pad_batch(batch, static_size(S, LENGTH_UNIT), static_size(A, num_anchors))
+
+
+# ----------------------------------------------------------------------------- loading ahead
+class MicroBatches(torch.utils.data.Dataset):
+    """A run's micro-batches, made wherever the DataLoader runs them (its worker processes): item
+    (epoch, row numbers) -> collate's batch of those rows on the CPU, anchors keyed by epoch and row
+    as train.py keys them, with static shapes when `static`."""
+
+    def __init__(self, samples, rows, num_anchors, seed, per_document=False, static=False):
+        self.samples, self.rows, self.num_anchors = samples, rows, num_anchors
+        self.seed, self.per_document, self.static = seed, per_document, static
+
+    def __getitem__(self, item):
+        epoch, batch_rows = item
+        keys = [epoch * len(self.rows) + r for r in batch_rows]
+        docs = [[self.samples[j] for j in self.rows[r]] for r in batch_rows]
+        batch = collate(docs, keys, self.num_anchors, self.seed, "cpu", self.per_document)
+        return static_shapes(batch, self.num_anchors) if self.static else batch
+
+
+def loader(dataset, schedule, workers: int, pin: bool):
+    """The items of `schedule` (an iterable of (epoch, row numbers), consumed once, in order) made
+    ahead by `workers` processes, two each in flight (0: made here, when asked), and with pin (a
+    CUDA device) copied into page-locked memory, from which to_device's copy runs asynchronously.
+    Batches come in schedule order whatever the number of workers, equal to collate's bit for bit.
+    Its own generator: the global RNG (the draft's initialisation) is left untouched."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,  # an item is a whole micro-batch
+        sampler=schedule,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=2 if workers else None,
+        generator=torch.Generator(),
+    )
+
+
+def to_device(batch, device) -> dict:
+    """Copy a batch to device; from pinned memory the copy is queued behind the GPU's work instead
+    of waiting for it (non_blocking), from pageable memory it is a plain copy."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 # ------------------------------------------------------------------ online: the target per document

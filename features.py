@@ -101,6 +101,10 @@ class FeatureSamples:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def __getstate__(self):
+        # a copy for another process (a DataLoader worker) opens its own shard: no handle travels
+        return {**self.__dict__, "shard": None}
+
     def read(self, i: int, keys) -> dict:
         """Only the tensors `keys` of sample i (e.g. its loss_mask alone, without the features)."""
         k, j = self.index[i].tolist()

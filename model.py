@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from attention import attention_keys, block_attention_mask, flex, flex_block_mask
+from attention import attention_keys, block_attention_mask, flex, flex_block_mask, sdpa
 from config import DraftConfig
 from conv import GroupedDynamicCausalConv
 from selector import CandidateSelector, unary_transform
@@ -117,12 +117,8 @@ class Attention(nn.Module):
         # [N, kv_heads, C + Q, hd]
         k = torch.cat([ctx_kv[0], k], dim=2)
         v = torch.cat([ctx_kv[1], v], dim=2)
-        if isinstance(mask, BlockMask):
-            y = flex(q, k, v, mask, self.nh != self.nkv)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv
-            )
+        attend = flex if isinstance(mask, BlockMask) else sdpa
+        y = attend(q, k, v, mask, self.nh != self.nkv)
         return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
 
 
@@ -211,8 +207,12 @@ class DraftModel(nn.Module):
 
     def context_kv(self, features, pos):
         """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v).
-        The features are cast to the draft's dtype: a bf16 draft may read an fp32 target."""
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [N, C, H]
+        The features come in their stored dtype (data.collate) and are cast once, here: under
+        autocast to its dtype (bf16 features: no copy; autocast would cast an fp32 copy again), else
+        to the draft's (a bf16 draft may read an fp32 target, an fp32 one bf16 features)."""
+        on = torch.is_autocast_enabled(features.device.type)
+        dtype = torch.get_autocast_dtype(features.device.type) if on else self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(features.to(dtype)))  # [N, C, H]
         return [layer.context_kv(ctx, pos) for layer in self.layers]
 
     def forward(
@@ -247,12 +247,12 @@ class DraftModel(nn.Module):
             attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc),
         )
         mask = block_attention_mask if attention == "sdpa" else flex_block_mask
-        full = mask(queries, keys, c.causal_in_block(sliding=False))
-        slide = (
-            mask(queries, keys, c.causal_in_block(sliding=True), c.sliding_window)
-            if "sliding_attention" in c.layer_types
-            else None
-        )
+        # only the kinds of layer the draft has (both shipped 8B configs are all sliding)
+        full = slide = None
+        if "full_attention" in c.layer_types:
+            full = mask(queries, keys, c.causal_in_block(sliding=False))
+        if "sliding_attention" in c.layer_types:
+            slide = mask(queries, keys, c.causal_in_block(sliding=True), c.sliding_window)
         # dflash_config.input_embedding_scale (Z Lab, vLLM) scales the embedded block, in both paths
         h = x if c.input_embedding_scale is None else x * c.input_embedding_scale
         for layer, kv in zip(self.layers, ctx_kv):

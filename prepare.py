@@ -566,9 +566,11 @@ def main(argv=None):
     }
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":  # first: what uses the current device ("cuda" tensors, streams, HF
+        torch.cuda.set_device(device)  # generate) lands on this rank's GPU, not on GPU 0
     if world > 1:  # gloo only synchronises; a long regeneration must not time out the barrier
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     layer_ids = config.load_config(args.draft_config).target_layer_ids if args.features else None
     if rank != 0:  # rank 0 loads first and alone, so only one process converts or downloads
         barrier()

@@ -111,7 +111,7 @@ from target import (
     new_cache,
     stop_token_ids,
 )
-from tools import plan, train_cost
+from tools import gpu_check, plan, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -1635,6 +1635,53 @@ def test_chunked_equals_unchunked(loss, weighting, miss):
         for k, v in g_ref.items():
             # float summation order only
             assert (g[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k
+
+
+def test_objective_casts_the_frozen_head_once_under_autocast():
+    """Under bf16 autocast the objective casts the frozen head [V, H] once per call, not in every
+    chunk and every chunk's recompute (autocast keeps no cast of a tensor that needs no grad): one
+    copy of it in all, counted at the dispatcher, here over 5 anchors in chunks of 2 with kl (two
+    matmuls a chunk) and a backward. The sums are those of the head cast by autocast itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(1)
+    th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size)
+
+    class Casts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == head.data_ptr():
+                Casts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    outs = []
+    for weight in (head, head.bfloat16()):  # as given; cast before, as autocast would
+        draft.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+            out = run_objective(
+                draft,
+                embed,
+                weight,
+                ids,
+                feats,
+                anchors,
+                loss_mask,
+                valid,
+                loss="kl",
+                alpha_t=0.5,
+                target_hidden=th,
+                chunk_blocks=2,
+            )
+            out["numerator"].backward()
+        outs.append((out, grads(draft), Casts.n))
+    (a, ga, n), (b, gb, _) = outs
+    assert n == 1
+    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
+        a["denominator"], b["denominator"]
+    )
+    assert all(torch.equal(a["metrics"][k][0], b["metrics"][k][0]) for k in a["metrics"])
+    assert all(v is None or torch.equal(gb[k], v) for k, v in ga.items())
 
 
 def test_acceptance_statistics_by_hand():
@@ -4601,6 +4648,106 @@ def test_plan_rows_by_hand():
     assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
 
 
+def test_prepare_binds_its_gpu_before_the_process_group(setup, monkeypatch):
+    """prepare.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
+    LOCAL_RANK 1 binds cuda:1 first, then makes its gloo group, so that nothing it does lands on
+    GPU 0."""
+    calls = []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        prepare.dist, "init_process_group", lambda backend, **kw: calls.append((backend,))
+    )
+
+    def stop(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "load_target", stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["--data", str(setup / "convs.jsonl"), "--out-dir", "x", "--regenerate"])
+    assert calls == [("set_device", "cuda:1"), ("gloo",)]
+
+
+def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
+    """data.loader (a DataLoader over data.MicroBatches) gives, in schedule order, the batches that
+    collate makes of the same rows, bit for bit and in the same dtypes, features in their stored
+    one (fp16 here: no fp32 copy), with 0 and with 2 worker processes, with static shapes or
+    without. A streamed feature directory's samples travel to another process without their open
+    shard (pickle refused the handle)."""
+    import pickle
+
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
+    assert len(rows) == 5 and max(map(len, rows)) > 1
+    schedule = [(0, [3, 1]), (0, [0, 2]), (1, [4]), (1, [2, 4, 0])]
+    for static in (False, True):
+        want = []
+        for epoch, batch_rows in schedule:  # train.py's keys: epoch * len(rows) + row
+            keys = [epoch * len(rows) + r for r in batch_rows]
+            b = data.collate([[samples[j] for j in rows[r]] for r in batch_rows], keys, 6, 3, "cpu")
+            want.append(data.static_shapes(b, 6) if static else b)
+        assert want[0]["features"].dtype == torch.float16
+        assert want[0]["target_hidden"].dtype == torch.float32
+        for workers in (0, 2):
+            made = data.MicroBatches(samples, rows, num_anchors=6, seed=3, static=static)
+            got = list(data.loader(made, iter(schedule), workers, pin=False))
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.keys() == w.keys()
+                for k in w:
+                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (
+                        static,
+                        workers,
+                        k,
+                    )
+    copied = pickle.loads(pickle.dumps(samples))
+    assert samples.shard is not None and copied.shard is None
+    assert torch.equal(copied[5]["features"], samples[5]["features"])
+
+
+def test_static_shapes_pad_to_buckets_and_keep_the_objective():
+    """data.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchor slots (sizes by
+    hand), with collate's padding (no attention, no label, document -1, features 0) and invalid
+    anchors. The objective's numerator, denominator and metrics, the gradients and the valid
+    blocks' hidden states are the unpadded batch's (fp32 sums in another order)."""
+    sizes = [data.static_size(n, 64) for n in (1, 64, 65, 128, 129, 300, 1000)]
+    assert sizes == [64, 64, 128, 128, 256, 512, 1024]
+    assert [data.static_size(n, 12) for n in (3, 12, 13, 30, 49)] == [12, 12, 24, 48, 96]
+    c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
+    docs = packing_docs(c, [9, 14, 22])
+    batch = data.collate([[d] for d in docs], [0, 1, 2], 16, 0, "cpu")
+    padded = data.static_shapes(batch, 16)
+    (N, S), A = batch["input_ids"].shape, batch["anchors"].shape[1]
+    assert (N, S, A) == (3, 22, 15) and batch["anchor_valid"].sum(1).tolist() == [5, 9, 15]
+    assert padded["input_ids"].shape == (3, 64) and padded["anchors"].shape == (3, 16)
+    for k, fill in (("attention_mask", 0), ("loss_mask", 0), ("docs", -1), ("features", 0)):
+        assert (padded[k][:, S:] == fill).all() and torch.equal(padded[k][:, :S], batch[k]), k
+    assert not padded["anchor_valid"][:, A:].any() and (padded["anchors"][:, A:] == 0).all()
+    assert torch.equal(padded["anchors"][:, :A], batch["anchors"])
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "5", "--loss", "kl"])
+    args.attention = "sdpa"
+    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, batch, args)
+    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, padded, args)
+    valid = batch["anchor_valid"]
+    assert (h2[:, :A][valid] - h1[valid]).abs().max() <= 1e-5
+    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
+    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
+    assert out1["metrics"].keys() == out2["metrics"].keys()
+    for k, (num, den) in out1["metrics"].items():
+        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
+    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
+    for k in g1:
+        assert_same_sum(g2[k], g1[k], 64 * 16 * c.block_size, torch.float32, k)
+
+
 def assert_same_sum(got, want, n: int, dtype, name=""):
     """got and want are the same sums of at most n terms each, accumulated in another order (packed
     rows, other kernels, another CPU's vector width). Each may be off by about n roundings of the
@@ -4842,6 +4989,63 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
     # fp32 rounding, relative to the gradient's scale
     for k, g in want.items():
         assert (got[k] - g).abs().max() <= 1e-5 * g.abs().max(), k
+
+
+def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
+    """--attention auto is flex on a CUDA device (also named by string) and sdpa on the CPU. The
+    CUDA sdpa route (attention.memory_safe_sdpa) allows only kernels that keep no scores: run on
+    this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
+    back to math; with math allowed too it equals torch's own grouped-query SDPA, so the repeated
+    k/v heads are grouped as enable_gqa groups them. model.Attention takes it for any non-flex
+    mask."""
+    assert (
+        attention.choose("auto", "cuda:3")
+        == attention.choose("auto", torch.device("cuda"))
+        == "flex"
+    )
+    assert attention.choose("auto", "cpu") == "sdpa" and attention.choose("sdpa", "cuda") == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, L, 8, generator=g) for h, L in ((4, 6), (2, 10), (2, 10)))
+    mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
+    mask[..., 0] = True  # every query reads a key
+    with pytest.raises(RuntimeError, match="--attention flex"):
+        attention.memory_safe_sdpa(q, k, v, mask)
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(attention, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert (attention.memory_safe_sdpa(q, k, v, mask) - want).abs().max() <= 1e-6
+    calls = []
+    monkeypatch.setattr(model, "sdpa", lambda *a: calls.append(a) or attention.sdpa(*a))
+    c = tiny_config()
+    docs = packing_docs(c, [20])
+    b = data.collate([docs], [0], 4, 0, "cpu")
+    model.forward_training(
+        DraftModel(c), torch.nn.Embedding(64, 32), b["input_ids"], b["features"], b["anchors"]
+    )
+    assert len(calls) == c.num_hidden_layers and all(a[4] for a in calls)  # gqa: 4 heads on 2
+
+
+def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
+    """model.DraftModel.context_kv casts stored features once: under autocast to its dtype (bf16
+    features go into fc as they are, no fp32 copy first), else to the draft's. The context is the
+    same as through an fp32 copy."""
+    c = tiny_config()
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    seen = []
+    draft.fc.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    x = torch.randn(2, 9, 2 * c.hidden_size).bfloat16()
+    pos = torch.arange(9)[None].expand(2, -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = draft.context_kv(x, pos)
+        ctx = draft.hidden_norm(draft.fc(x.float()))  # the cast before: an fp32 copy into fc
+        want = [layer.context_kv(ctx, pos) for layer in draft.layers]
+    plain = draft.context_kv(x, pos)  # no autocast: the fp32 draft reads fp32
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
+    for (k1, v1), (k2, v2) in zip(got, want):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert plain[0][0].dtype == torch.float32
 
 
 # ============================================================================ checkpoint formats
@@ -5598,24 +5802,56 @@ def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
 # torch
 # 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after
 # these.
+def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
+    """A compiled training step (train.py --compile's draft, forward and backward, sdpa on the CPU)
+    over six micro-batches of 2 rows, 12 to 120 tokens and 7 or 8 anchor slots: unpadded they are 6
+    shapes, each a compile of its own once automatic dynamic shapes are off; padded by
+    data.static_shapes they are 2 (64 and 128 tokens, 8 anchor slots), and the step compiles 2
+    graphs. A third compile of the draft's forward raises (the recompile limit, failing when hit),
+    so a padding that let a shape through fails here, never falls back to eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the draft's forward compiled by earlier tests counts against the limit
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    c = tiny_config(num_hidden_layers=1)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--num-anchors", "8"])
+    args.attention = "sdpa"
+    objective = train.DraftObjective(
+        torch.compile(draft), embed_w, head_w, train.loss_config(args), args.attention
+    )
+    docs = packing_docs(c, [20, 45, 70, 33, 100, 120, 9, 58, 12])
+    micro = [[0, 1], [2, 3], [6, 7], [4, 1], [5, 6], [6, 8]]
+    batches = [data.collate([[docs[j]] for j in rows], rows, 8, 0, "cpu") for rows in micro]
+    shapes = {(b["input_ids"].shape[1], b["anchors"].shape[1]) for b in batches}
+    assert len(shapes) == 6 and {a for _, a in shapes} == {7, 8}
+    counters.clear()
+    for b in batches:
+        b = data.static_shapes(b, 8)
+        assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
+        out = objective(b, alpha_t=0.5)
+        out["numerator"].backward()
+        assert math.isfinite(out["numerator"].item())
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the same plumbing on the CPU at toy sizes. The shape flags
-    reach every row, each measured row's numbers agree with its batch, the rows the CPU cannot run
-    say why, and every CUDA test skips with needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run: the plan in its order (train.py compiled on the shipped block-8
+    config first, the CUDA tests last) and inside the 8-minute budget, and the same plumbing on the
+    CPU at toy sizes: train.py runs every step offline on random bf16 features, the sdpa step row's
+    numbers agree with its batch, the rows the CPU cannot run say why, and every CUDA test skips
+    with needs_cuda's reason."""
     out = tmp_path / "gpu"
     done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join("tools", "gpu_check.py"),
-            str(out),
-            "--dry-run",
-            "--lengths",
-            "48,80",
-            "--num-anchors",
-            "6",
-            "--batch-size",
-            "2",
-        ],
+        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"]
+        + ["--length", "80", "--num-anchors", "6", "--batch-size", "2"],
         cwd=HERE,
         capture_output=True,
         text=True,
@@ -5624,42 +5860,65 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
-    rows = results["rows"]
-    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in rows] == [
-        (S, how, mode)
-        for mode in ("eager", "compile")
-        for S in (48, 80)
-        for how in ("sdpa", "flex")
-    ]
-    measured = [r for r in rows if r["status"] == "measured"]
-    assert [(r["row_tokens"], r["attention"], r["mode"]) for r in measured] == [
-        (48, "sdpa", "eager"),
-        (80, "sdpa", "eager"),
-    ]
-    # 2 rows of S random tokens, all supervised: 6 anchors a row, all valid
-    for r in measured:
-        assert r["rows"] == 2 and r["tokens"] == 2 * r["row_tokens"] and r["anchors"] == 12, r
-        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
-        assert r["device"] == "cpu" and r["dtype"] == "bf16" and r["peak_memory_gib"] > 0
-    reasons = {(r["attention"], r["mode"]): r["reason"] for r in rows if r["status"] == "skipped"}
-    assert set(reasons) == {("flex", "eager"), ("sdpa", "compile"), ("flex", "compile")}
-    assert "backward" in reasons["flex", "eager"] and "--dry-run" in reasons["sdpa", "compile"]
-    tests = results["tests"]
-    assert (
-        tests["exit_status"] == 0
-        and tests["counts"].get("skipped", 0) >= 5
-        and "failed" not in tests["counts"]
-    )
+    names = ["train", "compile", "eager", "sdpa", "tests"]
+    assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
+    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 8 * 60
+    # on a GPU the first item is train.py --compile (flex: auto) on the shipped block-8 config
+    args = gpu_check.parse_args([str(out)])
+    cmd = gpu_check.train_command(args, args.train_config, "T", "F", "O")
+    assert "--compile" in cmd and "--attention" not in cmd and cmd[1] == "train.py"
+    assert config.load_config(args.train_config).block_size == 8
+    assert args.train_config.endswith(os.path.join("configs", "smollm2-135m-dflash2.json"))
+    t = results["items"]["train"]
+    assert t["status"] == "measured" and t["steps_done"] == 4 == len(t["loss"]), t
+    assert all(math.isfinite(x) for x in t["loss"]) and t["error_line"] is None
+    r = results["items"]["sdpa"]  # 2 rows of 80 random tokens, all supervised: 6 anchors a row
+    assert r["status"] == "measured" and r["rows"] == 2 and r["tokens"] == 160, r
+    assert r["anchors"] == 12 and r["block_size"] == 8 and r["device"] == "cpu"
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
+    reasons = {n: results["items"][n]["reason"] for n in ("compile", "eager")}
+    assert all("backward" in why for why in reasons.values())
+    tests = results["items"]["tests"]
+    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
+    assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
     log = (out / "tests.log").read_text()
     skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
     assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
     summary = (out / "summary.txt").read_text()
-    for r in measured:  # the summary's table shows the JSON's numbers
-        assert (
-            f"| {r['row_tokens']} | sdpa | eager | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |"
-            in summary
-        )
-    assert summary.count("skipped: ") == 6 and f"{tests['summary']}" in summary
+    assert "= 480 s of the 480 s budget" in summary and tests["summary"] in summary
+    assert f"| sdpa | sdpa | no | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |" in summary
+    assert summary.count("skipped: ") == 2 and "4 of 4 steps" in summary
+
+
+def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
+    tmp_path, monkeypatch
+):
+    """tools/gpu_check.py: a row that ran out of memory is reported as such and does not fail the
+    check, one its share cut off does; a check stopped halfway (Ctrl-C in the second item) still
+    writes results.json and summary.txt with what it did and what stopped it."""
+    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
+    state, reason = gpu_check.outcome(1, oom, 60)
+    assert state == "out of memory" and "17.00 GiB" in reason
+    assert not gpu_check.failed({"status": state})
+    assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
+    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
+    assert gpu_check.failed({"status": "timed out"}) and gpu_check.failed({"exit_status": 1})
+    calls = []
+
+    def item(name, *rest):
+        calls.append(name)
+        if name == "compile":
+            raise KeyboardInterrupt
+        return {"status": "out of memory", "reason": "CUDA out of memory"}
+
+    monkeypatch.setattr(gpu_check, "run_item", item)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main([str(tmp_path), "--dry-run"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert calls == ["train", "compile"] and list(results["items"]) == ["train"]
+    assert results["stopped"] == "KeyboardInterrupt: "
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
 
 
 @pytest.fixture
@@ -5697,6 +5956,39 @@ def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
         for k, g in want.items():
             assert (got[k] - g).abs().max() <= 1e-4 * g.abs().max(), (S, k)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@needs_cuda
+def test_cuda_sdpa_keeps_no_scores_at_training_scale():
+    """--attention sdpa on a GPU (attention.sdpa: k/v heads repeated, memory-safe kernels only) at
+    a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192 context rows:
+    forward and backward allocate less than a tenth of the fp32 scores the math kernel would make
+    (6.4 GiB a layer), and the output equals the grouped-query math kernel's on a slice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator("cuda").manual_seed(0)
+    Q, K = 512 * 8, 8192 + 512 * 8
+    q = torch.randn(1, 32, Q, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(1, 8, K, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv"
+    )
+    q.requires_grad_(True)
+    mask = torch.ones(1, 1, Q, K, dtype=torch.bool, device="cuda").tril(diagonal=K - Q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    attention.sdpa(q, k, v, mask, True).float().sum().backward()
+    torch.cuda.synchronize()
+    scores = 32 * Q * K * 4
+    assert torch.cuda.max_memory_allocated() - before < scores / 10
+    s = slice(0, 256)  # math on a slice: [1, 32, 256, K] scores
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        want = F.scaled_dot_product_attention(
+            q[:, :, s], k, v, attn_mask=mask[:, :, s], enable_gqa=True
+        )
+    with torch.no_grad():
+        got = attention.sdpa(q[:, :, s], k, v, mask[:, :, s], True)
+    assert (got.float() - want.float()).abs().max() <= 2e-2
 
 
 @pytest.fixture(scope="module")
