@@ -280,8 +280,6 @@ def train_command(args, cfg_path, target_dir, feat_dir, out_dir) -> list:
         "--num-anchors",
         str(args.num_anchors),
         "--quiet",
-        "--served-samples",
-        "0",
     ]
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
