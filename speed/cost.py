@@ -26,6 +26,7 @@ import argparse
 import functools
 
 import torch
+from tqdm import tqdm
 
 import model
 from common import DTYPES, bounded, run
@@ -170,8 +171,11 @@ def each_layout(target, measure) -> dict:
     """{layout: measure()} over the layouts this target can run in here (machine.layouts_here),
     which start with "stock"; the target is left stock."""
     param, out = next(target.parameters()), {}
+    layouts = machine.layouts_here(param.dtype, param.device)
+    # minutes on a slow CPU, once per machine (the result is cached): a bar, not silence
+    bar = tqdm(layouts, desc="timing the target's GEMM layouts (once per machine)", unit="layout")
     try:
-        for layout in machine.layouts_here(param.dtype, param.device):
+        for layout in bar:
             set_layout(target, layout)
             out[layout] = measure()
     finally:
