@@ -51,6 +51,7 @@ plan=$(python tools/plan.py "${PLAN[@]}")
 planned() { sed -n "s/^$1=//p" <<< "$plan"; }
 N_TRAIN=$(planned N_TRAIN) EPOCHS=$(planned EPOCHS) N_EVAL=$(planned N_EVAL) EVAL_INTERVAL=$(planned EVAL_INTERVAL)
 SERVED_SAMPLES=$(planned SERVED_SAMPLES) SERVED_TOKENS=$(planned SERVED_TOKENS) EXPECTED_TAU=$(planned EXPECTED_TAU)
+PLANNED_MIN=$(planned PLANNED_MIN)
 echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers x $EPOCHS epochs, expected held-out tau ${EXPECTED_TAU:-unknown}"; t0=$SECONDS
 # 1. The target answers the prompts (greedy; in bf16 with oneDNN's packed weights where bf16 is native, else fp32)
 #    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.
@@ -66,10 +67,24 @@ echo "[run.sh] train: $((SECONDS - t0)) s"; t0=$SECONDS
 # 3. Served tau: held-out prompts decoded by the real loop (with speed/tune.py's fast path), once the
 #    training has finished: its final record then closes the log (--steps-this-run stops it before).
 #    The plan sizes it (SERVED_SAMPLES=0: off).
-if [ "${SERVED_SAMPLES:-16}" != 0 ] && tail -n 1 "$OUT/log.jsonl" | grep -q '"kind": "final"'; then
+finished=$(tail -n 1 "$OUT/log.jsonl" | grep -c '"kind": "final"' || true)
+if [ "${SERVED_SAMPLES:-16}" != 0 ] && [ "$finished" = 1 ]; then
     python served.py "$OUT" --fast --samples "${SERVED_SAMPLES:-16}" ${SERVED_TOKENS:+--max-new-tokens "$SERVED_TOKENS"}
     echo "[run.sh] served: $((SECONDS - t0)) s"
 fi
 # 4. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"
-echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (budget $BUDGET_MIN min)"
+echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (planned ${PLANNED_MIN:-?} min, budget $BUDGET_MIN min)"
+# 5. The plan's expected tau beside the measured ones: log.jsonl's last final and served records.
+[ "$finished" = 1 ] || exit 0
+python - "$OUT/log.jsonl" "${EXPECTED_TAU:-unknown}" "$NAME" <<'EOF'
+import json, sys
+log, expected, name = sys.argv[1:]
+records = [json.loads(line) for line in open(log)]
+final = [r for r in records if r["kind"] == "final"][-1]
+served = [r for r in records if r["kind"] == "served" and r["step"] == final["step"]]
+mode = "unary" if name == "dflash" else "selector"
+path = f"{served[-1]['served_path_tau']:.3f}" if served else "not run"
+print(f"[run.sh] held-out tau: expected {expected} (the plan), measured {final['accept_' + mode]:.3f}"
+      f" teacher-forced; served {path} (the path)")
+EOF

@@ -554,6 +554,7 @@ def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
         f"SERVED_TOKENS={f.served_tokens}",
         f"EVAL_INTERVAL={f.eval_interval}",
         f"EXPECTED_TAU={tau}",
+        f"PLANNED_MIN={total / 60:.1f}",
     ]
     return said, out
 
