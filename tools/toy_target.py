@@ -110,7 +110,8 @@ def train_target(target, seqs, steps: int, batch_size: int, lr: float, seed: int
         sched.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            log(f"toy target: step {step + 1}/{steps}, loss {loss.item():.4f}, {time.time() - t0:.0f} s")
+            took = time.time() - t0
+            log(f"toy target: step {step + 1}/{steps}, loss {loss.item():.4f}, {took:.0f} s")
     return target.eval()
 
 
@@ -118,11 +119,18 @@ def train_target(target, seqs, steps: int, batch_size: int, lr: float, seed: int
 def greedy_answers(target, tok, questions, max_new_tokens=80) -> list:
     """The target's greedy answers (batched, left-padded) as text."""
     tok.padding_side = "left"
-    texts = [tok.apply_chat_template(conversation(q), tokenize=False, add_generation_prompt=True)
-             for q in questions]
+    texts = [
+        tok.apply_chat_template(conversation(q), tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = target.generate(
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -147,8 +155,10 @@ def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=5e-3, seed=0
     )
     target = LlamaForCausalLM(cfg)
     seqs = [tokenize_conversation(tok, conversation(q, a), 256) for q, a in pairs]
-    log(f"toy target: {sum(p.numel() for p in target.parameters()):,} parameters, "
-        f"{len(tok)} words, {len(seqs)} problems, {steps} steps of {batch_size}")
+    log(
+        f"toy target: {sum(p.numel() for p in target.parameters()):,} parameters, "
+        f"{len(tok)} words, {len(seqs)} problems, {steps} steps of {batch_size}"
+    )
     train_target(target, seqs, steps, batch_size, lr, seed, log)
     target.generation_config.eos_token_id = tok.eos_token_id
     target.generation_config.pad_token_id = tok.pad_token_id
@@ -162,7 +172,9 @@ def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=5e-3, seed=0
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out_dir")
     p.add_argument("--steps", type=bounded(int, low=1), default=1000)
     p.add_argument("--problems", type=bounded(int, low=1), default=None, help="the first N only")
@@ -173,8 +185,10 @@ def main(argv=None):
     held_out = toy_split()[1][:50]
     got = greedy_answers(target, tok, [q for q, _ in held_out])
     right = sum(g == a for g, (_, a) in zip(got, held_out))
-    print(f"toy target: {args.out_dir} in {time.time() - t0:.0f} s; its greedy answer is the worked "
-          f"answer on {right} of {len(held_out)} held-out problems")
+    print(
+        f"toy target: {args.out_dir} in {time.time() - t0:.0f} s; its greedy answer is the worked "
+        f"answer on {right} of {len(held_out)} held-out problems"
+    )
 
 
 if __name__ == "__main__":
