@@ -45,12 +45,12 @@ if [ "${1:-}" = --toy ]; then
     echo "[run.sh --toy] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
     python train.py --draft-config "$CFG" --target "$TARGET" --data "$OUT/data/train" \
         --eval-data "$OUT/data/eval" --eval-samples 32 --out-dir "$OUT/draft" --num-anchors 32 \
-        --lr 2e-3 --epochs 2 --dtype fp32 --eval-interval 100000 --quiet
+        --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100000 --quiet
     python served.py "$OUT/draft" --samples 32
     python export.py "$OUT/draft" --out-dir "$OUT/draft/export"
     echo "[run.sh --toy] train, served, export: $((SECONDS - t0)) s"
     # a held-out problem (neither the target nor the draft trained on it), decoded both ways
-    PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-1][0])")
+    PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-3][0])")
     python generate.py --target "$TARGET" --draft "$OUT/draft/export" --prompt "$PROMPT" --compare --show
     echo "[run.sh --toy] the toy job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
     exit 0

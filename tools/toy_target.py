@@ -134,7 +134,7 @@ def greedy_answers(target, tok, questions, max_new_tokens=80) -> list:
     return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=5e-3, seed=0, log=print):
+def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=1e-2, seed=0, log=print):
     """Train the toy target on the first num_problems training pairs (all by default) and save it
     to out_dir (atomically: a temporary directory, renamed). -> (target, tokenizer)."""
     pairs, held_out = toy_split()
