@@ -44,6 +44,10 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
         watch = Printer(tok)
     use_selector = not args.unary
     n = args.max_new_tokens
+    if args.compare:  # untimed greedy warm-ups, as --bench runs: a first decoding pays one-off
+        warm = dict(kw, temperature=0.0, generator=None)  # costs, which a short answer shows
+        speculate(target, draft, ids, 8, args.shape, use_selector=use_selector, **warm)
+        target_generate(target, ids, 8, **warm)
     out, stats = speculate(
         target, draft, ids, n, args.shape, use_selector=use_selector, watch=watch, **kw
     )

@@ -50,6 +50,7 @@ from data import (
     tokenize_conversation,
 )
 from features import COUNTS, save_shard, shard_metadata, shard_path, write_manifest
+from prompts.toy_problems import toy_split
 from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
 from speed import machine, tune
 from target import GGUF, capture_features, check_layer_ids, load_target
@@ -425,6 +426,9 @@ PROMPT_SETS = {  # name -> seed -> prompts; the held-out sets never depend on th
     "math-eval": lambda seed: eval_prompts("gsm8k"),
     # the same, from its last: for recipe studies
     "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],
+    # the TOY run's word problems (bash run.sh --toy; prompts/toy_problems.py) and its held-out ones
+    "toy": lambda seed: [q for q, _ in toy_split()[0]],
+    "toy-eval": lambda seed: [q for q, _ in toy_split()[1]],
 }
 
 
@@ -458,7 +462,8 @@ def parse_args(argv=None):
         choices=list(PROMPT_SETS),
         help="built-in prompts (user turns only): default = general training set, eval = its "
         "held-out mix; math = the maths demo's training set, math-eval = GSM8K test (held "
-        "out), math-dev = GSM8K test from its last question (for recipe studies)",
+        "out), math-dev = GSM8K test from its last question (for recipe studies); toy / toy-eval = "
+        "the toy run's word problems and its held-out ones (bash run.sh --toy)",
     )
     p.add_argument("--out-dir", required=True)
     p.add_argument("--max-length", type=bounded(int, low=2), default=512)

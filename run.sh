@@ -20,6 +20,42 @@
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+# bash run.sh --toy: a TOY, a first run in minutes. The real prepare -> train -> export -> generate
+# code, on a target small enough to make here first: tools/toy_target.py trains a tiny Llama-style
+# model (4 layers, width 64, a word-level vocabulary) for a minute or two on the project's own toy
+# word problems with worked answers (prompts/toy_problems.py). It ends with generate.py --compare
+# --show on a held-out problem: the draft commits several tokens a cycle and beats plain decoding.
+# Why a toy shows what DFlash is for: a tiny target's step is bound by per-forward overhead, not by
+# arithmetic, so verifying 8 tokens costs about one step and every drafted token the target accepts
+# is nearly free. That is the regime DFlash is built for; on a GPU the same holds for a large target,
+# because its step is bound by reading the weights. (The main job's 135M target on a CPU is not
+# there: its verify costs several steps, docs/cpu.md.) OUT=DIR puts it elsewhere (default out/toy).
+if [ "${1:-}" = --toy ]; then
+    start=$SECONDS t0=$SECONDS
+    OUT=${OUT:-out/toy} CFG=configs/toy-dflash2.json
+    TARGET=$OUT/target
+    [ -d "$TARGET" ] || python tools/toy_target.py "$TARGET"  # made once, then reused
+    echo "[run.sh --toy] toy target: $((SECONDS - t0)) s"; t0=$SECONDS
+    # the toy target answers its own training problems (on-policy data) and 32 held-out ones
+    PREP=(--target "$TARGET" --target-dtype fp32 --target-gemm stock --regenerate --max-new-tokens 80
+        --features --draft-config "$CFG" --batch-size 64 --feature-batch-size 16 --save-target-hidden)
+    python prepare.py --prompts toy --num-samples 600 "${PREP[@]}" --out-dir "$OUT/data/train"
+    python prepare.py --prompts toy-eval --num-samples 32 "${PREP[@]}" --out-dir "$OUT/data/eval"
+    echo "[run.sh --toy] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
+    python train.py --draft-config "$CFG" --target "$TARGET" --data "$OUT/data/train" \
+        --eval-data "$OUT/data/eval" --eval-samples 32 --out-dir "$OUT/draft" --num-anchors 32 \
+        --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100000 --quiet
+    python served.py "$OUT/draft" --samples 32
+    python export.py "$OUT/draft" --out-dir "$OUT/draft/export"
+    echo "[run.sh --toy] train, served, export: $((SECONDS - t0)) s"
+    # a held-out problem (neither the target nor the draft trained on it), decoded both ways
+    PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-3][0])")
+    python generate.py --target "$TARGET" --draft "$OUT/draft/export" --prompt "$PROMPT" --compare --show
+    echo "[run.sh --toy] the toy job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
+    exit 0
+fi
+
 CFG=configs/smollm2-135m-dflash2.json
 DOMAIN=${DOMAIN:-math}
 BUDGET_MIN=${BUDGET_MIN:-45}  # the whole job, in minutes

@@ -45,6 +45,8 @@ banners are subsections):
                                  tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped
                                  without a GPU): compiled flex == sdpa, bf16 step == fp32 step,
                                  torchrun + nccl resume, MFU
+    the toy run (run.sh --toy)   a reduced toy run: the toy target learns its problems, its
+                                 draft's greedy output is the target's
     llama.cpp                    the converter reads every key it needs from an export
     the project's shape          imports flow one way
     tools/plan.py: slow CPUs     the plan keeps slow and fast CPUs inside the budget
@@ -90,6 +92,7 @@ from common import end_distributed
 from config import DraftConfig
 from conv import GroupedDynamicCausalConv
 from model import DraftModel
+from prompts.toy_problems import toy_split
 from selector import CandidateSelector, top_k_candidates, unary_transform
 from speed import auto, bench, cost, int8, machine, tune
 from speed.gemm import (
@@ -6147,6 +6150,50 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
     for out in ("a", "b"):
         mfu = [r["mfu"] for r in log_records(tmp_path / out / "log.jsonl") if r["kind"] == "train"]
         assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
+
+
+# ===================================================================== the toy run (run.sh --toy)
+def test_toy_run_reduced(tmp_path, capsys):
+    """A REDUCED toy run (bash run.sh --toy's steps at a much smaller size; the full toy run is not
+    in CI): the toy target (tools/toy_target.py) trained on 16 problems learns them, its greedy
+    answers being the worked ones; prepare -> train -> export then run as run.sh runs them, and the
+    exported draft decodes a held-out problem greedily into exactly the target's own greedy output,
+    as transformers' generate() computes it."""
+    from tools import toy_target
+
+    pairs, held_out = toy_split()
+    tgt = str(tmp_path / "target")
+    target, tok = toy_target.build(tgt, num_problems=16, steps=150, batch_size=16, lr=1e-2)
+    assert toy_target.greedy_answers(target, tok, [q for q, _ in pairs[:4]]) == [
+        a for _, a in pairs[:4]
+    ]
+    cfg = os.path.join(HERE, "configs", "toy-dflash2.json")
+    prep = ["--target", tgt, "--target-dtype", "fp32", "--target-gemm", "stock", "--regenerate"]
+    prep += ["--max-new-tokens", "60", "--features", "--draft-config", cfg, "--save-target-hidden"]
+    for name, n in (("train", 16), ("eval", 2)):
+        prepare.main(
+            ["--prompts", "toy" if name == "train" else "toy-eval", "--num-samples", str(n)]
+            + prep
+            + ["--out-dir", str(tmp_path / name)]
+        )
+    out = str(tmp_path / "draft")
+    train.main(
+        ["--draft-config", cfg, "--target", tgt, "--data", str(tmp_path / "train"), "--quiet"]
+        + ["--eval-data", str(tmp_path / "eval"), "--out-dir", out, "--max-steps", "8"]
+        + ["--num-anchors", "8", "--dtype", "fp32"]
+    )
+    export.main([out, "--out-dir", out + "/export"])
+    capsys.readouterr()
+    question = held_out[-1][0]
+    args = ["--target", tgt, "--draft", out + "/export", "--prompt", question, "--compare"]
+    generate.main(args + ["--max-new-tokens", "60"])
+    assert "output identical" in capsys.readouterr().out
+    # the exported draft, decoded by hand: the target's greedy output, token for token
+    draft = export.load_any(out + "/export")
+    ids = encode(tok, [{"role": "user", "content": question}], "cpu")
+    spec, _ = decoding.speculative_generate(target, draft, ids, 60, stop_ids={tok.eos_token_id})
+    plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=tok.eos_token_id)
+    assert torch.equal(spec, plain)
 
 
 # ============================================================================ llama.cpp
