@@ -1165,6 +1165,19 @@ def test_tree_walk_samples_exactly_the_target():
 # ---------------------------------------------------------------------------- walkthrough.py
 # pins docs/walkthrough.md
 @pytest.mark.method
+def test_walkthrough_exercises_name_the_lines_they_change():
+    """Each of docs/walkthrough.md's twelve exercises names file:line and quotes the code to change
+    (Replace `X` / Delete `X`): X is on that line, so an exercise stays true when the code moves."""
+    text = open(os.path.join(HERE, "docs", "walkthrough.md")).read()
+    pattern = r"\*\*(\d+)\. [^*]+\*\* \((\w+\.py):(\d+),.*?(?:Replace|Delete)\s+`([^`]+)`"
+    found = re.findall(pattern, text, re.S)
+    assert [int(n) for n, *_ in found] == list(range(1, 13))
+    for n, file, line, code in found:
+        source = open(os.path.join(HERE, file)).read().splitlines()
+        assert code in source[int(line) - 1], f"exercise {n}: {file}:{line} does not hold {code!r}"
+
+
+@pytest.mark.method
 def test_walkthrough_prints_what_the_functions_compute(capsys):
     """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
     against hand-worked values and against the functions called directly."""
