@@ -4171,6 +4171,55 @@ def test_fsdp_step_equals_one_process_with_accumulation(fsdp_runs, two, one):
     assert len(la) == len(lb) == a["step"] and la == pytest.approx(lb, rel=1e-5)
 
 
+def counting_reduce_scatters_job(rank, runs, ports, out):
+    """Rank `rank` of 2 (gloo): train.main for each (name, argv), counting the reduce-scatters FSDP
+    makes (dist.reduce_scatter_single, FSDP2's collective; reduce_scatter_tensor as well); "every":
+    with fsdp.no_sync a no-op, so that every micro-batch reduce-scatters, as before it existed."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    counts, real_no_sync = {}, fsdp.no_sync
+    for fn in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(torch.distributed, fn):
+            real = getattr(torch.distributed, fn)
+
+            def counted(*a, _real=real, **kw):
+                counts[name] = counts.get(name, 0) + 1
+                return _real(*a, **kw)
+
+            setattr(torch.distributed, fn, counted)
+    for (name, argv), port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        every = lambda objective: contextlib.nullcontext()
+        fsdp.no_sync = every if name == "every" else real_no_sync
+        train.main(argv)
+    with open(os.path.join(out, f"counts.{rank}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
+    """train.py --fsdp --grad-accum 3 on 2 gloo ranks: the step's first two backwards keep their
+    gradients unsharded (fsdp.no_sync), and the last one reduce-scatters their sum: 5 a step (a
+    layer's forward and its registered context_kv each end in one, 2 layers, and the root's), so 2
+    steps x 5 = 10 reduce-scatters, against 30 when every micro-batch reduce-scatters; the weights
+    after the 2 steps and the losses are the same."""
+    base = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
+    base += ["--data", str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet"]
+    base += ["--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", "--eval-samples", "0"]
+    base += ["--log-interval", "1", "--fsdp", "--grad-accum", "3", "--max-steps", "2"]
+    runs = [(name, base + ["--out-dir", str(tmp_path / name)]) for name in ("once", "every")]
+    ports = free_ports(len(runs))
+    torch.multiprocessing.spawn(
+        counting_reduce_scatters_job, (runs, ports, str(tmp_path)), nprocs=2
+    )
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"counts.{rank}.json").read_text())
+        assert counts == {"once": 2 * 5, "every": 2 * 5 * 3}, counts
+    once, every = checkpoint_of(tmp_path, "once"), checkpoint_of(tmp_path, "every")
+    assert once["step"] == every["step"] == 2
+    assert largest_difference(once["model"], every["model"]) <= 1e-6
+    assert train_losses(tmp_path / "once") == pytest.approx(train_losses(tmp_path / "every"))
+
+
 def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
     # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2
     # ranks (c)
