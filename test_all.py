@@ -4621,7 +4621,7 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
     play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
     asked = []
 
-    def fake_load_target(name, dtype):
+    def fake_load_target(name, dtype, layers=True):
         asked.append(dtype)
         raise Loaded
 
