@@ -25,6 +25,7 @@ bytes a parameter, 23 GB for 1.92B, on the CPU of one node; a DCP directory woul
 one host cannot hold the whole state (tens of billions).
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -70,6 +71,18 @@ def shard_draft(objective, layers, bf16: bool):
         fully_shard(layer, mp_policy=mp)
         register_fsdp_forward_method(layer, "context_kv")
     fully_shard(objective, mp_policy=mp)
+
+
+@contextlib.contextmanager
+def no_sync(objective):
+    """train.py's no_sync under --fsdp, as DDP's: the backwards of a step's micro-batches but its
+    last keep adding into unsharded gradients (fp32 when the reduce dtype is) without a
+    reduce-scatter; the last one reduce-scatters their sum once, instead of once a micro-batch."""
+    objective.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        objective.set_requires_gradient_sync(True)
 
 
 def shard_target(target):

@@ -18,7 +18,8 @@ import sys
 import tempfile
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 from data import render
 from promptsets import wheel_file
@@ -60,9 +61,12 @@ def convert_embedded(dest: str):
     return target, tok
 
 
-def load_target(name: str = None, dtype=torch.float32):
+def load_target(name: str = None, dtype=torch.float32, layers=True):
     """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
-    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second)."""
+    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second).
+    layers=False (offline training, which reads only the embedding and the head): a model without
+    decoder layers, whose weights stay on disk; its config still counts the checkpoint's layers,
+    which check_layer_ids reads."""
     if name is None:
         name = embedded_dir()
         if not os.path.isdir(name):
@@ -76,8 +80,20 @@ def load_target(name: str = None, dtype=torch.float32):
         # a hub name is "name" or "org/name"; anything else was meant as a local directory
         raise FileNotFoundError(f"--target {name}: no such model directory")
     tok = AutoTokenizer.from_pretrained(name)
-    target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval().requires_grad_(False)
-    return target, tok
+    if layers:
+        target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        return target.eval().requires_grad_(False), tok
+    c = AutoConfig.from_pretrained(name)
+    # per-layer lists (Qwen3's layer_types) shrink with the count
+    no_layers = {k: v for k, v in (("num_hidden_layers", 0), ("layer_types", [])) if hasattr(c, k)}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not a report of every layer weight left unread
+    try:
+        target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **no_layers)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    target.config.num_hidden_layers = c.num_hidden_layers
+    return target.eval().requires_grad_(False), tok
 
 
 def check_layer_ids(layer_ids, target):

@@ -3949,6 +3949,120 @@ def test_compile_matches_eager(setup, tmp_path):
         assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
 
 
+def timeless(records) -> list:
+    """log.jsonl records without what a clock measured."""
+    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu")
+    return [{k: v for k, v in r.items() if k not in clock} for r in records]
+
+
+def test_train_data_workers_log_the_same_records(setup, tmp_path):
+    """--data-workers 2 (data.loader's worker processes make the micro-batches ahead) trains as
+    the batches made in the loop do: every log.jsonl record (losses, gradient norms, evaluations,
+    the final metrics) equal, over accumulated micro-batches of 2 rows, offline and packed."""
+    extra = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", "--eval-samples"]
+    extra += ["2", "--batch-size", "2", "--grad-accum", "2", "--pack", "--max-length", "80"]
+    logs = []
+    for workers in ("0", "2"):
+        run(setup, tmp_path / workers, *extra, "--data-workers", workers)
+        logs.append(timeless(log_records(tmp_path / workers / "log.jsonl")))
+    assert [r["kind"] for r in logs[0]] == ["train", "train", "eval", "train", "final"]
+    assert logs[0] == logs[1]
+
+
+def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
+    setup, tmp_path, monkeypatch
+):
+    """train.py --compile pads every batch, training and held-out, to data.static_shapes: packed
+    rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
+    (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
+    eager run's. With a recompile limit of 1, the evaluation's graph (a second one) ends the run in
+    a ValueError (run(): one `error:` line, status 2), not in a silent eager fallback."""
+    from torch._dynamo.utils import counters
+
+    argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
+    argv += ["--eval-interval", "2", "--eval-samples", "1"]
+    # the unpadded shapes of the run's micro-batches, from its own schedule
+    args = train.parse_args(["--data", str(setup / "feats"), "--num-anchors", "8", *argv])
+    samples, held = train.load_split(args, None)
+    rows, _, per_epoch, total = train.schedule(samples, args, 1)
+    shapes = set()
+    for epoch, micro in train.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
+        docs = [[samples[j] for j in rows[r]] for r in micro]
+        b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
+        shapes.add((b["input_ids"].shape[1], b["anchors"].shape[1]))
+    # unpadded: 4 training shapes and the held-out one, 5 graphs
+    assert len(shapes) == 4 and {data.static_size(s, 64) for s, _ in shapes} == {64, 128}
+    assert len(held) == 1 and len(held[0]["input_ids"]) <= 64
+    run(setup, tmp_path / "e", *argv)
+    torch._dynamo.reset()
+    counters.clear()
+    run(setup, tmp_path / "c", *argv, "--compile")
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
+    torch._dynamo.reset()
+    monkeypatch.setitem(train.COMPILE, "recompile_limit", 1)
+    with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
+        run(setup, tmp_path / "f", *argv, "--compile")
+    torch._dynamo.reset()
+
+
+def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
+    """Offline, train.py loads the target without its decoder layers (only the embedding and the
+    head are read): none is built, its config still counts the checkpoint's 4 for the layer-id
+    check, and the embedding and head equal the whole model's, for a Llama and a Qwen3 (whose
+    per-layer layer_types shrink with the count). Online, the target is whole."""
+    from target import decoder_layers, load_target
+
+    loaded = []
+
+    def recording(*a, **kw):
+        target, tok = load_target(*a, **kw)
+        loaded.append(target)
+        return target, tok
+
+    monkeypatch.setattr(train, "load_target", recording)
+    run(setup, tmp_path / "off", "--max-steps", "1", "--eval-samples", "0")
+    online = ["--online", "--data", str(setup / "convs.jsonl")]
+    run(setup, tmp_path / "on", "--max-steps", "1", "--eval-samples", "0", *online)
+    assert [len(decoder_layers(t)) for t in loaded] == [0, 4]
+    assert loaded[0].config.num_hidden_layers == 4
+    (tmp_path / "qwen3").mkdir()
+    tiny_target("qwen3", initializer_range=0.3).save_pretrained(tmp_path / "qwen3")
+    tiny_tokenizer().save_pretrained(tmp_path / "qwen3")
+    for d in (setup / "target", tmp_path / "qwen3"):
+        whole, part = load_target(str(d))[0], load_target(str(d), layers=False)[0]
+        assert len(decoder_layers(part)) == 0 and part.config.num_hidden_layers == 4
+        for get in ("get_input_embeddings", "get_output_embeddings"):
+            assert torch.equal(getattr(part, get)().weight, getattr(whole, get)().weight)
+
+
+def test_train_binds_its_gpu_before_the_process_group_with_a_timeout(setup, monkeypatch):
+    """train.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
+    LOCAL_RANK 1 binds cuda:1 first, then makes its nccl group on that device with --dist-timeout's
+    minutes; a timeout that is not positive is refused."""
+    import datetime
+
+    calls = []
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+
+    def group(backend, **kw):
+        calls.append((backend, kw))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.dist, "init_process_group", group)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--data", str(setup / "feats"), "--dist-timeout", "45"])
+    cuda1 = torch.device("cuda:1")
+    kw = {"device_id": cuda1, "timeout": datetime.timedelta(minutes=45)}
+    assert calls == [("set_device", cuda1), ("nccl", kw)]
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--data", "x", "--dist-timeout", "0"])
+    assert e.value.code == 2
+
+
 # ------------------------------------------------------------------ FSDP (train.py --fsdp, fsdp.py)
 def free_ports(n: int) -> list:
     socks = [socket.socket() for _ in range(n)]
@@ -4071,6 +4185,55 @@ def test_fsdp_step_equals_one_process_with_accumulation(fsdp_runs, two, one):
     assert b["model"]["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
     la, lb = train_losses(fsdp_runs / two), train_losses(fsdp_runs / one)
     assert len(la) == len(lb) == a["step"] and la == pytest.approx(lb, rel=1e-5)
+
+
+def counting_reduce_scatters_job(rank, runs, ports, out):
+    """Rank `rank` of 2 (gloo): train.main for each (name, argv), counting the reduce-scatters FSDP
+    makes (dist.reduce_scatter_single, FSDP2's collective; reduce_scatter_tensor as well); "every":
+    with fsdp.no_sync a no-op, so that every micro-batch reduce-scatters, as before it existed."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    counts, real_no_sync = {}, fsdp.no_sync
+    for fn in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(torch.distributed, fn):
+            real = getattr(torch.distributed, fn)
+
+            def counted(*a, _real=real, **kw):
+                counts[name] = counts.get(name, 0) + 1
+                return _real(*a, **kw)
+
+            setattr(torch.distributed, fn, counted)
+    for (name, argv), port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        every = lambda objective: contextlib.nullcontext()
+        fsdp.no_sync = every if name == "every" else real_no_sync
+        train.main(argv)
+    with open(os.path.join(out, f"counts.{rank}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
+    """train.py --fsdp --grad-accum 3 on 2 gloo ranks: the step's first two backwards keep their
+    gradients unsharded (fsdp.no_sync), and the last one reduce-scatters their sum: 5 a step (a
+    layer's forward and its registered context_kv each end in one, 2 layers, and the root's), so 2
+    steps x 5 = 10 reduce-scatters, against 30 when every micro-batch reduce-scatters; the weights
+    after the 2 steps and the losses are the same."""
+    base = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
+    base += ["--data", str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet"]
+    base += ["--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", "--eval-samples", "0"]
+    base += ["--log-interval", "1", "--fsdp", "--grad-accum", "3", "--max-steps", "2"]
+    runs = [(name, base + ["--out-dir", str(tmp_path / name)]) for name in ("once", "every")]
+    ports = free_ports(len(runs))
+    torch.multiprocessing.spawn(
+        counting_reduce_scatters_job, (runs, ports, str(tmp_path)), nprocs=2
+    )
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"counts.{rank}.json").read_text())
+        assert counts == {"once": 2 * 5, "every": 2 * 5 * 3}, counts
+    once, every = checkpoint_of(tmp_path, "once"), checkpoint_of(tmp_path, "every")
+    assert once["step"] == every["step"] == 2
+    assert largest_difference(once["model"], every["model"]) <= 1e-6
+    assert train_losses(tmp_path / "once") == pytest.approx(train_losses(tmp_path / "every"))
 
 
 def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
@@ -4474,7 +4637,7 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
     play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
     asked = []
 
-    def fake_load_target(name, dtype):
+    def fake_load_target(name, dtype, layers=True):
         asked.append(dtype)
         raise Loaded
 
@@ -5821,16 +5984,16 @@ def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
 def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
     """A compiled training step (train.py --compile's draft, forward and backward, sdpa on the CPU)
     over six micro-batches of 2 rows, 12 to 120 tokens and 7 or 8 anchor slots: unpadded they are 6
-    shapes, each a compile of its own once automatic dynamic shapes are off; padded by
-    data.static_shapes they are 2 (64 and 128 tokens, 8 anchor slots), and the step compiles 2
-    graphs. A third compile of the draft's forward raises (the recompile limit, failing when hit),
-    so a padding that let a shape through fails here, never falls back to eager."""
+    shapes, each a compile of its own under train.COMPILE (no automatic dynamic shapes); made as
+    train.py makes them (data.MicroBatches, static shapes, data.loader) they are 2 (64 and 128
+    tokens, 8 anchor slots), and the step compiles 2 graphs. A third compile of the draft's forward
+    raises (train.COMPILE fails at the limit, 2 here), so a padding that let a shape through fails
+    here, never falls back to eager."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # the draft's forward compiled by earlier tests counts against the limit
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    for k, v in {**train.COMPILE, "recompile_limit": 2}.items():  # train.py's settings, limit 2
+        monkeypatch.setattr(torch._dynamo.config, k, v)
     c = tiny_config(num_hidden_layers=1)
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -5847,14 +6010,19 @@ def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
     shapes = {(b["input_ids"].shape[1], b["anchors"].shape[1]) for b in batches}
     assert len(shapes) == 6 and {a for _, a in shapes} == {7, 8}
     counters.clear()
-    for b in batches:
-        b = data.static_shapes(b, 8)
+    # made as train.py makes them: data.MicroBatches with static shapes (train.static_shapes)
+    made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
+    for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
         assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
         out = objective(b, alpha_t=0.5)
         out["numerator"].backward()
         assert math.isfinite(out["numerator"].item())
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    with pytest.raises(FailOnRecompileLimitHit):  # a third shape, unpadded: no eager fallback
+        objective(batches[0], alpha_t=0.5)
     torch._dynamo.reset()
 
 

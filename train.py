@@ -17,6 +17,7 @@ so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches. Every flag: docs/trainin
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -58,6 +60,7 @@ def parse_args(argv=None):
     a("--target-dtype", choices=["auto", *DTYPES], default="auto")
     a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence / row")
     a("--pack", action="store_true", help="several conversations per row (data.py)")
+    a("--data-workers", type=bounded(int, low=0), default=0, help="processes making batches ahead")
     add_chat_template_kwargs(a)  # offline: must be what prepare.py rendered the features with
     # --- the draft: --draft-config, and overrides validated by the config file's rules
     a("--draft-config", default="configs/smollm2-135m-dflash2.json")
@@ -94,6 +97,7 @@ def parse_args(argv=None):
     a("--quiet", action="store_true", help="no progress bar")
     # --- scale and precision (docs/training-at-scale.md)
     a("--fsdp", action="store_true", help="under torchrun: shard instead of replicate (fsdp.py)")
+    a("--dist-timeout", type=bounded(float, above=0.0), default=30.0, help="minutes; torchrun")
     a("--compile", action="store_true", help="torch.compile the draft")
     a("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
     a("--attention", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on GPU")
@@ -239,6 +243,14 @@ def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
     return epoch, [order[f : f + args.batch_size].tolist() for f in firsts]
 
 
+def micro_batch_plan(start, stop, steps_per_epoch, num_rows, args, rank, world):
+    """(epoch, row indices) of this rank's micro-batches of steps start..stop-1, in order: what
+    data.loader makes ahead."""
+    for step in range(start, stop):
+        epoch, micro = step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world)
+        yield from ((epoch, rows) for rows in micro)
+
+
 def lr_factor(step, total, args):
     warm = max(1, math.floor(total * args.warmup_ratio))
     if step < warm:
@@ -278,6 +290,7 @@ def evaluate(
         batch = data.collate(
             [[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device, anchors=given
         )
+        batch = data.static_shapes(batch, args.num_anchors) if static_shapes(args) else batch
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
@@ -360,21 +373,49 @@ def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_
 
 
 # ----------------------------------------------------------------------------- main
+# A compiled draft (--compile; flex attention's kernels) specialises on its shapes, and a new one
+# compiles again: batches are padded to data.static_shapes, a handful of buckets, each compiled
+# once (no dynamic shapes: dynamic flex recompiles anyway). Past the limit dynamo would silently run
+# eager, and eager flex is dense ([N, H, Q, K] scores, tens of GB): that ends the run instead.
+COMPILE = dict(automatic_dynamic_shapes=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
+
+
+def static_shapes(args) -> bool:
+    """Whether batches are padded to data.static_shapes: where anything compiles (see COMPILE)."""
+    return args.compile or args.attention == "flex"
+
+
 def main(argv=None):
-    # ----------------------------------------------------------------- setup: ranks, device, target
     args = parse_args(argv)
+    try:
+        with torch._dynamo.config.patch(**COMPILE):
+            train(args)
+    except FailOnRecompileLimitHit as e:
+        raise ValueError(
+            f"a compiled function met more than {COMPILE['recompile_limit']} shapes (batches are "
+            "padded to data.static_shapes, so this is a bug to report); train without --compile "
+            f"and with --attention sdpa meanwhile ({str(e).splitlines()[0]})"
+        ) from None
+
+
+def train(args):
+    # ----------------------------------------------------------------- setup: ranks, device, target
     # under torchrun, one process too: the same nccl / gloo path as many
     distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    sharded = args.fsdp and world > 1  # --fsdp on one process: nothing to shard
-    ddp = distributed and not args.fsdp
     device = torch.device(
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     )
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # first: nccl (and anything on "cuda") uses this rank's GPU
+    if distributed:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            device_id=device if device.type == "cuda" else None,
+            timeout=datetime.timedelta(minutes=args.dist_timeout),  # rank-skewed compiles, saves
+        )
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    sharded = args.fsdp and world > 1  # --fsdp on one process: nothing to shard
+    ddp = distributed and not args.fsdp
     use_bf16 = machine.resolve_dtype(args.dtype, device, "train") == torch.bfloat16
     meter = flops.Meter(device, args.peak_tflops)  # tokens, anchors, FLOPs a second; MFU on a GPU
     if args.attention == "auto":
@@ -396,7 +437,8 @@ def main(argv=None):
     dtypes = [torch.bfloat16] * use_bf16 + [target_dtype] * args.online
     for note in {machine.slow_bf16_note(dt, device) for dt in dtypes} - {""}:
         log(note)
-    target, tokenizer = load_target(args.target, target_dtype)
+    # offline only the embedding and head are read: no decoder layer is built
+    target, tokenizer = load_target(args.target, target_dtype, layers=args.online)
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
     head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
@@ -453,26 +495,32 @@ def main(argv=None):
         log(meter.note)  # a GPU without a known peak: no MFU
 
     # ------------------------------------------------------------------ loop
-    def make_batch(rows_of_batch, epoch):  # a micro-batch: rows of samples, anchors, features
-        keys = [epoch * len(rows) + r for r in rows_of_batch]
-        docs = [[samples[j] for j in rows[r]] for r in rows_of_batch]
-        per_doc = args.anchors_per == "document"
-        batch = data.collate(docs, keys, args.num_anchors, args.seed, device, per_doc)
-        if target is not None:
+    stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
+    # this rank's micro-batches (rows of samples, anchors, features), made ahead by --data-workers
+    per_doc, pin = args.anchors_per == "document", device.type == "cuda"  # pinned: async copies
+    made = data.MicroBatches(
+        samples, rows, args.num_anchors, args.seed, per_doc, static_shapes(args)
+    )
+    plan = micro_batch_plan(step, stop, steps_per_epoch, len(rows), args, rank, world)
+    ahead = iter(data.loader(made, plan, args.data_workers, pin))
+
+    def next_batch():
+        batch = data.to_device(next(ahead), device)
+        if target is not None:  # online: the target's features of this batch
             add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
         meter.count(cfg, batch, target)
         return batch
 
+    # a step's backwards but the last add into .grad without communicating (DDP, FSDP alike)
     no_sync = objective.no_sync if ddp else contextlib.nullcontext
+    no_sync = (lambda: fsdp.no_sync(objective)) if sharded else no_sync
     alpha = args.selector_loss_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
-    stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
     quiet = not master or args.quiet
     bar = tqdm(total=total, initial=step, disable=quiet, desc="train", dynamic_ncols=True)
     t0 = time.time()
     since = lambda: round(time.time() - t0, 1)
     while step < stop:
-        epoch, micro = step_micro_batches(step, steps_per_epoch, len(rows), args, rank, world)
-        batches = (make_batch(idx, epoch) for idx in micro)
+        batches = (next_batch() for _ in range(args.grad_accum))
         alpha_t = loss.selector_alpha(step, total, *alpha) if selector_on else None
         metrics, grad_norm, taken = train_step(
             objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast

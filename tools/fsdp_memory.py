@@ -99,7 +99,7 @@ def worker(report: str, argv: list):
 
     c = json.load(open(argv[argv.index("--draft-config") + 1]))
 
-    def random_target(name, dtype):
+    def random_target(name, dtype, layers=True):  # train.py offline: layers=False, unused here
         torch.manual_seed(0)
         H = c["hidden_size"]
         t = LlamaForCausalLM(

@@ -284,7 +284,8 @@ def train_command(args, cfg_path, target_dir, feat_dir, out_dir) -> list:
     if args.peak_tflops:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
     # the CPU has no flex backward and compiles for minutes: the plumbing only
-    return cmd + (["--attention", "sdpa"] if args.dry_run else ["--compile"])
+    # on the GPU as users run it: compiled, batches made ahead by two workers into pinned memory
+    return cmd + (["--attention", "sdpa"] if args.dry_run else ["--compile", "--data-workers", "2"])
 
 
 def train_row(args, cfg_path: str, tmp: str, limit: float, log) -> dict:
