@@ -5981,7 +5981,7 @@ def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
 # torch
 # 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after
 # these.
-def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
+def test_compiled_training_step_compiles_once_per_static_shape():
     """A compiled training step (train.py --compile's draft, forward and backward, sdpa on the CPU)
     over six micro-batches of 2 rows, 12 to 120 tokens and 7 or 8 anchor slots: unpadded they are 6
     shapes, each a compile of its own under train.COMPILE (no automatic dynamic shapes); made as
@@ -5992,8 +5992,6 @@ def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # the draft's forward compiled by earlier tests counts against the limit
-    for k, v in {**train.COMPILE, "recompile_limit": 2}.items():  # train.py's settings, limit 2
-        monkeypatch.setattr(torch._dynamo.config, k, v)
     c = tiny_config(num_hidden_layers=1)
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -6009,20 +6007,23 @@ def test_compiled_training_step_compiles_once_per_static_shape(monkeypatch):
     batches = [data.collate([[docs[j]] for j in rows], rows, 8, 0, "cpu") for rows in micro]
     shapes = {(b["input_ids"].shape[1], b["anchors"].shape[1]) for b in batches}
     assert len(shapes) == 6 and {a for _, a in shapes} == {7, 8}
-    counters.clear()
-    # made as train.py makes them: data.MicroBatches with static shapes (train.static_shapes)
-    made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
-    for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
-        assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
-        out = objective(b, alpha_t=0.5)
-        out["numerator"].backward()
-        assert math.isfinite(out["numerator"].item())
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    from torch._dynamo.exc import FailOnRecompileLimitHit
+    # train.py's settings, limit 2; config.patch, not monkeypatch: monkeypatch's undo leaves a
+    # dynamo config entry hidden, and the next train.main's patch of it fails
+    with torch._dynamo.config.patch(**{**train.COMPILE, "recompile_limit": 2}):
+        counters.clear()
+        # made as train.py makes them: data.MicroBatches with static shapes (train.static_shapes)
+        made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
+        for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
+            assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
+            out = objective(b, alpha_t=0.5)
+            out["numerator"].backward()
+            assert math.isfinite(out["numerator"].item())
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        from torch._dynamo.exc import FailOnRecompileLimitHit
 
-    with pytest.raises(FailOnRecompileLimitHit):  # a third shape, unpadded: no eager fallback
-        objective(batches[0], alpha_t=0.5)
+        with pytest.raises(FailOnRecompileLimitHit):  # a third shape, unpadded: no eager fallback
+            objective(batches[0], alpha_t=0.5)
     torch._dynamo.reset()
 
 
@@ -6106,11 +6107,11 @@ def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it
 
 
 @pytest.fixture
-def no_eager_fallback(monkeypatch):
+def no_eager_fallback():
     """A compile that hits the recompile limit raises instead of running eager: eager flex is
     torch's dense reference, which would pass these tests without running a Triton kernel."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        yield
 
 
 @needs_cuda
