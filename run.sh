@@ -51,7 +51,8 @@ if [ "${1:-}" = --toy ]; then
     echo "[run.sh --toy] train, served, export: $((SECONDS - t0)) s"
     # a held-out problem (neither the target nor the draft trained on it), decoded both ways
     PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-3][0])")
-    python generate.py --target "$TARGET" --draft "$OUT/draft/export" --prompt "$PROMPT" --compare --show
+    python generate.py --target "$TARGET" --draft "$OUT/draft/export" --prompt "$PROMPT" \
+        --compare --show
     echo "[run.sh --toy] the toy job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
     exit 0
 fi
@@ -120,7 +121,7 @@ records = [json.loads(line) for line in open(log)]
 final = [r for r in records if r["kind"] == "final"][-1]
 served = [r for r in records if r["kind"] == "served" and r["step"] == final["step"]]
 mode = "unary" if name == "dflash" else "selector"
+tf = f"measured {final[f'accept_{mode}']:.3f} teacher-forced"
 path = f"{served[-1]['served_path_tau']:.3f}" if served else "not run"
-print(f"[run.sh] held-out tau: expected {expected} (the plan), measured {final['accept_' + mode]:.3f}"
-      f" teacher-forced; served {path} (the path)")
+print(f"[run.sh] held-out tau: expected {expected} (the plan), {tf}; served {path} (the path)")
 EOF

@@ -6025,7 +6025,7 @@ def test_compiled_training_step_compiles_once_per_static_shape():
     # dynamo config entry hidden, and the next train.main's patch of it fails
     with torch._dynamo.config.patch(**{**train.COMPILE, "recompile_limit": 2}):
         counters.clear()
-        # made as train.py makes them: data.MicroBatches with static shapes (train.static_shapes)
+        # made as train.py makes them where anything compiles: data.MicroBatches, static shapes
         made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
         for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
             assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)

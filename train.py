@@ -290,7 +290,7 @@ def evaluate(
         batch = data.collate(
             [[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device, anchors=given
         )
-        batch = data.static_shapes(batch, args.num_anchors) if static_shapes(args) else batch
+        batch = data.static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
@@ -380,7 +380,7 @@ def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_
 COMPILE = dict(automatic_dynamic_shapes=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
 
 
-def static_shapes(args) -> bool:
+def anything_compiles(args) -> bool:
     """Whether batches are padded to data.static_shapes: where anything compiles (see COMPILE)."""
     return args.compile or args.attention == "flex"
 
@@ -499,7 +499,7 @@ def train(args):
     # this rank's micro-batches (rows of samples, anchors, features), made ahead by --data-workers
     per_doc, pin = args.anchors_per == "document", device.type == "cuda"  # pinned: async copies
     made = data.MicroBatches(
-        samples, rows, args.num_anchors, args.seed, per_doc, static_shapes(args)
+        samples, rows, args.num_anchors, args.seed, per_doc, anything_compiles(args)
     )
     plan = micro_batch_plan(step, stop, steps_per_epoch, len(rows), args, rank, world)
     ahead = iter(data.loader(made, plan, args.data_workers, pin))
