@@ -13,8 +13,8 @@
 # (tools/plan.py): answers and epochs from a measured learning curve, and the fixed costs (held-out set,
 # served evaluation, evaluations during training) at the share of the budget they take on a fast CPU; a
 # budget too small for a useful job ends here, in one line naming the budget that would hold one. On a
-# 2-core CPU: about 1,500-1,800 answers where bf16 is native, 500 without it, 180 on an AVX2-only Zen 1
-# (docs/slow-cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
+# 2-core CPU: about 1,500-1,800 answers where bf16 is native, 500 without it, 180-500 on an AVX2-only
+# Zen 1 (docs/slow-cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
 # GEMM layout is `auto`: speed/machine.py picks them per CPU and each script prints what it chose.
 # Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.

@@ -112,6 +112,10 @@ CURVE = [
     (200, 2, 1.509, "Xeon, emulated AVX2, one thread beside other work"),
     (200, 2, 1.527, "AMD EPYC Zen 1, AVX2 only (issue 36)"),
 ]
+# The recipe's other choices stay fixed: trained at equal wall time on an AVX2-only Zen 1 (250
+# answers x 2 epochs' worth), 16 anchors, one or two layers, 96-token answers and a third epoch all
+# landed within 0.03 of the recipe's two seeds (1.630, 1.651), and one epoch over more answers 0.05
+# under them (docs/slow-cpu.md, "Trained at equal wall time on a real Zen 1")
 # fewer effective steps than 150 answers twice: not worth a budget
 MIN_STEPS = 300
 # the plain DFlash baseline's tau over DFlash2's selector path on the same data (0.88-0.94 in
