@@ -114,8 +114,9 @@ CURVE = [
 ]
 # The recipe's other choices stay fixed: trained at equal wall time on an AVX2-only Zen 1 (250
 # answers x 2 epochs' worth), 16 anchors, one or two layers, 96-token answers and a third epoch all
-# landed within 0.03 of the recipe's two seeds (1.630, 1.651), and one epoch over more answers 0.05
-# under them (docs/slow-cpu.md, "Trained at equal wall time on a real Zen 1")
+# landed within 0.03 of the mean of the recipe's two seeds (1.630, 1.651), and one epoch over more
+# answers 0.05 under it (docs/slow-cpu.md, "Trained at equal wall time on a real Zen 1")
+
 # fewer effective steps than 150 answers twice: not worth a budget
 MIN_STEPS = 300
 # the plain DFlash baseline's tau over DFlash2's selector path on the same data (0.88-0.94 in
