@@ -1,39 +1,29 @@
-"""Which keys a block query may read, and the two ways to attend with that rule (docs/semantics.md,
+"""Which keys a block query may read: one rule, and the masks that apply it (docs/semantics.md,
 section 1; model.Attention).
 
 Training flattens A blocks of B slots into Q = A * B queries over keys [C context rows ; Q block
-rows]. A query reads only the context before its anchor and the slots of its own block, so at S =
-2048 and 512 anchors almost every score of the [Q, C + Q] matrix is masked. Two paths, one rule:
+rows]. A query reads only the context before its anchor and the slots of its own block:
 
-    sdpa  a dense [N, 1, Q, C + Q] boolean mask for F.scaled_dot_product_attention: the readable
-          reference and the CPU default; every score is computed. On CUDA only by kernels that never
-          hold the scores (memory_safe_sdpa).
-    flex  a BlockMask (torch.nn.attention.flex_attention) built from the same rule: tiles of scores
-          that no query may read are skipped. Compiled; on CPU torch (2.13) runs it forward only.
-          The default on CUDA (choose).
+    attention_rule        may a query read a key? (elementwise: one rule for every path)
+    attention_keys        the keys' (position, block id, document): context rows, then block rows
+    block_attention_mask  the rule on every (query, key) pair: a dense [N, 1, Q, C + Q] boolean
+                          mask for F.scaled_dot_product_attention, the readable reference and the
+                          CPU path
+    flex_block_mask       the same rule as a FlexAttention BlockMask, which skips the tiles of
+                          scores no query may read (at S = 2048 and 512 anchors, almost all)
+
+The kernels that run these masks (SDPA on a GPU without the scores, flex_attention compiled, and
+--attention auto's choice) are support/kernels.py's: they change speed and memory, never which key
+a query reads.
 
 Packed rows (train.py --pack, data.py) add documents: a query reads context of its own document
 only.
 """
 
-import functools
-
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask
 
-# SDPA's CUDA kernels that take a mask without making the [N, heads, Q, K] scores. Flash takes no
-# mask; math makes them in fp32 (17 GB a layer at S = 8192, 512 anchors of 16), so it is left out.
-MEMORY_SAFE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-
-
-def choose(attention: str, device) -> str:
-    """--attention auto: flex on CUDA (block-sparse, compiled), sdpa on the CPU (torch has no CPU
-    flex backward); sdpa or flex as asked."""
-    if attention != "auto":
-        return attention
-    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+from support.kernels import compiled
 
 
 def attention_rule(
@@ -89,52 +79,3 @@ def flex_block_mask(queries, keys, causal: bool, window=None):
 
     (N, Q), K = queries[0].shape, keys[0].shape[1]
     return compiled(create_block_mask)(mask_mod, N, None, Q, K, device=queries[0].device)
-
-
-def sdpa(q, k, v, mask, gqa: bool):
-    """q [N, heads, Q, hd], k, v [N, kv_heads, K, hd], mask [N, 1, Q, K] -> [N, heads, Q, hd]. On
-    the CPU torch's own choice (its kernels keep no [Q, K] scores per head); on CUDA
-    memory_safe_sdpa."""
-    if q.device.type == "cuda":
-        return memory_safe_sdpa(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def memory_safe_sdpa(q, k, v, mask):
-    """SDPA by MEMORY_SAFE_BACKENDS only. Memory-efficient attention takes a mask but not grouped
-    query heads (its check wants as many k/v heads as q heads), so GQA with a mask would leave torch
-    the math kernel: the k/v heads are repeated instead, as enable_gqa groups them (kv head j
-    serves q heads j*g .. j*g+g-1), which costs [N, heads, K, hd] per tensor, not the scores. Where
-    no such kernel takes the shapes, it stops with the fix instead of running out of memory."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    try:
-        with sdpa_kernel(MEMORY_SAFE_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    except RuntimeError as e:  # torch's words for "no kernel allowed here takes this" (2.11, 2.13)
-        if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
-            raise
-        raise RuntimeError(
-            f"--attention sdpa: no memory-safe SDPA kernel on {q.device} takes q {tuple(q.shape)} "
-            f"{q.dtype} with a mask (torch's warnings above say why); use --attention flex"
-        ) from e
-
-
-def flex(q, k, v, block_mask, gqa: bool):
-    """flex_attention is block-sparse only compiled (eager it is torch's dense reference). q and k
-    leave the fp32 norms; under autocast v is bf16, and all three go in as v's dtype, as SDPA's
-    autocast casts them."""
-    return compiled(flex_attention)(
-        q.to(v.dtype), k.to(v.dtype), v, block_mask=block_mask, enable_gqa=gqa
-    )
-
-
-@functools.cache
-def compiled_once(fn):
-    return torch.compile(fn)
-
-
-def compiled(fn):
-    """fn compiled, once; itself inside a region that is being compiled already (train.py
-    --compile)."""
-    return fn if torch.compiler.is_compiling() else compiled_once(fn)

@@ -1,14 +1,15 @@
-"""Training data: from conversations to the batch a training step reads (docs/semantics.md, section
-4).
+"""Training data: where blocks start, and the batch a training step reads (docs/semantics.md,
+section 4).
 
-    JSONL lines: turns, preformatted text or token ids (4 formats)  ->  read_conversations
-    -> the target's chat template; loss_mask = 1 on assistant tokens    tokenize_conversation
-    -> where a block may start                                          anchor_positions
+    the method: where a block may start (two supervised tokens)     anchor_positions
+                and which of those a row trains on, seeded          sample_anchors
+    conversations -> token ids and loss masks (support/conversations.py) or prepared features
+                                                                    load_samples
     -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, collate
     -> static shapes for compiled steps; made ahead by DataLoader workers  static_shapes, loader
 
-prepare.py makes the data (on-policy answers, offline features: features.py); train.py reads it back
-with load_samples and turns rows into batches with collate.
+prepare.py makes the data (on-policy answers, offline features: support/features.py); train.py reads
+it back with load_samples and turns rows into batches with collate.
 
 A row is one conversation, or with `train.py --pack` several of them (documents) filled greedily up
 to --max-length tokens, so that a batch of conversations of mixed lengths is not mostly padding. A
@@ -22,308 +23,36 @@ metrics and gradients):
     target      online, the target reads each conversation on its own (per_document)
 """
 
-import json
 import os
 
 import torch
 
-from features import load_features, read_manifest
-
-# ----------------------------------------------------------------------------- conversations
-# One JSONL line is one sample, in one of four formats (docs/training.md, "Data formats"):
-#   {"messages": [turn]}            OpenAI, UltraChat
-#   {"conversations": [turn]}       SpecForge (role / content turns), ShareGPT (from / value turns)
-#   {"text": "..."}                 SpecForge's preformatted: already through the chat template
-#   {"input_ids", "loss_mask"}      pre-tokenized, supervised where loss_mask is 1
-# A turn is {"role", "content"} or {"from", "value"}; its role one of ROLES, never guessed.
-ROLES = {
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "system": "system",
-}
-FORMATS = ("messages", "conversations", "text", "input_ids")
-TURN_KEYS = (("role", "content"), ("from", "value"))
+from support.conversations import check_template_kwargs, read_conversations, tokenize_conversation
+from support.features import load_features, read_manifest
 
 
-def to_turn(t) -> dict:
-    """One turn -> {"role", "content"}, plus "token_ids" where given (the ids the target generated
-    for an answer: prepare.py --regenerate keeps them). Raises ValueError saying what is wrong."""
-    keys = [k for k in TURN_KEYS if isinstance(t, dict) and (k[0] in t or k[1] in t)]
-    if len(keys) != 1 or not all(isinstance(t.get(k), str) for k in keys[0]):
-        raise ValueError(
-            "each turn needs strings 'role' and 'content' (OpenAI, SpecForge) or 'from' and "
-            f"'value' (ShareGPT); got {str(t)[:80]}"
-        )
-    (role_key, text_key) = keys[0]
-    if t[role_key] not in ROLES:
-        raise ValueError(f"unknown role {t[role_key]!r} (known: {', '.join(sorted(ROLES))})")
-    turn = {"role": ROLES[t[role_key]], "content": t[text_key]}
-    if "token_ids" in t:
-        turn["token_ids"] = int_list(t["token_ids"], "token_ids")
-    return turn
-
-
-def int_list(values, name: str) -> list:
-    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-        raise ValueError(f"{name!r} must be a list of token ids (integers >= 0)")
-    return values
-
-
-def to_messages(record) -> list:
-    """A "messages" or "conversations" record -> [{"role", "content"}]. Raises ValueError saying
-    what is wrong."""
-    turns = record.get("messages", record.get("conversations"))
-    if not isinstance(turns, list):
-        raise ValueError("the conversation must be a list of turns")
-    out = [to_turn(t) for t in turns]
-    with_ids = [i for i, m in enumerate(out) if "token_ids" in m]
-    if with_ids and (with_ids != [len(out) - 1] or out[-1]["role"] != "assistant"):
-        raise ValueError("'token_ids' belong to the last turn, an answer, only")
-    return out
-
-
-def to_conversation(record):
-    """One JSONL record -> a conversation: turns (to_messages), or for the two formats that are
-    already rendered {"text"} (preformatted) or {"input_ids", "loss_mask"} (long tensors [S]).
-    A record in none of the formats, or in two of them, is refused: nothing is guessed."""
-    found = [k for k in FORMATS if isinstance(record, dict) and k in record]
-    if len(found) != 1:
-        raise ValueError(
-            f"has both {found[0]!r} and {found[1]!r}: one format a line"
-            if found
-            else 'expected an object with "messages" (OpenAI), "conversations" (SpecForge, '
-            'ShareGPT), "text" (preformatted) or "input_ids" + "loss_mask" (pre-tokenized)'
-        )
-    if found[0] == "text":
-        if not isinstance(record["text"], str) or not record["text"]:
-            raise ValueError("'text' must be a non-empty string, the conversation as rendered")
-        return {"text": record["text"]}
-    if found[0] == "input_ids":
-        ids = int_list(record["input_ids"], "input_ids")
-        mask = record.get("loss_mask")
-        if not isinstance(mask, list) or len(mask) != len(ids) or set(mask) - {0, 1}:
-            raise ValueError("'loss_mask' must be a list of 0 / 1, one per input id")
-        return {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
-            "loss_mask": torch.tensor(mask, dtype=torch.long),
-        }
-    return to_messages(record)
-
-
-def check_template_kwargs(made, wanted):
-    """Data that says which chat template kwargs rendered it (`made`: prepare.py records them)
-    must be read with the same: the draft learns the text it is trained on, and a Qwen3 answer with
-    and without thinking are different texts. None: not recorded / not rendered here."""
-    if made is not None and wanted is not None and made != wanted:
-        raise ValueError(
-            f"made with --chat-template-kwargs '{json.dumps(made)}', this run asks for "
-            f"'{json.dumps(wanted)}'; pass the same"
-        )
-
-
-def nothing_to_learn(conv, require_assistant: bool) -> bool:
-    """An empty conversation or, with require_assistant, one in which nothing is supervised."""
-    if isinstance(conv, list):
-        return not conv or (require_assistant and all(m["role"] != "assistant" for m in conv))
-    if "text" in conv:
-        return False  # its answers are found when it is tokenized (preformatted_spans)
-    return not len(conv["input_ids"]) or (require_assistant and not conv["loss_mask"].any())
-
-
-def read_conversations(
-    path: str, require_assistant: bool = True, chat_template_kwargs=None, need_turns=False
-):
-    """JSONL -> (conversations, skipped), each as to_conversation gives it. A malformed line raises
-    ValueError naming file and line; empty conversations, and when require_assistant those with
-    nothing supervised (no assistant turn, a loss_mask of zeros), are skipped and counted.
-    need_turns (--regenerate: the prompts are needed as turns) refuses the two rendered formats.
-    With chat_template_kwargs (the answers will be rendered with them), a line regenerated with
-    other kwargs is refused too (check_template_kwargs). A rendered line keeps where it came from
-    ("where": file and line), for the errors found when it is tokenized."""
-    conversations, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                conv = to_conversation(record)
-                check_template_kwargs(record.get("chat_template_kwargs"), chat_template_kwargs)
-                if need_turns and isinstance(conv, dict):
-                    raise ValueError(
-                        '--regenerate needs the prompts as turns ("messages" or '
-                        '"conversations"); this line is already rendered'
-                    )
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}, line {n}: {e}") from None
-            if nothing_to_learn(conv, require_assistant):
-                skipped += 1
-            elif isinstance(conv, dict):
-                conversations.append({**conv, "where": f"{path}, line {n}"})
-            else:
-                conversations.append(conv)
-    return conversations, skipped
-
-
-# ----------------------------------------------------------------------------- tokenisation
-def render(tokenizer, messages, generation_prompt=False, chat_template_kwargs=None) -> str:
-    """The one place a chat template is applied (regeneration prompts, loss masks, online
-    training, generate.py's prompts), so that its keyword arguments (Qwen3's enable_thinking)
-    reach every one of them."""
-    return tokenizer.apply_chat_template(
-        [{k: v for k, v in m.items() if k != "token_ids"} for m in messages],
-        tokenize=False,
-        add_generation_prompt=generation_prompt,
-        **(chat_template_kwargs or {}),
-    )
-
-
-def assistant_spans(tokenizer, messages, chat_template_kwargs=None):
-    """(text, [(start, end)]): the rendered conversation and the character span of each answer.
-
-    An answer's span is what rendering it adds after the generation prompt (the role header):
-    its content and end-of-turn marker. Whitespace after the marker (ChatML's newline) belongs to
-    no turn. Templates that render a prefix differently from the whole conversation (e.g.
-    Qwen3 dropping earlier thinking) cannot be split this way and raise.
-    """
-    kw = chat_template_kwargs
-    text, spans = render(tokenizer, messages, chat_template_kwargs=kw), []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing
-            continue
-        head = render(tokenizer, messages[:i], True, kw)
-        turn = render(tokenizer, messages[: i + 1], chat_template_kwargs=kw)
-        if not (turn.startswith(head) and text.startswith(turn)):
-            raise ValueError(
-                f"the chat template renders the conversation up to message {i} differently "
-                "from the whole conversation; use single-turn data (--regenerate does)"
-            )
-        spans.append((len(head), len(head) + len(turn[len(head) :].rstrip())))
-    return text, spans
-
-
-PROBE = "PROBE-ANSWER"  # an answer's content, to find what a chat template writes around it
-
-
-def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
-    """(header, end): what the chat template writes before an answer (its generation prompt, the
-    role header) and after the answer's content (the end-of-turn marker), found by rendering a
-    one-question probe. The same split as assistant_spans: header unsupervised, end supervised."""
-    kw, user = chat_template_kwargs, [{"role": "user", "content": "PROBE-QUESTION"}]
-    before, prompt = render(tokenizer, user, False, kw), render(tokenizer, user, True, kw)
-    whole = render(tokenizer, user + [{"role": "assistant", "content": PROBE}], False, kw)
-    header, end = prompt[len(before) :], whole[len(prompt) + len(PROBE) :].rstrip()
-    if not (prompt.startswith(before) and whole.startswith(prompt + PROBE) and header and end):
-        raise ValueError(
-            "this chat template's assistant header and end-of-turn marker cannot be found (a probe "
-            "answer is not rendered as header + content + marker): preformatted text cannot be "
-            "split into turns; give the conversations as 'messages'"
-        )
-    return header, end
-
-
-def preformatted_spans(tokenizer, conversation, chat_template_kwargs=None):
-    """(text, [(start, end)]) of a preformatted {"text"}: each answer runs from the end of an
-    assistant header to the end of the next end-of-turn marker (or of the text: an answer cut
-    short), as assistant_spans splits a conversation it renders itself. A text without the
-    header was not rendered with this target's template (or holds no answer) and is refused."""
-    header, end = assistant_markers(tokenizer, chat_template_kwargs)
-    text, spans = conversation["text"], []
-    at = text.find(header)
-    if at < 0:
-        raise ValueError(
-            f"{conversation.get('where', 'preformatted text')}: no {header!r} in the text: it was "
-            "not rendered with this target's chat template (and --chat-template-kwargs), or holds "
-            "no answer"
-        )
-    while at >= 0:
-        stop = text.find(end, at + len(header))
-        spans.append((at + len(header), len(text) if stop < 0 else stop + len(end)))
-        at = text.find(header, spans[-1][1])
-    return text, spans
-
-
-def spans_to_tokens(tokenizer, text, spans):
-    """Rendered text and its answers' character spans -> input_ids [S], loss_mask [S] (long)."""
-    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does
-    # too.
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for a, b in spans:  # a token belongs to the turn its first character is in
-        mask |= ((starts >= a) & (starts < b)).long()
-    return ids, mask
-
-
-def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
-    """A regenerated answer as the target generated it: the prompt turns with the generation
-    prompt, rendered and tokenized, then the answer's token_ids (its end-of-turn token too when it
-    stopped), supervised. Re-tokenizing the answer's text could give other ids (a word split
-    otherwise, retokenized_differs); these are the ones the target produced."""
-    *prompt, answer = messages
-    if tokenizer.decode(answer["token_ids"], skip_special_tokens=True) != answer["content"]:
-        raise ValueError(
-            f"an answer's token_ids do not spell its content with this tokenizer (made for another "
-            f"target?): {answer['content'][:60]!r}; drop its 'token_ids' to re-tokenize the text"
-        )
-    head = render(tokenizer, prompt, True, chat_template_kwargs)
-    head_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor(head_ids + answer["token_ids"], dtype=torch.long)
-    return ids, (torch.arange(len(ids)) >= len(head_ids)).long()
-
-
-def pretokenized(tokenizer, conversation):
-    """Pre-tokenized {"input_ids", "loss_mask"}, checked against the target's vocabulary."""
-    ids = conversation["input_ids"]
-    if len(ids) and int(ids.max()) >= len(tokenizer):
-        raise ValueError(
-            f"{conversation.get('where', 'pre-tokenized sample')}: token id {int(ids.max())} is "
-            f"outside this target's vocabulary ({len(tokenizer)} ids): tokenized for another model?"
-        )
-    return ids, conversation["loss_mask"]
-
-
-def tokenize_conversation(tokenizer, conversation, max_length: int, chat_template_kwargs=None):
-    """A conversation as read_conversations gives it -> input_ids [S] long, loss_mask [S] long (1
-    on assistant tokens incl. end-of-turn), S <= max_length. Turns are rendered with the chat
-    template (assistant_spans), or where the answer carries the target's token_ids, taken as
-    generated (generated_tokens); preformatted text is split at the template's own markers
-    (preformatted_spans); pre-tokenized ids are taken as they are."""
-    kw = chat_template_kwargs
-    if isinstance(conversation, dict) and "input_ids" in conversation:
-        ids, mask = pretokenized(tokenizer, conversation)
-    elif isinstance(conversation, dict):
-        ids, mask = spans_to_tokens(tokenizer, *preformatted_spans(tokenizer, conversation, kw))
-    elif "token_ids" in conversation[-1]:
-        ids, mask = generated_tokens(tokenizer, conversation, kw)
-    else:
-        ids, mask = spans_to_tokens(tokenizer, *assistant_spans(tokenizer, conversation, kw))
-    return ids[:max_length], mask[:max_length]
-
-
-def retokenized_differs(tokenizer, messages, chat_template_kwargs=None):
-    """Whether re-tokenizing a regenerated answer's text gives other ids than the target generated
-    (its last turn's token_ids): the answer's span in the rendered conversation, tokenized, must
-    begin with them (an answer cut at --max-new-tokens has no end-of-turn token of its own).
-    None where the template cannot be split into turns (assistant_spans): not known."""
-    *prompt, answer = messages
-    plain = [*prompt, {"role": "assistant", "content": answer["content"]}]
-    try:
-        text, spans = assistant_spans(tokenizer, plain, chat_template_kwargs)
-    except ValueError:
-        return None
-    ids, mask = spans_to_tokens(tokenizer, text, spans[-1:])
-    return ids[mask.bool()].tolist()[: len(answer["token_ids"])] != answer["token_ids"]
-
-
+# ----------------------------------------------------------------------------- the method: anchors
 def anchor_positions(loss_mask):
     """Where a training block may start (docs/semantics.md, section 4): positions p with
     loss_mask[p] = loss_mask[p+1] = 1, so both the anchor and the first label are supervised.
     loss_mask [S] -> positions [n] long."""
     return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
+
+
+def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_document=False):
+    """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
+    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
+    share a document. per_document: each document of the row draws up to num_anchors of its own
+    (the public trainers' contract: one conversation, num_anchors), so a long document cannot take
+    the anchors of the short ones beside it; else the row draws num_anchors among all of them."""
+    cand = anchor_positions(loss_mask)
+    if docs is not None:
+        cand = cand[docs[cand] == docs[cand + 1]]
+    groups = [cand]
+    if per_document and docs is not None:
+        groups = [cand[docs[cand] == d] for d in docs[cand].unique()]
+    picks = [g[torch.randperm(len(g), generator=generator)[:num_anchors]] for g in groups]
+    return torch.cat(picks).sort().values if picks else cand
 
 
 # ----------------------------------------------------------------------------- what train.py reads
@@ -387,22 +116,6 @@ def join(docs) -> dict:
     row["positions"] = torch.cat([torch.arange(len(d["input_ids"])) for d in docs])
     row["docs"] = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(docs)])
     return row
-
-
-def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_document=False):
-    """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
-    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
-    share a document. per_document: each document of the row draws up to num_anchors of its own
-    (the public trainers' contract: one conversation, num_anchors), so a long document cannot take
-    the anchors of the short ones beside it; else the row draws num_anchors among all of them."""
-    cand = anchor_positions(loss_mask)
-    if docs is not None:
-        cand = cand[docs[cand] == docs[cand + 1]]
-    groups = [cand]
-    if per_document and docs is not None:
-        groups = [cand[docs[cand] == d] for d in docs[cand].unique()]
-    picks = [g[torch.randperm(len(g), generator=generator)[:num_anchors]] for g in groups]
-    return torch.cat(picks).sort().values if picks else cand
 
 
 def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=None):

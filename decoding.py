@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 import model
-from show import phase
-from target import capture_features, crop, new_cache, with_cache
+from model import capture_features
+from support.show import phase
+from support.target import crop, new_cache, with_cache
 
 
 # --------------------------------------------------------------------------------------- the cycle

@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import model
-from common import DTYPES, atomic_write, run, write_json
+from compat.config_json import config_from_dict, config_to_dict, load_config, read_json
 from compat.speculators import VERIFIER_COPIES, config_from_speculators, speculators_config
-from config import config_from_dict, config_to_dict, load_config, read_json
-from metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
+from support.common import DTYPES, atomic_write, run, write_json
+from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers 4.x's default (5.x raised its own to 50GB)
 # what wrappers put before every key: torch.compile "_orig_mod.", DistributedDataParallel "module."

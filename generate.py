@@ -19,12 +19,19 @@ import sys
 
 import torch
 
-from common import DTYPES, add_chat_template_kwargs, bounded, run
 from decoding import target_generate
 from export import load_any
-from show import Printer, ShowBlocks, show_legend, timed
 from speed import bench, machine, tune
-from target import check_draft_fits, encode, load_target, new_cache, stop_token_ids, with_cache
+from support.common import DTYPES, add_chat_template_kwargs, bounded, run
+from support.show import Printer, ShowBlocks, show_legend, timed
+from support.target import (
+    check_draft_fits,
+    encode,
+    load_target,
+    new_cache,
+    stop_token_ids,
+    with_cache,
+)
 from tree import label, speculate
 
 

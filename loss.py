@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import metrics
 from selector import top_k_candidates
+from support import metrics
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # exp decay gamma by block size, when --gamma is unset
 

@@ -14,6 +14,9 @@ With `conv_kernel_size` etc. set (DFlash2) every sublayer is wrapped by conv.py 
 head reranks the unary top-K; without them the same code is the plain DFlash baseline.
 """
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,10 +25,107 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from attention import attention_keys, block_attention_mask, flex, flex_block_mask, sdpa
-from config import DraftConfig
+from attention import attention_keys, block_attention_mask, flex_block_mask
+from compat.config_checks import validate
 from conv import GroupedDynamicCausalConv
 from selector import CandidateSelector, unary_transform
+from support.kernels import flex, sdpa
+
+# ----------------------------------------------------------------------------- the draft's config
+# set together (DFlash2) or not at all (plain DFlash)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list
+    mask_token_id: int
+    # the target's layer count; None when the format does not say
+    num_target_layers: int = None
+    block_size: int = 8
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain
+    rope_scaling: dict = None
+    max_position_embeddings: int = 40960
+    layer_types: list = None  # per layer "full_attention" | "sliding_attention"
+    sliding_window: int = None
+    # True / False: every layer causal / bidirectional in the block; None: unset
+    is_causal: bool = None
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # DFlash2 only; all None means plain DFlash
+    conv_kernel_size: int = None
+    conv_group_size: int = None
+    selector_rank: int = None
+    selector_top_k: int = None
+    output_multiplier: float = None
+    final_logit_softcapping: float = None
+    input_embedding_scale: float = None  # the block's embeddings are multiplied by it (Z Lab, vLLM)
+    comment: str = field(default=None, compare=False)  # free text kept in config.json
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        validate(self, DFLASH2_FIELDS)  # every rule of docs/semantics.md, section 3
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
+
+    def causal_in_block(self, sliding: bool) -> bool:
+        """Whether a layer attends causally inside its block. An explicit is_causal decides for
+        every layer. Unset (absent from config.json), sliding layers are causal and full layers
+        bidirectional: that is how Z Lab, SGLang and vLLM load a published draft that omits it."""
+        return sliding if self.is_causal is None else self.is_causal
+
+
+def plain_dflash(c: DraftConfig) -> DraftConfig:
+    """The same backbone without convolution and selector: the DFlash baseline."""
+    return dataclasses.replace(c, **{f: None for f in DFLASH2_FIELDS})
+
+
+# ------------------------------------------------------------- the draft's input: target features
+# The draft never sees the target's weights, only its hidden states: the outputs of decoder layers
+# target_layer_ids (Hugging Face hidden_states[id + 1]), concatenated in list order,
+#
+#     features = [h_l1 ; ... ; h_lk]                                 # [N, S, k*H]
+#
+# plus, for the draft's own use, the target's (frozen) input embedding and lm_head.
+@torch.no_grad()
+def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
+    """Run the target once; return (its outputs, features [N, S, n_t*H]).
+
+    The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
+    concatenated in list order. Forward hooks keep only those layers, not all of them. With
+    final_hidden=True also return the final normed hidden state [N, S, H] (target logits =
+    final @ lm_head^T), which the `kl` loss needs: (outputs, features, final).
+    """
+    layers, grabbed = target.model.layers, {}  # a Hugging Face causal LM's decoder layers
+
+    def hook(key):
+        def fn(module, args, out):
+            grabbed[key] = out[0] if isinstance(out, tuple) else out
+
+        return fn
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    if final_hidden:
+        handles.append(target.model.norm.register_forward_hook(hook("final")))
+    try:
+        out = target(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    features = torch.cat([grabbed[i] for i in layer_ids], dim=-1)
+    return (out, features, grabbed["final"]) if final_hidden else (out, features)
 
 
 # ----------------------------------------------------------------------------- backbone

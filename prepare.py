@@ -39,21 +39,34 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-import config
-import regen_server
-from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
-from data import (
-    anchor_positions,
+from compat.config_json import load_config
+from data import anchor_positions
+from model import capture_features
+from prompts.toy_problems import toy_split
+from speed import machine, tune
+from support import regen_server
+from support.common import (
+    DTYPES,
+    add_chat_template_kwargs,
+    atomic_write,
+    bounded,
+    end_distributed,
+    run,
+)
+from support.conversations import (
     read_conversations,
     render,
     retokenized_differs,
     tokenize_conversation,
 )
-from features import COUNTS, save_shard, shard_metadata, shard_path, write_manifest
-from prompts.toy_problems import toy_split
-from promptsets import eval_prompts, held_out_prompts, math_training_prompts, training_prompts
-from speed import machine, tune
-from target import GGUF, capture_features, check_layer_ids, load_target
+from support.features import COUNTS, save_shard, shard_metadata, shard_path, write_manifest
+from support.promptsets import (
+    eval_prompts,
+    held_out_prompts,
+    math_training_prompts,
+    training_prompts,
+)
+from support.target import GGUF, check_layer_ids, load_target
 
 
 # ----------------------------------------------------------------------------- regeneration
@@ -576,7 +589,7 @@ def main(argv=None):
         torch.cuda.set_device(device)  # generate) lands on this rank's GPU, not on GPU 0
     if world > 1:  # gloo only synchronises; a long regeneration must not time out the barrier
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
-    layer_ids = config.load_config(args.draft_config).target_layer_ids if args.features else None
+    layer_ids = load_config(args.draft_config).target_layer_ids if args.features else None
     if rank != 0:  # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
     dtype = machine.resolve_dtype(args.target_dtype, device, "data")

@@ -70,29 +70,18 @@ import torch
 import torch.nn.functional as F
 
 import attention
-import common
-import config
 import data
 import decoding
 import export
-import features
-import flops
-import fsdp
 import generate
 import loss as L
-import metrics
 import model
 import prepare
-import promptsets
-import served
-import show
-import tracking
 import train
 import tree
-from common import end_distributed
-from config import DraftConfig
+from compat import config_json as config
 from conv import GroupedDynamicCausalConv
-from model import DraftModel
+from model import DraftConfig, DraftModel, capture_features
 from prompts.toy_problems import toy_split
 from selector import CandidateSelector, top_k_candidates, unary_transform
 from speed import auto, bench, cost, int8, machine, tune
@@ -105,8 +94,20 @@ from speed.gemm import (
     set_layout,
     unpack_linears,
 )
-from target import (
-    capture_features,
+from support import (
+    common,
+    conversations,
+    features,
+    flops,
+    fsdp,
+    kernels,
+    metrics,
+    promptsets,
+    show,
+    tracking,
+)
+from support.common import end_distributed
+from support.target import (
     convert_embedded,
     crop,
     embedded_dir,
@@ -115,7 +116,7 @@ from target import (
     new_cache,
     stop_token_ids,
 )
-from tools import gpu_check, plan, train_cost
+from tools import gpu_check, plan, served, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -430,7 +431,7 @@ def twin_drafts():
     """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
     c2 = tiny_config()
     torch.manual_seed(0)
-    d2, d1 = DraftModel(c2), DraftModel(config.plain_dflash(c2))
+    d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
     d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
     return d2, d1
 
@@ -524,7 +525,7 @@ def worked_example(loss, weighting="exp", target=False):
         th = torch.zeros(1, 4, 8)
         th[0, 1, :4] = torch.tensor(q1).log()
         th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
-    draft = DraftModel(config.plain_dflash(hand_config()))
+    draft = DraftModel(model.plain_dflash(hand_config()))
     out = L.objective(
         draft,
         HEAD,
@@ -742,7 +743,7 @@ def tiny_draft(B=4, plain=False, seed=0, **kw):
     """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
     kw.setdefault("conv_kernel_size", min(2, B))
     c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
-    c = config.plain_dflash(c) if plain else c
+    c = model.plain_dflash(c) if plain else c
     return randomize(DraftModel(c), seed=seed, std=0.2).eval()
 
 
@@ -1852,7 +1853,7 @@ def masked_runs(mask):
 # ------------------------------------------------------------------------- tokenisation / loss mask
 def test_loss_mask_on_offline_chatml_tokenizer():
     tok = tiny_tokenizer()
-    ids, mask = data.tokenize_conversation(tok, CONVERSATION, max_length=512)
+    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
     assert ids.dtype == mask.dtype == torch.long
     assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
@@ -1860,7 +1861,7 @@ def test_loss_mask_on_offline_chatml_tokenizer():
     assert len(runs) == 2  # one run per answer, nothing else
     for start, _ in runs:  # the role header stays unmasked
         assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-    ids8, mask8 = data.tokenize_conversation(tok, CONVERSATION, max_length=8)
+    ids8, mask8 = conversations.tokenize_conversation(tok, CONVERSATION, max_length=8)
     assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
 
 
@@ -1873,7 +1874,7 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "content": "Six, of course!"},
     ]
-    ids, mask = data.tokenize_conversation(tok, conv, max_length=512)
+    ids, mask = conversations.tokenize_conversation(tok, conv, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
     assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
     runs = masked_runs(mask)
@@ -1902,9 +1903,9 @@ NO_THINKING = {"enable_thinking": False}
 
 
 def test_chat_template_kwargs_reach_every_rendering(tmp_path):
-    """data.render (regeneration prompts), target.encode (generate.py) and the online tokenisation
-    (data.load_samples -> tokenize_conversation) render exactly what apply_chat_template renders
-    with the kwargs, which is not what it renders without them."""
+    """conversations.render (regeneration prompts), target.encode (generate.py) and the online
+    tokenisation (data.load_samples -> tokenize_conversation) render exactly what
+    apply_chat_template renders with the kwargs, which is not what it renders without them."""
     tok = tiny_tokenizer()
     tok.chat_template = THINKING_CHATML
     prompt = CONVERSATION[:2]
@@ -1912,16 +1913,16 @@ def test_chat_template_kwargs_reach_every_rendering(tmp_path):
         prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     assert off.endswith("<|im_start|>assistant\n. . .\n\n")
-    assert data.render(tok, prompt, True, NO_THINKING) == off
-    assert data.render(tok, prompt, True) != off
+    assert conversations.render(tok, prompt, True, NO_THINKING) == off
+    assert conversations.render(tok, prompt, True) != off
     assert encode(tok, prompt, "cpu", NO_THINKING)[0].tolist() == tok(off).input_ids
     assert encode(tok, prompt, "cpu")[0].tolist() != tok(off).input_ids
     whole = tok.apply_chat_template(CONVERSATION, tokenize=True, enable_thinking=False)
     path = write_lines(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
     [online] = data.load_samples(path, True, tok, 512, NO_THINKING)
-    ids, mask = data.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
+    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
     assert ids.tolist() == online["input_ids"].tolist() == whole["input_ids"]
-    assert ids.tolist() != data.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
+    assert ids.tolist() != conversations.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
     # the empty thought belongs to the header, as the role does: only the answers are supervised
     assert torch.equal(mask, online["loss_mask"])
     assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
@@ -1960,8 +1961,10 @@ def test_openai_and_sharegpt_jsonl_agree(tmp_path):
         },
     ]
     # a blank line is fine
-    a, skipped_a = data.read_conversations(write_lines(tmp_path / "a.jsonl", openai + [""]))
-    b, skipped_b = data.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
+    a, skipped_a = conversations.read_conversations(
+        write_lines(tmp_path / "a.jsonl", openai + [""])
+    )
+    b, skipped_b = conversations.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
     assert a == b and a[0] == CONVERSATION and skipped_a == skipped_b == 0
 
 
@@ -1972,10 +1975,12 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
         {"messages": [{"role": "user", "content": "hi"}]},
         {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]},
     ]
-    convs, skipped = data.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
+    convs, skipped = conversations.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
     assert convs == [CONVERSATION] and skipped == 3
     # prompts for --regenerate keep user-only conversations; only the empty one is skipped
-    convs, skipped = data.read_conversations(str(tmp_path / "c.jsonl"), require_assistant=False)
+    convs, skipped = conversations.read_conversations(
+        str(tmp_path / "c.jsonl"), require_assistant=False
+    )
     assert len(convs) == 3 and skipped == 1
 
 
@@ -1999,7 +2004,7 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
     path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
     with pytest.raises(ValueError, match=why) as e:
-        data.read_conversations(path)
+        conversations.read_conversations(path)
     assert "bad.jsonl, line 3" in str(e.value)
 
 
@@ -2141,13 +2146,13 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest[
         "skipped_nonfinite"
     ] == 0
-    convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
+    convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     samples = features.load_features(str(out))
     target, tok = load_target(target_dir)
     assert not any(p.requires_grad for p in target.parameters()) and not target.training
     pack_linears(target)  # as prepare.py's target was
     for conv, s in zip(convs, samples):
-        ids, mask = data.tokenize_conversation(tok, conv, 512)
+        ids, mask = conversations.tokenize_conversation(tok, conv, 512)
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
         with torch.no_grad():
             _, feats = capture_features(target, [0, 2], input_ids=ids[None])
@@ -2232,7 +2237,7 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
         prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
-    lengths = sorted(len(data.tokenize_conversation(tok, c, 512)[0]) for c in convs)
+    lengths = sorted(len(conversations.tokenize_conversation(tok, c, 512)[0]) for c in convs)
     assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [
         (3, lengths[2]),
         (2, lengths[4]),
@@ -2274,7 +2279,9 @@ def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
     grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
     for conv, sample in zip(convs, grown):
-        assert torch.equal(sample["input_ids"], data.tokenize_conversation(tok, conv, 512)[0])
+        assert torch.equal(
+            sample["input_ids"], conversations.tokenize_conversation(tok, conv, 512)[0]
+        )
 
 
 def test_shards_split_across_ranks(tmp_path):
@@ -3281,7 +3288,7 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), torch.float32)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
-    assert not set(config.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
+    assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
     back = export.load_draft(str(tmp_path / "out"))
     assert back.candidate_selector is None and isinstance(
         back.layers[0].attention_conv, model.PassThrough
@@ -3475,7 +3482,7 @@ def setup(tmp_path_factory):
     with open(d / "convs.jsonl", "w") as f:
         for m in TRAIN_CONVERSATIONS * 2:
             f.write(json.dumps({"messages": m}) + "\n")
-    convs, _ = data.read_conversations(str(d / "convs.jsonl"))
+    convs, _ = conversations.read_conversations(str(d / "convs.jsonl"))
     os.makedirs(d / "feats")
     prepare.write_features(
         target,
@@ -3591,7 +3598,7 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
     # give
     # the same steps, and no target-mass metric is made up without them; tv reads them when stored
     target, tok = load_target(str(setup / "target"))
-    convs, _ = data.read_conversations(str(setup / "convs.jsonl"))
+    convs, _ = conversations.read_conversations(str(setup / "convs.jsonl"))
     os.makedirs(tmp_path / "feats")
     prepare.write_features(
         target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
@@ -4673,9 +4680,9 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
 
 
 def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
-    dtypes, real = [], train.capture_features
+    dtypes, real = [], model.capture_features
     monkeypatch.setattr(
-        train,
+        model,
         "capture_features",
         lambda target, *a, **kw: (
             dtypes.append(next(target.parameters()).dtype) or real(target, *a, **kw)
@@ -5110,6 +5117,7 @@ def lift_flex_cpu_guard(monkeypatch):
 
     monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
     monkeypatch.setattr(attention, "compiled", lambda fn: fn)
+    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
 
 
 FLEX_LAYOUTS = [
@@ -5186,30 +5194,28 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
 
 def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
     """--attention auto is flex on a CUDA device (also named by string) and sdpa on the CPU. The
-    CUDA sdpa route (attention.memory_safe_sdpa) allows only kernels that keep no scores: run on
+    CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: run on
     this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
     back to math; with math allowed too it equals torch's own grouped-query SDPA, so the repeated
     k/v heads are grouped as enable_gqa groups them. model.Attention takes it for any non-flex
     mask."""
     assert (
-        attention.choose("auto", "cuda:3")
-        == attention.choose("auto", torch.device("cuda"))
-        == "flex"
+        kernels.choose("auto", "cuda:3") == kernels.choose("auto", torch.device("cuda")) == "flex"
     )
-    assert attention.choose("auto", "cpu") == "sdpa" and attention.choose("sdpa", "cuda") == "sdpa"
+    assert kernels.choose("auto", "cpu") == "sdpa" and kernels.choose("sdpa", "cuda") == "sdpa"
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, L, 8, generator=g) for h, L in ((4, 6), (2, 10), (2, 10)))
     mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
     mask[..., 0] = True  # every query reads a key
     with pytest.raises(RuntimeError, match="--attention flex"):
-        attention.memory_safe_sdpa(q, k, v, mask)
+        kernels.memory_safe_sdpa(q, k, v, mask)
     from torch.nn.attention import SDPBackend
 
-    monkeypatch.setattr(attention, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
+    monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert (attention.memory_safe_sdpa(q, k, v, mask) - want).abs().max() <= 1e-6
+    assert (kernels.memory_safe_sdpa(q, k, v, mask) - want).abs().max() <= 1e-6
     calls = []
-    monkeypatch.setattr(model, "sdpa", lambda *a: calls.append(a) or attention.sdpa(*a))
+    monkeypatch.setattr(model, "sdpa", lambda *a: calls.append(a) or kernels.sdpa(*a))
     c = tiny_config()
     docs = packing_docs(c, [20])
     b = data.collate([docs], [0], 4, 0, "cpu")
@@ -5810,7 +5816,7 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
     # target_layer_ids [0, 2, 3] + 1
     assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert (d["draft_vocab_size"], d["block_size"], d["mask_token_id"]) == (64, 4, 63)
-    assert [d[k] for k in config.DFLASH2_FIELDS] == [2, 8, 8, 5]
+    assert [d[k] for k in model.DFLASH2_FIELDS] == [2, 8, 8, 5]
     assert d["sliding_window_non_causal"] is non_causal and d["sample_from_anchor"] is False
     assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
     assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
@@ -6159,7 +6165,7 @@ def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
 
 @needs_cuda
 def test_cuda_sdpa_keeps_no_scores_at_training_scale():
-    """--attention sdpa on a GPU (attention.sdpa: k/v heads repeated, memory-safe kernels only) at
+    """--attention sdpa on a GPU (kernels.sdpa: k/v heads repeated, memory-safe kernels only) at
     a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192 context rows:
     forward and backward allocate less than a tenth of the fp32 scores the math kernel would make
     (6.4 GiB a layer), and the output equals the grouped-query math kernel's on a slice."""
@@ -6176,7 +6182,7 @@ def test_cuda_sdpa_keeps_no_scores_at_training_scale():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    attention.sdpa(q, k, v, mask, True).float().sum().backward()
+    kernels.sdpa(q, k, v, mask, True).float().sum().backward()
     torch.cuda.synchronize()
     scores = 32 * Q * K * 4
     assert torch.cuda.max_memory_allocated() - before < scores / 10
@@ -6186,7 +6192,7 @@ def test_cuda_sdpa_keeps_no_scores_at_training_scale():
             q[:, :, s], k, v, attn_mask=mask[:, :, s], enable_gqa=True
         )
     with torch.no_grad():
-        got = attention.sdpa(q[:, :, s], k, v, mask[:, :, s], True)
+        got = kernels.sdpa(q[:, :, s], k, v, mask[:, :, s], True)
     assert (got.float() - want.float()).abs().max() <= 2e-2
 
 
@@ -6228,7 +6234,7 @@ def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
         "--selector-loss-alpha",
         "0",
     ]
-    real_clip, real_capture = torch.nn.utils.clip_grad_norm_, train.capture_features
+    real_clip, real_capture = torch.nn.utils.clip_grad_norm_, model.capture_features
 
     def step(name, *extra):
         grads, targets = [], []
@@ -6241,7 +6247,7 @@ def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
             ),
         )
         monkeypatch.setattr(
-            train,
+            model,
             "capture_features",
             lambda target, *a, **kw: (
                 targets.append(
@@ -6459,12 +6465,12 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
 # ============================================================================ the project's shape
 def project_imports(root=HERE) -> tuple:
     """-> ({module: the project modules it imports}, [function-level imports of project modules]).
-    Modules are the .py files of the top level, speed/, tools/, prompts/ and compat/, named as
-    imported: "model", "speed.cost", "tools.plan", "prompts.word_problems"."""
+    Modules are the .py files of the top level, speed/, tools/, prompts/, compat/ and support/,
+    named as imported: "model", "speed.cost", "tools.plan", "support.target"."""
     import ast
 
     files = {}
-    for folder in ("", "speed", "tools", "prompts", "compat"):
+    for folder in ("", "speed", "tools", "prompts", "compat", "support"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
             if name.endswith(".py") and name != "__init__.py":
                 module = ".".join(filter(None, [folder, name[:-3]]))
@@ -6537,10 +6543,10 @@ def test_imports_flow_one_way():
     assert import_cycle(graph) is None
     assert inside_functions == []
     # training reaches no decoding: the served evaluation is served.py's, which imports train.py
-    assert "train" in graph["served"] and "decoding" in reachable(graph, "served")
+    assert "train" in graph["tools.served"] and "decoding" in reachable(graph, "tools.served")
     training = reachable(graph, "train")
-    assert {"model", "loss", "metrics", "data", "speed.machine"} <= training
-    no = {"served", "decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
+    assert {"model", "loss", "support.metrics", "data", "speed.machine"} <= training
+    no = {"tools.served", "decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
     assert not training & no
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
     core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]
@@ -6674,7 +6680,9 @@ def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
 # ------------------------------------------------------------ data formats (docs/training.md table)
 def read_one(tmp_path, record, **kw):
     """The one conversation read_conversations makes of a one-line JSONL file."""
-    [conv], skipped = data.read_conversations(write_lines(tmp_path / "one.jsonl", [record]), **kw)
+    [conv], skipped = conversations.read_conversations(
+        write_lines(tmp_path / "one.jsonl", [record]), **kw
+    )
     assert skipped == 0
     return conv
 
@@ -6682,7 +6690,7 @@ def read_one(tmp_path, record, **kw):
 def check_supervised(tok, conv, answers=ANSWERS, kw=None):
     """conv tokenizes to exactly CONVERSATION's ids (apply_chat_template's), and only the answers
     with their end-of-turn markers are supervised."""
-    ids, mask = data.tokenize_conversation(tok, conv, 512, kw)
+    ids, mask = conversations.tokenize_conversation(tok, conv, 512, kw)
     whole = tok.apply_chat_template(CONVERSATION, tokenize=True, **(kw or {}))["input_ids"]
     assert ids.tolist() == whole
     assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == answers
@@ -6723,7 +6731,7 @@ def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
     assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
     check_supervised(tok, conv)
     tok.chat_template = THINKING_CHATML
-    assert data.assistant_markers(tok, NO_THINKING) == (
+    assert conversations.assistant_markers(tok, NO_THINKING) == (
         "<|im_start|>assistant\n. . .\n\n",
         "<|im_end|>",
     )
@@ -6731,13 +6739,13 @@ def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
     check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
     tok.chat_template = CHATML
     cut = text.replace(". . .\n\n", "")[: -len("too .<|im_end|>\n")]  # the last answer cut short
-    ids, mask = data.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
+    ids, mask = conversations.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
     assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == (
         "fine , thanks !<|im_end|>the cat is fine "
     )
     other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
     with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
-        data.tokenize_conversation(tok, other, 512)
+        conversations.tokenize_conversation(tok, other, 512)
 
 
 @needs_smollm2
@@ -6747,8 +6755,8 @@ def test_format_preformatted_text_on_smollm2(smollm2):
     tok = smollm2["tokenizer"]
     conv = CONVERSATION[1:]
     text = tok.apply_chat_template(conv, tokenize=False)
-    a = data.tokenize_conversation(tok, {"text": text}, 512)
-    b = data.tokenize_conversation(tok, conv, 512)
+    a = conversations.tokenize_conversation(tok, {"text": text}, 512)
+    b = conversations.tokenize_conversation(tok, conv, 512)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
 
 
@@ -6756,17 +6764,17 @@ def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
     tok = tiny_tokenizer()
     record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
     conv = read_one(tmp_path, record)
-    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    ids, mask = conversations.tokenize_conversation(tok, conv, 512)
     assert ids.tolist() == record["input_ids"] and mask.tolist() == record["loss_mask"]
-    assert data.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
+    assert conversations.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
     # nothing supervised: skipped and counted, as an assistant-free conversation
     path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
-    assert data.read_conversations(path)[1] == 1
+    assert conversations.read_conversations(path)[1] == 1
     big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
     with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
-        data.tokenize_conversation(tok, big, 512)
+        conversations.tokenize_conversation(tok, big, 512)
     with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
-        data.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
+        conversations.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
 
 
 def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
@@ -6775,7 +6783,7 @@ def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
     lines = [{"messages": CONVERSATION}, {"conversations": [{"from": "bing", "value": "hi"}]}]
     path = write_lines(tmp_path / "roles.jsonl", lines)
     with pytest.raises(SystemExit) as e:
-        common.run(lambda: data.read_conversations(path))
+        common.run(lambda: conversations.read_conversations(path))
     assert e.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
@@ -6794,15 +6802,17 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
     answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
     conv = read_one(tmp_path, {"messages": [*prompt, answer]})
     assert conv[-1] == answer
-    ids, mask = data.tokenize_conversation(tok, conv, 512)
+    ids, mask = conversations.tokenize_conversation(tok, conv, 512)
     head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
     assert ids.tolist() == head + generated
     assert mask.tolist() == [0] * len(head) + [1] * len(generated)
-    assert data.retokenized_differs(tok, conv)
+    assert conversations.retokenized_differs(tok, conv)
     plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
-    assert not data.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
+    assert not conversations.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
     with pytest.raises(ValueError, match="do not spell its content"):
-        data.tokenize_conversation(tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512)
+        conversations.tokenize_conversation(
+            tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512
+        )
 
 
 # ------------------------------------------------ regeneration on a server (regen_server.py)
@@ -6979,7 +6989,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
         prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
         assert len(log["asked"]) == 3
     prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
-    convs, _ = data.read_conversations(str(out / "conversations.jsonl"))
+    convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
     target_saved = prepare.load_target(target_dir)[0]
     assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)

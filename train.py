@@ -31,17 +31,22 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-import config
 import data
-import flops
-import fsdp
 import loss
 import model
-import tracking
-from common import DTYPES, add_chat_template_kwargs, atomic_write, bounded, end_distributed, run
-from metrics import add_into, all_sum, reduce_metrics, save_acceptance
+from compat.config_json import config_to_dict, load_config
 from speed import machine
-from target import capture_features, check_draft_fits, load_target
+from support import flops, fsdp, tracking
+from support.common import (
+    DTYPES,
+    add_chat_template_kwargs,
+    atomic_write,
+    bounded,
+    end_distributed,
+    run,
+)
+from support.metrics import add_into, all_sum, reduce_metrics, save_acceptance
+from support.target import check_draft_fits, load_target
 
 
 def parse_args(argv=None):
@@ -117,8 +122,8 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- config and data
-def build_config(args) -> config.DraftConfig:
-    c = config.load_config(args.draft_config)
+def build_config(args) -> model.DraftConfig:
+    c = load_config(args.draft_config)
     names = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     o = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.num_layers is not None:
@@ -127,7 +132,7 @@ def build_config(args) -> config.DraftConfig:
             c.layer_types[min(i, len(c.layer_types) - 1)] for i in range(args.num_layers)
         ]
     c = dataclasses.replace(c, **o)  # __post_init__ validates the overridden config
-    return config.plain_dflash(c) if args.dflash else c
+    return model.plain_dflash(c) if args.dflash else c
 
 
 # ----------------------------------------------------------------------------- the training module
@@ -187,7 +192,7 @@ def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
     ids, mask, back = (
         data.per_document(batch) if packed else (batch["input_ids"], batch["attention_mask"], None)
     )
-    out = capture_features(
+    out = model.capture_features(
         target,
         cfg.target_layer_ids,
         final_hidden=need_final,
@@ -315,7 +320,7 @@ def save_checkpoint(path, draft, cfg, opt, sched, step, args, master):
     if master:
         state = {
             "model": model_state,
-            "config": config.config_to_dict(cfg),
+            "config": config_to_dict(cfg),
             "optimizer": opt_state,
             "scheduler": sched.state_dict(),
             "step": step,

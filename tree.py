@@ -50,8 +50,8 @@ from decoding import (
     unary_best,
 )
 from selector import top_k_candidates
-from show import phase, timed
-from target import crop
+from support.show import phase, timed
+from support.target import crop
 
 # candidates per slot where the draft has no selector_top_k (plain DFlash)
 TOP_K = 16

@@ -22,10 +22,10 @@ import decoding
 import loss as objective_lib
 import model
 import tree
-from config import DraftConfig
 from conv import GroupedDynamicCausalConv
+from model import DraftConfig, capture_features
 from selector import CandidateSelector, top_k_candidates
-from target import capture_features, crop, new_cache, with_cache
+from support.target import crop, new_cache, with_cache
 
 V, H, B, MASK = 32, 32, 4, 31  # vocabulary, hidden size, block size, mask_token_id
 LAYER_IDS = [0, 2]  # the target layers the draft reads

@@ -10,7 +10,8 @@ cannot say, or what speculators would read otherwise, is refused with a message 
 
 import os
 
-from config import DFLASH2_FIELDS, config_from_dict, config_to_dict, read_json
+from compat.config_json import config_from_dict, config_to_dict, read_json
+from model import DFLASH2_FIELDS
 
 # Frozen copies of the verifier's tensors, which a speculators checkpoint may carry: the draft
 # uses the target's own.

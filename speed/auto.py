@@ -2,7 +2,7 @@
 
 import math
 
-from metrics import read_acceptance
+from support.metrics import read_acceptance
 from tree import grow, label
 
 TREE_BUDGETS = (8, 16, 24, 32)  # the tree budgets `auto` prices besides the paths (priced_sizes)

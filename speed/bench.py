@@ -16,11 +16,11 @@ for every row.
 import torch
 
 from decoding import target_generate
-from promptsets import eval_prompts
-from show import timed
 from speed.auto import plan
 from speed.gemm import set_layout
-from target import encode
+from support.promptsets import eval_prompts
+from support.show import timed
+from support.target import encode
 from tree import label, speculate
 
 

@@ -29,15 +29,15 @@ import torch
 from tqdm import tqdm
 
 import model
-from common import DTYPES, bounded, run
-from config import load_config
+from compat.config_json import load_config
 from decoding import embed_and_head, propose
 from export import load_any
-from show import now
 from speed import machine
 from speed.auto import priced_sizes
 from speed.gemm import drop_packs, set_layout
-from target import crop, load_target, new_cache, with_cache
+from support.common import DTYPES, bounded, run
+from support.show import now
+from support.target import crop, load_target, new_cache, with_cache
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:

@@ -31,9 +31,9 @@ import platform
 
 import torch
 
-from common import DTYPES, atomic_write
 from speed import int8
 from speed.gemm import check_packable, packable
+from support.common import DTYPES, atomic_write
 
 
 # ----------------------------------------------------------------------------- what the CPU has

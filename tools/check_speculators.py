@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import export  # noqa: E402
 import model  # noqa: E402
-from config import DraftConfig  # noqa: E402
+from model import DraftConfig  # noqa: E402
 
 S, ANCHOR = 24, 13  # sequence length; the block sits at positions 13..20
 LAYOUTS = {  # name -> draft config fields

@@ -32,16 +32,16 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import config  # noqa: E402  (the repository's modules, one folder up)
-import features  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
-from common import bounded, run  # noqa: E402
+from compat import config_json as config  # noqa: E402  (the repository's modules, one folder up)
+from support import features  # noqa: E402
+from support.common import bounded, run  # noqa: E402
 from train_cost import rss_gib  # noqa: E402
 
 
 def draft_config(hidden: int, layers: int, vocab: int) -> dict:
-    c = config.DraftConfig(
+    c = model.DraftConfig(
         hidden_size=hidden,
         intermediate_size=3 * hidden,
         num_hidden_layers=layers,

@@ -18,11 +18,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import bounded, run  # noqa: E402
 from speed import machine  # noqa: E402
 from speed.cost import median_ms  # noqa: E402
 from speed.gemm import LAYOUTS, drop_packs, set_layout  # noqa: E402
-from target import load_target  # noqa: E402
+from support.common import bounded, run  # noqa: E402
+from support.target import load_target  # noqa: E402
 
 
 @torch.no_grad()

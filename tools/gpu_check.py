@@ -50,10 +50,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project's modules
-import config  # noqa: E402
-import features  # noqa: E402
-import flops  # noqa: E402
-from common import bounded, run, write_json  # noqa: E402
+from compat import config_json as config  # noqa: E402
+from support import features, flops  # noqa: E402
+from support.common import bounded, run, write_json  # noqa: E402
 
 # (item, planned seconds), most valuable first. The shares add up to the default --budget-s: 8
 # minutes. A row gets at most its share; the tests get everything left, at least theirs.

@@ -16,11 +16,11 @@ import torch
 
 # the project's modules
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import bounded, run  # noqa: E402
 from export import load_any  # noqa: E402
 from speed import machine  # noqa: E402
 from speed.cost import draft_block, median_ms  # noqa: E402
-from target import load_target  # noqa: E402
+from support.common import bounded, run  # noqa: E402
+from support.target import load_target  # noqa: E402
 
 
 @torch.no_grad()

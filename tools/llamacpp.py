@@ -53,9 +53,9 @@ from prepare import (  # noqa: E402
     regenerate,
     regenerate_on_servers,
 )
-from promptsets import eval_prompts, math_training_prompts  # noqa: E402
 from speed import machine, tune  # noqa: E402
-from target import embedded_dir, encode, load_target  # noqa: E402
+from support.promptsets import eval_prompts, math_training_prompts  # noqa: E402
+from support.target import embedded_dir, encode, load_target  # noqa: E402
 
 # -------------------------------------------------------------------------------------------
 

@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 import data  # noqa: E402
-import served  # noqa: E402
-from common import run  # noqa: E402
 from export import load_any  # noqa: E402
-from target import load_target, stop_token_ids  # noqa: E402
+from support.common import run  # noqa: E402
+from support.target import load_target, stop_token_ids  # noqa: E402
+from tools import served  # noqa: E402
 
 
 def walk(P: int, tau: dict) -> list:

@@ -32,9 +32,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from common import bounded, run  # noqa: E402
-from data import tokenize_conversation  # noqa: E402
 from prompts.toy_problems import toy_split  # noqa: E402
+from support.common import bounded, run  # noqa: E402
+from support.conversations import tokenize_conversation  # noqa: E402
 
 SPECIALS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|mask|>", "<|unk|>"]
 VOCAB = 384  # the model's rows; configs/toy-dflash2.json's vocab_size

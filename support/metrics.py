@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import write_json
-from config import read_json
+from compat.config_json import read_json
+from support.common import write_json
 
 PLAIN_TOP_K = 16  # the top-K of the metrics of a plain DFlash draft, which has no selector_top_k
 # train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:

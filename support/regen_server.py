@@ -36,7 +36,7 @@ import time
 import urllib.error
 import urllib.request
 
-from data import render, retokenized_differs
+from support.conversations import render, retokenized_differs
 
 
 class ServerError(OSError):

@@ -35,15 +35,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
 import data
 import loss
 import model
 import train
-from common import bounded, run
 from export import load_any
-from metrics import record_served
 from speed import machine, tune
-from target import check_draft_fits, load_target, stop_token_ids
+from support.common import bounded, run
+from support.metrics import record_served
+from support.target import check_draft_fits, load_target, stop_token_ids
 from tree import label, speculate
 
 

@@ -20,7 +20,7 @@ import sys
 
 from prompts.word_problems import word_problems
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def wheel_file(package: str, module: str, relpath: str) -> str:

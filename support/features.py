@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common import atomic_write, write_json
+from support.common import atomic_write, write_json
 
 # what a sample may hold, in file order
 KEYS = ("input_ids", "loss_mask", "features", "target_hidden")

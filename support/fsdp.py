@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from target import decoder_layers
+from support.target import decoder_layers
 
 
 def shard(objective, layers, target, bf16: bool):

@@ -1,0 +1,16 @@
+"""Support: the code around the method that a reader learning DFlash2 can skip. The top level holds
+the method and the pipeline (README.md, "Reading order"); these files serve them.
+
+    conversations.py  JSONL conversations in four formats, chat templates, loss-mask spans
+    features.py       the offline feature shards prepare.py writes and train.py streams
+    target.py         load the target (the embedded SmolLM2 too), check a draft fits it, KV caches
+    kernels.py        attention kernels: dense SDPA (memory-safe on CUDA), FlexAttention, compile
+    metrics.py        acceptance statistics beside the loss; acceptance.json
+    show.py           timing (phase clocks) and generate.py --show's printing
+    promptsets.py     the built-in prompt sets, read from files inside PyPI wheels
+    regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)
+    fsdp.py           FSDP2 sharding of the draft and the online target (train.py --fsdp)
+    flops.py          tokens, anchors and FLOPs a second; MFU on a GPU
+    tracking.py       wandb / TensorBoard (train.py --report-to)
+    common.py         dtypes, atomic writes, bounded argparse types, the one-line error exit
+"""

@@ -1,0 +1,78 @@
+"""The attention kernels: how the draft's attention runs the masks of attention.py's rule, on each
+device. A reader learning DFlash2 can skip this file: it changes the speed and the memory of
+attention, never which keys a query reads.
+
+    choose            --attention auto: flex on CUDA, sdpa on the CPU
+    sdpa              F.scaled_dot_product_attention with the dense mask; on CUDA memory_safe_sdpa
+    memory_safe_sdpa  only SDPA kernels that never hold the [N, heads, Q, K] scores
+    flex              flex_attention with a BlockMask, compiled (block-sparse only so)
+    compiled          a function compiled once, or itself inside a compiled region
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
+
+# SDPA's CUDA kernels that take a mask without making the [N, heads, Q, K] scores. Flash takes no
+# mask; math makes them in fp32 (17 GB a layer at S = 8192, 512 anchors of 16), so it is left out.
+MEMORY_SAFE_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+def choose(attention: str, device) -> str:
+    """--attention auto: flex on CUDA (block-sparse, compiled), sdpa on the CPU (torch has no CPU
+    flex backward); sdpa or flex as asked."""
+    if attention != "auto":
+        return attention
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def sdpa(q, k, v, mask, gqa: bool):
+    """q [N, heads, Q, hd], k, v [N, kv_heads, K, hd], mask [N, 1, Q, K] -> [N, heads, Q, hd]. On
+    the CPU torch's own choice (its kernels keep no [Q, K] scores per head); on CUDA
+    memory_safe_sdpa."""
+    if q.device.type == "cuda":
+        return memory_safe_sdpa(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def memory_safe_sdpa(q, k, v, mask):
+    """SDPA by MEMORY_SAFE_BACKENDS only. Memory-efficient attention takes a mask but not grouped
+    query heads (its check wants as many k/v heads as q heads), so GQA with a mask would leave torch
+    the math kernel: the k/v heads are repeated instead, as enable_gqa groups them (kv head j
+    serves q heads j*g .. j*g+g-1), which costs [N, heads, K, hd] per tensor, not the scores. Where
+    no such kernel takes the shapes, it stops with the fix instead of running out of memory."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    try:
+        with sdpa_kernel(MEMORY_SAFE_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    except RuntimeError as e:  # torch's words for "no kernel allowed here takes this" (2.11, 2.13)
+        if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
+            raise
+        raise RuntimeError(
+            f"--attention sdpa: no memory-safe SDPA kernel on {q.device} takes q {tuple(q.shape)} "
+            f"{q.dtype} with a mask (torch's warnings above say why); use --attention flex"
+        ) from e
+
+
+def flex(q, k, v, block_mask, gqa: bool):
+    """flex_attention is block-sparse only compiled (eager it is torch's dense reference). q and k
+    leave the fp32 norms; under autocast v is bf16, and all three go in as v's dtype, as SDPA's
+    autocast casts them."""
+    return compiled(flex_attention)(
+        q.to(v.dtype), k.to(v.dtype), v, block_mask=block_mask, enable_gqa=gqa
+    )
+
+
+@functools.cache
+def compiled_once(fn):
+    return torch.compile(fn)
+
+
+def compiled(fn):
+    """fn compiled, once; itself inside a region that is being compiled already (train.py
+    --compile)."""
+    return fn if torch.compiler.is_compiling() else compiled_once(fn)
