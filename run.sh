@@ -46,7 +46,7 @@ if [ "${1:-}" = --toy ]; then
     python train.py --draft-config "$CFG" --target "$TARGET" --data "$OUT/data/train" \
         --eval-data "$OUT/data/eval" --eval-samples 32 --out-dir "$OUT/draft" --num-anchors 32 \
         --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100000 --quiet
-    python served.py "$OUT/draft" --samples 32
+    python tools/served.py "$OUT/draft" --samples 32
     python export.py "$OUT/draft" --out-dir "$OUT/draft/export"
     echo "[run.sh --toy] train, served, export: $((SECONDS - t0)) s"
     # a held-out problem (neither the target nor the draft trained on it), decoded both ways
@@ -106,7 +106,7 @@ echo "[run.sh] train: $((SECONDS - t0)) s"; t0=$SECONDS
 #    The plan sizes it (SERVED_SAMPLES=0: off).
 finished=$(tail -n 1 "$OUT/log.jsonl" | grep -c '"kind": "final"' || true)
 if [ "${SERVED_SAMPLES:-16}" != 0 ] && [ "$finished" = 1 ]; then
-    python served.py "$OUT" --fast --samples "${SERVED_SAMPLES:-16}" ${SERVED_TOKENS:+--max-new-tokens "$SERVED_TOKENS"}
+    python tools/served.py "$OUT" --fast --samples "${SERVED_SAMPLES:-16}" ${SERVED_TOKENS:+--max-new-tokens "$SERVED_TOKENS"}
     echo "[run.sh] served: $((SECONDS - t0)) s"
 fi
 # 4. Export the servable draft directory (config.json + model.safetensors).

@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node=2 train.py ...        # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=8 train.py --fsdp ... # the draft (and online the target)
     sharded: fsdp.py
-    python served.py OUT_DIR                                     # then: served tau (served.py)
+    python tools/served.py OUT_DIR                               # then: served tau
 
 Each optimizer step: for every micro-batch of rows (a conversation each, or with --pack several:
 data.py), sample anchors, run all anchored blocks of each row through the draft in one pass
@@ -572,7 +572,7 @@ def train(args):
         record = {"kind": "final", "step": step, "elapsed_s": since(), **final}
         append_log(log_path, record, tracker)
         print_summary(final, cfg)
-        print(f"\nserved tau (the real decoding loop): python served.py {args.out_dir}")
+        print(f"\nserved tau (the real decoding loop): python tools/served.py {args.out_dir}")
     tracker.close()
 
 

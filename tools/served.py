@@ -2,10 +2,10 @@
 trained draft reports the tau a user will see beside the teacher-forced one (docs/semantics.md,
 section 4, "Served acceptance"). After train.py, on its output directory:
 
-    python served.py OUT_DIR              # the draft as stored (fp32), the stock target, a path of
-                                          # B-1 drafts: what decoding.py and model.py say
-    python served.py OUT_DIR --fast       # speed/tune.py's draft precision and target GEMMs, and
-                                          # also the shape `auto` chooses (run.sh's numbers)
+    python tools/served.py OUT_DIR         # the draft as stored (fp32), the stock target, a path
+                                           # of B-1 drafts: what decoding.py and model.py say
+    python tools/served.py OUT_DIR --fast  # speed/tune.py's draft precision and target GEMMs,
+                                           # and the shape `auto` chooses (run.sh's numbers)
 
 It reads OUT_DIR/ckpt.pt (the draft and the training run's flags: its held-out data, target, chat
 template kwargs) and adds its numbers to OUT_DIR/acceptance.json ("served") and to log.jsonl (a
