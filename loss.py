@@ -4,15 +4,20 @@ For every sampled anchor a the draft fills the block [x[a], MASK, ...]; slot j (
 with the sequence token x[a+j]. Per labelled slot:
 
     w0  = valid_anchor * [a+j < S] * [j > 0] * loss_mask[a+j]           which slots count
-    w   = w0 * exp(-(j-1)/gamma)      or D-PACE (below)                 early slots matter more
-    loss = (sum w * base  +  alpha_t * sum w * covered * selector_ce) / sum w
+    w   = w0 * exp(-(j-1)/gamma)                                        early slots matter more
+    loss = (sum w * ce  +  alpha_t * sum w * covered * selector_ce) / sum w
 
-The base term trains the unary logits u = transform(lm_head(h)) with one loss, LossConfig.loss; the
-selector term is a K-way cross-entropy over the unary top-K with the previous *sequence* token as
-predecessor (teacher forcing). Numerator and denominator are returned separately so train.py can
-add them over micro-batches and ranks and divide once. Everything vocabulary-sized (anchors x B x V
-logits) is computed in chunks of blocks under activation checkpointing, so peak memory is one
-chunk's. The metrics that come with the loss (accuracies, accepted lengths) are metrics.py's.
+ce trains the unary logits u = transform(lm_head(h)); the selector term is a K-way cross-entropy
+over the unary top-K with the previous *sequence* token as predecessor (teacher forcing), counted
+only where the label is among the K ("covered"). `reference_objective` computes exactly this in
+one piece: read it first.
+
+What train.py runs is `objective`: the same sums (a test holds the two equal), returned as
+numerator and denominator so that train.py can add them over micro-batches and ranks and divide
+once, with everything vocabulary-sized (anchors x B x V logits) computed in chunks of blocks under
+activation checkpointing, so that peak memory is one chunk's. It also runs the variants the public
+trainers offer, each under the last banner with its source. The metrics that come with the loss
+(accuracies, accepted lengths) are support/metrics.py's.
 """
 
 import dataclasses
@@ -25,6 +30,71 @@ from torch.utils.checkpoint import checkpoint
 from selector import top_k_candidates
 from support import metrics
 
+
+# -------------------------------------------------------------------------- the objective, plainly
+def reference_objective(
+    draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, gamma, alpha
+):
+    """The default objective by its definition, unchunked: ce on the unary logits, exp position
+    weights, the strict selector CE. h [N, A, B, H] (model.forward_training) -> (numerator,
+    denominator); the loss is their ratio. `objective` computes the same sums in chunks."""
+    labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, h.shape[2])
+    w = exp_weights(w0, gamma)  # [N, A, B-1]
+    h = h[:, :, 1:]  # slot 0 holds the anchor: it proposes nothing
+    u = draft.unary_logits(h, lambda x: x @ lm_head_weight.t()).float()  # [N, A, B-1, V]
+    ce = -F.log_softmax(u, -1).gather(-1, labels[..., None]).squeeze(-1)  # -log q(label)
+    numerator = (w * ce).sum()
+    if draft.candidate_selector is not None:  # DFlash2
+        _, cand_ids = top_k_candidates(u.detach(), draft.config.selector_top_k)  # [N, A, B-1, K]
+        hit = cand_ids == labels[..., None]
+        covered = hit.any(-1) & (w0 > 0)  # strict: a label outside the top-K adds nothing
+        # the K candidates' scores after the true previous token: [N, A, B-1, K]
+        sigma = draft.candidate_selector.teacher_forced_scores(
+            h, prev, cand_ids, u.gather(-1, cand_ids)
+        ).float()
+        sel_ce = -F.log_softmax(sigma, -1).gather(-1, hit.float().argmax(-1, keepdim=True))
+        numerator = numerator + alpha * (w * covered * sel_ce.squeeze(-1)).sum()
+    return numerator, w.sum()
+
+
+# ----------------------------------------------------------------------------- labels and weights
+def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int, docs=None):
+    """Labels and base weights of slots 1..B-1 of every block.
+
+    input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels, prev, w0, each [N, A, B-1]
+    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1).
+    docs [N, S] numbers the documents of packed rows: a block's labels end where its anchor's
+    document ends.
+    """
+    S = input_ids.shape[1]
+    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [N, A, B]
+    inside = pos < S
+    flat = pos.clamp(max=S - 1).flatten(1)
+    if docs is not None:
+        inside = inside & (
+            docs.gather(1, flat).view(pos.shape) == docs.gather(1, anchors)[..., None]
+        )
+    tokens = input_ids.gather(1, flat).view(pos.shape)  # x[a+j]
+    mask = loss_mask.gather(1, flat).view(pos.shape).to(torch.float32)
+    w0 = anchor_valid[..., None].float() * inside.float() * mask
+    return tokens[..., 1:], tokens[..., :-1], w0[..., 1:]
+
+
+def exp_weights(w0, gamma: float):
+    """Fixed exponential decay over slots j = 1..B-1: w = w0 * exp(-(j-1)/gamma)."""
+    j = torch.arange(w0.shape[-1], device=w0.device, dtype=w0.dtype)
+    return w0 * torch.exp(-j / gamma)
+
+
+def selector_alpha(step: int, total_steps: int, alpha: float, warmup: float, ramp: float) -> float:
+    """Selector weight at optimizer step t: 0 during warmup, a linear ramp, then alpha."""
+    W, R = math.floor(total_steps * warmup), math.floor(total_steps * ramp)
+    if step < W:
+        return 0.0
+    return alpha if R == 0 else alpha * min((step - W + 1) / R, 1.0)
+
+
+# ------------------------------------------------------ what train.py runs: the same sums, chunked
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # exp decay gamma by block size, when --gamma is unset
 
 
@@ -41,7 +111,6 @@ class LossConfig:
     chunk_blocks: int = None  # anchors per chunk of logits; None: all at once
 
 
-# ----------------------------------------------------------------------------- the objective
 def objective(
     draft,
     lm_head_weight,
@@ -167,7 +236,6 @@ def add_sums(total: dict, new: dict):
         total[k] = total[k] + v if k in total else v
 
 
-# ----------------------------------------------------------------------------- the loss's sums
 def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
     """Sums with gradient over a chunk's slots: the weight total D, the base loss's numerator
     (base_sums) and, with a selector, the selector's (selector_numerator)."""
@@ -185,6 +253,16 @@ def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
     return out
 
 
+# ----------------------------------------------------------------------------- the variants
+# Each is a public trainer's option, off by default here (docs/semantics.md, section 4):
+#   tv       1 - accepted mass: SpecForge's lk_loss_type "tv" (hard label, 1 - q(label))
+#   kl       KL(p || q) to the target's distribution: Speculators' --loss-fn kl_div
+#   lk       lambda * ce + (1 - lambda) * tv, lambda = exp(-mean accepted mass): SpecForge's
+#            lk_loss_type "lambda" at kl_scale = kl_decay = 1
+#   dpace    D-PACE position weights: SpecForge PR #578, Speculators' dpace_loss_decay (RFC #979)
+#   replace  an uncovered label takes the weakest candidate's place (this project's; SpecForge
+#            PR #772 inserts it into the candidates, Speculators PR #1006 into the loss only)
+#   stop-gradient  the selector CE trains the selector only: SpecForge PR #793
 def base_sums(loss: str, w, w0, logq, logq_label, logp):
     """The sums the chosen base loss needs; w, w0, logq_label = log q(label) [M, L], logq and the
     target's logp [M, L, V] (logp None without the target):
@@ -245,35 +323,6 @@ def selector_numerator(selector, hidden, unary, labels, prev, w, valid, cand_ids
     return (w * counted.float() * ce).sum()
 
 
-# ----------------------------------------------------------------------------- labels and weights
-def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int, docs=None):
-    """Labels and base weights of slots 1..B-1 of every block.
-
-    input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels, prev, w0, each [N, A, B-1]
-    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1).
-    docs [N, S] numbers the documents of packed rows: a block's labels end where its anchor's
-    document ends.
-    """
-    S = input_ids.shape[1]
-    pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [N, A, B]
-    inside = pos < S
-    flat = pos.clamp(max=S - 1).flatten(1)
-    if docs is not None:
-        inside = inside & (
-            docs.gather(1, flat).view(pos.shape) == docs.gather(1, anchors)[..., None]
-        )
-    tokens = input_ids.gather(1, flat).view(pos.shape)  # x[a+j]
-    mask = loss_mask.gather(1, flat).view(pos.shape).to(torch.float32)
-    w0 = anchor_valid[..., None].float() * inside.float() * mask
-    return tokens[..., 1:], tokens[..., :-1], w0[..., 1:]
-
-
-def exp_weights(w0, gamma: float):
-    """Fixed exponential decay over slots j = 1..B-1: w = w0 * exp(-(j-1)/gamma)."""
-    j = torch.arange(w0.shape[-1], device=w0.device, dtype=w0.dtype)
-    return w0 * torch.exp(-j / gamma)
-
-
 @torch.no_grad()
 def dpace_weights(q, w0, alpha: float):
     """D-PACE: weight slot j by the expected future credit it unlocks, d_j = sum_{t>=j} P_t w0_t.
@@ -285,11 +334,3 @@ def dpace_weights(q, w0, alpha: float):
     P = s.cumprod(-1)
     d = (P * w0).flip(-1).cumsum(-1).flip(-1)
     return w0 * d
-
-
-def selector_alpha(step: int, total_steps: int, alpha: float, warmup: float, ramp: float) -> float:
-    """Selector weight at optimizer step t: 0 during warmup, a linear ramp, then alpha."""
-    W, R = math.floor(total_steps * warmup), math.floor(total_steps * ramp)
-    if step < W:
-        return 0.0
-    return alpha if R == 0 else alpha * min((step - W + 1) / R, 1.0)

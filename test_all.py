@@ -664,6 +664,38 @@ def run_objective(
     )
 
 
+# pins docs/semantics.md section 4 (the objective)
+@pytest.mark.method
+@pytest.mark.parametrize("plain", [False, True])
+def test_reference_objective_equals_the_chunked_one_training_runs(plain):
+    """loss.reference_objective, the definition in one piece, gives the sums (and so the
+    gradients) of loss.objective as train.py runs it: in chunks of 2 blocks under checkpointing,
+    ce, exp weights and the strict selector CE, at alpha 0.7."""
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
+    if plain:
+        draft = randomize(DraftModel(model.plain_dflash(draft.config)), 3, std=0.1)
+    results = []
+    for reference in (True, False):
+        draft.zero_grad(set_to_none=True)
+        h = model.forward_training(draft, embed, ids, feats, anchors)
+        if reference:
+            num, den = L.reference_objective(
+                draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.7
+            )
+        else:
+            cfg = L.LossConfig(gamma=3.0, chunk_blocks=2)
+            out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.7)
+            num, den = out["numerator"], out["denominator"]
+            sel = out["metrics"].get("sel_loss", (torch.tensor(0.0),))[0]
+            assert (sel > 0) != plain  # DFlash2's selector term is in the sums
+        num.backward()
+        results.append((num.detach(), den, grads(draft)))
+    (num, den, g), (num_c, den_c, g_c) = results
+    assert torch.allclose(num, num_c, rtol=1e-5) and torch.allclose(den, den_c, rtol=1e-6)
+    for k, v in g.items():
+        assert (g_c[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k
+
+
 # pins docs/semantics.md section 4 (selector loss)
 @pytest.mark.method
 def test_selector_gradients_and_stop_gradient():
