@@ -1287,7 +1287,7 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
         h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
         u = draft.unary_logits(h[:, :, 1:], head)
     ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
-    printed = float(after("loss.objective, ce:")[0].split("=")[-1])
+    printed = float(after("loss.reference_objective, ce:")[0].split("=")[-1])
     assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
     # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
     commits = [ints(s.split(":")[0]) for s in after("commit")]

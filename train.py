@@ -36,7 +36,7 @@ import loss
 import model
 from compat.config_json import config_to_dict, load_config
 from speed import machine
-from support import flops, fsdp, tracking
+from support import flops, fsdp, kernels, tracking
 from support.common import (
     DTYPES,
     add_chat_template_kwargs,
@@ -48,77 +48,110 @@ from support.common import (
 from support.metrics import add_into, all_sum, reduce_metrics, save_acceptance
 from support.target import check_draft_fits, load_target
 
+# The main job's prepared data (bash run.sh): what train.py reads when --data is not given
+MAIN_JOB_DATA = "data/smollm2-math"
+
+
+class HelpTable(argparse.RawDescriptionHelpFormatter):
+    """--help as a table: a line a flag, a short value name, the default after the help."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=40)
+
+    def _get_default_metavar_for_optional(self, action):
+        return action.dest.split("_")[-1].upper()  # --selector-warmup-ratio RATIO
+
+    def _get_help_string(self, action):
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        return action.help + ("" if unset else " [%(default)s]")
+
 
 def parse_args(argv=None):
-    """One line a flag; what each one means, and why its default: docs/training.md."""
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    a, ratio, nonneg = p.add_argument, bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
-    # --- data
-    a("--data", required=True, help="prepare.py's feature directory; --online: a JSONL")
-    a("--eval-data", default=None, help="held-out data; default: split off --eval-fraction")
-    a("--eval-fraction", type=ratio, default=0.05)
-    a("--num-samples", type=bounded(int, low=1), default=None, help="the first N sequences only")
+    """One line a flag, in groups; what each one means and why its default: docs/training.md."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
+    ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
+    count = bounded(int, low=1)
+    a = p.add_argument_group("data").add_argument
+    a("--data", help=f"prepare.py's features (--online: a JSONL); default {MAIN_JOB_DATA}/train")
+    a("--eval-data", help="held-out data; default: the main job's, or split off --eval-fraction")
+    a("--eval-fraction", type=ratio, default=0.05, help="--data held out without --eval-data")
+    a("--num-samples", type=count, help="train on the first N sequences only")
     a("--online", action="store_true", help="the target runs here and gives features every step")
-    a("--target", default=None, help="HF directory or hub name; default: embedded SmolLM2-135M")
-    a("--target-dtype", choices=["auto", *DTYPES], default="auto")
-    a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence / row")
+    a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
+    a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="auto: speed/machine.py")
+    a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence or row")
     a("--pack", action="store_true", help="several conversations per row (data.py)")
     a("--data-workers", type=bounded(int, low=0), default=0, help="processes making batches ahead")
     add_chat_template_kwargs(a)  # offline: must be what prepare.py rendered the features with
-    # --- the draft: --draft-config, and overrides validated by the config file's rules
-    a("--draft-config", default="configs/smollm2-135m-dflash2.json")
+    # the draft: --draft-config, and overrides validated by the config file's rules
+    a = p.add_argument_group("draft").add_argument
+    a("--draft-config", default="configs/smollm2-135m-dflash2.json", help="the draft's config.json")
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
-    a("--block-size", type=bounded(int, low=2))
-    a("--num-layers", type=bounded(int, low=1))
-    for name in ("--conv-kernel-size", "--conv-group-size", "--selector-rank", "--selector-top-k"):
-        a(name, type=int)
-    # --- objective (loss.py)
-    a("--loss", choices=["ce", "kl", "tv", "lk"], default="ce")
-    a("--gamma", type=bounded(float, above=0.0), default=None, help="default 7/5/4 for B 16/10/8")
-    a("--num-anchors", type=bounded(int, low=1), default=512, help="blocks per row")
-    a("--selector-loss-alpha", type=nonneg, default=1.0)
-    # --- optimisation
-    a("--lr", type=bounded(float, above=0.0), default=6e-4)
-    a("--min-lr-ratio", type=ratio, default=0.1)
-    a("--warmup-ratio", type=ratio, default=0.04)
-    a("--lr-schedule", choices=["cosine", "constant"], default="cosine")
-    a("--weight-decay", type=nonneg, default=0.0)
-    a("--grad-clip", type=nonneg, default=1.0)
-    a("--batch-size", type=bounded(int, low=1), default=1, help="rows per micro-batch per rank")
-    a("--grad-accum", type=bounded(int, low=1), default=1)
-    a("--epochs", type=bounded(int, low=1), default=1)
-    a("--max-steps", type=bounded(int, low=1), default=None, help="overrides --epochs")
-    # --- running
-    a("--out-dir", default="out/draft")
+    a("--block-size", type=bounded(int, low=2), help="override B, the block's slots")
+    a("--num-layers", type=count, help="override the number of draft layers")
+    a("--conv-kernel-size", type=int, help="override the convolution's taps (conv.py)")
+    a("--conv-group-size", type=int, help="override the channels a kernel serves (conv.py)")
+    a("--selector-rank", type=int, help="override the selector's rank r (selector.py)")
+    a("--selector-top-k", type=int, help="override the selector's K candidates (selector.py)")
+    a = p.add_argument_group("objective (loss.py)").add_argument
+    a("--loss", choices=["ce", "kl", "tv", "lk"], default="ce", help="the unary logits' loss")
+    a("--gamma", type=bounded(float, above=0.0), help="exp weights' decay; 7/5/4 for B 16/10/8")
+    a("--num-anchors", type=count, default=512, help="blocks sampled per row")
+    a("--selector-loss-alpha", type=nonneg, default=1.0, help="selector CE's weight; 0: frozen")
+    a = p.add_argument_group("optimisation").add_argument
+    a("--lr", type=bounded(float, above=0.0), default=6e-4, help="AdamW's peak learning rate")
+    a("--min-lr-ratio", type=ratio, default=0.1, help="the cosine ends at lr x this")
+    a("--warmup-ratio", type=ratio, default=0.04, help="share of steps with a linear warm-up")
+    a("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after warm-up")
+    a("--weight-decay", type=nonneg, default=0.0, help="AdamW's weight decay")
+    a("--grad-clip", type=nonneg, default=1.0, help="clip the gradient norm to this; 0: off")
+    a("--batch-size", type=count, default=1, help="rows per micro-batch per rank")
+    a("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
+    a("--epochs", type=count, default=1, help="passes over the training rows")
+    a("--max-steps", type=count, help="stop after N steps; overrides --epochs")
+    a = p.add_argument_group("running").add_argument
+    a("--out-dir", default="out/draft", help="ckpt.pt, log.jsonl, acceptance.json")
     a("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
-    a("--save-interval", type=bounded(int, low=1), default=200)
-    a("--eval-interval", type=bounded(int, low=1), default=200)
+    a("--save-interval", type=count, default=200, help="steps between checkpoints")
+    a("--eval-interval", type=count, default=200, help="steps between held-out evaluations")
     a("--eval-samples", type=bounded(int, low=0), default=64, help="held-out sequences at most")
-    a("--log-interval", type=bounded(int, low=1), default=10)
+    a("--log-interval", type=count, default=10, help="steps between log.jsonl records")
     a("--report-to", choices=tracking.REPORT_TO, default="none", help="also wandb / tensorboard")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="the draft's init, the row order, the anchors")
     a("--quiet", action="store_true", help="no progress bar")
-    # --- scale and precision (docs/training-at-scale.md)
+    a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument
     a("--fsdp", action="store_true", help="under torchrun: shard instead of replicate (fsdp.py)")
     a("--dist-timeout", type=bounded(float, above=0.0), default=30.0, help="minutes; torchrun")
     a("--compile", action="store_true", help="torch.compile the draft")
     a("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
     a("--attention", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on GPU")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: speed/machine.py")
-    # --- research knobs: the studies behind the defaults (docs/training.md, docs/acceptance.md)
-    a("--anchors-per", choices=["row", "document"], default="row", help="with --pack")
-    a("--position-weighting", choices=["exp", "dpace"], default="exp")
-    a("--dpace-alpha", type=ratio, default=0.5)
-    a("--selector-warmup-ratio", type=ratio, default=0.0)
-    a("--selector-ramp-ratio", type=ratio, default=0.0)
-    a("--selector-stop-gradient", action="store_true")
-    a("--selector-miss", choices=["strict", "replace"], default="strict")
     a("--chunk-blocks", type=bounded(int, low=0), default=64, help="anchors a chunk; 0 = off")
-    a("--steps-this-run", type=bounded(int, low=1), default=None, help="then stop; --resume")
-    a("--peak-tflops", type=bounded(float, above=0.0), default=None, help="GPU: MFU's peak")
+    a("--peak-tflops", type=bounded(float, above=0.0), help="GPU: MFU's peak")
+    a = p.add_argument_group("research knobs (docs/training.md, docs/acceptance.md)").add_argument
+    a("--anchors-per", choices=["row", "document"], default="row", help="with --pack")
+    a("--position-weighting", choices=["exp", "dpace"], default="exp", help="dpace: D-PACE")
+    a("--dpace-alpha", type=ratio, default=0.5, help="D-PACE's smoothing")
+    a("--selector-warmup-ratio", type=ratio, default=0.0, help="share of steps at alpha 0")
+    a("--selector-ramp-ratio", type=ratio, default=0.0, help="then alpha rises over this share")
+    a("--selector-stop-gradient", action="store_true", help="selector CE: selector only")
+    a("--selector-miss", choices=["strict", "replace"], default="strict", help="label not in K")
+    a("--steps-this-run", type=count, metavar="N", help="then stop; continue with --resume")
     return p.parse_args(argv)
+
+
+def main_job_data(rank: int) -> tuple:
+    """No --data: the main job's prepared data (bash run.sh), or one line naming what makes it."""
+    train, held_out = (os.path.join(MAIN_JOB_DATA, part) for part in ("train", "eval"))
+    if not os.path.isfile(os.path.join(train, "manifest.json")):
+        if rank != 0:  # under torchrun: one rank says it, once
+            sys.exit(2)
+        raise ValueError(
+            f"no --data, and no prepared data at {train}: `bash run.sh` makes it (the main job), "
+            "or `python prepare.py --prompts math --regenerate --features --draft-config "
+            f"configs/smollm2-135m-dflash2.json --out-dir {train}`"
+        )
+    return train, (held_out if os.path.isfile(os.path.join(held_out, "manifest.json")) else None)
 
 
 # ----------------------------------------------------------------------------- config and data
@@ -392,8 +425,13 @@ def anything_compiles(args) -> bool:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.data is None:
+        data_dir, held_out = main_job_data(int(os.environ.get("RANK", 0)))
+        args.data, args.eval_data = data_dir, args.eval_data or held_out
+    # the dynamo settings only where something compiles: an eager run leaves torch as it is
+    compiling = torch._dynamo.config.patch(**COMPILE) if anything_compiles(args) else None
     try:
-        with torch._dynamo.config.patch(**COMPILE):
+        with compiling or contextlib.nullcontext():
             train(args)
     except FailOnRecompileLimitHit as e:
         raise ValueError(
@@ -403,9 +441,10 @@ def main(argv=None):
         ) from None
 
 
-def train(args):
-    # ----------------------------------------------------------------- setup: ranks, device, target
-    # under torchrun, one process too: the same nccl / gloo path as many
+# ----------------------------------------------------------------------------- setup
+def start_ranks(args) -> tuple:
+    """-> (device, rank, world, distributed). Under torchrun (one process too: the same nccl / gloo
+    path as many) the process group starts here, on this rank's GPU."""
     distributed = "RANK" in os.environ
     device = torch.device(
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
@@ -419,22 +458,23 @@ def train(args):
             timeout=datetime.timedelta(minutes=args.dist_timeout),  # rank-skewed compiles, saves
         )
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    sharded = args.fsdp and world > 1  # --fsdp on one process: nothing to shard
-    ddp = distributed and not args.fsdp
-    use_bf16 = machine.resolve_dtype(args.dtype, device, "train") == torch.bfloat16
-    meter = flops.Meter(device, args.peak_tflops)  # tokens, anchors, FLOPs a second; MFU on a GPU
-    if args.attention == "auto":
-        args.attention = "flex" if device.type == "cuda" else "sdpa"
+    return device, rank, world, distributed
+
+
+def choose_attention(args, device):
+    """--attention auto: support/kernels.py's choice; flex only where torch can train with it."""
+    args.attention = kernels.choose(args.attention, device)
     if args.attention == "flex" and device.type == "cpu":
         raise ValueError(
             "--attention flex: torch runs FlexAttention on CPU forward only (no backward in 2.13); "
             "train on CPU with --attention sdpa"
         )
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    torch.manual_seed(args.seed)  # the draft's initial weights
-    master = rank == 0
-    log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
-    cfg = build_config(args)
+
+
+def choose_precision(args, device, log) -> tuple:
+    """-> (bf16 autocast for the draft?, the target's dtype), the choice said in one line
+    (speed/machine.py: bf16 where this CPU or GPU runs it natively, else fp32)."""
+    use_bf16 = machine.resolve_dtype(args.dtype, device, "train") == torch.bfloat16
     target_dtype = machine.resolve_dtype(args.target_dtype, device, "data")
     online = {"online target": machine.dtype_name(target_dtype)} if args.online else {}
     draft_dtype = "bf16 autocast" if use_bf16 else "fp32"
@@ -442,19 +482,23 @@ def train(args):
     dtypes = [torch.bfloat16] * use_bf16 + [target_dtype] * args.online
     for note in {machine.slow_bf16_note(dt, device) for dt in dtypes} - {""}:
         log(note)
-    # offline only the embedding and head are read: no decoder layer is built
+    return use_bf16, target_dtype
+
+
+def load_frozen_target(args, cfg, target_dtype, device, sharded) -> tuple:
+    """-> (target or None, tokenizer, embedding [V, H], head [V, H]). Offline only the embedding and
+    head are read (no decoder layer is built); online the target runs (--fsdp: sharded later)."""
     target, tokenizer = load_target(args.target, target_dtype, layers=args.online)
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
     head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
-    # offline only the embedding and head are kept; online the target runs (--fsdp: sharded below)
     target = (target if sharded else target.to(device)) if args.online else None
+    return target, tokenizer, embed_w, head_w
 
-    # ------------------------------------------------------------------ data
-    samples, eval_samples = load_split(args, tokenizer)
-    rows, per_step, steps_per_epoch, total = schedule(samples, args, world)
 
-    # ------------------------------------------------------------------ model, optimizer, resume
+def build_objective(args, cfg, embed_w, head_w, target, device, ranks, use_bf16) -> tuple:
+    """-> (draft, the objective module DDP / FSDP see, trained parameters, selector trained?)."""
+    sharded, ddp = ranks
     draft = model.DraftModel(cfg).to(device)
     draft.gradient_checkpointing = args.gradient_checkpointing
     selector_on = cfg.dflash2 and args.selector_loss_alpha > 0
@@ -473,10 +517,40 @@ def train(args):
     elif ddp:  # a whole copy on every rank; the step's last backward all-reduces the gradients
         objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
     params = [p for p in draft.parameters() if p.requires_grad]
+    return draft, objective, params, selector_on
+
+
+def build_optimizer(params, args, total) -> tuple:
+    """AdamW (fused: one kernel for all tensors, 7% faster CPU steps here) and its lr schedule."""
     opt = torch.optim.AdamW(
         params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True
-    )  # one kernel for all tensors: 7% faster CPU steps here
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, args))
+    )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, args))
+
+
+# ----------------------------------------------------------------------------- training
+def train(args):
+    # ------------------------------------------------------------------ setup
+    device, rank, world, distributed = start_ranks(args)
+    sharded = args.fsdp and world > 1  # --fsdp on one process: nothing to shard
+    ddp = distributed and not args.fsdp
+    master = rank == 0
+    log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
+    meter = flops.Meter(device, args.peak_tflops)  # tokens, anchors, FLOPs a second; MFU on a GPU
+    choose_attention(args, device)
+    torch.manual_seed(args.seed)  # the draft's initial weights
+    cfg = build_config(args)
+    use_bf16, target_dtype = choose_precision(args, device, log)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    target, tokenizer, embed_w, head_w = load_frozen_target(
+        args, cfg, target_dtype, device, sharded
+    )
+    samples, eval_samples = load_split(args, tokenizer)
+    rows, per_step, steps_per_epoch, total = schedule(samples, args, world)
+    draft, objective, params, selector_on = build_objective(
+        args, cfg, embed_w, head_w, target, device, (sharded, ddp), use_bf16
+    )
+    opt, sched = build_optimizer(params, args, total)
     os.makedirs(args.out_dir, exist_ok=True)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     log_path = os.path.join(args.out_dir, "log.jsonl")

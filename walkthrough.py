@@ -9,7 +9,7 @@ functions; this file only builds the inputs and prints:
     0. the target and one training row        4. the convolution's taps (conv.py)
     1. the anchored blocks (model.py)          5. the selector's lattice and walk, a tree
     2. one layer's visibility (attention.py)   6. the objective's labels and weights (loss.py)
-    3. training path == inference path         7. one decoding cycle, traced (decoding.py, tree.py)
+    3. training path == inference path         7. one decoding cycle: decoding.py's steps
 
 main() returns what it printed; test_all.py recomputes some of it.
 """
@@ -25,7 +25,7 @@ import tree
 from conv import GroupedDynamicCausalConv
 from model import DraftConfig, capture_features
 from selector import CandidateSelector, top_k_candidates
-from support.target import crop, new_cache, with_cache
+from support.target import crop
 
 V, H, B, MASK = 32, 32, 4, 31  # vocabulary, hidden size, block size, mask_token_id
 LAYER_IDS = [0, 2]  # the target layers the draft reads
@@ -296,11 +296,12 @@ def story_tree(say, lattice, cand_ids, anchor):
 
 # ----------------------------------------------------------------------------- 6: the objective
 def objective_ce(draft, head_w, h, ids, loss_mask, anchors, valid) -> tuple:
-    """loss.objective's one call in this file (ce, exponential decay) -> (numerator,
-    denominator)."""
-    cfg = objective_lib.LossConfig(loss="ce", gamma=GAMMA)
-    out = objective_lib.objective(draft, head_w, h, ids, loss_mask, anchors, valid, cfg)
-    return out["numerator"].item(), out["denominator"].item()
+    """loss.reference_objective's one call in this file: ce with exponential decay, the selector's
+    term at alpha 0 -> (numerator, denominator)."""
+    num, den = objective_lib.reference_objective(
+        draft, head_w, h, ids, loss_mask, anchors, valid, GAMMA, alpha=0.0
+    )
+    return num.item(), den.item()
 
 
 @torch.no_grad()
@@ -320,32 +321,33 @@ def objective(say, draft, target, ids, loss_mask, anchors, h_train):
         say(f"    w0                       {row([f'{v:.0f}' for v in w0[0, b].tolist()], 5)}")
         say(f"    w = w0 exp(-(j-1)/gamma) {row([f'{v:.3f}' for v in w[0, b].tolist()], 5)}")
         say(f"    the draft's argmax       {row(guess[0, b].tolist(), 5)}")
-    say(f"  loss.objective, ce: sum w * -log q(label) / sum w = {n:.4f} / {d:.4f} = {n / d:.4f}")
+    say(
+        f"  loss.reference_objective, ce: sum w * -log q(label) / sum w = {n:.4f} / {d:.4f} = "
+        f"{n / d:.4f}"
+    )
     return labels, w0, w
 
 
 # ----------------------------------------------------------------------------- 7: decoding
 def prefill(target, draft, prompt):
-    """The target over the prompt once: its cache, the draft's first context rows, the first
-    token -> (cache, context, committed ids [1, P + 1])."""
-    cache, ctx = new_cache(target), model.ContextCache()
-    out, feats = capture_features(target, LAYER_IDS, input_ids=prompt, **with_cache(target, cache))
-    ctx.append(draft, feats, torch.arange(prompt.shape[1])[None])
-    first = int(out.logits[0, -1].argmax())
-    return cache, ctx, torch.cat([prompt, torch.tensor([[first]])], dim=1)
+    """decoding.prefill, then the first token committed -> (cache, context, ids [1, P + 1])."""
+    cache, ctx, logits = decoding.prefill(target, draft, prompt)
+    first = decoding.sample(logits, temperature=0.0)
+    ids, _ = decoding.commit(prompt, [first], len(PROMPT), ANSWER, stop_ids=())
+    return cache, ctx, ids
 
 
 def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
-    """One greedy cycle from the last committed token, each step printed -> (ids, tau, draft h)."""
-    s, anchor = ids.shape[1] - 1, int(ids[0, -1])
+    """One greedy cycle from the last committed token: decoding.speculative_generate's steps,
+    called in its order, each printed -> (ids, tau, h of slots 1..B-1)."""
+    s = ids.shape[1] - 1  # the anchor's position
     # 1. draft: ONE forward of [anchor, M x (B-1)] at positions s..s+B-1, reading the context
-    h = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))  # [1, B, H]
-    u = draft.unary_logits(h, head)[:, 1:]  # [1, B-1, V]
+    h, u = decoding.draft_scores(draft, embed, head, ctx, ids, B - 1)  # [1, B-1, H], [1, B-1, V]
     say(f"    draft   [x{s} M M M] at positions {s}..{s + B - 1}, {ctx.pos.shape[1]} context rows")
-    unary = u.argmax(-1)[0].tolist()
-    say(f"            -> h {list(h.shape)}; unary argmax of slots 1..{B - 1}: {unary}")
+    unary = decoding.unary_best(u)
+    say(f"            -> h {list(h.shape)} of slots 1..{B - 1}; their unary argmax: {unary}")
     # 2. walk: the selector's path through its top-K lattice
-    d, _ = decoding.propose(draft, h[:, 1:], u, ids)  # [1, B-1]
+    d, q = decoding.propose(draft, h, u, ids)  # [1, B-1]; q: None (greedy)
     departs = [j + 1 for j, (x, y) in enumerate(zip(d[0].tolist(), unary)) if x != y]
     where = f"departs from it at slot(s) {departs}" if departs else "the unary path here"
     say(f"    walk    the selector's path: {d[0].tolist()}, {where}")
@@ -353,29 +355,27 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
         d = torch.tensor([scripted])
         say(f"            replaced by the script: {scripted}")
     # 3. verify: ONE target forward over [anchor, d_1..d_{B-1}] after the cached rows
-    t = tree.Tree.chain(anchor, d[0].tolist())
+    block = torch.cat([ids[:, -1:], d], dim=1)
     before = cache.get_seq_length()
-    out, feats = capture_features(
-        target, LAYER_IDS, input_ids=torch.tensor([t.tokens]), **with_cache(target, cache)
+    logits, feats = decoding.target_forward(target, cache, LAYER_IDS, block)  # row i: after d_i
+    say(
+        f"    verify  the target runs {block[0].tolist()}: cache {before} -> "
+        f"{cache.get_seq_length()} rows"
     )
-    logits = out.logits[0]  # [B, V]: row i is the target after the tokens up to node i
-    say(f"    verify  the target runs {t.tokens}: cache {before} -> {cache.get_seq_length()} rows")
     say(f"            its own next token after each: {logits.argmax(-1).tolist()}")
     # 4. accept the longest agreeing prefix, then the target's own next token (the bonus)
-    path, bonus = tree.walk(t, logits, lambda r: int(r.argmax()))
-    say(f"    accept  {len(path)} draft(s) {[t.tokens[i] for i in path]}, then the bonus {bonus}")
-    # 5. crop the target's cache to the anchor and the accepted; their features become context
-    kept = [0] + path
-    crop(cache, s + len(kept))
-    ctx.append(draft, feats[:, kept], torch.arange(s, s + len(kept))[None])
-    end = s + len(kept) - 1  # the last position the target has run and kept
-    say(f"    crop    the cache keeps positions 0..{end}: {cache.get_seq_length()} rows")
-    say(
-        f"    context + the features of positions {s}..{end}: {ctx.pos.shape[1]} draft context rows"
-    )
-    ids = torch.cat([ids, torch.tensor([[t.tokens[i] for i in path] + [bonus]])], dim=1)
-    new, tau = ids[0, s + 1 :].tolist(), len(path) + 1
-    say(f"    commit  {new}: tau = {tau}; the next anchor is x{end + 1} = {new[-1]}")
+    a, bonus = decoding.accept(logits, d[0], q, temperature=0.0)
+    say(f"    accept  {a} draft(s) {d[0, :a].tolist()}, then the bonus {bonus}")
+    # 5. crop the target's cache to the anchor and the accepted drafts
+    crop(cache, s + a + 1)
+    say(f"    crop    the cache keeps positions 0..{s + a}: {cache.get_seq_length()} rows")
+    # 6. the verify computed their features already: they become draft context
+    decoding.extend_context(draft, ctx, feats[:, : a + 1], s)
+    rows = ctx.pos.shape[1]
+    say(f"    context + the features of positions {s}..{s + a}: {rows} draft context rows")
+    ids, _ = decoding.commit(ids, d[0, :a].tolist() + [bonus], len(PROMPT), ANSWER, stop_ids=())
+    new, tau = ids[0, s + 1 :].tolist(), a + 1
+    say(f"    commit  {new}: tau = {tau}; the next anchor is x{s + a + 1} = {new[-1]}")
     return ids, tau, h
 
 
@@ -389,7 +389,7 @@ def decode(say, target, draft, embed, head, ids, h_train):
     prompt = ids[:, : len(PROMPT)]
     answer = ids[0, len(PROMPT) : len(PROMPT) + ANSWER].tolist()
     say("")
-    say("7. One decoding cycle, greedy (decoding.propose, tree.walk, target.crop)")
+    say("7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
     say(f"  prompt {PROMPT}; the target's greedy answer (decoding.target_generate): {answer}")
     cache, ctx, ids1 = prefill(target, draft, prompt)
     first = int(ids1[0, -1])
@@ -398,8 +398,11 @@ def decode(say, target, draft, embed, head, ids, h_train):
     say(f"  draft's context rows 0..{len(PROMPT) - 1} (its features), the first token {first}")
     say("  cycle 1, the random draft:")
     ids1, tau, h = cycle(say, target, draft, embed, head, cache, ctx, ids1)
-    diff = (h[0] - h_train[0, 0]).abs().max()
-    say(f"    (h is training block 0's h, anchor {ANCHORS[0]}: max |difference| {diff:.1e})")
+    diff = (h[0] - h_train[0, 0, 1:]).abs().max()
+    say(
+        f"    (h is training block 0's, anchor {ANCHORS[0]}, slots 1..{B - 1}: max |difference| "
+        f"{diff:.1e})"
+    )
     script = answer[1:3] + [(answer[3] + 1) % V]  # right at slots 1 and 2, wrong at slot 3
     cache, ctx, ids2 = prefill(target, draft, prompt)
     say("  cycle 1 again, a scripted draft right at slots 1 and 2, wrong at slot 3:")
