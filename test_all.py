@@ -6588,6 +6588,17 @@ def test_imports_flow_one_way():
     } == {}
 
 
+def test_the_top_level_is_the_reading_path():
+    """Every top-level .py file is one README.md's reading order names, and every file it names is
+    there: the mechanism, the pipeline, the walkthrough and this file, in that order."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    order = readme[readme.index("### Reading order") : readme.index("What a learner can skip")]
+    named = list(dict.fromkeys(re.findall(r"`(\w+\.py)`", order)))
+    assert sorted(named) == sorted(f for f in os.listdir(HERE) if f.endswith(".py"))
+    mechanism = ["conv.py", "selector.py", "attention.py", "model.py", "loss.py", "decoding.py"]
+    assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
+
+
 # ==================================================================== tools/plan.py: slow CPUs
 # issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
 # 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
