@@ -282,7 +282,7 @@ def tree_nodes(svg, x0, y0, tokens, parents, path, bonus, labels=None, departs=(
     optional edge labels. Node classes: anchor, accepted, rejected (a child of the anchor or of an
     accepted node that the target did not pick), unchecked (below a rejected one), bonus. departs:
     nodes to mark with `*`. -> the y below it."""
-    n, colw, rowh, bw = len(tokens), 170, 30, 110
+    n, colw, rowh, bw = len(tokens), 170, 26, 110
     depth = [0] * n
     for i in range(1, n):
         depth[i] = depth[parents[i]] + 1
