@@ -15,6 +15,7 @@ three (the int8 draft on x86, packed target GEMMs, `auto`'s path or tree) and sa
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -22,8 +23,9 @@ import torch
 from decoding import target_generate
 from export import load_any
 from speed import bench, machine, tune
+from support import draw
 from support.common import DTYPES, add_chat_template_kwargs, bounded, run
-from support.show import Printer, ShowBlocks, show_legend, timed
+from support.show import Printer, ShowBlocks, show_legend, timed, token_text
 from support.target import (
     check_draft_fits,
     encode,
@@ -49,6 +51,13 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
         watch = ShowBlocks(tok, sys.stdout.isatty(), args.shape[0] == "tree")
     else:
         watch = Printer(tok)
+    cycles, shown = [], watch
+    if args.show_svg:  # keep every cycle too, to draw them once the answer is done
+
+        def watch(cycle):
+            shown(cycle)
+            cycles.append(cycle)
+
     use_selector = not args.unary
     n = args.max_new_tokens
     if args.compare:  # untimed greedy warm-ups, as --bench runs: a first decoding pays one-off
@@ -61,6 +70,11 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
     if args.show:
         print(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), end="")
     print(f"\n[{args.mode}, {label(args.shape)}] {stats.summary()}")
+    if args.show_svg:
+        how = f"{args.mode}, {label(args.shape)}: {len(stats.taus)} cycles"
+        title = f"{how}, mean tau {stats.mean_tau:.2f}; prompt: {messages[-1]['content'][:60]}"
+        draw.decoding(cycles, lambda t: token_text(tok, t), title).save(args.show_svg)
+        print(f"[--show-svg] the decoding drawn: {args.show_svg}")
     if args.compare:
         base, base_stats = timed(lambda: target_generate(target, ids, n, **kw), ids)
         print(
@@ -191,9 +205,21 @@ def parse_args(argv=None):
         help="print every cycle's block, in colour on a terminal, "
         "else with these markers: " + show_legend(),
     )
+    a(
+        "--show-svg",
+        metavar="FILE",
+        default=None,
+        help="also draw every cycle's block, marked as --show marks it, into an SVG picture "
+        "(with --prompt)",
+    )
     args = ap.parse_args(argv)
     if args.show and args.bench:
         ap.error("--show prints the blocks of single answers; it does not go with --bench")
+    if args.show_svg and (args.bench or args.prompt is None):
+        ap.error("--show-svg draws the blocks of one answer: give --prompt, not --bench")
+    folder = os.path.dirname(os.path.abspath(args.show_svg or "."))
+    if args.show_svg and not os.path.isdir(folder):
+        ap.error(f"--show-svg {args.show_svg}: no folder {folder}")
     if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
         ap.error(
             "--verify-tokens / --tree-budget: one value (several, one row each, only with --bench)"

@@ -52,7 +52,8 @@ if [ "${1:-}" = --toy ]; then
     # a held-out problem (neither the target nor the draft trained on it), decoded both ways
     PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-3][0])")
     python generate.py --target "$TARGET" --draft "$OUT/draft/export" --prompt "$PROMPT" \
-        --compare --show
+        --compare --show --show-svg "$OUT/decode.svg"
+    python tools/plot.py "$OUT/draft"  # the training, drawn: $OUT/draft/training.svg
     echo "[run.sh --toy] the toy job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
     exit 0
 fi
@@ -111,6 +112,7 @@ if [ "${SERVED_SAMPLES:-16}" != 0 ] && [ "$finished" = 1 ]; then
 fi
 # 4. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"
+python tools/plot.py "$OUT"  # the run, drawn: $OUT/training.svg (loss, held-out and served tau)
 echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (planned ${PLANNED_MIN:-?} min, budget $BUDGET_MIN min)"
 # 5. The plan's expected tau beside the measured ones: log.jsonl's last final and served records.
 [ "$finished" = 1 ] || exit 0

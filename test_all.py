@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ from speed.gemm import (
 from support import (
     common,
     conversations,
+    draw,
     features,
     flops,
     fsdp,
@@ -116,7 +118,7 @@ from support.target import (
     new_cache,
     stop_token_ids,
 )
-from tools import gpu_check, plan, served, train_cost
+from tools import gpu_check, plan, plot, served, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -6492,6 +6494,285 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     # the selector codebooks are bare parameters; the converter appends ".weight" (qwen.py:915-919)
     names = set(export.load_tensors(str(tmp_path / "out")))
     assert {f"candidate_selector.{k}_codebook" for k in ("predecessor", "successor")} <= names
+
+
+# ============================================================================ pictures
+# support/draw.py's SVG read back (xml.etree): each picture shows what the functions computed.
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def svg_root(path):
+    return ET.parse(path).getroot()
+
+
+def marks(node, tag, cls=None) -> list:
+    """The elements below node with this tag and (if given) this word in their class."""
+    return [e for e in node.iter(SVG_NS + tag) if cls is None or cls in e.get("class", "").split()]
+
+
+def boxes(node) -> list:
+    """Every token box below node (Svg.box): [(kind, its text, starred, its group)]."""
+    out = []
+    for g in marks(node, "g", "box"):
+        texts = [t.text or "" for t in marks(g, "text")]  # an empty token: an empty text
+        out.append((g.get("class").split()[1], texts[0], "*" in texts[1:], g))
+    return out
+
+
+def test_walkthrough_pictures_show_what_it_prints(tmp_path):
+    """python walkthrough.py --draw DIR: the blocks' visibility cells are the attention rule worked
+    by hand; each conv line joins the boxes of an output row and an input row it reads, no line
+    crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
+    the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
+    target's. docs/figures holds exactly what the command draws today."""
+    import walkthrough as W
+
+    files = W.pictures(str(tmp_path))
+    for f in files:  # the committed pictures are today's
+        with (
+            open(f) as new,
+            open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
+        ):
+            assert new.read() == old.read(), "stale: python walkthrough.py --draw docs/figures"
+    # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
+    # context j < a_b and its own block (a causal layer: slots up to its own)
+    root = svg_root(tmp_path / "blocks.svg")
+    assert [
+        int(r.get("data-pos")) for r in marks(root, "rect", "anchor") + marks(root, "rect", "node")
+    ] == [2, 5, 3, 4, 5, 6, 7, 8]
+    for name, causal in (("a full-attention layer", False), ("a causal layer", True)):
+        cells = [r for r in marks(root, "rect") if r.get("data-grid") == name]
+        seen = {
+            (int(r.get("data-row")), int(r.get("data-col")))
+            for r in cells
+            if r.get("class") == "seen"
+        }
+        hand = set()
+        for i in range(8):
+            a, b, s = [2, 5][i // 4], i // 4, i % 4
+            hand |= {(i, j) for j in range(a)}
+            hand |= {(i, 10 + 4 * b + t) for t in range(4) if not causal or t <= s}
+        assert len(cells) == 8 * 18 and seen == hand
+    # conv, T = 3: output row i reads rows i - t, t < 3, not below its block's slot 0
+    root = svg_root(tmp_path / "conv.svg")
+    centre = {
+        (r.get("data-side"), int(r.get("data-row"))): float(r.get("x")) + float(r.get("width")) / 2
+        for r in marks(root, "rect", "token")
+    }
+    taps = marks(root, "line", "tap")
+    assert {(int(t.get("data-out")), int(t.get("data-in"))) for t in taps} == {
+        (i, r) for i in range(8) for r in range(8) if i - 3 < r <= i and r >= i - i % 4
+    }
+    for t in taps:  # the line is drawn between the boxes it names
+        assert float(t.get("x1")) == pytest.approx(centre["input", int(t.get("data-in"))], abs=0.01)
+        assert float(t.get("x2")) == pytest.approx(
+            centre["output", int(t.get("data-out"))], abs=0.01
+        )
+    # the selector's lattice: the walk, the unary path, the edge scores
+    sel, h, u, anchor = W.selector_story()
+    cand_scores, cand_ids = top_k_candidates(u, sel.top_k)
+    walk, _ = sel.walk(sel.lattice(h, anchor, cand_ids, cand_scores), cand_ids)
+    root = svg_root(tmp_path / "selector.svg")
+    walked = [text.split()[0] for _, text, _, g in boxes(root) if "walk" in g.get("class").split()]
+    assert walked == [W.WORDS[t] for t in walk[0].tolist()] == ["York", "City"]
+    words = lambda j, k: W.WORDS[cand_ids[0, j, k]]
+
+    def path_of(cls):
+        edges = sorted(
+            (int(e.get("data-slot")), int(e.get("data-from")), int(e.get("data-to")))
+            for e in marks(root, "line", cls)
+            if e.get("data-slot")  # an edge, not the legend's sample
+        )
+        return [words(j - 1, c) for j, _, c in edges]
+
+    assert path_of("walk") == walked
+    assert path_of("unary") == [W.WORDS[t] for t in u.argmax(-1)[0].tolist()] == ["York", "Devils"]
+    scores = {
+        (
+            words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New",
+            words(int(t.get("data-slot")) - 1, int(t.get("data-to"))),
+        ): t.text
+        for t in marks(root, "text", "score")
+    }
+    assert scores == {
+        ("New", "York"): "2.00", ("New", "Jersey"): "1.90", ("York", "Devils"): "0.60",
+        ("York", "City"): "2.50", ("Jersey", "Devils"): "2.10", ("Jersey", "City"): "1.00",
+    }  # fmt: skip
+    # the tree of 4 nodes, walked by a target that says "New Jersey Devils": York is rejected, City
+    # below it never checked, Jersey and Devils accepted, then the target's own next token
+    shown = {kind: [] for kind in ("anchor", "accepted", "rejected", "unchecked", "bonus")}
+    for kind, text, _, _ in boxes(svg_root(tmp_path / "tree.svg")):
+        shown[kind].append(text)
+    assert shown == dict(anchor=["New"], accepted=["Jersey", "Devils"], rejected=["York"],
+                         unchecked=["City"], bonus=["Times"])  # fmt: skip
+
+
+def cycle_boxes(path) -> list:
+    """A decode picture's cycles: [(data-tau, [(kind, text, starred)])], in order."""
+    return [
+        (int(g.get("data-tau")), [b[:3] for b in boxes(g)])
+        for g in marks(svg_root(path), "g", "cycle")
+    ]
+
+
+def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
+    """draw.decoding on a real decoding's cycles (random tiny models, the selector departing from
+    the unary argmax at places): per cycle, as many accepted boxes as the cycle accepted, then one
+    rejected (none when all were), the rest never checked, the bonus; a star exactly where the draft
+    is not its slot's unary argmax. A tree: its accepted branch is the cycle's path, the rejected
+    nodes are the other children of the anchor and of accepted nodes, the rest never checked."""
+    target, draft, p = tiny_target("llama"), tiny_draft(4), prompt()
+    for shape in (("path", 3), ("tree", 6)):
+        cycles = []
+        ids, stats = tree.speculate(target, draft, p, 24, shape, watch=cycles.append)
+        file = tmp_path / f"{shape[0]}.svg"
+        draw.decoding(cycles, str, "test").save(str(file))
+        drawn = cycle_boxes(file)
+        steps = [c for c in cycles if c.drafts is not None]
+        assert [tau for tau, _ in drawn] == stats.taus == [c.accepted + 1 for c in steps]
+        for (tau, shown), c in zip(drawn, steps):
+            kinds = [k for k, *_ in shown]
+            if c.tree is None:
+                a, later = c.accepted, max(0, len(c.drafts) - c.accepted - 1)
+                rejected = ["rejected"] * (a < len(c.drafts))
+                assert kinds == ["accepted"] * a + rejected + ["unchecked"] * later + ["bonus"]
+                assert [t for _, t, _ in shown] == [str(x) for x in c.drafts + [c.bonus]]
+                assert [s for *_, s in shown[:-1]] == [d != u for d, u in zip(c.drafts, c.unary)]
+            else:
+                t = c.tree
+                by_kind = lambda k: [text for kind, text, _ in shown if kind == k]
+                assert by_kind("accepted") == [str(t.tokens[i]) for i in c.path]
+                assert by_kind("bonus") == [str(c.bonus)]
+                assert by_kind("anchor") == [str(t.tokens[0])]
+                checked = {0, *c.path}
+                rejected = [
+                    i
+                    for i in range(1, len(t.tokens))
+                    if t.parents[i] in checked and i not in c.path
+                ]
+                assert sorted(by_kind("rejected")) == sorted(str(t.tokens[i]) for i in rejected)
+                assert len(by_kind("unchecked")) == len(t.tokens) - 1 - len(c.path) - len(rejected)
+        if shape[0] == "path":  # the selector departs somewhere
+            assert any(s for _, shown in drawn for *_, s in shown)
+
+
+def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
+    """generate.py --show --show-svg FILE: the picture's cycles are the printed lines' cycles, tau
+    for tau and token for token; a folder that does not exist is refused in one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
+    file = tmp_path / "decode.svg"
+    argv = ["--target", str(setup / "target"), "--draft", str(tmp_path / "draft")]
+    argv += ["--prompt", "tell me about the cat .", "--max-new-tokens", "20", "--show"]
+    generate.main(argv + ["--show-svg", str(file)])
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if re.match(r"\s+\d+  tau \d", line)]
+    drawn = cycle_boxes(file)
+    assert [tau for tau, _ in drawn] == [int(line.split()[2]) for line in lines] and len(lines) > 1
+    kinds = {"[": "accepted", "{": "rejected", "(": "unchecked", "<": "bonus"}
+    # show.py's marks: [accepted] [accepted]* {rejected} (never checked) <bonus>
+    for (_, shown), line in zip(drawn, lines):
+        block = line.split("tau", 1)[1].split("  ", 1)[1]
+        printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
+        assert shown == [(kinds[k], text, star == "*") for k, text, star in printed]
+    with pytest.raises(SystemExit) as stop:
+        generate.main(argv + ["--show-svg", str(tmp_path / "no" / "such" / "decode.svg")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "error: " in last and "--show-svg" in last
+
+
+def chart_points(path) -> dict:
+    """A plot.py picture read back: {(chart title, run, series name): [(x, y)]}, each point mapped
+    from its pixels to data through the chart's own first and last tick labels."""
+    out = {}
+    for chart in marks(svg_root(path), "g", "chart"):
+        ticks = [e for e in marks(chart, "text", "tick")]
+        maps = {}
+        for axis in "xy":
+            (v0, p0), *_, (v1, p1) = [
+                (float(e.get("data-value")), float(e.get("data-px")))
+                for e in ticks
+                if e.get("data-axis") == axis
+            ]
+            maps[axis] = lambda px, v0=v0, p0=p0, v1=v1, p1=p1: (
+                v0 + (px - p0) * (v1 - v0) / (p1 - p0)
+            )
+        lines, dots = {}, {}
+        for e in marks(chart, "polyline", "series"):
+            key = (chart.get("data-title"), e.get("data-run"), e.get("data-name"))
+            lines[key] = [tuple(map(float, xy.split(","))) for xy in e.get("points").split()]
+        for e in marks(chart, "circle", "point"):
+            key = (chart.get("data-title"), e.get("data-run"), e.get("data-name"))
+            dots.setdefault(key, []).append((float(e.get("cx")), float(e.get("cy"))))
+        for key in lines.keys() | dots.keys():
+            if key in lines and key in dots:  # a line with a dot at each point
+                assert dots[key] == lines[key]
+            out[key] = [(maps["x"](x), maps["y"](y)) for x, y in lines.get(key) or dots[key]]
+    return out
+
+
+def test_plot_draws_the_logged_values(setup, tmp_path):
+    """tools/plot.py on a real train.py run (eval every 2 steps) and a hand-written one with served
+    tau and acceptance.json: every point read back from the picture (through its axes' tick
+    labels) is a log.jsonl value at its step, or acceptance.json's share at its block position."""
+    flags = "--max-steps 4 --eval-interval 2 --eval-fraction 0.3 --log-interval 1"
+    run(setup, tmp_path / "real", *flags.split())
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    records = [
+        {"kind": "train", "step": 10, "loss": 4.0}, {"kind": "train", "step": 20, "loss": 3.0},
+        {"kind": "eval", "step": 20, "loss": 3.5, "accept_unary": 1.5, "accept_selector": 1.75},
+        {"kind": "train", "step": 20, "loss": 2.5},  # a resumed run: the later record wins
+        {"kind": "final", "step": 30, "loss": 2.0, "accept_unary": 2.0, "accept_selector": 2.5},
+        {"kind": "served", "step": 30, "served_path_tau": 2.25},
+    ]  # fmt: skip
+    (hand / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    accepted = {
+        "selector": {"accepted": [0.75, 0.5, 0.25]},
+        "unary": {"accepted": [0.5, 0.25, 0.0]},
+    }
+    (hand / "acceptance.json").write_text(json.dumps({"block_size": 4, "step": 30, **accepted}))
+    out = tmp_path / "runs.svg"
+    plot.main([str(tmp_path / "real"), str(hand), "--labels", "real", "hand", "--out", str(out)])
+    drawn = chart_points(out)
+    real = log_records(tmp_path / "real" / "log.jsonl")
+    expect = {}
+    for label, recs in (("real", real), ("hand", records)):
+        for panel, name, kinds, key, _ in plot.LINES:
+            pts = dict((r["step"], r[key]) for r in recs if r["kind"] in kinds and key in r)
+            title = {"loss": "loss", "tau": "held-out tau"}[panel]
+            if pts:
+                expect[(title, label, name)] = sorted(pts.items())
+    real_acc = json.loads((tmp_path / "real" / "acceptance.json").read_text())
+    for label, acc in (("real", real_acc), ("hand", accepted)):
+        for mode in ("selector", "unary"):
+            if mode in acc:
+                shares = list(enumerate(acc[mode]["accepted"], 1))
+                expect[("accepted up to block position", label, mode)] = shares
+    assert set(drawn) == set(expect)
+    assert ("held-out tau", "hand", "served") in drawn
+    assert ("loss", "real", "held-out loss") in drawn
+    for key, pts in expect.items():
+        got = drawn[key]
+        assert len(got) == len(pts), key
+        for (x, y), (gx, gy) in zip(pts, got):
+            assert gx == pytest.approx(x, abs=0.02), key
+            assert gy == pytest.approx(y, abs=0.01), key
+
+
+def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{oops\n')
+    for argv, says in (
+        ([str(tmp_path / "missing")], "no log.jsonl there"),
+        ([str(bad)], "log.jsonl line 2: not JSON"),
+        ([str(bad), str(bad)], "--out"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            common.run(lambda: plot.main(argv))
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and "error: " in last and says in last, last
 
 
 # ============================================================================ the project's shape

@@ -193,6 +193,11 @@ def format_tree(tokens, parents, path, bonus: int, text, color=False) -> str:
     )
 
 
+def token_text(tok, t: int) -> str:
+    """A token as --show writes it: its text, newlines and tabs shown escaped."""
+    return repr(tok.decode([t]))[1:-1]
+
+
 class ShowBlocks:
     """The watcher of --show: prints each cycle (a decoding.Cycle) as `cycle  tau  block`."""
 
@@ -204,7 +209,7 @@ class ShowBlocks:
         if cycle.drafts is None:  # the prefill's token: no block
             return
         self.cycles += 1
-        text = lambda t: repr(self.tok.decode([t]))[1:-1]  # newlines and tabs shown escaped
+        text = lambda t: token_text(self.tok, t)
         a, bonus = cycle.accepted, cycle.bonus
         line = (
             format_block(cycle.drafts, cycle.unary, a, bonus, text, self.color)

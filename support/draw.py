@@ -1,0 +1,469 @@
+"""Pictures, written as plain SVG from what the project's own functions return: the mechanism
+(python walkthrough.py --draw DIR), a decoding (generate.py --show-svg FILE) and training runs
+(tools/plot.py). This file only lays out and writes; it computes nothing about the method.
+
+Why SVG by hand: every picture here is boxes, lines, text and polylines, which a 30-line writer
+covers. The file is text, the same bytes on every machine (so a committed picture diffs, and a
+test compares it to a fresh one), a browser and GitHub show it as is, and it needs no dependency.
+Each mark carries a class saying what it shows ("seen", "accepted", "walk", "series"), which gives
+it its colour through the style sheet below and lets a test read the picture back (xml.etree).
+"""
+
+import math
+from xml.sax.saxutils import escape, quoteattr
+
+from support.show import BRANCHES, DEPARTS, SHOW_KINDS
+
+FONT = 12  # px, monospace: a character is about 0.6 of it wide
+CHAR = 7.3
+CELL = 16  # a grid cell, px
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]  # one per run
+STYLE = """
+text { font-family: DejaVu Sans Mono, Menlo, Consolas, monospace; font-size: 12px; fill: #222; }
+text.title { font-size: 14px; font-weight: bold; }
+text.note, text.tick, text.score { fill: #555; font-size: 11px; }
+rect.halo { fill: #fff; opacity: 0.85; }
+rect.seen { fill: #3b6fb6; } rect.unseen { fill: #f4f4f4; stroke: #ddd; }
+rect.token { fill: #fff; stroke: #999; } rect.context { fill: #eef3fa; stroke: #9ab; }
+rect.accepted { fill: #b7e4b0; stroke: #3a8a32; } rect.rejected { fill: #f6b3ad; stroke: #b3261e; }
+rect.unchecked { fill: #eee; stroke: #bbb; stroke-dasharray: 3 2; }
+rect.bonus { fill: #a9dcec; stroke: #1f7a99; } rect.anchor { fill: #fff; stroke: #333; }
+rect.node { fill: #fff; stroke: #888; }
+g.walk rect.node { stroke: #b3261e; stroke-width: 2; }
+line { stroke: #888; } line.sep { stroke: #333; stroke-width: 1.5; }
+line.tap { stroke: #3b6fb6; stroke-width: 1.5; }
+line.edge { stroke: #bbb; } line.walk { stroke: #b3261e; stroke-width: 3; }
+line.unary { stroke: #1f77b4; stroke-width: 2; stroke-dasharray: 6 4; }
+line.accepted { stroke: #3a8a32; stroke-width: 3; } line.bonus { stroke-dasharray: 4 3; }
+line.axis { stroke: #333; } line.grid { stroke: #eee; }
+text.departs { fill: #c77800; font-weight: bold; }
+polyline { fill: none; stroke-width: 2; } polyline.dashed { stroke-dasharray: 6 4; }
+"""
+
+
+def num(v) -> str:
+    """A coordinate or value as short text: at most 2 decimals, no trailing zeros."""
+    return f"{v:.2f}".rstrip("0").rstrip(".")
+
+
+class Svg:
+    """A picture being drawn: marks appended in order, its size the extent of what was drawn."""
+
+    def __init__(self):
+        self.items, self.width, self.height = [], 0.0, 0.0
+
+    def add(self, tag, right, bottom, text=None, tip=None, **attrs):
+        """One element reaching to (right, bottom); attrs: its SVG attributes (class_ -> class,
+        data_run -> data-run); tip: a tooltip a browser shows on hover."""
+        self.width, self.height = max(self.width, right), max(self.height, bottom)
+        names = {k.rstrip("_").replace("_", "-"): v for k, v in attrs.items() if v is not None}
+        values = " ".join(
+            f"{k}={quoteattr(num(v) if isinstance(v, float) else str(v))}" for k, v in names.items()
+        )
+        inner = (f"<title>{escape(tip)}</title>" if tip else "") + escape(text or "")
+        self.items.append(f"<{tag} {values}>{inner}</{tag}>" if inner else f"<{tag} {values}/>")
+
+    def rect(self, x, y, w, h, cls, tip=None, **attrs):
+        self.add("rect", x + w, y + h, tip=tip, x=x, y=y, width=w, height=h, class_=cls, **attrs)
+
+    def text(self, x, y, s, cls=None, anchor=None, **attrs):
+        """Text centred vertically on y (its baseline 4 px below); anchor: middle or end to centre
+        or right-align it on x."""
+        w = CHAR * len(s) * (1.25 if cls == "title" else 1.0)  # a title is larger, bold
+        left = x - {"middle": w / 2, "end": w}.get(anchor, 0)
+        self.width = max(self.width, left + w)
+        self.add("text", x, y + 4, text=s, x=x, y=y + 4, class_=cls, text_anchor=anchor, **attrs)
+
+    def line(self, x1, y1, x2, y2, cls=None, **attrs):
+        self.add("line", max(x1, x2), max(y1, y2), x1=x1, y1=y1, x2=x2, y2=y2, class_=cls, **attrs)
+
+    def polyline(self, points, cls, **attrs):
+        text = " ".join(f"{num(x)},{num(y)}" for x, y in points)
+        right, bottom = max(x for x, _ in points), max(y for _, y in points)
+        self.add("polyline", right, bottom, points=text, class_=cls, **attrs)
+
+    def label(self, x, y, s, **attrs):
+        """A small score centred at (x, y) on a white ground, readable across the lines below."""
+        w = CHAR * len(s) * 0.95
+        self.rect(x - w / 2 - 1, y - 7, w + 2, 14, "halo")
+        self.text(x, y, s, "score", "middle", **attrs)
+
+    def circle(self, x, y, r, cls=None, **attrs):
+        self.add("circle", x + r, y + r, cx=x, cy=y, r=r, class_=cls, **attrs)
+
+    def box(self, x, y, w, h, kind, label, star=False, tip=None, **attrs):
+        """A token in a box of this kind, `*` after it when star: one group of class "box KIND"
+        holding the rect, the text and the star (a test reads the three back)."""
+        self.group(f"box {kind}", **attrs)
+        self.rect(x, y, w, h, kind, tip=tip)
+        self.text(x + w / 2, y + h / 2, label, anchor="middle")
+        if star:
+            self.text(x + w + 2, y + 1, "*", "departs")
+        self.end_group()
+
+    def group(self, cls, **attrs):
+        """Open a group (<g>): the marks until end_group() belong to it."""
+        names = "".join(f" {k.replace('_', '-')}={quoteattr(str(v))}" for k, v in attrs.items())
+        self.items.append(f"<g class={quoteattr(cls)}{names}>")
+
+    def end_group(self):
+        self.items.append("</g>")
+
+    def save(self, path: str):
+        w, h = self.width + 10, self.height + 10
+        head = (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{num(w)}" height="{num(h)}" '
+            f'viewBox="0 0 {num(w)} {num(h)}">'
+        )
+        white = '<rect width="100%" height="100%" fill="#fff"/>'
+        body = "\n".join([head, f"<style>{STYLE}</style>", white, *self.items, "</svg>\n"])
+        with open(path, "w") as f:
+            f.write(body)
+
+
+# ----------------------------------------------------------------------------- the mechanism
+def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
+    """The anchored blocks under the training row, then each attention mask as a grid of cells.
+
+    row, loss_mask [S]: the training row; q_pos, q_block [Q]: each block query's position and
+    block (model.anchored_blocks); masks {name: [Q][S + Q] bool} (attention.block_attention_mask):
+    query i may read key j. Cells: class seen / unseen, data-row i, data-col j."""
+    svg, S, Q = Svg(), len(row), len(q_pos)
+    x0 = 110
+    svg.text(10, 14, f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}", "title")
+    svg.text(10, 40, "position")
+    svg.text(10, 58, "row x")
+    svg.text(10, 76, "loss_mask")
+    for p in range(S):
+        x = x0 + p * 2 * CELL
+        svg.text(x + CELL, 40, str(p), anchor="middle")
+        svg.rect(x, 48, 2 * CELL, 18, "context" if loss_mask[p] else "token")
+        svg.text(x + CELL, 58, str(row[p]), anchor="middle")
+        svg.text(x + CELL, 76, str(loss_mask[p]), "note", "middle")
+    for i in range(Q):  # each block sits under the positions its queries have
+        b, y = q_block[i], 92 + q_block[i] * 22
+        x = x0 + q_pos[i] * 2 * CELL
+        label = f"x{q_pos[i]}" if i % B == 0 else "M"
+        svg.rect(
+            x + 1,
+            y,
+            2 * CELL - 2,
+            18,
+            "anchor" if i % B == 0 else "node",
+            data_block=b,
+            data_pos=q_pos[i],
+        )
+        svg.text(x + CELL, y + 10, label, anchor="middle")
+        if i % B == 0:
+            svg.text(10, y + 10, f"block {b}")
+    y = 92 + (max(q_block) + 1) * 22 + 30
+    names = [f"x{q_pos[i]}" if i % B == 0 else "M" for i in range(Q)]
+    for name, mask in masks.items():
+        svg.text(10, y, f"{name}: query row i (a block slot) may read key j", "title")
+        y = grid(
+            svg,
+            x0,
+            y + 16,
+            mask,
+            [f"b{q_block[i]} s{i % B} pos {q_pos[i]}" for i in range(Q)],
+            [str(p) for p in range(S)] + names,
+            [S] + [S + b * B for b in range(1, Q // B)],
+            name,
+        )
+        y += 30
+    svg.text(
+        10, y - 10, "keys 0..S-1: the target's features of the row; then the block rows", "note"
+    )
+    return svg
+
+
+def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
+    """cells [R][C] bool as squares (class seen / unseen), row and column names, a line before each
+    column in splits -> the y below it."""
+    gap = lambda j: 6 * sum(s <= j for s in splits)  # a gap before each split column
+    for j, c in enumerate(cols):
+        svg.text(x0 + j * CELL + gap(j) + CELL / 2, y0 + 6, c[:2], "note", "middle")
+    for i, (r, name_i) in enumerate(zip(cells, rows)):
+        y = y0 + 14 + i * CELL
+        svg.text(x0 - 6, y + CELL / 2, name_i, anchor="end")
+        for j, v in enumerate(r):
+            cls = "seen" if v else "unseen"
+            svg.rect(
+                x0 + j * CELL + gap(j) + 1,
+                y + 1,
+                CELL - 2,
+                CELL - 2,
+                cls,
+                data_grid=name,
+                data_row=i,
+                data_col=j,
+            )
+    return y0 + 14 + len(rows) * CELL
+
+
+def conv_taps(reads, B: int, T: int) -> Svg:
+    """Which input rows each output row of the convolution reads: reads [S][S] bool (output row i,
+    input row r), measured by walkthrough.py with pulses. A line (class tap, data-out, data-in)
+    from input box r (bottom) to output box i (top); a gap and a bar between blocks."""
+    svg, S, w = Svg(), len(reads), 44
+    svg.text(10, 14, f"The convolution's taps: T = {T}, B = {B}: no tap crosses a block", "title")
+    x_of = lambda r: 100 + r * w + 24 * (r // B)
+    for label, y in (("output", 40), ("input", 150)):
+        svg.text(10, y + 10, label)
+        for r in range(S):
+            svg.rect(x_of(r), y, w - 8, 20, "token", data_side=label, data_row=r)
+            svg.text(x_of(r) + (w - 8) / 2, y + 10, f"b{r // B}s{r % B}", anchor="middle")
+    for i in range(S):
+        for r in range(S):
+            if reads[i][r]:
+                x1, x2 = x_of(r) + (w - 8) / 2, x_of(i) + (w - 8) / 2
+                svg.line(x1, 150, x2, 60, "tap", data_out=i, data_in=r)
+    for b in range(1, S // B):
+        x = x_of(b * B) - 16
+        svg.line(x, 30, x, 180, "sep")
+    svg.text(10, 200, f"row i reads rows i - t (t < {T}), down to its block's slot 0", "note")
+    return svg
+
+
+def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
+    """One block's selector lattice (selector.CandidateSelector.lattice): the anchor, then slot
+    j's K candidates (cands [L][K] texts, unary [L][K] their unary scores, best first); an edge
+    per (candidate p of slot j-1, candidate c of slot j) with its score scores[j][p][c] (slot 1:
+    the anchor's row, p = 0). walk and unary_path [L]: the indices into K each path picks. Edges
+    carry class walk / unary when on a path, data-slot, data-from, data-to."""
+    svg, L, K = Svg(), len(cands), len(cands[0])
+    col, rowh, bw = 250, 56, 120
+    svg.text(10, 14, title, "title")
+    y_of = lambda k: 50 + k * rowh
+    x_of = lambda j: 20 + j * col  # column 0: the anchor
+    for j in range(L):
+        froms = [0] if j == 0 else range(K)
+        for p in froms:
+            for c in range(K):
+                on_walk = walk[j] == c and (j == 0 or walk[j - 1] == p)
+                on_unary = unary_path[j] == c and (j == 0 or unary_path[j - 1] == p)
+                cls = "walk" if on_walk else "unary" if on_unary else "edge"
+                x1, y1 = x_of(j) + bw, y_of(p if j else (K - 1) / 2) + 14
+                x2, y2 = x_of(j + 1), y_of(c) + 14
+                svg.line(x1, y1, x2, y2, cls, data_slot=j + 1, data_from=p, data_to=c)
+                if on_walk and on_unary:  # both paths take this edge: draw the unary one too
+                    svg.line(x1, y1, x2, y2, "unary", data_slot=j + 1, data_from=p, data_to=c)
+                t = 0.5 if j == 0 else 0.25  # where the labels of K x K edges stay apart
+                svg.label(
+                    x1 + t * (x2 - x1),
+                    y1 + t * (y2 - y1),
+                    f"{scores[j][p][c]:.2f}",
+                    data_slot=j + 1,
+                    data_from=p,
+                    data_to=c,
+                )
+    svg.rect(x_of(0), y_of((K - 1) / 2), bw, 28, "anchor")
+    svg.text(x_of(0) + bw / 2, y_of((K - 1) / 2) + 14, f"{anchor} (anchor)", anchor="middle")
+    for j in range(L):
+        svg.text(x_of(j + 1) + bw / 2, 36, f"slot {j + 1}", "note", "middle")
+        for k in range(K):
+            kind = "node walk" if walk[j] == k else "node"
+            label = f"{cands[j][k]}  u {unary[j][k]:.2f}"
+            svg.box(x_of(j + 1), y_of(k), bw, 28, kind, label, data_slot=j + 1, data_k=k)
+    y = y_of(K) + 10
+    svg.line(20, y, 60, y, "walk")
+    svg.text(70, y, "the walk: the best edge after the previous pick")
+    svg.line(20, y + 20, 60, y + 20, "unary")
+    svg.text(70, y + 20, "the unary path: each slot's best unary score alone")
+    svg.text(
+        20, y + 42, "a node: a candidate c and its unary score u[c]; an edge: s(p -> c)", "note"
+    )
+    return svg
+
+
+def tree_nodes(svg, x0, y0, tokens, parents, path, bonus, labels=None, departs=()) -> float:
+    """A draft tree drawn left to right by depth, from node 0 (the anchor): tokens [n] texts,
+    parents [n], path the accepted nodes, bonus the target's token after them (text); labels [n]
+    optional edge labels. Node classes: anchor, accepted, rejected (a child of the anchor or of an
+    accepted node that the target did not pick), unchecked (below a rejected one), bonus. departs:
+    nodes to mark with `*`. -> the y below it."""
+    n, colw, rowh, bw = len(tokens), 170, 26, 110
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    order, stack = [], [0]  # depth-first, best child first: siblings stay together
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack += [c for c in range(n - 1, 0, -1) if parents[c] == i]
+    row, taken = {}, {}
+    for i in order:
+        row[i] = taken.get(depth[i], 0)
+        taken[depth[i]] = row[i] + 1
+    checked = {0, *path}
+    xy = lambda i: (x0 + depth[i] * colw, y0 + row[i] * rowh)
+    last = path[-1] if path else 0
+    below = [row[i] for i in range(n) if depth[i] == depth[last] + 1]  # the next depth's rows
+    bonus_row = row[last] if row[last] not in below else len(below)
+    bonus_xy = (x0 + (depth[last] + 1) * colw, y0 + bonus_row * rowh)
+    for i in range(1, n):
+        (px, py), (x, y) = xy(parents[i]), xy(i)
+        svg.line(
+            px + bw,
+            py + 11,
+            x,
+            y + 11,
+            "accepted" if i in path else "edge",
+            data_from=parents[i],
+            data_to=i,
+        )
+        if labels:
+            svg.label((px + bw + x) / 2, (py + y) / 2 + 11, labels[i])
+    (px, py), (x, y) = xy(last), bonus_xy
+    svg.line(px + bw, py + 11, x, y + 11, "bonus", data_from=last, data_to="bonus")
+    for i in range(n):
+        cls = "anchor" if i == 0 else "accepted" if i in path else "unchecked"
+        cls = "rejected" if i and cls == "unchecked" and parents[i] in checked else cls
+        x, y = xy(i)
+        tip = f"node {i}: {cls}"
+        svg.box(
+            x, y, bw, 22, cls, tokens[i][:14], i in departs, tip, data_node=i, data_depth=depth[i]
+        )
+    x, y = bonus_xy
+    tip = "the target's bonus token"
+    svg.box(
+        x, y, bw, 22, "bonus", bonus[:14], tip=tip, data_node="bonus", data_depth=depth[last] + 1
+    )
+    return y0 + max(max(taken.values()), bonus_row + 1) * rowh
+
+
+def story_tree(tokens, parents, path, bonus, probs, title) -> Svg:
+    """walkthrough.py's tree (tree.grow) after a target's walk (tree.walk): edge labels are the
+    edge probabilities softmax_K(s(parent -> .))."""
+    svg = Svg()
+    svg.text(10, 14, title, "title")
+    labels = [""] + [f"{p:.3f}" for p in probs[1:]]
+    y = tree_nodes(svg, 20, 40, tokens, parents, path, bonus, labels)
+    legend(svg, 20, y + 16, tree=False, departs=False)
+    return svg
+
+
+# ----------------------------------------------------------------------------- a decoding
+def legend(svg, x, y, tree: bool, departs=True) -> float:
+    """A row of the four kinds of --show's blocks (show.SHOW_KINDS), then the `*` rule."""
+    for kind, (*_, meaning) in SHOW_KINDS.items():
+        svg.rect(x, y - 8, 14, 14, kind)
+        svg.text(x + 20, y, meaning, "note")
+        x += 20 + CHAR * len(meaning) + 16
+    if departs:
+        svg.text(10, y + 20, "*", "departs")
+        svg.text(22, y + 20, (BRANCHES if tree else DEPARTS)[3:], "note")
+    return y + 20 * departs
+
+
+def decoding(cycles, text, title: str) -> Svg:
+    """generate.py --show-svg: each cycle (decoding.Cycle) as a row of its drafts, as --show prints
+    them (show.format_block, show.format_tree): accepted, first rejected, never checked, the bonus;
+    `*` where a path's draft is not its slot's unary argmax (a tree: an accepted node that is not
+    its parent's best child). text(id) -> the token's text. Each cycle is a group of class cycle
+    with data-tau; each slot a rect of its kind."""
+    svg = Svg()
+    svg.text(10, 14, title, "title")
+    is_tree = any(c.tree is not None for c in cycles)
+    y = legend(svg, 10, 40, is_tree) + 30
+    n = 0
+    for c in cycles:
+        if c.drafts is None:  # the prefill's token
+            svg.text(10, y, f"prefill: the target's first token {text(c.new[0])!r}", "note")
+            y += 26
+            continue
+        n += 1
+        svg.group("cycle", data_cycle=n, data_tau=c.accepted + 1)
+        svg.text(10, y + 6, f"{n:3d}  tau {c.accepted + 1}")
+        if c.tree is None:
+            y = path_row(svg, 120, y, c, text) + 10
+        else:
+            t = c.tree
+            first = {}  # each parent's best child: its first in best-first order
+            for i in range(len(t.tokens) - 1, 0, -1):
+                first[t.parents[i]] = i
+            branches = [i for i in c.path if first[t.parents[i]] != i]
+            tokens = [text(x) for x in t.tokens]
+            y = (
+                tree_nodes(
+                    svg, 120, y - 5, tokens, t.parents, c.path, text(c.bonus), None, branches
+                )
+                + 14
+            )
+        svg.end_group()
+    return svg
+
+
+def path_row(svg, x, y, c, text) -> float:
+    """One path cycle's drafts and bonus as boxes on one row -> the y below it."""
+    kinds = ["accepted"] * c.accepted + ["rejected"] + ["unchecked"] * len(c.drafts)
+    slots = list(zip(c.drafts, c.unary, kinds)) + [(c.bonus, c.bonus, "bonus")]
+    for j, (d, u, kind) in enumerate(slots):
+        label = text(d)
+        w = max(28, CHAR * len(label) + 10)
+        departs = kind != "bonus" and d != u
+        svg.box(x, y - 5, w, 22, kind, label, departs, f"slot {j + 1}: {kind}", data_slot=j + 1)
+        x += w + 10
+    return y + 22
+
+
+# ----------------------------------------------------------------------------- charts
+def ticks(lo: float, hi: float, n=5) -> list:
+    """Round values from at or below lo to at or above hi, about n steps of 1, 2 or 5 times a power
+    of ten: a chart's axis runs from the first to the last."""
+    span = max(hi - lo, 1e-9)
+    step = 10.0 ** math.floor(math.log10(span / n))
+    step *= next(m for m in (1, 2, 5, 10) if span / (step * m) <= n)
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [float(f"{k * step:.10g}") for k in range(first, last + 1)]
+
+
+def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
+    """A panel of lines inside a w x h frame at (x0, y0): series [dict(points=[(x, y)], color,
+    run, name, dashed, dots)]. The axes run between round ticks around the data (xticks: given
+    ones), each tick a text of class tick with data-axis, data-value and data-px (its pixel), from
+    which a test reads the picture's values back. A series is a polyline of class series (data-run,
+    data-name) and, with dots or a single point, a circle per point."""
+    svg.group("chart", data_title=title)
+    svg.text(x0, y0 - 12, title, "title")
+    pts = [p for s in series for p in s["points"]]
+    if not pts:
+        svg.text(x0 + 10, y0 + h / 2, "(nothing recorded)", "note")
+        svg.width, svg.height = max(svg.width, x0 + w), max(svg.height, y0 + h)
+        svg.end_group()
+        return
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    flat = 0.5 if max(ys) == min(ys) else 0.0
+    xt = xticks or ticks(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1)
+    yt = ticks(min(ys) - flat, max(ys) + flat)
+    X = lambda v: x0 + (v - xt[0]) / (xt[-1] - xt[0]) * w
+    Y = lambda v: y0 + h - (v - yt[0]) / (yt[-1] - yt[0]) * h
+    for v in yt:
+        svg.line(x0, Y(v), x0 + w, Y(v), "grid")
+        svg.text(
+            x0 - 4, Y(v), f"{v:g}", "tick", "end", data_axis="y", data_value=f"{v:g}", data_px=Y(v)
+        )
+    for v in xt:
+        svg.line(X(v), y0 + h, X(v), y0 + h + 4, "axis")
+        svg.text(
+            X(v),
+            y0 + h + 14,
+            f"{v:g}",
+            "tick",
+            "middle",
+            data_axis="x",
+            data_value=f"{v:g}",
+            data_px=X(v),
+        )
+    svg.line(x0, y0 + h, x0 + w, y0 + h, "axis")
+    svg.line(x0, y0, x0, y0 + h, "axis")
+    svg.text(x0 + w / 2, y0 + h + 32, xlabel, "note", "middle")
+    for s in series:
+        p = [(X(x), Y(y)) for x, y in s["points"]]
+        kw = dict(stroke=s["color"], data_run=s["run"], data_name=s["name"])
+        if len(p) > 1:
+            svg.polyline(p, "series dashed" if s.get("dashed") else "series", **kw)
+        if s.get("dots") or len(p) == 1:
+            for x, y in p:
+                svg.circle(x, y, s.get("radius", 3), "point", fill=s["color"], **kw)
+    svg.end_group()

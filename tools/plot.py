@@ -1,0 +1,152 @@
+"""Training, drawn: one or more runs' log.jsonl and acceptance.json as one SVG picture.
+
+    python tools/plot.py out/smollm2-math-dflash2     # writes out/smollm2-math-dflash2/training.svg
+    python tools/plot.py out/toy/dflash out/toy/dflash2 --labels DFlash DFlash2 --out toy.svg
+
+Three panels, one colour per run, from what train.py and served.py record:
+  loss            the training loss (train records) and the held-out loss (eval and final records)
+  held-out tau    accepted length teacher-forced at random held-out anchors, on the selector's path
+                  (accept_selector) and on the unary argmax path (accept_unary), from the eval and
+                  final records; and served tau, the real decoding loop's (served records:
+                  served_path_tau, a large dot at the step it was measured)
+  by position     acceptance.json's share of held-out blocks accepted up to each block position,
+                  selector and unary (speed/auto.py's expected_tau reads the same numbers)
+against step (the last panel against block position). A resumed run logs some steps twice: the
+later record wins. The picture is support/draw.py's SVG: plain text, no plotting library.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+from support import draw
+from support.common import run
+from support.metrics import acceptance_file, read_acceptance
+
+# (panel, series name, record kinds, record key, dashed) for each line of the step panels
+LINES = [
+    ("loss", "train loss", ("train",), "loss", False),
+    ("loss", "held-out loss", ("eval", "final"), "loss", True),
+    ("tau", "selector path", ("eval", "final"), "accept_selector", False),
+    ("tau", "unary path", ("eval", "final"), "accept_unary", True),
+    ("tau", "served", ("served",), "served_path_tau", False),
+]
+
+KEY = [
+    "solid: the training loss; held-out tau on the selector's path (DFlash2) and the share of "
+    "held-out blocks accepted up to each position (acceptance.json)",
+    "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash "
+    "has only these); a large dot: served tau, the real decoding loop (served.py)",
+]
+
+
+def read_log(path: str) -> tuple:
+    """A run (its folder, or its log.jsonl) -> (its folder, its records). A line that is not a JSON
+    object with a kind and a step is the user's to fix: ValueError naming the file and line."""
+    file = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")
+    records = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file} line {n}: not JSON ({e.msg})") from None
+            if not (isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r):
+                raise ValueError(f"{file} line {n}: not a train.py record (kind, step, ...)")
+            records.append(r)
+    return os.path.dirname(os.path.abspath(file)), records
+
+
+def points(records, kinds, key) -> list:
+    """[(step, value)] of the records of these kinds that hold a number at key, by step; a step
+    logged twice (a resumed run) keeps its later record."""
+    by_step = {
+        r["step"]: r[key]
+        for r in records
+        if r["kind"] in kinds and isinstance(r.get(key), (int, float))
+    }
+    return sorted(by_step.items())
+
+
+def by_position(folder: str):
+    """acceptance.json beside the run -> {mode: [share accepted up to position j]}, or {}."""
+    file = acceptance_file(folder)
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        block_size = json.load(f).get("block_size")
+    stats = read_acceptance(folder, block_size) or {}  # it checks the file, naming it
+    return {mode: s["accepted"] for mode, s in stats.items()}
+
+
+def picture(runs: list, title: str) -> draw.Svg:
+    """runs [(label, records, {mode: acceptance by position})] -> the three panels and a legend."""
+    svg, w, h = draw.Svg(), 300, 210
+    svg.text(10, 14, title, "title")
+    panels = {"loss": (70, "loss", "step"), "tau": (70 + w + 80, "held-out tau", "step")}
+    for panel, (x, name, xlabel) in panels.items():
+        series = []
+        for k, (label, records, _) in enumerate(runs):
+            for p, line, kinds, key, dashed in LINES:
+                pts = points(records, kinds, key)
+                if p == panel and pts:
+                    color = draw.COLORS[k % len(draw.COLORS)]
+                    dots = kinds != ("train",)
+                    radius = 6 if key == "served_path_tau" else 3
+                    s = dict(points=pts, color=color, run=label, name=line, dashed=dashed)
+                    series.append(dict(s, dots=dots, radius=radius))
+        draw.chart(svg, x, 60, w, h, series, name, xlabel)
+    series, L = [], 0
+    for k, (label, _, accepted) in enumerate(runs):
+        for mode, shares in accepted.items():
+            L = max(L, len(shares))
+            pts = list(enumerate(shares, 1))
+            color = draw.COLORS[k % len(draw.COLORS)]
+            series.append(
+                dict(points=pts, color=color, run=label, name=mode, dashed=mode == "unary", dots=1)
+            )
+    x = 70 + 2 * (w + 80)
+    name = "accepted up to block position"
+    draw.chart(svg, x, 60, w, h, series, name, "block position j", list(range(1, L + 1)) or None)
+    y = 60 + h + 60
+    for k, (label, *_) in enumerate(runs):
+        color = draw.COLORS[k % len(draw.COLORS)]
+        svg.line(70 + 200 * k, y, 110 + 200 * k, y, style=f"stroke: {color}; stroke-width: 3")
+        svg.text(118 + 200 * k, y, label)
+    for i, line in enumerate(KEY):
+        svg.text(70, y + 24 + 18 * i, line, "note")
+    return svg
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Plot training runs' log.jsonl and acceptance.json.")
+    ap.add_argument("runs", nargs="+", help="train.py output folders (or their log.jsonl)")
+    ap.add_argument("--labels", nargs="+", help="one name per run (default: the folder's name)")
+    ap.add_argument("--out", help="the SVG to write (default: RUN/training.svg for one run)")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        ap.error(f"--labels: one per run ({len(args.runs)}), got {len(args.labels)}")
+    if args.out is None and len(args.runs) > 1:
+        ap.error("several runs: name the picture with --out FILE")
+    runs = []
+    for k, path in enumerate(args.runs):
+        folder, records = read_log(path)
+        label = args.labels[k] if args.labels else os.path.basename(folder)
+        runs.append((label, records, by_position(folder)))
+    out = args.out or os.path.join(folder, "training.svg")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {out}: no folder {folder}")
+    title = args.title or "training: " + ", ".join(label for label, *_ in runs)
+    picture(runs, title).save(out)
+    print(f"[plot.py] {out}")
+
+
+if __name__ == "__main__":
+    run(main)
