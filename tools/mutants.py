@@ -4,6 +4,7 @@
     python tools/mutants.py --list           # the breaks, rule by rule, without running them
     python tools/mutants.py --ci             # the CI subset (a few minutes on 2 cores)
     python tools/mutants.py --only loss.py   # the breaks of one file
+    python tools/mutants.py -k property      # which breaks the property tests alone catch
 
 Each break (Break below) replaces one code snippet of a mechanism file (conv, selector, attention,
 model, loss, decoding, tree) by another, and names the rule of docs/semantics.md it breaks and the
@@ -444,14 +445,18 @@ def run_tests(repo: str, select: str, stop_first: bool, log: str) -> set:
     return names
 
 
-def try_break(repo: str, b: Break, log: str) -> tuple:
+def try_break(repo: str, b: Break, log: str, select: str = None) -> tuple:
     """Apply b in repo, run its tests, then (if none failed) all of -m method; restore ->
-    (failed tests, stage: 1 its own tests, 2 the whole subset, 0 survived)."""
+    (failed tests, stage: 1 its own tests, 2 the whole subset, 0 survived). With select (a -k
+    expression) only the -m method tests it selects run, in one stage."""
     path = os.path.join(repo, b.file)
     original = open(path).read()
     try:
         with open(path, "w") as f:
             f.write(original.replace(b.old, b.new, 1))
+        if select:
+            failed = run_tests(repo, f"({select}) and {SKIP}", False, log)
+            return failed, (1 if failed else 0)
         own = " or ".join(b.tests)
         failed = run_tests(repo, f"({own}) and {SKIP}", False, log)
         if failed:
@@ -480,6 +485,12 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the breaks by rule and stop")
     ap.add_argument("--ci", action="store_true", help="only the CI subset")
     ap.add_argument("--only", metavar="FILE", help=f"only the breaks of one of {', '.join(FILES)}")
+    ap.add_argument(
+        "-k",
+        metavar="EXPR",
+        help="run only the -m method tests this -k expression selects, on every break (e.g. -k "
+        "property: which breaks the property tests catch); no pinning check",
+    )
     args = ap.parse_args(argv)
     breaks = [b for b in BREAKS if (not args.ci or b.ci) and (not args.only or b.file == args.only)]
     if args.only and args.only not in FILES:
@@ -518,7 +529,7 @@ def main(argv=None) -> int:
             return 1
         print(f"baseline: -m method passes ({time.time() - t0:.0f} s)")
         for b in tqdm(breaks, desc="breaks", unit="break", file=sys.stdout):
-            failed, stage = try_break(repo, b, log)
+            failed, stage = try_break(repo, b, log, args.k)
             results.append((b, failed, stage))
     return report(results) or int(bool(stale))
 
