@@ -53,6 +53,7 @@ banners are subsections):
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -66,9 +67,11 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+import hypothesis
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
 
 import attention
 import data
@@ -1298,6 +1301,483 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
     _, taus = decoding.speculative_generate(target, draft, prompt, 6)
     assert len(commits[0]) == taus[0]
     assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
+
+
+# ---------------------------------------------------------------------------- breaks the mutation
+# run found (tools/mutants.py): rules that no fast test pinned, each against hand-worked values
+def rms_by_hand(x, norm):
+    return norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+
+def rope_by_hand(x, pos, theta):
+    """x [L, heads, D] at positions pos [L]: dimensions i and i + D/2 turn by pos *
+    theta^(-2i/D)."""
+    D = x.shape[-1]
+    ang = pos[:, None, None].float() * theta ** (-torch.arange(0, D, 2).float() / D)  # [L, 1, D/2]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+
+
+def block_by_hand(draft, embed_w, feats, ids, a):
+    """docs/semantics.md section 1 for the block at anchor a, written out: context = target
+    features of positions 0..a-1; every query lists the keys it may read (context before the anchor,
+    its own block, causally on sliding layers since is_causal is unset, inside the window), GQA
+    maps query head n to kv head n // (heads / kv_heads), the convolutions are conv_loop.
+    -> [B, H]"""
+    c, B = draft.config, draft.config.block_size
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    pos = torch.arange(a + B)  # keys: context 0..a-1, then the block a..a+B-1
+    ctx = rms_by_hand(feats[:a] @ draft.fc.weight.T, draft.hidden_norm)  # [a, H]
+    h = embed_w[[int(ids[a])] + [c.mask_token_id] * (B - 1)] * c.input_embedding_scale
+    for layer, kind in zip(draft.layers, c.layer_types):
+        sliding, sa = kind == "sliding_attention", layer.self_attn
+        W = c.sliding_window if sliding else None
+
+        def attention(x, sa=sa, W=W, causal=sliding):
+            rows = torch.cat([ctx, x])
+            q = rope_by_hand(rms_by_hand(sa.q_proj(x).view(B, nh, hd), sa.q_norm), pos[a:], 1e4)
+            k = rope_by_hand(rms_by_hand(sa.k_proj(rows).view(-1, nkv, hd), sa.k_norm), pos, 1e4)
+            v = sa.v_proj(rows).view(-1, nkv, hd)
+            out = torch.zeros(B, nh, hd)
+            for j in range(B):
+                i = a + j
+                see = [k for k in range(a + B) if not (causal and k > i)]
+                see = [k for k in see if W is None or i - k < W]
+                for n in range(nh):
+                    g = n // (nh // nkv)
+                    w = torch.softmax(torch.stack([q[j, n] @ k[s, g] for s in see]) / hd**0.5, 0)
+                    out[j, n] = sum(wi * v[s, g] for wi, s in zip(w, see))
+            return sa.o_proj(out.reshape(B, nh * hd))
+
+        def mlp(x, m=layer.mlp):
+            return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+        def conv(cv, f, x):
+            return conv_loop(cv, x[None], lambda y: f(y[0])[None])[0]
+
+        h = h + conv(layer.attention_conv, attention, rms_by_hand(h, layer.input_layernorm))
+        h = h + conv(layer.mlp_conv, mlp, rms_by_hand(h, layer.post_attention_layernorm))
+    return rms_by_hand(h, draft.norm)
+
+
+# pins docs/semantics.md section 1 (input, positions, the attention rule)
+@pytest.mark.method
+def test_block_equals_the_rule_written_out():
+    """Both paths against the block written out: a sliding layer (W = 5, causal: is_causal unset)
+    and a full one (bidirectional), GQA, input_embedding_scale 0.5, RoPE by hand. At a = 9 the
+    window cuts the context of every query."""
+    c = tiny_config(
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
+        input_embedding_scale=0.5,
+        conv_kernel_size=3,
+    )
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w = torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    feats = torch.randn(16, 2 * c.hidden_size, generator=g)
+    ids = torch.randint(0, c.vocab_size - 1, (16,), generator=g)
+    embed, a = torch.nn.Embedding.from_pretrained(embed_w), 9
+    with torch.no_grad():
+        want = block_by_hand(draft, embed_w, feats, ids, a)
+        cache = model.ContextCache()
+        cache.append(draft, feats[None, :a], torch.arange(a)[None])
+        h_inf = model.forward_inference(draft, embed, cache, ids[a].view(1), torch.tensor([a]))
+        h_train = model.forward_training(
+            draft, embed, ids[None], feats[None], torch.tensor([[2, a]])
+        )
+    assert (h_inf[0] - want).abs().max() <= 1e-5
+    assert (h_train[0, 1] - want).abs().max() <= 1e-5
+
+
+# pins docs/semantics.md section 4 (packed rows)
+@pytest.mark.method
+def test_packed_row_equals_its_documents():
+    """Documents of 7 and 9 tokens packed in one row: positions restart at 0, a block reads context
+    of its own document only, and its labels stop where its document ends."""
+    c = tiny_config()
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    ids, feats, _ = random_batch(c, S=16, N=1)
+    positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
+    docs = torch.tensor([[0] * 7 + [1] * 9])
+    with torch.no_grad():
+        packed = model.forward_training(
+            draft, embed, ids, feats, torch.tensor([[2, 10]]), positions, docs
+        )
+        first = model.forward_training(draft, embed, ids[:, :7], feats[:, :7], torch.tensor([[2]]))
+        second = model.forward_training(draft, embed, ids[:, 7:], feats[:, 7:], torch.tensor([[3]]))
+    assert (packed[0, 0] - first[0, 0]).abs().max() <= 1e-5
+    assert (packed[0, 1] - second[0, 0]).abs().max() <= 1e-5
+    # anchor 5 of the first document (7 tokens): slots 1..3 at rows 6, 7, 8; rows 7, 8 are not its
+    _, _, w0 = L.block_labels(
+        ids, torch.ones_like(ids), torch.tensor([[5]]), torch.tensor([[True]]), 4, docs
+    )
+    assert w0.tolist() == [[[1.0, 0.0, 0.0]]]
+
+
+# pins docs/semantics.md section 4 (base loss)
+@pytest.mark.method
+def test_kl_is_target_to_draft_by_hand():
+    """KL(p || q), not KL(q || p): slot 1 has q = [.1, .2, .6, .1] and p = [.4, .2, .2, .2], so
+    KL(p || q) = .4 ln 4 + .2 ln(1/3) + .2 ln 2 (KL(q || p) would be .6 ln 3 - .1 ln 4 - .1 ln 2);
+    slot 2 has p = q. (The worked example's slot 2 swaps two probabilities, where both directions
+    agree.)"""
+    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    th = torch.zeros(1, 4, 8)
+    th[0, 1, :4], th[0, 2, :4] = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), torch.tensor(q2).log()
+    draft = DraftModel(model.plain_dflash(hand_config()))
+    out = L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[0, 1, 2, 1]]),
+        torch.tensor([[0, 1, 1, 1]]),
+        torch.tensor([[1]]),
+        torch.tensor([[True]]),
+        L.LossConfig(loss="kl", gamma=2.0),
+        target_hidden=th,
+    )
+    kl = 0.4 * math.log(4) + 0.2 * math.log(1 / 3) + 0.2 * math.log(2)
+    assert out["numerator"].item() == pytest.approx(kl, rel=1e-5)
+
+
+# pins docs/semantics.md section 4 (position weights)
+@pytest.mark.method
+@pytest.mark.parametrize("B,gamma", [(8, 4.0), (10, 5.0), (16, 7.0)])
+def test_default_gamma_by_block_size(B, gamma):
+    """Without --gamma the decay is exp(-(j-1)/gamma) with gamma 7, 5, 4 for B = 16, 10, 8: with
+    every slot supervised, D = sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
+    draft = DraftModel(model.plain_dflash(hand_config(block_size=B)))
+    S = B + 1
+
+    def D(block):
+        out = L.objective(
+            draft, HEAD, torch.zeros(1, 1, block, 8), torch.zeros(1, S, dtype=torch.long),
+            torch.ones(1, S), torch.tensor([[0]]), torch.tensor([[True]]), L.LossConfig(),
+        )  # fmt: skip
+        return out["denominator"].item()
+
+    assert D(B) == pytest.approx(sum(math.exp(-j / gamma) for j in range(B - 1)))
+    with pytest.raises(ValueError, match="no default gamma for block size 5"):
+        D(5)
+
+
+# pins docs/semantics.md section 4 (position weights)
+@pytest.mark.method
+def test_dpace_weights_with_alpha_not_one_half():
+    """alpha_d = .2: s = [.8 * .6 + .2, 1, .8 * .9 + .2] = [.68, 1, .92]; P = [.68, .68, .6256];
+    d = [.68 + .6256, .6256, .6256]. (At .5, alpha and 1 - alpha cannot be told apart.)"""
+    q, w0 = torch.tensor([[0.6, 0.5, 0.9]]), torch.tensor([[1.0, 0.0, 1.0]])
+    assert torch.allclose(L.dpace_weights(q, w0, 0.2), torch.tensor([[1.3056, 0.0, 0.6256]]))
+
+
+# pins docs/semantics.md section 4 (selector weight schedule)
+@pytest.mark.method
+def test_selector_alpha_schedule_rounds_down():
+    """T_tot 7, warmup .2, ramp .3: W_s = floor(1.4) = 1, R = floor(2.1) = 2 -> 0, .5, 1, 1."""
+    assert [L.selector_alpha(t, 7, 1.0, 0.2, 0.3) for t in range(4)] == [0.0, 0.5, 1.0, 1.0]
+
+
+# pins docs/semantics.md section 2.2 (initialisation)
+@pytest.mark.method
+def test_fresh_selector_is_exactly_the_unary_scores():
+    """Bs = 0: every edge score is its unary score, bit for bit; a small random Bs would perturb the
+    scores too little to change an argmax, so the check is on the values."""
+    s = make_selector(fresh=True)
+    assert torch.count_nonzero(s.successor_codebook) == 0
+    h, u = torch.randn(2, 3, 12), torch.randn(2, 3, 30)
+    with torch.no_grad():
+        scores, cands = top_k_candidates(u, 5)
+        lat = s.lattice(h, torch.tensor([4, 7]), cands, scores)
+    assert torch.equal(lat, scores[:, :, None, :].expand_as(lat))
+
+
+# pins docs/semantics.md section 3 (what the fields mean)
+@pytest.mark.method
+def test_capture_features_reads_layer_outputs_in_list_order():
+    """target_layer_ids [2, 0, 1] are decoder layers' outputs, hidden_states[id + 1], in list
+    order."""
+    target = tiny_target("llama")
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        _, feats = capture_features(target, [2, 0, 1], input_ids=ids)
+    assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
+
+
+# pins docs/semantics.md section 1 (slot 0 is input only) and 5 (one cycle)
+@pytest.mark.method
+def test_cycle_scores_slots_one_to_k():
+    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's (the head runs on
+    k + 1 rows instead of B: the same values up to GEMM rounding)."""
+    target, draft, p = tiny_target("llama"), tiny_draft(5), prompt()
+    embed, head = decoding.embed_and_head(target, draft)
+    with torch.no_grad():
+        _, ctx, _ = decoding.prefill(target, draft, p[:, :-1])
+        h, u = decoding.draft_scores(draft, embed, head, ctx, p, 2)
+        s = torch.tensor([p.shape[1] - 1])
+        block = model.forward_inference(draft, embed, ctx, p[:, -1], s)  # [1, B, H]
+        want = draft.unary_logits(block, head)[:, 1:3]
+    assert torch.equal(h, block[:, 1:3]) and torch.allclose(u, want, atol=1e-6)
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_cycle_draft_context_is_the_accepted_path():
+    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes,
+    at their positions: exactly a fresh prefill of the committed tokens. Branch-only trees accept
+    nodes that are not the first rows of the block."""
+    B = 4
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 20 + 2 * B)
+    grower, _ = scripted_grower(ref, "branch-only")
+    seen = []
+
+    def recording(draft, h, u, ids, *rest):
+        seen.append((ids.clone(), h.clone()))
+        return grower(draft, h, u, ids, *rest)
+
+    speculate(target, draft, p, 20, tree_budget=6, grower=recording)
+    assert len(seen) > 2
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for ids, h in seen:
+            s = ids.shape[1] - 1
+            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
+            ctx = model.ContextCache()
+            ctx.append(draft, feats, torch.arange(s)[None])
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
+            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+@pytest.mark.parametrize("plain", [False, True])
+def test_draft_tree_scores_by_hand(plain):
+    """An edge scores log softmax of its slot's scores (over the K candidates with a selector, over
+    the vocabulary without one), and a node the sum along its path. Slot 1: u = [2, 0, -9, -9], so
+    token 0 scores -.127 and token 1 -2.127; slot 2: u = [-5, -5.1, -9, -9], so after token 0 its
+    children score -.127 - .644 and -.127 - .744, both above token 1. (By raw scores token 1, at 0,
+    would come before token 0's children, at -3 and -3.1.) A fresh selector's edges are the unary
+    scores."""
+    c = hand_config(block_size=3)
+    draft = DraftModel(model.plain_dflash(c) if plain else c)
+    u = torch.tensor([[[2.0, 0.0, -9.0, -9.0], [-5.0, -5.1, -9.0, -9.0]]])
+    t = tree.draft_tree(draft, torch.randn(1, 2, 8), u, torch.tensor([[2]]), 3)
+    assert t == tree.Tree([2, 0, 0, 1], [-1, 0, 1, 1], [0, 1, 2, 2])
+
+
+# ---------------------------------------------------------------------------- properties over
+# random small configs (hypothesis). The examples are derandomized (the same every run); the
+# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run).
+hypothesis.settings.register_profile(
+    "method",
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
+hypothesis.settings.register_profile(
+    "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
+)
+hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
+
+
+@st.composite
+def small_configs(draw, dflash2=True):
+    """A random tiny draft config: block size, kernel, group, heads and GQA, sliding windows,
+    causality, rank, top-K."""
+    B = draw(st.integers(2, 6))
+    nkv = draw(st.sampled_from([1, 2]))
+    nh = nkv * draw(st.sampled_from([1, 2]))
+    kinds = draw(
+        st.lists(st.sampled_from(["full_attention", "sliding_attention"]), min_size=1, max_size=2)
+    )
+    kw = dict(
+        block_size=B,
+        num_hidden_layers=len(kinds),
+        layer_types=kinds,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=8,
+        sliding_window=draw(st.integers(B, B + 4)),
+        is_causal=draw(st.sampled_from([None, True, False])),
+        conv_kernel_size=draw(st.integers(1, B)),
+        conv_group_size=draw(st.sampled_from([1, 4, 8, 32])),
+        selector_rank=draw(st.integers(1, 4)),
+        selector_top_k=draw(st.integers(1, 8)),
+    )
+    c = tiny_config(**kw)
+    return c if dflash2 and draw(st.booleans()) else model.plain_dflash(c)
+
+
+# docs/semantics.md section 1 (the two paths) and 4 (packed rows)
+@pytest.mark.method
+@hypothesis.given(small_configs(), st.integers(0, 2**16), st.booleans())
+def test_property_training_forward_equals_inference(c, seed, packed):
+    """Every anchored block of a training pass equals the inference path's block against a cache of
+    its document's context before the anchor; with packed=True the row holds two documents."""
+    torch.manual_seed(seed)
+    draft = randomize(DraftModel(c), seed, std=0.1)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    ids, feats, anchors = random_batch(c, S=14, A=4, N=1, seed=seed)
+    cut = 6 if packed else 14  # the first document's length
+    positions = torch.cat([torch.arange(cut), torch.arange(14 - cut)])[None]
+    docs = (torch.arange(14) >= cut).long()[None]
+    with torch.no_grad():
+        h_train = model.forward_training(draft, embed, ids, feats, anchors, positions, docs)
+        for i, a in enumerate(anchors[0].tolist()):
+            start = 0 if a < cut else cut  # the anchor's document starts here
+            pos = int(positions[0, a])
+            cache = model.ContextCache()
+            if pos > 0:
+                cache.append(draft, feats[:, start:a], torch.arange(pos)[None])
+            else:  # no context yet: an empty cache
+                cache.append(draft, feats[:, :0], torch.arange(0)[None])
+            h_inf = model.forward_inference(
+                draft, embed, cache, ids[0, a].view(1), torch.tensor([pos])
+            )
+            assert (h_train[0, i] - h_inf[0]).abs().max() <= 1e-5
+
+
+# docs/semantics.md section 2
+@pytest.mark.method
+@hypothesis.given(small_configs(dflash2=False), st.integers(0, 2**16))
+def test_property_fresh_dflash2_equals_plain_dflash(c_plain, seed):
+    """A fresh DFlash2 draft computes bit for bit what the DFlash draft with its backbone computes,
+    and its selector proposes the unary argmax path."""
+    c2 = dataclasses.replace(
+        c_plain,
+        conv_kernel_size=min(2, c_plain.block_size),
+        conv_group_size=4,
+        selector_rank=3,
+        selector_top_k=4,
+    )
+    torch.manual_seed(seed)
+    d2, d1 = DraftModel(c2), DraftModel(c_plain)
+    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    embed = torch.nn.Embedding(c2.vocab_size, c2.hidden_size)
+    ids, feats, anchors = random_batch(c2, S=12, A=3, seed=seed)
+    with torch.no_grad():
+        h2 = model.forward_training(d2, embed, ids, feats, anchors)
+        h1 = model.forward_training(d1, embed, ids, feats, anchors)
+        u = torch.randn(
+            2, c2.block_size - 1, c2.vocab_size, generator=torch.Generator().manual_seed(seed)
+        )
+        walk, _, _ = d2.candidate_selector.propose(h2[:, 0, 1:], u, ids[:, 0])
+    assert torch.equal(h1, h2) and torch.equal(walk, u.argmax(-1))
+
+
+# docs/semantics.md section 2.1
+@pytest.mark.method
+@hypothesis.given(
+    st.sampled_from([(4, 1), (4, 2), (8, 4), (8, 8), (12, 3)]),
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(0, 2**16),
+)
+def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
+    """The convolution equals its explicit loop over position, tap and channel, for any hidden size,
+    group, block size and kernel (T <= B), over several flattened blocks."""
+    (H, G), T = hg, min(T, B)
+    torch.manual_seed(seed)
+    conv = randomize(GroupedDynamicCausalConv(H, T, G, block_size=B), seed, std=0.5)
+    lin = torch.nn.Linear(H, H)
+    f = lambda x: torch.tanh(lin(x))
+    a = torch.randn(2, B * blocks, H)
+    with torch.no_grad():
+        assert torch.allclose(conv(a, f), conv_loop(conv, a, f), atol=1e-5)
+
+
+# docs/semantics.md section 4 (total). TODO(lead): loss.py's plain unchunked reference objective
+# joins this property: objective(chunk_blocks=...) == the reference, for every loss and weighting.
+@pytest.mark.method
+@hypothesis.given(
+    st.sampled_from(["ce", "tv", "kl", "lk"]),
+    st.sampled_from(["exp", "dpace"]),
+    st.sampled_from(["strict", "replace"]),
+    st.integers(1, 4),
+    st.integers(0, 2**16),
+)
+def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
+    """Numerator, denominator and every metric are the same in chunks of 1..4 anchors as in one
+    (5 anchors: the last chunk is shorter unless the chunk divides 5)."""
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(seed % 7)
+    th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
+    kw = dict(alpha_t=0.5, target_hidden=th, loss=loss, weighting=weighting, selector_miss=miss)
+    with torch.no_grad():
+        one = run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw)
+        parts = run_objective(
+            draft, embed, head, ids, feats, anchors, loss_mask, valid, chunk_blocks=chunk, **kw
+        )
+    assert torch.allclose(one["numerator"], parts["numerator"], rtol=1e-5)
+    assert torch.allclose(one["denominator"], parts["denominator"])
+    for name, (n, d) in one["metrics"].items():
+        n, d, (pn, pd) = torch.as_tensor(n), torch.as_tensor(d), parts["metrics"][name]
+        assert torch.allclose(n, pn, rtol=1e-5, atol=1e-6) and torch.allclose(d, pd), name
+
+
+# docs/semantics.md section 5 (one cycle, trees)
+@pytest.mark.method
+@hypothesis.given(
+    st.sampled_from(["llama", "qwen3", "qwen3-sliding"]),
+    st.integers(2, 6),
+    st.booleans(),
+    st.sampled_from(["draft", "scripted"]),
+    st.one_of(
+        st.tuples(st.just("path"), st.integers(1, 5)),
+        st.tuples(st.just("tree"), st.integers(1, 12)),
+    ),
+    st.integers(0, 2**16),
+)
+def test_property_greedy_speculative_equals_target_greedy(kind, B, plain, who, shape, seed):
+    """Greedy speculative output is the target's greedy output, for paths of k drafts and trees of N
+    nodes, from a random draft or a scripted one that is right up to a random slot each cycle (or,
+    for trees, right, wrong at k or branch-only)."""
+    target, draft, p = tiny_target(kind, 0.2), tiny_draft(B, plain, seed), prompt(seed=seed)
+    n = 14
+    ref, _ = decoding.target_generate(target, p, n + 2 * B)
+    kw = (
+        {"tree_budget": shape[1]} if shape[0] == "tree" else {"verify_tokens": min(shape[1], B - 1)}
+    )
+    if who == "scripted" and shape[0] == "path":
+        k = kw["verify_tokens"]  # wrong at slot (L * seed) mod k + 1, or right, by L mod 3
+        kw["proposer"] = scripted_proposer(
+            ref, lambda L: (L * seed) % k if (L + seed) % 3 else None
+        )
+    elif who == "scripted":
+        kw["grower"] = scripted_grower(ref, ["right", "wrong-at-k", "branch-only"][seed % 3])[0]
+    out, st_ = speculate(target, draft, p, n, **kw)
+    assert torch.equal(out, ref[:, : p.shape[1] + n])
+    assert all(1 <= t <= B for t in st_.taus)
+
+
+# docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+@hypothesis.given(st.integers(2, 5), st.integers(0, 2**16), st.floats(0, 1))
+def test_property_rejection_rule_keeps_the_target_distribution(V, seed, zeros):
+    """For any target row p and proposal q on a tiny vocabulary (zeros included), the law of the
+    committed token, sum_d q(d) [a(d) [t = d] + (1 - a(d)) residual(p, q)(t)] with a(d) =
+    accept_probability(p, q, d), is p exactly: the rejection rule keeps the target's
+    distribution."""
+    g = torch.Generator().manual_seed(seed)
+    p, q = (
+        torch.rand(V, generator=g, dtype=torch.float64),
+        torch.rand(V, generator=g, dtype=torch.float64),
+    )
+    p[torch.rand(V, generator=g) < zeros / 2] = 0  # some tokens the target never says
+    q[torch.rand(V, generator=g) < zeros / 2] = 0  # and some the draft never proposes
+    p[0], q[-1] = p[0] + 0.1, q[-1] + 0.1  # neither all zero
+    p, q = p / p.sum(), q / q.sum()
+    a = torch.tensor([decoding.accept_probability(p, q, d) if q[d] > 0 else 0 for d in range(V)])
+    law = q * a + (q * (1 - a)).sum() * decoding.residual(p, q)
+    assert torch.allclose(law, p, atol=1e-12)
 
 
 # ============================================================================ the machinery
