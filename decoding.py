@@ -9,8 +9,8 @@ output is the target's own greedy output token for token; at temperature > 0 rej
 against the proposal distribution q keeps the output distributed exactly as the target's.
 
 speculative_generate is that cycle for a path of k drafts (k = B-1 by default); tree.py runs the
-same steps on a tree of N nodes. Each step names its phase for show.py's clock; a watcher (show.py)
-sees each cycle as a Cycle. generate.py is the command line.
+same steps on a tree of N nodes. Each step names its phase for support/show.py's clock; a watcher
+(support/show.py) sees each cycle as a Cycle. generate.py is the command line.
 """
 
 from dataclasses import dataclass
@@ -99,8 +99,8 @@ def target_generate(
 
 @dataclass
 class Cycle:
-    """What a watcher (show.py) sees of one cycle: the tokens it committed (`new`, cut at a stop
-    token or at max_new_tokens); the drafts it sent (a path's d_1..d_k, or a tree's nodes), the
+    """What a watcher (support/show.py) sees of one cycle: the tokens it committed (`new`, cut at a
+    stop token or at max_new_tokens); the drafts it sent (a path's d_1..d_k, or a tree's nodes), the
     unary argmax of each one's slot, how many the target accepted, its bonus token; for a tree, the
     tree and its accepted nodes. The prefill's token comes as a Cycle with `new` only."""
 

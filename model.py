@@ -265,7 +265,7 @@ class Layer(nn.Module):
     def context_kv(self, ctx, pos):
         """This layer's keys and values of the context rows; a method of the layer, not of its
         attention, so that train.py --fsdp can gather the layer's shard for it as for forward
-        (fsdp.py)."""
+        (support/fsdp.py)."""
         return self.self_attn.kv(ctx, pos)
 
     def forward(self, h, pos, ctx_kv, mask):

