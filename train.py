@@ -144,7 +144,8 @@ def main_job_data(rank: int) -> tuple:
     """No --data: the main job's prepared data (bash run.sh), or one line naming what makes it."""
     train, held_out = (os.path.join(MAIN_JOB_DATA, part) for part in ("train", "eval"))
     if not os.path.isfile(os.path.join(train, "manifest.json")):
-        if rank != 0:  # under torchrun: one rank says it, once
+        if rank != 0:  # under torchrun rank 0 says it, once; torchrun stops every rank as soon
+            time.sleep(30)  # as one exits, so the others wait for rank 0 to print and exit first
             sys.exit(2)
         raise ValueError(
             f"no --data, and no prepared data at {train}: `bash run.sh` makes it (the main job), "
