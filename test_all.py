@@ -3902,6 +3902,27 @@ def bad_jsonl(tmp_path):
     return write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
 
 
+def test_train_without_data_reads_the_main_jobs_or_names_the_command(tmp_path, monkeypatch, capsys):
+    """`torchrun train.py --selector-top-k 16` as typed: no --data reads the main job's prepared
+    data (data/smollm2-math/train and eval, from bash run.sh); without it, one line naming the
+    commands that make it, exit status 2."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: train.main(["--selector-top-k", "16"]))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and last.startswith("error: no --data, and no prepared data at "), (
+        last
+    )
+    assert "`bash run.sh`" in last and "python prepare.py --prompts math" in last
+    main_job = tmp_path / "data" / "smollm2-math"
+    (main_job / "train").mkdir(parents=True)
+    (main_job / "train" / "manifest.json").write_text("{}")
+    assert train.main_job_data(0) == ("data/smollm2-math/train", None)
+    (main_job / "eval").mkdir()
+    (main_job / "eval" / "manifest.json").write_text("{}")
+    assert train.main_job_data(0) == ("data/smollm2-math/train", "data/smollm2-math/eval")
+
+
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
 def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     """Each script, run as a user runs it: one line `error: ...` naming the file (and line), exit
