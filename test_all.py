@@ -4472,9 +4472,8 @@ def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
 
 def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
     # Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a
-    # selector
-    # left in the optimizer would move from its non-zero start (A, P); a frozen one keeps every
-    # value.
+    # selector left in the optimizer would move from its non-zero start (A, P); a frozen one keeps
+    # every value.
     ck = run(
         setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"
     )
@@ -4489,6 +4488,32 @@ def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
     assert len(ck["optimizer"]["param_groups"][0]["params"]) == len(
         [k for k in init.state_dict() if not k.startswith("candidate_selector")]
     )
+
+
+def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsys):
+    """--freeze-conv, the selector-only arm: every convolution keeps its identity init (tap 0 = 1,
+    the rest and the projection 0: plain DFlash's sublayers) through steps with weight decay, out
+    of the optimizer, while the selector trains. With nothing of DFlash2 left to train, refused."""
+    ck = run(setup, tmp_path, "--max-steps", "2", "--freeze-conv", "--weight-decay", "0.1")
+    torch.manual_seed(3)  # run()'s --seed: the draft's initial values
+    init = model.DraftModel(tiny_config()).state_dict()
+    convs = [k for k in init if "_conv." in k]
+    assert len(convs) == 2 * 2 * tiny_config().num_hidden_layers  # base kernel, projection
+    for k in convs:
+        assert torch.equal(ck["model"][k], init[k]), k
+    kernel = ck["model"]["layers.0.mlp_conv.base_kernel"]  # [2, T, H]
+    assert kernel[:, 0].eq(1).all() and kernel[:, 1:].eq(0).all()
+    assert not torch.equal(
+        ck["model"]["candidate_selector.predecessor_codebook"],
+        init["candidate_selector.predecessor_codebook"],
+    )
+    trained = len(ck["optimizer"]["param_groups"][0]["params"])
+    assert trained == len(init) - len(convs)
+    for refused in (["--dflash"], ["--selector-loss-alpha", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            train.parse_args(["--freeze-conv", *refused])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and "error: --freeze-conv: " in last, last
 
 
 def test_overrides_are_validated(setup, tmp_path):

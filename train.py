@@ -87,6 +87,7 @@ def parse_args(argv=None):
     a = p.add_argument_group("draft").add_argument
     a("--draft-config", default="configs/smollm2-135m-dflash2.json", help="the draft's config.json")
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
+    a("--freeze-conv", action="store_true", help="selector-only arm: convs stay identity")
     a("--block-size", type=bounded(int, low=2), help="override B, the block's slots")
     a("--num-layers", type=count, help="override the number of draft layers")
     a("--conv-kernel-size", type=int, help="override the convolution's taps (conv.py)")
@@ -137,7 +138,10 @@ def parse_args(argv=None):
     a("--selector-stop-gradient", action="store_true", help="selector CE: selector only")
     a("--selector-miss", choices=["strict", "replace"], default="strict", help="label not in K")
     a("--steps-this-run", type=count, metavar="N", help="then stop; continue with --resume")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.freeze_conv and (args.dflash or args.selector_loss_alpha == 0):
+        p.error("--freeze-conv: with --dflash or --selector-loss-alpha 0 nothing of DFlash2 trains")
+    return args
 
 
 def main_job_data(rank: int) -> tuple:
@@ -507,6 +511,11 @@ def build_objective(args, cfg, embed_w, head_w, target, device, ranks, use_bf16)
     # alpha == 0: the selector is frozen, out of the optimizer
     if cfg.dflash2 and not selector_on:
         draft.candidate_selector.requires_grad_(False)
+    # --freeze-conv: every convolution keeps its exact identity init (conv.py), so the draft is
+    # plain DFlash plus a trained selector: the selector-only arm (alpha 0: the convolution-only)
+    for layer in draft.layers if args.freeze_conv else []:
+        layer.attention_conv.requires_grad_(False)
+        layer.mlp_conv.requires_grad_(False)
     objective = DraftObjective(
         torch.compile(draft) if args.compile else draft,
         embed_w,
