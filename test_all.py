@@ -121,7 +121,7 @@ from support.target import (
     new_cache,
     stop_token_ids,
 )
-from tools import gpu_check, plan, plot, served, train_cost
+from tools import gpu_check, plan, plot, served, study, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -7456,6 +7456,40 @@ def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
     assert plan.expected_tau(1800, 3) > plan.expected_tau(2300, 2)
     # an explicit N_TRAIN and --epochs are kept, with the fixed costs sized all the same
     assert plan.choose(FAST, 45, n=4, epochs=1)[:2] == (4, 1)
+
+
+def test_study_pools_seeds_per_arm_by_hand(capsys):
+    """tools/study.py: every arm x seed and the data-size runs planned with their train.py flags;
+    an arm's row is the mean +- sample sd of its seeds (lift: selector tau over unary tau, per
+    run); a study that names neither --quick nor --data is refused in one line."""
+    args = study.parse_args(["--quick", "--arms", "dflash2", "selector-only", "--seeds", "2"])
+    args.sizes = [150]
+    runs = [(name, flags) for name, _, _, _, flags in study.plan(args)]
+    assert runs[:4] == [
+        ("dflash2/seed0", []),
+        ("dflash2/seed1", []),
+        ("selector-only/seed0", ["--freeze-conv"]),
+        ("selector-only/seed1", ["--freeze-conv"]),
+    ]
+    assert runs[4:6] == [("dflash-150/seed0", ["--dflash", "--num-samples", "150"])] + [
+        ("dflash-150/seed1", ["--dflash", "--num-samples", "150"])
+    ]
+    one = dict(tau_selector=2.0, tau_unary=1.6, recall=0.5, served_path=1.8, served_tree=2.2)
+    two = dict(tau_selector=2.4, tau_unary=2.0, recall=0.7, served_path=2.0, served_tree=2.2)
+    plain = dict(tau_selector=None, tau_unary=1.5, recall=None, served_path=1.4, served_tree=1.6)
+    rows = study.table({"a/seed0": one, "a/seed1": two, "dflash/seed0": plain}, ["a", "dflash"])
+    # mean 2.2, sd sqrt(((2.0-2.2)^2 + (2.4-2.2)^2) / 1) = 0.283; lifts 1.25 and 1.2
+    assert rows[2] == (
+        "| a | 2 | 2.200 +- 0.283 | 1.800 +- 0.283 | 1.225 +- 0.035 | 0.600 +- 0.141 "
+        "| 1.900 +- 0.141 | 2.200 +- 0.000 |"
+    )
+    assert (
+        rows[3] == "| dflash | 1 | - | 1.500 +- 0.000 | - | - | 1.400 +- 0.000 | 1.600 +- 0.000 |"
+    )
+    with pytest.raises(SystemExit) as stop:
+        study.parse_args([])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "error: give --quick" in last, last
 
 
 def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(monkeypatch, capsys):

@@ -1,0 +1,293 @@
+"""What DFlash2 buys, measured: its pieces and the selector objective's forms, trained at equal
+data and steps from ONE prepared data set, several seeds each (docs/study.md).
+
+    python tools/study.py --quick      # the toy target (run.sh --toy's): about 15 min on 2 cores
+    python tools/study.py --data data/smollm2-math/train --eval-data data/smollm2-math/eval
+                                       # the embedded target on the main job's data: hours
+
+The arms are train.py flags, nothing else changes between them:
+
+    dflash2         the default: convolutions and selector, strict selector CE
+    dflash          --dflash: neither (the baseline)
+    conv-only       --selector-loss-alpha 0: a frozen fresh selector walks exactly the unary path
+    selector-only   --freeze-conv: every convolution stays at its exact identity
+    replace         --selector-miss replace: an uncovered label takes the weakest candidate's place
+                    (SpecForge's insert-into-candidates form; docs/semantics.md, section 4)
+    stop-gradient   --selector-stop-gradient: the selector CE trains the selector only
+                    (SpecForge #793)
+
+and a data-size curve: dflash and dflash2 on the first N training answers (--sizes). Per run it
+records the held-out teacher-forced tau on the selector and unary paths (train.py's final record),
+the candidate recall (label among the top-K), and served tau: the held-out prompts decoded greedily
+by the real loop (tools/served.py's serve) on a path of B-1 drafts and on a tree of B-1 nodes.
+Per arm: mean +- sd over seeds. A run whose study.json exists is not run again, so a stopped study
+goes on where it stopped (--jobs 2: two one-thread trainings at a time).
+
+Writes OUT/study.md (the tables, the machine, the command) and OUT/study.svg (held-out tau against
+step, seed 0 of each arm, tools/plot.py); --docs copies both to docs/ (docs/study.md and
+docs/figures/study.svg, or study-quick.* with --quick).
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+import train
+from support.common import bounded, run
+from support.target import load_target, stop_token_ids
+from tools import served
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+ARMS = {
+    "dflash2": [],
+    "dflash": ["--dflash"],
+    "conv-only": ["--selector-loss-alpha", "0"],
+    "selector-only": ["--freeze-conv"],
+    "replace": ["--selector-miss", "replace"],
+    "stop-gradient": ["--selector-stop-gradient"],
+}
+TOY_CONFIG = "configs/toy-dflash2.json"
+# run.sh --toy's preparation and training recipe, at fewer epochs so that every arm fits
+TOY_PREPARE = ["--regenerate", "--max-new-tokens", "80", "--features", "--batch-size", "64"]
+TOY_PREPARE += ["--feature-batch-size", "16", "--target-dtype", "fp32", "--target-gemm", "stock"]
+TOY_TRAIN = ["--num-anchors", "32", "--batch-size", "4", "--lr", "3e-3", "--dtype", "fp32"]
+
+
+def python(argv: list, log: str, threads=None) -> None:
+    """Run one of the project's commands as a user would, its output appended to log; a failure
+    ends the study naming the command and its log."""
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    with open(log, "a") as out:
+        done = subprocess.run([sys.executable, *argv], cwd=HERE, env=env, stdout=out, stderr=out)
+    if done.returncode != 0:
+        raise RuntimeError(f"python {argv[0]} failed (exit {done.returncode}); its output: {log}")
+
+
+def finished(folder: str) -> bool:
+    """Whether train.py ran to its end there (its final record at the checkpoint's step)."""
+    try:
+        served.read_run(folder)
+        return True
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def prepare_toy(out: str) -> tuple:
+    """The toy target and ONE prepared data set (features captured once) -> (target, train, eval,
+    config). Each part is made once and then reused."""
+    target, log = os.path.join(out, "target"), os.path.join(out, "prepare.log")
+    if not os.path.isdir(target):
+        python(["tools/toy_target.py", target], log)
+    sets = {"train": ("toy", 600), "eval": ("toy-eval", 32)}
+    for part, (prompts, n) in sets.items():
+        folder = os.path.join(out, "data", part)
+        if not os.path.isfile(os.path.join(folder, "manifest.json")):
+            argv = ["prepare.py", "--target", target, "--prompts", prompts, "--num-samples", str(n)]
+            argv += [*TOY_PREPARE, "--draft-config", TOY_CONFIG, "--save-target-hidden"]
+            python([*argv, "--out-dir", folder], log)
+    return target, os.path.join(out, "data", "train"), os.path.join(out, "data", "eval")
+
+
+def plan(args) -> list:
+    """Every run: (name, arm, seed, answers or None, its train.py flags)."""
+    runs = []
+    for arm in args.arms:
+        for seed in range(args.seeds):
+            runs.append((f"{arm}/seed{seed}", arm, seed, None, ARMS[arm]))
+    for n in args.sizes:
+        for arm in ("dflash", "dflash2"):
+            for seed in range(args.size_seeds):
+                flags = [*ARMS[arm], "--num-samples", str(n)]
+                runs.append((f"{arm}-{n}/seed{seed}", arm, seed, n, flags))
+    return runs
+
+
+def train_run(args, setup, name, seed, flags) -> str:
+    """One arm and seed trained (skipped when its final record is there) -> its folder."""
+    target, train_data, eval_data, config = setup
+    folder = os.path.join(args.out, name)
+    if finished(folder):
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)  # a run stopped half-way starts again
+    os.makedirs(folder)
+    argv = ["train.py", "--draft-config", config, "--data", train_data, "--eval-data", eval_data]
+    argv += ["--target", target] if target else []
+    argv += ["--epochs", str(args.epochs), "--seed", str(seed), "--quiet"]
+    argv += ["--eval-interval", str(args.eval_interval), "--eval-samples", "64"]
+    argv += [*args.recipe, *flags, "--out-dir", folder]
+    python(argv, os.path.join(folder, "train.log"), threads=args.threads)
+    return folder
+
+
+@torch.no_grad()
+def measure(folder: str, targets: dict, prompts: int) -> dict:
+    """A finished run -> its numbers: held-out teacher-forced tau (selector and unary paths),
+    candidate recall, and served tau on a path and a tree of B-1 drafts."""
+    args, draft, step, final = served.read_run(folder)
+    if args.target not in targets:
+        targets[args.target] = load_target(args.target, torch.float32)
+    target, tok = targets[args.target]
+    samples = train.load_split(args, tok, training=False)[1][:prompts]
+    B, use_selector = draft.config.block_size, draft.candidate_selector is not None
+    kw = dict(use_selector=use_selector, stop_ids=stop_token_ids(target, tok))
+    path = served.serve(target, draft.eval(), samples, ("path", B - 1), **kw)
+    tree = served.serve(target, draft, samples, ("tree", B - 1), **kw)
+    m = {
+        "step": step,
+        "tau_selector": final.get("accept_selector"),
+        "tau_unary": final["accept_unary"],
+        "recall": final.get("topk_recall"),
+        "served_path": path["tau"],
+        "served_tree": tree["tau"],
+    }
+    with open(os.path.join(folder, "study.json"), "w") as f:
+        json.dump(m, f)
+    return m
+
+
+def mean_sd(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} +- {sd:.3f}"
+
+
+def table(results: dict, names: list) -> list:
+    """results {run name: numbers} -> markdown rows, one per arm (its seeds pooled)."""
+    cols = ["tau_selector", "tau_unary", "lift", "recall", "served_path", "served_tree"]
+    rows = ["| arm | seeds | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for arm in names:
+        runs = [m for name, m in results.items() if name.split("/")[0] == arm]
+        for m in runs:
+            sel = m["tau_selector"]
+            m["lift"] = sel / m["tau_unary"] if sel is not None else None
+        cells = [mean_sd(m[c] for m in runs) for c in cols]
+        rows.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") if os.path.isfile("/proc/cpuinfo") else open(os.devnull) as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores"
+
+
+def page(args, results, wall, figure) -> str:
+    arms = list(args.arms)
+    sizes = [f"{arm}-{n}" for n in args.sizes for arm in ("dflash", "dflash2")]
+    what = "the toy target (run.sh --toy's)" if args.quick else f"the target {args.target}"
+    lines = [
+        f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
+        "",
+        f"Made by `python tools/study.py {' '.join(args.argv)}` on {cpu_name()}, torch "
+        f"{torch.__version__}, in {wall / 60:.1f} min (the study's own wall time, this run). "
+        f"{what}; every arm trained on the same prepared data for {args.epochs} epochs, "
+        f"{args.seeds} seeds each; served tau over {args.prompts} held-out prompts, greedy.",
+        "",
+        "tau_selector / tau_unary: held-out accepted length, teacher-forced at random anchors, "
+        "on the selector's path and on the unary argmax path (train.py's final record); lift: "
+        "their ratio; recall: the share of labels among the top-K candidates; served_path / "
+        "served_tree: the real decoding loop's tau on a path of B-1 drafts and a tree of B-1 "
+        "nodes (DFlash serves its unary path). Mean +- sd over seeds.",
+        "",
+        *table(results, arms),
+        "",
+    ]
+    if args.sizes:
+        lines += ["The data-size curve (answers: the first N of the same data):", ""]
+        lines += [*table(results, sizes), ""]
+    lines += [f"![held-out tau against step, seed 0 of each arm]({figure})", ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="the toy target, prepared here")
+    p.add_argument("--data", help="prepare.py's training features (not with --quick)")
+    p.add_argument("--eval-data", help="prepare.py's held-out features (not with --quick)")
+    p.add_argument("--target", default=None, help="the target of --data (default: embedded)")
+    p.add_argument("--draft-config", default="configs/smollm2-135m-dflash2.json")
+    p.add_argument("--out", help="default: out/study-quick or out/study")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    p.add_argument("--seeds", type=bounded(int, low=1), default=3, help="per arm")
+    p.add_argument("--sizes", type=bounded(int, low=1), nargs="*", default=None, help="answers")
+    p.add_argument("--size-seeds", type=bounded(int, low=1), default=2)
+    p.add_argument("--epochs", type=bounded(int, low=1), default=None)
+    p.add_argument("--eval-interval", type=bounded(int, low=1), default=None)
+    p.add_argument("--prompts", type=bounded(int, low=1), default=16, help="served, per run")
+    p.add_argument("--jobs", type=bounded(int, low=1), default=2, help="trainings at a time")
+    p.add_argument("--docs", action="store_true", help="also write docs/study[-quick].md, figure")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.quick == bool(args.data):
+        p.error("give --quick (the toy target) or --data and --eval-data (prepared features)")
+    if args.data and not args.eval_data:
+        p.error("--data: give --eval-data too, the held-out features every arm is measured on")
+    quick = args.quick
+    args.out = args.out or ("out/study-quick" if quick else "out/study")
+    args.epochs = args.epochs or (2 if quick else 2)
+    args.eval_interval = args.eval_interval or (50 if quick else 200)
+    args.sizes = args.sizes if args.sizes is not None else ([150, 300] if quick else [250, 500])
+    args.recipe = TOY_TRAIN if quick else ["--num-anchors", "32", "--lr", "1e-3"]
+    args.threads = 1 if args.jobs > 1 else None
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    if args.quick:
+        target, train_data, eval_data = prepare_toy(args.out)
+        setup = (target, train_data, eval_data, TOY_CONFIG)
+    else:
+        for d in (args.data, args.eval_data):
+            if not os.path.isfile(os.path.join(d, "manifest.json")):
+                raise ValueError(f"{d}: no prepared features (prepare.py --features makes them)")
+        setup = (args.target, args.data, args.eval_data, args.draft_config)
+    runs = plan(args)
+    bar = tqdm(total=len(runs), desc="study: runs trained", unit="run", dynamic_ncols=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        jobs = [pool.submit(train_run, args, setup, n, s, f) for n, _, s, _, f in runs]
+        for job in jobs:
+            job.result()
+            bar.update()
+    bar.close()
+    results, targets = {}, {}
+    for name, *_ in tqdm(runs, desc="study: runs served", unit="run", dynamic_ncols=True):
+        folder = os.path.join(args.out, name)
+        done = os.path.join(folder, "study.json")
+        results[name] = json.load(open(done)) if os.path.isfile(done) else None
+        results[name] = results[name] or measure(folder, targets, args.prompts)
+    figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
+    seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
+    python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
+    text = page(args, results, time.time() - t0, "study.svg")
+    with open(os.path.join(args.out, "study.md"), "w") as f:
+        f.write(text)
+    print(text)
+    if args.docs:
+        name = "study-quick" if args.quick else "study"
+        shutil.copy(figure, os.path.join(HERE, "docs", "figures", f"{name}.svg"))
+        with open(os.path.join(HERE, "docs", f"{name}.md"), "w") as f:
+            f.write(text.replace("](study.svg)", f"](figures/{name}.svg)"))
+        print(f"wrote docs/{name}.md and docs/figures/{name}.svg")
+
+
+if __name__ == "__main__":
+    run(main)
