@@ -185,7 +185,7 @@ def cpu_name() -> str:
     return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores"
 
 
-def page(args, results, wall, figure) -> str:
+def page(args, results, spent: list, figure) -> str:
     arms = list(args.arms)
     sizes = [f"{arm}-{n}" for n in args.sizes for arm in ("dflash", "dflash2")]
     what = "the toy target (run.sh --toy's)" if args.quick else f"the target {args.target}"
@@ -193,7 +193,8 @@ def page(args, results, wall, figure) -> str:
         f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
         "",
         f"Made by `python tools/study.py {' '.join(args.argv)}` on {cpu_name()}, torch "
-        f"{torch.__version__}, in {wall / 60:.1f} min (the study's own wall time, this run). "
+        f"{torch.__version__}, in {sum(spent) / 60:.1f} min of wall time over {len(spent)} "
+        f"invocation(s) (it resumes). "
         f"{what}; every arm trained on the same prepared data for {args.epochs} epochs, "
         f"{args.seeds} seeds each; served tau over {args.prompts} held-out prompts, greedy.",
         "",
@@ -277,7 +278,13 @@ def main(argv=None):
     figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
     seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
     python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
-    text = page(args, results, time.time() - t0, "study.svg")
+    # the study's wall time, over every invocation that worked on it (it resumes)
+    spent_file = os.path.join(args.out, "wall_seconds.json")
+    spent = json.load(open(spent_file)) if os.path.isfile(spent_file) else []
+    spent.append(round(time.time() - t0, 1))
+    with open(spent_file, "w") as f:
+        json.dump(spent, f)
+    text = page(args, results, spent, "study.svg")
     with open(os.path.join(args.out, "study.md"), "w") as f:
         f.write(text)
     print(text)
