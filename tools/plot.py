@@ -22,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
+from compat.config_json import read_json
 from support import draw
 from support.common import run
 from support.metrics import acceptance_file, read_acceptance
@@ -59,6 +60,8 @@ def read_log(path: str) -> tuple:
             if not (isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r):
                 raise ValueError(f"{file} line {n}: not a train.py record (kind, step, ...)")
             records.append(r)
+    if not records:
+        raise ValueError(f"{file}: no records yet (train.py writes one every --log-interval steps)")
     return os.path.dirname(os.path.abspath(file)), records
 
 
@@ -78,8 +81,10 @@ def by_position(folder: str):
     file = acceptance_file(folder)
     if not os.path.isfile(file):
         return {}
-    with open(file) as f:
-        block_size = json.load(f).get("block_size")
+    d = read_json(file)  # it names the file if it is not JSON
+    block_size = d.get("block_size") if isinstance(d, dict) else None
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"{file}: no block_size (an integer >= 2)")
     stats = read_acceptance(folder, block_size) or {}  # it checks the file, naming it
     return {mode: s["accepted"] for mode, s in stats.items()}
 
