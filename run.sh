@@ -36,8 +36,10 @@ cd "$(dirname "$0")"
 if [ "${1:-}" = --toy ]; then
     start=$SECONDS t0=$SECONDS
     OUT=${OUT:-out/toy} CFG=configs/toy-dflash2.json
-    TARGET=$OUT/target DRAFT=$OUT/draft DECODE=$OUT/decode.svg VARIANT=()
-    if [ "${2:-}" = --dflash ]; then DRAFT=$OUT/draft-dflash DECODE=$OUT/decode-dflash.svg VARIANT=(--dflash); fi
+    TARGET=$OUT/target DRAFT=$OUT/draft DECODE=$OUT/decode.svg NAME=DFlash2 VARIANT=()
+    if [ "${2:-}" = --dflash ]; then
+        DRAFT=$OUT/draft-dflash DECODE=$OUT/decode-dflash.svg NAME=DFlash VARIANT=(--dflash)
+    fi
     [ -d "$TARGET" ] || python tools/toy_target.py "$TARGET"  # made once, then reused
     echo "[run.sh --toy] toy target: $((SECONDS - t0)) s"; t0=$SECONDS
     # the toy target answers its own training problems (on-policy data) and 32 held-out ones
@@ -48,7 +50,7 @@ if [ "${1:-}" = --toy ]; then
     echo "[run.sh --toy] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
     python train.py --draft-config "$CFG" --target "$TARGET" --data "$OUT/data/train" \
         --eval-data "$OUT/data/eval" --eval-samples 32 --out-dir "$DRAFT" --num-anchors 32 \
-        --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100000 --quiet "${VARIANT[@]}"
+        --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100 --quiet "${VARIANT[@]}"
     python tools/served.py "$DRAFT" --samples 32
     python export.py "$DRAFT" --out-dir "$DRAFT/export"
     echo "[run.sh --toy] train, served, export: $((SECONDS - t0)) s"
@@ -56,11 +58,14 @@ if [ "${1:-}" = --toy ]; then
     PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-3][0])")
     python generate.py --target "$TARGET" --draft "$DRAFT/export" --prompt "$PROMPT" \
         --compare --show --show-svg "$DECODE"
-    python tools/plot.py "$DRAFT"  # the training, drawn: $DRAFT/training.svg
+    python tools/plot.py "$DRAFT" --labels "$NAME"  # the training, drawn: $DRAFT/training.svg
+    PICTURES="$DECODE $DRAFT/training.svg"
     if [ -f "$OUT/draft/log.jsonl" ] && [ -f "$OUT/draft-dflash/log.jsonl" ]; then
         python tools/plot.py "$OUT/draft-dflash" "$OUT/draft" --labels DFlash DFlash2 \
             --title "the toy: DFlash against DFlash2" --out "$OUT/dflash-vs-dflash2.svg"
+        PICTURES="$PICTURES $OUT/dflash-vs-dflash2.svg"
     fi
+    echo "[run.sh --toy] pictures: $PICTURES"
     echo "[run.sh --toy] the toy job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
     exit 0
 fi

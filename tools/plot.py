@@ -94,7 +94,9 @@ def picture(runs: list, title: str) -> draw.Svg:
     svg, w, h = draw.Svg(), 300, 210
     svg.text(10, 14, title, "title")
     panels = {"loss": (70, "loss", "step"), "tau": (70 + w + 80, "held-out tau", "step")}
-    for panel, (x, name, xlabel) in panels.items():
+    steps = [r["step"] for _, records, _ in runs for r in records]
+    xticks = draw.ticks(min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1)
+    for panel, (x, name, xlabel) in panels.items():  # both against the same steps
         series = []
         for k, (label, records, _) in enumerate(runs):
             for p, line, kinds, key, dashed in LINES:
@@ -105,7 +107,7 @@ def picture(runs: list, title: str) -> draw.Svg:
                     radius = 6 if key == "served_path_tau" else 3
                     s = dict(points=pts, color=color, run=label, name=line, dashed=dashed)
                     series.append(dict(s, dots=dots, radius=radius))
-        draw.chart(svg, x, 60, w, h, series, name, xlabel)
+        draw.chart(svg, x, 60, w, h, series, name, xlabel, xticks)
     series, L = [], 0
     for k, (label, _, accepted) in enumerate(runs):
         for mode, shares in accepted.items():
