@@ -7004,7 +7004,8 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
     by hand; each conv line joins the boxes of an output row and an input row it reads, no line
     crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
     the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
-    target's. docs/figures holds exactly what the command draws today."""
+    target's. docs/figures holds, byte for byte, what the command draws today (its toy-*.svg are
+    a toy run's, docs/walkthrough.md section 5)."""
     import walkthrough as W
 
     files = W.pictures(str(tmp_path))
@@ -7202,6 +7203,7 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
     hand.mkdir()
     records = [
         {"kind": "train", "step": 10, "loss": 4.0}, {"kind": "train", "step": 20, "loss": 3.0},
+        {"kind": "train", "step": 25, "loss": 2.75, "base_loss": 2.25},  # the base term is drawn
         {"kind": "eval", "step": 20, "loss": 3.5, "accept_unary": 1.5, "accept_selector": 1.75},
         {"kind": "train", "step": 20, "loss": 2.5},  # a resumed run: the later record wins
         {"kind": "final", "step": 30, "loss": 2.0, "accept_unary": 2.0, "accept_selector": 2.5},
@@ -7220,7 +7222,8 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
     expect = {}
     for label, recs in (("real", real), ("hand", records)):
         for panel, name, kinds, key, _ in plot.LINES:
-            pts = dict((r["step"], r[key]) for r in recs if r["kind"] in kinds and key in r)
+            values = [(r["step"], plot.value(r, key)) for r in recs if r["kind"] in kinds]
+            pts = dict((step, v) for step, v in values if v is not None)
             title = {"loss": "loss", "tau": "held-out tau"}[panel]
             if pts:
                 expect[(title, label, name)] = sorted(pts.items())

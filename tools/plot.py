@@ -27,9 +27,11 @@ from support import draw
 from support.common import run
 from support.metrics import acceptance_file, read_acceptance
 
-# (panel, series name, record kinds, record key, dashed) for each line of the step panels
+# (panel, series name, record kinds, record key, dashed) for each line of the step panels. The train
+# line is the loss's base term (base_loss; loss in a log without it): a held-out loss has no
+# selector term (alpha_t), so the two lines measure the same thing.
 LINES = [
-    ("loss", "train loss", ("train",), "loss", False),
+    ("loss", "train loss", ("train",), "base_loss", False),
     ("loss", "held-out loss", ("eval", "final"), "loss", True),
     ("tau", "selector path", ("eval", "final"), "accept_selector", False),
     ("tau", "unary path", ("eval", "final"), "accept_unary", True),
@@ -37,10 +39,10 @@ LINES = [
 ]
 
 KEY = [
-    "solid: the training loss; held-out tau on the selector's path (DFlash2) and the share of "
-    "held-out blocks accepted up to each position (acceptance.json)",
-    "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash "
-    "has only these); a large dot: served tau, the real decoding loop (tools/served.py)",
+    "solid: the training loss (its base term); held-out tau on the selector's path (DFlash2); the",
+    "    share of held-out blocks accepted up to each position (acceptance.json)",
+    "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash",
+    "    has only these); a large dot: served tau, the real decoding loop (tools/served.py)",
 ]
 
 
@@ -65,13 +67,19 @@ def read_log(path: str) -> tuple:
     return os.path.dirname(os.path.abspath(file)), records
 
 
+def value(record, key):
+    """The number a record holds at key (base_loss: loss where it has none), or None."""
+    v = record.get(key, record.get("loss") if key == "base_loss" else None)
+    return v if isinstance(v, (int, float)) else None
+
+
 def points(records, kinds, key) -> list:
     """[(step, value)] of the records of these kinds that hold a number at key, by step; a step
     logged twice (a resumed run) keeps its later record."""
     by_step = {
-        r["step"]: r[key]
+        r["step"]: value(r, key)
         for r in records
-        if r["kind"] in kinds and isinstance(r.get(key), (int, float))
+        if r["kind"] in kinds and value(r, key) is not None
     }
     return sorted(by_step.items())
 
