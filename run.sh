@@ -25,7 +25,8 @@ cd "$(dirname "$0")"
 # code, on a target small enough to make here first: tools/toy_target.py trains a tiny Llama-style
 # model (4 layers, width 64, a word-level vocabulary) for a minute or two on the project's own toy
 # word problems with worked answers (prompts/toy_problems.py). It ends with generate.py --compare
-# --show on a held-out problem: the draft commits several tokens a cycle and beats plain decoding.
+# --show on a held-out problem: the draft commits several tokens a cycle and beats plain decoding;
+# then its pictures, listed in its last lines: that decoding ($OUT/decode.svg) and the training.
 # Why a toy shows what DFlash is for: a tiny target's step is bound by per-forward overhead, not by
 # arithmetic, so verifying 8 tokens costs about one step and every drafted token the target accepts
 # is nearly free. That is the regime DFlash is built for; on a GPU the same holds for a large target,
