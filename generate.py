@@ -218,8 +218,8 @@ def parse_args(argv=None):
     if args.show_svg and (args.bench or args.prompt is None):
         ap.error("--show-svg draws the blocks of one answer: give --prompt, not --bench")
     folder = os.path.dirname(os.path.abspath(args.show_svg or "."))
-    if args.show_svg and not os.path.isdir(folder):
-        ap.error(f"--show-svg {args.show_svg}: no folder {folder}")
+    if args.show_svg and not os.path.isdir(folder):  # a bad path: one line (support/common.run)
+        raise ValueError(f"--show-svg {args.show_svg}: no folder {folder}")
     if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
         ap.error(
             "--verify-tokens / --tree-budget: one value (several, one row each, only with --bench)"

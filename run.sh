@@ -25,16 +25,22 @@ cd "$(dirname "$0")"
 # code, on a target small enough to make here first: tools/toy_target.py trains a tiny Llama-style
 # model (4 layers, width 64, a word-level vocabulary) for a minute or two on the project's own toy
 # word problems with worked answers (prompts/toy_problems.py). It ends with generate.py --compare
-# --show on a held-out problem: the draft commits several tokens a cycle and beats plain decoding.
+# --show on a held-out problem: the draft commits several tokens a cycle and beats plain decoding;
+# then its pictures, listed in its last lines: that decoding ($OUT/decode.svg) and the training.
 # Why a toy shows what DFlash is for: a tiny target's step is bound by per-forward overhead, not by
 # arithmetic, so verifying 8 tokens costs about one step and every drafted token the target accepts
 # is nearly free. That is the regime DFlash is built for; on a GPU the same holds for a large target,
 # because its step is bound by reading the weights. (The main job's 135M target on a CPU is not
 # there: its verify costs several steps, docs/cpu.md.) OUT=DIR puts it elsewhere (default out/toy).
+# bash run.sh --toy --dflash: the plain DFlash baseline, on the same target and data, into
+# $OUT/draft-dflash; once both drafts are trained, $OUT/dflash-vs-dflash2.svg draws them side by side.
 if [ "${1:-}" = --toy ]; then
     start=$SECONDS t0=$SECONDS
     OUT=${OUT:-out/toy} CFG=configs/toy-dflash2.json
-    TARGET=$OUT/target
+    TARGET=$OUT/target DRAFT=$OUT/draft DECODE=$OUT/decode.svg NAME=DFlash2 VARIANT=()
+    if [ "${2:-}" = --dflash ]; then
+        DRAFT=$OUT/draft-dflash DECODE=$OUT/decode-dflash.svg NAME=DFlash VARIANT=(--dflash)
+    fi
     [ -d "$TARGET" ] || python tools/toy_target.py "$TARGET"  # made once, then reused
     echo "[run.sh --toy] toy target: $((SECONDS - t0)) s"; t0=$SECONDS
     # the toy target answers its own training problems (on-policy data) and 32 held-out ones
@@ -44,16 +50,23 @@ if [ "${1:-}" = --toy ]; then
     python prepare.py --prompts toy-eval --num-samples 32 "${PREP[@]}" --out-dir "$OUT/data/eval"
     echo "[run.sh --toy] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
     python train.py --draft-config "$CFG" --target "$TARGET" --data "$OUT/data/train" \
-        --eval-data "$OUT/data/eval" --eval-samples 32 --out-dir "$OUT/draft" --num-anchors 32 \
-        --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100000 --quiet
-    python tools/served.py "$OUT/draft" --samples 32
-    python export.py "$OUT/draft" --out-dir "$OUT/draft/export"
+        --eval-data "$OUT/data/eval" --eval-samples 32 --out-dir "$DRAFT" --num-anchors 32 \
+        --batch-size 4 --lr 3e-3 --epochs 8 --dtype fp32 --eval-interval 100 --quiet "${VARIANT[@]}"
+    python tools/served.py "$DRAFT" --samples 32
+    python export.py "$DRAFT" --out-dir "$DRAFT/export"
     echo "[run.sh --toy] train, served, export: $((SECONDS - t0)) s"
     # a held-out problem (neither the target nor the draft trained on it), decoded both ways
     PROMPT=$(python -c "from prompts.toy_problems import toy_split; print(toy_split()[1][-3][0])")
-    python generate.py --target "$TARGET" --draft "$OUT/draft/export" --prompt "$PROMPT" \
-        --compare --show --show-svg "$OUT/decode.svg"
-    python tools/plot.py "$OUT/draft"  # the training, drawn: $OUT/draft/training.svg
+    python generate.py --target "$TARGET" --draft "$DRAFT/export" --prompt "$PROMPT" \
+        --compare --show --show-svg "$DECODE"
+    python tools/plot.py "$DRAFT" --labels "$NAME"  # the training, drawn: $DRAFT/training.svg
+    PICTURES="$DECODE $DRAFT/training.svg"
+    if [ -f "$OUT/draft/log.jsonl" ] && [ -f "$OUT/draft-dflash/log.jsonl" ]; then
+        python tools/plot.py "$OUT/draft-dflash" "$OUT/draft" --labels DFlash DFlash2 \
+            --title "the toy: DFlash against DFlash2" --out "$OUT/dflash-vs-dflash2.svg"
+        PICTURES="$PICTURES $OUT/dflash-vs-dflash2.svg"
+    fi
+    echo "[run.sh --toy] pictures: $PICTURES"
     echo "[run.sh --toy] the toy job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"
     exit 0
 fi

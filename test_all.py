@@ -7050,7 +7050,8 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
     by hand; each conv line joins the boxes of an output row and an input row it reads, no line
     crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
     the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
-    target's. docs/figures holds exactly what the command draws today."""
+    target's. docs/figures holds, byte for byte, what the command draws today (its toy-*.svg are
+    a toy run's, docs/walkthrough.md section 5)."""
     import walkthrough as W
 
     files = W.pictures(str(tmp_path))
@@ -7201,10 +7202,11 @@ def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, 
         block = line.split("tau", 1)[1].split("  ", 1)[1]
         printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
         assert shown == [(kinds[k], text, star == "*") for k, text, star in printed]
-    with pytest.raises(SystemExit) as stop:
-        generate.main(argv + ["--show-svg", str(tmp_path / "no" / "such" / "decode.svg")])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and "error: " in last and "--show-svg" in last
+    no_folder = tmp_path / "no" / "such" / "decode.svg"
+    with pytest.raises(SystemExit) as stop:  # a bad path: one line, as support/common.run says
+        common.run(lambda: generate.main(argv + ["--show-svg", str(no_folder)]))
+    says = f"error: --show-svg {no_folder}: no folder {no_folder.parent}"
+    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [says]
 
 
 def chart_points(path) -> dict:
@@ -7247,6 +7249,7 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
     hand.mkdir()
     records = [
         {"kind": "train", "step": 10, "loss": 4.0}, {"kind": "train", "step": 20, "loss": 3.0},
+        {"kind": "train", "step": 25, "loss": 2.75, "base_loss": 2.25},  # the base term is drawn
         {"kind": "eval", "step": 20, "loss": 3.5, "accept_unary": 1.5, "accept_selector": 1.75},
         {"kind": "train", "step": 20, "loss": 2.5},  # a resumed run: the later record wins
         {"kind": "final", "step": 30, "loss": 2.0, "accept_unary": 2.0, "accept_selector": 2.5},
@@ -7265,7 +7268,8 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
     expect = {}
     for label, recs in (("real", real), ("hand", records)):
         for panel, name, kinds, key, _ in plot.LINES:
-            pts = dict((r["step"], r[key]) for r in recs if r["kind"] in kinds and key in r)
+            values = [(r["step"], plot.value(r, key)) for r in recs if r["kind"] in kinds]
+            pts = dict((step, v) for step, v in values if v is not None)
             title = {"loss": "loss", "tau": "held-out tau"}[panel]
             if pts:
                 expect[(title, label, name)] = sorted(pts.items())
@@ -7287,18 +7291,32 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
 
 
 def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
-    bad = tmp_path / "bad"
-    bad.mkdir()
+    """A bad path or file ends in one line `error: ...` naming it, exit status 2; a flag mistake
+    in argparse's usage and error."""
+    bad, empty, acc = tmp_path / "bad", tmp_path / "empty", tmp_path / "acc"
+    for d in (bad, empty, acc):
+        d.mkdir()
     (bad / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{oops\n')
-    for argv, says in (
-        ([str(tmp_path / "missing")], "no log.jsonl there"),
-        ([str(bad)], "log.jsonl line 2: not JSON"),
-        ([str(bad), str(bad)], "--out"),
+    (empty / "log.jsonl").write_text("")
+    (acc / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
+    for argv, says, one_line in (
+        ([str(tmp_path / "missing")], "no log.jsonl there", True),
+        ([str(bad)], "log.jsonl line 2: not JSON", True),
+        ([str(empty)], "log.jsonl: no records yet", True),
+        ([str(acc)], "acceptance.json: not valid JSON", True),
+        ([str(acc)], "acceptance.json: no block_size", True),
+        ([str(acc), "--out", str(tmp_path / "no" / "p.svg")], "no folder", True),
+        ([str(bad), str(bad)], "--out", False),
     ):
+        if "acceptance.json" in says:
+            (acc / "acceptance.json").write_text("{oops" if "JSON" in says else "[1]")
+        else:
+            (acc / "acceptance.json").unlink(missing_ok=True)
         with pytest.raises(SystemExit) as stop:
             common.run(lambda: plot.main(argv))
-        last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert stop.value.code == 2 and "error: " in last and says in last, last
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and "error: " in err[-1] and says in err[-1], err
+        assert len(err) == 1 or not one_line, err
 
 
 # ============================================================================ the project's shape

@@ -22,13 +22,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
+from compat.config_json import read_json
 from support import draw
 from support.common import run
 from support.metrics import acceptance_file, read_acceptance
 
-# (panel, series name, record kinds, record key, dashed) for each line of the step panels
+# (panel, series name, record kinds, record key, dashed) for each line of the step panels. The train
+# line is the loss's base term (base_loss; loss in a log without it): a held-out loss has no
+# selector term (alpha_t), so the two lines measure the same thing.
 LINES = [
-    ("loss", "train loss", ("train",), "loss", False),
+    ("loss", "train loss", ("train",), "base_loss", False),
     ("loss", "held-out loss", ("eval", "final"), "loss", True),
     ("tau", "selector path", ("eval", "final"), "accept_selector", False),
     ("tau", "unary path", ("eval", "final"), "accept_unary", True),
@@ -36,10 +39,10 @@ LINES = [
 ]
 
 KEY = [
-    "solid: the training loss; held-out tau on the selector's path (DFlash2) and the share of "
-    "held-out blocks accepted up to each position (acceptance.json)",
-    "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash "
-    "has only these); a large dot: served tau, the real decoding loop (tools/served.py)",
+    "solid: the training loss (its base term); held-out tau on the selector's path (DFlash2); the",
+    "    share of held-out blocks accepted up to each position (acceptance.json)",
+    "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash",
+    "    has only these); a large dot: served tau, the real decoding loop (tools/served.py)",
 ]
 
 
@@ -59,16 +62,24 @@ def read_log(path: str) -> tuple:
             if not (isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r):
                 raise ValueError(f"{file} line {n}: not a train.py record (kind, step, ...)")
             records.append(r)
+    if not records:
+        raise ValueError(f"{file}: no records yet (train.py writes one every --log-interval steps)")
     return os.path.dirname(os.path.abspath(file)), records
+
+
+def value(record, key):
+    """The number a record holds at key (base_loss: loss where it has none), or None."""
+    v = record.get(key, record.get("loss") if key == "base_loss" else None)
+    return v if isinstance(v, (int, float)) else None
 
 
 def points(records, kinds, key) -> list:
     """[(step, value)] of the records of these kinds that hold a number at key, by step; a step
     logged twice (a resumed run) keeps its later record."""
     by_step = {
-        r["step"]: r[key]
+        r["step"]: value(r, key)
         for r in records
-        if r["kind"] in kinds and isinstance(r.get(key), (int, float))
+        if r["kind"] in kinds and value(r, key) is not None
     }
     return sorted(by_step.items())
 
@@ -78,8 +89,10 @@ def by_position(folder: str):
     file = acceptance_file(folder)
     if not os.path.isfile(file):
         return {}
-    with open(file) as f:
-        block_size = json.load(f).get("block_size")
+    d = read_json(file)  # it names the file if it is not JSON
+    block_size = d.get("block_size") if isinstance(d, dict) else None
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(f"{file}: no block_size (an integer >= 2)")
     stats = read_acceptance(folder, block_size) or {}  # it checks the file, naming it
     return {mode: s["accepted"] for mode, s in stats.items()}
 
@@ -89,7 +102,9 @@ def picture(runs: list, title: str) -> draw.Svg:
     svg, w, h = draw.Svg(), 300, 210
     svg.text(10, 14, title, "title")
     panels = {"loss": (70, "loss", "step"), "tau": (70 + w + 80, "held-out tau", "step")}
-    for panel, (x, name, xlabel) in panels.items():
+    steps = [r["step"] for _, records, _ in runs for r in records]
+    xticks = draw.ticks(min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1)
+    for panel, (x, name, xlabel) in panels.items():  # both against the same steps
         series = []
         for k, (label, records, _) in enumerate(runs):
             for p, line, kinds, key, dashed in LINES:
@@ -100,7 +115,7 @@ def picture(runs: list, title: str) -> draw.Svg:
                     radius = 6 if key == "served_path_tau" else 3
                     s = dict(points=pts, color=color, run=label, name=line, dashed=dashed)
                     series.append(dict(s, dots=dots, radius=radius))
-        draw.chart(svg, x, 60, w, h, series, name, xlabel)
+        draw.chart(svg, x, 60, w, h, series, name, xlabel, xticks)
     series, L = [], 0
     for k, (label, _, accepted) in enumerate(runs):
         for mode, shares in accepted.items():
