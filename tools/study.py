@@ -1,7 +1,8 @@
 """What DFlash2 buys, measured: its pieces and the selector objective's forms, trained at equal
 data and steps from ONE prepared data set, several seeds each (docs/study.md).
 
-    python tools/study.py --quick      # the toy target (run.sh --toy's): about 15 min on 2 cores
+    python tools/study.py --quick      # the toy target (run.sh --toy's): 26 runs, 44 min on 2
+                                       # cores shared with other work (docs/study-quick.md)
     python tools/study.py --data data/smollm2-math/train --eval-data data/smollm2-math/eval
                                        # the embedded target on the main job's data: hours
 
@@ -180,21 +181,35 @@ def table(results: dict, names: list) -> list:
 
 
 def cpu_name() -> str:
-    with open("/proc/cpuinfo") if os.path.isfile("/proc/cpuinfo") else open(os.devnull) as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return f"{names[0] if names else platform.processor()}, {os.cpu_count()} cores"
+    """The CPU, as a speed number names it: model, family and model numbers, its widest vectors."""
+    info = open("/proc/cpuinfo").read() if os.path.isfile("/proc/cpuinfo") else ""
+    fields = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags", "").split()
+    kind = "AVX2 only"
+    for flag, name in (
+        ("avx512f", "AVX-512"),
+        ("avx512_bf16", "AVX-512 with bf16"),
+        ("amx_tile", "AMX"),
+    ):
+        kind = name if flag in flags else kind
+    model = fields.get("model name", platform.processor())
+    numbers = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
 def page(args, results, spent: list, figure) -> str:
     arms = list(args.arms)
     sizes = [f"{arm}-{n}" for n in args.sizes for arm in ("dflash", "dflash2")]
-    what = "the toy target (run.sh --toy's)" if args.quick else f"the target {args.target}"
+    what = "The toy target (run.sh --toy's)" if args.quick else f"The target {args.target}"
     lines = [
         f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
         "",
         f"Made by `python tools/study.py {' '.join(args.argv)}` on {cpu_name()}, torch "
         f"{torch.__version__}, in {sum(spent) / 60:.1f} min of wall time over {len(spent)} "
-        f"invocation(s) (it resumes). "
+        f"invocation(s) (it resumes). {args.note + ' ' if args.note else ''}"
         f"{what}; every arm trained on the same prepared data for {args.epochs} epochs, "
         f"{args.seeds} seeds each; served tau over {args.prompts} held-out prompts, greedy.",
         "",
@@ -233,8 +248,10 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=bounded(int, low=1), default=16, help="served, per run")
     p.add_argument("--jobs", type=bounded(int, low=1), default=2, help="trainings at a time")
     p.add_argument("--docs", action="store_true", help="also write docs/study[-quick].md, figure")
+    p.add_argument("--note", default="", help="a sentence for the page, e.g. what else was running")
     args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = [a for i, a in enumerate(argv) if "--note" not in argv[i - 1 : i + 1]]
     if args.quick == bool(args.data):
         p.error("give --quick (the toy target) or --data and --eval-data (prepared features)")
     if args.data and not args.eval_data:
