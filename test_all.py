@@ -1039,6 +1039,8 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
     assert (q1[0] > 0).sum() == (3 if use_selector else V)
     if use_selector:  # and it is not the unary softmax
         assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
+    else:  # the unary softmax at the sampling temperature, not at 1
+        assert torch.allclose(q1[0], torch.softmax(u[0, 0] / 0.8, -1))
 
 
 # ---------------------------------------------------------------------------- tree.py

@@ -20,7 +20,9 @@ the reason was wrong. Exit status 1 if a non-equivalent break survives, or one i
 tests other than the ones it names (its rule's Pinned by line is then stale); 2 on a usage error.
 
 The tests run in forked children of one process that has imported torch and transformers once, so
-a break costs its tests and the project's imports, not a fresh interpreter. The text check
+a break costs its tests and the project's imports, not a fresh interpreter. A run that takes more
+than 5 times the unbroken subset's time (at least a minute) is stopped and counts as caught: a
+break that makes decoding loop forever is one that a learner would notice. The text check
 test_walkthrough_exercises_name_the_lines_they_change is left out: it fails on any edit of a line
 an exercise quotes, whatever that edit does.
 
@@ -32,6 +34,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -412,9 +415,10 @@ class Failures:
                 f.write(report.nodeid.split("::")[-1].split("[")[0] + "\n")
 
 
-def run_tests(repo: str, select: str, stop_first: bool, log: str) -> set:
+def run_tests(repo: str, select: str, stop_first: bool, log: str, limit: int = 0) -> set:
     """pytest -m method [-k select] [-x] in a forked child that imports the project from repo ->
-    the names of the failing tests (empty: all passed)."""
+    the names of the failing tests (empty: all passed). With limit, the child is stopped after
+    limit seconds, and the answer says so."""
     failed = os.path.join(repo, ".failed")
     if os.path.exists(failed):
         os.remove(failed)
@@ -424,6 +428,7 @@ def run_tests(repo: str, select: str, stop_first: bool, log: str) -> set:
             os.chdir(repo)
             sys.path[:] = [repo] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
             sys.dont_write_bytecode = True
+            signal.alarm(limit)  # 0: none; else SIGALRM ends the child
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
@@ -440,12 +445,14 @@ def run_tests(repo: str, select: str, stop_first: bool, log: str) -> set:
     _, status = os.waitpid(pid, 0)
     rc = os.waitstatus_to_exitcode(status)
     names = set(open(failed).read().split()) if os.path.exists(failed) else set()
+    if rc == -signal.SIGALRM:
+        return names | {f"<timed out after {limit} s>"}
     if rc != 0 and not names:  # crashed before any test reported (an import error, a segfault)
         names = {f"<exit {rc}: {open(log).read()[-300:].strip()}>"}
     return names
 
 
-def try_break(repo: str, b: Break, log: str, select: str = None) -> tuple:
+def try_break(repo: str, b: Break, log: str, limit: int, select: str = None) -> tuple:
     """Apply b in repo, run its tests, then (if none failed) all of -m method; restore ->
     (failed tests, stage: 1 its own tests, 2 the whole subset, 0 survived). With select (a -k
     expression) only the -m method tests it selects run, in one stage."""
@@ -455,13 +462,13 @@ def try_break(repo: str, b: Break, log: str, select: str = None) -> tuple:
         with open(path, "w") as f:
             f.write(original.replace(b.old, b.new, 1))
         if select:
-            failed = run_tests(repo, f"({select}) and {SKIP}", False, log)
+            failed = run_tests(repo, f"({select}) and {SKIP}", False, log, limit)
             return failed, (1 if failed else 0)
         own = " or ".join(b.tests)
-        failed = run_tests(repo, f"({own}) and {SKIP}", False, log)
+        failed = run_tests(repo, f"({own}) and {SKIP}", False, log, limit)
         if failed:
             return failed, 1
-        failed = run_tests(repo, SKIP, True, log)
+        failed = run_tests(repo, SKIP, True, log, limit)
         return failed, (2 if failed else 0)
     finally:
         with open(path, "w") as f:
@@ -527,9 +534,11 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 1
-        print(f"baseline: -m method passes ({time.time() - t0:.0f} s)")
+        baseline = time.time() - t0
+        limit = max(60, round(5 * baseline))
+        print(f"baseline: -m method passes ({baseline:.0f} s); a run is stopped after {limit} s")
         for b in tqdm(breaks, desc="breaks", unit="break", file=sys.stdout):
-            failed, stage = try_break(repo, b, log, args.k)
+            failed, stage = try_break(repo, b, log, limit, args.k)
             results.append((b, failed, stage))
     return report(results) or int(bool(stale))
 
