@@ -1573,6 +1573,55 @@ def test_draft_tree_scores_by_hand(plain):
     assert t == tree.Tree([2, 0, 0, 1], [-1, 0, 1, 1], [0, 1, 2, 2])
 
 
+# pins docs/semantics.md section 2.1 (found by mutmut: the slot index built on the CPU)
+@pytest.mark.method
+def test_conv_runs_on_its_inputs_device():
+    """The convolution builds its slot index on the input's device. The "meta" device refuses to mix
+    with CPU tensors, as a GPU does, so this holds on a machine without one."""
+    conv = GroupedDynamicCausalConv(8, 2, 4, block_size=3).to("meta")
+    y = conv(torch.empty(1, 6, 8, device="meta"), torch.tanh)
+    assert y.device.type == "meta" and y.shape == (1, 6, 8)
+
+
+# pins docs/semantics.md section 2.2 (found by mutmut: an unsorted top-k)
+@pytest.mark.method
+def test_top_k_candidates_sorted_best_first():
+    """C_j = TopK(u_j), sorted best first: u = [1, 6, 3, 5, 2, 8, 4, 7] -> scores 8, 7, 6, 5 at ids
+    5, 7, 1, 3. Replace mode (section 4) overwrites the last of them, so the order matters."""
+    scores, ids = top_k_candidates(torch.tensor([[1.0, 6, 3, 5, 2, 8, 4, 7]]), 4)
+    assert scores.tolist() == [[8.0, 7.0, 6.0, 5.0]] and ids.tolist() == [[5, 7, 1, 3]]
+
+
+# pins docs/semantics.md section 2.2 (found by mutmut: the caller's generator dropped)
+@pytest.mark.method
+def test_selector_samples_from_the_generator_it_is_given():
+    """A sampled proposal draws from the caller's generator only: the same seed gives the same draws
+    whatever the global generator holds, and slot 1's picks are the generator's first multinomial
+    draws from q_1."""
+    s, g = make_selector(seed=4), torch.Generator().manual_seed(5)
+    h, u = torch.randn(16, 3, 12, generator=g), torch.randn(16, 3, 30, generator=g)
+    draws = []
+    with torch.no_grad():
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            ids, q, cands = s.propose(h, u, torch.arange(16), 0.7, torch.Generator().manual_seed(0))
+            draws.append(ids)
+    first = torch.multinomial(q[:, 0], 1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draws[0], draws[1])
+    assert torch.equal(ids[:, 0], cands[:, 0].gather(-1, first).squeeze(-1))
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_walk_by_hand():
+    """The walk moves to the child of the current node that holds the target's token. The anchor's
+    children: 5 (node 1), 7 (node 3); node 1's: 7 (node 2). The target says 5 at the anchor, 7 after
+    node 1, 9 after node 2 (8 after node 3): it accepts nodes 1, 2, and 9 is the bonus."""
+    t = tree.Tree([4, 5, 7, 7], [-1, 0, 1, 0], [0, 1, 2, 1])
+    logits = torch.nn.functional.one_hot(torch.tensor([5, 7, 9, 8]), 10).float()
+    assert tree.walk(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
+
+
 # ---------------------------------------------------------------------------- properties over
 # random small configs (hypothesis). The examples are derandomized (the same every run); the
 # "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run).
