@@ -26,8 +26,9 @@ break that makes decoding loop forever is one that a learner would notice. The t
 test_walkthrough_exercises_name_the_lines_they_change is left out: it fails on any edit of a line
 an exercise quotes, whatever that edit does.
 
-The mechanical breaks (source "mutmut") are the operators mutmut 3.8 applied to conv.py and
-selector.py (docs/mutants.md records that run); its equivalent mutants are listed with reasons.
+The mechanical breaks (source "mutmut") are the mutants that mutmut 3.8.0 made of conv.py and
+selector.py, survived -m method, and are real breaks; docs/mutants.md records that run and lists
+the equivalent mutants, each with the reason no test can tell it from the original.
 """
 
 import argparse
