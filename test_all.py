@@ -1624,7 +1624,9 @@ def test_tree_walk_by_hand():
 
 # ---------------------------------------------------------------------------- properties over
 # random small configs (hypothesis). The examples are derandomized (the same every run); the
-# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run).
+# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run), and
+# "mutants" the same as "method" without shrinking a failing example to a smallest one, which can
+# take minutes (tools/mutants.py only asks whether a test fails).
 hypothesis.settings.register_profile(
     "method",
     max_examples=5,
@@ -1635,6 +1637,11 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile(
     "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
+)
+hypothesis.settings.register_profile(
+    "mutants",
+    parent=hypothesis.settings.get_profile("method"),
+    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
 )
 hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
 

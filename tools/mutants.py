@@ -19,12 +19,14 @@ from the original). An equivalent break is run too, and one that some test catch
 the reason was wrong. Exit status 1 if a non-equivalent break survives, or one is caught only by
 tests other than the ones it names (its rule's Pinned by line is then stale); 2 on a usage error.
 
-The tests run in forked children of one process that has imported torch and transformers once, so
-a break costs its tests and the project's imports, not a fresh interpreter. A run that takes more
-than 5 times the unbroken subset's time (at least a minute) is stopped and counts as caught: a
-break that makes decoding loop forever is one that a learner would notice. The text check
-test_walkthrough_exercises_name_the_lines_they_change is left out: it fails on any edit of a line
-an exercise quotes, whatever that edit does.
+The tests run in forked children of one process that has imported torch and transformers once, so a
+break costs its tests and the project's imports, not a fresh interpreter. The property tests draw
+the examples they draw in -m method, but do not shrink a failing one (the "mutants" profile of
+test_all.py): the run only asks whether a test fails. A run that takes more than 5 times the
+unbroken subset's time (at least a minute) is stopped and counts as caught: a break that makes
+decoding loop forever is one that a learner would notice. The text check
+test_walkthrough_exercises_name_the_lines_they_change is left out: it fails on any edit of a line an
+exercise quotes, whatever that edit does.
 
 The mechanical breaks (source "mutmut") are the mutants that mutmut 3.8.0 made of conv.py and
 selector.py, survived -m method, and are real breaks; docs/mutants.md records that run and lists
@@ -534,6 +536,8 @@ def main(argv=None) -> int:
         return int(bool(stale))
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the property tests draw the examples of -m method, but a failing one is not shrunk
+    os.environ.setdefault("DFLASH2_HYPOTHESIS", "mutants")
     import torch  # noqa: F401  imported once, before the forks: the children share it
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.mistral.modeling_mistral  # noqa: F401
