@@ -1039,6 +1039,8 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
     assert (q1[0] > 0).sum() == (3 if use_selector else V)
     if use_selector:  # and it is not the unary softmax
         assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
+    else:  # the unary softmax at the sampling temperature, not at 1
+        assert torch.allclose(q1[0], torch.softmax(u[0, 0] / 0.8, -1))
 
 
 # ---------------------------------------------------------------------------- tree.py
@@ -1571,9 +1573,60 @@ def test_draft_tree_scores_by_hand(plain):
     assert t == tree.Tree([2, 0, 0, 1], [-1, 0, 1, 1], [0, 1, 2, 2])
 
 
+# pins docs/semantics.md section 2.1 (found by mutmut: the slot index built on the CPU)
+@pytest.mark.method
+def test_conv_runs_on_its_inputs_device():
+    """The convolution builds its slot index on the input's device. The "meta" device refuses to mix
+    with CPU tensors, as a GPU does, so this holds on a machine without one."""
+    conv = GroupedDynamicCausalConv(8, 2, 4, block_size=3).to("meta")
+    y = conv(torch.empty(1, 6, 8, device="meta"), torch.tanh)
+    assert y.device.type == "meta" and y.shape == (1, 6, 8)
+
+
+# pins docs/semantics.md section 2.2 (found by mutmut: an unsorted top-k)
+@pytest.mark.method
+def test_top_k_candidates_sorted_best_first():
+    """C_j = TopK(u_j), sorted best first: u = [1, 6, 3, 5, 2, 8, 4, 7] -> scores 8, 7, 6, 5 at ids
+    5, 7, 1, 3. Replace mode (section 4) overwrites the last of them, so the order matters."""
+    scores, ids = top_k_candidates(torch.tensor([[1.0, 6, 3, 5, 2, 8, 4, 7]]), 4)
+    assert scores.tolist() == [[8.0, 7.0, 6.0, 5.0]] and ids.tolist() == [[5, 7, 1, 3]]
+
+
+# pins docs/semantics.md section 2.2 (found by mutmut: the caller's generator dropped)
+@pytest.mark.method
+def test_selector_samples_from_the_generator_it_is_given():
+    """A sampled proposal draws from the caller's generator only: the same seed gives the same draws
+    whatever the global generator holds, and slot 1's picks are the generator's first multinomial
+    draws from q_1."""
+    s, g = make_selector(seed=4), torch.Generator().manual_seed(5)
+    h, u = torch.randn(16, 3, 12, generator=g), torch.randn(16, 3, 30, generator=g)
+    draws = []
+    with torch.no_grad():
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            ids, q, cands = s.propose(h, u, torch.arange(16), 0.7, torch.Generator().manual_seed(0))
+            draws.append(ids)
+    first = torch.multinomial(q[:, 0], 1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draws[0], draws[1])
+    assert torch.equal(ids[:, 0], cands[:, 0].gather(-1, first).squeeze(-1))
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_walk_by_hand():
+    """The walk moves to the child of the current node that holds the target's token. The anchor's
+    children: 5 (node 1), 7 (node 3); node 1's: 7 (node 2). The target says 5 at the anchor, 7 after
+    node 1, 9 after node 2 (8 after node 3): it accepts nodes 1, 2, and 9 is the bonus."""
+    t = tree.Tree([4, 5, 7, 7], [-1, 0, 1, 0], [0, 1, 2, 1])
+    logits = torch.nn.functional.one_hot(torch.tensor([5, 7, 9, 8]), 10).float()
+    assert tree.walk(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
+
+
 # ---------------------------------------------------------------------------- properties over
 # random small configs (hypothesis). The examples are derandomized (the same every run); the
-# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run).
+# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run), and
+# "mutants" the same as "method" without shrinking a failing example to a smallest one, which can
+# take minutes (tools/mutants.py only asks whether a test fails).
 hypothesis.settings.register_profile(
     "method",
     max_examples=5,
@@ -1584,6 +1637,11 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile(
     "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
+)
+hypothesis.settings.register_profile(
+    "mutants",
+    parent=hypothesis.settings.get_profile("method"),
+    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
 )
 hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
 
@@ -1695,8 +1753,8 @@ def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
         assert torch.allclose(conv(a, f), conv_loop(conv, a, f), atol=1e-5)
 
 
-# docs/semantics.md section 4 (total). TODO(lead): loss.py's plain unchunked reference objective
-# joins this property: objective(chunk_blocks=...) == the reference, for every loss and weighting.
+# docs/semantics.md section 4 (total); where the draw is the reference's own case (ce, exp weights,
+# strict), loss.reference_objective, the definition in one piece, gives the same sums too
 @pytest.mark.method
 @hypothesis.given(
     st.sampled_from(["ce", "tv", "kl", "lk"]),
@@ -1705,6 +1763,7 @@ def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
     st.integers(1, 4),
     st.integers(0, 2**16),
 )
+@hypothesis.example("ce", "exp", "strict", 2, 0)  # the reference's case, every run
 def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
     """Numerator, denominator and every metric are the same in chunks of 1..4 anchors as in one
     (5 anchors: the last chunk is shorter unless the chunk divides 5)."""
@@ -1718,6 +1777,14 @@ def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chun
         )
     assert torch.allclose(one["numerator"], parts["numerator"], rtol=1e-5)
     assert torch.allclose(one["denominator"], parts["denominator"])
+    if (loss, weighting, miss) == ("ce", "exp", "strict"):
+        with torch.no_grad():
+            h = model.forward_training(draft, embed, ids, feats, anchors)
+            num, den = L.reference_objective(
+                draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.5
+            )
+        assert torch.allclose(num, parts["numerator"], rtol=1e-5)
+        assert torch.allclose(den, parts["denominator"])
     for name, (n, d) in one["metrics"].items():
         n, d, (pn, pd) = torch.as_tensor(n), torch.as_tensor(d), parts["metrics"][name]
         assert torch.allclose(n, pn, rtol=1e-5, atol=1e-6) and torch.allclose(d, pd), name
