@@ -115,6 +115,7 @@ from support.common import end_distributed
 from support.target import (
     convert_embedded,
     crop,
+    decoder_layers,
     embedded_dir,
     encode,
     load_target,
@@ -4659,7 +4660,6 @@ def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
     head are read): none is built, its config still counts the checkpoint's 4 for the layer-id
     check, and the embedding and head equal the whole model's, for a Llama and a Qwen3 (whose
     per-layer layer_types shrink with the count). Online, the target is whole."""
-    from target import decoder_layers, load_target
 
     loaded = []
 
