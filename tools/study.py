@@ -258,7 +258,7 @@ def parse_args(argv=None):
         p.error("--data: give --eval-data too, the held-out features every arm is measured on")
     quick = args.quick
     args.out = args.out or ("out/study-quick" if quick else "out/study")
-    args.epochs = args.epochs or (2 if quick else 2)
+    args.epochs = args.epochs or 2  # both sizes: 2 epochs
     args.eval_interval = args.eval_interval or (50 if quick else 200)
     args.sizes = args.sizes if args.sizes is not None else ([150, 300] if quick else [250, 500])
     args.recipe = TOY_TRAIN if quick else ["--num-anchors", "32", "--lr", "1e-3"]
