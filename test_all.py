@@ -5182,40 +5182,54 @@ def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch
     assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__
 
 
-def test_plan_times_the_feature_step_per_conversation_after_a_warm_up(monkeypatch):
-    """capture_s runs prepare.py's own feature step once on one conversation (warm-up, not timed),
-    then on n, and divides by n: a fake step taking 0.02 s a conversation gives 0.02 s."""
+def test_plan_times_each_probe_round_after_round_after_one_untimed_call(monkeypatch):
+    """in_rounds: one untimed call of each probe, then each timed twice in turn, three rounds; a
+    probe's figure is the median of its six timings. A probe slow (0.3 s) in its untimed first call
+    and one timed call, then 0.01 s, reads 0.01; the calls interleave, so no probe is timed in one
+    burst."""
     calls = []
 
-    def fake(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
-        calls.append((len(conversations), os.path.isdir(out_dir), save_target_hidden))
-        # a slow first call
-        time.sleep(0.02 * len(conversations) + (0.5 if len(calls) == 1 else 0))
+    def probe(name, slow_calls):
+        def step():
+            calls.append(name)
+            time.sleep(0.3 if calls.count(name) <= slow_calls else 0.01)
 
-    monkeypatch.setattr(prepare, "write_features", fake)
-    assert 0.02 <= plan.capture_s(None, None, [0], n=8) < 0.04
-    assert calls == [(1, True, True), (8, True, True)]
+        return step
+
+    seconds = plan.in_rounds({"a": probe("a", 2), "b": probe("b", 0)})
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert 0.01 <= seconds["a"] < 0.05 and 0.01 <= seconds["b"] < 0.05
 
 
-def test_plan_times_train_py_s_own_step_after_its_slow_first_steps(monkeypatch):
-    """train_step_s times train.py's train_step itself (clipping, metrics and the schedule with the
-    objective), on one batch of 32 anchors; it leaves the first 3 steps untimed and takes the median
-    of the next 5. A fake step slow (0.5 s) four times, then 0.02 s, gives 0.02 s: the fourth is one
-    slow step of five, which the median drops. Timed from the second step it would read 0.5 s (as
-    the slow first steps read 0.58 s in a job whose steps then ran at 0.32)."""
-    calls = []
+def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):
+    """capture_step runs prepare.py's own feature step on n conversations into a new folder per
+    call; train_step runs train.py's train_step (clipping, metrics, the schedule with the objective)
+    on one batch of 32 anchors, three times before it returns (a fresh draft's first steps are
+    slow: timed, two of them read 0.58 s in a job whose steps then ran at 0.32)."""
+    written = []
 
-    def fake(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
-        calls.append((len(batches), int(batches[0]["anchor_valid"].sum()), world, alpha_t))
-        time.sleep(0.5 if len(calls) <= 4 else 0.02)
+    def features(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
+        written.append((len(conversations), os.path.relpath(out_dir, tmp_path), save_target_hidden))
 
-    monkeypatch.setattr(train, "train_step", fake)
+    monkeypatch.setattr(prepare, "write_features", features)
+    step = plan.capture_step(None, None, [0], str(tmp_path), n=8)
+    step(), step()
+    assert written == [(8, "1", True), (8, "2", True)]
+
+    steps = []
+
+    def one_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
+        steps.append((len(batches), int(batches[0]["anchor_valid"].sum()), world, alpha_t))
+
+    monkeypatch.setattr(train, "train_step", one_step)
     # the toy draft (vocabulary 384, width 64) and a stand-in target: its embeddings only
     target = torch.nn.Module()
     target.get_input_embeddings = lambda: torch.nn.Embedding(384, 64)
     target.get_output_embeddings = lambda: torch.nn.Linear(64, 384, bias=False)
-    assert 0.02 <= plan.train_step_s(["--draft-config", "configs/toy-dflash2.json"], target) < 0.1
-    assert calls == [(1, 32, 1, 0.5)] * 8  # 3 untimed, 5 timed
+    step = plan.train_step(["--draft-config", "configs/toy-dflash2.json"], target)
+    assert steps == [(1, 32, 1, 0.5)] * 3
+    step()
+    assert len(steps) == 4
 
 
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
@@ -7636,9 +7650,9 @@ def test_plan_curve_reproduces_the_measured_drafts_and_credits_repeats_only_wher
 
 
 def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefill(monkeypatch):
-    """forward_s fills the KV cache with `context` positions of random keys and values, runs the
-    forward of rows x tokens (a warm-up and `repeats` timed), and crops back each time: every call
-    sees the same cache length, and no call is a prefill."""
+    """forward_step fills the KV cache with `context` positions of random keys and values, and each
+    call runs the forward of rows x tokens and crops back: every call sees the same cache length,
+    and no call is a prefill."""
     target, seen = tiny_target("llama"), []
 
     def spy(module, args, kw):
@@ -7646,12 +7660,13 @@ def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefi
         seen.append((tuple(kw["input_ids"].shape), cache.get_seq_length()))
 
     target.register_forward_pre_hook(spy, with_kwargs=True)
-    assert plan.forward_s(target, 4, 2, 10, repeats=3) > 0
-    assert seen == [((4, 2), 10)] * 4
+    step = plan.forward_step(target, 4, 2, 10)
+    step(), step(), step()
+    assert seen == [((4, 2), 10)] * 3
 
 
 def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
-    """The fast machine's costs times k: every plan fits 95% of its budget with each fixed cost
+    """The fast machine's costs times k: every plan fits 92% of its budget with each fixed cost
     within its share or at its floor, or the budget is refused for a larger one that does."""
     for k in (1, 2, 4, 8, 12, 16, 24):
         c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})

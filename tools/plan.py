@@ -62,6 +62,7 @@ import argparse
 import contextlib
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -76,7 +77,7 @@ import model  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from compat.config_json import load_config  # noqa: E402
-from speed import cost, machine, tune  # noqa: E402
+from speed import machine, tune  # noqa: E402
 from speed.auto import priced_sizes  # noqa: E402
 from speed.gemm import drop_packs  # noqa: E402
 from support.common import bounded, run  # noqa: E402
@@ -90,12 +91,16 @@ CAPTURE_CONVERSATION = [
     {"role": "user", "content": "How many apples are left at the end? " * 2},
     {"role": "assistant", "content": "She has 12 apples and gives 5 away, so 7 are left. " * 7},
 ]
-# transformers' generate ran its 64-row steps at 0.62-0.76 (mean 0.69, 7 pairs) of forward_s's
+# transformers' generate ran its 64-row steps at 0.62-0.76 (mean 0.69, 7 pairs) of forward_step's
 # step at the same mean context, on the AMD EPYC with avx512_bf16, the probe and a real batch
 # of 160 steps taken in turn in one process. Not the cache's contents (random, prefilled, zeros),
 # its cropping, position ids, logits_to_keep or the cache object generate makes: each of those
 # timed alike. The cause is not found; the ratio prices it.
 REGEN_RATIO = 0.69
+# train.py's steps (80 of them from step 10, on the maths answers) ran 0.99-1.34 (mean 1.16, 5
+# pairs, the same machine, the probe and the run in turn) of train_step's: the probe leaves out
+# the data (reading shards, collating rows of varying length) and the log
+TRAIN_RATIO = 1.16
 LOAD_S = 50  # loading the target five times (plan, prepare twice, train, served), the export
 # of the budget: a shared VM's speed drifts by a tenth within one job (README, Your machine), and
 # on the AMD EPYC of docs/results-amd-epyc.md its probes read up to 30% apart minutes apart: 92%
@@ -347,12 +352,13 @@ def choose(
 
 
 # ------------------------------------------------------------------------------- the probes
+# Each probe is a function that runs its piece of the job once; in_rounds times them all.
 @torch.no_grad()
-def forward_s(target, rows: int, tokens: int, context: int, repeats: int = 5) -> float:
-    """Median seconds of one target forward of `tokens` new tokens in `rows` rows after `context`
-    cached ones, the cache filled with random keys and values: a forward's cost does not depend on
-    them, and no prefill of rows x context tokens is paid (on a slow CPU that prefill cost a
-    minute)."""
+def forward_step(target, rows: int, tokens: int, context: int):
+    """One target forward of `tokens` new tokens in `rows` rows after `context` cached ones, the
+    cache filled with random keys and values: a forward's cost does not depend on them, and no
+    prefill of rows x context tokens is paid (on a slow CPU that prefill cost a minute). Each call
+    crops the cache back, so every call sees the same context."""
     cfg, p = target.config, next(target.parameters())
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     shape = (rows, cfg.num_key_value_heads, context, head_dim)
@@ -361,22 +367,20 @@ def forward_s(target, rows: int, tokens: int, context: int, repeats: int = 5) ->
         cache.update(torch.randn(shape, dtype=p.dtype), torch.randn(shape, dtype=p.dtype), layer)
     block = torch.randint(0, cfg.vocab_size, (rows, tokens))
 
+    @torch.no_grad()
     def step():
         target(input_ids=block, **with_cache(target, cache))
-        crop(cache, context)  # back to the same context every time
+        crop(cache, context)
 
-    seconds = cost.median_ms(step, repeats) / 1000
-    drop_packs(target)  # MKL's packs for these rows: a copy of the weights each
-    return seconds
+    return step
 
 
-def train_step_s(cfg_args: list, target, repeats: int = 5, warm: int = 3) -> float:
-    """Median seconds of one step of train.py's own train_step (objective, backward, clipping,
-    metrics, fused AdamW and its schedule) on one random conversation of the maths answers' mean
-    shape (180 tokens, 117 supervised, bf16 features as prepare.py stores them) with 32 anchors.
-    The first steps of a fresh draft run slow (allocation, oneDNN's kernels for new shapes): the
-    median of two steps after one warm-up read 0.58 s in a job whose 2,000 steps then ran at 0.32,
-    so `warm` steps go untimed."""
+def train_step(cfg_args: list, target, warm: int = 3):
+    """One step of train.py's own train_step (objective, backward, clipping, metrics, fused AdamW
+    and its schedule) on one random conversation of the maths answers' mean shape (180 tokens, 117
+    supervised, bf16 features as prepare.py stores them) with 32 anchors. A fresh draft's first
+    steps run slow (allocation, oneDNN's kernels for new shapes; timed, two of them read 0.58 s in a
+    job whose 2,000 steps then ran at 0.32): `warm` steps are run here, untimed."""
     args = train.parse_args(
         ["--data", "-", "--num-anchors", "32", "--attention", "sdpa", *cfg_args]
     )
@@ -406,33 +410,50 @@ def train_step_s(cfg_args: list, target, repeats: int = 5, warm: int = 3) -> flo
             objective, opt, sched, params, [batch], alpha, args, 1, contextlib.nullcontext, autocast
         )
 
-    for _ in range(warm - 1):  # median_ms runs one more
+    for _ in range(warm):
         step()
-    return cost.median_ms(step, repeats) / 1000
+    return step
 
 
-def capture_s(target, tokenizer, layer_ids, n: int = 3) -> float:
-    """Seconds of prepare.py's feature step per conversation (CAPTURE_CONVERSATION, n of them, one
-    shard, written to a temporary folder after one of warm-up; its progress bars are not shown)."""
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        open(os.devnull, "w") as quiet,
-        contextlib.redirect_stderr(quiet),
-    ):
-        for name, count in (("warm", 1), ("timed", n)):
-            folder = os.path.join(tmp, name)
-            os.makedirs(folder)
-            t0 = time.perf_counter()
+def capture_step(target, tokenizer, layer_ids, folder: str, n: int = 3):
+    """prepare.py's feature step on n conversations (CAPTURE_CONVERSATION), one shard, written to a
+    new folder under `folder` on each call; its progress bars are not shown."""
+    calls = []
+
+    def step():
+        calls.append(None)
+        out = os.path.join(folder, str(len(calls)))
+        os.makedirs(out)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
             prepare.write_features(
                 target,
                 tokenizer,
-                [CAPTURE_CONVERSATION] * count,
-                folder,
+                [CAPTURE_CONVERSATION] * n,
+                out,
                 layer_ids,
                 save_target_hidden=True,
             )
-            seconds = time.perf_counter() - t0
-    return seconds / n
+
+    return step
+
+
+def in_rounds(probes: dict, rounds: int = 3, repeats: int = 2) -> dict:
+    """{name: a function that runs it once} -> {name: its median seconds a call}. One untimed call
+    of each first (first calls allocate), then every probe timed `repeats` times in turn, round
+    after round: each median is taken over the whole measurement, not one burst. A shared VM's
+    speed drifts over seconds: a fixed GEMM timed for 40 s on the AMD EPYC of
+    docs/results-amd-epyc.md read 1.0 to 1.6 times its fastest, and a training step timed in one
+    burst read 0.64 s where it read 0.32 a minute later."""
+    for step in probes.values():
+        step()
+    times = {name: [] for name in probes}
+    for _ in range(rounds):
+        for name, step in probes.items():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def served_costs(t_1: float, t_verify: float, t_prefill: float, layouts: int, sizes: int) -> tuple:
@@ -483,10 +504,10 @@ def measure(args) -> tuple:
     decode_dtype = machine.resolve_dtype("auto", "cpu", "decode")
     need_data = args.num_samples is None
     need_step = not (args.num_samples and args.epochs)
-    words = []
-    t_step = t_batch64 = t_batch16 = t_capture = None
-    layouts = 0.0
-    target = tokenizer = None
+    config = load_config(args.draft_config)
+    probes, measuring = {}, False
+    tmp = tempfile.TemporaryDirectory()
+    target = decoder = None
     if need_data or need_step:
         target, tokenizer = load_target(None, data_dtype)
     if need_data:
@@ -495,18 +516,37 @@ def measure(args) -> tuple:
         measuring = must_measure_layout(data_dtype)
         if not measuring:
             tune.data_target(target, data_dtype, "auto")
-        forward64 = forward_s(target, 64, 1, REGEN_CONTEXT)
-        t_batch64 = REGEN_RATIO * forward64
-        t_batch16 = REGEN_RATIO * forward_s(target, 16, 1, REGEN_CONTEXT)
-        layer_ids = load_config(args.draft_config).target_layer_ids
-        t_capture = capture_s(target, tokenizer, layer_ids)
+        probes["batch64"] = forward_step(target, 64, 1, REGEN_CONTEXT)
+        probes["batch16"] = forward_step(target, 16, 1, REGEN_CONTEXT)
+        probes["capture"] = capture_step(target, tokenizer, config.target_layer_ids, tmp.name)
         if measuring:
-            t_256 = forward_s(target, 1, 256, 0)
+            probes["prefill256"] = forward_step(target, 1, 256, 0)
+    if need_step:
+        cfg_args = ["--draft-config", args.draft_config] + (["--dflash"] if args.dflash else [])
+        probes["train"] = train_step(cfg_args, target)
+    decoder = target
+    if target is None or decode_dtype != data_dtype:
+        decoder, _ = load_target(None, decode_dtype)
+    probes["plain"] = forward_step(decoder, 1, 1, REGEN_CONTEXT)
+    probes["verify"] = forward_step(decoder, 1, config.block_size, REGEN_CONTEXT)
+    probes["prefill"] = forward_step(decoder, 1, DECODE_CONTEXT, 0)
+    s = in_rounds(probes)
+    tmp.cleanup()
+    for m in {id(m): m for m in (target, decoder) if m is not None}.values():
+        drop_packs(m)  # MKL's packs for the probes' rows: a copy of the weights each
+
+    words = []
+    t_step = t_batch64 = t_batch16 = t_capture = None
+    layouts = 0.0
+    if need_data:
+        t_batch64, t_batch16 = REGEN_RATIO * s["batch64"], REGEN_RATIO * s["batch16"]
+        t_capture = s["capture"] / 3
+        if measuring:
             count = len(machine.layouts_here(data_dtype, torch.device("cpu")))
             # data_costs per layout: a prefill of 64 x 128 tokens (about 96 steps of 64 rows: it
-            # took 372 s for 3 layouts where t_batch64 was 1.16 s and t_256 3.0 s, one core held
-            # to AVX2, docs/slow-cpu.md), 4 steps, 4 forwards of 256 tokens
-            layouts = count * (100 * forward64 + 4 * t_256)
+            # took 372 s for 3 layouts where a step of 64 rows was 1.16 s and a prefill of 256
+            # tokens 3.0 s, one core held to AVX2, docs/slow-cpu.md), 4 steps, 4 such prefills
+            layouts = count * (100 * s["batch64"] + 4 * s["prefill256"])
         regen = REGEN_STEPS / 64 * t_batch64
         words.append(
             f"one answer {regen + t_capture:.2f} s (regeneration {regen:.2f} + features "
@@ -515,20 +555,15 @@ def measure(args) -> tuple:
         if layouts:
             words.append(f"prepare's layout choice about {layouts / 60:.1f} min, once")
     if need_step:
-        cfg_args = ["--draft-config", args.draft_config] + (["--dflash"] if args.dflash else [])
-        t_step = train_step_s(cfg_args, target)
+        t_step = TRAIN_RATIO * s["train"]
         words.append(f"one training step {t_step:.2f} s")
-    if target is None or decode_dtype != data_dtype:
-        target, _ = load_target(None, decode_dtype)
-    block = load_config(args.draft_config).block_size
-    t_1 = forward_s(target, 1, 1, REGEN_CONTEXT)
-    t_verify = forward_s(target, 1, block, REGEN_CONTEXT)
-    t_prefill = forward_s(target, 1, DECODE_CONTEXT, 0, repeats=1)
     count = len(machine.layouts_here(decode_dtype, torch.device("cpu")))
     served_fixed, served_token = served_costs(
-        t_1, t_verify, t_prefill, count, len(priced_sizes(block))
+        s["plain"], s["verify"], s["prefill"], count, len(priced_sizes(config.block_size))
     )
-    words.append(f"a served token {1000 * t_1:.0f} ms plain, {1000 * t_verify:.0f} ms a verify")
+    words.append(
+        f"a served token {1000 * s['plain']:.0f} ms plain, {1000 * s['verify']:.0f} ms a verify"
+    )
     spent = time.perf_counter() - t0
     line = f"{machine.describe('cpu')}; measured in {spent:.0f} s: " + ", ".join(words)
     c = Costs(

@@ -22,7 +22,7 @@ records the held-out teacher-forced tau on the selector and unary paths (train.p
 the candidate recall (label among the top-K), and served tau: the held-out prompts decoded greedily
 by the real loop (tools/served.py's serve) on a path of B-1 drafts and on a tree of B-1 nodes.
 Per arm: mean +- sd over seeds. A run whose study.json exists is not run again, so a stopped study
-goes on where it stopped (--jobs 2: two one-thread trainings at a time).
+goes on where it stopped (--jobs 2: two one-thread runs at a time, each trained, then served).
 
 Writes OUT/study.md (the tables, the machine, the command) and OUT/study.svg (held-out tau against
 step, seed 0 of each arm, tools/plot.py); --docs copies both to docs/ (docs/study.md and
@@ -116,11 +116,20 @@ def plan(args) -> list:
 
 
 def train_run(args, setup, name, seed, flags) -> str:
-    """One arm and seed trained (skipped when its final record is there) -> its folder."""
-    target, train_data, eval_data, config = setup
+    """One arm and seed trained (skipped when its final record is there), then measured in a
+    process of its own (skipped when its study.json is there): two runs at a time serve in
+    parallel too -> its folder."""
     folder = os.path.join(args.out, name)
-    if finished(folder):
-        return folder
+    if not finished(folder):
+        train_once(args, setup, folder, seed, flags)
+    if not os.path.isfile(os.path.join(folder, "study.json")):
+        argv = ["tools/study.py", "--measure-run", folder, "--prompts", str(args.prompts)]
+        python(argv, os.path.join(folder, "measure.log"), threads=args.threads)
+    return folder
+
+
+def train_once(args, setup, folder, seed, flags):
+    target, train_data, eval_data, config = setup
     shutil.rmtree(folder, ignore_errors=True)  # a run stopped half-way starts again
     os.makedirs(folder)
     argv = ["train.py", "--draft-config", config, "--data", train_data, "--eval-data", eval_data]
@@ -129,17 +138,15 @@ def train_run(args, setup, name, seed, flags) -> str:
     argv += ["--eval-interval", str(args.eval_interval), "--eval-samples", "64"]
     argv += [*args.recipe, *flags, "--out-dir", folder]
     python(argv, os.path.join(folder, "train.log"), threads=args.threads)
-    return folder
 
 
 @torch.no_grad()
-def measure(folder: str, targets: dict, prompts: int) -> dict:
-    """A finished run -> its numbers: held-out teacher-forced tau (selector and unary paths),
-    candidate recall, and served tau on a path and a tree of B-1 drafts."""
+def measure(folder: str, prompts: int) -> dict:
+    """A finished run -> its numbers, also written to its study.json: held-out teacher-forced tau
+    (selector and unary paths), candidate recall, and served tau on a path and a tree of B-1
+    drafts."""
     args, draft, step, final = served.read_run(folder)
-    if args.target not in targets:
-        targets[args.target] = load_target(args.target, torch.float32)
-    target, tok = targets[args.target]
+    target, tok = load_target(args.target, torch.float32)
     samples = train.load_split(args, tok, training=False)[1][:prompts]
     B, use_selector = draft.config.block_size, draft.candidate_selector is not None
     kw = dict(use_selector=use_selector, stop_ids=stop_token_ids(target, tok))
@@ -249,7 +256,10 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=bounded(int, low=1), default=2, help="trainings at a time")
     p.add_argument("--docs", action="store_true", help="also write docs/study[-quick].md, figure")
     p.add_argument("--note", default="", help="a sentence for the page, e.g. what else was running")
+    p.add_argument("--measure-run", metavar="DIR", help="measure one trained run (the study's own)")
     args = p.parse_args(argv)
+    if args.measure_run:
+        return args
     argv = list(sys.argv[1:] if argv is None else argv)
     args.argv = [a for i, a in enumerate(argv) if "--note" not in argv[i - 1 : i + 1]]
     if args.quick == bool(args.data):
@@ -268,6 +278,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.measure_run:
+        measure(args.measure_run, args.prompts)
+        return
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     if args.quick:
@@ -279,19 +292,17 @@ def main(argv=None):
                 raise ValueError(f"{d}: no prepared features (prepare.py --features makes them)")
         setup = (args.target, args.data, args.eval_data, args.draft_config)
     runs = plan(args)
-    bar = tqdm(total=len(runs), desc="study: runs trained", unit="run", dynamic_ncols=True)
+    bar = tqdm(total=len(runs), desc="study: runs trained and served", unit="run")
     with ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(train_run, args, setup, n, s, f) for n, _, s, _, f in runs]
         for job in jobs:
             job.result()
             bar.update()
     bar.close()
-    results, targets = {}, {}
-    for name, *_ in tqdm(runs, desc="study: runs served", unit="run", dynamic_ncols=True):
-        folder = os.path.join(args.out, name)
-        done = os.path.join(folder, "study.json")
-        results[name] = json.load(open(done)) if os.path.isfile(done) else None
-        results[name] = results[name] or measure(folder, targets, args.prompts)
+    results = {}
+    for name, *_ in runs:
+        with open(os.path.join(args.out, name, "study.json")) as f:
+            results[name] = json.load(f)
     figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
     seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
     python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
