@@ -13,9 +13,10 @@
 # (tools/plan.py): answers and epochs from a measured learning curve, and the fixed costs (held-out set,
 # served evaluation, evaluations during training) at the share of the budget they take on a fast CPU; a
 # budget too small for a useful job ends here, in one line naming the budget that would hold one. On a
-# 2-core CPU: about 1,500-1,800 answers where bf16 is native, 500 without it, 180-500 on an AVX2-only
+# 2-core CPU: about 1,000-1,800 answers where bf16 is native, 500 without it, 180-500 on an AVX2-only
 # Zen 1 (docs/slow-cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
 # GEMM layout is `auto`: speed/machine.py picks them per CPU and each script prints what it chose.
+# Before training the plan runs again (seconds): the steps that fit what prepare left of the budget.
 # Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
 set -euo pipefail
@@ -110,9 +111,19 @@ PREP="--regenerate --max-new-tokens 160 --features --draft-config $CFG --batch-s
 python prepare.py --prompts $TRAIN_SET --num-samples "$N_TRAIN" $PREP --save-target-hidden --out-dir "$DATA/train"
 python prepare.py --prompts $EVAL_SET --num-samples "$N_EVAL" $PREP --save-target-hidden --out-dir "$DATA/eval"
 echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
-# 2. Train (the recipe study in README.md chose these flags), in bf16 autocast where bf16 is native.
+# 2. Train (the recipe study in README.md chose these flags), in bf16 autocast where bf16 is native,
+#    for the steps that fit what is left of the budget: the plan again, its training step measured
+#    again (a shared VM's speed drifts) and prepare's time known. --resume keeps the first run's steps.
+if [[ " $* " == *" --resume "* ]] && [ -f "$OUT/max_steps" ]; then
+    MAX_STEPS=$(cat "$OUT/max_steps")
+else
+    replan=$(python tools/plan.py "${PLAN[@]}" --num-samples "$N_TRAIN" --n-eval "$N_EVAL" \
+        --served-samples "$SERVED_SAMPLES" --served-tokens "$SERVED_TOKENS" --elapsed-s $((SECONDS - start)))
+    MAX_STEPS=$(sed -n 's/^MAX_STEPS=//p' <<< "$replan") EXPECTED_TAU=$(sed -n 's/^EXPECTED_TAU=//p' <<< "$replan")
+    mkdir -p "$OUT" && echo "$MAX_STEPS" > "$OUT/max_steps"
+fi
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
-    --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs "$EPOCHS" \
+    --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs "$EPOCHS" --max-steps "$MAX_STEPS" \
     --eval-interval "$EVAL_INTERVAL" --save-interval 300 "$@"
 echo "[run.sh] train: $((SECONDS - t0)) s"; t0=$SECONDS
 # 3. Served tau: held-out prompts decoded by the real loop (with speed/tune.py's fast path), once the

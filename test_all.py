@@ -5232,6 +5232,34 @@ def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_p
     assert len(steps) == 4
 
 
+def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys):
+    """By hand: measuring 10 s, loading 50, served 30 + 5 x 160 x 0.05 = 70; an evaluation of 48
+    answers at 0.3 / 3 s each, 4.8 s, every 600 steps and one at the end: a step costs 0.3 + 4.8 /
+    600 = 0.308 s, and 1,000 s left hold (1,000 - 130 - 4.8) / 0.308 = 2,809 steps; run.sh's job
+    then prices them at 996.7 s, inside the 1,000."""
+    c = plan.Costs(10, 0.3, None, None, None, 30, 0.05)
+    f = plan.Fixed(48, 5, 160, 600, [])
+    assert plan.steps_that_fit(c, 1000, f, 1000) == 2809
+    priced = plan.job_seconds(c, 1000, 2.809, f)
+    assert sum(priced.values()) == pytest.approx(996.7, abs=0.05)
+    # run.sh's call: 45 min x 92% = 2,484 s, of which the job took 1,484 s: 1,000 s left for the
+    # steps above, 2,809 over the 1,100 answers made
+    monkeypatch.setattr(plan, "measure", lambda args: (c, "a CPU"))
+    argv = ["--num-samples", "1100", "--n-eval", "48", "--served-samples", "5"]
+    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484"])
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "MAX_STEPS=2809",
+        f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
+    ]
+    assert "2809 steps (2.55 epochs over 1100 answers)" in err
+    # answers not named: refused in one line
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: plan.main(["--elapsed-s", "100"]))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("give --num-samples")
+
+
 def test_plan_sizes_the_job_to_the_budget(tmp_path):
     # 1,000 answers x 2 epochs; 1.5 s an answer (regeneration 160 / 64 x 0.4 + features 0.5); the
     # 48 held-out answers in one batch of 160 steps of 48 rows (0.2 + 0.2 x 32 / 48 s) and 48
@@ -7608,6 +7636,22 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
     assert (
         rows[3] == "| dflash | 1 | - | 1.500 +- 0.000 | - | - | 1.400 +- 0.000 | 1.600 +- 0.000 |"
     )
+    # against the default: the means' difference beside twice the larger sd (both 0.141 here)
+    runs = {
+        "dflash2/seed0": dict(tau_selector=2.0, tau_unary=1.9),
+        "dflash2/seed1": dict(tau_selector=2.2, tau_unary=2.1),
+        "a/seed0": dict(tau_selector=2.5, tau_unary=2.0),
+        "a/seed1": dict(tau_selector=2.7, tau_unary=2.0),
+        "b/seed0": dict(tau_selector=2.1, tau_unary=2.0),
+        "b/seed1": dict(tau_selector=2.3, tau_unary=2.0),
+        "dflash/seed0": dict(tau_selector=None, tau_unary=1.0),  # its unary path
+        "dflash/seed1": dict(tau_selector=None, tau_unary=1.2),
+    }
+    assert study.verdicts(runs, ["dflash2", "a", "b", "dflash"]) == [
+        "- a: +0.500 against dflash2 (twice the spread: 0.283), above",
+        "- b: +0.100 against dflash2 (twice the spread: 0.283), within noise",
+        "- dflash: -1.000 against dflash2 (twice the spread: 0.283), below",
+    ]
     with pytest.raises(SystemExit) as stop:
         study.parse_args([])
     last = capsys.readouterr().err.strip().splitlines()[-1]

@@ -189,13 +189,21 @@ def target_key(target) -> str:
     return f"{c._name_or_path} {c.model_type} {c.hidden_size}x{c.num_hidden_layers} {dtype}"
 
 
+def decode_key(target, sizes, context: int = 200) -> str:
+    """decode_table's key in the machine's cache (v1: stock, onednn)."""
+    return machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")
+
+
+def data_key(target) -> str:
+    """data_costs' key in the machine's cache."""
+    return machine.machine_key("data", target_key(target), "layouts v2")
+
+
 def decode_table(target, sizes, context: int = 200, repeats: int = 7, refresh=False) -> dict:
     """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per
     machine (refresh: measure again and keep the new numbers)."""
-    # v1: stock, onednn
-    key = machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")
     table = machine.cached(
-        key,
+        decode_key(target, sizes, context),
         lambda: each_layout(
             target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}
         ),
@@ -211,10 +219,7 @@ def data_costs(target, repeats: int = 3) -> dict:
     def measure():
         return target_ms(target, 128, 1, repeats, rows=64) + target_ms(target, 0, 256, repeats)
 
-    return machine.cached(
-        machine.machine_key("data", target_key(target), "layouts v2"),
-        lambda: each_layout(target, measure),
-    )
+    return machine.cached(data_key(target), lambda: each_layout(target, measure))
 
 
 def fastest(row: dict, n: int) -> str:

@@ -262,6 +262,15 @@ def machine_key(*extra) -> str:
     return " | ".join(parts)
 
 
+def is_cached(key: str) -> bool:
+    """Whether cached() would find key without measuring."""
+    try:
+        with open(cache_path()) as f:
+            return key in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
 def cached(key: str, measure, refresh=False):
     """measure()'s JSON-able result for this key, measured once and kept in cache_path() (refresh:
     again)."""

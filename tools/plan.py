@@ -1,5 +1,5 @@
-"""Sizing the main job to this machine: measure it with small probes (52 s on one core held to
-AVX2 beside other work, docs/slow-cpu.md), then choose how many answers to make and train on, how
+"""Sizing the main job to this machine: measure it with small probes (about 20 s on a 2-core Zen 4
+with avx512_bf16), then choose how many answers to make and train on, how
 many epochs, and how large the job's fixed costs are, so that `bash run.sh` ends within its budget
 on a fast CPU and on a slow one, with the best draft the budget allows.
 
@@ -14,7 +14,7 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
                  and every batch of the maths set ran all 160 steps (some answer in each is cut
                  there), so 160 / 64 batch steps per answer, plus prepare.py's feature step for one
                  conversation, run as prepare runs it (tokenize, forward with hooks, cast, check,
-                 write the shard) on conversations of about 200 tokens
+                 write the shard) on conversations of 178 tokens (the answers' mean, 179)
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
     held_out     the N_EVAL held-out answers: one batch of 160 steps of N_EVAL rows and N_EVAL
                  feature steps (unless made)
@@ -35,9 +35,13 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
 all measured with the project's own code, in the phases' own precisions, with probes small enough
 to cost seconds anywhere: a decoding step of 64 rows after 160 tokens is timed on a KV cache filled
 with random keys and values (a step's cost does not depend on them), not after a prefill of 10,240
-tokens. An explicit N_TRAIN (--num-samples) skips the probes of the data (regeneration and
-features: its held-out set stays at 48 unless N_EVAL is given), and with --epochs too the training
-step's probe; the served evaluation's three short probes always run.
+tokens. Two of the probes are priced at what the real phase measured beside them: generate's steps
+at REGEN_RATIO of the forward's, train.py's at TRAIN_RATIO of its train_step's. The probes run in
+turn, round after round (in_rounds), so each reads the machine's speed over the whole
+measurement, not in one burst: a shared VM's drifts. An explicit N_TRAIN (--num-samples) skips
+the probes of the data (regeneration and features: its held-out set stays at 48 unless N_EVAL is
+given), and with --epochs too the training step's probe; the served evaluation's three short
+probes always run.
 
 The fixed costs scale with the machine. On the AMD EPYC with avx512_bf16 of
 docs/results-amd-epyc.md the full-size ones take, of a 45-minute job: the 48 held-out answers
@@ -77,7 +81,7 @@ import model  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from compat.config_json import load_config  # noqa: E402
-from speed import machine, tune  # noqa: E402
+from speed import cost, machine, tune  # noqa: E402
 from speed.auto import priced_sizes  # noqa: E402
 from speed.gemm import drop_packs  # noqa: E402
 from support.common import bounded, run  # noqa: E402
@@ -117,6 +121,7 @@ CURVE = [
     (2400, 4, 2.304, "AMD EPYC, avx512_bf16, --epochs 4"),
     (1800, 2, 1.889, "AMD EPYC, avx512_bf16"),
     (1000, 2, 1.860, "AMD EPYC, avx512_bf16 (Zen 4), a fresh clone's bash run.sh"),
+    (1100, 2, 1.878, "AMD EPYC, avx512_bf16 (Zen 4), a fresh clone's bash run.sh"),
     (2400, 2, 1.956, "Xeon AMX, one thread beside other work"),
     (2300, 2, 1.984, "Xeon AMX"),
     (1500, 2, 1.896, "Xeon AMX"),
@@ -283,6 +288,18 @@ def job_seconds(c: Costs, n: int, epochs: int, f: Fixed) -> dict:
     return parts
 
 
+def steps_that_fit(c: Costs, n: int, f: Fixed, seconds_left: float) -> int:
+    """The plan again, before training: the most steps over the n answers prepare made whose
+    training, evaluations and served evaluation (with this measurement and the loading) fit
+    seconds_left, what the budget's AIM leaves after the time the job has already taken. A shared
+    VM's speed drifts between the first plan and training, and prepare's time is known by then:
+    the job keeps its budget whatever the first plan's probes read."""
+    fixed = c.spent + LOAD_S + served_s(c, f.served_samples, f.served_tokens)
+    evaluation = f.n_eval * c.t_step / 3  # one every eval_interval steps, and one at the end
+    per_step = c.t_step + evaluation / f.eval_interval
+    return max(0, math.floor((seconds_left - fixed - evaluation) / per_step))
+
+
 def sizes(most: int, have: int) -> list:
     """The answer counts the plan considers: tens below 500, fifties below 1,000, then hundreds,
     up to the most, and the answers already made."""
@@ -312,7 +329,8 @@ def best_plan(c: Costs, budget_min: float, most, epochs, n_eval, served, dflash)
                 continue
             key = (round(expected_tau(k, e, dflash), 3), -sum(seconds.values()))
             if best is None or key > best[0]:
-                why = "the recipe's answers" if k == most else f"fits {budget_min:g} min, 5% spare"
+                spare = f"fits {budget_min:g} min, {100 - 100 * AIM:.0f}% spare"
+                why = "the recipe's answers" if k == most else spare
                 best = key, Plan(k, e, f, seconds, expected_tau(k, e, dflash), why)
     return best and best[1]
 
@@ -513,7 +531,7 @@ def measure(args) -> tuple:
     if need_data:
         # prepare's layout: set here where the rule needs no measurement, else priced below and
         # left to prepare (these probes then run in the stock layout, the slowest of the choices)
-        measuring = must_measure_layout(data_dtype)
+        measuring = must_measure_layout(data_dtype) and not machine.is_cached(cost.data_key(target))
         if not measuring:
             tune.data_target(target, data_dtype, "auto")
         probes["batch64"] = forward_step(target, 64, 1, REGEN_CONTEXT)
@@ -557,9 +575,13 @@ def measure(args) -> tuple:
     if need_step:
         t_step = TRAIN_RATIO * s["train"]
         words.append(f"one training step {t_step:.2f} s")
-    count = len(machine.layouts_here(decode_dtype, torch.device("cpu")))
+    # the served evaluation's decode table, measured once per machine where the rule must measure
+    sizes = priced_sizes(config.block_size)
+    table = must_measure_layout(decode_dtype)
+    table = table and not machine.is_cached(cost.decode_key(decoder, sizes))
+    count = len(machine.layouts_here(decode_dtype, torch.device("cpu"))) if table else 0
     served_fixed, served_token = served_costs(
-        s["plain"], s["verify"], s["prefill"], count, len(priced_sizes(config.block_size))
+        s["plain"], s["verify"], s["prefill"], count, len(sizes)
     )
     words.append(
         f"a served token {1000 * s['plain']:.0f} ms plain, {1000 * s['verify']:.0f} ms a verify"
@@ -618,6 +640,33 @@ def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
     return said, out
 
 
+def training_lines(c: Costs, args) -> list:
+    """The plan again before training: MAX_STEPS and the expected tau, for run.sh (stdout); its
+    line to stderr."""
+    n, budget_s = args.num_samples, 60 * args.budget_min
+    if args.epochs:  # given: kept
+        steps = n * args.epochs
+    else:
+        f = size_fixed(c, budget_s, args.n_eval, (args.served_samples, args.served_tokens))
+        left = AIM * budget_s - args.elapsed_s
+        steps = steps_that_fit(c, n, f, left)
+        if steps < n:
+            print(
+                f"[plan] warning: {left / 60:.1f} min are left of the budget's {100 * AIM:.0f}%,"
+                f" {steps} steps; training one epoch ({n} steps) all the same",
+                file=sys.stderr,
+            )
+            steps = n
+        minutes = steps * c.t_step * (1 + f.n_eval / (3 * f.eval_interval)) / 60
+        print(
+            f"[plan] again before training, {args.elapsed_s / 60:.1f} min into the job: {steps} "
+            f"steps ({steps / n:.2f} epochs over {n} answers), about {minutes:.1f} min of training",
+            file=sys.stderr,
+        )
+    tau = f"{expected_tau(n, steps / n, args.dflash):.2f}" if args.domain == "math" else ""
+    return [f"MAX_STEPS={steps}", f"EXPECTED_TAU={tau}"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -652,10 +701,21 @@ def main(argv=None):
         "--dflash", action="store_true", help="plan the plain DFlash baseline's (cheaper) steps"
     )
     p.add_argument("--domain", choices=["math", "general"], default="math")
+    p.add_argument(
+        "--elapsed-s",
+        type=bounded(float, low=0.0),
+        default=None,
+        help="plan again before training (--num-samples made): the job has run this long",
+    )
     args = p.parse_args(argv)
+    if args.elapsed_s is not None and args.num_samples is None:
+        raise ValueError("--elapsed-s plans the training of answers made: give --num-samples")
 
     c, line = measure(args)
     print(f"[plan] {line}", file=sys.stderr)
+    if args.elapsed_s is not None:
+        print("\n".join(training_lines(c, args)))
+        return
     plan = choose(
         c,
         args.budget_min,

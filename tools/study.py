@@ -187,6 +187,30 @@ def table(results: dict, names: list) -> list:
     return rows
 
 
+def verdicts(results: dict, arms: list, default: str = "dflash2") -> list:
+    """Each arm against the default, on the held-out tau of the path it serves (the selector's, or
+    the unary one where it has none): the difference of the means, and whether it passes twice the
+    larger of the two seed spreads (sd). Only an arm past that on both targets may become the
+    default (docs/study.md)."""
+
+    def taus(arm):
+        runs = [m for name, m in results.items() if name.split("/")[0] == arm]
+        return [m["tau_unary"] if m["tau_selector"] is None else m["tau_selector"] for m in runs]
+
+    base = taus(default)
+    lines = []
+    for arm in arms:
+        mine = taus(arm)
+        if arm == default or len(mine) < 2 or len(base) < 2:
+            continue
+        diff = statistics.mean(mine) - statistics.mean(base)
+        noise = 2 * max(statistics.stdev(mine), statistics.stdev(base))
+        word = "within noise" if abs(diff) <= noise else ("above" if diff > 0 else "below")
+        spread = f"twice the spread: {noise:.3f}"
+        lines.append(f"- {arm}: {diff:+.3f} against {default} ({spread}), {word}")
+    return lines
+
+
 def cpu_name() -> str:
     """The CPU, as a speed number names it: model, family and model numbers, its widest vectors."""
     info = open("/proc/cpuinfo").read() if os.path.isfile("/proc/cpuinfo") else ""
@@ -227,6 +251,11 @@ def page(args, results, spent: list, figure) -> str:
         "nodes (DFlash serves its unary path). Mean +- sd over seeds.",
         "",
         *table(results, arms),
+        "",
+        "Each arm against the default (held-out tau of the path it serves; an arm becomes the "
+        "default only where it is above on both targets):",
+        "",
+        *verdicts(results, arms),
         "",
     ]
     if args.sizes:
