@@ -83,7 +83,7 @@ import train  # noqa: E402
 from compat.config_json import load_config  # noqa: E402
 from speed import cost, machine, tune  # noqa: E402
 from speed.auto import priced_sizes  # noqa: E402
-from speed.gemm import drop_packs  # noqa: E402
+from speed.gemm import drop_packs, set_layout  # noqa: E402
 from support.common import bounded, run  # noqa: E402
 from support.target import crop, load_target, new_cache, with_cache  # noqa: E402
 
@@ -148,7 +148,10 @@ DFLASH_RATIO = 0.90
 N_EVAL_FULL, N_EVAL_MIN, HELD_OUT_SHARE = 48, 16, 0.02
 SERVED_FULL, SERVED_MIN, SERVED_SHARE = (16, 160), (4, 64), 0.09
 SERVED_SHAPES = 2  # the path of B-1 drafts and auto's shape
-SERVED_TAU = 1.45  # the weakest draft served so far (issue 36: path of 7, 1.447)
+# a typical main job's draft, served on the path (1.87 and 1.76 native, 1.71 on a Zen 1, 1.63 on one
+# core held to AVX2; the weakest ever, issue 36's, 1.45)
+SERVED_TAU = 1.7
+ANSWER_TOKENS = 117  # the maths answers' mean length (1,000 of them): served decoding stops there
 DRAFT_SHARE = 0.25  # a cycle's draft, in plain target steps (int8: 10-15 ms against 55-80)
 SERVED_LOAD_S = 30  # loading the target and the draft, the draft's head rows
 DECODE_CONTEXT = 200  # speed/cost.py's decode table: its context
@@ -219,7 +222,9 @@ def held_out_s(c: Costs, n_eval: int) -> float:
 
 
 def served_s(c: Costs, samples: int, tokens: int) -> float:
-    return c.served_fixed + samples * tokens * c.served_token if samples else 0.0
+    """A prompt decodes until its answer ends or `tokens` do: ANSWER_TOKENS at most."""
+    decoded = min(tokens, ANSWER_TOKENS)
+    return c.served_fixed + samples * decoded * c.served_token if samples else 0.0
 
 
 def eval_interval(n_eval: int) -> int:
@@ -543,8 +548,13 @@ def measure(args) -> tuple:
         cfg_args = ["--draft-config", args.draft_config] + (["--dflash"] if args.dflash else [])
         probes["train"] = train_step(cfg_args, target)
     decoder = target
+    sizes = priced_sizes(config.block_size)
     if target is None or decode_dtype != data_dtype:
         decoder, _ = load_target(None, decode_dtype)
+        if machine.is_cached(cost.decode_key(decoder, sizes)):  # the layout served --fast takes
+            table = cost.decode_table(decoder, sizes)
+            verifies = range(2, config.block_size + 1)  # as speed/cost.py's decoding_layouts
+            set_layout(decoder, min(table, key=lambda k: sum(table[k][n] for n in verifies)))
     probes["plain"] = forward_step(decoder, 1, 1, REGEN_CONTEXT)
     probes["verify"] = forward_step(decoder, 1, config.block_size, REGEN_CONTEXT)
     probes["prefill"] = forward_step(decoder, 1, DECODE_CONTEXT, 0)
@@ -576,7 +586,6 @@ def measure(args) -> tuple:
         t_step = TRAIN_RATIO * s["train"]
         words.append(f"one training step {t_step:.2f} s")
     # the served evaluation's decode table, measured once per machine where the rule must measure
-    sizes = priced_sizes(config.block_size)
     table = must_measure_layout(decode_dtype)
     table = table and not machine.is_cached(cost.decode_key(decoder, sizes))
     count = len(machine.layouts_here(decode_dtype, torch.device("cpu"))) if table else 0
