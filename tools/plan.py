@@ -4,6 +4,9 @@ many epochs, and how large the job's fixed costs are, so that `bash run.sh` ends
 on a fast CPU and on a slow one, with the best draft the budget allows.
 
     python tools/plan.py --budget-min 45      # prints the plan, then N_TRAIN=... lines for run.sh
+    python tools/plan.py --num-samples N --elapsed-s S ...
+                                              # again before training: MAX_STEPS, the steps that
+                                              # fit what the job's first S seconds left
 
 The same job costs 16x more on a CPU without native bf16 (README, "Your machine"). Its time is
 

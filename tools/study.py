@@ -1,8 +1,8 @@
 """What DFlash2 buys, measured: its pieces and the selector objective's forms, trained at equal
 data and steps from ONE prepared data set, several seeds each (docs/study.md).
 
-    python tools/study.py --quick      # the toy target (run.sh --toy's): 26 runs, 44 min on 2
-                                       # cores shared with other work (docs/study-quick.md)
+    python tools/study.py --quick      # the toy target (run.sh --toy's): 26 runs, 7 min on a
+                                       # 2-core Zen 4 (docs/study-quick.md)
     python tools/study.py --data data/smollm2-math/train --eval-data data/smollm2-math/eval
                                        # the embedded target on the main job's data: hours
 
