@@ -25,10 +25,10 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
                  only (~ t_step / 3 each)
     served       tools/served.py's evaluation: SERVED_SAMPLES held-out prompts decoded for up to
                  SERVED_TOKENS tokens each, twice (the path of B-1 drafts and auto's shape); a
-                 token of the path costs a verify of B tokens plus the draft over the tau it
-                 commits (priced at the weakest draft this project trained, tau 1.45, so a slow CPU
-                 is not under-priced), plus its fixed part: loading, and its one-off measurement of
-                 the target's decoding layouts (speed/cost.py's decode table)
+                 token of the path costs a verify of B tokens plus the draft and its bookkeeping
+                 over the tau it commits (a typical main job's, 1.7), in the layout --fast takes
+                 where it is known, plus its fixed part: loading, and its one-off measurement of
+                 the target's decoding layouts (speed/cost.py's decode table) unless cached
     layouts      prepare.py's one-off measurement of the target's GEMM layouts for its batched
                  shapes, where the rule must measure them (fp32 on a CPU with several layouts); the
                  plan does not run it (it cost minutes on a slow CPU) but prices it from its probes
@@ -154,8 +154,10 @@ SERVED_SHAPES = 2  # the path of B-1 drafts and auto's shape
 # a typical main job's draft, served on the path (1.87 and 1.76 native, 1.71 on a Zen 1, 1.63 on one
 # core held to AVX2; the weakest ever, issue 36's, 1.45)
 SERVED_TAU = 1.7
-ANSWER_TOKENS = 117  # the maths answers' mean length (1,000 of them): served decoding stops there
-DRAFT_SHARE = 0.25  # a cycle's draft, in plain target steps (int8: 10-15 ms against 55-80)
+# a cycle's draft and its bookkeeping, in plain target steps: a job's 16 held-out prompts decoded
+# to their 160 tokens at 69 ms a token on the path of tau 1.75, where a verify took 71 ms and a
+# plain step 55 (the int8 draft alone: 10-15 ms)
+DRAFT_SHARE = 0.75
 SERVED_LOAD_S = 30  # loading the target and the draft, the draft's head rows
 DECODE_CONTEXT = 200  # speed/cost.py's decode table: its context
 # an evaluation of N_EVAL answers (~ N_EVAL / 3 steps) every EVAL_INTERVAL steps, as 48 every 600
@@ -225,9 +227,7 @@ def held_out_s(c: Costs, n_eval: int) -> float:
 
 
 def served_s(c: Costs, samples: int, tokens: int) -> float:
-    """A prompt decodes until its answer ends or `tokens` do: ANSWER_TOKENS at most."""
-    decoded = min(tokens, ANSWER_TOKENS)
-    return c.served_fixed + samples * decoded * c.served_token if samples else 0.0
+    return c.served_fixed + samples * tokens * c.served_token if samples else 0.0
 
 
 def eval_interval(n_eval: int) -> int:
