@@ -104,6 +104,7 @@ CAPTURE_CONVERSATION = [
 # its cropping, position ids, logits_to_keep or the cache object generate makes: each of those
 # timed alike. The cause is not found; the ratio prices it.
 REGEN_RATIO = 0.69
+CAPTURE_COUNT = 3  # conversations per timed call of the feature step
 # train.py's steps (80 of them from step 10, on the maths answers) ran 0.99-1.34 (mean 1.16, 5
 # pairs, the same machine, the probe and the run in turn) of train_step's: the probe leaves out
 # the data (reading shards, collating rows of varying length) and the log
@@ -441,7 +442,7 @@ def train_step(cfg_args: list, target, warm: int = 3):
     return step
 
 
-def capture_step(target, tokenizer, layer_ids, folder: str, n: int = 3):
+def capture_step(target, tokenizer, layer_ids, folder: str, n: int = CAPTURE_COUNT):
     """prepare.py's feature step on n conversations (CAPTURE_CONVERSATION), one shard, written to a
     new folder under `folder` on each call; its progress bars are not shown."""
     calls = []
@@ -533,7 +534,7 @@ def measure(args) -> tuple:
     config = load_config(args.draft_config)
     probes, measuring = {}, False
     tmp = tempfile.TemporaryDirectory()
-    target = decoder = None
+    target = None
     if need_data or need_step:
         target, tokenizer = load_target(None, data_dtype)
     if need_data:
@@ -571,7 +572,7 @@ def measure(args) -> tuple:
     layouts = 0.0
     if need_data:
         t_batch64, t_batch16 = REGEN_RATIO * s["batch64"], REGEN_RATIO * s["batch16"]
-        t_capture = s["capture"] / 3
+        t_capture = s["capture"] / CAPTURE_COUNT
         if measuring:
             count = len(machine.layouts_here(data_dtype, torch.device("cpu")))
             # data_costs per layout: a prefill of 64 x 128 tokens (about 96 steps of 64 rows: it
@@ -669,7 +670,8 @@ def training_lines(c: Costs, args) -> list:
                 file=sys.stderr,
             )
             steps = n
-        minutes = steps * c.t_step * (1 + f.n_eval / (3 * f.eval_interval)) / 60
+        priced = job_seconds(c, n, steps / n, f)
+        minutes = (priced["training"] + priced["evaluations"]) / 60
         print(
             f"[plan] again before training, {args.elapsed_s / 60:.1f} min into the job: {steps} "
             f"steps ({steps / n:.2f} epochs over {n} answers), about {minutes:.1f} min of training",
