@@ -7613,8 +7613,8 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
     an arm's row is the mean +- sample sd of its seeds (lift: selector tau over unary tau, per
     run); a study that names neither --quick nor --data is refused in one line."""
     args = study.parse_args(["--quick", "--arms", "dflash2", "selector-only", "--seeds", "2"])
-    args.sizes = [150]
-    runs = [(name, flags) for name, _, _, _, flags in study.plan(args)]
+    args.sizes = [150, 600]
+    runs = [(name, flags) for name, _, _, _, flags in study.plan(args, answers=600)]
     assert runs[:4] == [
         ("dflash2/seed0", []),
         ("dflash2/seed1", []),
@@ -7624,6 +7624,18 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
     assert runs[4:6] == [("dflash-150/seed0", ["--dflash", "--num-samples", "150"])] + [
         ("dflash-150/seed1", ["--dflash", "--num-samples", "150"])
     ]
+    # at all 600 answers, dflash2's curve point IS the arm's run of that seed: not trained twice;
+    # dflash is no arm here, so its point trains
+    assert [name for name, _ in runs[6:]] == [
+        "dflash2-150/seed0",
+        "dflash2-150/seed1",
+        "dflash-600/seed0",
+        "dflash-600/seed1",
+    ]
+    assert study.same_run(args, 600, "dflash2", 600, 1) == "dflash2/seed1"
+    args.sizes = [601]
+    with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):
+        study.plan(args, answers=600)
     one = dict(tau_selector=2.0, tau_unary=1.6, recall=0.5, served_path=1.8, served_tree=2.2)
     two = dict(tau_selector=2.4, tau_unary=2.0, recall=0.7, served_path=2.0, served_tree=2.2)
     plain = dict(tau_selector=None, tau_unary=1.5, recall=None, served_path=1.4, served_tree=1.6)

@@ -227,21 +227,26 @@ def fastest(row: dict, n: int) -> str:
     return min(row, key=lambda layout: row[layout][n])
 
 
+def verify_sums(table: dict, B: int) -> dict:
+    """{layout: ms of its verify forwards of 2..B tokens, summed}: how speculation's layout is
+    judged (every path priced alike: one size alone was too noisy a judge)."""
+    return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
+
+
 def decoding_layouts(target, draft, wanted) -> dict:
     """The target's GEMM layout for speculation and for plain decoding (1 token):
     machine.choose_layout, from the decode table where it must measure. Speculation's layout is the
-    one with the smallest sum of verify forwards of 2..B tokens (every path priced alike: one size
-    alone was too noisy a judge). The target is left in the speculation's layout. -> {"speculate",
-    "plain": layout names, "why", "table" (or None), "costs": costs(sizes, mode) -> ({n: ms of an
-    n-token target forward}, {L: ms of the draft's cycle over L slots}), what auto.plan prices
-    shapes with; its 1-token price is the fastest plain step of the table}. The draft's cycle is
-    timed with the head it will decode with (tune.py sets it first)."""
+    one with the smallest verify_sums. The target is left in the speculation's layout. ->
+    {"speculate", "plain": layout names, "why", "table" (or None), "costs": costs(sizes, mode) ->
+    ({n: ms of an n-token target forward}, {L: ms of the draft's cycle over L slots}), what
+    auto.plan prices shapes with; its 1-token price is the fastest plain step of the table}. The
+    draft's cycle is timed with the head it will decode with (tune.py sets it first)."""
     B, table = draft.config.block_size, {}
     sizes = priced_sizes(B)
 
     def measure():
         table.update(decode_table(target, sizes=sizes))
-        return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
+        return verify_sums(table, B)
 
     layout, why = machine.choose_layout(
         next(target.parameters()).dtype, target.device, wanted, measure

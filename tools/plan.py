@@ -126,6 +126,7 @@ CURVE = [
     (1800, 2, 1.889, "AMD EPYC, avx512_bf16"),
     (1000, 2, 1.860, "AMD EPYC, avx512_bf16 (Zen 4), a fresh clone's bash run.sh"),
     (1100, 2, 1.878, "AMD EPYC, avx512_bf16 (Zen 4), a fresh clone's bash run.sh"),
+    (1200, 2.47, 1.903, "AMD EPYC, avx512_bf16 (Zen 4), a fresh clone's bash run.sh (job 4)"),
     (2400, 2, 1.956, "Xeon AMX, one thread beside other work"),
     (2300, 2, 1.984, "Xeon AMX"),
     (1500, 2, 1.896, "Xeon AMX"),
@@ -556,9 +557,8 @@ def measure(args) -> tuple:
     if target is None or decode_dtype != data_dtype:
         decoder, _ = load_target(None, decode_dtype)
         if machine.is_cached(cost.decode_key(decoder, sizes)):  # the layout served --fast takes
-            table = cost.decode_table(decoder, sizes)
-            verifies = range(2, config.block_size + 1)  # as speed/cost.py's decoding_layouts
-            set_layout(decoder, min(table, key=lambda k: sum(table[k][n] for n in verifies)))
+            sums = cost.verify_sums(cost.decode_table(decoder, sizes), config.block_size)
+            set_layout(decoder, min(sums, key=sums.get))
     probes["plain"] = forward_step(decoder, 1, 1, REGEN_CONTEXT)
     probes["verify"] = forward_step(decoder, 1, config.block_size, REGEN_CONTEXT)
     probes["prefill"] = forward_step(decoder, 1, DECODE_CONTEXT, 0)

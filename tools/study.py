@@ -101,18 +101,35 @@ def prepare_toy(out: str) -> tuple:
     return target, os.path.join(out, "data", "train"), os.path.join(out, "data", "eval")
 
 
-def plan(args) -> list:
-    """Every run: (name, arm, seed, answers or None, its train.py flags)."""
+def plan(args, answers: int) -> list:
+    """Every run: (name, arm, seed, answers or None, its train.py flags). A curve point at all
+    `answers` of the data is not trained again where an arm's own seed is that very run (the same
+    flags, data and seed train the same draft): same_run names it."""
     runs = []
     for arm in args.arms:
         for seed in range(args.seeds):
             runs.append((f"{arm}/seed{seed}", arm, seed, None, ARMS[arm]))
     for n in args.sizes:
+        if n > answers:
+            raise ValueError(f"--sizes {n}: the training data holds {answers} answers")
         for arm in ("dflash", "dflash2"):
             for seed in range(args.size_seeds):
-                flags = [*ARMS[arm], "--num-samples", str(n)]
-                runs.append((f"{arm}-{n}/seed{seed}", arm, seed, n, flags))
+                if not same_run(args, answers, arm, n, seed):
+                    flags = [*ARMS[arm], "--num-samples", str(n)]
+                    runs.append((f"{arm}-{n}/seed{seed}", arm, seed, n, flags))
     return runs
+
+
+def same_run(args, answers: int, arm: str, n: int, seed: int):
+    """The arm's run that a curve point of n answers is, or None where it must train its own."""
+    if n == answers and arm in args.arms and seed < args.seeds:
+        return f"{arm}/seed{seed}"
+    return None
+
+
+def answers_in(data: str) -> int:
+    with open(os.path.join(data, "manifest.json")) as f:
+        return json.load(f)["num_samples"]
 
 
 def train_run(args, setup, name, seed, flags) -> str:
@@ -281,13 +298,14 @@ def parse_args(argv=None):
     p.add_argument("--size-seeds", type=bounded(int, low=1), default=2)
     p.add_argument("--epochs", type=bounded(int, low=1), default=None)
     p.add_argument("--eval-interval", type=bounded(int, low=1), default=None)
-    p.add_argument("--prompts", type=bounded(int, low=1), default=16, help="served, per run")
+    p.add_argument("--prompts", type=bounded(int, low=1), default=None, help="served, per run")
     p.add_argument("--jobs", type=bounded(int, low=1), default=2, help="trainings at a time")
     p.add_argument("--docs", action="store_true", help="also write docs/study[-quick].md, figure")
     p.add_argument("--note", default="", help="a sentence for the page, e.g. what else was running")
     p.add_argument("--measure-run", metavar="DIR", help="measure one trained run (the study's own)")
     args = p.parse_args(argv)
     if args.measure_run:
+        args.prompts = args.prompts or 16
         return args
     argv = list(sys.argv[1:] if argv is None else argv)
     args.argv = [a for i, a in enumerate(argv) if "--note" not in argv[i - 1 : i + 1]]
@@ -297,7 +315,9 @@ def parse_args(argv=None):
         p.error("--data: give --eval-data too, the held-out features every arm is measured on")
     quick = args.quick
     args.out = args.out or ("out/study-quick" if quick else "out/study")
-    args.epochs = args.epochs or 2  # both sizes: 2 epochs
+    # full size, 1 epoch and 8 served prompts: 18 runs of 1,000 steps fit about 2.5 hours of 2 cores
+    args.epochs = args.epochs or (2 if quick else 1)
+    args.prompts = args.prompts or (16 if quick else 8)
     args.eval_interval = args.eval_interval or (50 if quick else 200)
     args.sizes = args.sizes if args.sizes is not None else ([150, 300] if quick else [250, 500])
     args.recipe = TOY_TRAIN if quick else ["--num-anchors", "32", "--lr", "1e-3"]
@@ -320,7 +340,8 @@ def main(argv=None):
             if not os.path.isfile(os.path.join(d, "manifest.json")):
                 raise ValueError(f"{d}: no prepared features (prepare.py --features makes them)")
         setup = (args.target, args.data, args.eval_data, args.draft_config)
-    runs = plan(args)
+    answers = answers_in(setup[1])
+    runs = plan(args, answers)
     bar = tqdm(total=len(runs), desc="study: runs trained and served", unit="run")
     with ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(train_run, args, setup, n, s, f) for n, _, s, _, f in runs]
@@ -332,6 +353,13 @@ def main(argv=None):
     for name, *_ in runs:
         with open(os.path.join(args.out, name, "study.json")) as f:
             results[name] = json.load(f)
+    for n in args.sizes:  # the curve's points that are arms' runs
+        for arm in ("dflash", "dflash2"):
+            for seed in range(args.size_seeds):
+                if same_run(args, answers, arm, n, seed):
+                    results[f"{arm}-{n}/seed{seed}"] = results[
+                        same_run(args, answers, arm, n, seed)
+                    ]
     figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
     seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
     python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
