@@ -4,7 +4,8 @@ data and steps from ONE prepared data set, several seeds each (docs/study.md).
     python tools/study.py --quick      # the toy target (run.sh --toy's): 26 runs, 7 min on a
                                        # 2-core Zen 4 (docs/study-quick.md)
     python tools/study.py --data data/smollm2-math/train --eval-data data/smollm2-math/eval
-                                       # the embedded target on the main job's data: hours
+                                       # the embedded target on the main job's data, 1 epoch:
+                                       # 18 runs, 2 hours on that Zen 4 (docs/study.md)
 
 The arms are train.py flags, nothing else changes between them:
 
@@ -248,17 +249,19 @@ def cpu_name() -> str:
     return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
-def page(args, results, spent: list, figure) -> str:
+def page(args, results, spent: list, figure, answers: int) -> str:
     arms = list(args.arms)
     sizes = [f"{arm}-{n}" for n in args.sizes for arm in ("dflash", "dflash2")]
     what = "The toy target (run.sh --toy's)" if args.quick else f"The target {args.target}"
+    what = what if args.target or args.quick else "The embedded target (SmolLM2-135M-Instruct)"
     lines = [
         f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
         "",
         f"Made by `python tools/study.py {' '.join(args.argv)}` on {cpu_name()}, torch "
         f"{torch.__version__}, in {sum(spent) / 60:.1f} min of wall time over {len(spent)} "
         f"invocation(s) (it resumes). {args.note + ' ' if args.note else ''}"
-        f"{what}; every arm trained on the same prepared data for {args.epochs} epochs, "
+        f"{what}; every arm trained on the same prepared data ({answers} answers) for "
+        f"{args.epochs} epoch(s), "
         f"{args.seeds} seeds each; served tau over {args.prompts} held-out prompts, greedy.",
         "",
         "tau_selector / tau_unary: held-out accepted length, teacher-forced at random anchors, "
@@ -315,7 +318,7 @@ def parse_args(argv=None):
         p.error("--data: give --eval-data too, the held-out features every arm is measured on")
     quick = args.quick
     args.out = args.out or ("out/study-quick" if quick else "out/study")
-    # full size, 1 epoch and 8 served prompts: 18 runs of 1,000 steps fit about 2.5 hours of 2 cores
+    # full size, 1 epoch and 8 served prompts: 18 runs of 1,000 answers took 2.1 hours on 2 cores
     args.epochs = args.epochs or (2 if quick else 1)
     args.prompts = args.prompts or (16 if quick else 8)
     args.eval_interval = args.eval_interval or (50 if quick else 200)
@@ -369,7 +372,7 @@ def main(argv=None):
     spent.append(round(time.time() - t0, 1))
     with open(spent_file, "w") as f:
         json.dump(spent, f)
-    text = page(args, results, spent, "study.svg")
+    text = page(args, results, spent, "study.svg", answers)
     with open(os.path.join(args.out, "study.md"), "w") as f:
         f.write(text)
     print(text)
