@@ -7614,7 +7614,8 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
     run); a study that names neither --quick nor --data is refused in one line."""
     args = study.parse_args(["--quick", "--arms", "dflash2", "selector-only", "--seeds", "2"])
     args.sizes = [150, 600]
-    runs = [(name, flags) for name, _, _, _, flags in study.plan(args, answers=600)]
+    planned, same = study.plan(args, answers=600)
+    runs = [(name, flags) for name, _, _, _, flags in planned]
     assert runs[:4] == [
         ("dflash2/seed0", []),
         ("dflash2/seed1", []),
@@ -7632,7 +7633,7 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
         "dflash-600/seed0",
         "dflash-600/seed1",
     ]
-    assert study.same_run(args, 600, "dflash2", 600, 1) == "dflash2/seed1"
+    assert same == {"dflash2-600/seed0": "dflash2/seed0", "dflash2-600/seed1": "dflash2/seed1"}
     args.sizes = [601]
     with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):
         study.plan(args, answers=600)

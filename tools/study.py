@@ -102,11 +102,11 @@ def prepare_toy(out: str) -> tuple:
     return target, os.path.join(out, "data", "train"), os.path.join(out, "data", "eval")
 
 
-def plan(args, answers: int) -> list:
-    """Every run: (name, arm, seed, answers or None, its train.py flags). A curve point at all
-    `answers` of the data is not trained again where an arm's own seed is that very run (the same
-    flags, data and seed train the same draft): same_run names it."""
-    runs = []
+def plan(args, answers: int) -> tuple:
+    """Every run: (name, arm, seed, answers or None, its train.py flags), and {curve point: the
+    arm's run it is}: a curve point at all `answers` of the data is not trained again where an
+    arm's own seed is that very run (the same flags, data and seed train the same draft)."""
+    runs, same = [], {}
     for arm in args.arms:
         for seed in range(args.seeds):
             runs.append((f"{arm}/seed{seed}", arm, seed, None, ARMS[arm]))
@@ -115,17 +115,12 @@ def plan(args, answers: int) -> list:
             raise ValueError(f"--sizes {n}: the training data holds {answers} answers")
         for arm in ("dflash", "dflash2"):
             for seed in range(args.size_seeds):
-                if not same_run(args, answers, arm, n, seed):
+                if n == answers and arm in args.arms and seed < args.seeds:
+                    same[f"{arm}-{n}/seed{seed}"] = f"{arm}/seed{seed}"
+                else:
                     flags = [*ARMS[arm], "--num-samples", str(n)]
                     runs.append((f"{arm}-{n}/seed{seed}", arm, seed, n, flags))
-    return runs
-
-
-def same_run(args, answers: int, arm: str, n: int, seed: int):
-    """The arm's run that a curve point of n answers is, or None where it must train its own."""
-    if n == answers and arm in args.arms and seed < args.seeds:
-        return f"{arm}/seed{seed}"
-    return None
+    return runs, same
 
 
 def answers_in(data: str) -> int:
@@ -252,8 +247,12 @@ def cpu_name() -> str:
 def page(args, results, spent: list, figure, answers: int) -> str:
     arms = list(args.arms)
     sizes = [f"{arm}-{n}" for n in args.sizes for arm in ("dflash", "dflash2")]
-    what = "The toy target (run.sh --toy's)" if args.quick else f"The target {args.target}"
-    what = what if args.target or args.quick else "The embedded target (SmolLM2-135M-Instruct)"
+    what = (
+        f"The target {args.target}"
+        if args.target
+        else "The embedded target (SmolLM2-135M-Instruct)"
+    )
+    what = "The toy target (run.sh --toy's)" if args.quick else what
     lines = [
         f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
         "",
@@ -344,7 +343,7 @@ def main(argv=None):
                 raise ValueError(f"{d}: no prepared features (prepare.py --features makes them)")
         setup = (args.target, args.data, args.eval_data, args.draft_config)
     answers = answers_in(setup[1])
-    runs = plan(args, answers)
+    runs, same = plan(args, answers)
     bar = tqdm(total=len(runs), desc="study: runs trained and served", unit="run")
     with ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(train_run, args, setup, n, s, f) for n, _, s, _, f in runs]
@@ -356,13 +355,8 @@ def main(argv=None):
     for name, *_ in runs:
         with open(os.path.join(args.out, name, "study.json")) as f:
             results[name] = json.load(f)
-    for n in args.sizes:  # the curve's points that are arms' runs
-        for arm in ("dflash", "dflash2"):
-            for seed in range(args.size_seeds):
-                if same_run(args, answers, arm, n, seed):
-                    results[f"{arm}-{n}/seed{seed}"] = results[
-                        same_run(args, answers, arm, n, seed)
-                    ]
+    for point, arm_run in same.items():  # the curve's points that are arms' runs
+        results[point] = results[arm_run]
     figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
     seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
     python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
