@@ -5183,22 +5183,42 @@ def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch
 
 
 def test_plan_times_each_probe_round_after_round_after_one_untimed_call(monkeypatch):
-    """in_rounds: one untimed call of each probe, then each timed twice in turn, three rounds; a
-    probe's figure is the median of its six timings. A probe slow (0.3 s) in its untimed first call
-    and one timed call, then 0.01 s, reads 0.01; the calls interleave, so no probe is timed in one
-    burst."""
+    """in_rounds: three rounds, every probe in turn, each one untimed call and then two timed ones;
+    a probe's figure is the median of its six timings. A probe that runs slow (0.3 s) in the first
+    call after another probe's, then 0.01 s, reads 0.01: the untimed call takes the switch (the
+    training step read 0.43-0.79 s timed right after the target's forwards, 0.37-0.40 with it)."""
     calls = []
 
-    def probe(name, slow_calls):
+    def probe(name):
         def step():
+            switched = not calls or calls[-1] != name
             calls.append(name)
-            time.sleep(0.3 if calls.count(name) <= slow_calls else 0.01)
+            time.sleep(0.3 if switched else 0.01)
 
         return step
 
-    seconds = plan.in_rounds({"a": probe("a", 2), "b": probe("b", 0)})
-    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    seconds = plan.in_rounds({"a": probe("a"), "b": probe("b")})
+    assert calls == ["a", "a", "a", "b", "b", "b"] * 3
     assert 0.01 <= seconds["a"] < 0.05 and 0.01 <= seconds["b"] < 0.05
+
+
+def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
+    """Served decoding is greedy and lossless: it commits the held-out answers again, each up to
+    --served-tokens. Once prepare made them, the plan reads their lengths (regenerated.*.jsonl, in
+    index order) and prices what they commit: 2 prompts of answers 100 and 300 tokens at 160 commit
+    100 + 160 = 260 prompt-tokens; before, every prompt is priced at the full 160."""
+    rows = [(1, 300), (0, 100), (2, 50)]  # (index, answer tokens), written out of order
+    with open(tmp_path / "regenerated.rank0.jsonl", "w") as f:
+        for i, n in rows:
+            answer = {"role": "assistant", "content": "", "token_ids": [7] * n}
+            f.write(json.dumps({"index": i, "messages": [{"role": "user"}, answer]}) + "\n")
+    assert plan.answer_lengths(str(tmp_path)) == (100, 300, 50)
+    assert plan.answer_lengths(str(tmp_path / "none")) == ()
+    made = plan.Costs(0, None, None, None, None, 15, 0.1, answer_lengths=(100, 300, 50))
+    assert plan.served_s(made, 2, 160) == pytest.approx(15 + 260 * 0.1)
+    assert plan.served_s(made._replace(answer_lengths=()), 2, 160) == pytest.approx(15 + 320 * 0.1)
+    assert plan.served_s(made, 4, 160) == pytest.approx(15 + 640 * 0.1)  # 4 asked, 3 made
+    assert plan.served_s(made, 0, 160) == 0.0
 
 
 def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):

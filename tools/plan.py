@@ -67,6 +67,7 @@ budget that would hold one.
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import statistics
@@ -105,10 +106,12 @@ CAPTURE_CONVERSATION = [
 # timed alike. The cause is not found; the ratio prices it.
 REGEN_RATIO = 0.69
 CAPTURE_COUNT = 3  # conversations per timed call of the feature step
-# train.py's steps (80 of them from step 10, on the maths answers) ran 0.99-1.34 (mean 1.16, 5
-# pairs, the same machine, the probe and the run in turn) of train_step's: the probe leaves out
-# the data (reading shards, collating rows of varying length) and the log
-TRAIN_RATIO = 1.16
+# train.py's steps (a fresh clone's bash run.sh, steps 30-1,428 less its evaluations: 0.379 s) ran
+# 0.98 of train_step's probe timed by in_rounds (0.374 and 0.400 s, two tries beside it; the Zen 4,
+# 2026-12-04): the data (reading shards, collating rows of varying length) and the log cost
+# nothing that shows. (1.16 before in_rounds made an untimed call per round, against probes read
+# 0.61-0.87 s in the jobs; those jobs then trained at 0.36-0.39 and ended 15-20 min early.)
+TRAIN_RATIO = 1.0
 LOAD_S = 50  # loading the target five times (plan, prepare twice, train, served), the export
 # of the budget: a shared VM's speed drifts by a tenth within one job (README, Your machine), and
 # on the AMD EPYC of docs/results-amd-epyc.md its probes read up to 30% apart minutes apart: 92%
@@ -156,11 +159,13 @@ SERVED_SHAPES = 2  # the path of B-1 drafts and auto's shape
 # a typical main job's draft, served on the path (1.87 and 1.76 native, 1.71 on a Zen 1, 1.63 on one
 # core held to AVX2; the weakest ever, issue 36's, 1.45)
 SERVED_TAU = 1.7
-# a cycle's draft and its bookkeeping, in plain target steps: a job's 16 held-out prompts decoded
-# to their 160 tokens at 69 ms a token on the path of tau 1.75, where a verify took 71 ms and a
-# plain step 55 (the int8 draft alone: 10-15 ms)
-DRAFT_SHARE = 0.75
-SERVED_LOAD_S = 30  # loading the target and the draft, the draft's head rows
+# a cycle's draft and its bookkeeping, in plain target steps: a job's draft served on its 10
+# held-out prompts (1,372 tokens, the answers' own lengths, on each shape) took 79 s on the path
+# (tau 1.75) and 66 s on auto's tree, where a verify took 67 ms and a plain step 51 (the Zen 4,
+# 2026-12-04; the int8 draft alone: 10-15 ms). The same job's own served phase read 0.2, an
+# earlier job's 0.9: the served phase's speed varies from job to job more than any other's
+DRAFT_SHARE = 0.45
+SERVED_LOAD_S = 15  # loading the target and the draft, the draft's head rows: 12-16 s here
 DECODE_CONTEXT = 200  # speed/cost.py's decode table: its context
 # an evaluation of N_EVAL answers (~ N_EVAL / 3 steps) every EVAL_INTERVAL steps, as 48 every 600
 EVAL_SHARE = 16 / 600
@@ -212,6 +217,9 @@ class Costs(NamedTuple):
     layouts: float = 0.0  # prepare.py's one-off layout measurement, if it must make one
     have: int = 0  # training answers already made
     eval_have: int = 0  # held-out answers already made
+    # their lengths in tokens, in the order served.py takes them (empty: not made yet); served
+    # decoding is greedy and lossless, so it commits these answers again, up to --served-tokens
+    answer_lengths: tuple = ()
 
 
 def t_answer(c: Costs) -> float:
@@ -229,7 +237,13 @@ def held_out_s(c: Costs, n_eval: int) -> float:
 
 
 def served_s(c: Costs, samples: int, tokens: int) -> float:
-    return c.served_fixed + samples * tokens * c.served_token if samples else 0.0
+    """The served evaluation: its fixed part, and each prompt's answer (all of `tokens` where the
+    held-out answers are not made yet, where an answer may stop sooner) on every shape."""
+    if not samples:
+        return 0.0
+    known = c.answer_lengths[:samples] if len(c.answer_lengths) >= samples else None
+    committed = sum(min(n, tokens) for n in known) if known else samples * tokens
+    return c.served_fixed + committed * c.served_token
 
 
 def eval_interval(n_eval: int) -> int:
@@ -466,17 +480,18 @@ def capture_step(target, tokenizer, layer_ids, folder: str, n: int = CAPTURE_COU
 
 
 def in_rounds(probes: dict, rounds: int = 3, repeats: int = 2) -> dict:
-    """{name: a function that runs it once} -> {name: its median seconds a call}. One untimed call
-    of each first (first calls allocate), then every probe timed `repeats` times in turn, round
-    after round: each median is taken over the whole measurement, not one burst. A shared VM's
-    speed drifts over seconds: a fixed GEMM timed for 40 s on the AMD EPYC of
-    docs/results-amd-epyc.md read 1.0 to 1.6 times its fastest, and a training step timed in one
-    burst read 0.64 s where it read 0.32 a minute later."""
-    for step in probes.values():
-        step()
+    """{name: a function that runs it once} -> {name: its median seconds a call}. Round after
+    round, every probe in turn: one untimed call, then `repeats` timed ones; each median is taken
+    over the whole measurement, not one burst. A shared VM's speed drifts over seconds: a fixed GEMM
+    timed for 40 s on the AMD EPYC of docs/results-amd-epyc.md read 1.0 to 1.6 times its fastest.
+    The untimed call is there because a probe's first call after another probe's runs slow: the
+    training step timed right after the target's forwards read 0.43-0.79 s (median of 6, 2 tries)
+    where it read 0.35 in a burst of its own, and 0.37-0.40 with the untimed call (the Zen 4 of
+    docs/results-amd-epyc.md, 2026-12-04); train.py, which runs nothing in between, took 0.39."""
     times = {name: [] for name in probes}
     for _ in range(rounds):
         for name, step in probes.items():
+            step()
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 step()
@@ -521,6 +536,18 @@ def answers_made(data_dir: str) -> int:
             )
     except OSError:
         return 0
+
+
+def answer_lengths(data_dir: str) -> tuple:
+    """The tokens of each answer prepare.py regenerated into data_dir, in the data's order (by
+    index); () where it holds none."""
+    rows = []
+    for name in sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []:
+        if name.startswith("regenerated.") and name.endswith(".jsonl"):
+            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+    rows.sort(key=lambda r: r["index"])
+    return tuple(len(r["messages"][-1]["token_ids"]) for r in rows)
 
 
 def measure(args) -> tuple:
@@ -612,6 +639,7 @@ def measure(args) -> tuple:
         layouts,
         have,
         eval_have,
+        answer_lengths(args.eval_data) if eval_have else (),
     )
     return c, line
 
