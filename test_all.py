@@ -6836,6 +6836,18 @@ def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it
     assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
 
 
+def test_gpu_check_interrupts_a_run_past_its_bound_so_it_can_say_why(monkeypatch):
+    """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
+    failures and their reasons), then is killed; the bound is still reported as a timeout."""
+    said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
+    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", said], 1)
+    assert status is None and out.strip() == "why" and seconds < 10
+    monkeypatch.setattr(gpu_check, "INTERRUPT_S", 2)  # one that ignores Ctrl-C is killed after it
+    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", stubborn], 1)
+    assert status is None and 3 <= seconds < 8
+
+
 @pytest.fixture
 def no_eager_fallback():
     """A compile that hits the recompile limit raises instead of running eager: eager flex is

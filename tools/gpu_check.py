@@ -62,8 +62,9 @@ BUDGET_S = sum(s for _, s in PLAN)
 DRY_RUN = dict(length=96, num_anchors=8, num_layers=2, train_steps=4, warmup=1, repeats=1)
 # every CUDA test has "cuda" in its name or parameter id; -v shows each as it ends, so a timeout
 # still says where
-TESTS = [sys.executable, "-m", "pytest", "-v", "-rs", "--durations=10", "-p", "no:cacheprovider"]
+TESTS = [sys.executable, "-m", "pytest", "-v", "-rfs", "--durations=10", "-p", "no:cacheprovider"]
 TESTS += ["test_all.py", "-k", "cuda"]
+INTERRUPT_S = 15  # a run past its bound: Ctrl-C, then this long to say so before it is killed
 OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory", re.IGNORECASE)
 
 
@@ -158,8 +159,13 @@ def run_bounded(cmd: list, timeout: float, env=None):
         try:
             out, _ = proc.communicate(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+            # Ctrl-C first: pytest then prints what failed and why, a Python row where it was
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                out, _ = proc.communicate(timeout=INTERRUPT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
             return None, time.monotonic() - t0, out
         except BaseException:  # Ctrl-C or SIGTERM: the row's processes go too
             os.killpg(proc.pid, signal.SIGKILL)
@@ -206,6 +212,7 @@ def run_tests(timeout: float) -> tuple:
         "seconds": round(seconds, 1),
         "summary": last if status is not None else f"timed out after {timeout:.0f} s",
         "passed_before": re.findall(r"::(\S+) PASSED", out),
+        "failed": sorted(set(re.findall(r"::(\S+) FAILED", out))),
         "counts": counts,
     }
     return record, out
@@ -473,6 +480,7 @@ def summary(results: dict) -> str:
         said = t["summary"] if "summary" in t else f"{t['status']} ({t['reason']})"
         lines.append(
             f"\nCUDA tests: {said}"
+            + (f"; failed: {', '.join(t['failed'])}" if t.get("failed") else "")
             + (f"; exit status {t['exit_status']}; {t['command']}" if "command" in t else "")
         )
     return "\n".join(lines) + "\n"
