@@ -40,11 +40,11 @@ to cost seconds anywhere: a decoding step of 64 rows after 160 tokens is timed o
 with random keys and values (a step's cost does not depend on them), not after a prefill of 10,240
 tokens. Two of the probes are priced at what the real phase measured beside them: generate's steps
 at REGEN_RATIO of the forward's, train.py's at TRAIN_RATIO of its train_step's. The probes run in
-turn, round after round (in_rounds), so each reads the machine's speed over the whole
-measurement, not in one burst: a shared VM's drifts. An explicit N_TRAIN (--num-samples) skips
-the probes of the data (regeneration and features: its held-out set stays at 48 unless N_EVAL is
-given), and with --epochs too the training step's probe; the served evaluation's three short
-probes always run.
+turn, round after round, each after an untimed call (in_rounds), so each reads the machine's
+speed over the whole measurement, not in one burst: a shared VM's drifts. An explicit N_TRAIN
+(--num-samples) skips the probes of the data (regeneration and features: its held-out set stays
+at 48 unless N_EVAL is given), and with --epochs too the training step's probe; the served
+evaluation's three short probes always run.
 
 The fixed costs scale with the machine. On the AMD EPYC with avx512_bf16 of
 docs/results-amd-epyc.md the full-size ones take, of a 45-minute job: the 48 held-out answers
