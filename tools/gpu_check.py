@@ -155,6 +155,9 @@ def run_bounded(cmd: list, timeout: float, env=None):
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # a job started in the background (nohup ... &) ignores Ctrl-C, and its children with it:
+        # give the row Python's own handler back, so that the Ctrl-C below reaches it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     ) as proc:
         try:
             out, _ = proc.communicate(timeout=max(timeout, 1))
