@@ -6890,8 +6890,10 @@ def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
 def test_cuda_sdpa_keeps_no_scores_at_training_scale():
     """--attention sdpa on a GPU (kernels.sdpa: k/v heads repeated, memory-safe kernels only) at
     a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192 context rows:
-    forward and backward allocate less than a tenth of the fp32 scores the math kernel would make
-    (6.4 GiB a layer), and the output equals the grouped-query math kernel's on a slice."""
+    forward and backward allocate less than a quarter of the fp32 scores the math kernel would make
+    (6.4 GiB a layer; its bf16 scores alone would be half), and the output equals the grouped-query
+    math kernel's on a slice. An H200 (torch 2.11) allocated 672 MB, of which the repeated k/v are
+    201 MB."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -6908,7 +6910,7 @@ def test_cuda_sdpa_keeps_no_scores_at_training_scale():
     kernels.sdpa(q, k, v, mask, True).float().sum().backward()
     torch.cuda.synchronize()
     scores = 32 * Q * K * 4
-    assert torch.cuda.max_memory_allocated() - before < scores / 10
+    assert torch.cuda.max_memory_allocated() - before < scores / 4
     s = slice(0, 256)  # math on a slice: [1, 32, 256, K] scores
     with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
         want = F.scaled_dot_product_attention(
