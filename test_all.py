@@ -5206,7 +5206,8 @@ def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
     """Served decoding is greedy and lossless: it commits the held-out answers again, each up to
     --served-tokens. Once prepare made them, the plan reads their lengths (regenerated.*.jsonl, in
     index order) and prices what they commit: 2 prompts of answers 100 and 300 tokens at 160 commit
-    100 + 160 = 260 prompt-tokens; before, every prompt is priced at the full 160."""
+    100 + 160 = 260 prompt-tokens; before, each prompt at their known mean where the domain has one
+    (math: 141), else at the full 160."""
     rows = [(1, 300), (0, 100), (2, 50)]  # (index, answer tokens), written out of order
     with open(tmp_path / "regenerated.rank0.jsonl", "w") as f:
         for i, n in rows:
@@ -5219,6 +5220,9 @@ def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
     assert plan.served_s(made._replace(answer_lengths=()), 2, 160) == pytest.approx(15 + 320 * 0.1)
     assert plan.served_s(made, 4, 160) == pytest.approx(15 + 640 * 0.1)  # 4 asked, 3 made
     assert plan.served_s(made, 0, 160) == 0.0
+    before = made._replace(answer_lengths=(), answer_tokens=141)
+    assert plan.served_s(before, 2, 160) == pytest.approx(15 + 282 * 0.1)
+    assert plan.served_s(before, 2, 128) == pytest.approx(15 + 256 * 0.1)  # cut at --served-tokens
 
 
 def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):

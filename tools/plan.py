@@ -106,12 +106,14 @@ CAPTURE_CONVERSATION = [
 # timed alike. The cause is not found; the ratio prices it.
 REGEN_RATIO = 0.69
 CAPTURE_COUNT = 3  # conversations per timed call of the feature step
-# train.py's steps (a fresh clone's bash run.sh, steps 30-1,428 less its evaluations: 0.379 s) ran
-# 0.98 of train_step's probe timed by in_rounds (0.374 and 0.400 s, two tries beside it; the Zen 4,
-# 2026-12-04): the data (reading shards, collating rows of varying length) and the log cost
-# nothing that shows. (1.16 before in_rounds made an untimed call per round, against probes read
+# train.py's steps, over a whole job, against train_step's probe timed by in_rounds (the Zen 4,
+# 2026-12-04): 0.98 (a job's 0.379 s, steps 30-1,428 less its evaluations, against 0.374 and 0.400
+# read beside it), 0.87 (job 6: 2,781 steps in 1,063 s with its evaluations, 0.382, against its
+# replan's 0.44). train.py's first 200 steps run at 0.47-0.53 and the rest at 0.31-0.42, and the
+# probe reads about the first (0.41-0.45, three tries, against 0.40-0.53 for train.py's first 250
+# steps beside them). (1.16 before in_rounds made an untimed call per round, against probes read
 # 0.61-0.87 s in the jobs; those jobs then trained at 0.36-0.39 and ended 15-20 min early.)
-TRAIN_RATIO = 1.0
+TRAIN_RATIO = 0.9
 LOAD_S = 50  # loading the target five times (plan, prepare twice, train, served), the export
 # of the budget: a shared VM's speed drifts by a tenth within one job (README, Your machine), and
 # on the AMD EPYC of docs/results-amd-epyc.md its probes read up to 30% apart minutes apart: 92%
@@ -165,6 +167,10 @@ SERVED_TAU = 1.7
 # 2026-12-04; the int8 draft alone: 10-15 ms). The same job's own served phase read 0.2, an
 # earlier job's 0.9: the served phase's speed varies from job to job more than any other's
 DRAFT_SHARE = 0.45
+# the embedded target's greedy answers to the held-out questions, by domain: the 48 GSM8K ones
+# average 141 tokens, none cut at 160 (the same on every machine: greedy; the first 11, 137). Priced
+# at full length before they are made, job 6's served phase came in 19% under its plan.
+ANSWER_TOKENS = {"math": 141}
 SERVED_LOAD_S = 15  # loading the target and the draft, the draft's head rows: 12-16 s here
 DECODE_CONTEXT = 200  # speed/cost.py's decode table: its context
 # an evaluation of N_EVAL answers (~ N_EVAL / 3 steps) every EVAL_INTERVAL steps, as 48 every 600
@@ -220,6 +226,7 @@ class Costs(NamedTuple):
     # their lengths in tokens, in the order served.py takes them (empty: not made yet); served
     # decoding is greedy and lossless, so it commits these answers again, up to --served-tokens
     answer_lengths: tuple = ()
+    answer_tokens: Optional[float] = None  # until they are made: their mean, where known
 
 
 def t_answer(c: Costs) -> float:
@@ -237,12 +244,14 @@ def held_out_s(c: Costs, n_eval: int) -> float:
 
 
 def served_s(c: Costs, samples: int, tokens: int) -> float:
-    """The served evaluation: its fixed part, and each prompt's answer (all of `tokens` where the
-    held-out answers are not made yet, where an answer may stop sooner) on every shape."""
+    """The served evaluation: its fixed part, and each prompt's answer on every shape: the
+    held-out answers' own lengths once made; before, their known mean (ANSWER_TOKENS), else all
+    of `tokens` (an answer may stop sooner)."""
     if not samples:
         return 0.0
     known = c.answer_lengths[:samples] if len(c.answer_lengths) >= samples else None
-    committed = sum(min(n, tokens) for n in known) if known else samples * tokens
+    each = min(tokens, c.answer_tokens or tokens)
+    committed = sum(min(n, tokens) for n in known) if known else samples * each
     return c.served_fixed + committed * c.served_token
 
 
@@ -640,6 +649,7 @@ def measure(args) -> tuple:
         have,
         eval_have,
         answer_lengths(args.eval_data) if eval_have else (),
+        ANSWER_TOKENS.get(args.domain),
     )
     return c, line
 
@@ -702,7 +712,8 @@ def training_lines(c: Costs, args) -> list:
         minutes = (priced["training"] + priced["evaluations"]) / 60
         print(
             f"[plan] again before training, {args.elapsed_s / 60:.1f} min into the job: {steps} "
-            f"steps ({steps / n:.2f} epochs over {n} answers), about {minutes:.1f} min of training",
+            f"steps ({steps / n:.2f} epochs over {n} answers), about {minutes:.1f} min of training"
+            f" and {priced['served'] / 60:.1f} min served",
             file=sys.stderr,
         )
     tau = f"{expected_tau(n, steps / n, args.dflash):.2f}" if args.domain == "math" else ""
