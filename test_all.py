@@ -7719,7 +7719,7 @@ def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(mo
     assert str(e.value) == (
         "BUDGET_MIN=20 cannot hold a useful job on this machine (at least 300 steps, as 150 "
         "answers x 2 epochs): BUDGET_MIN=45 would, with 170 answers x 2 epochs, for a held-out tau "
-        "of about 1.49"
+        "of about 1.50"
     )
     assert plan.choose(SLOW, 45)[:2] == (170, 2)
     # before anything runs: one line, status 2
