@@ -5202,6 +5202,16 @@ def test_plan_times_each_probe_round_after_round_after_one_untimed_call(monkeypa
     assert 0.01 <= seconds["a"] < 0.05 and 0.01 <= seconds["b"] < 0.05
 
 
+def test_plan_prices_an_answer_as_its_prompt_its_steps_and_its_features():
+    """By hand: one answer is its prompt's prefill (0.3 s), 160 / 64 steps of its 64-row batch
+    (2.5 x 0.4 = 1.0) and its feature step (0.5): 1.8 s. A held-out set of 16 is one batch of 160
+    steps of 16 rows (160 x 0.2 = 32) and 16 prompts and feature steps (16 x 0.8 = 12.8): 44.8 s."""
+    c = plan.Costs(0, None, 0.4, 0.2, 0.5, 15, 0.1, t_prompt=0.3)
+    assert plan.t_answer(c) == pytest.approx(1.8)
+    assert plan.held_out_s(c, 16) == pytest.approx(44.8)
+    assert plan.held_out_s(c._replace(eval_have=16), 16) == 0.0
+
+
 def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
     """Served decoding is greedy and lossless: it commits the held-out answers again, each up to
     --served-tokens. Once prepare made them, the plan reads their lengths (regenerated.*.jsonl, in

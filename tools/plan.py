@@ -15,7 +15,8 @@ The same job costs 16x more on a CPU without native bf16 (README, "Your machine"
 
     t_answer     one on-policy answer and its features: regeneration decodes batches of 64 rows,
                  and every batch of the maths set ran all 160 steps (some answer in each is cut
-                 there), so 160 / 64 batch steps per answer, plus prepare.py's feature step for one
+                 there), so 160 / 64 batch steps per answer and its prompt's prefill (timed on
+                 2 rows of PROMPT_TOKENS), plus prepare.py's feature step for one
                  conversation, run as prepare runs it (tokenize, forward with hooks, cast, check,
                  write the shard) on conversations of 178 tokens (the answers' mean, 179)
     t_step       one training step (one answer, 32 anchors), in the precision train.py picks here
@@ -99,12 +100,21 @@ CAPTURE_CONVERSATION = [
     {"role": "user", "content": "How many apples are left at the end? " * 2},
     {"role": "assistant", "content": "She has 12 apples and gives 5 away, so 7 are left. " * 7},
 ]
-# transformers' generate ran its 64-row steps at 0.62-0.76 (mean 0.69, 7 pairs) of forward_step's
-# step at the same mean context, on the AMD EPYC with avx512_bf16, the probe and a real batch
-# of 160 steps taken in turn in one process. Not the cache's contents (random, prefilled, zeros),
-# its cropping, position ids, logits_to_keep or the cache object generate makes: each of those
-# timed alike. The cause is not found; the ratio prices it.
-REGEN_RATIO = 0.69
+# transformers' generate's 64-row steps against forward_step's step at the same mean context, the
+# prompts' prefill priced apart (PROMPT_TOKENS): on the AMD EPYC Zen 4 (2026-12-04) natively in bf16
+# 0.50 (a batch of 64 beside the probe: 35.2 s, less its 6.5 s prefill, over 160 steps of 0.18 s
+# against the probe's 0.363) and 0.55 in job 7 (its regeneration ran 0.59 s an answer, the prompt
+# about 0.065, where its probe read 0.383 s a step); in fp32 on one core held to AVX2 0.91 (106.8 s
+# less a 27.9 s prefill, steps of 0.494 s against 0.543) and 1.16 in job 8 (1.38 s an answer, the
+# prompt about 0.27, against 0.383). (0.69 before, the prefill inside, from 7 pairs natively.) The
+# cause is not the cache's contents, its cropping, position ids, logits_to_keep or the cache object
+# generate makes: each of those timed alike. Not found; the ratio prices it, by the data's dtype.
+REGEN_RATIO = {torch.bfloat16: 0.55, torch.float32: 1.0}
+# the prompts' prefill, timed on 2 rows of PROMPT_TOKENS: the maths prompts average 60 tokens
+# rendered, 62 padded in prepare's length-sorted batches of 64. In fp32 on one AVX2 core a batch's
+# prefill is a quarter of its regeneration; job 8, priced without it (and at 0.69), took 1.38 s an
+# answer against 0.66
+PROMPT_TOKENS = 64
 CAPTURE_COUNT = 3  # conversations per timed call of the feature step
 # train.py's steps, over a whole job, against train_step's probe timed by in_rounds (the Zen 4,
 # 2026-12-04): 0.98 (a job's 0.379 s, steps 30-1,428 less its evaluations, against 0.374 and 0.400
@@ -230,20 +240,21 @@ class Costs(NamedTuple):
     # decoding is greedy and lossless, so it commits these answers again, up to --served-tokens
     answer_lengths: tuple = ()
     answer_tokens: Optional[float] = None  # until they are made: their mean, where known
+    t_prompt: float = 0.0  # the prefill of one prompt in a regeneration batch
 
 
 def t_answer(c: Costs) -> float:
-    return REGEN_STEPS / 64 * c.t_batch64 + c.t_capture
+    return c.t_prompt + REGEN_STEPS / 64 * c.t_batch64 + c.t_capture
 
 
 def held_out_s(c: Costs, n_eval: int) -> float:
-    """One regeneration batch of n_eval rows (its step interpolated between 16 and 64 rows) and
-    n_eval feature steps; nothing if the set is made."""
+    """One regeneration batch of n_eval rows (its prefill, its step interpolated between 16 and 64
+    rows) and n_eval feature steps; nothing if the set is made."""
     if c.eval_have >= n_eval:
         return 0.0
     rows = min(n_eval, 64)
     step = c.t_batch16 + (c.t_batch64 - c.t_batch16) * max(0, rows - 16) / 48
-    return REGEN_STEPS * step + (n_eval - c.eval_have) * c.t_capture
+    return REGEN_STEPS * step + (n_eval - c.eval_have) * (c.t_prompt + c.t_capture)
 
 
 def served_s(c: Costs, samples: int, tokens: int) -> float:
@@ -586,6 +597,7 @@ def measure(args) -> tuple:
         probes["batch64"] = forward_step(target, 64, 1, REGEN_CONTEXT)
         probes["batch16"] = forward_step(target, 16, 1, REGEN_CONTEXT)
         probes["capture"] = capture_step(target, tokenizer, config.target_layer_ids, tmp.name)
+        probes["prompt"] = forward_step(target, 2, PROMPT_TOKENS, 0)
         if measuring:
             probes["prefill256"] = forward_step(target, 1, 256, 0)
     if need_step:
@@ -608,9 +620,11 @@ def measure(args) -> tuple:
 
     words = []
     t_step = t_batch64 = t_batch16 = t_capture = None
-    layouts = 0.0
+    layouts = t_prompt = 0.0
     if need_data:
-        t_batch64, t_batch16 = REGEN_RATIO * s["batch64"], REGEN_RATIO * s["batch16"]
+        ratio = REGEN_RATIO[data_dtype]
+        t_batch64, t_batch16 = ratio * s["batch64"], ratio * s["batch16"]
+        t_prompt = s["prompt"] / 2
         t_capture = s["capture"] / CAPTURE_COUNT
         if measuring:
             count = len(machine.layouts_here(data_dtype, torch.device("cpu")))
@@ -618,10 +632,10 @@ def measure(args) -> tuple:
             # took 372 s for 3 layouts where a step of 64 rows was 1.16 s and a prefill of 256
             # tokens 3.0 s, one core held to AVX2, docs/slow-cpu.md), 4 steps, 4 such prefills
             layouts = count * (100 * s["batch64"] + 4 * s["prefill256"])
-        regen = REGEN_STEPS / 64 * t_batch64
+        regen = t_prompt + REGEN_STEPS / 64 * t_batch64
         words.append(
-            f"one answer {regen + t_capture:.2f} s (regeneration {regen:.2f} + features "
-            f"{t_capture:.2f})"
+            f"one answer {regen + t_capture:.2f} s (regeneration {regen:.2f}, its prompt "
+            f"{t_prompt:.2f}; + features {t_capture:.2f})"
         )
         if layouts:
             words.append(f"prepare's layout choice about {layouts / 60:.1f} min, once")
@@ -653,6 +667,7 @@ def measure(args) -> tuple:
         eval_have,
         answer_lengths(args.eval_data) if eval_have else (),
         ANSWER_TOKENS.get(args.domain),
+        t_prompt,
     )
     return c, line
 
