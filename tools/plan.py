@@ -68,7 +68,6 @@ budget that would hold one.
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -564,13 +563,8 @@ def answers_made(data_dir: str) -> int:
 def answer_lengths(data_dir: str) -> tuple:
     """The tokens of each answer prepare.py regenerated into data_dir, in the data's order (by
     index); () where it holds none."""
-    rows = []
-    for name in sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []:
-        if name.startswith("regenerated.") and name.endswith(".jsonl"):
-            with open(os.path.join(data_dir, name), encoding="utf-8") as f:
-                rows += [json.loads(line) for line in f if line.strip()]
-    rows.sort(key=lambda r: r["index"])
-    return tuple(len(r["messages"][-1]["token_ids"]) for r in rows)
+    done = prepare.read_regenerated(data_dir) if os.path.isdir(data_dir) else {}
+    return tuple(len(done[i]["messages"][-1]["token_ids"]) for i in sorted(done))
 
 
 def measure(args) -> tuple:
