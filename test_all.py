@@ -5233,6 +5233,11 @@ def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
     before = made._replace(answer_lengths=(), answer_tokens=141)
     assert plan.served_s(before, 2, 160) == pytest.approx(15 + 282 * 0.1)
     assert plan.served_s(before, 2, 128) == pytest.approx(15 + 256 * 0.1)  # cut at --served-tokens
+    # a prompt-token costs a cycle (a verify 0.08 s + 0.45 of a plain step 0.05 s = 0.1025 s) over
+    # each shape's tau: 0.1025 / 1.7 (the path) + 0.1025 / 1.95 (auto's tree) = 0.11286 s; the
+    # decode table of 2 layouts x 3 sizes, a prefill 0.2 s and 8 verifies each: 15 + 5.04 s fixed
+    fixed, per_token = plan.served_costs(0.05, 0.08, 0.2, layouts=2, sizes=3)
+    assert (fixed, per_token) == (pytest.approx(20.04), pytest.approx(0.112858, abs=1e-6))
 
 
 def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):
@@ -7683,7 +7688,13 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
         "dflash-600/seed1",
     ]
     assert same == {"dflash2-600/seed0": "dflash2/seed0", "dflash2-600/seed1": "dflash2/seed1"}
-    args.sizes = [601]
+    # --answers 150: the arms train on the first 150 answers, and the 150 point IS dflash2's run
+    args.answers = 150
+    planned, same = study.plan(args, answers=600)
+    assert planned[0][4] == ["--num-samples", "150"]
+    assert planned[2][4] == ["--freeze-conv", "--num-samples", "150"]
+    assert same == {"dflash2-150/seed0": "dflash2/seed0", "dflash2-150/seed1": "dflash2/seed1"}
+    args.answers, args.sizes = None, [601]
     with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):
         study.plan(args, answers=600)
     one = dict(tau_selector=2.0, tau_unary=1.6, recall=0.5, served_path=1.8, served_tree=2.2)

@@ -326,6 +326,9 @@ def evaluate(
         return {}
     objective.eval()
     acc = {}
+    # torch 2.11's inductor cannot lower flex attention's mask inside a compiled no-grad forward on
+    # CUDA (docs/training-at-scale.md, "The second run"): there a --compile draft evaluates eagerly
+    stance = "force_eager" if args.compile and device.type == "cuda" else "default"
     # every rank runs as many forwards (FSDP gathers weights in each) and takes part in the
     # all_reduce: a rank short of samples of its own adds zero copies
     mine = [(i % n, float(i < n)) for i in range(rank, -(-n // world) * world, world)]
@@ -337,7 +340,7 @@ def evaluate(
         batch = data.static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
-        with autocast():
+        with autocast(), torch.compiler.set_stance(stance):
             metrics = objective(batch, alpha_t=None, acceptance=acceptance)["metrics"]
         add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
     objective.train()

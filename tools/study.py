@@ -104,18 +104,23 @@ def prepare_toy(out: str) -> tuple:
 
 def plan(args, answers: int) -> tuple:
     """Every run: (name, arm, seed, answers or None, its train.py flags), and {curve point: the
-    arm's run it is}: a curve point at all `answers` of the data is not trained again where an
-    arm's own seed is that very run (the same flags, data and seed train the same draft)."""
+    arm's run it is}: the arms train on the first --answers of the data (default: all of it); a
+    curve point at that size is not trained again where an arm's own seed is that very run (the
+    same answers, flags and seed train the same draft)."""
+    arm_answers = args.answers or answers
+    if arm_answers > answers:
+        raise ValueError(f"--answers {arm_answers}: the training data holds {answers} answers")
+    first = ["--num-samples", str(arm_answers)] if arm_answers < answers else []
     runs, same = [], {}
     for arm in args.arms:
         for seed in range(args.seeds):
-            runs.append((f"{arm}/seed{seed}", arm, seed, None, ARMS[arm]))
+            runs.append((f"{arm}/seed{seed}", arm, seed, None, [*ARMS[arm], *first]))
     for n in args.sizes:
         if n > answers:
             raise ValueError(f"--sizes {n}: the training data holds {answers} answers")
         for arm in ("dflash", "dflash2"):
             for seed in range(args.size_seeds):
-                if n == answers and arm in args.arms and seed < args.seeds:
+                if n == arm_answers and arm in args.arms and seed < args.seeds:
                     same[f"{arm}-{n}/seed{seed}"] = f"{arm}/seed{seed}"
                 else:
                     flags = [*ARMS[arm], "--num-samples", str(n)]
@@ -244,6 +249,12 @@ def cpu_name() -> str:
     return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
+def machine_name() -> str:
+    """Where the runs trained: the CPU, and the GPU where there is one (train.py takes it)."""
+    gpu = f" with one {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return cpu_name() + gpu
+
+
 def page(args, results, spent: list, figure, answers: int) -> str:
     arms = list(args.arms)
     sizes = [f"{arm}-{n}" for n in args.sizes for arm in ("dflash", "dflash2")]
@@ -256,10 +267,11 @@ def page(args, results, spent: list, figure, answers: int) -> str:
     lines = [
         f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
         "",
-        f"Made by `python tools/study.py {' '.join(args.argv)}` on {cpu_name()}, torch "
+        f"Made by `python tools/study.py {' '.join(args.argv)}` on {machine_name()}, torch "
         f"{torch.__version__}, in {sum(spent) / 60:.1f} min of wall time over {len(spent)} "
         f"invocation(s) (it resumes). {args.note + ' ' if args.note else ''}"
-        f"{what}; every arm trained on the same prepared data ({answers} answers) for "
+        f"{what}; every arm trained on the same prepared data ({args.answers or answers} "
+        f"answers{f' of its {answers}' if args.answers else ''}) for "
         f"{args.epochs} epoch(s), "
         f"{args.seeds} seeds each; served tau over {args.prompts} held-out prompts, greedy.",
         "",
@@ -284,6 +296,17 @@ def page(args, results, spent: list, figure, answers: int) -> str:
     return "\n".join(lines)
 
 
+def add_wall_time(out: str, seconds: float) -> list:
+    """This invocation's seconds added to OUT/wall_seconds.json -> the study's wall time so far,
+    one entry per invocation that worked on it (it resumes)."""
+    path = os.path.join(out, "wall_seconds.json")
+    spent = json.load(open(path)) if os.path.isfile(path) else []
+    spent.append(round(seconds, 1))
+    with open(path, "w") as f:
+        json.dump(spent, f)
+    return spent
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -298,6 +321,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=bounded(int, low=1), default=3, help="per arm")
     p.add_argument("--sizes", type=bounded(int, low=1), nargs="*", default=None, help="answers")
     p.add_argument("--size-seeds", type=bounded(int, low=1), default=2)
+    a = "the arms train on the first N answers of --data (default: all); --sizes may go beyond"
+    p.add_argument("--answers", type=bounded(int, low=1), default=None, help=a)
     p.add_argument("--epochs", type=bounded(int, low=1), default=None)
     p.add_argument("--eval-interval", type=bounded(int, low=1), default=None)
     p.add_argument("--prompts", type=bounded(int, low=1), default=None, help="served, per run")
@@ -345,11 +370,14 @@ def main(argv=None):
     answers = answers_in(setup[1])
     runs, same = plan(args, answers)
     bar = tqdm(total=len(runs), desc="study: runs trained and served", unit="run")
-    with ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [pool.submit(train_run, args, setup, n, s, f) for n, _, s, _, f in runs]
-        for job in jobs:
-            job.result()
-            bar.update()
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            jobs = [pool.submit(train_run, args, setup, n, s, f) for n, _, s, _, f in runs]
+            for job in jobs:
+                job.result()
+                bar.update()
+    finally:  # an invocation cut short (Ctrl-C, a time bound) counts on the page too
+        spent = add_wall_time(args.out, time.time() - t0)
     bar.close()
     results = {}
     for name, *_ in runs:
@@ -360,12 +388,6 @@ def main(argv=None):
     figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
     seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
     python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
-    # the study's wall time, over every invocation that worked on it (it resumes)
-    spent_file = os.path.join(args.out, "wall_seconds.json")
-    spent = json.load(open(spent_file)) if os.path.isfile(spent_file) else []
-    spent.append(round(time.time() - t0, 1))
-    with open(spent_file, "w") as f:
-        json.dump(spent, f)
     text = page(args, results, spent, "study.svg", answers)
     with open(os.path.join(args.out, "study.md"), "w") as f:
         f.write(text)
