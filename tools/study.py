@@ -18,7 +18,8 @@ The arms are train.py flags, nothing else changes between them:
     stop-gradient   --selector-stop-gradient: the selector CE trains the selector only
                     (SpecForge #793)
 
-and a data-size curve: dflash and dflash2 on the first N training answers (--sizes). Per run it
+and a data-size curve: dflash and dflash2 on the first N training answers (--sizes; with --answers
+the arms take the first N of a larger set, so the curve can go past them). Per run it
 records the held-out teacher-forced tau on the selector and unary paths (train.py's final record),
 the candidate recall (label among the top-K), and served tau: the held-out prompts decoded greedily
 by the real loop (tools/served.py's serve) on a path of B-1 drafts and on a tree of B-1 nodes.
