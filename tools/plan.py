@@ -173,7 +173,8 @@ SERVED_FULL, SERVED_MIN, SERVED_SHARE = (16, 160), (4, 64), 0.09
 # and 1.76 native, 1.71 on a Zen 1, 1.63 on one core held to AVX2; the weakest ever, issue 36's,
 # 1.45. Auto's shape (a tree): 2.12 and 1.94 native (jobs 7 and 9), 1.88 and 1.92 on one core held
 # to AVX2 (jobs 8 and 10). Priced at the path's tau both (1.7), those four jobs' served phases came
-# in 7%, 17%, -3% and 15% under their plans (docs/cpu.md, docs/slow-cpu.md)
+# in 7%, 17%, -3% and 15% under their plans (docs/cpu.md, docs/slow-cpu.md); priced so, job 11's
+# (both cores held to AVX2, tree tau 1.91) came in 3% under
 SERVED_TAU = {"path": 1.7, "tree": 1.95}
 # a cycle's draft and its bookkeeping, in plain target steps: a job's draft served on its 10
 # held-out prompts (1,372 tokens, the answers' own lengths, on each shape) took 79 s on the path
