@@ -87,9 +87,10 @@ PLAN=(--budget-min "$BUDGET_MIN" --data "$DATA/train" --eval-data "$DATA/eval" -
 [ -n "${N_EVAL:-}" ] && PLAN+=(--n-eval "$N_EVAL")                       # held-out prompts
 [ -n "${SERVED_SAMPLES:-}" ] && PLAN+=(--served-samples "$SERVED_SAMPLES") # served evaluation
 [ -n "${SERVED_TOKENS:-}" ] && PLAN+=(--served-tokens "$SERVED_TOKENS")
-prev=
+prev= STEPS_GIVEN=
 for a in "$@"; do
     [ "$a" = --dflash ] && { NAME=dflash; PLAN+=(--dflash); }
+    [ "$a" = --max-steps ] && STEPS_GIVEN=1
     [ "$prev" = --epochs ] && PLAN+=(--epochs "$a")
     [ "$a" = --out-dir ] && { echo "error: run.sh: name the output folder with OUT=DIR bash run.sh, not --out-dir" >&2; exit 2; }
     prev=$a
@@ -112,19 +113,23 @@ python prepare.py --prompts $TRAIN_SET --num-samples "$N_TRAIN" $PREP --save-tar
 python prepare.py --prompts $EVAL_SET --num-samples "$N_EVAL" $PREP --save-target-hidden --out-dir "$DATA/eval"
 echo "[run.sh] prepare: $((SECONDS - t0)) s"; t0=$SECONDS
 # 2. Train (the recipe study in README.md chose these flags), in bf16 autocast where bf16 is native,
-#    for the steps that fit what is left of the budget: the plan again, its training step measured
-#    again (a shared VM's speed drifts) and prepare's time known. --resume keeps the first run's steps.
+#    for the time that is left of the budget: the plan again, its training step measured again (a
+#    shared VM's speed drifts) and prepare's time known, prices the steps (MAX_STEPS) and their
+#    seconds (TRAIN_S); train.py --max-seconds then fits the steps to those seconds at its own step
+#    time, which runs 0.7-1.3x the probe's by CPU kind. --resume keeps the first run's schedule.
+TRAIN_S=
 if [[ " $* " == *" --resume "* ]] && [ -f "$OUT/max_steps" ]; then
     MAX_STEPS=$(cat "$OUT/max_steps")
 else
     replan=$(python tools/plan.py "${PLAN[@]}" --num-samples "$N_TRAIN" --n-eval "$N_EVAL" \
         --served-samples "$SERVED_SAMPLES" --served-tokens "$SERVED_TOKENS" --elapsed-s $((SECONDS - start)))
     MAX_STEPS=$(sed -n 's/^MAX_STEPS=//p' <<< "$replan") EXPECTED_TAU=$(sed -n 's/^EXPECTED_TAU=//p' <<< "$replan")
+    [ -z "$STEPS_GIVEN" ] && TRAIN_S=$(sed -n 's/^TRAIN_S=//p' <<< "$replan")
     mkdir -p "$OUT" && echo "$MAX_STEPS" > "$OUT/max_steps"
 fi
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL" \
     --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --epochs "$EPOCHS" --max-steps "$MAX_STEPS" \
-    --eval-interval "$EVAL_INTERVAL" --save-interval 300 "$@"
+    --eval-interval "$EVAL_INTERVAL" --save-interval 300 ${TRAIN_S:+--max-seconds "$TRAIN_S"} "$@"
 echo "[run.sh] train: $((SECONDS - t0)) s"; t0=$SECONDS
 # 3. Served tau: held-out prompts decoded by the real loop (with speed/tune.py's fast path), once the
 #    training has finished: its final record then closes the log (--steps-this-run stops it before).
@@ -138,13 +143,19 @@ fi
 python export.py "$OUT" --out-dir "$OUT/export"
 python tools/plot.py "$OUT"  # the run, drawn: $OUT/training.svg (loss, held-out and served tau)
 echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s (planned ${PLANNED_MIN:-?} min, budget $BUDGET_MIN min)"
-# 5. The plan's expected tau beside the measured ones: log.jsonl's last final and served records.
+# 5. The plan's expected tau beside the measured ones: log.jsonl's last final and served records
+#    (expected at the steps trained, where --max-seconds fitted them).
 [ "$finished" = 1 ] || exit 0
-python - "$OUT/log.jsonl" "${EXPECTED_TAU:-unknown}" "$NAME" <<'EOF'
+python - "$OUT/log.jsonl" "${EXPECTED_TAU:-unknown}" "$NAME" "$N_TRAIN" "$MAX_STEPS" <<'EOF'
 import json, sys
-log, expected, name = sys.argv[1:]
+log, expected, name, answers, priced = sys.argv[1:]
 records = [json.loads(line) for line in open(log)]
 final = [r for r in records if r["kind"] == "final"][-1]
+if expected != "unknown" and final["step"] != int(priced):  # --max-seconds fitted the steps
+    sys.path.insert(0, "tools")
+    from plan import expected_tau
+    tau = expected_tau(int(answers), final["step"] / int(answers), name == "dflash")
+    expected = f"{tau:.2f} at the {final['step']} steps trained ({expected} at the {priced} priced)"
 served = [r for r in records if r["kind"] == "served" and r["step"] == final["step"]]
 mode = "unary" if name == "dflash" else "selector"
 tf = f"measured {final[f'accept_{mode}']:.3f} teacher-forced"

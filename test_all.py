@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import xml.etree.ElementTree as ET
 
 import hypothesis
@@ -4439,6 +4440,36 @@ def test_resume_continues_exactly(setup, tmp_path):
     assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
 
 
+def test_total_that_fits_by_hand():
+    """--max-seconds' arithmetic: at step 100 with 60 s left, steps of 0.5 s and evaluations of 4 s
+    every 20 steps, a step costs 0.5 + 4 / 20 = 0.7 s; the final evaluation's 4 s set apart, 56 s
+    hold 80 more steps. Out of time (3 s, under one evaluation), the run ends where it stands."""
+    assert train.total_that_fits(100, 60.0, 0.5, 4.0, 20) == 180
+    assert train.total_that_fits(100, 3.0, 0.5, 4.0, 20) == 100
+
+
+def test_max_seconds_fits_the_schedule_and_resume_keeps_it(setup, tmp_path):
+    """Out of time at the first fit (step 25), the schedule's length becomes 25: the run ends there
+    with its final record and the cosine closed (the last lr is lr x min-lr-ratio), not at the 60
+    steps asked. With time to spare the length grows past --max-steps; a --resume without
+    --max-seconds then goes on at the fitted length, not at --max-steps'."""
+    shape = types.SimpleNamespace(warmup_ratio=0.0, lr_schedule="cosine", min_lr_ratio=0.1)
+    ck = run(setup, tmp_path / "a", "--max-steps", "60", "--max-seconds", "1e-3")
+    records = log_records(tmp_path / "a" / "log.jsonl")
+    assert ck["step"] == ck["total"] == 25 and records[-1]["kind"] == "final"
+    assert records[-1]["step"] == 25 and records[-2]["lr"] == pytest.approx(1e-2 * 0.1)
+    long = ["--max-steps", "30", "--log-interval", "1"]
+    ck = run(setup, tmp_path / "b", *long, "--max-seconds", "1e6", "--steps-this-run", "26")
+    total = ck["total"]
+    assert ck["step"] == 26 and total > 1000  # 1e6 s hold many more steps than 30
+    run(setup, tmp_path / "b", *long, "--resume", "--steps-this-run", "2")
+    lr = {r["step"]: r["lr"] for r in log_records(tmp_path / "b" / "log.jsonl") if "lr" in r}
+    assert lr[24] == pytest.approx(1e-2 * train.lr_factor(24, 30, shape))  # before the fit
+    for step in (25, 26, 28):  # the fitted length, on resume too
+        assert lr[step] == pytest.approx(1e-2 * train.lr_factor(step, total, shape))
+    assert lr[28] > 0.99e-2 > 1e-2 * train.lr_factor(28, 30, shape)
+
+
 def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
     """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does:
     it resumes exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold
@@ -5275,7 +5306,8 @@ def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys)
     """By hand: measuring 10 s, loading 50, served 30 + 5 x 160 x 0.05 = 70; an evaluation of 48
     answers at 0.3 / 3 s each, 4.8 s, every 600 steps and one at the end: a step costs 0.3 + 4.8 /
     600 = 0.308 s, and 1,000 s left hold (1,000 - 130 - 4.8) / 0.308 = 2,809 steps; run.sh's job
-    then prices them at 996.7 s, inside the 1,000."""
+    then prices them at 996.7 s, inside the 1,000: 2,809 x 0.3 = 842.7 s of steps and 5 evaluations
+    (at 600 ... 2,400 and the end) of 4.8 s, 866.7 s, the seconds train.py fits its steps to."""
     c = plan.Costs(10, 0.3, None, None, None, 30, 0.05)
     f = plan.Fixed(48, 5, 160, 600, [])
     assert plan.steps_that_fit(c, 1000, f, 1000) == 2809
@@ -5289,6 +5321,7 @@ def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys)
     out, err = capsys.readouterr()
     assert out.splitlines() == [
         "MAX_STEPS=2809",
+        "TRAIN_S=867",
         f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
     ]
     assert "2809 steps (2.55 epochs over 1100 answers)" in err
@@ -8146,8 +8179,6 @@ def test_tracking_flattens_log_records_under_their_names():
 
 def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
     """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
-    import types
-
     calls = []
     run = types.SimpleNamespace(
         log=lambda values, step: calls.append(("log", values, step)),

@@ -15,9 +15,11 @@ so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches. Every flag: docs/trainin
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -110,6 +112,7 @@ def parse_args(argv=None):
     a("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
     a("--epochs", type=count, default=1, help="passes over the training rows")
     a("--max-steps", type=count, help="stop after N steps; overrides --epochs")
+    a("--max-seconds", type=bounded(float, above=0.0), help="fit the steps to this run's time")
     a = p.add_argument_group("running").add_argument
     a("--out-dir", default="out/draft", help="ckpt.pt, log.jsonl, acceptance.json")
     a("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
@@ -289,8 +292,8 @@ def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
 
 def micro_batch_plan(start, stop, steps_per_epoch, num_rows, args, rank, world):
     """(epoch, row indices) of this rank's micro-batches of steps start..stop-1, in order: what
-    data.loader makes ahead."""
-    for step in range(start, stop):
+    data.loader makes ahead; stop None: open-ended, as --max-seconds wants."""
+    for step in range(start, stop) if stop is not None else itertools.count(start):
         epoch, micro = step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world)
         yield from ((epoch, rows) for rows in micro)
 
@@ -303,6 +306,66 @@ def lr_factor(step, total, args):
         return 1.0
     t = (step - warm) / max(1, total - warm)
     return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def build_schedule(opt, args, total, step=0):
+    """The lr schedule of `total` steps, standing at `step`: a fitted length's schedule goes on from
+    where the old one stood, the lr at once lr_factor(step, total)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total, args), last_epoch=step - 1
+    )
+
+
+# ------------------------------------------------------------- --max-seconds: steps fitted to time
+FIT_EVERY = 25  # steps between fits
+FIT_WINDOW = 200  # the step time: the mean of the last 200 (a window of 100 read 0.34-0.50 s in
+# one native job whose steps averaged 0.40: the rows' lengths differ)
+# an evaluation before one is timed: a held-out sequence's no-grad forward about a third of a
+# training step (tools/plan.py prices it so; 5-9 s measured for 48 sequences at 0.40-0.53 s a step)
+EVAL_STEPS_PER_SEQUENCE = 1 / 3
+
+
+def total_that_fits(step, seconds_left, t_step, t_eval, eval_interval) -> int:
+    """The schedule's length whose steps still to run (t_step seconds each), with an evaluation
+    every eval_interval steps and the final one (t_eval each), fit seconds_left:
+        total = step + floor((seconds_left - t_eval) / (t_step + t_eval / eval_interval))
+    and never under step: out of time, the run ends where it stands."""
+    per_step = t_step + t_eval / eval_interval
+    return step + max(0, math.floor((seconds_left - t_eval) / per_step))
+
+
+class TimeFit:
+    """--max-seconds S: the run ends S seconds after it started, loading and evaluations included.
+    Every FIT_EVERY steps the schedule (warm-up, cosine, the selector's alpha) takes the length
+    that fits the time left, priced at this run's own step time. Why not the step count a probe
+    priced: one machine's steps ran 0.7 to 1.3 times their three-step probe, by kind (docs/cpu.md),
+    and a shared VM's speed drifts within a run. An early fit moves a cosine that has barely left
+    its peak; a late one moves it little, the step time by then known."""
+
+    def __init__(self, seconds, started, eval_interval, n_eval):
+        self.deadline = None if seconds is None else started + seconds
+        self.eval_interval, self.n_eval = eval_interval, n_eval
+        self.clock = collections.deque(maxlen=FIT_WINDOW + 1)  # (step, seconds less evaluations)
+        self.eval_s = []  # each evaluation's seconds
+
+    def due(self, step) -> bool:
+        self.clock.append((step, time.time() - sum(self.eval_s)))
+        return self.deadline is not None and step % FIT_EVERY == 0
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        t = time.time()
+        yield
+        self.eval_s.append(time.time() - t)
+
+    def total(self, step) -> int:
+        (s0, c0), (s1, c1) = self.clock[0], self.clock[-1]
+        t_step = (c1 - c0) / max(1, s1 - s0)
+        t_eval = self.n_eval * t_step * EVAL_STEPS_PER_SEQUENCE
+        t_eval = sum(self.eval_s) / len(self.eval_s) if self.eval_s else t_eval
+        return total_that_fits(
+            step, self.deadline - time.time(), t_step, t_eval, self.eval_interval
+        )
 
 
 @torch.no_grad()
@@ -355,7 +418,7 @@ def append_log(path, record: dict, tracker=None):
         tracker.log(record)
 
 
-def save_checkpoint(path, draft, cfg, opt, sched, step, args, master):
+def save_checkpoint(path, draft, cfg, opt, sched, step, total, args, master):
     """Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole state, one file
     whatever the number of ranks. Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
     model_state, opt_state = fsdp.full_state(draft, opt)
@@ -366,14 +429,16 @@ def save_checkpoint(path, draft, cfg, opt, sched, step, args, master):
             "optimizer": opt_state,
             "scheduler": sched.state_dict(),
             "step": step,
+            "total": total,  # the schedule's length (--max-seconds fits it)
             "args": vars(args),
         }
         with atomic_write(path) as tmp:
             torch.save(state, tmp)
 
 
-def load_checkpoint(path, draft, opt, sched, sharded=False) -> int:
-    """--resume: draft, optimizer and schedule as they were; returns the step to continue from.
+def load_checkpoint(path, draft, opt, sched, sharded=False) -> tuple:
+    """--resume: draft, optimizer and schedule as they were; returns the step to continue from and,
+    where --max-seconds fitted the schedule, its length (else None): a fitted run goes on at it.
     Nothing else needs restoring: after the draft's init every draw (order, anchors) has its own
     seeded generator."""
     if not os.path.exists(path):
@@ -381,7 +446,7 @@ def load_checkpoint(path, draft, opt, sched, sharded=False) -> int:
     ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
     fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
     sched.load_state_dict(ck["scheduler"])
-    return ck["step"]
+    return ck["step"], ck["total"] if ck["args"].get("max_seconds") else None
 
 
 def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
@@ -539,12 +604,22 @@ def build_optimizer(params, args, total) -> tuple:
     opt = torch.optim.AdamW(
         params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True
     )
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, args))
+    return opt, build_schedule(opt, args, total)
+
+
+def agreed(n: int, device, distributed) -> int:
+    """Rank 0's n on every rank: the ranks' clocks differ, their schedules must not."""
+    if not distributed:
+        return n
+    t = torch.tensor([n], device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
 
 
 # ----------------------------------------------------------------------------- training
 def train(args):
     # ------------------------------------------------------------------ setup
+    started = time.time()  # --max-seconds counts from here
     device, rank, world, distributed = start_ranks(args)
     sharded = args.fsdp and world > 1  # --fsdp on one process: nothing to shard
     ddp = distributed and not args.fsdp
@@ -571,9 +646,15 @@ def train(args):
     if master and not args.resume and os.path.exists(log_path):
         os.remove(log_path)  # a fresh run starts a fresh log
     tracker = tracking.Tracker(args.report_to if master else "none", args.out_dir, vars(args))
-    step = load_checkpoint(ckpt_path, draft, opt, sched, sharded) if args.resume else 0
+    step, fitted = (
+        load_checkpoint(ckpt_path, draft, opt, sched, sharded) if args.resume else (0, None)
+    )
     if args.resume:
         log(f"resumed from {ckpt_path} at step {step}")
+    if fitted:  # the schedule goes on at the length --max-seconds fitted
+        total, sched = fitted, build_schedule(opt, args, fitted, step)
+    n_eval = min(len(eval_samples), args.eval_samples)
+    fit = TimeFit(args.max_seconds, started, args.eval_interval, n_eval)
     log(
         f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: "
         f"{sum(p.numel() for p in draft.parameters()):,} parameters; "
@@ -588,13 +669,15 @@ def train(args):
         log(meter.note)  # a GPU without a known peak: no MFU
 
     # ------------------------------------------------------------------ loop
-    stop = min(total, step + args.steps_this_run) if args.steps_this_run else total
+    last = step + args.steps_this_run if args.steps_this_run else None
+    stop = min(total, last or total)
     # this rank's micro-batches (rows of samples, anchors, features), made ahead by --data-workers
     per_doc, pin = args.anchors_per == "document", device.type == "cuda"  # pinned: async copies
     made = data.MicroBatches(
         samples, rows, args.num_anchors, args.seed, per_doc, anything_compiles(args)
     )
-    plan = micro_batch_plan(step, stop, steps_per_epoch, len(rows), args, rank, world)
+    ends = None if args.max_seconds else stop  # fitted: open-ended, the loop stops it
+    plan = micro_batch_plan(step, ends, steps_per_epoch, len(rows), args, rank, world)
     ahead = iter(data.loader(made, plan, args.data_workers, pin))
 
     def next_batch():
@@ -631,19 +714,31 @@ def train(args):
         rates = meter.rates(elapsed)  # per rank (per GPU), as usually quoted
         acc = f"{metrics['unary_acc']:.3f}"
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=acc, **meter.brief(rates))
+        if fit.due(step):  # --max-seconds: the length that fits the time left (rank 0's)
+            total = agreed(fit.total(step), device, distributed)
+            sched = build_schedule(opt, args, total, step)
+            stop, bar.total = min(total, last or total), total
         if master and (step % args.log_interval == 0 or step == total):
             norm = None if grad_norm is None else grad_norm.item()
             record = dict(kind="train", step=step, lr=sched.get_last_lr()[0], alpha_t=alpha_t)
             record.update(grad_norm=norm, elapsed_s=round(elapsed, 1), **rates, **metrics)
             append_log(log_path, record, tracker)
         if step % args.eval_interval == 0 and step < total:
-            m = evaluate(objective, eval_samples, args, target, cfg, device, rank, world, autocast)
+            with fit.evaluation():
+                m = evaluate(
+                    objective, eval_samples, args, target, cfg, device, rank, world, autocast
+                )
             if master and m:
                 record = {"kind": "eval", "step": step, "elapsed_s": since(), **m}
                 append_log(log_path, record, tracker)
         if step % args.save_interval == 0 or step == stop:
-            save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, args, master)
+            save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, total, args, master)
     bar.close()
+    if args.max_seconds:
+        log(
+            f"--max-seconds {args.max_seconds:g}: {total} steps fitted, the final evaluation "
+            f"{time.time() - started:.0f} s in"
+        )
 
     # ------------------------------------------------------------------ end: the held-out summary
     if step < total:

@@ -333,7 +333,8 @@ def job_seconds(c: Costs, n: int, epochs: int, f: Fixed) -> dict:
         parts["answers"] = max(0, n - c.have) * t_answer(c)
     if c.t_step is not None:
         parts["training"] = steps * c.t_step
-        parts["evaluations"] = (steps // f.eval_interval + 1) * f.n_eval * c.t_step / 3
+        evaluation = f.n_eval * c.t_step * train.EVAL_STEPS_PER_SEQUENCE
+        parts["evaluations"] = (steps // f.eval_interval + 1) * evaluation
     return parts
 
 
@@ -344,9 +345,8 @@ def steps_that_fit(c: Costs, n: int, f: Fixed, seconds_left: float) -> int:
     VM's speed drifts between the first plan and training, and prepare's time is known by then:
     the job keeps its budget whatever the first plan's probes read."""
     fixed = c.spent + LOAD_S + served_s(c, f.served_samples, f.served_tokens)
-    evaluation = f.n_eval * c.t_step / 3  # one every eval_interval steps, and one at the end
-    per_step = c.t_step + evaluation / f.eval_interval
-    return max(0, math.floor((seconds_left - fixed - evaluation) / per_step))
+    evaluation = f.n_eval * c.t_step * train.EVAL_STEPS_PER_SEQUENCE
+    return train.total_that_fits(0, seconds_left - fixed, c.t_step, evaluation, f.eval_interval)
 
 
 def sizes(most: int, have: int) -> list:
@@ -708,9 +708,11 @@ def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
 
 
 def training_lines(c: Costs, args) -> list:
-    """The plan again before training: MAX_STEPS and the expected tau, for run.sh (stdout); its
+    """The plan again before training: MAX_STEPS, TRAIN_S (train.py's --max-seconds: the time its
+    steps and evaluations were priced at, which it then fits its steps to; empty where the steps
+    are given or are one epoch whatever the time) and the expected tau, for run.sh (stdout); its
     line to stderr."""
-    n, budget_s = args.num_samples, 60 * args.budget_min
+    n, budget_s, seconds = args.num_samples, 60 * args.budget_min, ""
     if args.epochs:  # given: kept
         steps = n * args.epochs
     else:
@@ -726,6 +728,7 @@ def training_lines(c: Costs, args) -> list:
             steps = n
         priced = job_seconds(c, n, steps / n, f)
         minutes = (priced["training"] + priced["evaluations"]) / 60
+        seconds = f"{60 * minutes:.0f}" if steps == steps_that_fit(c, n, f, left) else ""
         print(
             f"[plan] again before training, {args.elapsed_s / 60:.1f} min into the job: {steps} "
             f"steps ({steps / n:.2f} epochs over {n} answers), about {minutes:.1f} min of training"
@@ -733,7 +736,7 @@ def training_lines(c: Costs, args) -> list:
             file=sys.stderr,
         )
     tau = f"{expected_tau(n, steps / n, args.dflash):.2f}" if args.domain == "math" else ""
-    return [f"MAX_STEPS={steps}", f"EXPECTED_TAU={tau}"]
+    return [f"MAX_STEPS={steps}", f"TRAIN_S={seconds}", f"EXPECTED_TAU={tau}"]
 
 
 def main(argv=None):
