@@ -5264,11 +5264,11 @@ def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
     before = made._replace(answer_lengths=(), answer_tokens=141)
     assert plan.served_s(before, 2, 160) == pytest.approx(15 + 282 * 0.1)
     assert plan.served_s(before, 2, 128) == pytest.approx(15 + 256 * 0.1)  # cut at --served-tokens
-    # a prompt-token costs a cycle (a verify 0.08 s + 0.45 of a plain step 0.05 s = 0.1025 s) over
-    # each shape's tau: 0.1025 / 1.7 (the path) + 0.1025 / 1.95 (auto's tree) = 0.11286 s; the
+    # a prompt-token costs a cycle (a verify 0.08 s + 0.25 of a plain step 0.05 s = 0.0925 s) over
+    # each shape's tau: 0.0925 / 1.7 (the path) + 0.0925 / 1.95 (auto's tree) = 0.10185 s; the
     # decode table of 2 layouts x 3 sizes, a prefill 0.2 s and 8 verifies each: 15 + 5.04 s fixed
     fixed, per_token = plan.served_costs(0.05, 0.08, 0.2, layouts=2, sizes=3)
-    assert (fixed, per_token) == (pytest.approx(20.04), pytest.approx(0.112858, abs=1e-6))
+    assert (fixed, per_token) == (pytest.approx(20.04), pytest.approx(0.101848, abs=1e-6))
 
 
 def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):
