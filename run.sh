@@ -16,7 +16,9 @@
 # 2-core CPU: about 1,000-1,800 answers where bf16 is native, 500 without it, 180-500 on an AVX2-only
 # Zen 1 (docs/slow-cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
 # GEMM layout is `auto`: speed/machine.py picks them per CPU and each script prints what it chose.
-# Before training the plan runs again (seconds): the steps that fit what prepare left of the budget.
+# Before training the plan runs again (seconds): the steps that fit what prepare left of the budget,
+# and their seconds, to which train.py --max-seconds fits its steps as it runs (not where --epochs or
+# --max-steps are given).
 # Step 1 resumes and skips what is done, so a second run only trains; --resume continues a stopped
 # training (--steps-this-run N stops one after N steps). OUT=DIR trains into another folder.
 set -euo pipefail

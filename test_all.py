@@ -5325,6 +5325,11 @@ def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys)
         f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
     ]
     assert "2809 steps (2.55 epochs over 1100 answers)" in err
+    # epochs given, or too little time for one (one epoch all the same): the steps are not fitted
+    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--epochs", "2"])
+    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=2200", "TRAIN_S="]
+    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "2300"])
+    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=1100", "TRAIN_S="]
     # answers not named: refused in one line
     with pytest.raises(SystemExit) as stop:
         common.run(lambda: plan.main(["--elapsed-s", "100"]))
