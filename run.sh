@@ -106,7 +106,7 @@ plan=$(python tools/plan.py "${PLAN[@]}")
 planned() { sed -n "s/^$1=//p" <<< "$plan"; }
 N_TRAIN=$(planned N_TRAIN) EPOCHS=$(planned EPOCHS) N_EVAL=$(planned N_EVAL) EVAL_INTERVAL=$(planned EVAL_INTERVAL)
 SERVED_SAMPLES=$(planned SERVED_SAMPLES) SERVED_TOKENS=$(planned SERVED_TOKENS) EXPECTED_TAU=$(planned EXPECTED_TAU)
-PLANNED_MIN=$(planned PLANNED_MIN)
+PLANNED_MIN=$(planned PLANNED_MIN) SERVED_TOKEN_S=$(planned SERVED_TOKEN_S)
 echo "[run.sh] plan: $((SECONDS - t0)) s, $N_TRAIN answers x $EPOCHS epochs, expected held-out tau ${EXPECTED_TAU:-unknown}"; t0=$SECONDS
 # 1. The target answers the prompts (greedy; in bf16 with oneDNN's packed weights where bf16 is native, else fp32)
 #    and its features are captured at target_layer_ids, with its final hidden state for the kl loss.
@@ -124,7 +124,8 @@ if [[ " $* " == *" --resume "* ]] && [ -f "$OUT/max_steps" ]; then
     MAX_STEPS=$(cat "$OUT/max_steps")
 else
     replan=$(python tools/plan.py "${PLAN[@]}" --num-samples "$N_TRAIN" --n-eval "$N_EVAL" \
-        --served-samples "$SERVED_SAMPLES" --served-tokens "$SERVED_TOKENS" --elapsed-s $((SECONDS - start)))
+        --served-samples "$SERVED_SAMPLES" --served-tokens "$SERVED_TOKENS" --served-token-s "$SERVED_TOKEN_S" \
+        --elapsed-s $((SECONDS - start)))
     MAX_STEPS=$(sed -n 's/^MAX_STEPS=//p' <<< "$replan") EXPECTED_TAU=$(sed -n 's/^EXPECTED_TAU=//p' <<< "$replan")
     [ -z "$STEPS_GIVEN" ] && TRAIN_S=$(sed -n 's/^TRAIN_S=//p' <<< "$replan")
     mkdir -p "$OUT" && echo "$MAX_STEPS" > "$OUT/max_steps"

@@ -5325,6 +5325,16 @@ def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys)
         f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
     ]
     assert "2809 steps (2.55 epochs over 1100 answers)" in err
+    # the first plan hands its reading of a served token on to this one, through run.sh
+    plan.main([*argv, "--served-tokens", "160", "--epochs", "2"])
+    assert capsys.readouterr().out.splitlines()[-1] == "SERVED_TOKEN_S=0.05000"
+    # the first plan's served token read lower (0.04 s): served then costs 30 + 800 x 0.04 = 62 s,
+    # and (1,000 - 10 - 50 - 62 - 4.8) / 0.308 = 2,835 steps fit; read higher, it is not taken
+    for first, steps in (("0.04", 2835), ("0.06", 2809)):
+        plan.main(
+            [*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--served-token-s", first]
+        )
+        assert capsys.readouterr().out.splitlines()[0] == f"MAX_STEPS={steps}"
     # epochs given, or too little time for one (one epoch all the same): the steps are not fitted
     plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--epochs", "2"])
     assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=2200", "TRAIN_S="]
