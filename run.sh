@@ -154,14 +154,15 @@ import json, sys
 log, expected, name, answers, priced = sys.argv[1:]
 records = [json.loads(line) for line in open(log)]
 final = [r for r in records if r["kind"] == "final"][-1]
+said = f"{expected} (the plan)"
 if expected != "unknown" and final["step"] != int(priced):  # --max-seconds fitted the steps
     sys.path.insert(0, "tools")
     from plan import expected_tau
     tau = expected_tau(int(answers), final["step"] / int(answers), name == "dflash")
-    expected = f"{tau:.2f} at the {final['step']} steps trained ({expected} at the {priced} priced)"
+    said = f"{tau:.2f} (the plan's curve at the {final['step']} steps trained; {expected} at {priced})"
 served = [r for r in records if r["kind"] == "served" and r["step"] == final["step"]]
 mode = "unary" if name == "dflash" else "selector"
 tf = f"measured {final[f'accept_{mode}']:.3f} teacher-forced"
 path = f"{served[-1]['served_path_tau']:.3f}" if served else "not run"
-print(f"[run.sh] held-out tau: expected {expected} (the plan), {tf}; served {path} (the path)")
+print(f"[run.sh] held-out tau: expected {said}, {tf}; served {path} (the path)")
 EOF

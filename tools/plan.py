@@ -188,7 +188,7 @@ SERVED_TAU = {"path": 1.7, "tree": 1.95}
 # (job 12); the Zen 4, 2026-12-04. Part of it is not the draft: --fast serves in the layout it
 # measured fastest, which the probe's verify does not take. At their mean, 0.26, those five served
 # phases would have come within 12% of their plans (an in-sample estimate; at 0.45 they came in
-# -7% to -17%); jobs 15 on are the first priced so
+# -7% to -17%); job 15 on are priced so
 DRAFT_SHARE = 0.25
 # the embedded target's greedy answers to the held-out questions, by domain: the 48 GSM8K ones
 # average 141 tokens, none cut at 160 (the same on every machine: greedy; the first 11, 137). Priced
@@ -727,7 +727,8 @@ def training_lines(c: Costs, args) -> list:
         f = size_fixed(c, budget_s, args.n_eval, (args.served_samples, args.served_tokens))
         left = AIM * budget_s - args.elapsed_s
         steps = steps_that_fit(c, n, f, left)
-        if steps < n:
+        fitted = steps >= n  # else one epoch all the same, whatever its time
+        if not fitted:
             print(
                 f"[plan] warning: {left / 60:.1f} min are left of the budget's {100 * AIM:.0f}%,"
                 f" {steps} steps; training one epoch ({n} steps) all the same",
@@ -736,7 +737,7 @@ def training_lines(c: Costs, args) -> list:
             steps = n
         priced = job_seconds(c, n, steps / n, f)
         minutes = (priced["training"] + priced["evaluations"]) / 60
-        seconds = f"{60 * minutes:.0f}" if steps == steps_that_fit(c, n, f, left) else ""
+        seconds = f"{60 * minutes:.0f}" if fitted else ""
         print(
             f"[plan] again before training, {args.elapsed_s / 60:.1f} min into the job: {steps} "
             f"steps ({steps / n:.2f} epochs over {n} answers), about {minutes:.1f} min of training"
