@@ -349,8 +349,10 @@ class TimeFit:
         self.eval_s = []  # each evaluation's seconds
 
     def due(self, step) -> bool:
+        if self.deadline is None:  # no --max-seconds: nothing timed
+            return False
         self.clock.append((step, time.time() - sum(self.eval_s)))
-        return self.deadline is not None and step % FIT_EVERY == 0
+        return step % FIT_EVERY == 0
 
     @contextlib.contextmanager
     def evaluation(self):
