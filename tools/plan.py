@@ -331,6 +331,12 @@ def size_fixed(c: Costs, budget_s: float, n_eval=None, served=(None, None)) -> F
     return Fixed(n_eval, samples, tokens, interval, shrunk)
 
 
+def evaluation_s(c: Costs, f: Fixed) -> float:
+    """One evaluation during training: the held-out sequences, each at a fraction of a step
+    (train.py prices one it has not yet timed the same way)."""
+    return f.n_eval * c.t_step * train.EVAL_STEPS_PER_SEQUENCE
+
+
 def job_seconds(c: Costs, n: int, epochs: int, f: Fixed) -> dict:
     """T(N, E) above, by part, in seconds (parts not measured are left out)."""
     steps = n * epochs
@@ -345,8 +351,7 @@ def job_seconds(c: Costs, n: int, epochs: int, f: Fixed) -> dict:
         parts["answers"] = max(0, n - c.have) * t_answer(c)
     if c.t_step is not None:
         parts["training"] = steps * c.t_step
-        evaluation = f.n_eval * c.t_step * train.EVAL_STEPS_PER_SEQUENCE
-        parts["evaluations"] = (steps // f.eval_interval + 1) * evaluation
+        parts["evaluations"] = (steps // f.eval_interval + 1) * evaluation_s(c, f)
     return parts
 
 
@@ -357,8 +362,9 @@ def steps_that_fit(c: Costs, n: int, f: Fixed, seconds_left: float) -> int:
     VM's speed drifts between the first plan and training, and prepare's time is known by then:
     the job keeps its budget whatever the first plan's probes read."""
     fixed = c.spent + LOAD_S + served_s(c, f.served_samples, f.served_tokens)
-    evaluation = f.n_eval * c.t_step * train.EVAL_STEPS_PER_SEQUENCE
-    return train.total_that_fits(0, seconds_left - fixed, c.t_step, evaluation, f.eval_interval)
+    return train.total_that_fits(
+        0, seconds_left - fixed, c.t_step, evaluation_s(c, f), f.eval_interval
+    )
 
 
 def sizes(most: int, have: int) -> list:
@@ -682,8 +688,9 @@ def measure(args) -> tuple:
     return c, line
 
 
-def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
-    """The plan in words (stderr) and the KEY=value lines run.sh reads (stdout)."""
+def plan_lines(p: Plan, budget_min: float, domain: str, served_token: float) -> tuple:
+    """The plan in words (stderr) and the KEY=value lines run.sh reads (stdout), among them
+    the served token's price, which the plan before training compares with its own reading."""
     total = sum(p.seconds.values())
     parts = ", ".join(f"{k} {v / 60:.1f}" for k, v in p.seconds.items() if v)
     if "answers" not in p.seconds:
@@ -715,6 +722,7 @@ def plan_lines(p: Plan, budget_min: float, domain: str) -> tuple:
         f"EVAL_INTERVAL={f.eval_interval}",
         f"EXPECTED_TAU={tau}",
         f"PLANNED_MIN={total / 60:.1f}",
+        f"SERVED_TOKEN_S={served_token:.5f}",
     ]
     return said, out
 
@@ -822,9 +830,9 @@ def main(argv=None):
         (args.served_samples, args.served_tokens),
         args.dflash,
     )
-    said, out = plan_lines(plan, args.budget_min, args.domain)
+    said, out = plan_lines(plan, args.budget_min, args.domain, c.served_token)
     print("\n".join(said), file=sys.stderr)
-    print("\n".join(out + [f"SERVED_TOKEN_S={c.served_token:.5f}"]))
+    print("\n".join(out))
 
 
 if __name__ == "__main__":
