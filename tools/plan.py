@@ -153,6 +153,13 @@ CURVE = [
     (1500, 1.960, 1.919, "AMD EPYC, avx512_bf16 (Zen 4), a fresh clone's bash run.sh (job 17)"),
     (600, 2.290, 1.738, "AMD EPYC Zen 4, both cores held to AVX2, BUDGET_MIN=30 (job 15)"),
     (450, 1.473, 1.684, "AMD EPYC Zen 4, one core held to AVX2, BUDGET_MIN=30 (job 16)"),
+    (
+        800,
+        1.531,
+        1.780,
+        "AMD EPYC Zen 3, AVX2 only, both cores, a fresh clone's bash run.sh (job 19)",
+    ),
+    (290, 1.731, 1.629, "AMD EPYC Zen 3, AVX2 only, one core, BUDGET_MIN=30 (job 20)"),
     (2400, 2, 1.956, "Xeon AMX, one thread beside other work"),
     (2300, 2, 1.984, "Xeon AMX"),
     (1500, 2, 1.896, "Xeon AMX"),
