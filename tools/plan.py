@@ -160,6 +160,7 @@ CURVE = [
         "AMD EPYC Zen 3, AVX2 only, both cores, a fresh clone's bash run.sh (job 19)",
     ),
     (290, 1.731, 1.629, "AMD EPYC Zen 3, AVX2 only, one core, BUDGET_MIN=30 (job 20)"),
+    (800, 2.068, 1.773, "AMD EPYC Zen 3, AVX2 only, a fresh clone's bash run.sh (job 21)"),
     (2400, 2, 1.956, "Xeon AMX, one thread beside other work"),
     (2300, 2, 1.984, "Xeon AMX"),
     (1500, 2, 1.896, "Xeon AMX"),
