@@ -9,21 +9,16 @@ rows]. A query reads only the context before its anchor and the slots of its own
     block_attention_mask  the rule on every (query, key) pair: a dense [N, 1, Q, C + Q] boolean
                           mask for F.scaled_dot_product_attention, the readable reference and the
                           CPU path
-    flex_block_mask       the same rule as a FlexAttention BlockMask, which skips the tiles of
-                          scores no query may read (at S = 2048 and 512 anchors, almost all)
 
-The kernels that run these masks (SDPA on a GPU without the scores, flex_attention compiled, and
---attention auto's choice) are support/kernels.py's: they change speed and memory, never which key
-a query reads.
+support/kernels.py applies the same rule faster (flex_block_mask: a FlexAttention BlockMask that
+skips the tiles of scores no query may read) and runs the masks on each device: speed and memory,
+never which key a query reads.
 
 Packed rows (train.py --pack, data.py) add documents: a query reads context of its own document
 only.
 """
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
-
-from support.kernels import compiled
 
 
 def attention_rule(
@@ -66,16 +61,3 @@ def block_attention_mask(queries, keys, causal: bool, window=None):
     return attention_rule(
         *(t[:, :, None] for t in queries), *(t[:, None, :] for t in keys), causal, window
     )[:, None]
-
-
-def flex_block_mask(queries, keys, causal: bool, window=None):
-    """The same rule as a BlockMask for flex_attention, which skips every (128 x 128) tile of scores
-    that no query of the tile may read: most of them (other blocks, context after the anchors).
-    Built compiled: eager, create_block_mask would evaluate the rule into dense [N, Q, K] tensors
-    first."""
-
-    def mask_mod(b, h, q, k):
-        return attention_rule(*(t[b, q] for t in queries), *(t[b, k] for t in keys), causal, window)
-
-    (N, Q), K = queries[0].shape, keys[0].shape[1]
-    return compiled(create_block_mask)(mask_mod, N, None, Q, K, device=queries[0].device)

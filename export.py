@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import model
-from compat.config_json import config_from_dict, config_to_dict, load_config, read_json
+from compat.config_json import config_from_dict, config_to_dict, load_config
 from compat.speculators import VERIFIER_COPIES, config_from_speculators, speculators_config
-from support.common import DTYPES, atomic_write, run, write_json
+from support.common import DTYPES, atomic_write, read_json, run, write_json
 from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers 4.x's default (5.x raised its own to 50GB)

@@ -17,7 +17,8 @@ numerator and denominator so that train.py can add them over micro-batches and r
 once, with everything vocabulary-sized (anchors x B x V logits) computed in chunks of blocks under
 activation checkpointing, so that peak memory is one chunk's. It also runs the variants the public
 trainers offer, each under the last banner with its source. The metrics that come with the loss
-(accuracies, accepted lengths) are support/metrics.py's.
+(accuracies, accepted lengths) are support/metrics.py's, measured from the same chunks' tensors
+(objective's observe).
 """
 
 import dataclasses
@@ -27,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from selector import top_k_candidates
-from support import metrics
+from model import autocast_dtype
+from selector import TOP_K, top_k_candidates
 
 
 # -------------------------------------------------------------------------- the objective, plainly
@@ -45,7 +46,7 @@ def reference_objective(
     ce = -F.log_softmax(u, -1).gather(-1, labels[..., None]).squeeze(-1)  # -log q(label)
     numerator = (w * ce).sum()
     if draft.candidate_selector is not None:  # DFlash2
-        _, cand_ids = top_k_candidates(u.detach(), draft.config.selector_top_k)  # [N, A, B-1, K]
+        _, cand_ids = top_k_candidates(u.detach(), top_k(draft.config))  # [N, A, B-1, K]
         hit = cand_ids == labels[..., None]
         covered = hit.any(-1) & (w0 > 0)  # strict: a label outside the top-K adds nothing
         # the K candidates' scores after the true previous token: [N, A, B-1, K]
@@ -110,6 +111,16 @@ class LossConfig:
     stop_gradient: bool = False  # the selector's CE trains the selector only, not the backbone
     chunk_blocks: int = None  # anchors per chunk of logits; None: all at once
 
+    def __post_init__(self):
+        if self.loss not in ("ce", "kl", "tv", "lk"):
+            raise ValueError(f"loss must be ce, kl, tv or lk, got {self.loss!r}")
+
+    def decay(self, block_size: int) -> float:
+        """exp's gamma: the one set, or DEFAULT_GAMMA of the block size."""
+        if self.gamma is None and block_size not in DEFAULT_GAMMA:
+            raise ValueError(f"no default gamma for block size {block_size}; set --gamma")
+        return DEFAULT_GAMMA[block_size] if self.gamma is None else self.gamma
+
 
 def objective(
     draft,
@@ -124,30 +135,28 @@ def objective(
     target_hidden=None,
     alpha_t=None,
     docs=None,
-    acceptance=False,
+    observe=None,
 ):
-    """Numerator, denominator and metric sums for one micro-batch.
+    """The loss's sums for one micro-batch: {"numerator", "denominator", "base" and, with a
+    selector, "selector"}; the loss is numerator / denominator, numerator = base + alpha_t *
+    selector.
 
     h [N, A, B, H] draft hidden states (model.forward_training); input_ids, loss_mask [N, S];
     anchors, anchor_valid [N, A]; cfg: the loss's settings. target_hidden [N, S, H]: the target's
     final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`). alpha_t:
     selector weight this step, or None when the selector is frozen (alpha == 0). docs [N, S]: the
-    documents of packed rows, or None. acceptance: add the per-slot statistics of acceptance.json
-    to the metrics (held-out evaluation). Returns {"numerator", "denominator", "metrics"} where
-    metrics maps a name to a (numerator, denominator) pair of detached tensors.
+    documents of packed rows, or None. observe: called once per chunk with the chunk's tensors,
+    observe(h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids), outside the checkpoint:
+    support/metrics.py measures the metrics from the tensors the loss made.
     """
     _, A, B, _ = h.shape
-    if cfg.loss not in ("ce", "kl", "tv", "lk"):
-        raise ValueError(f"loss must be ce, kl, tv or lk, got {cfg.loss!r}")
     if cfg.loss == "kl" and target_hidden is None:
         raise ValueError(
             "loss 'kl' needs the target's hidden states (prepare.py --save-target-hidden, or "
             "--online)"
         )
-    if cfg.weighting == "exp" and cfg.gamma is None:
-        if B not in DEFAULT_GAMMA:
-            raise ValueError(f"no default gamma for block size {B}; set --gamma")
-        cfg = dataclasses.replace(cfg, gamma=DEFAULT_GAMMA[B])
+    if cfg.weighting == "exp":
+        cfg = dataclasses.replace(cfg, gamma=cfg.decay(B))
     # [N, A, B-1]
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)
     # ce reads only the labels: the target's [blocks x (B-1), V] distribution would feed metrics
@@ -159,44 +168,41 @@ def objective(
     # The frozen head [V, H] in the dtype its matmuls run in, cast here once: autocast would cast
     # it in every chunk and again in every chunk's recompute (it keeps casts only of leaves that
     # need grad), 1.24 GB each for Qwen3-8B. Autocast casts the same way, so the sums are the same.
-    if torch.is_autocast_enabled(h.device.type):
-        lm_head_weight = lm_head_weight.to(torch.get_autocast_dtype(h.device.type))
+    dtype = autocast_dtype(h.device.type)
+    lm_head_weight = lm_head_weight if dtype is None else lm_head_weight.to(dtype)
     # chunk over the anchor axis; checkpoint recomputes each chunk's logits during backward
     chunk = A if not cfg.chunk_blocks else min(cfg.chunk_blocks, A)
-    sums, stats = {}, {}  # the loss's sums (loss_sums) and the metrics' (metrics.metric_terms)
+    sums = {}
     for s in range(0, A, chunk):
         part = [
             None if t is None else t[:, s : s + chunk].flatten(0, 1)
             for t in (h[:, :, 1:], labels, prev, w0, target_at_slots)
         ]
-        args = (draft, lm_head_weight, cfg, acceptance, *part)
+        args = (draft, lm_head_weight, cfg, *part)
         if chunk < A and torch.is_grad_enabled():
-            chunk_loss, chunk_stats = checkpoint(chunk_sums, *args, use_reentrant=False)
+            chunk_loss, made = checkpoint(chunk_sums, *args, use_reentrant=False)
         else:
-            chunk_loss, chunk_stats = chunk_sums(*args)
+            chunk_loss, made = chunk_sums(*args)
         add_sums(sums, chunk_loss)
-        add_sums(stats, chunk_stats)
+        if observe is not None:
+            u, logq, logp, cand_scores, cand_ids = made
+            observe(part[0], u, logq, logp, *part[1:4], cand_scores, cand_ids)
 
     base = base_numerator(cfg.loss, sums)
     numerator = base
     if alpha_t is not None and "N_sel" in sums:
         # alpha_t = 0 keeps the selector in the graph
         numerator = numerator + alpha_t * sums["N_sel"]
-    D = sums["D"].detach()
-    own = {"loss": (numerator.detach(), D), "base_loss": (base.detach(), D)}
+    out = {"numerator": numerator, "denominator": sums["D"].detach(), "base": base}
     if "N_sel" in sums:
-        own["sel_loss"] = (sums["N_sel"].detach(), D)
-    coverage = metrics.coverage(loss_mask, anchors, w0)
-    pairs = metrics.pairs(stats, own, anchor_valid, coverage, acceptance)
-    return {"numerator": numerator, "denominator": D, "metrics": pairs}
+        out["selector"] = sums["N_sel"]
+    return out
 
 
-def chunk_sums(draft, lm_head_weight, cfg, acceptance, h, labels, prev, w0, target_hidden):
-    """The sums of a chunk of M blocks -> (loss_sums, metrics.metric_terms). h [M, L, H] (L = B-1
-    labelled slots), labels / prev / w0 [M, L], target_hidden [M, L, H] or None.
-
-    An optimisation, not the definition: the vocabulary-sized tensors (logits, log-softmaxes, the
-    top-K) are made once, here, and read by both halves; loss_sums alone defines the loss."""
+def chunk_sums(draft, lm_head_weight, cfg, h, labels, prev, w0, target_hidden):
+    """The loss sums of a chunk of M blocks (loss_sums), and the vocabulary-sized tensors it made
+    for them, for objective's observe: (u, logq, logp, cand_scores, cand_ids). h [M, L, H] (L = B-1
+    labelled slots), labels / prev / w0 [M, L], target_hidden [M, L, H] or None."""
     c = draft.config
     head = lambda x: head_logits(x, lm_head_weight)
     u = draft.unary_logits(h, head).float()  # [M, L, V] unary scores
@@ -204,16 +210,16 @@ def chunk_sums(draft, lm_head_weight, cfg, acceptance, h, labels, prev, w0, targ
     logp = None  # the target's p, when known
     if target_hidden is not None:
         logp = F.log_softmax(head(target_hidden).float(), -1)
-    K = min(c.selector_top_k or metrics.PLAIN_TOP_K, c.vocab_size)
     with torch.no_grad():
-        cand_scores, cand_ids = top_k_candidates(u, K)  # [M, L, K]: the unary top-K
-    sel = draft.candidate_selector
-    return (
-        loss_sums(cfg, sel, h, u, logq, logp, labels, prev, w0, cand_ids),
-        metrics.metric_terms(
-            sel, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids, acceptance
-        ),
-    )
+        cand_scores, cand_ids = top_k_candidates(u, top_k(c))  # [M, L, K]: the unary top-K
+    sums = loss_sums(cfg, draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_ids)
+    return sums, (u, logq, logp, cand_scores, cand_ids)
+
+
+def top_k(c) -> int:
+    """K of the unary top-K, in both objectives: the draft's selector_top_k, or selector.TOP_K for
+    a plain draft (its metrics), at most the vocabulary."""
+    return min(c.selector_top_k or TOP_K, c.vocab_size)
 
 
 def head_logits(x, lm_head_weight):

@@ -10,8 +10,12 @@ hidden states at `target_layer_ids`, which enter every layer only as extra keys 
     Q   = q_norm(q_proj(x))                                         # queries: block slots only
 
 The block's final hidden states go through the target's lm_head (also frozen, never saved).
-With `conv_kernel_size` etc. set (DFlash2) every sublayer is wrapped by conv.py and a selector.py
-head reranks the unary top-K; without them the same code is the plain DFlash baseline.
+With `conv_kernel_size` etc. set (DFlash2) every sublayer runs inside conv.py's convolution and a
+selector.py head reranks the unary top-K; without them the same code is the plain DFlash baseline.
+
+In order: the config, the features the draft reads, the training path (all anchored blocks in one
+pass), the inference path (one block against a cache of context K/V), the backbone both run, and
+last the plumbing (scaled RoPE, autocast's dtype).
 """
 
 import dataclasses
@@ -20,16 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen3Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from attention import attention_keys, block_attention_mask, flex_block_mask
-from compat.config_checks import validate
+from attention import attention_keys, block_attention_mask
 from conv import GroupedDynamicCausalConv
 from selector import CandidateSelector, unary_transform
-from support.kernels import flex, sdpa
 
 # ----------------------------------------------------------------------------- the draft's config
 # set together (DFlash2) or not at all (plain DFlash)
@@ -74,7 +73,12 @@ class DraftConfig:
     def __post_init__(self):
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
-        validate(self, DFLASH2_FIELDS)  # every rule of docs/semantics.md, section 3
+        # the one rule the model itself needs; every other rule of docs/semantics.md, section 3
+        # is checked by whoever reads a config.json (compat/config_checks.py, validate)
+        present = [f for f in DFLASH2_FIELDS if getattr(self, f) is not None]
+        if present and len(present) != len(DFLASH2_FIELDS):
+            missing = [f for f in DFLASH2_FIELDS if getattr(self, f) is None]
+            raise ValueError(f"a DFlash2 config needs all of {DFLASH2_FIELDS}; missing {missing}")
 
     @property
     def dflash2(self) -> bool:
@@ -128,6 +132,102 @@ def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
     return (out, features, grabbed["final"]) if final_hidden else (out, features)
 
 
+# ------------------------------------------------------------ training: all anchored blocks at once
+def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int, positions, docs):
+    """Training blocks: input_ids [N, S], sorted anchors [N, A] (row indices) -> flattened block
+    inputs.
+
+    positions, docs [N, S]: each token's position in its document and the document's number (arange
+    and zeros for a row that is one conversation). Block a is [x[a], MASK x (B-1)] at positions
+    p..p+B-1, p = positions[a]. Returns block_ids, q_pos, q_anchor, q_block, q_doc, each [N, A*B].
+    """
+    N, A = anchors.shape
+    j = torch.arange(block_size, device=anchors.device)  # [B]
+    anchor_pos = positions.gather(1, anchors)  # [N, A]
+    q_pos = (anchor_pos[:, :, None] + j).reshape(N, A * block_size)
+    q_anchor = anchor_pos.repeat_interleave(block_size, dim=1)
+    q_block = (
+        torch.arange(A, device=anchors.device).repeat_interleave(block_size)[None].expand(N, -1)
+    )
+    q_doc = docs.gather(1, anchors).repeat_interleave(block_size, dim=1)
+    block_ids = torch.full_like(q_pos, mask_token_id)
+    block_ids[:, ::block_size] = input_ids.gather(1, anchors)
+    return block_ids, q_pos, q_anchor, q_block, q_doc
+
+
+def forward_training(
+    draft, embed, input_ids, features, anchors, positions=None, docs=None, attention=None
+):
+    """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
+    positions, docs [N, S]: packed rows (train.py --pack, data.py); None for rows of one
+    conversation each. attention: how attention runs (DraftModel.forward)."""
+    c = draft.config
+    N, S = input_ids.shape
+    if positions is None:
+        positions = torch.arange(S, device=input_ids.device)[None].expand(N, -1)
+        docs = torch.zeros_like(positions)
+    block_ids, q_pos, q_anchor, q_block, q_doc = anchored_blocks(
+        input_ids, anchors, c.block_size, c.mask_token_id, positions, docs
+    )
+    h = draft(
+        embed(block_ids),
+        q_pos=q_pos,
+        q_anchor=q_anchor,
+        q_block=q_block,
+        ctx_kv=draft.context_kv(features, positions),
+        ctx_pos=positions,
+        q_doc=q_doc,
+        ctx_doc=docs,
+        attention=attention,
+    )
+    return h.view(N, anchors.shape[1], c.block_size, -1)
+
+
+# ------------------------------------------------------------- inference: one block, cached context
+class ContextCache:
+    """Inference cache: the projected K/V of every context row seen so far, and their positions.
+
+    Only context is cached. Block K/V are recomputed each cycle, because the block's MASK rows
+    change meaning once tokens are verified (docs/semantics.md, section 5).
+    """
+
+    def __init__(self):
+        self.kv, self.pos = None, None
+
+    def append(self, draft, features, pos):
+        """features [N, C, n_t*H] of newly verified tokens at positions pos [N, C]."""
+        new = draft.context_kv(features, pos)
+        if self.kv is None:
+            self.kv, self.pos = new, pos
+        else:
+            self.kv = [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                for (k0, v0), (k1, v1) in zip(self.kv, new)
+            ]
+            self.pos = torch.cat([self.pos, pos], dim=1)
+
+
+def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos, attention=None):
+    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H].
+    attention: how attention runs (DraftModel.forward)."""
+    c = draft.config
+    N, B = anchor_ids.shape[0], c.block_size
+    block_ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+    block_ids[:, 0] = anchor_ids
+    q_pos = anchor_pos[:, None] + torch.arange(B, device=anchor_ids.device)
+    q_anchor = anchor_pos[:, None].expand(N, B)
+    q_block = torch.zeros_like(q_pos)
+    return draft(
+        embed(block_ids),
+        q_pos=q_pos,
+        q_anchor=q_anchor,
+        q_block=q_block,
+        ctx_kv=cache.kv,
+        ctx_pos=cache.pos,
+        attention=attention,
+    )
+
+
 # ----------------------------------------------------------------------------- backbone
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -146,23 +246,14 @@ def rope_frequencies(c: DraftConfig) -> tuple:
     """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin).
 
     Plain RoPE is written out. A scaled one (rope_parameters with rope_type yarn, llama3 or linear)
-    comes from transformers' own initialisation functions, given the Qwen3 config a public loader
-    builds from the same config.json, so the frequencies are the ones Z Lab and speculators use.
+    is scaled_rope's, at the bottom of this file.
     """
+    if c.rope_scaling is not None:
+        return scaled_rope(c)
     D = c.head_dim
     # on the CPU: the same bits wherever the draft is built (`with torch.device("meta")`, a GPU)
     with torch.device("cpu"):
-        if c.rope_scaling is None:
-            return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
-        hf = Qwen3Config(
-            hidden_size=c.hidden_size,
-            num_attention_heads=c.num_attention_heads,
-            head_dim=D,
-            max_position_embeddings=c.max_position_embeddings,
-            rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
-        )
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
-    return inv_freq.float(), float(scale)  # yarn's scale is its attention factor; 1 for the others
+        return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
 
 
 def rope(x, pos, inv_freq, scale=1.0):
@@ -174,6 +265,12 @@ def rope(x, pos, inv_freq, scale=1.0):
     cos, sin = emb.cos() * scale, emb.sin() * scale
     x1, x2 = x.float().chunk(2, dim=-1)
     return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+def sdpa(q, k, v, mask, gqa: bool):
+    """The reference kernel: torch's SDPA over a dense boolean mask (attention.py). q [N, heads, Q,
+    hd], k, v [N, kv_heads, K, hd], mask [N, 1, Q, K] -> [N, heads, Q, hd]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -192,14 +289,6 @@ class Attention(nn.Module):
         # where the weights are (a `with torch.device(...)` build puts them there).
         self.register_buffer("inv_freq", inv_freq.to(self.q_proj.weight.device), persistent=False)
 
-    def _apply(self, fn, recurse=True):
-        # draft.to(bf16) casts every floating tensor, but rope() computes in fp32 and must not see
-        # rounded frequencies: inv_freq follows the module's device and keeps its fp32 values.
-        inv_freq = self.inv_freq
-        super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
-        return self
-
     def kv(self, x, pos):
         """Keys (normed, rotated) and values of rows x [N, L, H] -> 2 x [N, kv_heads, L, hd]."""
         N, L, _ = x.shape
@@ -207,9 +296,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(N, L, self.nkv, self.hd).transpose(1, 2)
         return rope(k, pos, self.inv_freq, self.rope_scale), v
 
-    def forward(self, x, pos, ctx_kv, mask):
+    def forward(self, x, pos, ctx_kv, mask, attend):
         """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each
-        [N, kv_heads, C, hd]."""
+        [N, kv_heads, C, hd]; attend(q, k, v, mask, gqa): the kernel that reads the mask (sdpa)."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
         q = rope(q, pos, self.inv_freq, self.rope_scale)  # [N, heads, Q, hd]
@@ -217,9 +306,17 @@ class Attention(nn.Module):
         # [N, kv_heads, C + Q, hd]
         k = torch.cat([ctx_kv[0], k], dim=2)
         v = torch.cat([ctx_kv[1], v], dim=2)
-        attend = flex if isinstance(mask, BlockMask) else sdpa
         y = attend(q, k, v, mask, self.nh != self.nkv)
         return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
+
+    def _apply(self, fn, recurse=True):
+        # dtype plumbing: draft.to(bf16) casts every floating tensor, but rope() computes in fp32
+        # and must not see rounded frequencies: inv_freq follows the module's device and keeps its
+        # fp32 values.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
 
 class MLP(nn.Module):
@@ -234,17 +331,17 @@ class MLP(nn.Module):
 
 
 class PassThrough(nn.Module):
-    """Plain DFlash's stand-in for the convolution wrapper: forward(a, f, ...) = f(a, ...), no
-    parameters, so a DFlash layer and a DFlash2 layer read the same and plain DFlash saves no extra
-    tensors."""
+    """Plain DFlash's stand-in for the convolution around a sublayer: forward(a, f, ...) =
+    f(a, ...), no parameters, so a DFlash layer and a DFlash2 layer read the same and plain DFlash
+    saves no extra tensors."""
 
     def forward(self, a, sublayer, *args):
         return sublayer(a, *args)
 
 
-def sublayer_wrapper(c: DraftConfig) -> nn.Module:
-    """DFlash2 wraps every sublayer in the grouped dynamic causal convolution; plain DFlash passes
-    through."""
+def conv_around_sublayer(c: DraftConfig) -> nn.Module:
+    """What runs around each sublayer: DFlash2's grouped dynamic causal convolution (conv.py),
+    conv(a, f, ...) = post(f(pre(a), ...)); plain DFlash's PassThrough, f(a, ...)."""
     if not c.dflash2:
         return PassThrough()
     return GroupedDynamicCausalConv(
@@ -260,7 +357,7 @@ class Layer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
-        self.attention_conv, self.mlp_conv = sublayer_wrapper(c), sublayer_wrapper(c)
+        self.attention_conv, self.mlp_conv = conv_around_sublayer(c), conv_around_sublayer(c)
 
     def context_kv(self, ctx, pos):
         """This layer's keys and values of the context rows; a method of the layer, not of its
@@ -268,8 +365,10 @@ class Layer(nn.Module):
         (support/fsdp.py)."""
         return self.self_attn.kv(ctx, pos)
 
-    def forward(self, h, pos, ctx_kv, mask):
-        h = h + self.attention_conv(self.input_layernorm(h), self.self_attn, pos, ctx_kv, mask)
+    def forward(self, h, pos, ctx_kv, mask, attend):
+        # each sublayer f runs inside its convolution: h + conv(norm(h), f, f's other inputs)
+        a = self.input_layernorm(h)
+        h = h + self.attention_conv(a, self.self_attn, pos, ctx_kv, mask, attend)
         return h + self.mlp_conv(self.post_attention_layernorm(h), self.mlp)
 
 
@@ -310,8 +409,7 @@ class DraftModel(nn.Module):
         The features come in their stored dtype (data.collate) and are cast once, here: under
         autocast to its dtype (bf16 features: no copy; autocast would cast an fp32 copy again), else
         to the draft's (a bf16 draft may read an fp32 target, an fp32 one bf16 features)."""
-        on = torch.is_autocast_enabled(features.device.type)
-        dtype = torch.get_autocast_dtype(features.device.type) if on else self.fc.weight.dtype
+        dtype = autocast_dtype(features.device.type) or self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(features.to(dtype)))  # [N, C, H]
         return [layer.context_kv(ctx, pos) for layer in self.layers]
 
@@ -326,7 +424,7 @@ class DraftModel(nn.Module):
         ctx_pos,
         q_doc=None,
         ctx_doc=None,
-        attention="sdpa",
+        attention=None,
     ):
         """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].
 
@@ -335,28 +433,28 @@ class DraftModel(nn.Module):
         ctx_pos [N, C]. One path for training (many blocks flattened, q_block telling them apart)
         and inference (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q]
         and ctx_doc [N, C] tell packed documents apart (None: one document per row). attention:
-        "sdpa" (a dense mask, the reference) or "flex" (a BlockMask from the same rule).
+        (how to build the mask of attention.py's rule, the kernel that reads it); None: the dense
+        mask and torch's SDPA (sdpa), the reference. support/kernels.py has the faster pairs that
+        train.py --attention passes (memory-safe SDPA on CUDA, compiled flex_attention).
         """
         c = self.config
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention must be sdpa or flex, got {attention!r}")
+        make_mask, attend = attention or (block_attention_mask, sdpa)
         if q_doc is None:
             q_doc, ctx_doc = torch.zeros_like(q_pos), torch.zeros_like(ctx_pos)
         queries, keys = (
             (q_anchor, q_pos, q_block, q_doc),
             attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc),
         )
-        mask = block_attention_mask if attention == "sdpa" else flex_block_mask
         # only the kinds of layer the draft has (both shipped 8B configs are all sliding)
         full = slide = None
         if "full_attention" in c.layer_types:
-            full = mask(queries, keys, c.causal_in_block(sliding=False))
+            full = make_mask(queries, keys, c.causal_in_block(sliding=False))
         if "sliding_attention" in c.layer_types:
-            slide = mask(queries, keys, c.causal_in_block(sliding=True), c.sliding_window)
+            slide = make_mask(queries, keys, c.causal_in_block(sliding=True), c.sliding_window)
         # dflash_config.input_embedding_scale (Z Lab, vLLM) scales the embedded block, in both paths
         h = x if c.input_embedding_scale is None else x * c.input_embedding_scale
         for layer, kv in zip(self.layers, ctx_kv):
-            args = (h, q_pos, kv, slide if layer.sliding else full)
+            args = (h, q_pos, kv, slide if layer.sliding else full, attend)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # non-reentrant: composes with DDP, FSDP2's per-layer gathers and torch.compile
                 h = checkpoint(layer, *args, use_reentrant=False)
@@ -371,94 +469,19 @@ class DraftModel(nn.Module):
         return unary_transform(head(h), c.output_multiplier, c.final_logit_softcapping)
 
 
-# ----------------------------------------------------------------------------- the two call paths
-def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int, positions, docs):
-    """Training blocks: input_ids [N, S], sorted anchors [N, A] (row indices) -> flattened block
-    inputs.
-
-    positions, docs [N, S]: each token's position in its document and the document's number (arange
-    and zeros for a row that is one conversation). Block a is [x[a], MASK x (B-1)] at positions
-    p..p+B-1, p = positions[a]. Returns block_ids, q_pos, q_anchor, q_block, q_doc, each [N, A*B].
-    """
-    N, A = anchors.shape
-    j = torch.arange(block_size, device=anchors.device)  # [B]
-    anchor_pos = positions.gather(1, anchors)  # [N, A]
-    q_pos = (anchor_pos[:, :, None] + j).reshape(N, A * block_size)
-    q_anchor = anchor_pos.repeat_interleave(block_size, dim=1)
-    q_block = (
-        torch.arange(A, device=anchors.device).repeat_interleave(block_size)[None].expand(N, -1)
+# ------------------------------------------------------------------ scaled RoPE and dtype plumbing
+def scaled_rope(c: DraftConfig) -> tuple:
+    """A scaled RoPE's (inverse frequencies, factor). They come from transformers' own functions,
+    so that they are the ones Z Lab and speculators use: compat/rope.py builds them and sets this
+    name when imported (compat/config_json.py, which reads every config.json, imports it), so that
+    this file needs only torch."""
+    raise ValueError(
+        f"rope_parameters.rope_type {c.rope_scaling.get('rope_type')!r}: scaled RoPE is built by "
+        "compat/rope.py; import compat.config_json (or compat.rope) first"
     )
-    q_doc = docs.gather(1, anchors).repeat_interleave(block_size, dim=1)
-    block_ids = torch.full_like(q_pos, mask_token_id)
-    block_ids[:, ::block_size] = input_ids.gather(1, anchors)
-    return block_ids, q_pos, q_anchor, q_block, q_doc
 
 
-def forward_training(
-    draft, embed, input_ids, features, anchors, positions=None, docs=None, attention="sdpa"
-):
-    """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
-    positions, docs [N, S]: packed rows (train.py --pack, data.py); None for rows of one
-    conversation each."""
-    c = draft.config
-    N, S = input_ids.shape
-    if positions is None:
-        positions = torch.arange(S, device=input_ids.device)[None].expand(N, -1)
-        docs = torch.zeros_like(positions)
-    block_ids, q_pos, q_anchor, q_block, q_doc = anchored_blocks(
-        input_ids, anchors, c.block_size, c.mask_token_id, positions, docs
-    )
-    h = draft(
-        embed(block_ids),
-        q_pos=q_pos,
-        q_anchor=q_anchor,
-        q_block=q_block,
-        ctx_kv=draft.context_kv(features, positions),
-        ctx_pos=positions,
-        q_doc=q_doc,
-        ctx_doc=docs,
-        attention=attention,
-    )
-    return h.view(N, anchors.shape[1], c.block_size, -1)
-
-
-class ContextCache:
-    """Inference cache: the projected K/V of every context row seen so far, and their positions.
-
-    Only context is cached. Block K/V are recomputed each cycle, because the block's MASK rows
-    change meaning once tokens are verified (docs/semantics.md, section 5).
-    """
-
-    def __init__(self):
-        self.kv, self.pos = None, None
-
-    def append(self, draft, features, pos):
-        """features [N, C, n_t*H] of newly verified tokens at positions pos [N, C]."""
-        new = draft.context_kv(features, pos)
-        if self.kv is None:
-            self.kv, self.pos = new, pos
-        else:
-            self.kv = [
-                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                for (k0, v0), (k1, v1) in zip(self.kv, new)
-            ]
-            self.pos = torch.cat([self.pos, pos], dim=1)
-
-
-def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos):
-    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H]."""
-    c = draft.config
-    N, B = anchor_ids.shape[0], c.block_size
-    block_ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
-    block_ids[:, 0] = anchor_ids
-    q_pos = anchor_pos[:, None] + torch.arange(B, device=anchor_ids.device)
-    q_anchor = anchor_pos[:, None].expand(N, B)
-    q_block = torch.zeros_like(q_pos)
-    return draft(
-        embed(block_ids),
-        q_pos=q_pos,
-        q_anchor=q_anchor,
-        q_block=q_block,
-        ctx_kv=cache.kv,
-        ctx_pos=cache.pos,
-    )
+def autocast_dtype(device_type: str):
+    """The dtype autocast computes in on this device type, or None where autocast is off."""
+    on = torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if on else None

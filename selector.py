@@ -14,6 +14,10 @@ Because Bs starts at zero, a fresh selector walks exactly the unary argmax path.
 import torch
 import torch.nn as nn
 
+# The default K of the unary top-K: the published DFlash2 drafts' selector_top_k (Z Lab's Qwen3-8B
+# config), used where a draft has none of its own (a plain DFlash draft's metrics, its tree).
+TOP_K = 16
+
 
 def unary_transform(z: torch.Tensor, output_multiplier=None, softcap=None) -> torch.Tensor:
     """The draft's unary scores from raw lm_head logits: u = m * z, then u = c * tanh(u / c)."""

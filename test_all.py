@@ -582,7 +582,7 @@ def selector_case(third_token, miss="strict", alpha_t=1.0):
         sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
         sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
     h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return L.objective(
+    return metrics.objective_with_metrics(
         draft,
         HEAD,
         h,
@@ -666,7 +666,7 @@ def run_objective(
 ):
     h = model.forward_training(draft, embed, ids, feats, anchors)
     kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
-    return L.objective(
+    return metrics.objective_with_metrics(
         draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
     )
 
@@ -691,7 +691,9 @@ def test_reference_objective_equals_the_chunked_one_training_runs(plain):
             )
         else:
             cfg = L.LossConfig(gamma=3.0, chunk_blocks=2)
-            out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.7)
+            out = metrics.objective_with_metrics(
+                draft, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.7
+            )
             num, den = out["numerator"], out["denominator"]
             sel = out["metrics"].get("sel_loss", (torch.tensor(0.0),))[0]
             assert (sel > 0) != plain  # DFlash2's selector term is in the sums
@@ -5893,7 +5895,6 @@ def lift_flex_cpu_guard(monkeypatch):
     import torch.nn.attention.flex_attention as fa
 
     monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
-    monkeypatch.setattr(attention, "compiled", lambda fn: fn)
     monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
 
 
@@ -5926,7 +5927,7 @@ def flex_case(kw, packed, S=256, device="cpu"):
         batch["anchors"],
         batch["positions"],
         batch["docs"],
-        how,
+        kernels.attention_kernel(how),
     )
     return c, draft, batch, attend
 
@@ -5956,7 +5957,7 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
         b["input_ids"], b["anchors"], c.block_size, c.mask_token_id, b["positions"], b["docs"]
     )
     keys = attention.attention_keys(q_pos, q_block, q_doc, b["positions"], b["docs"])
-    bm = attention.flex_block_mask((q_anchor, q_pos, q_block, q_doc), keys, False)
+    bm = kernels.flex_block_mask((q_anchor, q_pos, q_block, q_doc), keys, False)
     # [N, 1, Q tiles]
     tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)
     # at least the first queries' tile of the last blocks' keys is skipped
@@ -7644,6 +7645,20 @@ def test_imports_flow_one_way():
     assert {
         m: graph[m] - doors for m in core if {n for n in graph[m] if n.startswith("speed")} - doors
     } == {}
+    # the mechanism is the ground floor: its files import torch, the standard library and one
+    # another, nothing of support/, compat/, speed/ or tools/ (nor transformers: scaled RoPE is
+    # compat/rope.py's, which sets model.scaled_rope)
+    mechanism = ("conv", "selector", "attention", "model", "loss", "decoding", "tree")
+    import ast
+
+    for m in mechanism:
+        roots = set()
+        for node in ast.parse(open(os.path.join(HERE, f"{m}.py")).read()).body:
+            if isinstance(node, ast.Import):
+                roots |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots.add(node.module.split(".")[0])
+        assert roots <= {"torch", *mechanism} | sys.stdlib_module_names, (m, roots)
 
 
 def test_the_top_level_is_the_reading_path():

@@ -17,7 +17,6 @@ so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches. Every flag: docs/trainin
 import argparse
 import collections
 import contextlib
-import dataclasses
 import datetime
 import itertools
 import json
@@ -36,7 +35,7 @@ from tqdm import tqdm
 import data
 import loss
 import model
-from compat.config_json import config_to_dict, load_config
+from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
 from support import flops, fsdp, kernels, tracking
 from support.common import (
@@ -47,7 +46,13 @@ from support.common import (
     end_distributed,
     run,
 )
-from support.metrics import add_into, all_sum, reduce_metrics, save_acceptance
+from support.metrics import (
+    add_into,
+    all_sum,
+    objective_with_metrics,
+    reduce_metrics,
+    save_acceptance,
+)
 from support.target import check_draft_fits, load_target
 
 # The main job's prepared data (bash run.sh): what train.py reads when --data is not given
@@ -172,7 +177,7 @@ def build_config(args) -> model.DraftConfig:
         o["layer_types"] = [
             c.layer_types[min(i, len(c.layer_types) - 1)] for i in range(args.num_layers)
         ]
-    c = dataclasses.replace(c, **o)  # __post_init__ validates the overridden config
+    c = replace_config(c, **o)  # validates the overridden config
     return model.plain_dflash(c) if args.dflash else c
 
 
@@ -196,7 +201,8 @@ class DraftObjective(torch.nn.Module):
 
     def __init__(self, draft, embed_weight, head_weight, cfg: loss.LossConfig, attention: str):
         super().__init__()
-        self.draft, self.cfg, self.attention = draft, cfg, attention
+        self.draft, self.cfg = draft, cfg
+        self.attention = kernels.attention_kernel(attention)  # (mask, kernel) for the draft
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
     def forward(self, batch, alpha_t, acceptance=False):
@@ -211,7 +217,7 @@ class DraftObjective(torch.nn.Module):
             batch["docs"],
             self.attention,
         )
-        return loss.objective(
+        return objective_with_metrics(  # loss.objective, and the metrics of its chunks
             self.draft,
             self.head_weight,
             h,

@@ -1,7 +1,7 @@
 """The contract a draft's config.json must keep (docs/semantics.md, section 3): every validation
-rule, the refusals of fields this code does not implement, and the RoPE rules. config.py calls
-these; they read a DraftConfig by its attributes and never import config.py, so the dataclass and
-its JSON mapping stay readable on their own.
+rule, the refusals of fields this code does not implement, and the RoPE rules. Whoever reads a
+config.json calls them (compat/config_json.py; train.py's overrides through replace_config), not
+model.py, so the mechanism stands without them.
 
 Every rule raises ValueError naming the field and value. Nothing in a config.json is skipped
 unread. Each key is read into DraftConfig, or is known not to change what the draft computes (token
@@ -13,7 +13,7 @@ refused by name: a field the code does not know might change the computation.
 import math
 
 # The scaled RoPE types implemented (through transformers' own init functions,
-# model.rope_frequencies), each with the rope_parameters keys it reads: (required, optional).
+# compat/rope.py), each with the rope_parameters keys it reads: (required, optional).
 # dynamic and longrope are left out: their frequencies depend on the longest position seen so far,
 # which the public loaders handle differently.
 ROPE_KEYS = {
@@ -79,10 +79,10 @@ def _check_rope_scaling(s):
         raise ValueError(f"rope_parameters.truncate must be true or false, got {s['truncate']!r}")
 
 
-def validate(c, dflash2_fields: tuple):
-    """Every rule of docs/semantics.md, section 3, on a DraftConfig c, whose DFlash2 fields (named
-    by dflash2_fields) are set together or not at all; each failure names the field and the bad
-    value."""
+def validate(c):
+    """Every rule of docs/semantics.md, section 3, on a DraftConfig c (whose DFlash2 fields
+    DraftConfig itself holds to be set together or not at all); each failure names the field and
+    the bad value."""
     for name in (
         "hidden_size",
         "intermediate_size",
@@ -126,11 +126,7 @@ def validate(c, dflash2_fields: tuple):
         _check_int("sliding_window", c.sliding_window, low=c.block_size)
     if c.is_causal is not None and not isinstance(c.is_causal, bool):
         raise ValueError(f"is_causal must be true, false or absent, got {c.is_causal!r}")
-    present = [f for f in dflash2_fields if getattr(c, f) is not None]
-    if present and len(present) != len(dflash2_fields):
-        missing = [f for f in dflash2_fields if getattr(c, f) is None]
-        raise ValueError(f"a DFlash2 config needs all of {dflash2_fields}; missing {missing}")
-    if present:
+    if c.dflash2:
         _check_int("conv_kernel_size", c.conv_kernel_size, low=1, high=c.block_size)
         _check_int("conv_group_size", c.conv_group_size, low=1)
         if c.hidden_size % c.conv_group_size:

@@ -7,16 +7,17 @@ are Qwen3-style fields at the top level.
 
 Nothing in a config.json is skipped unread, and every rule raises ValueError naming the field and
 value. Those rules, and the refusals of fields this code does not implement, are the contract with
-the public implementations: they live in compat/config_checks.py, which this file and
-DraftConfig call.
+the public implementations: they live in compat/config_checks.py, which this file calls on every
+config it reads or changes (model.py does not).
 """
 
 import dataclasses
-import json
 import os
 
-from compat.config_checks import read_rope, refuse_incomplete, refuse_unread
+import compat.rope  # noqa: F401  (sets model.scaled_rope: a config read here may scale RoPE)
+from compat.config_checks import read_rope, refuse_incomplete, refuse_unread, validate
 from model import DFLASH2_FIELDS, DraftConfig
+from support.common import read_json
 
 # ---------------------------------------------------------------------- config.json <-> DraftConfig
 FIELDS = {f.name for f in dataclasses.fields(DraftConfig)}
@@ -38,23 +39,24 @@ def config_from_dict(d: dict, source: str = "config") -> DraftConfig:
     # the current names (rope_parameters) or the older ones (rope_theta, rope_scaling)
     flat["rope_theta"], flat["rope_scaling"] = read_rope(d, source)
     refuse_incomplete(flat, d.get("architectures") or [], source, REQUIRED, DFLASH2_FIELDS)
-    return DraftConfig(**flat)
-
-
-def read_json(file: str) -> dict:
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no draft config at {file}")
-    with open(file) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    c = DraftConfig(**flat)
+    validate(c)  # every rule of docs/semantics.md, section 3
+    return c
 
 
 def load_config(path: str) -> DraftConfig:
     """From a JSON file, or a directory holding config.json."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no draft config at {file}")
     return config_from_dict(read_json(file), source=file)
+
+
+def replace_config(c: DraftConfig, **changes) -> DraftConfig:
+    """c with some fields changed (train.py's overrides), held to the rules a config.json is."""
+    c = dataclasses.replace(c, **changes)
+    validate(c)
+    return c
 
 
 def config_to_dict(c: DraftConfig) -> dict:

@@ -10,8 +10,9 @@ cannot say, or what speculators would read otherwise, is refused with a message 
 
 import os
 
-from compat.config_json import config_from_dict, config_to_dict, read_json
+from compat.config_json import config_from_dict, config_to_dict
 from model import DFLASH2_FIELDS
+from support.common import read_json
 
 # Frozen copies of the verifier's tensors, which a speculators checkpoint may carry: the draft
 # uses the target's own.

@@ -27,6 +27,17 @@ def atomic_write(path: str):
     os.replace(tmp, path)
 
 
+def read_json(file: str):
+    """A JSON file's content; a missing file or invalid JSON stops with the file's name."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no file at {file}")
+    with open(file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}: not valid JSON (line {e.lineno}): {e.msg}") from None
+
+
 def write_json(path: str, obj):
     with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=2)

@@ -1,10 +1,14 @@
 """The attention kernels: how the draft's attention runs the masks of attention.py's rule, on each
 device. A reader learning DFlash2 can skip this file: it changes the speed and the memory of
-attention, never which keys a query reads.
+attention, never which keys a query reads. model.py runs torch's SDPA over the dense mask
+(model.DENSE); train.py passes one of these pairs instead (model.forward_training's `attention`).
 
     choose            --attention auto: flex on CUDA, sdpa on the CPU
+    attention_kernel  --attention sdpa or flex -> (mask, kernel): SDPA or FLEX
     sdpa              F.scaled_dot_product_attention with the dense mask; on CUDA memory_safe_sdpa
     memory_safe_sdpa  only SDPA kernels that never hold the [N, heads, Q, K] scores
+    flex_block_mask   attention.py's rule as a FlexAttention BlockMask, which skips the tiles of
+                      scores no query may read (at S = 2048 and 512 anchors, almost all)
     flex              flex_attention with a BlockMask, compiled (block-sparse only so)
     compiled          a function compiled once, or itself inside a compiled region
 """
@@ -14,7 +18,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from attention import attention_rule, block_attention_mask
 
 # SDPA's CUDA kernels that take a mask without making the [N, heads, Q, K] scores. Flash takes no
 # mask; math makes them in fp32 (17 GB a layer at S = 8192, 512 anchors of 16), so it is left out.
@@ -27,6 +33,14 @@ def choose(attention: str, device) -> str:
     if attention != "auto":
         return attention
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def attention_kernel(name: str) -> tuple:
+    """--attention sdpa or flex (after choose) -> (how to build the mask, the kernel that reads
+    it), for model.forward_training's `attention`."""
+    if name not in ("sdpa", "flex"):
+        raise ValueError(f"attention must be sdpa or flex, got {name!r}")
+    return FLEX if name == "flex" else SDPA
 
 
 def sdpa(q, k, v, mask, gqa: bool):
@@ -58,6 +72,20 @@ def memory_safe_sdpa(q, k, v, mask):
         ) from e
 
 
+def flex_block_mask(queries, keys, causal: bool, window=None):
+    """attention.py's rule as a BlockMask for flex_attention, which skips every (128 x 128) tile of
+    scores that no query of the tile may read: most of them (other blocks, context after the
+    anchors). queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K].
+    Built compiled: eager, create_block_mask would evaluate the rule into dense [N, Q, K] tensors
+    first."""
+
+    def mask_mod(b, h, q, k):
+        return attention_rule(*(t[b, q] for t in queries), *(t[b, k] for t in keys), causal, window)
+
+    (N, Q), K = queries[0].shape, keys[0].shape[1]
+    return compiled(create_block_mask)(mask_mod, N, None, Q, K, device=queries[0].device)
+
+
 def flex(q, k, v, block_mask, gqa: bool):
     """flex_attention is block-sparse only compiled (eager it is torch's dense reference). q and k
     leave the fp32 norms; under autocast v is bf16, and all three go in as v's dtype, as SDPA's
@@ -76,3 +104,8 @@ def compiled(fn):
     """fn compiled, once; itself inside a region that is being compiled already (train.py
     --compile)."""
     return fn if torch.compiler.is_compiling() else compiled_once(fn)
+
+
+# (how to build the mask, the kernel that reads it): model.DENSE's kinds, faster where they run
+SDPA = (block_attention_mask, sdpa)
+FLEX = (flex_block_mask, flex)

@@ -1,13 +1,14 @@
 """What the objective's logits say besides the loss, its reduction over ranks, and acceptance.json.
 
-Every metric is a (numerator, denominator) pair: loss.objective returns one micro-batch's pairs,
-train.py adds them over micro-batches (add_into), sums them over ranks and divides once
-(reduce_metrics), so a metric is a ratio of global sums whatever the rank / accumulation split.
-The metrics are measured teacher-forced, as the loss is: how often the unary argmax, the top-K, the
-selector and the selector's own greedy path get the label, and the accepted lengths those imply
-(tau = 1 + the leading run of right labels). At the final held-out evaluation the per-slot
-statistics go to acceptance.json, from which generate.py's `auto` predicts the accepted length of
-each verify shape (speed/auto.py, expected_tau).
+Every metric is a (numerator, denominator) pair: objective_with_metrics runs loss.objective and
+measures one micro-batch's pairs from the tensors of its chunks; train.py adds them over
+micro-batches (add_into), sums them over ranks and divides once (reduce_metrics), so a metric is a
+ratio of global sums whatever the rank / accumulation split. The metrics are measured
+teacher-forced, as the loss is: how often the unary argmax, the top-K, the selector and the
+selector's own greedy path get the label, and the accepted lengths those imply (tau = 1 + the
+leading run of right labels). At the final held-out evaluation the per-slot statistics go to
+acceptance.json, from which generate.py's `auto` predicts the accepted length of each verify shape
+(speed/auto.py, expected_tau).
 """
 
 import os
@@ -16,13 +17,56 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from compat.config_json import read_json
-from support.common import write_json
+from loss import LossConfig, add_sums, block_labels, objective
+from support.common import read_json, write_json
 
-PLAIN_TOP_K = 16  # the top-K of the metrics of a plain DFlash draft, which has no selector_top_k
 # train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:
 # generate.py's `auto` reads them. A file of its own, so config.json stays the public contract.
 ACCEPTANCE = "acceptance.json"
+
+
+# ----------------------------------------------------------------------------- the loss, measured
+def objective_with_metrics(
+    draft,
+    lm_head_weight,
+    h,
+    input_ids,
+    loss_mask,
+    anchors,
+    anchor_valid,
+    cfg=LossConfig(),
+    *,
+    acceptance=False,
+    **kw,
+):
+    """loss.objective (its arguments, kw: target_hidden, alpha_t, docs), and the metrics of the
+    same chunks: {"numerator", "denominator", "metrics"}, where metrics maps a name to a
+    (numerator, denominator) pair of detached tensors. acceptance: add the per-slot statistics of
+    acceptance.json (held-out evaluation)."""
+    terms, selector = {}, draft.candidate_selector
+
+    def observe(*chunk):  # h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids
+        add_sums(terms, metric_terms(selector, *chunk, acceptance))
+
+    out = objective(
+        draft,
+        lm_head_weight,
+        h,
+        input_ids,
+        loss_mask,
+        anchors,
+        anchor_valid,
+        cfg,
+        observe=observe,
+        **kw,
+    )
+    D = out["denominator"]
+    own = {"loss": (out["numerator"].detach(), D), "base_loss": (out["base"].detach(), D)}
+    if "selector" in out:
+        own["sel_loss"] = (out["selector"].detach(), D)
+    _, _, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, h.shape[2], kw.get("docs"))
+    metrics = pairs(terms, own, anchor_valid, coverage(loss_mask, anchors, w0), acceptance)
+    return {"numerator": out["numerator"], "denominator": D, "metrics": metrics}
 
 
 # ----------------------------------------------------------------------------- one chunk's sums

@@ -22,9 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from compat.config_json import read_json
 from support import draw
-from support.common import run
+from support.common import read_json, run
 from support.metrics import acceptance_file, read_acceptance
 
 # (panel, series name, record kinds, record key, dashed) for each line of the step panels. The train

@@ -43,8 +43,9 @@ import model
 import train
 from export import load_any
 from speed import machine, tune
+from support import kernels
 from support.common import bounded, run
-from support.metrics import record_served
+from support.metrics import objective_with_metrics, record_served
 from support.target import check_draft_fits, load_target, stop_token_ids
 from tree import label, speculate
 
@@ -89,9 +90,10 @@ def serve(target, draft, samples, shape, use_selector=True, stop_ids=(), max_new
 @torch.no_grad()
 def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
     """The identity's other side: the block at each anchor of one sequence, teacher-forced as
-    training scores it (model.forward_training, loss.objective), one block at a time -> its
-    accepted length, 1 + the leading run of labels the draft's greedy path (the selector's walk, or
-    the unary argmax) gets right. embed_w, head_w [V, H]: the target's embedding and head."""
+    training scores it (model.forward_training, support.metrics.objective_with_metrics), one block
+    at a time -> its accepted length, 1 + the leading run of labels the draft's greedy path (the
+    selector's walk, or the unary argmax) gets right. embed_w, head_w [V, H]: the target's
+    embedding and head."""
     ids, mask = sample["input_ids"][None], sample["loss_mask"][None]  # [1, S]
     feats = sample["features"][None].float()  # [1, S, k*H]
     embed = lambda x: F.embedding(x, embed_w)  # noqa: E731
@@ -100,8 +102,8 @@ def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
     taus = []
     for a in anchors:
         A = torch.tensor([[a]], device=ids.device)
-        h = model.forward_training(draft, embed, ids, feats, A)
-        metrics = loss.objective(draft, head_w, h, ids, mask, A, A >= 0, cfg)["metrics"]
+        h = model.forward_training(draft, embed, ids, feats, A, attention=kernels.SDPA)
+        metrics = objective_with_metrics(draft, head_w, h, ids, mask, A, A >= 0, cfg)["metrics"]
         num, den = metrics[mode]
         taus.append(float(num / den))
     return taus

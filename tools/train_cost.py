@@ -43,7 +43,7 @@ import attention  # noqa: E402
 import data  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
-from support import flops  # noqa: E402
+from support import flops, kernels  # noqa: E402
 from support.common import bounded, run, write_json  # noqa: E402
 
 
@@ -105,10 +105,10 @@ def attention_call(cfg, batch, how: str, device):
                 attn_mask=attention.block_attention_mask(queries, keys, *rule),
                 enable_gqa=True,
             )
-        return attention.flex(q, k, v, attention.flex_block_mask(queries, keys, *rule), True)
+        return kernels.flex(q, k, v, kernels.flex_block_mask(queries, keys, *rule), True)
 
     def tiles() -> str:
-        bm = attention.flex_block_mask(queries, keys, *rule)
+        bm = kernels.flex_block_mask(queries, keys, *rule)
         used = bm.kv_num_blocks.sum().item() + (
             0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks.sum().item()
         )
