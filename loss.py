@@ -184,9 +184,9 @@ def objective(
         else:
             chunk_loss, made = chunk_sums(*args)
         add_sums(sums, chunk_loss)
-        if observe is not None:
-            u, logq, logp, cand_scores, cand_ids = made
-            observe(part[0], u, logq, logp, *part[1:4], cand_scores, cand_ids)
+        if observe is not None:  # (u, logq, logp), then (cand_scores, cand_ids)
+            observe(part[0], *made[:3], *part[1:4], *made[3:])
+        del made  # vocabulary-sized: held for one chunk at a time
 
     base = base_numerator(cfg.loss, sums)
     numerator = base

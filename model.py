@@ -1,5 +1,5 @@
-"""The DFlash / DFlash2 draft: backbone, the training and inference paths (docs/semantics.md,
-sections 1-3).
+"""The DFlash / DFlash2 draft: its config, the training and inference paths, and the backbone they
+share (docs/semantics.md, sections 1-3).
 
 The draft proposes B-1 tokens in one forward pass. Its input is the block [anchor, MASK x (B-1)],
 embedded with the target's (frozen) embedding; it reads the target through `ctx`, the target's

@@ -1,8 +1,10 @@
 """Compatibility: what keeps this project's drafts exchangeable with the public implementations. A
-reader learning DFlash2 can skip this package; compat/config_json.py and export.py call into it.
+reader learning DFlash2 can skip this package: what reads or writes a config.json (config_json.py,
+export.py, train.py) calls into it, never the mechanism files.
 
     config_checks.py  every rule a config.json must satisfy (docs/semantics.md, section 3), the
                       refusals of fields this code does not implement, and the RoPE rules.
+    rope.py           scaled RoPE (yarn, llama3, linear) from transformers' own functions.
     speculators.py    the second public checkpoint format, vllm-project/speculators' config.json,
                       read and written (`export.py --format speculators`).
 """
