@@ -5749,7 +5749,7 @@ def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
         batch["anchors"],
         batch["positions"],
         batch["docs"],
-        args.attention,
+        kernels.attention_kernel(args.attention),
     )
     objective = train.DraftObjective(
         draft, embed_w, head_w, train.loss_config(args), args.attention

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loss import LossConfig, add_sums, block_labels, objective
+import loss
 from support.common import read_json, write_json
 
 # train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:
@@ -34,7 +34,7 @@ def objective_with_metrics(
     loss_mask,
     anchors,
     anchor_valid,
-    cfg=LossConfig(),
+    cfg=loss.LossConfig(),
     *,
     acceptance=False,
     **kw,
@@ -46,9 +46,9 @@ def objective_with_metrics(
     terms, selector = {}, draft.candidate_selector
 
     def observe(*chunk):  # h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids
-        add_sums(terms, metric_terms(selector, *chunk, acceptance))
+        loss.add_sums(terms, metric_terms(selector, *chunk, acceptance))
 
-    out = objective(
+    out = loss.objective(
         draft,
         lm_head_weight,
         h,
@@ -64,7 +64,9 @@ def objective_with_metrics(
     own = {"loss": (out["numerator"].detach(), D), "base_loss": (out["base"].detach(), D)}
     if "selector" in out:
         own["sel_loss"] = (out["selector"].detach(), D)
-    _, _, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, h.shape[2], kw.get("docs"))
+    _, _, w0 = loss.block_labels(
+        input_ids, loss_mask, anchors, anchor_valid, h.shape[2], kw.get("docs")
+    )
     metrics = pairs(terms, own, anchor_valid, coverage(loss_mask, anchors, w0), acceptance)
     return {"numerator": out["numerator"], "denominator": D, "metrics": metrics}
 
