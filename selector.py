@@ -14,6 +14,9 @@ Because Bs starts at zero, a fresh selector walks exactly the unary argmax path.
 import torch
 import torch.nn as nn
 
+# candidates per slot where a draft names no top-K (plain DFlash)
+TOP_K = 16
+
 
 def unary_transform(z: torch.Tensor, output_multiplier=None, softcap=None) -> torch.Tensor:
     """The draft's unary scores from raw lm_head logits: u = m * z, then u = c * tanh(u / c)."""

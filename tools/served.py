@@ -45,8 +45,8 @@ from export import load_any
 from speed import machine, tune
 from support.common import bounded, run
 from support.metrics import record_served
+from support.show import label, speculate
 from support.target import check_draft_fits, load_target, stop_token_ids
-from tree import label, speculate
 
 
 def prompt_length(loss_mask) -> int:
