@@ -4,10 +4,11 @@
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
---compare also decodes plainly and says whether the outputs are identical (they are, at T = 0, up
-to a numerics tie, which it names); --show prints every cycle's block; --bench decodes prompt sets
-every way (speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k
-drafts of each cycle, --tree-budget N a tree of N nodes (tree.py).
+--compare also decodes plainly, gives the speed-up as the median of 5 runs each way, and says
+whether the outputs are identical (they are, at T = 0, up to a numerics tie, which it names); --show
+prints every cycle's block and times the phases; --bench decodes prompt sets every way
+(speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each
+cycle, --tree-budget N a tree of N nodes (tree.py).
 
 By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
 target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
