@@ -9,18 +9,18 @@ output is the target's own greedy output token for token; at temperature > 0 rej
 against the proposal distribution q keeps the output distributed exactly as the target's.
 
 speculative_generate is that cycle for a path of k drafts (k = B-1 by default); tree.py runs the
-same steps on a tree of N nodes. Each step names its phase for support/show.py's clock; a watcher
-(support/show.py) sees each cycle as a Cycle. generate.py is the command line.
+same steps on a tree of N nodes. Neither holds a clock or prints: they return the ids and each
+cycle's tau, and whoever wants more (generate.py --show, --bench) wraps the steps from outside
+(support/show.py). generate.py is the command line.
 """
 
-from dataclasses import dataclass
+import inspect
 
 import torch
+from transformers import DynamicCache
 
 import model
 from model import capture_features
-from support.show import phase
-from support.target import crop, new_cache, with_cache
 
 
 # --------------------------------------------------------------------------------------- the cycle
@@ -36,21 +36,20 @@ def speculative_generate(
     temperature=0.0,
     generator=None,
     stop_ids=(),
-    watch=None,
+    head=None,
 ):
     """prompt_ids [1, P] -> (ids [1, P + n], taus); n = max_new_tokens unless a stop token came
     first, taus: accepted drafts + 1 per cycle. Each cycle verifies the first k = verify_tokens of
-    the B-1 drafts (default all). watch(Cycle), if given, sees the prefill's token and every
-    cycle."""
+    the B-1 drafts (default all). head: what scores the draft's rows (default: the target's head,
+    embed_and_head); speed/ may pass one that runs faster here."""
     c, P = draft.config, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
-    embed, head = embed_and_head(target, draft)
+    embed, target_head = embed_and_head(target, draft)
+    head = head or target_head
     # Prefill: the target's cache and features for the prompt; its last logit gives the first token.
     cache, ctx, logits = prefill(target, draft, prompt_ids)
     first = sample(logits, temperature, generator)
     ids, done = commit(prompt_ids, [first], P, max_new_tokens, stop_ids)
-    if watch:
-        watch(Cycle(ids[0, P:].tolist()))
     taus = []
     while not done:
         s = ids.shape[1] - 1  # the anchor: the last committed token, not yet run by the target
@@ -58,7 +57,7 @@ def speculative_generate(
         h, u = draft_scores(draft, embed, head, ctx, ids, k)
         # 2. Walk: the selector's path through its lattice (or the unary argmax; at T > 0 a sample
         #    from q): k drafts.
-        d, q = propose(draft, h, u, ids, temperature, use_selector, generator)
+        d, q = draft_proposal(draft, h, u, ids, temperature, use_selector, generator)
         # 3. Verify: ONE target forward over [anchor, d_1..d_k]; row j is the target after d_1..d_j.
         block = torch.cat([ids[:, -1:], d], dim=1)
         logits, feats = target_forward(target, cache, c.target_layer_ids, block)
@@ -72,8 +71,6 @@ def speculative_generate(
         extend_context(draft, ctx, feats[:, : a + 1], s)
         ids, done = commit(ids, d[0, :a].tolist() + [bonus], P, max_new_tokens, stop_ids)
         taus.append(a + 1)
-        if watch:
-            watch(Cycle(ids[0, s + 1 :].tolist(), d[0].tolist(), unary_best(u), a, bonus))
     return ids, taus
 
 
@@ -97,42 +94,17 @@ def target_generate(
     return ids, taus
 
 
-@dataclass
-class Cycle:
-    """What a watcher (support/show.py) sees of one cycle: the tokens it committed (`new`, cut at a
-    stop token or at max_new_tokens); the drafts it sent (a path's d_1..d_k, or a tree's nodes), the
-    unary argmax of each one's slot, how many the target accepted, its bonus token; for a tree, the
-    tree and its accepted nodes. The prefill's token comes as a Cycle with `new` only."""
-
-    new: list
-    drafts: list = None
-    unary: list = None
-    accepted: int = 0
-    bonus: int = None
-    tree: object = None
-    path: list = None
-
-
-def unary_best(u) -> list:
-    """The unary argmax of each scored slot, u [1, L, V] -> [L]: a plain DFlash path's drafts."""
-    return u[0].argmax(-1).tolist()
-
-
 # --------------------------------------------------------------------------- the steps of a cycle
 def embed_and_head(target, draft):
     """The target's frozen embedding (a function of ids) and head (a function of hidden states,
     h @ W^T), in the draft's precision: a bf16 draft beside an fp32 target is still lossless, since
-    only the target's verify commits tokens. A draft that carries a head of its own (`draft.head`,
-    any function of h giving these rows) is scored with it."""
+    only the target's verify commits tokens."""
     dt = next(draft.parameters()).dtype
     embed = lambda ids: target.get_input_embeddings()(ids).to(dt)  # noqa: E731
-    if getattr(draft, "head", None) is not None:
-        return embed, draft.head
     w = target.get_output_embeddings().weight.to(dt)  # [V, H]
     return embed, lambda h: h @ w.t()  # noqa: E731
 
 
-@phase("prefill")
 def prefill(target, draft, prompt_ids):
     """The target over the prompt [1, P] -> (its KV cache, the draft's context: the prompt's
     features at positions 0..P-1, the logits [V] after the prompt)."""
@@ -145,7 +117,6 @@ def prefill(target, draft, prompt_ids):
     return cache, ctx, logits[-1]
 
 
-@phase("draft")
 def draft_scores(draft, embed, head, ctx, ids, L: int):
     """The draft's block after the committed ids [1, s+1] (ids[:, -1] is the anchor, at position s),
     reading ctx -> (h [1, L, H], u [1, L, V]): the final hidden states and unary scores of slots
@@ -157,8 +128,7 @@ def draft_scores(draft, embed, head, ctx, ids, L: int):
     return h[:, 1 : L + 1], u
 
 
-@phase("selector")
-def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
+def draft_proposal(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
     """The block's proposal -> (drafts [1, L], q [1, L, V] or None).
     h [1, L, H]: final draft hidden states of slots 1..L (L <= B-1); u [1, L, V]: their unary
     scores; ids [1, P]: the committed tokens (ids[:, -1] is the anchor).
@@ -179,7 +149,6 @@ def propose(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None
     return torch.multinomial(q[0], 1, generator=generator).T, q
 
 
-@phase("verify")
 def target_forward(target, cache, layer_ids, ids, **kw):
     """The target over ids [1, n] after the cached rows, which it extends by n -> (logits [n', V],
     features [1, n, k*H] at the draft's layer ids); n' = n unless kw keeps fewer logits."""
@@ -189,7 +158,6 @@ def target_forward(target, cache, layer_ids, ids, **kw):
     return out.logits[0], feats
 
 
-@phase("verify")
 def accept(logits, drafts, q, temperature: float, generator=None):
     """The verify's logits [k+1, V], the drafts [k], their q [k, V] (None when greedy) -> (a, the
     token after the a accepted drafts). Greedy: the target's argmax, as long as it is the draft's
@@ -201,7 +169,6 @@ def accept(logits, drafts, q, temperature: float, generator=None):
     return a, best[a]
 
 
-@phase("draft")
 def extend_context(draft, ctx, feats, start: int):
     """The target's features [1, n, k*H] of the tokens at positions start..start+n-1 become draft
     context."""
@@ -218,6 +185,28 @@ def commit(ids, new: list, prompt_len: int, max_new_tokens: int, stop_ids):
         new = new[: stop + 1]
     ids = torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
     return ids, stop is not None or len(new) == room
+
+
+# ------------------------------------------------------------------------ the target's KV cache
+def new_cache(target):
+    """An empty KV cache for the target. Sliding-window layers keep their rows until crop(), so the
+    rows of rejected drafts can still be dropped after a verify."""
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()
+    return cache
+
+
+def with_cache(target, cache) -> dict:
+    """The forward's keyword arguments that read and extend cache. transformers 5.24 names it
+    `cache`; 5.17 (and before) `past_key_values`, and takes any other name silently into **kwargs,
+    uncached."""
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+def crop(cache, length: int):
+    """Keep the first `length` rows of every layer (transformers 5: crop(-n) drops the last n)."""
+    cache.crop(length - cache.get_seq_length())
 
 
 # ------------------------------------------------------------------ sampling and the rejection rule

@@ -4,10 +4,11 @@
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
---compare also decodes plainly and says whether the outputs are identical (they are, at T = 0, up
-to a numerics tie, which it names); --show prints every cycle's block; --bench decodes prompt sets
-every way (speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k
-drafts of each cycle, --tree-budget N a tree of N nodes (tree.py).
+--compare also decodes plainly, gives the speed-up as the median of 5 runs each way, and says
+whether the outputs are identical (they are, at T = 0, up to a numerics tie, which it names); --show
+prints every cycle's block and times the phases; --bench decodes prompt sets every way
+(speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each
+cycle, --tree-budget N a tree of N nodes (tree.py).
 
 By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
 target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
@@ -25,16 +26,18 @@ from export import load_any
 from speed import bench, machine, tune
 from support import draw
 from support.common import DTYPES, add_chat_template_kwargs, bounded, run
-from support.show import Printer, ShowBlocks, show_legend, timed, token_text
-from support.target import (
-    check_draft_fits,
-    encode,
-    load_target,
-    new_cache,
-    stop_token_ids,
-    with_cache,
+from support.show import (
+    Printer,
+    ShowBlocks,
+    compare,
+    label,
+    median_speedup,
+    show_legend,
+    speculate,
+    timed,
+    token_text,
 )
-from tree import label, speculate
+from support.target import check_draft_fits, encode, load_target, stop_token_ids
 
 
 def verify_arg(text):
@@ -64,8 +67,17 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
         warm = dict(kw, temperature=0.0, generator=None)  # costs, which a short answer shows
         speculate(target, draft, ids, 8, args.shape, use_selector=use_selector, **warm)
         target_generate(target, ids, 8, **warm)
+    state = gen.get_state()  # --compare's repeats decode this answer again from here
     out, stats = speculate(
-        target, draft, ids, n, args.shape, use_selector=use_selector, watch=watch, **kw
+        target,
+        draft,
+        ids,
+        n,
+        args.shape,
+        use_selector=use_selector,
+        watch=watch,
+        phases=args.show,
+        **kw,
     )
     if args.show:
         print(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), end="")
@@ -76,64 +88,23 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
         draw.decoding(cycles, lambda t: token_text(tok, t), title).save(args.show_svg)
         print(f"[--show-svg] the decoding drawn: {args.show_svg}")
     if args.compare:
+        plain_state = gen.get_state()
         base, base_stats = timed(lambda: target_generate(target, ids, n, **kw), ids)
+
+        def again(decode, at):  # the same decoding once more: its generator back where it began
+            g = torch.Generator(device=gen.device).set_state(at)
+            return decode(dict(kw, generator=g))[1]
+
+        spec = lambda k: speculate(
+            target, draft, ids, n, args.shape, use_selector=use_selector, **k
+        )
+        plain = lambda k: timed(lambda: target_generate(target, ids, n, **k), ids)
+        speedup = median_speedup(lambda: again(spec, state), lambda: again(plain, plain_state))
         print(
-            f"[plain] {base_stats.summary()}\n"
-            f"  speedup {stats.tok_per_s / base_stats.tok_per_s:.2f}x, output "
+            f"[plain] {base_stats.summary()}\n  {speedup}, output "
             + compare(target, ids.shape[1], base, out, args.temperature, draft.config.block_size)
         )
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-
-
-# --------------------------------------------------------------------- --compare: a tie or a bug
-# At temperature 0 speculative output is the target's greedy output, but "the target's" is up to
-# rounding: a verify of n tokens and a one-token step run differently shaped GEMMs, which round
-# differently (the SmolLM2 target, the same positions both ways: logits up to 5e-5 apart in fp32,
-# 0.7 in bf16). Where its top two tokens are closer than that, either side may win.
-def compare(target, P: int, plain, spec, temperature: float, block_size: int) -> str:
-    """--compare's verdict on two decodings of one prompt [1, P]: identical, or where they part
-    and whether that is a numerics tie or a bug."""
-    if torch.equal(plain, spec):
-        return "identical"
-    if temperature > 0:
-        return "different (expected only at temperature > 0)"
-    n = min(plain.shape[1], spec.shape[1])
-    i = next((j for j in range(P, n) if plain[0, j] != spec[0, j]), n)
-    if i == n:  # one stopped where the other went on: no token to weigh
-        return f"different at token {i - P + 1}: NOT a tie: a bug (one output is cut short)"
-    step, block = logits_two_ways(target, plain[:, :i], block_size)
-    dtype = machine.dtype_name(next(target.parameters()).dtype)
-    tie, a, b = numerics_tie(step, block, int(plain[0, i]), int(spec[0, i]), dtype)
-    at = f"different at token {i - P + 1}"
-    if tie:
-        return f"{at}: a numerics tie (top-2 logits {a:.6g}, {b:.6g} within {dtype} rounding)"
-    return f"{at}: NOT a tie: a bug (logits {a:.6g}, {b:.6g}: further apart than {dtype} rounding)"
-
-
-@torch.no_grad()
-def logits_two_ways(target, prefix, m: int):
-    """The target's logits [V] after prefix [1, L], computed twice: as a one-token step after
-    L - 1 cached tokens (as plain decoding does) and as the last row of an m-token block after
-    L - m (as a verify does) -> (step, block), fp32."""
-    rows = []
-    for n in (1, min(m, prefix.shape[1] - 1)):
-        cache = new_cache(target)
-        target(input_ids=prefix[:, :-n], **with_cache(target, cache))
-        rows.append(target(input_ids=prefix[:, -n:], **with_cache(target, cache)).logits[0, -1])
-    return rows[0].float(), rows[1].float()
-
-
-def numerics_tie(step, block, plain_token: int, spec_token: int, dtype: str):
-    """Whether two greedy decodings that part here, plain at plain_token and speculation at
-    spec_token, part on a numerics tie -> (tie, a, b), a and b the step's logits of the two tokens.
-
-    step, block [V]: the target's logits at this position as a one-token step and as a verify's
-    row (logits_two_ways). Each token's logit may move by up to the largest difference between
-    the two, and by one rounding of itself in the target's dtype; a tie is two logits that close."""
-    a, b = float(step[plain_token]), float(step[spec_token])
-    noise = float((step - block).abs().max())
-    rounding = torch.finfo(DTYPES[dtype]).eps * max(abs(a), abs(b))
-    return abs(a - b) <= 2 * noise + rounding, a, b
 
 
 def parse_args(argv=None):
@@ -142,12 +113,6 @@ def parse_args(argv=None):
     a("--target", default=None, help="target model name or path (default: the embedded target)")
     a("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
     a(
-        "--fast",
-        action="store_true",
-        help="run as fast as speed/ knows here: --draft-dtype auto, --target-gemm auto and "
-        "--tree-budget auto, each where not given (docs/cpu.md)",
-    )
-    a(
         "--target-dtype",
         choices=["auto", *DTYPES],
         default="auto",
@@ -155,23 +120,7 @@ def parse_args(argv=None):
         "greedy's token for token (docs/speculation.md); bf16 is faster on a GPU, and --compare "
         "names the near-ties it flips",
     )
-    a(
-        "--draft-dtype",
-        choices=["auto", *DTYPES, "int8"],
-        default=None,
-        help="the draft's precision (default: as trained, fp32); auto: int8 weights on x86 CPUs "
-        "(speed/int8.py), bf16 on a GPU, else bf16 where native, else fp32 (speed/machine.py). A "
-        "precision given also scores the draft's head over the row count fastest here "
-        "(speed/cost.py). Output is the target's either way",
-    )
-    a(
-        "--target-gemm",
-        choices=["auto", "stock", "onednn", "mkl"],
-        default=None,
-        help="the target's GEMM layout (speed/gemm.py; default stock): oneDNN's packed weights or "
-        "MKL's packed GEMM; auto: whichever speed/cost.py measures fastest here (once per "
-        "machine, cached; docs/cpu.md)",
-    )
+    tune.add_flags(a)  # --fast, --draft-dtype, --target-gemm: speed/'s choices
     a("--prompt", default=None, help="one prompt; without it, an interactive chat")
     add_chat_template_kwargs(a)
     a("--max-new-tokens", type=bounded(int, low=1), default=256)
@@ -227,28 +176,6 @@ def parse_args(argv=None):
     return args
 
 
-def fill_defaults(args, B: int) -> str:
-    """The defaults run what decoding.py shows: the draft as trained, stock GEMMs, the path of B-1
-    drafts. --fast puts speed/'s `auto` in place of each of the three not given. -> the line saying
-    what it replaced ("" without --fast)."""
-    replaced = []
-    if args.fast and args.draft_dtype is None:
-        args.draft_dtype = "auto"
-        replaced.append("--draft-dtype auto for the draft as trained")
-    if args.fast and args.target_gemm is None:
-        args.target_gemm = "auto"
-        replaced.append("--target-gemm auto for stock GEMMs")
-    if not (args.verify_tokens or args.tree_budget):
-        if args.fast:
-            args.tree_budget = ["auto"]
-            replaced.append(f"--tree-budget auto for the {label(('path', B - 1))}")
-        else:
-            args.verify_tokens = [B - 1]
-    if not args.fast:
-        return ""
-    return "--fast: " + (", ".join(replaced) if replaced else "nothing to replace, all three given")
-
-
 def main(argv=None):
     args = parse_args(argv)
     draft = load_any(args.draft)  # first: a mistake in it shows before the target loads
@@ -257,7 +184,7 @@ def main(argv=None):
     target, tok = load_target(args.target, target_dtype)
     target = target.to(device)
     check_draft_fits(draft.config, target)
-    fast = fill_defaults(args, draft.config.block_size)
+    fast = tune.fill_defaults(args, draft.config.block_size)
     if fast:
         print(fast, file=sys.stderr)
     draft, layouts, line = tune.decoding(target, draft, args)  # how to run here (speed/)

@@ -86,6 +86,7 @@ import train
 import tree
 from compat import config_json as config
 from conv import GroupedDynamicCausalConv
+from decoding import crop, new_cache
 from model import DraftConfig, DraftModel, capture_features
 from prompts.toy_problems import toy_split
 from selector import CandidateSelector, top_k_candidates, unary_transform
@@ -115,15 +116,13 @@ from support import (
 from support.common import end_distributed
 from support.target import (
     convert_embedded,
-    crop,
     decoder_layers,
     embedded_dir,
     encode,
     load_target,
-    new_cache,
     stop_token_ids,
 )
-from tools import gpu_check, plan, plot, served, study, train_cost
+from tools import figures, gpu_check, plan, plot, served, study, train_cost
 
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
@@ -863,17 +862,17 @@ def scripted_proposer(ref, wrong_at):
 
 
 def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """tree.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
-    proposal (decoding.propose) or its tree growth (tree.draft_tree) replaced for this call: how the
-    tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
+    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
+    proposal (decoding.draft_proposal) or its tree growth (tree.draft_tree) replaced for this call:
+    how the tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
     k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
     shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
     with pytest.MonkeyPatch.context() as mp:
         if proposer is not None:
-            mp.setattr(decoding, "propose", proposer)
+            mp.setattr(decoding, "draft_proposal", proposer)
         if grower is not None:
             mp.setattr(tree, "draft_tree", grower)
-        return tree.speculate(target, draft, p, n, shape, **kw)
+        return show.speculate(target, draft, p, n, shape, **kw)
 
 
 # pins docs/semantics.md section 5 (one cycle)
@@ -1034,7 +1033,7 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
     counts, qs = torch.zeros(V), []
     with torch.no_grad():
         for _ in range(N):
-            d, q = decoding.propose(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
+            d, q = decoding.draft_proposal(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
             counts[d[0, 0]] += 1
             qs.append(q[0, 0])
     q1 = torch.stack(qs)
@@ -1212,7 +1211,7 @@ def test_tree_walk_samples_exactly_the_target():
     g, N = torch.Generator().manual_seed(0), 20000
     first, second = torch.zeros(4), torch.zeros(4)
     for _ in range(N):
-        path, nxt = tree.walk(t, logits, lambda row: decoding.sample(row, 1.0, g))
+        path, nxt = tree.follow_target(t, logits, lambda row: decoding.sample(row, 1.0, g))
         committed = [t.tokens[i] for i in path] + [nxt]
         first[committed[0]] += 1
         if committed[0] == 0:
@@ -1623,7 +1622,7 @@ def test_tree_walk_by_hand():
     node 1, 9 after node 2 (8 after node 3): it accepts nodes 1, 2, and 9 is the bonus."""
     t = tree.Tree([4, 5, 7, 7], [-1, 0, 1, 0], [0, 1, 2, 1])
     logits = torch.nn.functional.one_hot(torch.tensor([5, 7, 9, 8]), 10).float()
-    assert tree.walk(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
+    assert tree.follow_target(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
 
 
 # ---------------------------------------------------------------------------- properties over
@@ -3232,7 +3231,7 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
         # generate.py: CUDA wherever it is
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
-    runs, real = [], tree.speculate
+    runs, real = [], show.speculate
     monkeypatch.setattr(
         generate, "speculate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
     )
@@ -3276,28 +3275,28 @@ def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
     largest difference, on either side) plus one rounding in the target's dtype; else a bug."""
     step, block = torch.tensor([10.0, 9.9, 3.0, 0.0]), torch.tensor([9.95, 10.0, 3.0, 0.0])
     # noise 0.1: 0.1 apart <= 2 * 0.1 + 2^-7 * 10 in bf16; 7 apart is not
-    assert generate.numerics_tie(step, block, 0, 1, "bf16") == (True, 10.0, pytest.approx(9.9))
-    assert generate.numerics_tie(step, block, 0, 2, "bf16") == (False, 10.0, 3.0)
+    assert show.numerics_tie(step, block, 0, 1, "bf16") == (True, 10.0, pytest.approx(9.9))
+    assert show.numerics_tie(step, block, 0, 2, "bf16") == (False, 10.0, 3.0)
     # the two computations agree exactly: only the dtype's own rounding, eps * 10: 1.2e-6 in fp32,
     # 0.078 in bf16
     near, apart = torch.tensor([10.0, 10.0 - 8e-7]), torch.tensor([10.0, 9.999])
-    assert generate.numerics_tie(near, near, 0, 1, "fp32")[0]
-    assert not generate.numerics_tie(apart, apart, 0, 1, "fp32")[0]
-    assert generate.numerics_tie(apart, apart, 0, 1, "bf16")[0]
+    assert show.numerics_tie(near, near, 0, 1, "fp32")[0]
+    assert not show.numerics_tie(apart, apart, 0, 1, "fp32")[0]
+    assert show.numerics_tie(apart, apart, 0, 1, "bf16")[0]
     bf16_target = torch.nn.Linear(1, 1).to(torch.bfloat16)
-    monkeypatch.setattr(generate, "logits_two_ways", lambda target, prefix, m: (step, block))
+    monkeypatch.setattr(show, "logits_two_ways", lambda target, prefix, m: (step, block))
     plain, tie, bug = (
         torch.tensor([[7, 7, 0, 5]]),
         torch.tensor([[7, 7, 1, 5]]),
         torch.tensor([[7, 7, 2]]),
     )
-    assert generate.compare(bf16_target, 2, plain, plain[:, :3], 0.0, 4).endswith("cut short)")
-    assert generate.compare(bf16_target, 2, plain, plain, 0.0, 4) == "identical"
-    assert generate.compare(bf16_target, 2, plain, tie, 1.0, 4).endswith("at temperature > 0)")
-    assert generate.compare(bf16_target, 2, plain, tie, 0.0, 4) == (
+    assert show.compare(bf16_target, 2, plain, plain[:, :3], 0.0, 4).endswith("cut short)")
+    assert show.compare(bf16_target, 2, plain, plain, 0.0, 4) == "identical"
+    assert show.compare(bf16_target, 2, plain, tie, 1.0, 4).endswith("at temperature > 0)")
+    assert show.compare(bf16_target, 2, plain, tie, 0.0, 4) == (
         "different at token 1: a numerics tie (top-2 logits 10, 9.9 within bf16 rounding)"
     )
-    assert generate.compare(bf16_target, 2, plain, bug, 0.0, 4).startswith(
+    assert show.compare(bf16_target, 2, plain, bug, 0.0, 4).startswith(
         "different at token 1: NOT a tie: a bug"
     )
 
@@ -3307,7 +3306,7 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
     nothing said. --fast: speed/'s auto for each of the three not given, and one line naming what
     it replaced; an explicit flag keeps its value either way."""
     args = generate.parse_args(["--draft", "d"])
-    assert generate.fill_defaults(args, 8) == ""
+    assert tune.fill_defaults(args, 8) == ""
     assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
         None,
         None,
@@ -3315,7 +3314,7 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
         None,
     )
     args = generate.parse_args(["--draft", "d", "--fast"])
-    assert generate.fill_defaults(args, 8) == (
+    assert tune.fill_defaults(args, 8) == (
         "--fast: --draft-dtype auto for the draft as trained, --target-gemm auto for stock GEMMs, "
         "--tree-budget auto for the path of 7 drafts"
     )
@@ -3328,7 +3327,7 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
     args = generate.parse_args(
         ["--draft", "d", "--fast", "--draft-dtype", "fp32", "--verify-tokens", "3"]
     )
-    assert generate.fill_defaults(args, 8) == "--fast: --target-gemm auto for stock GEMMs"
+    assert tune.fill_defaults(args, 8) == "--fast: --target-gemm auto for stock GEMMs"
     assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
         "fp32",
         "auto",
@@ -3352,7 +3351,7 @@ def test_speculative_sampling_matches_target_distribution():
         p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)  # [V]
     g, counts, proposed, taus = torch.Generator().manual_seed(0), torch.zeros(V), torch.zeros(V), []
 
-    real = decoding.propose
+    real = decoding.draft_proposal
 
     def recording(draft, h, u, ids, *rest):
         d, q = real(draft, h, u, ids, *rest)
@@ -3435,9 +3434,9 @@ def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()
     # random codebooks
     trained = tiny_draft(4)
-    _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.propose)
+    _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.draft_proposal)
     assert not any("*" in line for line in lines)
-    _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.propose)
+    _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.draft_proposal)
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
 
 
@@ -3533,7 +3532,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             draft,
             p,
             6,
-            proposer=record(decoding.propose),
+            proposer=record(decoding.draft_proposal),
             grower=record(tree.draft_tree),
             **kw,
         )
@@ -3548,7 +3547,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             draft,
             p,
             6,
-            proposer=record(decoding.propose),
+            proposer=record(decoding.draft_proposal),
             grower=record(tree.draft_tree),
             **kw,
         )
@@ -3557,15 +3556,16 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
     _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
-    full = decoding.propose(draft, h, u, p)[0]
+    full = decoding.draft_proposal(draft, h, u, p)[0]
     # the selector's walk leaves the argmax path
     assert not torch.equal(full, u.argmax(-1))
-    sampled = decoding.propose(draft, h, u, p, 1.0, True, torch.Generator().manual_seed(1))[0]
+    g = torch.Generator().manual_seed(1)
+    sampled = decoding.draft_proposal(draft, h, u, p, 1.0, True, g)[0]
     for k in range(1, B):
-        assert torch.equal(decoding.propose(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
+        assert torch.equal(decoding.draft_proposal(draft, h[:, :k], u[:, :k], p)[0], full[:, :k])
         g = torch.Generator().manual_seed(1)
         assert torch.equal(
-            decoding.propose(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k]
+            decoding.draft_proposal(draft, h[:, :k], u[:, :k], p, 1.0, True, g)[0], sampled[:, :k]
         )
 
 
@@ -3608,8 +3608,7 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
     }
     assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
     assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "head" in linears
-    _, head = decoding.embed_and_head(target, draft)
-    assert head is draft.head
+    assert machine.draft_head(draft) is draft.head
     # every layer's projections, the convolutions' kernel projections and the selector's P are int8
     names = {n.rsplit(".", 1)[-1] for n in linears}
     assert {
@@ -4335,7 +4334,7 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     P = int(served.prompt_length(sample["loss_mask"]))
     shown = {k: v[: P + n] for k, v in sample.items()}  # served: the prompt and n answer tokens
     result = served.serve(target, draft, [shown], ("path", B - 1), use_selector=not plain)
-    _, stats = tree.speculate(target, draft, sample["input_ids"][None, :P], n, ("path", B - 1))
+    _, stats = show.speculate(target, draft, sample["input_ids"][None, :P], n, ("path", B - 1))
     anchors = result["anchors"][0]
     assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
     assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
@@ -7279,7 +7278,7 @@ def boxes(node) -> list:
 
 
 def test_walkthrough_pictures_show_what_it_prints(tmp_path):
-    """python walkthrough.py --draw DIR: the blocks' visibility cells are the attention rule worked
+    """python tools/figures.py DIR: the blocks' visibility cells are the attention rule worked
     by hand; each conv line joins the boxes of an output row and an input row it reads, no line
     crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
     the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
@@ -7287,13 +7286,13 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
     a toy run's, docs/walkthrough.md section 5)."""
     import walkthrough as W
 
-    files = W.pictures(str(tmp_path))
+    files = figures.pictures(str(tmp_path))
     for f in files:  # the committed pictures are today's
         with (
             open(f) as new,
             open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
         ):
-            assert new.read() == old.read(), "stale: python walkthrough.py --draw docs/figures"
+            assert new.read() == old.read(), "stale: python tools/figures.py docs/figures"
     # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
     # context j < a_b and its own block (a causal layer: slots up to its own)
     root = svg_root(tmp_path / "blocks.svg")
@@ -7384,7 +7383,7 @@ def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
     target, draft, p = tiny_target("llama"), tiny_draft(4), prompt()
     for shape in (("path", 3), ("tree", 6)):
         cycles = []
-        ids, stats = tree.speculate(target, draft, p, 24, shape, watch=cycles.append)
+        ids, stats = show.speculate(target, draft, p, 24, shape, watch=cycles.append)
         file = tmp_path / f"{shape[0]}.svg"
         draw.decoding(cycles, str, "test").save(str(file))
         drawn = cycle_boxes(file)

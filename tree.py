@@ -26,8 +26,8 @@ drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is
 the machine: `auto` (speed/auto.py) predicts it from measured costs and held-out acceptance
 statistics.
 
-tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps;
-speculate() runs either shape, timed, as generate.py, speed/bench.py and tools/served.py do.
+tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps
+(support/show.speculate runs either shape as generate.py, speed/bench.py and tools/served.py do).
 """
 
 import heapq
@@ -38,23 +38,16 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding import (
-    Cycle,
     commit,
+    crop,
     draft_scores,
     embed_and_head,
     extend_context,
     prefill,
     sample,
-    speculative_generate,
     target_forward,
-    unary_best,
 )
-from selector import top_k_candidates
-from support.show import phase, timed
-from support.target import crop
-
-# candidates per slot where the draft has no selector_top_k (plain DFlash)
-TOP_K = 16
+from selector import TOP_K, top_k_candidates
 
 
 @dataclass
@@ -138,7 +131,6 @@ def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1)
     return tree
 
 
-@phase("selector")
 @torch.no_grad()
 def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) -> Tree:
     """The cycle's tree: h [1, L, H] final draft hidden states, u [1, L, V] unary scores of slots
@@ -178,7 +170,6 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
 
 
 # ---------------------------------------------------------------------------- verify in one forward
-@phase("verify")
 def attention_masks(tree: Tree, cache, dtype):
     """The additive 4-D masks [1, 1, n, kv] for the tree's n block tokens after the cached context:
     each node sees every cached row (inside the sliding window on sliding layers) and its own
@@ -211,8 +202,7 @@ def attention_masks(tree: Tree, cache, dtype):
     return masks if len(masks) > 1 else masks.popitem()[1]
 
 
-@phase("verify")
-def walk(tree: Tree, logits, pick):
+def follow_target(tree: Tree, logits, pick):
     """Follow the target through the tree: logits [n, V] (row i: the target after node i's path),
     pick(row) -> the target's token there (its argmax, or a sample from p, exactly as plain
     decoding picks) -> (accepted nodes, the token after the last of them: the bonus)."""
@@ -226,20 +216,19 @@ def walk(tree: Tree, logits, pick):
         path.append(node)
 
 
-@phase("verify")
 def keep_rows(cache, n: int, rows: list):
     """After a forward of n block tokens, move the KV rows of the kept block nodes `rows`
     (ascending) to the front of the block's rows, in every layer; crop() then drops the rest. The
     block's rows are the last n of every layer, sliding ones included (their cache keeps its past
-    until crop: target.new_cache)."""
+    until crop: decoding.new_cache)."""
     if rows == list(range(len(rows))):  # already in front: a path's accepted prefix
         return
-    idx = torch.tensor(rows)
+    idx = torch.tensor(rows, device=cache.layers[0].keys.device)  # one copy for every layer
     for layer in cache.layers:
         # [1, heads, rows, head_dim]
         for t in (layer.keys, layer.values):
             start = t.shape[2] - n
-            t[:, :, start : start + len(rows)] = t[:, :, start + idx.to(t.device)]
+            t[:, :, start : start + len(rows)] = t[:, :, start + idx]
 
 
 # ------------------------------------------------------------------------- the cycle, with a tree
@@ -255,19 +244,18 @@ def tree_generate(
     temperature=0.0,
     generator=None,
     stop_ids=(),
-    watch=None,
+    head=None,
 ):
     """decoding.speculative_generate's cycle with a tree of `budget` nodes verified in place of the
     path: the same steps, but for the proposal (draft_tree), the verify's positions and mask, the
-    walk, and the KV rows kept. -> (ids [1, P + n], taus)."""
+    walk, and the KV rows kept. -> (ids [1, P + n], taus). head: as speculative_generate's."""
     c, P, dev = draft.config, prompt_ids.shape[1], prompt_ids.device
     L = min(budget, c.block_size - 1)  # the deepest slot a tree of `budget` nodes reaches
-    embed, head = embed_and_head(target, draft)
+    embed, target_head = embed_and_head(target, draft)
+    head = head or target_head
     pick = lambda row: sample(row, temperature, generator)  # noqa: E731
     cache, ctx, logits = prefill(target, draft, prompt_ids)
     ids, done = commit(prompt_ids, [pick(logits)], P, max_new_tokens, stop_ids)
-    if watch:
-        watch(Cycle(ids[0, P:].tolist()))
     taus = []
     while not done:
         s = ids.shape[1] - 1  # the anchor
@@ -284,7 +272,7 @@ def tree_generate(
         block = torch.tensor([t.tokens], device=dev)
         logits, feats = target_forward(target, cache, c.target_layer_ids, block, **kw)
         # 4. Accept: follow the target's own token (argmax, or a sample from p) down the tree.
-        path, bonus = walk(t, logits, pick)
+        path, bonus = follow_target(t, logits, pick)
         # 5. Keep only the KV rows of the anchor and the accepted nodes, in order; crop the rest.
         rows = [0] + path
         keep_rows(cache, len(t.tokens), rows)
@@ -293,24 +281,4 @@ def tree_generate(
         extend_context(draft, ctx, feats[:, rows], s)
         ids, done = commit(ids, [t.tokens[i] for i in path] + [bonus], P, max_new_tokens, stop_ids)
         taus.append(len(path) + 1)
-        if watch:
-            best = unary_best(u)
-            unary = [best[d - 1] for d in t.depths[1:]]  # the unary argmax of each node's slot
-            new = ids[0, s + 1 :].tolist()
-            watch(Cycle(new, t.tokens[1:], unary, len(path), bonus, tree=t, path=path))
     return ids, taus
-
-
-def speculate(target, draft, prompt_ids, max_new_tokens, shape, **kw):
-    """Speculative decoding as the scripts run it: a verify shape, ("path", k) or ("tree", n), and
-    its statistics -> (ids [1, P + n], show.Stats). kw: speculative_generate's (use_selector,
-    temperature, generator, stop_ids, watch)."""
-    kind, n = shape
-    run = speculative_generate if kind == "path" else tree_generate
-    decode = lambda: run(target, draft, prompt_ids, max_new_tokens, n, **kw)  # noqa: E731
-    return timed(decode, prompt_ids, draft.config.block_size)
-
-
-def label(shape) -> str:
-    kind, n = shape
-    return f"path of {n} draft{'s' * (n > 1)}" if kind == "path" else f"tree of {n} nodes"

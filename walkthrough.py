@@ -15,22 +15,20 @@ main() returns what it printed; test_all.py recomputes some of it.
 """
 
 import argparse
-import os
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import attention
 import decoding
-import loss as objective_lib
+import loss
 import model
 import tree
 from conv import GroupedDynamicCausalConv
+from decoding import crop
 from model import DraftConfig, capture_features
 from selector import CandidateSelector, top_k_candidates
-from support import draw
 from support.common import run
-from support.target import crop
 
 V, H, B, MASK = 32, 32, 4, 31  # vocabulary, hidden size, block size, mask_token_id
 LAYER_IDS = [0, 2]  # the target layers the draft reads
@@ -303,18 +301,18 @@ def story_tree(say, lattice, cand_ids, anchor):
 def objective_ce(draft, head_w, h, ids, loss_mask, anchors, valid) -> tuple:
     """loss.reference_objective's one call in this file: ce with exponential decay, the selector's
     term at alpha 0 -> (numerator, denominator)."""
-    num, den = objective_lib.reference_objective(
+    num, den = loss.reference_objective(
         draft, head_w, h, ids, loss_mask, anchors, valid, GAMMA, alpha=0.0
     )
     return num.item(), den.item()
 
 
 @torch.no_grad()
-def objective(say, draft, target, ids, loss_mask, anchors, h_train):
+def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     head_w = target.get_output_embeddings().weight  # [V, H]
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    labels, prev, w0 = objective_lib.block_labels(ids, loss_mask, anchors, valid, B)  # [N, A, B-1]
-    w = objective_lib.exp_weights(w0, GAMMA)
+    labels, prev, w0 = loss.block_labels(ids, loss_mask, anchors, valid, B)  # [N, A, B-1]
+    w = loss.exp_weights(w0, GAMMA)
     guess = draft.unary_logits(h_train[:, :, 1:], lambda h: h @ head_w.t()).argmax(-1)
     n, d = objective_ce(draft, head_w, h_train, ids, loss_mask, anchors, valid)
     say("")
@@ -349,10 +347,10 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     # 1. draft: ONE forward of [anchor, M x (B-1)] at positions s..s+B-1, reading the context
     h, u = decoding.draft_scores(draft, embed, head, ctx, ids, B - 1)  # [1, B-1, H], [1, B-1, V]
     say(f"    draft   [x{s} M M M] at positions {s}..{s + B - 1}, {ctx.pos.shape[1]} context rows")
-    unary = decoding.unary_best(u)
+    unary = u[0].argmax(-1).tolist()
     say(f"            -> h {list(h.shape)} of slots 1..{B - 1}; their unary argmax: {unary}")
     # 2. walk: the selector's path through its top-K lattice
-    d, q = decoding.propose(draft, h, u, ids)  # [1, B-1]; q: None (greedy)
+    d, q = decoding.draft_proposal(draft, h, u, ids)  # [1, B-1]; q: None (greedy)
     departs = [j + 1 for j, (x, y) in enumerate(zip(d[0].tolist(), unary)) if x != y]
     where = f"departs from it at slot(s) {departs}" if departs else "the unary path here"
     say(f"    walk    the selector's path: {d[0].tolist()}, {where}")
@@ -441,96 +439,18 @@ def main() -> str:
         h_train = same_block_both_paths(say, draft, embed, ids, feats, anchors)
     convolution(say)
     selector(say)
-    objective(say, draft, target, ids, loss_mask, anchors, h_train)
+    labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train)
     decode(say, target, draft, embed, head, ids, h_train)
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- --draw DIR
-@torch.no_grad()
-def pictures(out_dir: str) -> list:
-    """python walkthrough.py --draw DIR: sections 1, 2, 4 and 5 drawn (support/draw.py), from the
-    same seeded objects recomputed silently -> the files written (docs/walkthrough.md shows them).
-    """
-    quiet = lambda line: None
-    ids, loss_mask, _ = training_row(quiet, tiny_target())
-    _, queries, context = blocks(quiet, ids)
-    _, q_pos, q_block, q_doc = queries
-    keys = attention.attention_keys(q_pos, q_block, q_doc, *context)
-    masks = {
-        f"{kind} layer": attention.block_attention_mask(queries, keys, causal=causal)[0, 0].tolist()
-        for kind, causal in (("a full-attention", False), ("a causal", True))
-    }
-    reads = convolution(quiet)  # [out row, in row]
-    sel, h, u, anchor = selector_story()
-    cand_scores, cand_ids = top_k_candidates(u, sel.top_k)  # [1, L, K]
-    lattice = sel.lattice(h, anchor, cand_ids, cand_scores)  # [1, L, K, K]
-    walk, _ = sel.walk(lattice, cand_ids)
-    cands = cand_ids[0].tolist()
-    index = lambda ids: [cands[j].index(x) for j, x in enumerate(ids)]  # into each slot's K
-    t = story_tree(quiet, lattice, cand_ids, int(anchor))
-    # a scripted target, which continues "New Jersey Devils Times" after any prefix of it
-    says = {"": "Jersey", "Jersey": "Devils", "Jersey Devils": "Times"}
-    logits = torch.zeros(len(t.tokens), len(WORDS))  # [node, V]
-    for i in range(len(t.tokens)):
-        logits[i, WORDS.index(says.get(words(path_tokens(t, i)), "Times"))] = 1.0
-    path, bonus = tree.walk(t, logits, lambda r: int(r.argmax()))
-    os.makedirs(out_dir, exist_ok=True)
-    drawn = {
-        "blocks.svg": draw.blocks(
-            ids[0].tolist(), loss_mask[0].tolist(), q_pos[0].tolist(), q_block[0].tolist(), B, masks
-        ),
-        "conv.svg": draw.conv_taps(reads.tolist(), B, T=int(reads.sum(1).max())),
-        "selector.svg": draw.lattice(
-            "New",
-            [[WORDS[c] for c in row] for row in cands],
-            cand_scores[0].tolist(),
-            lattice[0].tolist(),
-            index(walk[0].tolist()),
-            index(u.argmax(-1)[0].tolist()),
-            'The selector\'s lattice (K = 2, rank 1), anchor "New": the walk and the unary path',
-        ),
-        "tree.svg": draw.story_tree(
-            [WORDS[x] for x in t.tokens],
-            t.parents,
-            path,
-            WORDS[bonus],
-            edge_probs(t, lattice[0], cands),
-            'The tree of 4 nodes (tree.grow), walked by a target that says "New Jersey Devils"',
-        ),
-    }
-    for name, svg in drawn.items():
-        svg.save(os.path.join(out_dir, name))
-    return [os.path.join(out_dir, name) for name in drawn]
-
-
-def path_tokens(t, i: int) -> list:
-    """Node i's path below the anchor, as tokens."""
-    out = []
-    while i > 0:
-        out.append(t.tokens[i])
-        i = t.parents[i]
-    return out[::-1]
-
-
-def edge_probs(t, lattice, cands) -> list:
-    """Each node's edge probability softmax_K(s(parent -> .)) at its own candidate (the anchor: 1):
-    lattice [L, K, K], cands [L][K] token ids. tree.grow's score of a node is the log of their
-    product along its path."""
-    q = torch.softmax(lattice, dim=-1)  # [slot, parent's candidate, K]
-    k = lambda i: 0 if i == 0 else cands[t.depths[i] - 1].index(t.tokens[i])  # among K
-    return [1.0] + [
-        q[t.depths[i] - 1, k(t.parents[i]), k(i)].item() for i in range(1, len(t.tokens))
-    ]
-
-
 def cli():
-    ap = argparse.ArgumentParser(description="One DFlash2 block's life, printed (and drawn).")
-    ap.add_argument("--draw", metavar="DIR", help="also draw sections 1, 2, 4 and 5 as SVG in DIR")
+    ap = argparse.ArgumentParser(description="One DFlash2 block's life, printed.")
+    ap.add_argument("--draw", metavar="DIR", help="moved: python tools/figures.py DIR")
     args = ap.parse_args()
+    if args.draw:  # the pictures are drawn by tools/figures.py now
+        raise ValueError(f"--draw moved: python tools/figures.py {args.draw} draws the figures")
     main()
-    for path in pictures(args.draw) if args.draw else []:
-        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 import math
 
 from support.metrics import read_acceptance
-from tree import grow, label
+from support.show import label
+from tree import grow
 
 TREE_BUDGETS = (8, 16, 24, 32)  # the tree budgets `auto` prices besides the paths (priced_sizes)
 

@@ -19,9 +19,8 @@ from decoding import target_generate
 from speed.auto import plan
 from speed.gemm import set_layout
 from support.promptsets import eval_prompts
-from support.show import timed
+from support.show import label, speculate, timed
 from support.target import encode
-from tree import label, speculate
 
 
 def tok_per_s(stats) -> float:
@@ -75,7 +74,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             for r in rows:
                 use_selector = r[0] == "selector"
                 out, stats = speculate(
-                    target, draft, ids, new, r[1], use_selector=use_selector, **kw
+                    target, draft, ids, new, r[1], use_selector=use_selector, phases=True, **kw
                 )
                 runs[r].append(stats)
                 outs.setdefault(r, []).append(out)

@@ -30,14 +30,14 @@ from tqdm import tqdm
 
 import model
 from compat.config_json import load_config
-from decoding import embed_and_head, propose
+from decoding import crop, draft_proposal, embed_and_head, new_cache, with_cache
 from export import load_any
 from speed import machine
 from speed.auto import priced_sizes
 from speed.gemm import drop_packs, set_layout
 from support.common import DTYPES, bounded, run
 from support.show import now
-from support.target import crop, load_target, new_cache, with_cache
+from support.target import load_target
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
@@ -88,7 +88,7 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
     of 8 on one machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in 2..B is
     timed here."""
     c, p = draft.config, next(draft.parameters())
-    _, head = embed_and_head(target, draft)
+    head = scoring_head(target, draft)
     h = torch.randn(1, c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
     ms = {
         r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device)
@@ -97,11 +97,16 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
     return fastest_rows(ms, c.block_size)
 
 
+def scoring_head(target, draft):
+    """The head the draft's rows are scored with here: the one speed/ gave it, else the target's."""
+    return machine.draft_head(draft) or embed_and_head(target, draft)[1]
+
+
 def use_fastest_rows(draft, target):
     """Give the draft, in its precision here, the head that scores its rows fastest (draft.head,
-    which decoding.embed_and_head scores with where a draft carries one): its own head, over
-    head_rows' row counts. -> those row counts, {L: r}."""
-    draft.head = FastestRows(embed_and_head(target, draft)[1], head_rows(draft, target))
+    which the decoding loops score with: machine.draft_head): its own head, over head_rows' row
+    counts. -> those row counts, {L: r}."""
+    draft.head = FastestRows(scoring_head(target, draft), head_rows(draft, target))
     return draft.head.rows
 
 
@@ -128,7 +133,7 @@ def draft_block(draft, target, context: int):
     block after `context` cached rows of random features (the cost depends on their number, not
     their values)."""
     c, p = draft.config, next(draft.parameters())
-    embed, head = embed_and_head(target, draft)
+    embed, head = embed_and_head(target, draft)[0], scoring_head(target, draft)
     ctx = model.ContextCache()
     ctx.append(
         draft,
@@ -145,7 +150,7 @@ def draft_block(draft, target, context: int):
 def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool) -> float:
     """Median ms of what a cycle runs before its verify: one draft forward from `context` cached
     rows, the head over rows 0..L as decoding.py scores them, and with use_selector the selector's
-    walk over slots 1..L (propose)."""
+    walk over slots 1..L (draft_proposal)."""
     p = next(draft.parameters())
     _, head, forward = draft_block(draft, target, context)
     ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
@@ -154,7 +159,7 @@ def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bo
         h = forward()
         u = draft.unary_logits(h[:, : L + 1], head)[:, 1:]
         if use_selector:
-            propose(draft, h[:, 1 : L + 1], u, ids)
+            draft_proposal(draft, h[:, 1 : L + 1], u, ids)
 
     return median_ms(cycle, repeats, p.device)
 

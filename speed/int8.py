@@ -69,8 +69,8 @@ def runs() -> bool:
 
 def quantize(draft, head_weight):
     """An fp32 CPU draft in place: every nn.Linear but fc -> Int8Linear, and draft.head, the
-    target's head [V, H] in int8, which decoding.embed_and_head scores with instead of the fp32
-    product."""
+    target's head [V, H] in int8, which the decoding loops score with instead of the fp32 product
+    (machine.draft_head)."""
     for name, m in list(draft.named_modules()):
         if isinstance(m, nn.Linear) and name != "fc":
             parent, _, child = name.rpartition(".")

@@ -132,6 +132,13 @@ def draft_in(precision: str, draft, target, device):
     return draft
 
 
+def draft_head(draft):
+    """The head speed/ gave the draft to score its rows with (draft.head: int8.quantize's int8
+    head, cost.use_fastest_rows' FastestRows), or None: the target's, decoding.embed_and_head's.
+    The decoding loops take it as their `head`."""
+    return getattr(draft, "head", None)
+
+
 def slow_bf16_note(dtype, device) -> str:
     """A line for an explicit bf16 on a CPU without native bf16: it runs, but slowly (measured
     4-16x)."""

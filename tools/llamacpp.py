@@ -534,7 +534,7 @@ def compare_cycles(target, draft, full, P, cycles) -> list:
     A proposer records the draft's own proposal at each anchor, then hands the target llama.cpp's
     accepted tokens and one wrong one, so that the next anchor is llama.cpp's next anchor.
     full [1, N]: prompt + the tokens both wrote; cycles past its end are not compared."""
-    real = decoding.propose
+    real = decoding.draft_proposal
     plan, s = {}, P - 1
     for a, n, last in cycles:
         plan[s] = (a, n, last)
@@ -565,11 +565,11 @@ def compare_cycles(target, draft, full, P, cycles) -> list:
         return ref[None], q
 
     if N > P:
-        decoding.propose = proposer  # the cycle's proposal, replaced for this one call
+        decoding.draft_proposal = proposer  # the cycle's proposal, replaced for this one call
         try:
             ours, _ = speculative_generate(target, draft, full[:, : P - 1], N - P + 1)
         finally:
-            decoding.propose = real
+            decoding.draft_proposal = real
         if int(ours[0, P - 1]) != int(full[0, P - 1]):  # not llama.cpp's anchors
             rows = []
     seen = {r["s"] for r in rows}

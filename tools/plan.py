@@ -87,11 +87,12 @@ import model  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from compat.config_json import load_config  # noqa: E402
+from decoding import crop, new_cache, with_cache  # noqa: E402
 from speed import cost, machine, tune  # noqa: E402
 from speed.auto import priced_sizes  # noqa: E402
 from speed.gemm import drop_packs, set_layout  # noqa: E402
 from support.common import bounded, run  # noqa: E402
-from support.target import crop, load_target, new_cache, with_cache  # noqa: E402
+from support.target import load_target  # noqa: E402
 
 # decoding steps of a 64-row batch; its mean context (prompt + half an answer)
 REGEN_STEPS, REGEN_CONTEXT = 160, 160

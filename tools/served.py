@@ -46,8 +46,8 @@ from speed import machine, tune
 from support import kernels
 from support.common import bounded, run
 from support.metrics import objective_with_metrics, record_served
+from support.show import label, speculate
 from support.target import check_draft_fits, load_target, stop_token_ids
-from tree import label, speculate
 
 
 def prompt_length(loss_mask) -> int:
