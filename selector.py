@@ -14,6 +14,8 @@ Because Bs starts at zero, a fresh selector walks exactly the unary argmax path.
 import torch
 import torch.nn as nn
 
+TOP_K = 16  # K, the candidates a selector scores, where a config does not say
+
 
 def unary_transform(z: torch.Tensor, output_multiplier=None, softcap=None) -> torch.Tensor:
     """The draft's unary scores from raw lm_head logits: u = m * z, then u = c * tanh(u / c)."""
