@@ -4,8 +4,9 @@ section 4).
     the method: where a block may start (two supervised tokens)     anchor_positions
                 and which of those a row trains on, seeded          sample_anchors
     conversations -> token ids and loss masks (support/conversations.py) or prepared features
-                                                                    load_samples
-    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, collate
+                                                                    load_samples, load_split
+    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, schedule,
+                                                                           collate
     -> static shapes for compiled steps                             static_shapes
     -> this rank's micro-batches in the run's order, made ahead     batches
 

@@ -30,18 +30,18 @@ from tqdm import tqdm
 import data
 import loss
 import model
-from compat.config_json import config_to_dict, load_config
+from compat.config_json import load_config
 from speed import machine
-from support import compiling, distributed, flops, fsdp, tracking
+from support import compiling, distributed, flops, tracking
 from support.common import (
     DTYPES,
     HelpTable,
     add_chat_template_kwargs,
-    atomic_write,
     bounded,
     end_distributed,
     run,
 )
+from support.fsdp import load_checkpoint, save_checkpoint  # train.save_checkpoint: tools/
 from support.metrics import add_into, all_sum, reduce_metrics
 from support.target import check_draft_fits, load_target
 from support.timefit import TimeFit
@@ -242,37 +242,6 @@ def evaluate(
     objective.train()
     inner.draft = compiled
     return reduce_metrics(acc)
-
-
-def save_checkpoint(path, draft, cfg, opt, sched, step, total, args, master):
-    """Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole state, one file
-    whatever the number of ranks. Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
-    model_state, opt_state = fsdp.full_state(draft, opt)
-    if master:
-        state = {
-            "model": model_state,
-            "config": config_to_dict(cfg),
-            "optimizer": opt_state,
-            "scheduler": sched.state_dict(),
-            "step": step,
-            "total": total,  # the schedule's length (--max-seconds fits it)
-            "args": vars(args),
-        }
-        with atomic_write(path) as tmp:
-            torch.save(state, tmp)
-
-
-def load_checkpoint(path, draft, opt, sched, sharded=False) -> tuple:
-    """--resume: draft, optimizer and schedule as they were; returns the step to continue from and,
-    where --max-seconds fitted the schedule, its length (else None): a fitted run goes on at it.
-    Nothing else needs restoring: after the draft's init every draw (order, anchors) has its own
-    seeded generator."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
-    fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
-    sched.load_state_dict(ck["scheduler"])
-    return ck["step"], ck["total"] if ck["args"].get("max_seconds") else None
 
 
 def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
