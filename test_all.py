@@ -4684,7 +4684,7 @@ def test_evaluation_under_compile_runs_the_draft_uncompiled_and_flex_compiled(mo
     """train.py --compile evaluates the uncompiled draft at the default stance: flex attention stays
     compiled on its own, so torch's dense reference (math_attention: [N, H, Q, K] scores) never
     runs, as it would under set_stance("force_eager"); the compiled draft is back afterwards."""
-    import torch._higher_order_ops.flex_attention as hop
+    hop = sys.modules["torch._higher_order_ops.flex_attention"]  # the module, not its HOP
 
     def dense(*a, **kw):
         raise AssertionError("dense flex attention scores built")
