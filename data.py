@@ -4,9 +4,11 @@ section 4).
     the method: where a block may start (two supervised tokens)     anchor_positions
                 and which of those a row trains on, seeded          sample_anchors
     conversations -> token ids and loss masks (support/conversations.py) or prepared features
-                                                                    load_samples
-    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, collate
-    -> static shapes for compiled steps; made ahead by DataLoader workers  static_shapes, loader
+                                                                    load_samples, load_split
+    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, schedule,
+                                                                           collate
+    -> static shapes for compiled steps                             static_shapes
+    -> this rank's micro-batches in the run's order, made ahead     batches
 
 prepare.py makes the data (on-policy answers, offline features: support/features.py); train.py reads
 it back with load_samples and turns rows into batches with collate.
@@ -23,7 +25,10 @@ metrics and gradients):
     target      online, the target reads each conversation on its own (per_document)
 """
 
+import itertools
 import os
+import sys
+import time
 
 import torch
 
@@ -85,6 +90,38 @@ def load_samples(path: str, online: bool, tokenizer, max_length: int, chat_templ
     return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
 
 
+# The main job's prepared data (bash run.sh): what train.py reads when --data is not given
+MAIN_JOB_DATA = "data/smollm2-math"
+
+
+def main_job_data(rank: int) -> tuple:
+    """No --data: the main job's prepared data (bash run.sh), or one line naming what makes it."""
+    train, held_out = (os.path.join(MAIN_JOB_DATA, part) for part in ("train", "eval"))
+    if not os.path.isfile(os.path.join(train, "manifest.json")):
+        if rank != 0:  # under torchrun rank 0 says it, once; torchrun stops every rank as soon
+            time.sleep(30)  # as one exits, so the others wait for rank 0 to print and exit first
+            sys.exit(2)
+        raise ValueError(
+            f"no --data, and no prepared data at {train}: `bash run.sh` makes it (the main job), "
+            "or `python prepare.py --prompts math --regenerate --features --draft-config "
+            f"configs/smollm2-135m-dflash2.json --out-dir {train}`"
+        )
+    return train, (held_out if os.path.isfile(os.path.join(held_out, "manifest.json")) else None)
+
+
+def load_split(args, tokenizer) -> tuple:
+    """train.py's sequences -> (training, held-out). The held-out ones are --eval-data's or, without
+    it, the last --eval-fraction of --data's (one at least, where it has two); --num-samples keeps
+    the first N of the rest."""
+    kw = args.chat_template_kwargs
+    load = lambda path: load_samples(path, args.online, tokenizer, args.max_length, kw)
+    samples = load(args.data)
+    if args.eval_data:
+        return samples[: args.num_samples], load(args.eval_data)
+    n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
+    return samples[: len(samples) - n_eval][: args.num_samples], samples[len(samples) - n_eval :]
+
+
 # ----------------------------------------------------------------------------- rows and batches
 def plan_rows(lengths, max_length: int) -> list:
     """Sample indices per row, filled next-fit in the given order: a sample joins the open row if
@@ -106,6 +143,21 @@ def lengths(samples) -> list:
     input_ids are read, not the features."""
     read = samples.read if hasattr(samples, "read") else lambda i, keys: samples[i]
     return [len(read(i, ["input_ids"])["input_ids"]) for i in range(len(samples))]
+
+
+def schedule(samples, args, world) -> tuple:
+    """-> (rows, rows per step, steps per epoch, total steps). A row (sample indices) is one
+    sequence, or with train.py --pack the sequences plan_rows puts together."""
+    rows = [[i] for i in range(len(samples))]
+    if args.pack:
+        rows = plan_rows(lengths(samples), args.max_length)
+    per_step = world * args.grad_accum * args.batch_size
+    steps_per_epoch = len(rows) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{args.data}: {len(rows)} training rows cannot fill one step of {per_step}"
+        )
+    return rows, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch
 
 
 def join(docs) -> dict:
@@ -197,7 +249,29 @@ def static_shapes(batch, num_anchors: int) -> dict:
     return pad_batch(batch, static_size(S, LENGTH_UNIT), static_size(A, num_anchors))
 
 
-# ----------------------------------------------------------------------------- loading ahead
+# ---------------------------------------------------------------------------- the order, made ahead
+def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
+    """This rank's micro-batches of optimizer step `step`: (epoch, [row indices] per micro-batch).
+    Each epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size
+    entries, micro-batch m of rank r at slot m * world + r, so every split into ranks x accumulation
+    sees the same rows."""
+    epoch, within = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + epoch))
+    firsts = [
+        (within * args.grad_accum * world + m * world + rank) * args.batch_size
+        for m in range(args.grad_accum)
+    ]
+    return epoch, [order[f : f + args.batch_size].tolist() for f in firsts]
+
+
+def micro_batch_plan(start, stop, steps_per_epoch, num_rows, args, rank, world):
+    """(epoch, row indices) of this rank's micro-batches of steps start..stop-1, in order: what
+    loader makes ahead; stop None: open-ended, as train.py --max-seconds wants."""
+    for step in range(start, stop) if stop is not None else itertools.count(start):
+        epoch, micro = step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world)
+        yield from ((epoch, rows) for rows in micro)
+
+
 class MicroBatches(torch.utils.data.Dataset):
     """A run's micro-batches, made wherever the DataLoader runs them (its worker processes): item
     (epoch, row numbers) -> collate's batch of those rows on the CPU, anchors keyed by epoch and row
@@ -230,6 +304,17 @@ def loader(dataset, schedule, workers: int, pin: bool):
         prefetch_factor=2 if workers else None,
         generator=torch.Generator(),
     )
+
+
+def batches(samples, rows, args, rank, world, start, stop, static: bool, pin: bool):
+    """train.py's micro-batches for this rank, steps start..stop-1 (stop None: open-ended), in
+    order: on the host (pinned where pin), made ahead by --data-workers processes; to_device moves
+    each. static: padded to static_shapes."""
+    per_epoch = len(rows) // (world * args.grad_accum * args.batch_size)
+    plan = micro_batch_plan(start, stop, per_epoch, len(rows), args, rank, world)
+    per_doc = args.anchors_per == "document"
+    made = MicroBatches(samples, rows, args.num_anchors, args.seed, per_doc, static)
+    return iter(loader(made, plan, args.data_workers, pin))
 
 
 def to_device(batch, device) -> dict:

@@ -102,7 +102,9 @@ from speed.gemm import (
 )
 from support import (
     common,
+    compiling,
     conversations,
+    distributed,
     draw,
     features,
     flops,
@@ -111,6 +113,7 @@ from support import (
     metrics,
     promptsets,
     show,
+    timefit,
     tracking,
 )
 from support.common import end_distributed
@@ -3987,10 +3990,10 @@ def test_train_without_data_reads_the_main_jobs_or_names_the_command(tmp_path, m
     main_job = tmp_path / "data" / "smollm2-math"
     (main_job / "train").mkdir(parents=True)
     (main_job / "train" / "manifest.json").write_text("{}")
-    assert train.main_job_data(0) == ("data/smollm2-math/train", None)
+    assert data.main_job_data(0) == ("data/smollm2-math/train", None)
     (main_job / "eval").mkdir()
     (main_job / "eval" / "manifest.json").write_text("{}")
-    assert train.main_job_data(0) == ("data/smollm2-math/train", "data/smollm2-math/eval")
+    assert data.main_job_data(0) == ("data/smollm2-math/train", "data/smollm2-math/eval")
 
 
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
@@ -4187,7 +4190,7 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
     assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
-    order = [train.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
+    order = [data.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
     assert sorted(set(order)) == [0, 1, 2, 3]  # only the first 4 sequences are ever drawn
     tokens = sum(len(samples[i]["input_ids"]) for i in order)
     anchors = sum(
@@ -4344,21 +4347,12 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     mode = "accept_unary" if plain else "accept_selector"
     taught = served.teacher_forced_taus(draft, embed_w, head_w, sample, anchors)
     assert taught == [float(t) for t in stats.taus]
-    # the same anchors through train.py's evaluation (data.collate with given anchors)
+    # the same anchors through train.py's objective (data.collate with given anchors)
     args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
-    cfg = train.loss_config(args)
-    objective = train.DraftObjective(draft, embed_w.detach(), head_w.detach(), cfg, args.attention)
-    metrics = train.evaluate(
-        objective,
-        [sample],
-        args,
-        None,
-        draft.config,
-        torch.device("cpu"),
-        0,
-        1,
-        contextlib.nullcontext,
-        anchors=[anchors],
+    weights = embed_w.detach(), head_w.detach()
+    cpu = torch.device("cpu")
+    metrics = served.taught_at(
+        draft, *weights, [sample], [anchors], args, None, cpu, contextlib.nullcontext
     )
     assert metrics[mode] == pytest.approx(stats.mean_tau, abs=1e-6)
 
@@ -4445,8 +4439,8 @@ def test_total_that_fits_by_hand():
     """--max-seconds' arithmetic: at step 100 with 60 s left, steps of 0.5 s and evaluations of 4 s
     every 20 steps, a step costs 0.5 + 4 / 20 = 0.7 s; the final evaluation's 4 s set apart, 56 s
     hold 80 more steps. Out of time (3 s, under one evaluation), the run ends where it stands."""
-    assert train.total_that_fits(100, 60.0, 0.5, 4.0, 20) == 180
-    assert train.total_that_fits(100, 3.0, 0.5, 4.0, 20) == 100
+    assert timefit.total_that_fits(100, 60.0, 0.5, 4.0, 20) == 180
+    assert timefit.total_that_fits(100, 3.0, 0.5, 4.0, 20) == 100
 
 
 def test_max_seconds_fits_the_schedule_and_resume_keeps_it(setup, tmp_path):
@@ -4664,10 +4658,10 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     argv += ["--eval-interval", "2", "--eval-samples", "1"]
     # the unpadded shapes of the run's micro-batches, from its own schedule
     args = train.parse_args(["--data", str(setup / "feats"), "--num-anchors", "8", *argv])
-    samples, held = train.load_split(args, None)
-    rows, _, per_epoch, total = train.schedule(samples, args, 1)
+    samples, held = data.load_split(args, None)
+    rows, _, per_epoch, total = data.schedule(samples, args, 1)
     shapes = set()
-    for epoch, micro in train.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
+    for epoch, micro in data.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
         docs = [[samples[j] for j in rows[r]] for r in micro]
         b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
         shapes.add((b["input_ids"].shape[1], b["anchors"].shape[1]))
@@ -4681,9 +4675,40 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
     assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
     torch._dynamo.reset()
-    monkeypatch.setitem(train.COMPILE, "recompile_limit", 1)
+    monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
     with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
         run(setup, tmp_path / "f", *argv, "--compile")
+    torch._dynamo.reset()
+
+
+def test_evaluation_under_compile_runs_the_draft_uncompiled_and_flex_compiled(monkeypatch):
+    """train.py --compile evaluates the uncompiled draft at the default stance: flex attention stays
+    compiled on its own, so torch's dense reference (math_attention: [N, H, Q, K] scores) never
+    runs, as it would under set_stance("force_eager"); the compiled draft is back afterwards."""
+    hop = sys.modules["torch._higher_order_ops.flex_attention"]  # the module, not its HOP
+
+    def dense(*a, **kw):
+        raise AssertionError("dense flex attention scores built")
+
+    monkeypatch.setattr(hop, "math_attention", dense)
+    c = tiny_config()
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    embed_w, head_w = (
+        torch.randn(c.vocab_size, c.hidden_size),
+        torch.randn(c.vocab_size, c.hidden_size),
+    )
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--compile", "--attention", "flex"])
+    args.num_anchors = 64
+    compiled = torch.compile(draft)
+    objective = train.DraftObjective(compiled, embed_w, head_w, train.loss_config(args), "flex")
+    seen, forward = [], model.forward_training
+    monkeypatch.setattr(model, "forward_training", lambda d, *a: seen.append(d) or forward(d, *a))
+    samples = packing_docs(c, [256, 250])
+    cpu = torch.device("cpu")
+    m = train.evaluate(objective, samples, args, None, c, cpu, 0, 1, contextlib.nullcontext)
+    assert seen == [draft, draft] and objective.draft is compiled
+    assert 0 < m["loss"] < float("inf")
     torch._dynamo.reset()
 
 
@@ -4732,7 +4757,7 @@ def test_train_binds_its_gpu_before_the_process_group_with_a_timeout(setup, monk
         calls.append((backend, kw))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train.dist, "init_process_group", group)
+    monkeypatch.setattr(distributed.dist, "init_process_group", group)
     with pytest.raises(KeyboardInterrupt):
         train.main(["--data", str(setup / "feats"), "--dist-timeout", "45"])
     cuda1 = torch.device("cuda:1")
@@ -5566,6 +5591,7 @@ def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
     for name, peak in (
         ("NVIDIA H100 80GB HBM3", 989e12),
         ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),  # the longest name found wins, not "H100"'s 989
         ("NVIDIA H200", 989e12),
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("Tesla T4", None),
@@ -5593,11 +5619,45 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
     records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert len(counted) == 3 and all(f > 0 for f, _ in counted)
-    # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak
-    done, tokens = map(sum, zip(*counted))
-    assert records[-1]["mfu"] / records[-1]["target_tok_per_s"] == pytest.approx(
-        done / tokens / 1e5, rel=1e-3
+    # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak, of
+    # each logging interval's own steps (here one step each), not of the run so far
+    for record, (done, tokens) in zip(records, counted):
+        assert record["mfu"] / record["target_tok_per_s"] == pytest.approx(
+            done / tokens / 1e5, rel=1e-3
+        )
+
+
+def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, monkeypatch):
+    """flops.Meter: rates() covers what was counted since its last call, over the seconds since
+    then (a paused() stretch left out); train.py counts each micro-batch on the host, before
+    data.to_device copies it, so counting never waits for the device."""
+    clock = [100.0]
+    monkeypatch.setattr(flops.time, "time", lambda: clock[0])
+    meter = flops.Meter(torch.device("cpu"))
+    batch = {"attention_mask": torch.ones(2, 5), "anchor_valid": torch.ones(2, 3, dtype=bool)}
+    meter.count(None, batch)
+    clock[0] += 2.0
+    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
+    meter.count(None, batch)
+    meter.count(None, batch)
+    with meter.paused():
+        clock[0] += 50.0  # an evaluation
+    clock[0] += 4.0
+    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
+    monkeypatch.undo()
+    events, to_device, count = [], data.to_device, flops.Meter.count
+    monkeypatch.setattr(
+        data, "to_device", lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
     )
+    monkeypatch.setattr(
+        flops.Meter,
+        "count",
+        lambda m, c, b, t=None: events.append(("counted", id(b))) or count(m, c, b, t),
+    )
+    run(setup, tmp_path, "--max-steps", "2", "--grad-accum", "2", "--eval-samples", "0")
+    assert len(events) == 8
+    assert events[0::2] == [("counted", i) for _, i in events[1::2]]
+    assert [e for e, _ in events[1::2]] == ["moved"] * 4
 
 
 # ========================================================================= data.py and attention.py
@@ -6806,7 +6866,7 @@ def test_compiled_training_step_compiles_once_per_static_shape():
     assert len(shapes) == 6 and {a for _, a in shapes} == {7, 8}
     # train.py's settings, limit 2; config.patch, not monkeypatch: monkeypatch's undo leaves a
     # dynamo config entry hidden, and the next train.main's patch of it fails
-    with torch._dynamo.config.patch(**{**train.COMPILE, "recompile_limit": 2}):
+    with torch._dynamo.config.patch(**{**compiling.COMPILE, "recompile_limit": 2}):
         counters.clear()
         # made as train.py makes them where anything compiles: data.MicroBatches, static shapes
         made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)

@@ -15,62 +15,40 @@ so 2 ranks x 1 micro-batch == 1 rank x 2 micro-batches. Every flag: docs/trainin
 """
 
 import argparse
-import collections
 import contextlib
 import datetime
-import itertools
-import json
 import math
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import data
 import loss
 import model
-from compat.config_json import config_to_dict, load_config, replace_config
+from compat.config_json import load_config, replace_config
 from speed import machine
-from support import flops, fsdp, kernels, tracking
+from support import compiling, distributed, flops, kernels, tracking
 from support.common import (
     DTYPES,
+    HelpTable,
     add_chat_template_kwargs,
-    atomic_write,
     bounded,
     end_distributed,
     run,
 )
+from support.fsdp import load_checkpoint, save_checkpoint  # train.save_checkpoint: tools/
 from support.metrics import (
     add_into,
     all_sum,
     objective_with_metrics,
     reduce_metrics,
-    save_acceptance,
 )
 from support.target import check_draft_fits, load_target
-
-# The main job's prepared data (bash run.sh): what train.py reads when --data is not given
-MAIN_JOB_DATA = "data/smollm2-math"
-
-
-class HelpTable(argparse.RawDescriptionHelpFormatter):
-    """--help as a table: a line a flag, a short value name, the default after the help."""
-
-    def __init__(self, prog):
-        super().__init__(prog, max_help_position=40)
-
-    def _get_default_metavar_for_optional(self, action):
-        return action.dest.split("_")[-1].upper()  # --selector-warmup-ratio RATIO
-
-    def _get_help_string(self, action):
-        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
-        return action.help + ("" if unset else " [%(default)s]")
+from support.timefit import TimeFit
 
 
 def parse_args(argv=None):
@@ -79,7 +57,10 @@ def parse_args(argv=None):
     ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
     count = bounded(int, low=1)
     a = p.add_argument_group("data").add_argument
-    a("--data", help=f"prepare.py's features (--online: a JSONL); default {MAIN_JOB_DATA}/train")
+    a(
+        "--data",
+        help=f"prepare.py's features (--online: a JSONL); default {data.MAIN_JOB_DATA}/train",
+    )
     a("--eval-data", help="held-out data; default: the main job's, or split off --eval-fraction")
     a("--eval-fraction", type=ratio, default=0.05, help="--data held out without --eval-data")
     a("--num-samples", type=count, help="train on the first N sequences only")
@@ -152,21 +133,6 @@ def parse_args(argv=None):
     return args
 
 
-def main_job_data(rank: int) -> tuple:
-    """No --data: the main job's prepared data (bash run.sh), or one line naming what makes it."""
-    train, held_out = (os.path.join(MAIN_JOB_DATA, part) for part in ("train", "eval"))
-    if not os.path.isfile(os.path.join(train, "manifest.json")):
-        if rank != 0:  # under torchrun rank 0 says it, once; torchrun stops every rank as soon
-            time.sleep(30)  # as one exits, so the others wait for rank 0 to print and exit first
-            sys.exit(2)
-        raise ValueError(
-            f"no --data, and no prepared data at {train}: `bash run.sh` makes it (the main job), "
-            "or `python prepare.py --prompts math --regenerate --features --draft-config "
-            f"configs/smollm2-135m-dflash2.json --out-dir {train}`"
-        )
-    return train, (held_out if os.path.isfile(os.path.join(held_out, "manifest.json")) else None)
-
-
 # ----------------------------------------------------------------------------- config and data
 def build_config(args) -> model.DraftConfig:
     c = load_config(args.draft_config)
@@ -206,30 +172,15 @@ class DraftObjective(torch.nn.Module):
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
     def forward(self, batch, alpha_t, acceptance=False):
-        embed = lambda ids: F.embedding(ids, self.embed_weight)
+        b, embed = batch, lambda ids: F.embedding(ids, self.embed_weight)
+        ids, anchors, valid, docs = b["input_ids"], b["anchors"], b["anchor_valid"], b["docs"]
         h = model.forward_training(
-            self.draft,
-            embed,
-            batch["input_ids"],
-            batch["features"],
-            batch["anchors"],
-            batch["positions"],
-            batch["docs"],
-            self.attention,
+            self.draft, embed, ids, b["features"], anchors, b["positions"], docs, self.attention
         )
+        hidden = b.get("target_hidden")
+        kw = dict(target_hidden=hidden, alpha_t=alpha_t, docs=docs, acceptance=acceptance)
         return objective_with_metrics(  # loss.objective, and the metrics of its chunks
-            self.draft,
-            self.head_weight,
-            h,
-            batch["input_ids"],
-            batch["loss_mask"],
-            batch["anchors"],
-            batch["anchor_valid"],
-            self.cfg,
-            target_hidden=batch.get("target_hidden"),
-            alpha_t=alpha_t,
-            docs=batch["docs"],
-            acceptance=acceptance,
+            self.draft, self.head_weight, h, ids, b["loss_mask"], anchors, valid, self.cfg, **kw
         )
 
 
@@ -239,71 +190,15 @@ def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
     ids, mask, back = (
         data.per_document(batch) if packed else (batch["input_ids"], batch["attention_mask"], None)
     )
+    kw = dict(final_hidden=need_final, use_cache=False, logits_to_keep=1)
     out = model.capture_features(
-        target,
-        cfg.target_layer_ids,
-        final_hidden=need_final,
-        use_cache=False,
-        logits_to_keep=1,
-        input_ids=ids,
-        attention_mask=mask,
+        target, cfg.target_layer_ids, **kw, input_ids=ids, attention_mask=mask
     )
     for name, value in [("features", out[1])] + ([("target_hidden", out[2])] if need_final else []):
         batch[name] = back(value.float()) if packed else value.float()
 
 
 # ------------------------------------------------------------------- steps, evaluation, checkpoints
-def load_split(args, tokenizer, training=True) -> tuple:
-    """-> (training sequences, held-out sequences). The held-out ones are --eval-data's or, without
-    it, the last --eval-fraction of --data's (one at least, where it has two); --num-samples keeps
-    the first N of the rest. training=False (tools/served.py): the held-out ones only (None
-    first)."""
-    kw = args.chat_template_kwargs
-    load = lambda path: data.load_samples(path, args.online, tokenizer, args.max_length, kw)
-    if args.eval_data:
-        return (load(args.data)[: args.num_samples] if training else None), load(args.eval_data)
-    samples = load(args.data)
-    n_eval = max(1, int(len(samples) * args.eval_fraction)) if len(samples) > 1 else 0
-    return samples[: len(samples) - n_eval][: args.num_samples], samples[len(samples) - n_eval :]
-
-
-def schedule(samples, args, world) -> tuple:
-    """-> (rows, rows per step, steps per epoch, total steps). A row (sample indices) is one
-    sequence, or with --pack the sequences data.plan_rows puts together."""
-    rows = [[i] for i in range(len(samples))]
-    if args.pack:
-        rows = data.plan_rows(data.lengths(samples), args.max_length)
-    per_step = world * args.grad_accum * args.batch_size
-    steps_per_epoch = len(rows) // per_step
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{args.data}: {len(rows)} training rows cannot fill one step of {per_step}"
-        )
-    return rows, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch
-
-
-def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
-    """This rank's micro-batches of optimizer step `step`: (epoch, [row indices] per micro-batch).
-    Each epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size
-    entries, micro-batch m of rank r at slot m * world + r, so every split into ranks x accumulation
-    sees the same rows."""
-    epoch, within = divmod(step, steps_per_epoch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + epoch))
-    firsts = [
-        (within * args.grad_accum * world + m * world + rank) * args.batch_size
-        for m in range(args.grad_accum)
-    ]
-    return epoch, [order[f : f + args.batch_size].tolist() for f in firsts]
-
-
-def micro_batch_plan(start, stop, steps_per_epoch, num_rows, args, rank, world):
-    """(epoch, row indices) of this rank's micro-batches of steps start..stop-1, in order: what
-    data.loader makes ahead; stop None: open-ended, as --max-seconds wants."""
-    for step in range(start, stop) if stop is not None else itertools.count(start):
-        epoch, micro = step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world)
-        yield from ((epoch, rows) for rows in micro)
-
-
 def lr_factor(step, total, args):
     warm = max(1, math.floor(total * args.warmup_ratio))
     if step < warm:
@@ -322,139 +217,36 @@ def build_schedule(opt, args, total, step=0):
     )
 
 
-# ------------------------------------------------------------- --max-seconds: steps fitted to time
-FIT_EVERY = 25  # steps between fits
-FIT_WINDOW = 200  # the step time: the mean of the last 200 (a window of 100 read 0.34-0.50 s in
-# one native job whose steps averaged 0.40: the rows' lengths differ)
-# an evaluation before one is timed: a held-out sequence's no-grad forward about a third of a
-# training step (tools/plan.py prices it so; 5-9 s measured for 48 sequences at 0.40-0.53 s a step)
-EVAL_STEPS_PER_SEQUENCE = 1 / 3
-
-
-def total_that_fits(step, seconds_left, t_step, t_eval, eval_interval) -> int:
-    """The schedule's length whose steps still to run (t_step seconds each), with an evaluation
-    every eval_interval steps and the final one (t_eval each), fit seconds_left:
-        total = step + floor((seconds_left - t_eval) / (t_step + t_eval / eval_interval))
-    and never under step: out of time, the run ends where it stands."""
-    per_step = t_step + t_eval / eval_interval
-    return step + max(0, math.floor((seconds_left - t_eval) / per_step))
-
-
-class TimeFit:
-    """--max-seconds S: the run ends S seconds after it started, loading and evaluations included.
-    Every FIT_EVERY steps the schedule (warm-up, cosine, the selector's alpha) takes the length
-    that fits the time left, priced at this run's own step time. Why not the step count a probe
-    priced: one machine's steps ran 0.7 to 1.3 times their three-step probe, by kind (docs/cpu.md),
-    and a shared VM's speed drifts within a run. An early fit moves a cosine that has barely left
-    its peak; a late one moves it little, the step time by then known."""
-
-    def __init__(self, seconds, started, eval_interval, n_eval):
-        self.deadline = None if seconds is None else started + seconds
-        self.eval_interval, self.n_eval = eval_interval, n_eval
-        self.clock = collections.deque(maxlen=FIT_WINDOW + 1)  # (step, seconds less evaluations)
-        self.eval_s = []  # each evaluation's seconds
-
-    def due(self, step) -> bool:
-        if self.deadline is None:  # no --max-seconds: nothing timed
-            return False
-        self.clock.append((step, time.time() - sum(self.eval_s)))
-        return step % FIT_EVERY == 0
-
-    @contextlib.contextmanager
-    def evaluation(self):
-        t = time.time()
-        yield
-        self.eval_s.append(time.time() - t)
-
-    def total(self, step) -> int:
-        (s0, c0), (s1, c1) = self.clock[0], self.clock[-1]
-        t_step = (c1 - c0) / max(1, s1 - s0)
-        t_eval = self.n_eval * t_step * EVAL_STEPS_PER_SEQUENCE
-        t_eval = sum(self.eval_s) / len(self.eval_s) if self.eval_s else t_eval
-        return total_that_fits(
-            step, self.deadline - time.time(), t_step, t_eval, self.eval_interval
-        )
-
-
 @torch.no_grad()
 def evaluate(
-    objective,
-    samples,
-    args,
-    target,
-    cfg,
-    device,
-    rank,
-    world,
-    autocast,
-    acceptance=False,
-    anchors=None,
+    objective, samples, args, target, cfg, device, rank, world, autocast, acceptance=False
 ):
-    """Teacher-forced held-out metrics over the first --eval-samples sequences, at random anchors
-    or, given anchors[i] for sequence i, at those (the ones serving visited)."""
-    n = min(len(samples), args.eval_samples if anchors is None else len(anchors))
+    """Teacher-forced held-out metrics over the first --eval-samples sequences, at random anchors.
+    A --compile draft evaluates uncompiled: its no-grad graphs would compile again (torch 2.11's
+    inductor could not lower flex's mask in them on CUDA: docs/training-at-scale.md, "The second
+    run"), while flex attention stays compiled on its own (support/kernels.py): no dense scores."""
+    n = min(len(samples), args.eval_samples)
     if n == 0:
         return {}
+    inner = getattr(objective, "module", objective)  # DDP wraps it
+    compiled, inner.draft = inner.draft, getattr(inner.draft, "_orig_mod", inner.draft)
     objective.eval()
     acc = {}
-    # torch 2.11's inductor cannot lower flex attention's mask inside a compiled no-grad forward on
-    # CUDA (docs/training-at-scale.md, "The second run"): there a --compile draft evaluates eagerly
-    stance = "force_eager" if args.compile and device.type == "cuda" else "default"
     # every rank runs as many forwards (FSDP gathers weights in each) and takes part in the
     # all_reduce: a rank short of samples of its own adds zero copies
     mine = [(i % n, float(i < n)) for i in range(rank, -(-n // world) * world, world)]
     for i, keep in mine:
-        given = None if anchors is None else [anchors[i]]
-        batch = data.collate(
-            [[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device, anchors=given
-        )
-        batch = data.static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
+        batch = data.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
+        if compiling.anything_compiles(args):
+            batch = data.static_shapes(batch, args.num_anchors)
         if target is not None:
             add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
-        with autocast(), torch.compiler.set_stance(stance):
+        with autocast():
             metrics = objective(batch, alpha_t=None, acceptance=acceptance)["metrics"]
         add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
     objective.train()
+    inner.draft = compiled
     return reduce_metrics(acc)
-
-
-def append_log(path, record: dict, tracker=None):
-    """One log.jsonl record; --report-to sends it to the tracker too (support/tracking.py)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if tracker is not None:
-        tracker.log(record)
-
-
-def save_checkpoint(path, draft, cfg, opt, sched, step, total, args, master):
-    """Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole state, one file
-    whatever the number of ranks. Atomic: a crash mid-write never leaves a broken ckpt.pt behind."""
-    model_state, opt_state = fsdp.full_state(draft, opt)
-    if master:
-        state = {
-            "model": model_state,
-            "config": config_to_dict(cfg),
-            "optimizer": opt_state,
-            "scheduler": sched.state_dict(),
-            "step": step,
-            "total": total,  # the schedule's length (--max-seconds fits it)
-            "args": vars(args),
-        }
-        with atomic_write(path) as tmp:
-            torch.save(state, tmp)
-
-
-def load_checkpoint(path, draft, opt, sched, sharded=False) -> tuple:
-    """--resume: draft, optimizer and schedule as they were; returns the step to continue from and,
-    where --max-seconds fitted the schedule, its length (else None): a fitted run goes on at it.
-    Nothing else needs restoring: after the draft's init every draw (order, anchors) has its own
-    seeded generator."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
-    fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
-    sched.load_state_dict(ck["scheduler"])
-    return ck["step"], ck["total"] if ck["args"].get("max_seconds") else None
 
 
 def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
@@ -492,79 +284,15 @@ def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_
     return metrics, norm, True
 
 
-# ----------------------------------------------------------------------------- main
-# A compiled draft (--compile; flex attention's kernels) specialises on its shapes, and a new one
-# compiles again: batches are padded to data.static_shapes, a handful of buckets, each compiled
-# once (no dynamic shapes: dynamic flex recompiles anyway). Past the limit dynamo would silently run
-# eager, and eager flex is dense ([N, H, Q, K] scores, tens of GB): that ends the run instead.
-COMPILE = dict(automatic_dynamic_shapes=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
-
-
-def anything_compiles(args) -> bool:
-    """Whether batches are padded to data.static_shapes: where anything compiles (see COMPILE)."""
-    return args.compile or args.attention == "flex"
-
-
+# ----------------------------------------------------------------------------- setup
 def main(argv=None):
     args = parse_args(argv)
     if args.data is None:
-        data_dir, held_out = main_job_data(int(os.environ.get("RANK", 0)))
+        data_dir, held_out = data.main_job_data(int(os.environ.get("RANK", 0)))
         args.data, args.eval_data = data_dir, args.eval_data or held_out
-    # the dynamo settings only where something compiles: an eager run leaves torch as it is
-    compiling = torch._dynamo.config.patch(**COMPILE) if anything_compiles(args) else None
-    try:
-        with compiling or contextlib.nullcontext():
-            train(args)
-    except FailOnRecompileLimitHit as e:
-        raise ValueError(
-            f"a compiled function met more than {COMPILE['recompile_limit']} shapes (batches are "
-            "padded to data.static_shapes, so this is a bug to report); train without --compile "
-            f"and with --attention sdpa meanwhile ({str(e).splitlines()[0]})"
-        ) from None
-
-
-# ----------------------------------------------------------------------------- setup
-def start_ranks(args) -> tuple:
-    """-> (device, rank, world, distributed). Under torchrun (one process too: the same nccl / gloo
-    path as many) the process group starts here, on this rank's GPU."""
-    distributed = "RANK" in os.environ
-    device = torch.device(
-        f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # first: nccl (and anything on "cuda") uses this rank's GPU
-    if distributed:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            device_id=device if device.type == "cuda" else None,
-            timeout=datetime.timedelta(minutes=args.dist_timeout),  # rank-skewed compiles, saves
-        )
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    return device, rank, world, distributed
-
-
-def choose_attention(args, device):
-    """--attention auto: support/kernels.py's choice; flex only where torch can train with it."""
-    args.attention = kernels.choose(args.attention, device)
-    if args.attention == "flex" and device.type == "cpu":
-        raise ValueError(
-            "--attention flex: torch runs FlexAttention on CPU forward only (no backward in 2.13); "
-            "train on CPU with --attention sdpa"
-        )
-
-
-def choose_precision(args, device, log) -> tuple:
-    """-> (bf16 autocast for the draft?, the target's dtype), the choice said in one line
-    (speed/machine.py: bf16 where this CPU or GPU runs it natively, else fp32)."""
-    use_bf16 = machine.resolve_dtype(args.dtype, device, "train") == torch.bfloat16
-    target_dtype = machine.resolve_dtype(args.target_dtype, device, "data")
-    online = {"online target": machine.dtype_name(target_dtype)} if args.online else {}
-    draft_dtype = "bf16 autocast" if use_bf16 else "fp32"
-    log(machine.choice_line(machine.describe(device), draft=draft_dtype, **online))
-    dtypes = [torch.bfloat16] * use_bf16 + [target_dtype] * args.online
-    for note in {machine.slow_bf16_note(dt, device) for dt in dtypes} - {""}:
-        log(note)
-    return use_bf16, target_dtype
+    args.attention = compiling.choose_attention(args.attention, distributed.rank_device())
+    with compiling.guard(compiling.anything_compiles(args)):  # dynamo's settings, where it runs
+        train(args)
 
 
 def load_frozen_target(args, cfg, target_dtype, device, sharded) -> tuple:
@@ -579,8 +307,8 @@ def load_frozen_target(args, cfg, target_dtype, device, sharded) -> tuple:
 
 
 def build_objective(args, cfg, embed_w, head_w, target, device, ranks, use_bf16) -> tuple:
-    """-> (draft, the objective module DDP / FSDP see, trained parameters, selector trained?)."""
-    sharded, ddp = ranks
+    """-> (draft, the objective module DDP / FSDP see, its no_sync, trained parameters, selector
+    trained?)."""
     draft = model.DraftModel(cfg).to(device)
     draft.gradient_checkpointing = args.gradient_checkpointing
     selector_on = cfg.dflash2 and args.selector_loss_alpha > 0
@@ -592,19 +320,12 @@ def build_objective(args, cfg, embed_w, head_w, target, device, ranks, use_bf16)
     for layer in draft.layers if args.freeze_conv else []:
         layer.attention_conv.requires_grad_(False)
         layer.mlp_conv.requires_grad_(False)
-    objective = DraftObjective(
-        torch.compile(draft) if args.compile else draft,
-        embed_w,
-        head_w,
-        loss_config(args),
-        args.attention,
-    )
-    if sharded:  # before the optimizer: its parameters become this rank's slices
-        fsdp.shard(objective, draft.layers, target, use_bf16)
-    elif ddp:  # a whole copy on every rank; the step's last backward all-reduces the gradients
-        objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
+    step_draft = torch.compile(draft) if args.compile else draft
+    objective = DraftObjective(step_draft, embed_w, head_w, loss_config(args), args.attention)
+    # before the optimizer: sharded, its parameters become this rank's slices
+    objective, no_sync = distributed.wrap(objective, draft.layers, target, device, *ranks, use_bf16)
     params = [p for p in draft.parameters() if p.requires_grad]
-    return draft, objective, params, selector_on
+    return draft, objective, no_sync, params, selector_on
 
 
 def build_optimizer(params, args, total) -> tuple:
@@ -615,37 +336,31 @@ def build_optimizer(params, args, total) -> tuple:
     return opt, build_schedule(opt, args, total)
 
 
-def agreed(n: int, device, distributed) -> int:
-    """Rank 0's n on every rank: the ranks' clocks differ, their schedules must not."""
-    if not distributed:
-        return n
-    t = torch.tensor([n], device=device)
-    dist.broadcast(t, src=0)
-    return int(t.item())
-
-
 # ----------------------------------------------------------------------------- training
 def train(args):
     # ------------------------------------------------------------------ setup
     started = time.time()  # --max-seconds counts from here
-    device, rank, world, distributed = start_ranks(args)
+    timeout = datetime.timedelta(minutes=args.dist_timeout)  # rank-skewed compiles, saves
+    device, rank, world, ranked = distributed.start_ranks(timeout)
     sharded = args.fsdp and world > 1  # --fsdp on one process: nothing to shard
-    ddp = distributed and not args.fsdp
     master = rank == 0
     log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
     meter = flops.Meter(device, args.peak_tflops)  # tokens, anchors, FLOPs a second; MFU on a GPU
-    choose_attention(args, device)
     torch.manual_seed(args.seed)  # the draft's initial weights
     cfg = build_config(args)
-    use_bf16, target_dtype = choose_precision(args, device, log)
+    use_bf16, target_dtype, said = machine.train_precision(
+        args.dtype, args.target_dtype, args.online, device
+    )
+    log("\n".join(said))
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     target, tokenizer, embed_w, head_w = load_frozen_target(
         args, cfg, target_dtype, device, sharded
     )
-    samples, eval_samples = load_split(args, tokenizer)
-    rows, per_step, steps_per_epoch, total = schedule(samples, args, world)
-    draft, objective, params, selector_on = build_objective(
-        args, cfg, embed_w, head_w, target, device, (sharded, ddp), use_bf16
+    samples, eval_samples = data.load_split(args, tokenizer)
+    rows, per_step, _, total = data.schedule(samples, args, world)
+    ranks = (sharded, ranked and not args.fsdp)  # (FSDP, DDP)
+    draft, objective, no_sync, params, selector_on = build_objective(
+        args, cfg, embed_w, head_w, target, device, ranks, use_bf16
     )
     opt, sched = build_optimizer(params, args, total)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -662,13 +377,13 @@ def train(args):
     if fitted:  # the schedule goes on at the length --max-seconds fitted
         total, sched = fitted, build_schedule(opt, args, fitted, step)
     n_eval = min(len(eval_samples), args.eval_samples)
-    fit = TimeFit(args.max_seconds, started, args.eval_interval, n_eval)
+    fit = TimeFit(args.max_seconds, started, args.eval_interval, n_eval, device, ranked)
     log(
         f"{'DFlash2' if cfg.dflash2 else 'DFlash'} draft: "
         f"{sum(p.numel() for p in draft.parameters()):,} parameters; "
         f"{len(samples)} train / {len(eval_samples)} eval sequences; "
         f"{total} steps of {per_step} rows on {world} rank(s)"
-        f"{f' ({dist.get_backend()})' if distributed else ''}, "
+        f"{f' ({torch.distributed.get_backend()})' if ranked else ''}, "
         f"{device}, {args.attention} attention"
         + (", FSDP" if sharded else "")
         + (f"; packed into {len(rows)} rows" if args.pack else "")
@@ -679,30 +394,25 @@ def train(args):
     # ------------------------------------------------------------------ loop
     last = step + args.steps_this_run if args.steps_this_run else None
     stop = min(total, last or total)
-    # this rank's micro-batches (rows of samples, anchors, features), made ahead by --data-workers
-    per_doc, pin = args.anchors_per == "document", device.type == "cuda"  # pinned: async copies
-    made = data.MicroBatches(
-        samples, rows, args.num_anchors, args.seed, per_doc, anything_compiles(args)
-    )
+    # this rank's micro-batches on the host (pinned on a GPU: the copies run asynchronously)
     ends = None if args.max_seconds else stop  # fitted: open-ended, the loop stops it
-    plan = micro_batch_plan(step, ends, steps_per_epoch, len(rows), args, rank, world)
-    ahead = iter(data.loader(made, plan, args.data_workers, pin))
+    static, pin = compiling.anything_compiles(args), device.type == "cuda"
+    ahead = data.batches(samples, rows, args, rank, world, step, ends, static, pin)
 
     def next_batch():
-        batch = data.to_device(next(ahead), device)
+        host = next(ahead)
+        meter.count(cfg, host, target)  # counted before the copy: no wait for the device
+        batch = data.to_device(host, device)
         if target is not None:  # online: the target's features of this batch
             add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
-        meter.count(cfg, batch, target)
         return batch
 
-    # a step's backwards but the last add into .grad without communicating (DDP, FSDP alike)
-    no_sync = objective.no_sync if ddp else contextlib.nullcontext
-    no_sync = (lambda: fsdp.no_sync(objective)) if sharded else no_sync
     alpha = args.selector_loss_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
     quiet = not master or args.quiet
     bar = tqdm(total=total, initial=step, disable=quiet, desc="train", dynamic_ncols=True)
-    t0 = time.time()
-    since = lambda: round(time.time() - t0, 1)
+    t0, rates = time.time(), {}
+    since = lambda: round(time.time() - t0, 1)  # this invocation's seconds, evaluations included
+    meter.restart()
     while step < stop:
         batches = (next_batch() for _ in range(args.grad_accum))
         alpha_t = loss.selector_alpha(step, total, *alpha) if selector_on else None
@@ -718,35 +428,33 @@ def train(args):
             sys.exit(1)
         step += 1
         bar.update(1)
-        elapsed = time.time() - t0  # this invocation's seconds, evaluations included
-        rates = meter.rates(elapsed)  # per rank (per GPU), as usually quoted
-        acc = f"{metrics['unary_acc']:.3f}"
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=acc, **meter.brief(rates))
         if fit.due(step):  # --max-seconds: the length that fits the time left (rank 0's)
-            total = agreed(fit.total(step), device, distributed)
+            total = fit.total(step)
             sched = build_schedule(opt, args, total, step)
             stop, bar.total = min(total, last or total), total
         if master and (step % args.log_interval == 0 or step == total):
+            rates = meter.rates()  # this interval's, per rank (per GPU), as usually quoted
             norm = None if grad_norm is None else grad_norm.item()
             record = dict(kind="train", step=step, lr=sched.get_last_lr()[0], alpha_t=alpha_t)
-            record.update(grad_norm=norm, elapsed_s=round(elapsed, 1), **rates, **metrics)
-            append_log(log_path, record, tracker)
+            record.update(grad_norm=norm, elapsed_s=since(), **rates, **metrics)
+            tracking.append_log(log_path, record, tracker)
+        acc = f"{metrics['unary_acc']:.3f}"
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=acc, **meter.brief(rates))
+        # the checkpoint first: an evaluation that fails (out of memory) loses no step
+        if step % args.save_interval == 0 or step == stop:
+            with meter.paused():
+                save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, total, args, master)
         if step % args.eval_interval == 0 and step < total:
-            with fit.evaluation():
+            with fit.evaluation(), meter.paused():
                 m = evaluate(
                     objective, eval_samples, args, target, cfg, device, rank, world, autocast
                 )
             if master and m:
                 record = {"kind": "eval", "step": step, "elapsed_s": since(), **m}
-                append_log(log_path, record, tracker)
-        if step % args.save_interval == 0 or step == stop:
-            save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, total, args, master)
+                tracking.append_log(log_path, record, tracker)
     bar.close()
     if args.max_seconds:
-        log(
-            f"--max-seconds {args.max_seconds:g}: {total} steps fitted, the final evaluation "
-            f"{time.time() - started:.0f} s in"
-        )
+        log(fit.summary(total))
 
     # ------------------------------------------------------------------ end: the held-out summary
     if step < total:
@@ -759,29 +467,8 @@ def train(args):
     )
     end_distributed()  # what follows runs on rank 0 alone
     if master and final:
-        save_acceptance(args.out_dir, final, cfg, step)  # before the record: it pops what it keeps
-        record = {"kind": "final", "step": step, "elapsed_s": since(), **final}
-        append_log(log_path, record, tracker)
-        print_summary(final, cfg)
-        print(f"\nserved tau (the real decoding loop): python tools/served.py {args.out_dir}")
+        tracking.final_report(args.out_dir, log_path, final, cfg, step, since(), tracker)
     tracker.close()
-
-
-def print_summary(m, cfg):
-    K = cfg.selector_top_k or 16
-    rows = {
-        "accept_unary": "accepted length, unary greedy path",
-        "accept_selector": "accepted length, selector path",
-        "accept_oracle": f"accepted length, oracle top-{K}",
-        "topk_recall": f"top-{K} recall",
-        "unary_acc": "unary accuracy",
-        "sel_acc": "selector teacher-forced accuracy",
-        "loss": "loss",
-    }
-    print("\nheld-out metrics")
-    print("\n".join(f"  {name:40s} {m[k]:.4f}" for k, name in rows.items() if k in m))
-    if "path_acc" in m:
-        print(f"  {'selector path accuracy per position':40s} {m['path_acc']}")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,19 @@ def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
     return torch.bfloat16 if native_bf16(cpu_info())[0] else torch.float32
 
 
+def train_precision(draft: str, target: str, online: bool, device) -> tuple:
+    """train.py's --dtype and --target-dtype -> (bf16 autocast for the draft?, the target's dtype,
+    the lines that say the choice: choice_line, then any slow_bf16_note)."""
+    use_bf16 = resolve_dtype(draft, device, "train") == torch.bfloat16
+    target_dtype = resolve_dtype(target, device, "data")
+    parts = {"draft": "bf16 autocast" if use_bf16 else "fp32"}
+    parts.update({"online target": dtype_name(target_dtype)} if online else {})
+    lines = [choice_line(describe(device), **parts)]
+    dtypes = [torch.bfloat16] * use_bf16 + [target_dtype] * online
+    lines += sorted({slow_bf16_note(dt, device) for dt in dtypes} - {""})
+    return use_bf16, target_dtype, lines
+
+
 def draft_precision(name: str, device) -> str:
     """generate.py's --draft-dtype (auto, int8 or a DTYPES name) -> the draft's precision name on
     this device."""

@@ -1,7 +1,7 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
 nanochat's common.py): dtype names, atomic writes, the end of a distributed run,
-the command-line rule that a user's mistake ends in one line, and the one --chat-template-kwargs
-flag. Nothing else belongs here.
+the command-line rule that a user's mistake ends in one line, the --help table, and the one
+--chat-template-kwargs flag. Nothing else belongs here.
 """
 
 import argparse
@@ -52,6 +52,20 @@ def end_distributed():
 
 
 # ----------------------------------------------------------------------------- command lines
+class HelpTable(argparse.RawDescriptionHelpFormatter):
+    """--help as a table: a line a flag, a short value name, the default after the help."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=40)
+
+    def _get_default_metavar_for_optional(self, action):
+        return action.dest.split("_")[-1].upper()  # --selector-warmup-ratio RATIO
+
+    def _get_help_string(self, action):
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        return action.help + ("" if unset else " [%(default)s]")
+
+
 def bounded(kind, low=None, high=None, above=None):
     """An argparse type: kind(text) with low <= value <= high and value > above. argparse turns a
     refusal into `prog: error: argument --flag: must be ..., got ...` and exit status 2."""

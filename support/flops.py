@@ -19,11 +19,15 @@ its linear layers (lm_head included: it runs). Left out: norms, RoPE, softmax, t
 no-gradient metrics and, for kl, the target's logits at the labelled slots.
 """
 
+import contextlib
+import time
+
 import torch
 
 # Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, with
-# sparsity). The first name found in torch.cuda.get_device_name() wins; --peak-tflops overrides.
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+# sparsity; H100 NVL: 1,671 sparse). The longest name found in torch.cuda.get_device_name() wins
+# ("H100 NVL" over "H100"); --peak-tflops overrides.
+PEAK_TFLOPS = {"H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
@@ -86,13 +90,16 @@ def peak_flops(device: torch.device, peak_tflops=None):
             )
         return None
     name = torch.cuda.get_device_name(device)
-    peak = peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    known = max((k for k in PEAK_TFLOPS if k in name), key=len, default=None)
+    peak = peak_tflops or PEAK_TFLOPS.get(known)
     return None if peak is None else peak * 1e12
 
 
 class Meter:
     """train.py's throughput: what this rank has done (target tokens, anchors, model FLOPs) and its
-    rates, with MFU = model FLOP/s / the device's peak where that is known (peak_flops)."""
+    rates over each logging interval, with MFU = model FLOP/s / the device's peak where that is
+    known (peak_flops). It counts the host's copy of a batch, before the batch moves: counting a
+    device batch would wait for the GPU (.item(), a boolean mask) on every micro-batch."""
 
     def __init__(self, device: torch.device, peak_tflops=None):
         self.peak = peak_flops(device, peak_tflops)  # FLOP/s; None (a CPU): no MFU, no counting
@@ -100,23 +107,39 @@ class Meter:
         if device.type == "cuda" and not self.peak:
             name = torch.cuda.get_device_name(device)
             self.note = f"no MFU: {name} is not in flops.PEAK_TFLOPS; give its --peak-tflops"
+        self.restart()
+
+    def restart(self):
         self.seen = torch.zeros(3, dtype=torch.float64)  # target tokens, anchors, model FLOPs
+        self.start = time.time()
 
     def count(self, cfg, batch: dict, target=None):
-        """Add one micro-batch; target: the online target (None offline), whose forward counts."""
+        """Add one micro-batch, on the host; target: the online target (None offline), whose
+        forward counts."""
         weights = linear_weights(target) if target is not None and self.peak else 0
         flop = step_flops(cfg, batch, weights) if self.peak else 0
         counts = [batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item(), flop]
         self.seen.add_(torch.tensor(counts, dtype=torch.float64))
 
-    def rates(self, seconds: float) -> dict:
-        """Per second over `seconds`, as train.py logs them; MFU to 4 digits (a tiny model's is
-        not 0)."""
-        tok_s, anchor_s, flop_s = (self.seen / seconds).tolist()
+    @contextlib.contextmanager
+    def paused(self):
+        """Time that is not training (an evaluation, a checkpoint) left out of the rates."""
+        t = time.time()
+        yield
+        self.start += time.time() - t
+
+    def rates(self) -> dict:
+        """Per second since the last call (or the start), as train.py logs them, then counting
+        starts again: a logging interval's rates, not the run's (whose first steps compile). MFU to
+        4 digits (a tiny model's is not 0)."""
+        tok_s, anchor_s, flop_s = (self.seen / max(time.time() - self.start, 1e-9)).tolist()
+        self.restart()
         out = {"target_tok_per_s": round(tok_s, 1), "anchors_per_s": round(anchor_s, 1)}
         return {**out, "mfu": float(f"{flop_s / self.peak:.4g}")} if self.peak else out
 
     def brief(self, rates: dict) -> dict:
-        """rates for a progress bar."""
+        """rates (none yet: {}) for a progress bar."""
+        if not rates:
+            return {}
         mfu = {"mfu": rates["mfu"]} if "mfu" in rates else {}
         return {"tok_s": f"{rates['target_tok_per_s']:.0f}", **mfu}

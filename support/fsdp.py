@@ -1,5 +1,6 @@
 """Fully sharded training (train.py --fsdp): FSDP2's fully_shard for the draft and, online, for the
-frozen target; and the training checkpoint, whole, whatever the number of ranks.
+frozen target; and the training checkpoint (save_checkpoint, load_checkpoint), whole, whatever the
+number of ranks.
 
 Under DDP every rank holds the whole draft in fp32 with its gradients and AdamW's two moments, 16
 bytes a parameter, and online the whole target too. fully_shard cuts every parameter along its first
@@ -26,6 +27,7 @@ one host cannot hold the whole state (tens of billions).
 """
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -38,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+from compat.config_json import config_to_dict
+from support.common import atomic_write
 from support.target import decoder_layers
 
 
@@ -97,6 +101,38 @@ def shard_target(target):
 
 
 # ----------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path, draft, cfg, opt, sched, step, total, args, master):
+    """train.py's ckpt.pt. Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole
+    state, one file whatever the number of ranks. Atomic: a crash mid-write never leaves a broken
+    ckpt.pt behind."""
+    model_state, opt_state = full_state(draft, opt)
+    if master:
+        state = {
+            "model": model_state,
+            "config": config_to_dict(cfg),
+            "optimizer": opt_state,
+            "scheduler": sched.state_dict(),
+            "step": step,
+            "total": total,  # the schedule's length (--max-seconds fits it)
+            "args": vars(args),
+        }
+        with atomic_write(path) as tmp:
+            torch.save(state, tmp)
+
+
+def load_checkpoint(path, draft, opt, sched, sharded=False) -> tuple:
+    """--resume: draft, optimizer and schedule as they were; returns the step to continue from and,
+    where --max-seconds fitted the schedule, its length (else None): a fitted run goes on at it.
+    Nothing else needs restoring: after the draft's init every draw (order, anchors) has its own
+    seeded generator."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
+    load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
+    sched.load_state_dict(ck["scheduler"])
+    return ck["step"], ck["total"] if ck["args"].get("max_seconds") else None
+
+
 def full_state(draft, opt) -> tuple:
     """(draft state dict, optimizer state dict), whole and on the CPU, on rank 0 ({} on the other
     ranks). Every rank must call it: under FSDP it gathers the slices. The optimizer's state is

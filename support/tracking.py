@@ -1,5 +1,6 @@
-"""Experiment tracking: `train.py --report-to {none,wandb,tensorboard}` sends each record train.py
-writes to log.jsonl to wandb or TensorBoard too, under the same names.
+"""A training run's records: log.jsonl (append_log), the final report (acceptance.json, the held-out
+summary, the served hint), and experiment tracking: `train.py --report-to {none,wandb,tensorboard}`
+sends each record train.py writes to log.jsonl to wandb or TensorBoard too, under the same names.
 
     {"kind": "train", "step": 40, "loss": 2.1, "path_acc": [0.9, 0.7], "auto_shape": "path"}
       -> at step 40: train/loss 2.1, train/path_acc/0 0.9, train/path_acc/1 0.7 (scalars),
@@ -14,6 +15,9 @@ OUT/tensorboard (`tensorboard --logdir OUT/tensorboard`). log.jsonl stays the re
 import importlib
 import json
 import os
+
+import selector
+from support.metrics import save_acceptance
 
 REPORT_TO = ("none", "wandb", "tensorboard")
 PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("torch.utils.tensorboard", "tensorboard")}
@@ -76,3 +80,38 @@ class Tracker:
             self.run.finish()
         if self.writer is not None:
             self.writer.close()
+
+
+# ---------------------------------------------------------------------------- log.jsonl and the end
+def append_log(path, record: dict, tracker=None):
+    """One log.jsonl record; --report-to sends it to the tracker too."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if tracker is not None:
+        tracker.log(record)
+
+
+def final_report(out_dir, log_path, final: dict, cfg, step, elapsed_s, tracker):
+    """The end of a finished run, on rank 0: acceptance.json, the "final" record, the held-out
+    summary and how to measure served tau."""
+    save_acceptance(out_dir, final, cfg, step)  # before the record: it pops what it keeps
+    append_log(log_path, {"kind": "final", "step": step, "elapsed_s": elapsed_s, **final}, tracker)
+    print_summary(final, cfg)
+    print(f"\nserved tau (the real decoding loop): python tools/served.py {out_dir}")
+
+
+def print_summary(m, cfg):
+    K = cfg.selector_top_k or selector.TOP_K
+    rows = {
+        "accept_unary": "accepted length, unary greedy path",
+        "accept_selector": "accepted length, selector path",
+        "accept_oracle": f"accepted length, oracle top-{K}",
+        "topk_recall": f"top-{K} recall",
+        "unary_acc": "unary accuracy",
+        "sel_acc": "selector teacher-forced accuracy",
+        "loss": "loss",
+    }
+    print("\nheld-out metrics")
+    print("\n".join(f"  {name:40s} {m[k]:.4f}" for k, name in rows.items() if k in m))
+    if "path_acc" in m:
+        print(f"  {'selector path accuracy per position':40s} {m['path_acc']}")

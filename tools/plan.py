@@ -91,6 +91,7 @@ from decoding import crop, new_cache, with_cache  # noqa: E402
 from speed import cost, machine, tune  # noqa: E402
 from speed.auto import priced_sizes  # noqa: E402
 from speed.gemm import drop_packs, set_layout  # noqa: E402
+from support import timefit  # noqa: E402
 from support.common import bounded, run  # noqa: E402
 from support.target import load_target  # noqa: E402
 
@@ -343,7 +344,7 @@ def size_fixed(c: Costs, budget_s: float, n_eval=None, served=(None, None)) -> F
 def evaluation_s(c: Costs, f: Fixed) -> float:
     """One evaluation during training: the held-out sequences, each at a fraction of a step
     (train.py prices one it has not yet timed the same way)."""
-    return f.n_eval * c.t_step * train.EVAL_STEPS_PER_SEQUENCE
+    return f.n_eval * c.t_step * timefit.EVAL_STEPS_PER_SEQUENCE
 
 
 def job_seconds(c: Costs, n: int, epochs: int, f: Fixed) -> dict:
@@ -371,7 +372,7 @@ def steps_that_fit(c: Costs, n: int, f: Fixed, seconds_left: float) -> int:
     VM's speed drifts between the first plan and training, and prepare's time is known by then:
     the job keeps its budget whatever the first plan's probes read."""
     fixed = c.spent + LOAD_S + served_s(c, f.served_samples, f.served_tokens)
-    return train.total_that_fits(
+    return timefit.total_that_fits(
         0, seconds_left - fixed, c.t_step, evaluation_s(c, f), f.eval_interval
     )
 

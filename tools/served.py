@@ -45,9 +45,11 @@ from export import load_any
 from speed import machine, tune
 from support import kernels
 from support.common import bounded, run
-from support.metrics import objective_with_metrics, record_served
+from support.compiling import anything_compiles
+from support.metrics import add_into, objective_with_metrics, record_served, reduce_metrics
 from support.show import label, speculate
 from support.target import check_draft_fits, load_target, stop_token_ids
+from support.tracking import append_log
 
 
 def prompt_length(loss_mask) -> int:
@@ -151,13 +153,8 @@ def served_evaluation(args, draft, target, tokenizer, samples, out_dir, fast, ma
         sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
         for s, visited in zip(samples, out["path"]["anchors"])
     ]
-    objective = train.DraftObjective(
-        draft, embed_w, head_w, train.loss_config(args), args.attention
-    )
     online = target if args.online else None
-    tf = train.evaluate(
-        objective, samples, args, online, draft.config, device, 0, 1, autocast, anchors=anchors
-    )
+    tf = taught_at(draft, embed_w, head_w, samples, anchors, args, online, device, autocast)
     result = {
         "prompts": len(samples),
         "path_tau": round(out["path"]["tau"], 4),
@@ -170,6 +167,35 @@ def served_evaluation(args, draft, target, tokenizer, samples, out_dir, fast, ma
         result.update(auto_shape=label(shapes["auto"]), auto_tau=round(auto["tau"], 4))
         result["auto_cycles"] = auto["cycles"]
     return result
+
+
+@torch.no_grad()
+def taught_at(draft, embed_w, head_w, samples, anchors, args, target, device, autocast) -> dict:
+    """Teacher-forced metrics (train.py's objective, its flags) of sequence i at anchors[i], the
+    anchors serving visited (data.collate with given anchors), one sequence a batch."""
+    objective = train.DraftObjective(
+        draft, embed_w, head_w, train.loss_config(args), args.attention
+    ).eval()
+    acc = {}
+    for i, (sample, given) in enumerate(zip(samples, anchors)):
+        batch = data.collate(
+            [[sample]], [10_000_000 + i], args.num_anchors, args.seed, device, anchors=[given]
+        )
+        batch = data.static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
+        if target is not None:
+            train.add_target_features(batch, target, draft.config, args.loss == "kl", False)
+        with autocast():
+            add_into(acc, objective(batch, alpha_t=None)["metrics"])
+    return reduce_metrics(acc)
+
+
+def held_out(args, tokenizer) -> list:
+    """A training run's held-out sequences (data.load_split's): --eval-data's alone, without
+    reading --data, where it has one."""
+    if args.eval_data:
+        kw = args.chat_template_kwargs
+        return data.load_samples(args.eval_data, args.online, tokenizer, args.max_length, kw)
+    return data.load_split(args, tokenizer)[1]
 
 
 def print_served(s, final, cfg):
@@ -244,7 +270,7 @@ def main(argv=None):
     target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
     target = target.to(device)
     check_draft_fits(draft.config, target)
-    samples = train.load_split(args, tokenizer, training=False)[1]
+    samples = held_out(args, tokenizer)
     chosen = [samples[i] for i in range(min(len(samples), opts.samples))]
     if not chosen:
         raise ValueError(f"{held}: no held-out sequences (train.py --eval-data, --eval-fraction)")
@@ -255,7 +281,7 @@ def main(argv=None):
     s["seconds"] = round(time.time() - t0, 1)
     record_served(opts.out_dir, s)
     record = {"kind": "served", "step": step, **{f"served_{k}": v for k, v in s.items()}}
-    train.append_log(os.path.join(opts.out_dir, "log.jsonl"), record)
+    append_log(os.path.join(opts.out_dir, "log.jsonl"), record)
     print_served(s, final, draft.config)
 
 

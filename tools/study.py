@@ -47,7 +47,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-import train
 from support.common import bounded, run
 from support.target import load_target, stop_token_ids
 from tools import served
@@ -166,7 +165,7 @@ def measure(folder: str, prompts: int) -> dict:
     drafts."""
     args, draft, step, final = served.read_run(folder)
     target, tok = load_target(args.target, torch.float32)
-    samples = train.load_split(args, tok, training=False)[1][:prompts]
+    samples = served.held_out(args, tok)[:prompts]
     B, use_selector = draft.config.block_size, draft.candidate_selector is not None
     kw = dict(use_selector=use_selector, stop_ids=stop_token_ids(target, tok))
     path = served.serve(target, draft.eval(), samples, ("path", B - 1), **kw)

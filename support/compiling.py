@@ -1,0 +1,47 @@
+"""What compiles in train.py, and the guard around it.
+
+A compiled draft (--compile; flex attention's kernels) specialises on its shapes, and a new one
+compiles again: batches are padded to data.static_shapes, a handful of buckets, each compiled once
+(no dynamic shapes: dynamic flex recompiles anyway). Past the limit dynamo would silently run eager,
+and eager flex is dense ([N, H, Q, K] scores, tens of GB): that ends the run instead.
+"""
+
+import contextlib
+
+import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
+
+from support import kernels
+
+COMPILE = dict(automatic_dynamic_shapes=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
+
+
+def choose_attention(attention: str, device) -> str:
+    """--attention auto: support/kernels.py's choice; flex only where torch can train with it."""
+    attention = kernels.choose(attention, device)
+    if attention == "flex" and torch.device(device).type == "cpu":
+        raise ValueError(
+            "--attention flex: torch runs FlexAttention on CPU forward only (no backward in 2.13); "
+            "train on CPU with --attention sdpa"
+        )
+    return attention
+
+
+def anything_compiles(args) -> bool:
+    """Whether batches are padded to data.static_shapes: where anything compiles (see COMPILE)."""
+    return args.compile or args.attention == "flex"
+
+
+@contextlib.contextmanager
+def guard(on: bool):
+    """COMPILE's dynamo settings while on (an eager run leaves torch as it is); a compiled function
+    past the recompile limit ends the run in a ValueError (one `error:` line)."""
+    try:
+        with torch._dynamo.config.patch(**COMPILE) if on else contextlib.nullcontext():
+            yield
+    except FailOnRecompileLimitHit as e:
+        raise ValueError(
+            f"a compiled function met more than {COMPILE['recompile_limit']} shapes (batches are "
+            "padded to data.static_shapes, so this is a bug to report); train without --compile "
+            f"and with --attention sdpa meanwhile ({str(e).splitlines()[0]})"
+        ) from None

@@ -1,0 +1,65 @@
+"""The ranks of a torchrun job: start them, wrap the training module for them (DDP or FSDP),
+agree on a number. One process without torchrun is rank 0 of 1 and none of this communicates.
+
+    start_ranks   this rank's device (its GPU bound first), rank, world; the process group
+    wrap          DDP (a whole copy a rank) or --fsdp (support/fsdp.py), and the no_sync of a
+                  step's micro-batches but its last
+    agreed        rank 0's number on every rank
+"""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from support import fsdp
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU (torchrun's LOCAL_RANK), or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+
+
+def start_ranks(timeout, backend=None) -> tuple:
+    """-> (device, rank, world, distributed). Under torchrun (one process too: the same path as
+    many) the process group starts here, on this rank's GPU, with `timeout` (a timedelta) for its
+    collectives; backend None: nccl on a GPU, gloo on the CPU."""
+    distributed = "RANK" in os.environ
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # first: nccl (and anything on "cuda") uses this rank's GPU
+    if distributed:
+        dist.init_process_group(
+            backend or ("nccl" if device.type == "cuda" else "gloo"),
+            device_id=device if device.type == "cuda" else None,
+            timeout=timeout,
+        )
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    return device, rank, world, distributed
+
+
+def wrap(objective, layers, target, device, sharded: bool, ddp: bool, bf16: bool) -> tuple:
+    """-> (the module to call, no_sync). Before the optimizer is built: sharded, its parameters
+    become this rank's slices (fsdp.shard: the online target, then the draft's `layers` and the
+    rest); ddp, a whole copy on every rank whose step's last backward all-reduces the gradients.
+    no_sync(): the backwards of a step but its last add into .grad without communicating."""
+    if sharded:
+        fsdp.shard(objective, layers, target, bf16)
+        return objective, lambda: fsdp.no_sync(objective)
+    if ddp:
+        objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
+        return objective, objective.no_sync
+    return objective, contextlib.nullcontext
+
+
+def agreed(n: int, device, distributed) -> int:
+    """Rank 0's n on every rank."""
+    if not distributed:
+        return n
+    t = torch.tensor([n], device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
