@@ -30,7 +30,7 @@ banners are subsections):
                                  precision and CPU layout, sampling against the target's
                                  distribution, --show, --verify-tokens, the cycle's head rows, int8,
                                  tree == path, tree sampling, what auto chooses
-    export.py                    round trips and refusals
+    export.py                    round trips and refusals, the serving flags, llama.cpp's warning
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
     train.py                     train.py, support/flops.py: loss goes down, resume,
                                  acceptance.json, served acceptance, anchor coverage, DDP ==
@@ -47,7 +47,8 @@ banners are subsections):
                                  torchrun + nccl resume, MFU
     the toy run (run.sh --toy)   a reduced toy run: the toy target learns its problems, its
                                  draft's greedy output is the target's
-    llama.cpp                    the converter reads every key it needs from an export
+    llama.cpp                    the converter reads every key it needs from an export; what its
+                                 loader refuses is refused before a build
     the project's shape          imports flow one way
     tools/plan.py: slow CPUs     the plan keeps slow and fast CPUs inside the budget
 """
