@@ -8,119 +8,50 @@
 and the draft's tensors. `speculators` is what vllm-project/speculators trains and writes (vLLM
 serves it too): the same tensors, the draft's Qwen3 layer config nested under
 `transformer_layer_config` (compat/speculators.py maps it). Either is one model.safetensors or,
-past --max-shard-size, shards named by model.safetensors.index.json. The checkpoint train.py writes
-is one torch.save file holding {"model", "config", "optimizer", "step", "args"}. Only the draft's
+past --max-shard-size, shards named by model.safetensors.index.json (compat/shards.py). The
+checkpoint train.py writes is one torch.save file holding {"model", "config", "optimizer",
+"scheduler", "step", "total", "args"}. Only the draft's
 own tensors leave: no optimizer state, no embedding, no lm_head (those stay the target's). load_any
 reads every form: a training checkpoint, or an exported directory in either format, so a draft can
 be re-exported in another dtype or format. Anything that does not match its config, or that a
-format cannot say, is refused with a message naming the field.
+format cannot say, is refused with a message naming the field. What an engine would refuse or
+misread is said at export (compat/serving.py): a warning where llama.cpp would refuse the draft,
+and the serving flags that must match its block size.
 """
 
 import argparse
-import json
 import os
-import re
 import shutil
+import sys
 
 import torch
-from safetensors.torch import load_file, save_file
 
 import model
 from compat.config_json import config_from_dict, config_to_dict, load_config
-from compat.speculators import VERIFIER_COPIES, config_from_speculators, speculators_config
-from support.common import DTYPES, atomic_write, read_json, run, write_json
+from compat.serving import llamacpp_refusal, serving_flags
+from compat.shards import MAX_SHARD_BYTES, load_tensors, save_tensors, size_in_bytes
+from compat.speculators import read_speculators, speculators_config
+from support.common import DTYPES, read_json, run, write_json
 from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
-
-MAX_SHARD_BYTES = 5 * 10**9  # transformers 4.x's default (5.x raised its own to 50GB)
-# what wrappers put before every key: torch.compile "_orig_mod.", DistributedDataParallel "module."
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
 # ------------------------------------------------------------------- draft directories: save / load
-WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
 def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, max_shard_bytes=None, cfg=None):
     """config.json (cfg, by default the contract's) + exactly the contract's tensors: one
-    model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json, split
-    as transformers splits (in order; a tensor larger than the limit gets a shard of its own)."""
+    model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json
+    (compat/shards.py)."""
     os.makedirs(out_dir, exist_ok=True)
     sd = {
         k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
         for k, v in draft.state_dict().items()
     }
-    shards, size = [{}], 0
-    for k, v in sd.items():
-        if max_shard_bytes and shards[-1] and size + v.nbytes > max_shard_bytes:
-            shards, size = shards + [{}], 0
-        shards[-1][k], size = v, size + v.nbytes
-    n = len(shards)
-    names = (
-        [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    )
-    for name, part in zip(names, shards):
-        with atomic_write(os.path.join(out_dir, name)) as tmp:
-            save_file(part, tmp, metadata={"format": "pt"})
-    if n > 1:
-        write_json(
-            os.path.join(out_dir, INDEX),
-            {
-                "metadata": {"total_size": sum(v.nbytes for v in sd.values())},
-                "weight_map": {k: f for f, p in zip(names, shards) for k in p},
-            },
-        )
-    keep = set(names) | ({INDEX} if n > 1 else set())
-    for name in os.listdir(out_dir):  # the weight files of an earlier export
-        if (name in (WEIGHTS, INDEX) or SHARD.fullmatch(name)) and name not in keep:
-            os.remove(os.path.join(out_dir, name))
+    save_tensors(sd, out_dir, max_shard_bytes)
     cfg = dict(
         cfg or config_to_dict(draft.config),
         dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""),
     )
     # last: a directory with a config.json is complete
     write_json(os.path.join(out_dir, "config.json"), cfg)
-
-
-def read_safetensors(file: str) -> dict:
-    try:
-        return load_file(file)
-    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
-        raise ValueError(
-            f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}"
-        ) from None
-
-
-def load_tensors(path: str) -> dict:
-    """Every tensor of a draft directory: model.safetensors, or the shards its index names."""
-    index = os.path.join(path, INDEX)
-    if not os.path.isfile(index):
-        return read_safetensors(os.path.join(path, WEIGHTS))
-    if os.path.isfile(os.path.join(path, WEIGHTS)):
-        raise ValueError(
-            f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous"
-        )
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{index}: not a readable index (a JSON object with a weight_map): {e}"
-        ) from None
-    sd = {}
-    for shard in sorted(set(weight_map.values())):
-        part = read_safetensors(os.path.join(path, os.path.basename(shard)))
-        stray = sorted(k for k in part if weight_map.get(k) != shard)
-        if stray:
-            raise ValueError(
-                f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}"
-            )
-        sd.update(part)
-    if set(weight_map) - set(sd):
-        raise ValueError(
-            f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}"
-        )
-    return sd
 
 
 def load_draft(path: str, dtype=torch.float32) -> model.DraftModel:
@@ -154,6 +85,10 @@ def check_state_dict(draft: model.DraftModel, sd: dict, source: str):
 
 
 # ----------------------------------------------------------------------------- training checkpoints
+# what wrappers put before every key: torch.compile "_orig_mod.", DistributedDataParallel "module."
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
 def read_checkpoint(file: str) -> tuple:
     """A training checkpoint file -> (config dict, state dict), wrapper prefixes removed."""
     try:
@@ -181,10 +116,8 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
         d = read_json(cfg_file)
         if "speculators_model_type" not in d:
             return load_draft(path, dtype).eval()
-        sd = {k: v for k, v in load_tensors(path).items() if k not in VERIFIER_COPIES}
-        return draft_from_state_dict(
-            config_from_speculators(d, cfg_file), sd, source=path, dtype=dtype
-        ).eval()
+        cfg, sd = read_speculators(path, d)
+        return draft_from_state_dict(cfg, sd, source=path, dtype=dtype).eval()
     file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(
@@ -220,34 +153,20 @@ def export(
     return out_dir
 
 
-def size_in_bytes(s: str) -> int:
-    """'5GB' -> 5 * 10**9, '500MiB' -> 500 * 2**20, '1000' -> 1000 (transformers' units)."""
-    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    m = re.fullmatch(r"(\d+)\s*([KMG]I?B)?", s.strip(), re.IGNORECASE)
-    if not m or int(m.group(1)) < 1:
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 5GB, 500MB, 2GiB)")
-    return int(m.group(1)) * units[(m.group(2) or "").upper()]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "checkpoint", help="ckpt.pt, a run directory holding it, or an exported draft directory"
-    )
-    ap.add_argument("--out-dir", required=True, help="directory for config.json + the tensors")
-    ap.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export"
-    )
-    ap.add_argument(
-        "--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout"
-    )
-    ap.add_argument(
+    a = ap.add_argument
+    a("checkpoint", help="ckpt.pt, a run directory holding it, or an exported draft directory")
+    a("--out-dir", required=True, help="directory for config.json + the tensors")
+    a("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export")
+    a("--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout")
+    a(
         "--max-shard-size",
         type=size_in_bytes,
         default=MAX_SHARD_BYTES,
         help="tensor files larger than this are split into shards (default 5GB)",
     )
-    ap.add_argument(
+    a(
         "--verifier",
         help="--format speculators: the target's hub name or local path, which "
         "speculators reloads embed_tokens and lm_head from",
@@ -255,20 +174,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.format == "speculators" and not args.verifier:
         ap.error("--format speculators needs --verifier (the target model's hub name or path)")
-    export(
-        args.checkpoint,
-        args.out_dir,
-        DTYPES[args.dtype],
-        args.format,
-        args.max_shard_size,
-        args.verifier,
-    )
+    dtype = DTYPES[args.dtype]
+    export(args.checkpoint, args.out_dir, dtype, args.format, args.max_shard_size, args.verifier)
     draft = load_any(args.out_dir)
     files = sorted(f for f in os.listdir(args.out_dir) if f.endswith(".safetensors"))
     print(
         f"exported {'DFlash2' if draft.config.dflash2 else 'DFlash'} draft ({args.dtype}, "
         f"{args.format} format, {len(files)} tensor file(s)) to {args.out_dir}"
     )
+    print(serving_flags(draft.config))
+    refusal = llamacpp_refusal(draft.config)
+    if refusal and args.format == "zlab":  # SGLang, vLLM and Z Lab load it: a warning, not an error
+        print(f"warning: {refusal}; tools/llamacpp.py will not convert it", file=sys.stderr)
 
 
 if __name__ == "__main__":

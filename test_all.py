@@ -30,7 +30,7 @@ banners are subsections):
                                  precision and CPU layout, sampling against the target's
                                  distribution, --show, --verify-tokens, the cycle's head rows, int8,
                                  tree == path, tree sampling, what auto chooses
-    export.py                    round trips and refusals
+    export.py                    round trips and refusals, the serving flags, llama.cpp's warning
     command lines                a user's mistake ends in one line `error: ...`, exit status 2
     train.py                     train.py, support/flops.py: loss goes down, resume,
                                  acceptance.json, served acceptance, anchor coverage, DDP ==
@@ -47,7 +47,8 @@ banners are subsections):
                                  torchrun + nccl resume, MFU
     the toy run (run.sh --toy)   a reduced toy run: the toy target learns its problems, its
                                  draft's greedy output is the target's
-    llama.cpp                    the converter reads every key it needs from an export
+    llama.cpp                    the converter reads every key it needs from an export; what its
+                                 loader refuses is refused before a build
     the project's shape          imports flow one way
     tools/plan.py: slow CPUs     the plan keeps slow and fast CPUs inside the budget
 """
@@ -85,6 +86,7 @@ import prepare
 import train
 import tree
 from compat import config_json as config
+from compat import serving, speculators
 from conv import GroupedDynamicCausalConv
 from decoding import crop, new_cache
 from model import DraftConfig, DraftModel, capture_features
@@ -112,6 +114,7 @@ from support import (
     kernels,
     metrics,
     promptsets,
+    regen,
     show,
     timefit,
     tracking,
@@ -2622,11 +2625,11 @@ def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     prepare.regenerate(target, tok, PROMPTS, str(batched), max_new_tokens=6, batch_size=2)
     # only prompts 3 and 4, in one left-padded batch
     assert calls == [2]
-    a, b = prepare.merge_regenerated(str(one), 5), prepare.merge_regenerated(str(batched), 5)
+    a, b = regen.merge_regenerated(str(one), 5), regen.merge_regenerated(str(batched), 5)
     assert a == b  # left padding changes no greedy answer
     assert [m[:-1] for m in a] == PROMPTS and all(m[-1]["role"] == "assistant" for m in a)
     with pytest.raises(RuntimeError, match="no regenerated answer"):
-        prepare.merge_regenerated(str(one), 6)
+        regen.merge_regenerated(str(one), 6)
 
 
 def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
@@ -2638,7 +2641,7 @@ def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
     def regenerate(name, **kw):
         (tmp_path / name).mkdir(exist_ok=True)
         prepare.regenerate(target, tok, PROMPTS, str(tmp_path / name), 6, batch_size=2, **kw)
-        return prepare.merge_regenerated(str(tmp_path / name), len(PROMPTS))
+        return regen.merge_regenerated(str(tmp_path / name), len(PROMPTS))
 
     hot = dict(temperature=2.0, seed=3, chat_template_kwargs=NO_THINKING)
     a = regenerate("a", **hot)
@@ -3799,6 +3802,34 @@ def write_ckpt(path, draft):
         },
         path,
     )
+
+
+def test_export_names_the_serving_flags_and_warns_where_llamacpp_would_refuse(tmp_path, capsys):
+    """export.py prints the flags an engine must be given for the draft's block size B (SGLang's
+    --speculative-num-draft-tokens B, vLLM's num_speculative_tokens B - 1). A DFlash2 draft that
+    llama.cpp's loader refuses (hidden 32 < K (K + 1) = 72 at K = 8) is still exported in the zlab
+    format, with one warning line; the speculators format (no llama.cpp) and a draft that meets the
+    rule (K = 5: 30 <= 32) get none."""
+    for name, draft in (("small", tiny_draft(4, selector_top_k=8)), ("fits", tiny_draft(4))):
+        write_ckpt(tmp_path / f"{name}.pt", draft)
+        export.main([str(tmp_path / f"{name}.pt"), "--out-dir", str(tmp_path / name)])
+        out, err = capsys.readouterr()
+        assert out.splitlines()[-1] == (
+            "serve it with block size 4: SGLang --speculative-num-draft-tokens 4, "
+            "vLLM num_speculative_tokens 3"
+        )
+        assert (tmp_path / name / "config.json").is_file()
+        if name == "fits":
+            assert err == ""
+            continue
+        assert err.splitlines() == [
+            "warning: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 is below "
+            "K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice); "
+            "tools/llamacpp.py will not convert it"
+        ]
+    spec = ["--format", "speculators", "--verifier", "t"]
+    export.main([str(tmp_path / "small.pt"), "--out-dir", str(tmp_path / "spec"), *spec])
+    assert capsys.readouterr().err == ""
 
 
 def block_hidden(draft, seed=0):
@@ -6742,7 +6773,7 @@ def test_speculators_fields_refused_by_name(tmp_path, change, named):
     for k in [k for k, v in change.items() if v is DELETE]:
         del d[k]
     with pytest.raises(ValueError, match=named):
-        export.config_from_speculators(d, "spec/config.json")
+        speculators.config_from_speculators(d, "spec/config.json")
 
 
 @pytest.mark.parametrize(
@@ -7312,6 +7343,42 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     # the selector codebooks are bare parameters; the converter appends ".weight" (qwen.py:915-919)
     names = set(export.load_tensors(str(tmp_path / "out")))
     assert {f"candidate_selector.{k}_codebook" for k in ("predecessor", "successor")} <= names
+
+
+def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path, monkeypatch):
+    """llama.cpp's DFlash2 loader refuses hidden_size % conv_group_size != 0 and hidden_size <
+    K (K + 1), K = selector_top_k (src/models/dflash.cpp). tools/llamacpp.py says so before it
+    builds or converts anything: one line `error: ...`, exit status 2, and nothing in the cache.
+    A draft that meets both passes; a plain DFlash draft has no selector and no such rule."""
+    small, fits = tmp_path / "small", tmp_path / "fits"
+    export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
+    export.save_draft(tiny_draft(4), str(fits))
+    cache = tmp_path / "cache"
+    run = subprocess.run(
+        [sys.executable, "tools/llamacpp.py", "convert", "--draft", str(small)]
+        + ["--cache", str(cache)],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"error: --draft {small}: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 "
+        "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
+    ], run.stderr
+    assert not cache.exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what importing the tool sets, undone after
+    from tools import llamacpp
+
+    assert llamacpp.check_draft(str(fits)) is None
+    # the group rule, which this project's own validation already enforces, said by name
+    c = types.SimpleNamespace(dflash2=True, hidden_size=36, conv_group_size=8, selector_top_k=5)
+    assert serving.llamacpp_refusal(c) == (
+        "llama.cpp's DFlash2 loader refuses this draft: hidden_size 36 is not divisible by "
+        "conv_group_size 8"
+    )
+    assert serving.llamacpp_refusal(model.plain_dflash(tiny_config(selector_top_k=8))) is None
 
 
 # ============================================================================ pictures
@@ -8147,7 +8214,7 @@ def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
     out = tmp_path / name
     out.mkdir(exist_ok=True)
     prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
-    return prepare.merge_regenerated(str(out), len(prompts))
+    return regen.merge_regenerated(str(out), len(prompts))
 
 
 def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
@@ -8168,11 +8235,11 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
     out.mkdir()
     with tiny_openai_server(target, tok) as (url, log):
         client = dict(concurrency=3, retries=0, wait=0.0)
-        prepare.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
-        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        regen.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
+        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
         assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
-    assert prepare.merge_regenerated(str(out), len(PROMPTS)) == expected
-    records = prepare.read_regenerated(str(out)).values()
+    assert regen.merge_regenerated(str(out), len(PROMPTS)) == expected
+    records = regen.read_regenerated(str(out)).values()
     for r in records:
         ids = r["messages"][-1]["token_ids"]
         again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
@@ -8180,22 +8247,22 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
         assert r["retokenized_differs"] == (again[: len(ids)] != ids)
         assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
     d = sum(r["retokenized_differs"] for r in records)
-    assert "5 answers keep the target's generated token ids" in prepare.fidelity(records)
-    assert f"would change {d} ({100 * d / 5:.1f}%)" in prepare.fidelity(records)
+    assert "5 answers keep the target's generated token ids" in regen.fidelity(records)
+    assert f"would change {d} ({100 * d / 5:.1f}%)" in regen.fidelity(records)
     nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
     nostop.mkdir()
     with tiny_openai_server(target, tok, stop_id=False) as (url, log):
-        prepare.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
-    assert prepare.merge_regenerated(str(nostop), len(PROMPTS)) == expected
+        regen.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
+    assert regen.merge_regenerated(str(nostop), len(PROMPTS)) == expected
     # no ids from the server: the text, re-tokenized; the share that differs by count
     plain = tmp_path / "plain"
     plain.mkdir()
     with tiny_openai_server(target, tok, ids=False) as (url, log):
-        prepare.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
-    got = prepare.merge_regenerated(str(plain), len(PROMPTS))
+        regen.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
+    got = regen.merge_regenerated(str(plain), len(PROMPTS))
     strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
     assert got == strip
-    for i, r in prepare.read_regenerated(str(plain)).items():
+    for i, r in regen.read_regenerated(str(plain)).items():
         n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
         assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
 
@@ -8208,7 +8275,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     with tiny_openai_server(target, tok, fail_first=2) as (url, log):
         out = tmp_path / "flaky"
         out.mkdir()
-        prepare.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
         assert log["requests"] == len(PROMPTS) + 2
     target_dir, _ = tiny_setup(tmp_path)
     out = tmp_path / "out"

@@ -11,6 +11,7 @@ cannot say, or what speculators would read otherwise, is refused with a message 
 import os
 
 from compat.config_json import config_from_dict, config_to_dict
+from compat.shards import load_tensors
 from model import DFLASH2_FIELDS
 from support.common import read_json
 
@@ -125,6 +126,13 @@ def config_from_speculators(d: dict, source: str):
         # with no sliding layer the flag says nothing: stays unset
         layer["is_causal"] = False
     return config_from_dict(layer, f"{source} (transformer_layer_config)")
+
+
+def read_speculators(path: str, d: dict) -> tuple:
+    """A speculators draft directory, its config.json read as d -> (DraftConfig, the draft's own
+    tensors, without the verifier's copies)."""
+    sd = {k: v for k, v in load_tensors(path).items() if k not in VERIFIER_COPIES}
+    return config_from_speculators(d, os.path.join(path, "config.json")), sd
 
 
 def speculators_config(c, verifier: str) -> dict:

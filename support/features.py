@@ -53,6 +53,21 @@ def save_shard(path: str, samples: list, metadata: dict):
         save_file(tensors, tmp, metadata={key: str(v) for key, v in metadata.items()})
 
 
+def shard_done(path: str, settings: dict, n: int) -> bool:
+    """Whether a rerun may skip shard `path`: it exists, was made with these settings, and holds
+    its n conversations. One made otherwise is refused; the last, partial shard of a run over fewer
+    conversations (--num-samples grew) is not done and is rebuilt."""
+    if not os.path.exists(path):
+        return False
+    meta = shard_metadata(path)
+    old = {key: meta.get(key) for key in settings}
+    if old != settings:
+        raise ValueError(
+            f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir"
+        )
+    return sum(int(meta[key]) for key in COUNTS) == n
+
+
 def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_size):
     """manifest.json from the shards' own metadata; run once every rank has written its shards."""
     shards, totals = [], dict.fromkeys(COUNTS, 0)

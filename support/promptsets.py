@@ -7,6 +7,7 @@ Training prompts (answered by the target itself with prepare.py --regenerate):
     prompts/word_problems.py   grade-school word problems from the project's own templates
 Held out, never trained on (decontaminated by exact match and 13-word overlap):
     MT-Bench first turns (80), HumanEval prompts (164), GSM8K test questions (1319)
+PROMPT_SETS names them for prepare.py --prompts, with the toy run's (prompts/toy_problems.py).
 """
 
 import gzip
@@ -18,6 +19,7 @@ import re
 import subprocess
 import sys
 
+from prompts.toy_problems import toy_split
 from prompts.word_problems import word_problems
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -155,3 +157,18 @@ def training_prompts(num_math: int = 1000, seed: int = 0) -> list:
     prompts = decontaminate(prompts, [p for name in EVAL_SETS for p in eval_prompts(name)])
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+# ----------------------------------------------------------------------------- prepare.py --prompts
+PROMPT_SETS = {  # name -> seed -> prompts; the held-out sets never depend on the seed
+    "default": lambda seed: training_prompts(seed=seed),
+    "eval": lambda seed: held_out_prompts(),
+    "math": lambda seed: math_training_prompts(seed),
+    # GSM8K test, from its first question
+    "math-eval": lambda seed: eval_prompts("gsm8k"),
+    # the same, from its last: for recipe studies
+    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],
+    # the TOY run's word problems (bash run.sh --toy; prompts/toy_problems.py) and its held-out ones
+    "toy": lambda seed: [q for q, _ in toy_split()[0]],
+    "toy-eval": lambda seed: [q for q, _ in toy_split()[1]],
+}

@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 
+from support.common import bounded
 from support.conversations import render, retokenized_differs
 
 
@@ -228,3 +229,49 @@ def regenerate(
             stop.set()
             raise got
         yield got
+
+
+# ----------------------------------------------------------------------------- command line
+def add_flags(add):
+    """prepare.py's --server flags (add: a parser's add_argument)."""
+    add(
+        "--server",
+        action="append",
+        metavar="URL",
+        help="regenerate on this OpenAI-compatible server (vLLM, SGLang, llama-server: "
+        "http://host:port) instead of in-process; repeat for several (support/regen_server.py)",
+    )
+    add(
+        "--concurrency",
+        type=bounded(int, low=1),
+        default=8,
+        help="--server requests in flight at once, over all servers",
+    )
+    add(
+        "--retries",
+        type=bounded(int, low=0),
+        default=5,
+        help="tries again per --server request that fails (down, timeout, 429, 5xx)",
+    )
+    add(
+        "--retry-wait",
+        type=bounded(float, low=0.0),
+        default=1.0,
+        help="seconds before the first retry, doubled for each next one",
+    )
+    add("--request-timeout", type=bounded(float, above=0.0), default=600.0, help="seconds")
+    add(
+        "--server-model",
+        help="the model name sent to the servers (default: the first of each one's /v1/models)",
+    )
+
+
+def client(args) -> dict:
+    """regenerate()'s client arguments from the flags add_flags made."""
+    return {
+        "concurrency": args.concurrency,
+        "retries": args.retries,
+        "wait": args.retry_wait,
+        "timeout": args.request_timeout,
+        "model": args.server_model,
+    }

@@ -44,17 +44,19 @@ sys.path.insert(0, REPO)  # the project's modules
 # ------------------------------------------------------------------- the project's functions
 # The only project functions this tool uses, in one block.
 import decoding  # noqa: E402
+from compat.config_json import load_config  # noqa: E402
+from compat.serving import llamacpp_refusal  # noqa: E402
 from decoding import speculative_generate, target_generate  # noqa: E402
 from export import load_any  # noqa: E402
-from prepare import (  # noqa: E402
+from prepare import regenerate  # noqa: E402
+from speed import machine, tune  # noqa: E402
+from support.promptsets import eval_prompts, math_training_prompts  # noqa: E402
+from support.regen import (  # noqa: E402
     fidelity,
     merge_regenerated,
     read_regenerated,
-    regenerate,
     regenerate_on_servers,
 )
-from speed import machine, tune  # noqa: E402
-from support.promptsets import eval_prompts, math_training_prompts  # noqa: E402
 from support.target import embedded_dir, encode, load_target  # noqa: E402
 
 # -------------------------------------------------------------------------------------------
@@ -280,6 +282,16 @@ def draft_tag(draft: str) -> str:
     return f"{os.path.basename(os.path.normpath(draft))}-{h.hexdigest()[:8]}"
 
 
+def check_draft(draft: str):
+    """An export llama.cpp can load, or Fail saying why, before minutes of building and converting:
+    its loader refuses some DFlash2 shapes that the other engines serve (compat/serving.py)."""
+    if not os.path.isfile(os.path.join(draft, "config.json")):
+        raise Fail(f"--draft {draft}: no export there (config.json + model.safetensors)")
+    refusal = llamacpp_refusal(load_config(draft))
+    if refusal:
+        raise Fail(f"--draft {draft}: {refusal}")
+
+
 def convert(cache: str, draft: str = None) -> dict:
     """{"target": {quant: gguf}, "draft": {quant: gguf}}: what the later steps run."""
     src, log = source_dir(cache), os.path.join(cache, "convert.log")
@@ -295,8 +307,7 @@ def convert(cache: str, draft: str = None) -> dict:
     }
     ggufs["target"]["q4_1"] = wheel_gguf()
     if draft:
-        if not os.path.isfile(os.path.join(draft, "config.json")):
-            raise Fail(f"--draft {draft}: no export there (config.json + model.safetensors)")
+        check_draft(draft)
         tag = draft_tag(draft)
         ggufs["draft"] = {
             q: to_gguf(src, draft, os.path.join(out, f"{tag}-{q}.gguf"), q, log, hf)
@@ -1173,6 +1184,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.step in ("parity", "speed", "check", "breakeven") and not args.draft:
         ap.error(f"{args.step} needs --draft EXPORT")
+    if args.draft:
+        check_draft(args.draft)
     os.makedirs(cache, exist_ok=True)
     bins = build(cache)
     if args.step == "build":

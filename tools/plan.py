@@ -91,7 +91,7 @@ from decoding import crop, new_cache, with_cache  # noqa: E402
 from speed import cost, machine, tune  # noqa: E402
 from speed.auto import priced_sizes  # noqa: E402
 from speed.gemm import drop_packs, set_layout  # noqa: E402
-from support import timefit  # noqa: E402
+from support import regen, timefit  # noqa: E402
 from support.common import bounded, run  # noqa: E402
 from support.target import load_target  # noqa: E402
 
@@ -595,7 +595,7 @@ def answers_made(data_dir: str) -> int:
 def answer_lengths(data_dir: str) -> tuple:
     """The tokens of each answer prepare.py regenerated into data_dir, in the data's order (by
     index); () where it holds none."""
-    done = prepare.read_regenerated(data_dir) if os.path.isdir(data_dir) else {}
+    done = regen.read_regenerated(data_dir) if os.path.isdir(data_dir) else {}
     return tuple(len(done[i]["messages"][-1]["token_ids"]) for i in sorted(done))
 
 
