@@ -107,6 +107,7 @@ class LossConfig:
     gamma: float = None  # exp's decay; None: DEFAULT_GAMMA of the block size
     dpace_alpha: float = 0.5
     selector_miss: str = "strict"  # a label outside the top-K: strict or replace
+    selector_weighting: str = "exp"  # the selector term's weights: exp (w, D) or uniform
     stop_gradient: bool = False  # the selector's CE trains the selector only, not the backbone
     chunk_blocks: int = None  # anchors per chunk of logits; None: all at once
 
@@ -123,6 +124,7 @@ def objective(
     *,
     target_hidden=None,
     alpha_t=None,
+    sel_scale=None,
     docs=None,
     acceptance=False,
 ):
@@ -131,7 +133,8 @@ def objective(
     h [N, A, B, H] draft hidden states (model.forward_training); input_ids, loss_mask [N, S];
     anchors, anchor_valid [N, A]; cfg: the loss's settings. target_hidden [N, S, H]: the target's
     final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`). alpha_t:
-    selector weight this step, or None when the selector is frozen (alpha == 0). docs [N, S]: the
+    selector weight this step, or None when the selector is frozen (alpha == 0). sel_scale: with
+    uniform, D / D_sel of the whole step (train.py), None: this micro-batch's. docs [N, S]: the
     documents of packed rows, or None. acceptance: add the per-slot statistics of acceptance.json
     to the metrics (held-out evaluation). Returns {"numerator", "denominator", "metrics"} where
     metrics maps a name to a (numerator, denominator) pair of detached tensors.
@@ -144,10 +147,7 @@ def objective(
             "loss 'kl' needs the target's hidden states (prepare.py --save-target-hidden, or "
             "--online)"
         )
-    if cfg.weighting == "exp" and cfg.gamma is None:
-        if B not in DEFAULT_GAMMA:
-            raise ValueError(f"no default gamma for block size {B}; set --gamma")
-        cfg = dataclasses.replace(cfg, gamma=DEFAULT_GAMMA[B])
+    cfg = with_gamma(cfg, B)
     # [N, A, B-1]
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)
     # ce reads only the labels: the target's [blocks x (B-1), V] distribution would feed metrics
@@ -179,16 +179,29 @@ def objective(
 
     base = base_numerator(cfg.loss, sums)
     numerator = base
-    if alpha_t is not None and "N_sel" in sums:
-        # alpha_t = 0 keeps the selector in the graph
-        numerator = numerator + alpha_t * sums["N_sel"]
     D = sums["D"].detach()
+    D_sel = sums["D_sel"].detach() if "D_sel" in sums else D  # uniform's own denominator
+    if alpha_t is not None and "N_sel" in sums:
+        sel = sums["N_sel"]
+        if "D_sel" in sums:  # uniform: alpha * N_sel / D_sel, written over the shared D
+            sel = sel * (D / D_sel.clamp(min=1) if sel_scale is None else sel_scale)
+        # alpha_t = 0 keeps the selector in the graph
+        numerator = numerator + alpha_t * sel
     own = {"loss": (numerator.detach(), D), "base_loss": (base.detach(), D)}
     if "N_sel" in sums:
-        own["sel_loss"] = (sums["N_sel"].detach(), D)
+        own["sel_loss"] = (sums["N_sel"].detach(), D_sel)
     coverage = metrics.coverage(loss_mask, anchors, w0)
     pairs = metrics.pairs(stats, own, anchor_valid, coverage, acceptance)
     return {"numerator": numerator, "denominator": D, "metrics": pairs}
+
+
+def with_gamma(cfg, B: int):
+    """cfg with exp's gamma set: --gamma, else DEFAULT_GAMMA of the block size B."""
+    if cfg.weighting != "exp" or cfg.gamma is not None:
+        return cfg
+    if B not in DEFAULT_GAMMA:
+        raise ValueError(f"no default gamma for block size {B}; set --gamma")
+    return dataclasses.replace(cfg, gamma=DEFAULT_GAMMA[B])
 
 
 def chunk_sums(draft, lm_head_weight, cfg, acceptance, h, labels, prev, w0, target_hidden):
@@ -238,7 +251,8 @@ def add_sums(total: dict, new: dict):
 
 def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
     """Sums with gradient over a chunk's slots: the weight total D, the base loss's numerator
-    (base_sums) and, with a selector, the selector's (selector_numerator)."""
+    (base_sums) and, with a selector, the selector's (selector_numerator; with uniform weights
+    its own denominator D_sel too)."""
     logq_label = logq.gather(-1, labels[..., None]).squeeze(-1)  # [M, L]
     if cfg.weighting == "dpace":
         w = dpace_weights(logq_label.exp().detach(), w0, cfg.dpace_alpha)
@@ -247,8 +261,13 @@ def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
     out = {"D": w.sum(), **base_sums(cfg.loss, w, w0, logq, logq_label, logp)}
     if selector is not None:
         hidden, unary = (h.detach(), u.detach()) if cfg.stop_gradient else (h, u)
+        valid = w0 > 0
+        w_sel = w
+        if cfg.selector_weighting == "uniform":
+            w_sel = valid.float()
+            out["D_sel"] = w_sel.sum()
         out["N_sel"] = selector_numerator(
-            selector, hidden, unary, labels, prev, w, w0 > 0, cand_ids, cfg.selector_miss
+            selector, hidden, unary, labels, prev, w_sel, valid, cand_ids, cfg.selector_miss
         )
     return out
 
@@ -263,6 +282,9 @@ def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
 #   replace  an uncovered label takes the weakest candidate's place (this project's; SpecForge
 #            PR #772 inserts it into the candidates, Speculators PR #1006 into the loss only)
 #   stop-gradient  the selector CE trains the selector only: SpecForge PR #793
+#   uniform  the selector term unweighted over its own denominator, base + alpha * mean CE:
+#            Model-Optimizer PR #2216 (hf_dflash2.py: "position weighting ... deliberately not
+#            applied"); with replace, Model-Optimizer's selector objective
 def base_sums(loss: str, w, w0, logq, logq_label, logp):
     """The sums the chosen base loss needs; w, w0, logq_label = log q(label) [M, L], logq and the
     target's logp [M, L, V] (logp None without the target):
@@ -334,3 +356,14 @@ def dpace_weights(q, w0, alpha: float):
     P = s.cumprod(-1)
     d = (P * w0).flip(-1).cumsum(-1).flip(-1)
     return w0 * d
+
+
+def uniform_denominators(cfg, block_size: int, input_ids, loss_mask, anchors, anchor_valid, docs):
+    """uniform's two denominators of a micro-batch from its data alone, [sum w, D_sel]: D_sel
+    counts the selector's slots (w0 > 0; under strict a miss counts with CE 0, as under exp).
+    train.py sums them over the step's micro-batches and ranks before the first backward: the
+    selector's gradient goes into .grad scaled by D / D_sel, so the ratio must be known then. exp
+    weights only: D-PACE's sum w is known only after the forward."""
+    cfg = with_gamma(cfg, block_size)
+    _, _, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size, docs)
+    return torch.stack([exp_weights(w0, cfg.gamma).sum(), (w0 > 0).float().sum()])
