@@ -108,6 +108,7 @@ class LossConfig:
     gamma: float = None  # exp's decay; None: DEFAULT_GAMMA of the block size
     dpace_alpha: float = 0.5
     selector_miss: str = "strict"  # a label outside the top-K: strict or replace
+    selector_weighting: str = "exp"  # the selector term's weights: exp (w, D) or uniform
     stop_gradient: bool = False  # the selector's CE trains the selector only, not the backbone
     chunk_blocks: int = None  # anchors per chunk of logits; None: all at once
 
@@ -134,20 +135,23 @@ def objective(
     *,
     target_hidden=None,
     alpha_t=None,
+    sel_scale=None,
     docs=None,
     observe=None,
 ):
     """The loss's sums for one micro-batch: {"numerator", "denominator", "base" and, with a
     selector, "selector"}; the loss is numerator / denominator, numerator = base + alpha_t *
-    selector.
+    selector (with uniform selector weights, "selector_denominator" D_sel too, and numerator =
+    base + alpha_t * selector * D / D_sel: the selector's mean over its own slots).
 
     h [N, A, B, H] draft hidden states (model.forward_training); input_ids, loss_mask [N, S];
     anchors, anchor_valid [N, A]; cfg: the loss's settings. target_hidden [N, S, H]: the target's
     final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`). alpha_t:
-    selector weight this step, or None when the selector is frozen (alpha == 0). docs [N, S]: the
-    documents of packed rows, or None. observe: called once per chunk with the chunk's tensors,
-    observe(h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids), outside the checkpoint:
-    support/metrics.py measures the metrics from the tensors the loss made.
+    selector weight this step, or None when the selector is frozen (alpha == 0). sel_scale: with
+    --selector-weighting uniform, D / D_sel of the whole step (train.py), None: this micro-batch's.
+    docs [N, S]: the documents of packed rows, or None. observe: called once per chunk with the
+    chunk's tensors, observe(h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids), outside
+    the checkpoint: support/metrics.py measures the metrics from the tensors the loss made.
     """
     _, A, B, _ = h.shape
     if cfg.loss == "kl" and target_hidden is None:
@@ -190,12 +194,16 @@ def objective(
 
     base = base_numerator(cfg.loss, sums)
     numerator = base
-    if alpha_t is not None and "N_sel" in sums:
-        # alpha_t = 0 keeps the selector in the graph
-        numerator = numerator + alpha_t * sums["N_sel"]
-    out = {"numerator": numerator, "denominator": sums["D"].detach(), "base": base}
+    D = sums["D"].detach()
+    out = {"denominator": D, "base": base}
     if "N_sel" in sums:
-        out["selector"] = sums["N_sel"]
+        out["selector"] = sel = sums["N_sel"]
+        if "D_sel" in sums:  # uniform: alpha * N_sel / D_sel, written over the shared D
+            out["selector_denominator"] = D_sel = sums["D_sel"].detach()
+            sel = sel * (D / D_sel.clamp(min=1) if sel_scale is None else sel_scale)
+        if alpha_t is not None:  # alpha_t = 0 keeps the selector in the graph
+            numerator = numerator + alpha_t * sel
+    out["numerator"] = numerator
     return out
 
 
@@ -244,7 +252,8 @@ def add_sums(total: dict, new: dict):
 
 def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
     """Sums with gradient over a chunk's slots: the weight total D, the base loss's numerator
-    (base_sums) and, with a selector, the selector's (selector_numerator)."""
+    (base_sums) and, with a selector, the selector's (selector_numerator; with uniform weights
+    its own denominator D_sel too)."""
     logq_label = logq.gather(-1, labels[..., None]).squeeze(-1)  # [M, L]
     if cfg.weighting == "dpace":
         w = dpace_weights(logq_label.exp().detach(), w0, cfg.dpace_alpha)
@@ -253,8 +262,13 @@ def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
     out = {"D": w.sum(), **base_sums(cfg.loss, w, w0, logq, logq_label, logp)}
     if selector is not None:
         hidden, unary = (h.detach(), u.detach()) if cfg.stop_gradient else (h, u)
+        valid = w0 > 0
+        w_sel = w
+        if cfg.selector_weighting == "uniform":
+            w_sel = valid.float()
+            out["D_sel"] = w_sel.sum()
         out["N_sel"] = selector_numerator(
-            selector, hidden, unary, labels, prev, w, w0 > 0, cand_ids, cfg.selector_miss
+            selector, hidden, unary, labels, prev, w_sel, valid, cand_ids, cfg.selector_miss
         )
     return out
 
@@ -269,6 +283,9 @@ def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
 #   replace  an uncovered label takes the weakest candidate's place (this project's; SpecForge
 #            PR #772 inserts it into the candidates, Speculators PR #1006 into the loss only)
 #   stop-gradient  the selector CE trains the selector only: SpecForge PR #793
+#   uniform  the selector term unweighted over its own denominator, base + alpha * mean CE:
+#            Model-Optimizer PR #2216 (hf_dflash2.py: "position weighting ... deliberately not
+#            applied"); with replace, Model-Optimizer's selector objective
 def base_sums(loss: str, w, w0, logq, logq_label, logp):
     """The sums the chosen base loss needs; w, w0, logq_label = log q(label) [M, L], logq and the
     target's logp [M, L, V] (logp None without the target):
@@ -340,3 +357,13 @@ def dpace_weights(q, w0, alpha: float):
     P = s.cumprod(-1)
     d = (P * w0).flip(-1).cumsum(-1).flip(-1)
     return w0 * d
+
+
+def uniform_denominators(cfg, block_size: int, input_ids, loss_mask, anchors, anchor_valid, docs):
+    """uniform's two denominators of a micro-batch from its data alone, [sum w, D_sel]: D_sel
+    counts the selector's slots (w0 > 0; under strict a miss counts with CE 0, as under exp).
+    train.py sums them over the step's micro-batches and ranks before the first backward: the
+    selector's gradient goes into .grad scaled by D / D_sel, so the ratio must be known then. exp
+    weights only: D-PACE's sum w is known only after the forward."""
+    _, _, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size, docs)
+    return torch.stack([exp_weights(w0, cfg.decay(block_size)).sum(), (w0 > 0).float().sum()])

@@ -576,7 +576,7 @@ def ce_of(scores, idx):
     return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
 
 
-def selector_case(third_token, miss="strict", alpha_t=1.0):
+def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp"):
     """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
     P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
     {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
@@ -595,7 +595,7 @@ def selector_case(third_token, miss="strict", alpha_t=1.0):
         torch.tensor([[1, 1, 1]]),
         torch.tensor([[0]]),
         torch.tensor([[True]]),
-        L.LossConfig(gamma=2.0, selector_miss=miss),
+        L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting),
         alpha_t=alpha_t,
     )
 
@@ -622,6 +622,30 @@ def test_selector_loss_strict_and_replace():
     assert out["metrics"]["sel_loss"][0].item() == pytest.approx(
         ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5
     )
+
+
+# pins docs/semantics.md section 4 (selector weighting)
+@pytest.mark.method
+def test_selector_weighting_exp_and_uniform():
+    """selector_case(0) at alpha 1: base CEs b1 = .974, b2 = 10.744; selector CEs ce1 = .974 and,
+    replaced, ce2 = 9.100. Weights w = [1, e^-1/2 = .607]."""
+    e = math.exp(-0.5)
+    b1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
+    b2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
+    ce1, ce2 = ce_of([1.0, 0.5], 1), ce_of([-0.9, -10.0], 1)
+    loss = lambda out: out["numerator"].item() / out["denominator"].item()
+    # exp: one ratio, (b1 + e b2 + ce1 + e ce2) / (1 + e) = 8.705
+    exp = selector_case(0, miss="replace")
+    assert loss(exp) == pytest.approx((b1 + e * b2 + ce1 + e * ce2) / (1 + e), rel=1e-5)
+    assert loss(exp) == pytest.approx(8.705, abs=1e-3)
+    # uniform (Model-Optimizer): (b1 + e b2) / (1 + e) + (ce1 + ce2) / 2 = 4.663 + 5.037 = 9.700
+    uni = selector_case(0, miss="replace", weighting="uniform")
+    assert loss(uni) == pytest.approx((b1 + e * b2) / (1 + e) + (ce1 + ce2) / 2, rel=1e-5)
+    assert loss(uni) == pytest.approx(9.700, abs=1e-3)
+    assert [t.item() for t in uni["metrics"]["sel_loss"]] == pytest.approx([ce1 + ce2, 2])
+    # strict: the missed slot adds no CE but stays in D_sel, as it stays in exp's D: 5.150
+    strict = selector_case(0, weighting="uniform")
+    assert loss(strict) == pytest.approx((b1 + e * b2) / (1 + e) + ce1 / 2, rel=1e-5)
 
 
 # pins docs/semantics.md section 4 (selector loss)
@@ -7852,17 +7876,18 @@ def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
 
 
 def test_study_pools_seeds_per_arm_by_hand(capsys):
-    """tools/study.py: every arm x seed and the data-size runs planned with their train.py flags;
-    an arm's row is the mean +- sample sd of its seeds (lift: selector tau over unary tau, per
-    run); a study that names neither --quick nor --data is refused in one line."""
+    """tools/study.py: every arm x seed, seed-major (a study cut short has each arm's seed 0), and
+    the data-size runs planned with their train.py flags; an arm's row is the mean +- sample sd of
+    its seeds (lift: selector tau over unary tau, per run); a study that names neither --quick nor
+    --data is refused in one line."""
     args = study.parse_args(["--quick", "--arms", "dflash2", "selector-only", "--seeds", "2"])
     args.sizes = [150, 600]
     planned, same = study.plan(args, answers=600)
     runs = [(name, flags) for name, _, _, _, flags in planned]
     assert runs[:4] == [
         ("dflash2/seed0", []),
-        ("dflash2/seed1", []),
         ("selector-only/seed0", ["--freeze-conv"]),
+        ("dflash2/seed1", []),
         ("selector-only/seed1", ["--freeze-conv"]),
     ]
     assert runs[4:6] == [("dflash-150/seed0", ["--dflash", "--num-samples", "150"])] + [
@@ -7881,7 +7906,7 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
     args.answers = 150
     planned, same = study.plan(args, answers=600)
     assert planned[0][4] == ["--num-samples", "150"]
-    assert planned[2][4] == ["--freeze-conv", "--num-samples", "150"]
+    assert planned[1][4] == ["--freeze-conv", "--num-samples", "150"]
     assert same == {"dflash2-150/seed0": "dflash2/seed0", "dflash2-150/seed1": "dflash2/seed1"}
     args.answers, args.sizes = None, [601]
     with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):

@@ -126,10 +126,13 @@ def parse_args(argv=None):
     a("--selector-ramp-ratio", type=ratio, default=0.0, help="then alpha rises over this share")
     a("--selector-stop-gradient", action="store_true", help="selector CE: selector only")
     a("--selector-miss", choices=["strict", "replace"], default="strict", help="label not in K")
+    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help="uniform: 1 a slot")
     a("--steps-this-run", type=count, metavar="N", help="then stop; continue with --resume")
     args = p.parse_args(argv)
     if args.freeze_conv and (args.dflash or args.selector_loss_alpha == 0):
         p.error("--freeze-conv: with --dflash or --selector-loss-alpha 0 nothing of DFlash2 trains")
+    if args.selector_weighting == "uniform" and args.position_weighting == "dpace":
+        p.error("--selector-weighting uniform takes --position-weighting exp (loss.py)")
     return args
 
 
@@ -156,6 +159,7 @@ def loss_config(args) -> loss.LossConfig:
         gamma=args.gamma,
         dpace_alpha=args.dpace_alpha,
         selector_miss=args.selector_miss,
+        selector_weighting=args.selector_weighting,
         stop_gradient=args.selector_stop_gradient,
         chunk_blocks=args.chunk_blocks or None,
     )
@@ -171,17 +175,23 @@ class DraftObjective(torch.nn.Module):
         self.attention = kernels.attention_kernel(attention)  # (mask, kernel) for the draft
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
-    def forward(self, batch, alpha_t, acceptance=False):
+    def forward(self, batch, alpha_t, acceptance=False, sel_scale=None):
         b, embed = batch, lambda ids: F.embedding(ids, self.embed_weight)
         ids, anchors, valid, docs = b["input_ids"], b["anchors"], b["anchor_valid"], b["docs"]
         h = model.forward_training(
             self.draft, embed, ids, b["features"], anchors, b["positions"], docs, self.attention
         )
-        hidden = b.get("target_hidden")
-        kw = dict(target_hidden=hidden, alpha_t=alpha_t, docs=docs, acceptance=acceptance)
+        kw = dict(target_hidden=b.get("target_hidden"), alpha_t=alpha_t, sel_scale=sel_scale)
+        kw.update(docs=docs, acceptance=acceptance)
         return objective_with_metrics(  # loss.objective, and the metrics of its chunks
             self.draft, self.head_weight, h, ids, b["loss_mask"], anchors, valid, self.cfg, **kw
         )
+
+    def uniform_denominators(self, batch):
+        """--selector-weighting uniform: [sum w, D_sel] of a batch, before its forward (loss.py)."""
+        B = self.draft.config.block_size
+        keys = ("input_ids", "loss_mask", "anchors", "anchor_valid", "docs")
+        return loss.uniform_denominators(self.cfg, B, *(batch[k] for k in keys))
 
 
 def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
@@ -260,12 +270,22 @@ def train_step(objective, opt, sched, params, batches, alpha_t, args, world, no_
     Each backward adds dN_rm/dw into .grad; DDP (FSDP alike) then averages over the ranks, which
     leaves (1 / world) sum_rm dN_rm/dw. Times world / D that is dJ/dw exactly: 2 ranks x 1
     micro-batch == 1 rank x 2 micro-batches. D is known only after the last micro-batch, hence one
-    all_reduce of D and one rescale, after the backwards."""
-    acc, D = {}, 0.0
+    all_reduce of D and one rescale, after the backwards.
+
+    --selector-weighting uniform adds a second denominator: J = sum N_base / D + alpha_t sum N_sel /
+    D_sel. Both come from the data alone (loss.uniform_denominators), so they are summed over the
+    step first, and every micro-batch's N_sel enters times D / D_sel; the rescale by world / D
+    then leaves alpha_t / D_sel on it."""
+    acc, D, sel_scale = {}, 0.0, None
+    if args.selector_weighting == "uniform":
+        batches = list(batches)
+        core = getattr(objective, "module", objective)  # DDP wraps it
+        D_base, D_sel = all_sum(sum(core.uniform_denominators(b) for b in batches))
+        sel_scale = D_base / D_sel.clamp(min=1)
     for m, batch in enumerate(batches):
         last = m == args.grad_accum - 1  # DDP all-reduces the gradients in the last backward only
         with autocast(), contextlib.nullcontext() if last else no_sync():
-            out = objective(batch, alpha_t)
+            out = objective(batch, alpha_t, sel_scale=sel_scale)
             out["numerator"].backward()
         D = D + out["denominator"]
         add_into(acc, out["metrics"])

@@ -63,7 +63,7 @@ def objective_with_metrics(
     D = out["denominator"]
     own = {"loss": (out["numerator"].detach(), D), "base_loss": (out["base"].detach(), D)}
     if "selector" in out:
-        own["sel_loss"] = (out["selector"].detach(), D)
+        own["sel_loss"] = (out["selector"].detach(), out.get("selector_denominator", D))
     _, _, w0 = loss.block_labels(
         input_ids, loss_mask, anchors, anchor_valid, h.shape[2], kw.get("docs")
     )

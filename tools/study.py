@@ -1,11 +1,14 @@
 """What DFlash2 buys, measured: its pieces and the selector objective's forms, trained at equal
 data and steps from ONE prepared data set, several seeds each (docs/study.md).
 
-    python tools/study.py --quick      # the toy target (run.sh --toy's): 26 runs, 7 min on a
-                                       # 2-core Zen 4 (docs/study-quick.md)
+    python tools/study.py --quick      # the toy target (run.sh --toy's): 35 runs (the first
+                                       # 6 arms' 26 took 7 min on a 2-core Zen 4;
+                                       # docs/study-quick.md)
     python tools/study.py --data data/smollm2-math/train --eval-data data/smollm2-math/eval
-                                       # the embedded target on the main job's data, 1 epoch:
-                                       # 18 runs, 2 hours on that Zen 4 (docs/study.md)
+                                       # the embedded target on the main job's data, 1 epoch
+                                       # (the first 6 arms' 18 runs: 2 hours on that Zen 4;
+                                       # docs/study.md)
+    python tools/study.py ... --arms dflash2 modelopt kl lk    # some arms only
 
 The arms are train.py flags, nothing else changes between them:
 
@@ -17,6 +20,12 @@ The arms are train.py flags, nothing else changes between them:
                     (SpecForge's insert-into-candidates form; docs/semantics.md, section 4)
     stop-gradient   --selector-stop-gradient: the selector CE trains the selector only
                     (SpecForge #793)
+    modelopt        --selector-weighting uniform --selector-miss replace: NVIDIA Model-Optimizer's
+                    selector objective (PR #2216): replace, every slot weighs 1, its own mean
+    kl              --loss kl: KL to the target's distribution (Speculators' documented default;
+                    the prepared features carry the target's final hidden state for it)
+    lk              --loss lk: ce and tv mixed by the accepted mass (SpecForge's lk_loss_type
+                    "lambda"; a public Speculators checkpoint trained on CE 0.1 + TV 0.9)
 
 and a data-size curve: dflash and dflash2 on the first N training answers (--sizes; with --answers
 the arms take the first N of a larger set, so the curve can go past them). Per run it
@@ -59,6 +68,9 @@ ARMS = {
     "selector-only": ["--freeze-conv"],
     "replace": ["--selector-miss", "replace"],
     "stop-gradient": ["--selector-stop-gradient"],
+    "modelopt": ["--selector-weighting", "uniform", "--selector-miss", "replace"],
+    "kl": ["--loss", "kl"],
+    "lk": ["--loss", "lk"],
 }
 TOY_CONFIG = "configs/toy-dflash2.json"
 # run.sh --toy's preparation and training recipe, at fewer epochs so that every arm fits
@@ -112,8 +124,8 @@ def plan(args, answers: int) -> tuple:
         raise ValueError(f"--answers {arm_answers}: the training data holds {answers} answers")
     first = ["--num-samples", str(arm_answers)] if arm_answers < answers else []
     runs, same = [], {}
-    for arm in args.arms:
-        for seed in range(args.seeds):
+    for seed in range(args.seeds):  # seed-major: a study cut short has as many seeds of each arm
+        for arm in args.arms:
             runs.append((f"{arm}/seed{seed}", arm, seed, None, [*ARMS[arm], *first]))
     for n in args.sizes:
         if n > answers:
