@@ -42,9 +42,11 @@ banners are subsections):
     data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path (tools/gpu_check.py)
-                                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped
-                                 without a GPU): compiled flex == sdpa, bf16 step == fp32 step,
-                                 torchrun + nccl resume, MFU
+                                 tools/gpu_check.py --dry-run, its 9-minute plan (a-d in order),
+                                 the steady step per interval, each row written as its item ends;
+                                 tools/study.py decodes on the training device; the CUDA tests it
+                                 runs (skipped without a GPU): compiled flex == sdpa, bf16 step ==
+                                 fp32 step, torchrun + nccl resume, MFU
     the toy run (run.sh --toy)   a reduced toy run: the toy target learns its problems, its
                                  draft's greedy output is the target's
     llama.cpp                    the converter reads every key it needs from an export

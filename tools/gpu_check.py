@@ -310,7 +310,6 @@ def make_train_data(cfg_path: str, out: str, args) -> tuple:
         num_key_value_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
     )
     hf.save_pretrained(target_dir)
     g = torch.Generator().manual_seed(0)
