@@ -42,9 +42,11 @@ banners are subsections):
     data.py and attention.py     a packed row == its documents one per row; flex == sdpa
     checkpoint formats           the published config layouts and the speculators format
     the GPU path (tools/gpu_check.py)
-                                 tools/gpu_check.py --dry-run; the CUDA tests it runs (skipped
-                                 without a GPU): compiled flex == sdpa, bf16 step == fp32 step,
-                                 torchrun + nccl resume, MFU
+                                 tools/gpu_check.py --dry-run, its 9-minute plan (a-d in order),
+                                 the steady step per interval, each row written as its item ends;
+                                 tools/study.py decodes on the training device; the CUDA tests it
+                                 runs (skipped without a GPU): compiled flex == sdpa, bf16 step ==
+                                 fp32 step, torchrun + nccl resume, MFU
     the toy run (run.sh --toy)   a reduced toy run: the toy target learns its problems, its
                                  draft's greedy output is the target's
     llama.cpp                    the converter reads every key it needs from an export; what its
@@ -6940,15 +6942,14 @@ def test_compiled_training_step_compiles_once_per_static_shape():
 
 
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the plan in its order (train.py compiled on the shipped block-8
-    config first, the CUDA tests last) and inside the 8-minute budget, and the same plumbing on the
-    CPU at toy sizes: train.py runs every step offline on random bf16 features, the sdpa step row's
-    numbers agree with its batch, the rows the CPU cannot run say why, and every CUDA test skips
-    with needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run: the plan, items a-d in order inside 9 minutes, printed with
+    the shares' sources, and the same plumbing on the CPU at toy widths: train.py under torchrun
+    runs every step offline on random bf16 feature shards and its log gives a steady step time,
+    the decode item's path and tree equal plain decoding, item b says why it is skipped, and every
+    CUDA test skips with needs_cuda's reason."""
     out = tmp_path / "gpu"
     done = subprocess.run(
-        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"]
-        + ["--length", "80", "--num-anchors", "6", "--batch-size", "2"],
+        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"],
         cwd=HERE,
         capture_output=True,
         text=True,
@@ -6956,25 +6957,25 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "a. train" in done.stdout and "d. tests" in done.stdout, done.stdout
     results = json.loads((out / "results.json").read_text())
-    names = ["train", "compile", "eager", "sdpa", "tests"]
+    names = ["train", "compile", "decode", "tests"]
     assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
-    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 8 * 60
-    # on a GPU the first item is train.py --compile (flex: auto) on the shipped block-8 config
-    args = gpu_check.parse_args([str(out)])
-    cmd = gpu_check.train_command(args, args.train_config, "T", "F", "O")
-    assert "--compile" in cmd and "--attention" not in cmd and cmd[1] == "train.py"
-    assert config.load_config(args.train_config).block_size == 8
-    assert args.train_config.endswith(os.path.join("configs", "smollm2-135m-dflash2.json"))
+    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 9 * 60
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [r["item"] for r in rows] == names
     t = results["items"]["train"]
-    assert t["status"] == "measured" and t["steps_done"] == 4 == len(t["loss"]), t
-    assert all(math.isfinite(x) for x in t["loss"]) and t["error_line"] is None
-    r = results["items"]["sdpa"]  # 2 rows of 80 random tokens, all supervised: 6 anchors a row
-    assert r["status"] == "measured" and r["rows"] == 2 and r["tokens"] == 160, r
-    assert r["anchors"] == 12 and r["block_size"] == 8 and r["device"] == "cpu"
-    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"]) and r["mfu"] is None
-    reasons = {n: results["items"][n]["reason"] for n in ("compile", "eager")}
-    assert all("backward" in why for why in reasons.values())
+    assert t["status"] == "measured" and t["steps_done"] == 6 and t["error_line"] is None, t
+    assert t["steady_steps"] == 6 - gpu_check.WARM_STEPS and t["step_s"] > 0 and t["tokens_per_s"]
+    assert "torch.distributed.run" in t["command"] or "--nproc_per_node=1" in t["command"]
+    assert "skipped" == results["items"]["compile"]["status"]
+    d = results["items"]["decode"]
+    assert d["status"] == "measured" and d["device"] == "cpu", d
+    assert all(r["equal_to_plain"] for r in d["ways"].values()) and set(d["ways"]) == {
+        "plain",
+        "path",
+        "tree",
+    }
     tests = results["items"]["tests"]
     assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
     assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
@@ -6982,9 +6983,111 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
     assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
     summary = (out / "summary.txt").read_text()
-    assert "= 480 s of the 480 s budget" in summary and tests["summary"] in summary
-    assert f"| sdpa | sdpa | no | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |" in summary
-    assert summary.count("skipped: ") == 2 and "4 of 4 steps" in summary
+    assert "540 s of the 540 s budget" in summary and tests["summary"] in summary
+    assert f"steady {t['step_s']} s a step" in summary and "DRY RUN" in summary
+
+
+def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_path():
+    """The plan on a GPU: a (train.py at the Qwen3-8B draft's shape, torchrun at one rank, flex
+    compiled alone: no --compile, no --attention, no --data-workers), b (the same with --compile
+    at --compile-layers), c (decode), d (tests), every share with its source, inside 540 s."""
+    args = gpu_check.parse_args(["OUT"])
+    planned = gpu_check.plan(args)
+    assert [n for n, _ in planned] == ["train", "compile", "decode", "tests"]
+    assert sum(s for _, s in planned) <= 9 * 60 and all(s >= 30 for _, s in planned)
+    assert set(gpu_check.SHARES) == {n for n, _ in planned}
+    assert args.draft_config.endswith(os.path.join("configs", "qwen3-8b-dflash2.json"))
+    cmd = gpu_check.train_command(args, args.draft_config, "T", "F", "O")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    assert cmd[5] == "train.py" and cmd[cmd.index("--num-anchors") + 1] == "512"
+    assert not {"--compile", "--attention", "--data-workers", "--dtype"} & set(cmd)
+    assert args.train_steps - gpu_check.WARM_STEPS >= 20  # the steady steps
+    compiled = gpu_check.train_command(args, args.draft_config, "T", "F", "O", compiled=True)
+    assert compiled[-3:] == ["--compile", "--num-layers", str(args.compile_layers)]
+    lines = gpu_check.plan_lines({"plan": planned, "args": vars(args)})[1:]
+    assert [line.split()[:2] for line in lines] == [
+        ["a.", "train"],
+        ["b.", "compile"],
+        ["c.", "decode"],
+        ["d.", "tests"],
+    ]
+    assert all(gpu_check.SHARES[n] in line for line, (n, _) in zip(lines, planned))
+
+
+def test_gpu_check_reads_the_steady_step_per_interval():
+    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
+    from the loop's start), per interval too; train.py's rates kept where they are per interval
+    (tokens a step inside the rows' band), dropped with a note where they are cumulative."""
+    compile_s, step_s, tokens = 60.0, 0.2, 3500
+    records = []
+    for i in range(1, 33):
+        elapsed = compile_s + step_s * i
+        rate = tokens / step_s if i > 1 else tokens / elapsed  # per interval: the step's own
+        records.append(dict(kind="train", step=i, elapsed_s=round(elapsed, 1), mfu=0.3))
+        records[-1]["target_tok_per_s"] = rate
+    got = gpu_check.steady(records, (3072, 4096))
+    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
+    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
+    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
+    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
+    assert got["rates_note"] is None
+    for r in records:  # cumulative from the loop's start, compile included: not a step's rate
+        r["target_tok_per_s"] = tokens * r["step"] / r["elapsed_s"]
+    got = gpu_check.steady(records, (3072, 4096))
+    assert got["mfu"] is None and "not per interval" in got["rates_note"]
+    assert got["tokens_per_s"] == round(3584 / got["step_s"])
+    with pytest.raises(ValueError, match="one a step"):
+        gpu_check.steady(records[::2], (3072, 4096))
+    with pytest.raises(ValueError, match="no train records"):
+        gpu_check.steady([{"kind": "eval"}], (3072, 4096))
+
+
+def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
+    """An item's row is on disk (rows.jsonl, results.json, summary.txt) before the next item
+    starts: a device lent for minutes keeps what ran even if the call is cut."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
+    seen = {}
+
+    def item(name, args, tmp, limit, log):
+        seen[name] = (tmp_path / "rows.jsonl").read_text() if name != "train" else ""
+        return {"status": "measured", "reason": None, "ways": {}, "device": "cpu"} | (
+            {"block_size": 8} if name == "decode" else {}
+        )
+
+    monkeypatch.setattr(gpu_check, "run_item", item)
+    with pytest.raises(SystemExit):
+        gpu_check.main([str(tmp_path), "--dry-run", "--only", "train,decode"])
+    assert seen["train"] == "" and json.loads(seen["decode"])["item"] == "train"
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["item"] for r in rows] == ["train", "decode"]
+
+
+def test_study_decodes_on_the_device_it_trained_on(monkeypatch):
+    """tools/study.py measure(): the target and the draft go to the device train.py trained on
+    (a GPU where there is one) before the served taus are decoded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert study.decode_device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert study.decode_device() == torch.device("cpu")
+    c = tiny_config(num_hidden_layers=1)
+    run_args = train.parse_args(["--data", "x"])
+    monkeypatch.setattr(study.served, "read_run", lambda f: (run_args, DraftModel(c), 3, {}))
+    target = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(study, "load_target", lambda name, dtype: (target, None))
+    monkeypatch.setattr(study.train, "load_split", lambda *a, **k: (None, []))
+    monkeypatch.setattr(study, "stop_token_ids", lambda *a: ())
+    monkeypatch.setattr(study, "decode_device", lambda: torch.device("meta"))
+    devices = []
+
+    def serve(target, draft, samples, shape, **kw):
+        devices.append((next(target.parameters()).device, next(draft.parameters()).device))
+        return {"tau": 1.0}
+
+    monkeypatch.setattr(study.served, "serve", serve)
+    with pytest.raises(KeyError):  # the fake run has no final record; the decodes came first
+        study.measure("unused", 1)
+    meta = torch.device("meta")
+    assert devices == [(meta, meta), (meta, meta)]
 
 
 def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(

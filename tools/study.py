@@ -170,6 +170,12 @@ def train_once(args, setup, folder, seed, flags):
     python(argv, os.path.join(folder, "train.log"), threads=args.threads)
 
 
+def decode_device() -> torch.device:
+    """The device train.py trained on (a GPU where there is one, as train.start_ranks picks it for
+    one process): the study decodes there too."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @torch.no_grad()
 def measure(folder: str, prompts: int) -> dict:
     """A finished run -> its numbers, also written to its study.json: held-out teacher-forced tau
@@ -177,6 +183,8 @@ def measure(folder: str, prompts: int) -> dict:
     drafts."""
     args, draft, step, final = served.read_run(folder)
     target, tok = load_target(args.target, torch.float32)
+    device = decode_device()  # served taus measured where the run trained
+    target, draft = target.to(device), draft.to(device)
     samples = served.held_out(args, tok)[:prompts]
     B, use_selector = draft.config.block_size, draft.candidate_selector is not None
     kw = dict(use_selector=use_selector, stop_ids=stop_token_ids(target, tok))

@@ -22,7 +22,8 @@ The draft is built as train.py builds it (on the CPU, then moved to the device).
 --compile compiles the draft as train.py --compile does, --gradient-checkpointing checkpoints its
 layers as train.py --gradient-checkpointing does. On a GPU the step's MFU is printed too: its
 model FLOPs (flops.step_flops, the objective's target-free offline step) / time / the GPU's peak.
---json writes the measured row to a file (tools/gpu_check.py collects them).
+--json writes the measured row to a file (the first GPU check's 8B rows came so; tools/gpu_check.py
+now runs train.py itself).
 
 Memory: the peak during the timed step(s), on a GPU of allocated memory, on the CPU of the process's
 resident set (VmHWM, reset before the step), which includes the weights; the amount before the step
