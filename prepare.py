@@ -12,8 +12,8 @@
     python prepare.py --data convs.jsonl --target Qwen/Qwen3-8B --out-dir data/q8 --regenerate \\
         --server http://gpu1:8000 --server http://gpu2:8000 --concurrency 64  # regen_server
 
-Conversations are read and tokenised by data.py. What OUT holds (support/features.py describes the
-shards):
+Conversations are read and tokenised by support/conversations.py. What OUT holds
+(support/features.py describes the shards):
     regenerated.rank*.jsonl    the answers as they come: {"index", "messages", "finished", the
                                settings, "retokenized_differs"} ("server" and "prompt_tokens_differ"
                                from --server); what a rerun finds here it does not ask for again
@@ -197,7 +197,7 @@ def regenerate(
                 answer = {
                     "role": "assistant",
                     "content": tokenizer.decode(ids, skip_special_tokens=True),
-                    "token_ids": ids,  # supervised as generated (data.generated_tokens)
+                    "token_ids": ids,  # supervised as generated (conversations.generated_tokens)
                 }
                 messages = prompts[i] + [answer]
                 record = {

@@ -1,7 +1,7 @@
 """The contract a draft's config.json must keep (docs/semantics.md, section 3): every validation
-rule, the refusals of fields this code does not implement, and the RoPE rules. config.py calls
-these; they read a DraftConfig by its attributes and never import config.py, so the dataclass and
-its JSON mapping stay readable on their own.
+rule, the refusals of fields this code does not implement, and the RoPE rules. model.py and
+compat/config_json.py call these; they read a DraftConfig by its attributes and never import
+model.py, so the dataclass and its JSON mapping stay readable on their own.
 
 Every rule raises ValueError naming the field and value. Nothing in a config.json is skipped
 unread. Each key is read into DraftConfig, or is known not to change what the draft computes (token

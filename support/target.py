@@ -151,7 +151,8 @@ def crop(cache, length: int):
 # ----------------------------------------------------------------------------- prompts
 def encode(tok, messages, device, chat_template_kwargs=None):
     """A conversation -> prompt ids [1, P] through the target's chat template, rendered by
-    data.render with chat_template_kwargs as the training data was (plain text without one)."""
+    conversations.render with chat_template_kwargs as the training data was (plain text without
+    one)."""
     if tok.chat_template:
         text = render(tok, messages, True, chat_template_kwargs)
     else:

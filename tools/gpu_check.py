@@ -20,8 +20,8 @@ The plan (PLAN), in this order, each item in a fresh process bounded by its shar
              tokens/s, MFU, peak memory.
 3. eager     the same step with only flex compiled (train.py without --compile).
 4. sdpa      the same step through --attention sdpa, the fallback: on CUDA k/v heads repeated and
-             memory-safe kernels only (attention.memory_safe_sdpa), so it fits where the math kernel
-             would not.
+             memory-safe kernels only (kernels.memory_safe_sdpa), so it fits where the math
+             kernel would not.
 5. tests     the CUDA tests of test_all.py (every test with "cuda" in its name or parameter id),
              with what the rows left of the budget, at least its planned share.
 
