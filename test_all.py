@@ -7741,7 +7741,7 @@ def test_ci_runs_the_readme_commands_first():
 SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
 
 
-# the AMD EPYC with avx512_bf16 (docs/results-amd-epyc.md, docs/acceptance.md): 46 s of measuring,
+# the AMD EPYC with avx512_bf16 (docs/cpu.md, docs/acceptance.md): 46 s of measuring,
 # an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
 FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
 
