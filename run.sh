@@ -14,7 +14,7 @@
 # served evaluation, evaluations during training) at the share of the budget they take on a fast CPU; a
 # budget too small for a useful job ends here, in one line naming the budget that would hold one. On a
 # 2-core CPU: about 1,000-1,800 answers where bf16 is native, 500 without it, 180-500 on an AVX2-only
-# Zen 1 (docs/slow-cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
+# Zen 1 (docs/cpu.md). N_EVAL, SERVED_SAMPLES, SERVED_TOKENS given are kept. Every precision and
 # GEMM layout is `auto`: speed/machine.py picks them per CPU and each script prints what it chose.
 # Before training the plan runs again (seconds): the steps that fit what prepare left of the budget,
 # and their seconds, to which train.py --max-seconds fits its steps as it runs (not where --epochs or

@@ -51,13 +51,17 @@ banners are subsections):
                                  draft's greedy output is the target's
     llama.cpp                    the converter reads every key it needs from an export; what its
                                  loader refuses is refused before a build
-    the project's shape          imports flow one way
+    the project's shape          imports flow one way; every `module.name` cited resolves; CI
+                                 runs the README's commands first
     tools/plan.py: slow CPUs     the plan keeps slow and fast CPUs inside the budget
 """
 
+import ast
 import contextlib
 import dataclasses
+import glob
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -68,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 import types
 import xml.etree.ElementTree as ET
 
@@ -7806,12 +7811,9 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
 
 
 # ============================================================================ the project's shape
-def project_imports(root=HERE) -> tuple:
-    """-> ({module: the project modules it imports}, [function-level imports of project modules]).
-    Modules are the .py files of the top level, speed/, tools/, prompts/, compat/ and support/,
-    named as imported: "model", "speed.cost", "tools.plan", "support.target"."""
-    import ast
-
+def project_files(root=HERE) -> dict:
+    """{module, named as imported ("model", "speed.cost", "tools.plan"): its path}: the .py files of
+    the top level, speed/, tools/, prompts/, compat/ and support/, and speed/__init__.py."""
     files = {}
     for folder in ("", "speed", "tools", "prompts", "compat", "support"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
@@ -7819,6 +7821,13 @@ def project_imports(root=HERE) -> tuple:
                 module = ".".join(filter(None, [folder, name[:-3]]))
                 files[module] = os.path.join(root, folder, name)
     files["speed"] = os.path.join(root, "speed", "__init__.py")
+    return files
+
+
+def project_imports(root=HERE) -> tuple:
+    """-> ({module: the project modules it imports}, [function-level imports of project modules])
+    over project_files."""
+    files = project_files(root)
 
     def resolve(name, here):
         """The project module an import names, seen from module `here` (None: not the project's)."""
@@ -7925,6 +7934,73 @@ def test_the_top_level_is_the_reading_path():
     assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
 
 
+# A cited name: a project module, dotted or by its last part as the code imports it ("machine" for
+# speed/machine.py), "." or "/" between the parts, then the name; one letter is a placeholder.
+CITED = re.compile(r"(?<![\w./-])(?:[a-z_][a-z0-9_]*[./])+[A-Za-z_][A-Za-z0-9_]+(?!\w)")
+FILE_ENDINGS = {"py", "md", "json", "jsonl", "safetensors", "pt", "svg", "txt", "gguf", "sh"}
+TEXT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
+
+
+def cited_texts(root=HERE):
+    """(file, line, text): every comment and string of the project's .py files (an f-string without
+    its {expressions}, which are code), and every line of README.md and docs/*.md."""
+    for path in project_files(root).values():
+        for tok in tokenize.generate_tokens(io.StringIO(open(path).read()).readline):
+            text = tok.string
+            if tok.type == tokenize.STRING and re.match(r"[rbRB]?[fF]", text):
+                text = re.sub(r"\{[^{}]*\}", "", text)
+            if tok.type in TEXT_TOKENS:
+                yield os.path.relpath(path, root), tok.start[0], text
+    for path in ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=root)):
+        for i, line in enumerate(open(os.path.join(root, path)), 1):
+            yield path, i, line
+
+
+def test_every_cited_module_name_resolves():
+    """Each `module.name` that the docstrings, comments, messages, README.md and docs/*.md cite is
+    defined at that module's top level: an import does not count (a citation names the name's
+    home), and an attribute every tensor or nn.Module has (`loss.item`) is a variable's. A stale
+    citation sends a reader to a name that moved or never was."""
+    defined = {}  # module, as imported -> the names its top level binds
+    for module, path in project_files().items():
+        body = ast.parse(open(path).read()).body
+        nodes = [n for s in body if not hasattr(s, "name") for n in ast.walk(s)]
+        defined[module] = {s.name for s in body if hasattr(s, "name")} | {  # def, class, =
+            n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        }
+    last = [m.rpartition(".")[2] for m in defined]
+    short = {name: m for name, m in zip(last, defined) if last.count(name) == 1}
+    stale = []
+    for file, line, text in cited_texts():
+        for found in CITED.finditer(text):
+            parts, seps = re.split(r"[./]", found.group(0)), re.findall(r"[./]", found.group(0))
+            k = next((k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in defined), 0)
+            module, at = ".".join(parts[:k]) if k else short.get(parts[0]), max(k, 1)
+            if not module or at == len(parts) or "/" in seps[at - 1 :]:
+                continue  # not a project module, the module itself, or a file's path
+            name = parts[at]
+            if name in FILE_ENDINGS or name in defined[module] or "__mutmut_" in name:
+                continue  # a file, a name defined there, a mutant (docs/mutants.md)
+            if hasattr(torch.Tensor, name) or hasattr(torch.nn.Module, name):
+                continue
+            where = line + text[: found.start()].count("\n")
+            stale.append(f"{file}:{where}: {found.group(0)}")
+    assert stale == []
+
+
+def test_ci_runs_the_readme_commands_first():
+    """.ci/run starts with the README's set-up command and test command as written there, before it
+    installs anything else: CI then fails where a fresh machine that follows the README would."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    setup = re.search(r"\n    (python3 -m venv .*)\n", readme).group(1)
+    tests = re.search(r"\n    (python -m pytest -q test_all\.py)\n", readme).group(1)
+    run = [line.rstrip("\n") for line in open(os.path.join(HERE, ".ci", "run"))]
+    assert [line for line in run if line and not line.startswith(("#", "set ", "cd "))][:2] == [
+        setup,
+        tests,
+    ]
+
+
 # ==================================================================== tools/plan.py: slow CPUs
 # issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
 # 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
@@ -7933,7 +8009,7 @@ def test_the_top_level_is_the_reading_path():
 SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
 
 
-# the AMD EPYC with avx512_bf16 (docs/results-amd-epyc.md, docs/acceptance.md): 46 s of measuring,
+# the AMD EPYC with avx512_bf16 (docs/cpu.md, docs/acceptance.md): 46 s of measuring,
 # an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
 FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
 

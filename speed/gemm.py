@@ -36,7 +36,7 @@ class MklLinear(torch.nn.Module):
     Why: MKL's stock GEMM repacks the whole weight on every call, and with a few rows that
     repacking, not the product, is what an fp32 verify waits for. Packed once, the weight streams at
     about the 1-row speed: on an AVX-512 Xeon capped to AVX2 kernels, every linear of the target
-    took 44.6 ms stock and 31.4 packed at 3 rows, 57.2 and 34.9 at 8 (docs/results-xeon.md). MKL
+    took 44.6 ms stock and 31.4 packed at 3 rows, 57.2 and 34.9 at 8 (docs/cpu.md). MKL
     packs for one row count, so there is a pack per count, made the first time that many rows come;
     larger inputs (prefill) keep the stock GEMM.
     """

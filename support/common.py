@@ -100,11 +100,12 @@ def json_object(text):
 
 
 def template_kwargs(text):
-    """--chat-template-kwargs: a JSON object, without the arguments data.render sets itself."""
+    """--chat-template-kwargs: a JSON object, without the arguments conversations.render sets
+    itself."""
     value, taken = json_object(text), {"tokenize", "add_generation_prompt"}
     if taken & set(value):
         named = ", ".join(sorted(taken & set(value)))
-        raise argparse.ArgumentTypeError(f"{named}: set by data.render itself, got {text}")
+        raise argparse.ArgumentTypeError(f"{named}: set by conversations.render itself, got {text}")
     return value
 
 

@@ -7,10 +7,11 @@ For each layer count and each mode, train.py runs offline under torchrun (gloo) 
 random features, and every rank reports three numbers: its resident set just after the last
 optimizer step (the state it holds: weights, gradients, AdamW moments), its peak before the
 checkpoint save (training), and its peak at the end (rank 0 then also held the whole state it
-wrote). The draft is random and wide enough that its state dominates; the target is a random 2-layer
-Llama of the same width made in memory (train.load_target is replaced: offline, train.py keeps only
-its embedding and head). The difference between two layer counts, divided by the parameters those
-layers add, is what a draft parameter costs a rank, free of the fixed costs (torch, target, data):
+wrote). The draft is random and wide enough that its state dominates; the target is a random
+2-layer Llama of the same width made in memory (train.py's load_target is replaced: offline,
+train.py keeps only its embedding and head). The difference between two layer counts, divided by
+the parameters those layers add, is what a draft parameter costs a rank, free of the fixed costs
+(torch, target, data):
 
     DDP:   fp32 weight 4 + gradient 4 + AdamW moments 8 = 16 bytes, + 4 for DDP's gradient buckets
     FSDP:  those 16 bytes / world; the peak adds the one or two layers gathered whole while

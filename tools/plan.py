@@ -50,7 +50,7 @@ at 48 unless N_EVAL is given), and with --epochs too the training step's probe; 
 evaluation's three short probes always run.
 
 The fixed costs scale with the machine. On the AMD EPYC with avx512_bf16 of
-docs/results-amd-epyc.md the full-size ones take, of a 45-minute job: the 48 held-out answers
+docs/cpu.md the full-size ones take, of a 45-minute job: the 48 held-out answers
 about 1%, the served evaluation of 16 prompts x 160 tokens about 9% (239 s, docs/acceptance.md),
 an evaluation of 48 answers every 600 steps 16/600 of training. Here each gets the same share of
 the budget at most (HELD_OUT_SHARE, SERVED_SHARE, EVAL_SHARE): fewer held-out answers (down to
@@ -132,7 +132,7 @@ CAPTURE_COUNT = 3  # conversations per timed call of the feature step
 TRAIN_RATIO = 0.9
 LOAD_S = 50  # loading the target five times (plan, prepare twice, train, served), the export
 # of the budget: a shared VM's speed drifts by a tenth within one job (README, Your machine), and
-# on the AMD EPYC of docs/results-amd-epyc.md its probes read up to 30% apart minutes apart: 92%
+# on the AMD EPYC of docs/cpu.md its probes read up to 30% apart minutes apart: 92%
 # keeps a job that runs 8% over its plan inside the budget (one planned to 44 of 45 minutes once
 # took 44.8)
 AIM = 0.92
@@ -177,12 +177,12 @@ CURVE = [
 # The recipe's other choices stay fixed: trained at equal wall time on an AVX2-only Zen 1 (250
 # answers x 2 epochs' worth), 16 anchors, one or two layers, 96-token answers and a third epoch all
 # landed within 0.03 of the mean of the recipe's two seeds (1.630, 1.651), and one epoch over more
-# answers 0.05 under it (docs/slow-cpu.md, "Trained at equal wall time on a real Zen 1")
+# answers 0.05 under it (docs/cpu.md, "Findings")
 
 # fewer effective steps than 150 answers twice: not worth a budget
 MIN_STEPS = 300
 # the plain DFlash baseline's tau over DFlash2's selector path on the same data (0.88-0.94 in
-# docs/results-*.md)
+# docs/cpu.md)
 DFLASH_RATIO = 0.90
 
 # ------------------------------------------------------------------------------ the fixed costs
@@ -192,7 +192,7 @@ SERVED_FULL, SERVED_MIN, SERVED_SHARE = (16, 160), (4, 64), 0.09
 # and 1.76 native, 1.71 on a Zen 1, 1.63 on one core held to AVX2; the weakest ever, issue 36's,
 # 1.45. Auto's shape (a tree): 2.12 and 1.94 native (jobs 7 and 9), 1.88 and 1.92 on one core held
 # to AVX2 (jobs 8 and 10). Priced at the path's tau both (1.7), those four jobs' served phases came
-# in 7%, 17%, -3% and 15% under their plans (docs/cpu.md, docs/slow-cpu.md); priced so, job 11's
+# in 7%, 17%, -3% and 15% under their plans (docs/cpu.md); priced so, job 11's
 # (both cores held to AVX2, tree tau 1.91) came in 3% under
 SERVED_TAU = {"path": 1.7, "tree": 1.95}
 # a cycle's draft and its bookkeeping, in plain target steps: what five jobs' served paths took a
@@ -217,7 +217,7 @@ EVAL_SHARE = 16 / 600
 # ------------------------------------------------------------------------- the curve, as a rule
 def free_epochs(n: int) -> float:
     """Epochs over n answers that train as well as fresh answers would: 2 up to 1,200 answers (e2
-    against d1 in docs/results-amd-epyc.md), 4 at 2,400 (the longer recipe there), linear
+    against d1 in docs/cpu.md), 4 at 2,400 (the longer recipe there), linear
     between."""
     return min(4.0, max(2.0, n / 600))
 
@@ -536,11 +536,11 @@ def in_rounds(probes: dict, rounds: int = 3, repeats: int = 2) -> dict:
     """{name: a function that runs it once} -> {name: its median seconds a call}. Round after
     round, every probe in turn: one untimed call, then `repeats` timed ones; each median is taken
     over the whole measurement, not one burst. A shared VM's speed drifts over seconds: a fixed GEMM
-    timed for 40 s on the AMD EPYC of docs/results-amd-epyc.md read 1.0 to 1.6 times its fastest.
+    timed for 40 s on the AMD EPYC of docs/cpu.md read 1.0 to 1.6 times its fastest.
     The untimed call is there because a probe's first call after another probe's runs slow: the
     training step timed right after the target's forwards read 0.43-0.79 s (median of 6, 2 tries)
     where it read 0.35 in a burst of its own, and 0.37-0.40 with the untimed call (the Zen 4 of
-    docs/results-amd-epyc.md, 2026-12-04); train.py, which runs nothing in between, took 0.39."""
+    docs/cpu.md, 2026-12-04); train.py, which runs nothing in between, took 0.39."""
     times = {name: [] for name in probes}
     for _ in range(rounds):
         for name, step in probes.items():
@@ -656,7 +656,7 @@ def measure(args) -> tuple:
             count = len(machine.layouts_here(data_dtype, torch.device("cpu")))
             # data_costs per layout: a prefill of 64 x 128 tokens (about 96 steps of 64 rows: it
             # took 372 s for 3 layouts where a step of 64 rows was 1.16 s and a prefill of 256
-            # tokens 3.0 s, one core held to AVX2, docs/slow-cpu.md), 4 steps, 4 such prefills
+            # tokens 3.0 s, one core held to AVX2, docs/cpu.md), 4 steps, 4 such prefills
             layouts = count * (100 * s["batch64"] + 4 * s["prefill256"])
         regen = t_prompt + REGEN_STEPS / 64 * t_batch64
         words.append(
