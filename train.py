@@ -32,21 +32,9 @@ import model
 from compat.config_json import load_config, replace_config
 from speed import machine
 from support import compiling, distributed, flops, kernels, tracking
-from support.common import (
-    DTYPES,
-    HelpTable,
-    add_chat_template_kwargs,
-    bounded,
-    end_distributed,
-    run,
-)
+from support.common import DTYPES, HelpTable, add_chat_template_kwargs, bounded, run
 from support.fsdp import load_checkpoint, save_checkpoint  # train.save_checkpoint: tools/
-from support.metrics import (
-    add_into,
-    all_sum,
-    objective_with_metrics,
-    reduce_metrics,
-)
+from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
 from support.target import check_draft_fits, load_target
 from support.timefit import TimeFit
 
@@ -57,10 +45,7 @@ def parse_args(argv=None):
     ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
     count = bounded(int, low=1)
     a = p.add_argument_group("data").add_argument
-    a(
-        "--data",
-        help=f"prepare.py's features (--online: a JSONL); default {data.MAIN_JOB_DATA}/train",
-    )
+    a("--data", help="prepare.py's features (--online: a JSONL); default: the main job's train")
     a("--eval-data", help="held-out data; default: the main job's, or split off --eval-fraction")
     a("--eval-fraction", type=ratio, default=0.05, help="--data held out without --eval-data")
     a("--num-samples", type=count, help="train on the first N sequences only")
@@ -373,10 +358,8 @@ def train(args):
     )
     log("\n".join(said))
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    target, tokenizer, embed_w, head_w = load_frozen_target(
-        args, cfg, target_dtype, device, sharded
-    )
-    samples, eval_samples = data.load_split(args, tokenizer)
+    target, tok, embed_w, head_w = load_frozen_target(args, cfg, target_dtype, device, sharded)
+    samples, eval_samples = data.load_split(args, tok)
     rows, per_step, _, total = data.schedule(samples, args, world)
     ranks = (sharded, ranked and not args.fsdp)  # (FSDP, DDP)
     draft, objective, no_sync, params, selector_on = build_objective(
@@ -389,10 +372,9 @@ def train(args):
     if master and not args.resume and os.path.exists(log_path):
         os.remove(log_path)  # a fresh run starts a fresh log
     tracker = tracking.Tracker(args.report_to if master else "none", args.out_dir, vars(args))
-    step, fitted = (
-        load_checkpoint(ckpt_path, draft, opt, sched, sharded) if args.resume else (0, None)
-    )
+    step, fitted = 0, None
     if args.resume:
+        step, fitted = load_checkpoint(ckpt_path, draft, opt, sched, sharded)
         log(f"resumed from {ckpt_path} at step {step}")
     if fitted:  # the schedule goes on at the length --max-seconds fitted
         total, sched = fitted, build_schedule(opt, args, fitted, step)
@@ -444,7 +426,7 @@ def train(args):
                 f"step {step}: loss {metrics['loss']} or grad norm {grad_norm} is not finite; "
                 f"stopping. The last good checkpoint is {ckpt_path}"
             )
-            end_distributed()
+            distributed.end_ranks()
             sys.exit(1)
         step += 1
         bar.update(1)
@@ -480,12 +462,12 @@ def train(args):
     if step < total:
         log(f"stopped at step {step} of {total}; continue with --resume")
         tracker.close()
-        end_distributed()
+        distributed.end_ranks()
         return
     final = evaluate(
         objective, eval_samples, args, target, cfg, device, rank, world, autocast, acceptance=True
     )
-    end_distributed()  # what follows runs on rank 0 alone
+    distributed.end_ranks()  # what follows runs on rank 0 alone
     if master and final:
         tracking.final_report(args.out_dir, log_path, final, cfg, step, since(), tracker)
     tracker.close()

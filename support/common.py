@@ -5,7 +5,6 @@ the command-line rule that a user's mistake ends in one line, the --help table, 
 """
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -13,7 +12,6 @@ import sys
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -41,14 +39,6 @@ def read_json(file: str):
 def write_json(path: str, obj):
     with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
-
-
-def end_distributed():
-    # A gloo run that exits without this dies at exit now and then (SIGABRT in the teardown race).
-    if dist.is_initialized():
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- command lines

@@ -2,12 +2,14 @@
 agree on a number. One process without torchrun is rank 0 of 1 and none of this communicates.
 
     start_ranks   this rank's device (its GPU bound first), rank, world; the process group
+    end_ranks     the process group's orderly end
     wrap          DDP (a whole copy a rank) or --fsdp (support/fsdp.py), and the no_sync of a
                   step's micro-batches but its last
     agreed        rank 0's number on every rank
 """
 
 import contextlib
+import gc
 import os
 
 import torch
@@ -33,13 +35,19 @@ def start_ranks(timeout, backend=None) -> tuple:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # first: nccl (and anything on "cuda") uses this rank's GPU
     if distributed:
-        dist.init_process_group(
-            backend or ("nccl" if device.type == "cuda" else "gloo"),
-            device_id=device if device.type == "cuda" else None,
-            timeout=timeout,
-        )
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        bound = device if backend == "nccl" else None  # nccl binds the group to this rank's GPU
+        dist.init_process_group(backend, device_id=bound, timeout=timeout)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     return device, rank, world, distributed
+
+
+def end_ranks():
+    # A gloo run that exits without this dies at exit now and then (SIGABRT in the teardown race).
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def wrap(objective, layers, target, device, sharded: bool, ddp: bool, bf16: bool) -> tuple:
