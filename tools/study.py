@@ -171,8 +171,8 @@ def train_once(args, setup, folder, seed, flags):
 
 
 def decode_device() -> torch.device:
-    """The device train.py trained on (a GPU where there is one, as train.start_ranks picks it for
-    one process): the study decodes there too."""
+    """The device train.py trained on (a GPU where there is one, as distributed.start_ranks picks it
+    for one process): the study decodes there too."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

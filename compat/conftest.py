@@ -1,0 +1,3 @@
+"""The fixtures these tests share with test_all.py: pytest finds a fixture by its name here."""
+
+from test_all import setup  # noqa: F401

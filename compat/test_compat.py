@@ -1,0 +1,836 @@
+"""The tests of compat/: machinery a learner can skip. Shared helpers come from test_all.py;
+python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
+
+The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
+holds it equal to the banners):
+    helpers                         tiny configs, models, targets and tokenizers, the hypothesis
+                                    profiles, skip marks
+    compat/config_json.py           validation rules, save / load, the shipped configs
+    checkpoint formats              the published config layouts and the speculators format
+        the zlab and SpecForge layouts
+        scaled RoPE
+        fields refused or read
+        the speculators format
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import export
+import model
+from compat import config_json as config
+from compat import speculators
+from model import DraftConfig, DraftModel
+from test_all import (
+    HERE,
+    block_hidden,
+    conv_loop,
+    randomize,
+    run,
+    tiny_config,
+    tiny_draft,
+    write_ckpt,
+)
+
+# ============================================================================ helpers
+# Fixture configs are written here in the published field layouts (Z Lab's
+# tests/fixtures/dflash2-config.json,
+# SpecForge's configs/qwen3.6-27b-dflash2.json, what speculators 0.9.0's save_pretrained writes), at
+# tiny sizes.
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def zlab_fixture(dflash=None, **kw) -> dict:
+    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal,
+    rope_parameters."""
+    d = {
+        "architectures": ["DFlash2DraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dflash_config": {
+            "block_size": 4,
+            "conv_group_size": 8,
+            "conv_kernel_size": 2,
+            "mask_token_id": 63,
+            "selector_rank": 8,
+            "selector_top_k": 5,
+            "target_layer_ids": [0, 2],
+            **(dflash or {}),
+        },
+        "dtype": "bfloat16",
+        "eos_token_id": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 48,
+        "layer_types": [SLIDING, FULL],
+        "max_position_embeddings": 256,
+        "max_window_layers": 2,
+        "model_type": "qwen3",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_target_layers": 4,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "sliding_window": 5,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.15.0",
+        "use_cache": False,
+        "use_sliding_window": True,
+        "vocab_size": 64,
+    }
+    d.update(kw)
+    return d
+
+
+def rms(x, norm):
+    return norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+
+def hf_rotate(layer_config: dict):
+    """RoPE as transformers' Qwen3RotaryEmbedding applies it to a Qwen3Config built from the
+    config.json fields, the way Z Lab's and speculators' drafts do: x [L, heads, hd] at positions
+    pos -> rotated."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
+
+    emb = Qwen3RotaryEmbedding(
+        Qwen3Config(**{k: v for k, v in layer_config.items() if k != "dflash_config"})
+    )
+
+    def rotate(x, pos):
+        cos, sin = emb(x, torch.tensor([pos]))  # [1, L, hd]
+        return x * cos[0, :, None] + rotate_half(x) * sin[0, :, None]
+
+    return rotate
+
+
+def reference_block(draft, layer_config, embed_w, feats, ids, a, causal, scale=1.0):
+    """The block at anchor a written out: each query's visible keys listed by the rule (context
+    rows, all before the anchor; its own block, all of it or up to itself when causal[layer]; the
+    sliding window counted from the query), a softmax over them, the convolutions as loops
+    (conv_loop), RMSNorms and MLPs by hand. Context: the target features of positions 0..a-1. ->
+    final hidden states [B, H]."""
+    c, B = draft.config, draft.config.block_size
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    rotate, pos = hf_rotate(layer_config), list(range(a + B))
+    ctx = rms(feats[:a] @ draft.fc.weight.T, draft.hidden_norm)  # [a, H]
+    h = embed_w[[int(ids[a])] + [c.mask_token_id] * (B - 1)] * scale  # [B, H]
+    for layer, kind, cz in zip(draft.layers, c.layer_types, causal):
+        W, sa = (c.sliding_window if kind == SLIDING else None), layer.self_attn
+
+        def attention(x, sa=sa, W=W, cz=cz):
+            rows = torch.cat([ctx, x])
+            q = rotate(rms(sa.q_proj(x).view(B, nh, hd), sa.q_norm), pos[a:])
+            k = rotate(rms(sa.k_proj(rows).view(-1, nkv, hd), sa.k_norm), pos)
+            v = sa.v_proj(rows).view(-1, nkv, hd)
+            out = torch.zeros(B, nh, hd)
+            for j in range(B):
+                qp = a + j
+                see = [i for i in pos if (W is None or qp - i < W) and not (cz and i > qp)]
+                for n in range(nh):
+                    g = n // (nh // nkv)
+                    w = torch.softmax(
+                        torch.stack([q[j, n] @ k[i, g] for i in see]) / math.sqrt(hd), 0
+                    )
+                    out[j, n] = sum(wi * v[i, g] for wi, i in zip(w, see))
+            return sa.o_proj(out.reshape(B, nh * hd))
+
+        def mlp(x, m=layer.mlp):
+            return m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))
+
+        def wrapped(conv, f, x):
+            return f(x) if conv is None else conv_loop(conv, x[None], lambda y: f(y[0])[None])[0]
+
+        h = h + wrapped(layer.attention_conv, attention, rms(h, layer.input_layernorm))
+        h = h + wrapped(layer.mlp_conv, mlp, rms(h, layer.post_attention_layernorm))
+    return rms(h, draft.norm)
+
+
+def both_paths(draft, embed_w, feats, ids, a):
+    """The draft's own block at anchor a: (inference path, training path), each [B, H]."""
+    embed = torch.nn.Embedding.from_pretrained(embed_w)
+    cache = model.ContextCache()
+    cache.append(draft, feats[None, :a], torch.arange(a)[None])
+    h_inf = model.forward_inference(draft, embed, cache, ids[a].view(1), torch.tensor([a]))[0]
+    h_train = model.forward_training(draft, embed, ids[None], feats[None], torch.tensor([[2, a]]))[
+        0, 1
+    ]
+    return h_inf, h_train
+
+
+def fixture_inputs(c, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(c.vocab_size, c.hidden_size, generator=g),
+        torch.randn(16, len(c.target_layer_ids) * c.hidden_size, generator=g),
+        torch.randint(0, c.vocab_size - 1, (16,), generator=g),
+    )
+
+
+YARN = {
+    "rope_theta": 10000.0,
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+DELETE = object()
+
+
+# ============================================================================ compat/config_json.py
+def valid_dict():
+    return config.config_to_dict(tiny_config())
+
+
+@pytest.mark.parametrize(
+    "path,value,field",
+    [
+        (("dflash_config", "conv_kernel_size"), 0, "conv_kernel_size"),
+        (("dflash_config", "conv_kernel_size"), 5, "conv_kernel_size"),  # > block_size 4
+        (("dflash_config", "conv_group_size"), 0, "conv_group_size"),
+        (("dflash_config", "conv_group_size"), 5, "conv_group_size"),  # does not divide 32
+        (("dflash_config", "selector_rank"), 0, "selector_rank"),
+        (("dflash_config", "selector_top_k"), 0, "selector_top_k"),
+        (("dflash_config", "selector_top_k"), 65, "selector_top_k"),  # > vocab 64
+        (("dflash_config", "block_size"), 1, "block_size"),
+        (("dflash_config", "target_layer_ids"), [], "target_layer_ids"),
+        (("dflash_config", "target_layer_ids"), [0, 4], "target_layer_ids"),  # target has 4 layers
+        (("dflash_config", "target_layer_ids"), [-1], "target_layer_ids"),
+        (("dflash_config", "mask_token_id"), 64, "mask_token_id"),
+        (("dflash_config", "mask_token_id"), -1, "mask_token_id"),
+        (("dflash_config", "final_logit_softcapping"), 0.0, "final_logit_softcapping"),
+        (("dflash_config", "final_logit_softcapping"), -2.0, "final_logit_softcapping"),
+        # a bool is not an integer
+        (("dflash_config", "selector_rank"), True, "selector_rank"),
+        (("dflash_config", "conv_kernel_size"), 2.0, "conv_kernel_size"),  # nor is a float
+        (("hidden_size",), "32", "hidden_size"),
+        (("num_key_value_heads",), 3, "num_key_value_heads"),
+        (("layer_types",), ["full_attention"], "layer_types"),
+        (("layer_types",), ["sliding_attention", "full_attention"], "sliding_window"),
+    ],
+)
+def test_each_validation_rule_raises(path, value, field):
+    d = valid_dict()
+    target = d
+    for k in path[:-1]:
+        target = target[k]
+    target[path[-1]] = value
+    with pytest.raises(ValueError, match=field):
+        config.config_from_dict(d)
+
+
+def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
+    d = valid_dict()
+    d["architectures"] = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="DFlash2DraftModel"):
+        config.config_from_dict(d)
+    d = valid_dict()
+    del d["dflash_config"]["selector_rank"]
+    with pytest.raises(ValueError, match="selector_rank"):
+        config.config_from_dict(d)
+    (tmp_path / "bad.json").write_text(
+        '{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}'
+    )
+    with pytest.raises(ValueError, match="line 2"):
+        config.load_config(str(tmp_path / "bad.json"))
+
+
+def spec_tensor_shapes(c: DraftConfig):
+    """docs/semantics.md, section 3: the tensor list, written out independently of model.py."""
+    H, FF, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
+    q, kv, T, G, V, r = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.conv_kernel_size,
+        c.conv_group_size,
+        c.vocab_size,
+        c.selector_rank,
+    )
+    s = {
+        "fc.weight": (H, nt * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "candidate_selector.predecessor_codebook": (V, r),
+        "candidate_selector.successor_codebook": (V, r),
+        "candidate_selector.hidden_projection.weight": (r, H),
+    }
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        s.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H),
+                p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H),
+                p + "self_attn.o_proj.weight": (H, q),
+                p + "self_attn.q_norm.weight": (c.head_dim,),
+                p + "self_attn.k_norm.weight": (c.head_dim,),
+                p + "mlp.gate_proj.weight": (FF, H),
+                p + "mlp.up_proj.weight": (FF, H),
+                p + "mlp.down_proj.weight": (H, FF),
+            }
+        )
+        for conv in ("attention_conv", "mlp_conv"):
+            s[p + conv + ".base_kernel"] = (2, T, H)
+            s[p + conv + ".kernel_projection.weight"] = (2 * T * H // G, H)
+    return s
+
+
+def test_save_load_round_trip_and_contract(tmp_path):
+    c = tiny_config(output_multiplier=0.5, final_logit_softcapping=20.0)
+    draft = randomize(DraftModel(c))
+    export.save_draft(draft, str(tmp_path))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes == spec_tensor_shapes(c)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == dict(
+        block_size=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=63,
+        conv_kernel_size=2,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=5,
+        output_multiplier=0.5,
+        final_logit_softcapping=20.0,
+    )
+    back = export.load_draft(str(tmp_path))
+    assert back.config == c
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+
+
+def test_load_refuses_mismatched_tensors(tmp_path):
+    draft = DraftModel(tiny_config())
+    export.save_draft(draft, str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["dflash_config"]["selector_rank"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="predecessor_codebook"):
+        export.load_draft(str(tmp_path))
+
+
+def test_published_27b_layout_parameter_count():
+    c = config.load_config(
+        os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json")
+    )
+    with torch.device("meta"):
+        m = DraftModel(c)
+    assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == spec_tensor_shapes(c)
+
+
+def test_shipped_configs_load():
+    for name in os.listdir(os.path.join(os.path.dirname(__file__), "configs")):
+        c = config.load_config(os.path.join(os.path.dirname(__file__), "configs", name))
+        assert c.dflash2
+
+
+# ============================================================================ checkpoint formats
+# ------------------------------------------------------------------- the zlab and SpecForge layouts
+@pytest.mark.parametrize(
+    "is_causal,causal", [("absent", [True, False]), (False, [False, False]), (True, [True, True])]
+)
+def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
+    """Unset: sliding layers causal in the block, full layers bidirectional (Z Lab, SGLang, vLLM);
+    an explicit value applies to every layer."""
+    d = zlab_fixture() if is_causal == "absent" else zlab_fixture(is_causal=is_causal)
+    c = config.config_from_dict(d)
+    assert c.is_causal == (None if is_causal == "absent" else is_causal)
+    draft = randomize(DraftModel(c), std=0.1)
+    embed_w, feats, ids = fixture_inputs(c)
+    with torch.no_grad():
+        ref = reference_block(draft, d, embed_w, feats, ids, 9, causal)
+        for h in both_paths(draft, embed_w, feats, ids, 9):
+            assert (h - ref).abs().max() <= 1e-5
+        other = reference_block(draft, d, embed_w, feats, ids, 9, [not x for x in causal])
+        # the check can tell them apart
+        assert (ref - other).abs().max() > 1e-3
+
+
+def test_input_embedding_scale_in_both_paths():
+    d = zlab_fixture(dflash={"input_embedding_scale": 0.5})
+    c = config.config_from_dict(d)
+    assert c.input_embedding_scale == 0.5
+    draft = randomize(DraftModel(c), std=0.1)
+    embed_w, feats, ids = fixture_inputs(c)
+    plain = DraftModel(config.config_from_dict(zlab_fixture()))
+    plain.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False], scale=0.5)
+        for h, h_plain in zip(
+            both_paths(draft, embed_w, feats, ids, 9),
+            # by hand: the table halved
+            both_paths(plain, embed_w * 0.5, feats, ids, 9),
+        ):
+            assert (h - ref).abs().max() <= 1e-5
+            assert torch.equal(h, h_plain)
+        assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
+
+
+def test_specforge_27b_layout_reads_as_the_shipped_config():
+    """SpecForge's published Qwen3.6-27B DFlash2 config layout (integer rope_theta inside
+    rope_parameters, null bos_token_id, explicit is_causal false) with the 27B sizes of
+    docs/semantics.md, section 3."""
+    d = zlab_fixture(
+        bos_token_id=None,
+        eos_token_id=248044,
+        pad_token_id=248044,
+        use_cache=True,
+        transformers_version="5.8.1",
+        dflash_config={
+            "block_size": 8,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "mask_token_id": 248070,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "target_layer_ids": [5, 19, 33, 47, 61],
+        },
+        head_dim=128,
+        hidden_size=5120,
+        intermediate_size=17408,
+        is_causal=False,
+        layer_types=[SLIDING] * 5,
+        max_position_embeddings=262144,
+        max_window_layers=5,
+        num_attention_heads=32,
+        num_hidden_layers=5,
+        num_key_value_heads=8,
+        num_target_layers=64,
+        rms_norm_eps=1e-06,
+        sliding_window=2048,
+        vocab_size=248320,
+        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
+    )
+    assert config.config_from_dict(d) == config.load_config(
+        os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json")
+    )
+
+
+# ---------------------------------------------------------------------------- scaled RoPE
+def test_yarn_rope_parameters_forward():
+    d = zlab_fixture(rope_parameters=YARN)
+    c = config.config_from_dict(d)
+    assert c.rope_theta == 10000.0 and c.rope_scaling == {
+        k: v for k, v in YARN.items() if k != "rope_theta"
+    }
+    draft = randomize(DraftModel(c), std=0.1)
+    embed_w, feats, ids = fixture_inputs(c)
+    with torch.no_grad():
+        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False])
+        for h in both_paths(draft, embed_w, feats, ids, 9):
+            assert (h - ref).abs().max() <= 1e-5
+        assert (
+            ref - reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
+        ).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        YARN,
+        dict(YARN, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=0.8, truncate=False),
+        {
+            "rope_theta": 500000.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
+    ],
+)
+def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
+    d = zlab_fixture(rope_parameters=dict(rope_parameters))
+    inv_freq, scale = model.rope_frequencies(config.config_from_dict(d))
+    x, pos = torch.randn(1, 3, 7, 8), torch.tensor([[0, 5, 31, 40, 100, 200, 255]])
+    ours = model.rope(x, pos, inv_freq, scale)  # [1, heads, L, hd]
+    theirs = hf_rotate(d)(x[0].transpose(0, 1), pos[0].tolist()).transpose(0, 1)
+    assert (ours[0] - theirs).abs().max() <= 1e-5
+    plain = model.rope(x, pos, *model.rope_frequencies(config.config_from_dict(zlab_fixture())))
+    assert (ours - plain).abs().max() > 1e-2
+
+
+def test_rope_frequencies_follow_the_draft_and_stay_fp32():
+    """inv_freq is a non-persistent buffer of each Attention: draft.to(device) moves it, so rope()
+    copies nothing from the host per call on a GPU; draft.to(bf16) leaves it fp32, since rope()
+    computes in fp32; state_dict, and so every export, holds the same tensors as before, in
+    order."""
+    c = tiny_config(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    )
+    fp32 = model.rope_frequencies(c)[0]
+    sub = ["input_layernorm.weight"]
+    sub += [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    sub += ["self_attn.q_norm.weight", "self_attn.k_norm.weight", "post_attention_layernorm.weight"]
+    sub += [f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+    sub += [
+        f"{w}_conv.{p}"
+        for w in ("attention", "mlp")
+        for p in ("base_kernel", "kernel_projection.weight")
+    ]
+    keys = ["fc.weight", "hidden_norm.weight", *(f"layers.{i}.{k}" for i in range(2) for k in sub)]
+    keys += ["norm.weight"] + [
+        f"candidate_selector.{k}"
+        for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
+    ]
+    draft = DraftModel(c)
+    attns = [layer.self_attn for layer in draft.layers]
+    assert list(draft.state_dict()) == keys
+    assert all(torch.equal(a.inv_freq, fp32) and a.inv_freq.dtype == torch.float32 for a in attns)
+    draft.to(torch.bfloat16)
+    assert all(a.q_proj.weight.dtype == torch.bfloat16 for a in attns)
+    assert all(torch.equal(a.inv_freq, fp32) and a.inv_freq.dtype == torch.float32 for a in attns)
+    draft.to("meta")
+    assert all(a.inv_freq.is_meta and a.inv_freq.dtype == torch.float32 for a in attns)
+    assert list(draft.state_dict()) == keys
+    with torch.device("meta"):  # built where it runs: the frequencies start beside the weights
+        assert all(layer.self_attn.inv_freq.is_meta for layer in DraftModel(c).layers)
+
+
+# --------------------------------------------------------------------------- fields refused or read
+@pytest.mark.parametrize(
+    "key,value,named",
+    [
+        ("attention_bias", True, "attention_bias"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("model_type", "llama", "model_type"),
+        ("attention_dropout", 0.1, "attention_dropout"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+        # a field the code does not know
+        ("mlp_bias", False, "mlp_bias"),
+        # vLLM reads it, Z Lab does not
+        ("dflash_config.causal", False, "dflash_config.causal"),
+        ("dflash_config.use_swa", True, "dflash_config.use_swa"),
+        ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
+        ("rope_parameters", {"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+        (
+            "rope_parameters",
+            {
+                "rope_theta": 1e4,
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [2.0],
+            },
+            "longrope",
+        ),
+        ("rope_parameters", dict(YARN, beta_fastest=3), "beta_fastest"),
+        (
+            "rope_parameters",
+            {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0},
+            "high_freq_factor",
+        ),
+        (
+            "rope_parameters",
+            {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5},
+            "partial_rotary_factor",
+        ),
+        (
+            "rope_parameters",
+            {FULL: {"rope_theta": 1e4}, SLIDING: {"rope_theta": 1e4}},
+            "per layer type",
+        ),
+        # loaders default it differently
+        ("rope_parameters", DELETE, "rope_theta"),
+        # beside rope_parameters
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
+        # disagrees with rope_parameters
+        ("rope_theta", 5e5, "rope_theta"),
+        # transformers drops the window
+        ("use_sliding_window", False, "use_sliding_window"),
+        # derived from max_window_layers
+        ("layer_types", DELETE, "layer_types"),
+        ("is_causal", "yes", "is_causal"),
+        # narrower than the block
+        ("sliding_window", 3, "sliding_window"),
+    ],
+)
+def test_unimplemented_fields_are_refused_by_name(key, value, named):
+    d = zlab_fixture()
+    target, k = (
+        (d["dflash_config"], key.split(".")[1]) if key.startswith("dflash_config.") else (d, key)
+    )
+    if value is DELETE:
+        del target[k]
+    else:
+        target[k] = value
+    with pytest.raises(ValueError, match=named):
+        config.config_from_dict(d, source="draft/config.json")
+
+
+def test_harmless_fields_accepted_and_old_names_read():
+    import dataclasses
+
+    base = config.config_from_dict(zlab_fixture())
+    quiet = zlab_fixture(
+        bos_token_id=None,
+        eos_token_id=[5, 6],
+        pad_token_id=None,
+        transformers_version="4.57.0",
+        use_cache=True,
+        dtype="float32",
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        _name_or_path="x",
+        max_window_layers=28,
+        tie_word_embeddings=True,
+    )
+    assert config.config_from_dict(quiet) == dataclasses.replace(base, tie_word_embeddings=True)
+    old = zlab_fixture(torch_dtype="bfloat16", rope_theta=10000.0)
+    del old["dtype"], old["rope_parameters"]
+    assert config.config_from_dict(old) == base
+    legacy = zlab_fixture(
+        rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    del legacy["rope_parameters"]
+    assert config.config_from_dict(legacy) == config.config_from_dict(
+        zlab_fixture(rope_parameters=YARN)
+    )
+    # the shipped configs use the old names; what this code writes uses the current ones
+    c = config.load_config(os.path.join(HERE, "configs", "qwen3-8b-dflash2.json"))
+    written = config.config_to_dict(c)
+    assert (
+        written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+        and "rope_theta" not in written
+    )
+    assert written["is_causal"] is False and config.config_from_dict(written) == c
+
+
+def test_unset_is_causal_survives_training_and_export(setup, tmp_path):
+    for name, d in (("unset", zlab_fixture()), ("false", zlab_fixture(is_causal=False))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+        ck = run(
+            setup,
+            tmp_path / name,
+            "--max-steps",
+            "1",
+            "--draft-config",
+            str(tmp_path / f"{name}.json"),
+        )
+        export.export(str(tmp_path / name), str(tmp_path / f"{name}-out"), torch.float32)
+        written = json.loads((tmp_path / f"{name}-out" / "config.json").read_text())
+        back = export.load_any(str(tmp_path / f"{name}-out")).config
+        if name == "unset":
+            assert (
+                "is_causal" not in ck["config"]
+                and "is_causal" not in written
+                and back.is_causal is None
+            )
+        else:
+            assert (
+                ck["config"]["is_causal"] is False
+                and written["is_causal"] is False
+                and back.is_causal is False
+            )
+        assert "dtype" in written and "torch_dtype" not in written and "rope_parameters" in written
+
+
+# --------------------------------------------------------------------------- the speculators format
+def speculators_fixture(non_causal=False, **kw) -> dict:
+    """A config.json as speculators 0.9.0's DFlash2DraftModel.save_pretrained writes it."""
+    layer = {
+        k: v
+        for k, v in zlab_fixture().items()
+        if k
+        not in (
+            "architectures",
+            "dflash_config",
+            "dtype",
+            "num_target_layers",
+            "transformers_version",
+        )
+    }
+    d = {
+        "architectures": ["DFlash2DraftModel"],
+        "auto_map": {"": "config.DFlash2SpeculatorConfig"},
+        "aux_hidden_state_layer_ids": [1, 3],
+        "block_size": 4,
+        "conv_group_size": 8,
+        "conv_kernel_size": 2,
+        "draft_vocab_size": 64,
+        "dtype": "float32",
+        "mask_token_id": 63,
+        "sample_from_anchor": False,
+        "selector_rank": 8,
+        "selector_top_k": 5,
+        "sliding_window_non_causal": non_causal,
+        "speculators_config": {
+            "algorithm": "dflash2",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "accept_tolerance": 0.0,
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 3,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "some/verifier"},
+        },
+        "speculators_model_type": "dflash2",
+        "speculators_version": "0.9.0",
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layer,
+        "transformers_version": "5.19.0",
+    }
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize(
+    "is_causal,layer_types,non_causal",
+    [(None, [SLIDING, SLIDING], False), (False, [SLIDING, FULL], True), (None, [FULL, FULL], True)],
+)
+@pytest.mark.parametrize("shard", [None, 20_000])
+def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_causal, shard):
+    draft = tiny_draft(
+        4, is_causal=is_causal, layer_types=layer_types, sliding_window=6, num_target_layers=None
+    )
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    argv = [
+        str(tmp_path / "ckpt.pt"),
+        "--out-dir",
+        str(tmp_path / "spec"),
+        "--dtype",
+        "fp32",
+        "--format",
+        "speculators",
+        "--verifier",
+        "Org/Target-4L",
+    ]
+    export.main(argv + (["--max-shard-size", str(shard)] if shard else []))
+    d = json.loads((tmp_path / "spec" / "config.json").read_text())
+    c = draft.config
+    assert d["speculators_model_type"] == "dflash2" and d["architectures"] == ["DFlash2DraftModel"]
+    # target_layer_ids [0, 2, 3] + 1
+    assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert (d["draft_vocab_size"], d["block_size"], d["mask_token_id"]) == (64, 4, 63)
+    assert [d[k] for k in model.DFLASH2_FIELDS] == [2, 8, 8, 5]
+    assert d["sliding_window_non_causal"] is non_causal and d["sample_from_anchor"] is False
+    assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
+    assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    layer = d["transformer_layer_config"]
+    assert (
+        layer["model_type"],
+        layer["hidden_size"],
+        layer["num_hidden_layers"],
+        layer["layer_types"],
+    ) == ("qwen3", 32, 2, layer_types)
+    assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert (
+        layer.get("use_sliding_window", False) is (SLIDING in layer_types)
+        and "is_causal" not in layer
+    )
+    back = export.load_any(str(tmp_path / "spec"))
+    assert back.config == c and all(
+        torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items()
+    )
+    assert torch.equal(block_hidden(back), block_hidden(draft))
+    # and back to the Z Lab form
+    export.export(str(tmp_path / "spec"), str(tmp_path / "zlab"), torch.float32)
+    assert config.load_config(str(tmp_path / "zlab")) == c
+
+
+@pytest.mark.parametrize("non_causal,causal", [(False, [True, False]), (True, [False, False])])
+def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causal):
+    d = speculators_fixture(non_causal)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    zl = config.config_from_dict(zlab_fixture(num_target_layers=None))
+    draft = randomize(DraftModel(zl), std=0.1)
+    embed_w, feats, ids = fixture_inputs(zl)
+    copies = {
+        "embed_tokens.weight": embed_w,
+        "lm_head.weight": embed_w.clone(),
+        "verifier_lm_head.weight": embed_w.clone(),
+        "verifier_norm.weight": torch.ones(32),
+    }
+    from safetensors.torch import save_file
+
+    save_file({**draft.state_dict(), **copies}, str(tmp_path / "model.safetensors"))
+    back = export.load_any(str(tmp_path))
+    assert back.config.is_causal is (False if non_causal else None)
+    # the verifier copies dropped
+    assert set(back.state_dict()) == set(draft.state_dict())
+    with torch.no_grad():
+        ref = reference_block(back, d["transformer_layer_config"], embed_w, feats, ids, 9, causal)
+        for h in both_paths(back, embed_w, feats, ids, 9):
+            assert (h - ref).abs().max() <= 1e-5
+    # not misread as the Z Lab form
+    with pytest.raises(ValueError, match="speculators-format"):
+        config.load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (dict(sample_from_anchor=True), "sample_from_anchor"),
+        (dict(draft_vocab_size=32), "draft_vocab_size"),
+        (dict(target_hidden_size=64), "target_hidden_size"),
+        (dict(aux_hidden_state_layer_ids=[0, 3]), "aux_hidden_state_layer_ids"),
+        (dict(speculators_model_type="dflash"), "speculators_model_type"),
+        (dict(markov_rank=256), "markov_rank"),
+        (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
+        (dict(block_size=8), "speculative_tokens"),
+        (
+            dict(
+                transformer_layer_config=dict(
+                    speculators_fixture()["transformer_layer_config"], attention_bias=True
+                )
+            ),
+            "attention_bias",
+        ),
+        (
+            dict(
+                transformer_layer_config=dict(
+                    speculators_fixture()["transformer_layer_config"], is_causal=False
+                )
+            ),
+            "is_causal",
+        ),
+    ],
+)
+def test_speculators_fields_refused_by_name(tmp_path, change, named):
+    d = speculators_fixture(**{k: v for k, v in change.items() if v is not DELETE})
+    for k in [k for k, v in change.items() if v is DELETE]:
+        del d[k]
+    with pytest.raises(ValueError, match=named):
+        speculators.config_from_speculators(d, "spec/config.json")
+
+
+@pytest.mark.parametrize(
+    "kw,named",
+    [
+        (dict(output_multiplier=0.5), "output_multiplier"),
+        (dict(input_embedding_scale=2.0), "input_embedding_scale"),
+        # unset + mixed: vLLM reads it otherwise
+        (dict(layer_types=[SLIDING, FULL], sliding_window=6), "is_causal"),
+        # full layers are bidirectional there
+        (dict(is_causal=True), "is_causal"),
+        (dict(plain=True), "DFlash2"),
+    ],
+)
+def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
+    write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4, **kw))
+    with pytest.raises(ValueError, match=named):
+        export.export(
+            str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), fmt="speculators", verifier="t"
+        )
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,623 @@
+"""The tests of speed/: machinery a learner can skip. Shared helpers come from test_all.py;
+python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
+
+The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
+holds it equal to the banners):
+    speed/machine.py: the rule per CPU
+                                    other CPUs played by monkeypatch: dtypes, layouts, refusals,
+                                    the per-machine cache
+    speed/gemm.py: packed weights   packed and MKL linears == nn.Linear, layouts switch
+    speed/cost.py                   the cost tables
+    speed/int8.py                   int8 weights by hand and within their rounding bound
+    speed/tune.py                   the head's row counts
+    speed/auto.py: what auto chooses
+                                    expected tau and the choice by hand, what auto says
+"""
+
+import json
+
+import pytest
+import torch
+
+import export
+import generate
+import prepare
+import train
+from speed import auto, cost, int8, machine
+from speed.gemm import (
+    MklLinear,
+    PackedLinear,
+    layout_of,
+    pack_linears,
+    packable,
+    set_layout,
+    unpack_linears,
+)
+from test_all import needs_int8, needs_mkl, tiny_draft, tiny_target
+
+
+# =============================================================== speed/machine.py: the rule per CPU
+class Loaded(Exception):
+    """Stops a script right after it asked load_target for a dtype."""
+
+
+# what torch reports on a few CPUs -> (data / train / draft dtype, why, packed bf16 allowed by the
+# rule)
+CPUS = {
+    "avx512-bf16": (
+        ("x86_64", "AVX512", True, False, ""),
+        torch.bfloat16,
+        "cpu AVX512 with avx512_bf16",
+    ),
+    "sapphire-rapids": (
+        ("x86_64", "AVX512", True, True, ""),
+        torch.bfloat16,
+        "cpu AVX512 with avx512_bf16 + amx",
+    ),
+    "avx512-no-bf16": (
+        ("x86_64", "AVX512", False, False, ""),
+        torch.float32,
+        "cpu AVX512, no native bf16",
+    ),
+    "avx2": (("x86_64", "AVX2", False, False, ""), torch.float32, "cpu AVX2, no native bf16"),
+    "avx2-capped": (("x86_64", "AVX2", True, False, ""), torch.float32, "cpu AVX2 kernels (capped"),
+    "onednn-capped": (
+        ("x86_64", "AVX512", True, False, "AVX2"),
+        torch.float32,
+        "cpu AVX512 kernels (capped",
+    ),
+    "graviton": (("aarch64", "SVE256", False, False, ""), torch.float32, "unknown to the rule"),
+    "apple": (("arm64", "DEFAULT", False, False, ""), torch.float32, "unknown to the rule"),
+}
+
+
+def play_cpu(monkeypatch, arch, capability, avx512_bf16, amx, onednn_isa):
+    """Make torch (and so machine.cpu_info) report another CPU."""
+    monkeypatch.delenv("DFLASH2_CPU", raising=False)
+    monkeypatch.setattr(machine.platform, "machine", lambda: arch)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_isa)
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch, cpu):
+    reported, dtype, why = CPUS[cpu]
+    play_cpu(monkeypatch, *reported)
+    assert why in machine.native_bf16(machine.cpu_info())[1]
+    for phase in ("data", "train", "draft"):
+        assert machine.resolve_dtype("auto", "cpu", phase) == dtype, phase
+    # lossless decoding, every CPU
+    assert machine.resolve_dtype("auto", "cpu", "decode") == torch.float32
+    # a device name needs no GPU; decoding's target stays fp32 there too (lossless)
+    for phase in ("data", "decode", "train", "draft"):
+        gpu = torch.float32 if phase == "decode" else torch.bfloat16
+        assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == gpu
+        # an explicit name is kept
+        assert machine.resolve_dtype("fp16", "cpu", phase) == torch.float16
+    note = machine.slow_bf16_note(torch.bfloat16, "cpu")
+    assert (
+        bool(note) == (dtype == torch.float32)
+        and machine.slow_bf16_note(torch.float32, "cpu") == ""
+    )
+    # the generic override: any CPU looks unknown
+    monkeypatch.setenv("DFLASH2_CPU", "generic")
+    assert machine.resolve_dtype("auto", "cpu", "train") == torch.float32
+
+
+def test_machine_rule_picks_the_drafts_precision(monkeypatch):
+    """generate.py's draft: int8 weights on the x86 CPUs the rule knows, else bf16 where native,
+    else fp32."""
+    monkeypatch.setattr(machine.int8, "runs", lambda: True)
+    for cpu, want in (
+        ("avx512-bf16", "int8"),
+        ("avx2", "int8"),
+        ("avx2-capped", "int8"),
+        ("graviton", "fp32"),
+    ):
+        play_cpu(monkeypatch, *CPUS[cpu][0])
+        assert machine.draft_precision("auto", "cpu") == want, cpu
+        assert (
+            machine.draft_precision("fp32", "cpu") == "fp32"
+            and machine.draft_precision("int8", "cpu") == "int8"
+        )
+    assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
+    with pytest.raises(ValueError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
+        machine.draft_precision("int8", torch.device("cuda:0"))
+    # no quantized engine: bf16 where native
+    monkeypatch.setattr(machine.int8, "runs", lambda: False)
+    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
+    assert machine.draft_precision("auto", "cpu") == "bf16"
+    # else fp32; asked for, refused
+    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    assert machine.draft_precision("auto", "cpu") == "fp32"
+    with pytest.raises(
+        ValueError,
+        match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)",
+    ):
+        machine.draft_precision("int8", "cpu")
+
+
+def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
+    def never():
+        raise AssertionError("measured where the rule can tell")
+
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
+    # unknown: stock, nothing measured
+    play_cpu(monkeypatch, *CPUS["graviton"][0])
+    assert machine.choose_layout(torch.float32, "cpu", "auto", never) == (
+        "stock",
+        "stock GEMMs (unknown CPU)",
+    )
+    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn", "mkl"]
+    for ms, best in (
+        ({"stock": 75.0, "onednn": 86.0, "mkl": 80.0}, "stock"),
+        ({"stock": 40.0, "onednn": 32.0, "mkl": 35.0}, "onednn"),
+        ({"stock": 95.0, "onednn": 120.0, "mkl": 61.0}, "mkl"),
+    ):
+        assert machine.choose_layout(torch.float32, "cpu", "auto", lambda: ms) == (
+            best,
+            f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, "
+            f"mkl {ms['mkl']:.1f} ms)",
+        )
+    assert machine.choose_layout(torch.float16, "cpu", "auto", never) == ("stock", "stock GEMMs")
+    assert machine.choose_layout(torch.float32, "cuda", "auto", never) == ("stock", "stock GEMMs")
+    assert machine.choose_layout(torch.float32, "cpu", "stock", never) == (
+        "stock",
+        "stock GEMMs (asked)",
+    )
+    assert machine.choose_layout(torch.float32, "cpu", "mkl", never) == ("mkl", "mkl GEMMs (asked)")
+    # bf16: oneDNN where it runs and bf16 is native, never measured; MKL packs fp32 only
+    monkeypatch.setattr(machine, "packed_bf16_runs", lambda: True)
+    assert machine.layouts_here(torch.bfloat16, "cpu") == ["stock", "onednn"]
+    # AVX2: no native bf16
+    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "stock"
+    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
+    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "onednn"
+    # asked for what this machine cannot run: one line naming what is missing
+    monkeypatch.setattr(machine, "packed_bf16_runs", lambda: False)
+    with pytest.raises(
+        ValueError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"
+    ):
+        machine.choose_layout(torch.bfloat16, "cpu", "onednn", never)
+    with pytest.raises(
+        ValueError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"
+    ):
+        machine.choose_layout(torch.float16, "cpu", "onednn", never)
+    with pytest.raises(
+        ValueError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"
+    ):
+        machine.choose_layout(torch.bfloat16, "cpu", "mkl", never)
+    # a torch without MKL (ARM)
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)
+    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn"]
+    with pytest.raises(ValueError, match="--target-gemm mkl: this torch has no MKL"):
+        machine.choose_layout(torch.float32, "cpu", "mkl", never)
+
+
+def test_packed_bf16_probe_agrees_with_the_kernel():
+    """packed_bf16_runs asks oneDNN itself: true exactly where a packed bf16 linear runs."""
+    try:
+        PackedLinear(torch.nn.Linear(4, 3).bfloat16())(torch.randn(2, 4, dtype=torch.bfloat16))
+        runs = True
+    except RuntimeError:
+        runs = False
+    assert machine.packed_bf16_runs() == runs
+
+
+def test_machine_cache_measures_once_per_machine_and_what(monkeypatch, tmp_path):
+    monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "c" / "machine.json"))
+    calls = []
+    measure = lambda: calls.append(1) or {"stock": {"1": 2.0}}
+    key = machine.machine_key("decode", "t")
+    assert key != machine.machine_key("decode", "u") and "threads" in key
+    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1
+    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1  # read back
+    machine.cached(machine.machine_key("decode", "u"), measure)
+    machine.cached(key, measure, refresh=True)
+    assert len(calls) == 3 and len(json.loads((tmp_path / "c" / "machine.json").read_text())) == 2
+    # measured again
+    (tmp_path / "c" / "machine.json").write_text("{broken")
+    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 4
+
+
+def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
+    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
+    target, draft, sizes = tiny_target("llama"), tiny_draft(3), auto.priced_sizes(3)
+    stock, onednn, mkl = (
+        {n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4))
+    )
+    monkeypatch.setattr(
+        cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl}
+    )
+    monkeypatch.setattr(
+        cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 6.0 + L + walk
+    )
+    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 /
+    # 88 / 86
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
+    assert layouts["why"].endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
+    # now 185 ms stock: onednn
+    stock.update({3: 100.0})
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    assert (layouts["speculate"], layouts["plain"]) == ("onednn", "stock") and layout_of(
+        target
+    ) == "onednn"
+    mkl.update({3: 80.0})  # now 170 ms mkl
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    assert (layouts["speculate"], layouts["plain"]) == ("mkl", "stock")
+    # left in the speculation's layout
+    assert layout_of(target) == "mkl"
+    mkl.update({3: 94.0})
+    layouts = cost.decoding_layouts(target, draft, "auto")
+    # priced from the onednn row, but a plain step is the fastest one of the three (stock, 80 ms)
+    assert layouts["costs"]([1, 2, 9], "selector") == (
+        {1: 80.0, 2: 90.0, 9: 104.0},
+        {1: 8.0, 2: 9.0},
+    )
+    # per depth, with the walk or not
+    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}
+    # asked: nothing measured
+    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")
+    assert (
+        asked["table"] is None
+        and asked["speculate"] == "stock"
+        and asked["why"] == "stock GEMMs (asked)"
+    )
+
+
+def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
+    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
+    asked = []
+
+    def fake_load_target(name, dtype, layers=True):
+        asked.append(dtype)
+        raise Loaded
+
+    for script in (prepare, generate, train):
+        monkeypatch.setattr(script, "load_target", fake_load_target)
+    monkeypatch.setattr(generate, "load_any", lambda path: None)
+    for script, argv in (
+        (prepare, ["--data", "d", "--out-dir", str(tmp_path), "--regenerate"]),
+        (generate, ["--draft", "d", "--prompt", "hi"]),
+        (train, ["--data", "d"]),
+        (train, ["--data", "d", "--target-dtype", "fp16"]),
+    ):
+        with pytest.raises(Loaded):
+            script.main(argv)
+    # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
+    data_dtype = torch.bfloat16
+    decode = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    assert asked == [data_dtype, decode, data_dtype, torch.float16]
+
+
+# ==================================================================== speed/gemm.py: packed weights
+@pytest.mark.parametrize(
+    "dtype,tol",
+    [
+        (torch.float32, 1e-5),
+        pytest.param(
+            torch.bfloat16,
+            2e-2,
+            marks=pytest.mark.skipif(
+                not machine.packed_bf16_runs(),
+                reason="oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert",
+            ),
+        ),
+    ],
+)
+def test_packed_linear_equals_linear(dtype, tol):
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
+        packed = PackedLinear(lin)
+        assert packed.weight is lin.weight  # the dense weight stays readable
+        for x in (
+            torch.randn(1, 1, 24),
+            torch.randn(1, 8, 24),
+            torch.randn(2, 3, 24),
+            torch.randn(24, 5).T,
+        ):
+            x = x.to(dtype)  # the last one is not contiguous
+            want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
+            got = packed(x)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
+    head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        want = target(input_ids=ids).logits
+        pack_linears(target)
+        got = target(input_ids=ids).logits
+    assert (
+        n_linear == 4 * 7 + 1
+        and sum(isinstance(m, PackedLinear) for m in target.modules()) == n_linear
+    )
+    assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
+    assert target.get_output_embeddings().weight is head
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not packable("onednn", torch.float16, "cpu") and not packable(
+        "mkl", torch.bfloat16, "cpu"
+    )
+    assert packable("onednn", torch.bfloat16, "cpu") and not packable("mkl", torch.float32, "cuda")
+    with pytest.raises(
+        ValueError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"
+    ):
+        pack_linears(tiny_target("llama").half())
+    with pytest.raises(
+        ValueError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"
+    ):
+        pack_linears(tiny_target("llama").bfloat16(), "mkl")
+
+
+@needs_mkl
+def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
+    """MklLinear: the weight packed for each row count the first time it comes, reused after, and
+    the product exact up to fp32 rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|)
+    for K = 24 terms; more than MAX_ROWS rows (prefill) take the stock GEMM and pack nothing."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lin = torch.nn.Linear(24, 40, bias=bias)
+        mkl = MklLinear(lin)
+        assert mkl.weight is lin.weight and mkl.packs == {}
+        for x in (
+            torch.randn(1, 1, 24),
+            torch.randn(1, 8, 24),
+            torch.randn(2, 3, 24),
+            torch.randn(24, 5).T,
+            torch.randn(1, MklLinear.MAX_ROWS + 1, 24),
+        ):
+            want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
+            scale = x.double().abs() @ lin.weight.double().abs().T + (
+                lin.bias.double().abs() if bias else 0
+            )
+            got = mkl(x)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert (
+                (got.double() - want).abs() <= 24 * torch.finfo(torch.float32).eps * scale
+            ).all()
+        assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
+        pack = mkl.packs[6]
+        mkl(torch.randn(6, 24))
+        assert mkl.packs[6] is pack  # packed once
+
+
+@needs_mkl
+def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
+    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and
+    coming back to MKL reuses the modules packed before (bench.py switches per prompt; packing is
+    not what it times)."""
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
+    mkl_modules = lambda: [m for m in target.modules() if isinstance(m, MklLinear)]
+    first = None
+    with torch.no_grad():
+        want = target(input_ids=ids).logits
+        for layout in ("mkl", "onednn", "stock", "mkl"):
+            set_layout(target, layout)
+            # back: the same modules, packed for 5 rows already
+            if first is not None and layout == "mkl":
+                assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
+            got = target(input_ids=ids[:, :5]).logits
+            assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
+            first = first or mkl_modules()
+        assert len(first) == 4 * 7 + 1
+        set_layout(target, "stock")
+    assert not any(isinstance(m, (MklLinear, PackedLinear)) for m in target.modules())
+
+
+def test_unpack_linears_undoes_pack_linears():
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
+    weights = {k: v for k, v in target.state_dict().items()}
+    with torch.no_grad():
+        want = target(input_ids=ids).logits
+        # onednn, and mkl where it runs
+        for layout in machine.layouts_here(torch.float32, "cpu")[1:]:
+            unpack_linears(pack_linears(target, layout))
+        got = target(input_ids=ids).logits
+    assert not any(isinstance(m, (PackedLinear, MklLinear)) for m in target.modules())
+    assert all(
+        target.state_dict()[k] is v or torch.equal(target.state_dict()[k], v)
+        for k, v in weights.items()
+    )
+    assert torch.equal(got, want)
+
+
+# ============================================================================ speed/cost.py
+def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch, tmp_path):
+    monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "machine.json"))
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
+    target, seen, extra = tiny_target("llama"), [], {"stock": 0.0, "onednn": 5.0, "mkl": 2.0}
+    monkeypatch.setattr(
+        cost,
+        "target_ms",
+        lambda t, context, n, repeats, rows=1: (
+            seen.append((layout_of(t), n, rows)) or 10.0 + n + extra[seen[-1][0]]
+        ),
+    )
+    table = cost.decode_table(target, (1, 8))
+    assert table == {
+        "stock": {1: 11.0, 8: 18.0},
+        "onednn": {1: 16.0, 8: 23.0},
+        "mkl": {1: 13.0, 8: 20.0},
+    }
+    assert seen == [(layout, n, 1) for layout in ("stock", "onednn", "mkl") for n in (1, 8)]
+    assert cost.decode_table(target, (1, 8)) == table and len(seen) == 6  # cached
+    assert cost.fastest(table, 1) == "stock"
+    assert cost.data_costs(target) == {k: 10.0 + 1 + 10.0 + 256 + 2 * v for k, v in extra.items()}
+    # the packed copies freed
+    assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__
+
+
+# ============================================================================ speed/int8.py
+def test_int8_weights_hand_worked():
+    """One scale per output row, s_o = max |w_o| / 127, q = round(w / s_o)."""
+    q, s = int8.quantize_weight(torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.02]]))
+    assert torch.allclose(s, torch.tensor([0.01, 0.02]))
+    assert q.dtype == torch.int8 and q.tolist() == [[50, -127, 0], [127, 50, -1]]
+
+
+@needs_int8
+def test_int8_linear_stays_within_its_rounding_bound():
+    """|x w - x^ w^| <= (s_o / 2) sum_i |x_i| + (a / 2) sum_i |w^_oi|: each weight is off by at most
+    half its row's step s_o, each input by at most half the call's step a = (max(x, 0) - min(x, 0))
+    / 127 (7-bit inputs)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(2, 3, 64, generator=g) * 3
+    y = int8.Int8Linear(w)(x)
+    q, s = int8.quantize_weight(w)
+    flat = x.reshape(-1, 64)
+    # one step per call, over all of x
+    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127
+    # [6, 40]
+    bound = s / 2 * flat.abs().sum(1, keepdim=True) + a / 2 * (q.float() * s[:, None]).abs().sum(1)
+    err = (y.reshape(-1, 40) - flat @ w.T).abs()
+    assert y.shape == (2, 3, 40) and y.dtype == torch.float32
+    # within the bound, and really int8
+    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4
+
+
+@needs_int8
+def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
+    target, draft = tiny_target("qwen3"), tiny_draft(4)
+    ref = draft.state_dict()
+    int8.quantize(draft, target.get_output_embeddings().weight)
+    linears = {
+        n: type(m)
+        for n, m in draft.named_modules()
+        if isinstance(m, (torch.nn.Linear, int8.Int8Linear))
+    }
+    assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
+    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "head" in linears
+    assert machine.draft_head(draft) is draft.head
+    # every layer's projections, the convolutions' kernel projections and the selector's P are int8
+    names = {n.rsplit(".", 1)[-1] for n in linears}
+    assert {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "kernel_projection",
+        "hidden_projection",
+    } <= names
+
+
+# ============================================================================ speed/tune.py
+def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
+    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is
+    taken (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of
+    all."""
+    assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
+    assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
+    assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
+
+
+# ================================================================= speed/auto.py: what auto chooses
+def test_expected_tau_by_hand():
+    """rho_1 = [.6, .3], rho_2 = [.5, .25], r = [.6, .3]: the best candidates' rates already match
+    (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5),
+    .15, .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25
+    / .25)."""
+    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
+    assert auto.expected_tau(stats, 1, False) == pytest.approx(1.6)
+    assert auto.expected_tau(stats, 2, False) == pytest.approx(1.9)
+    assert [auto.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
+        [1.6, 1.9, 2.2, 2.5, 2.575, 2.575]
+    )
+    corr = {"accepted": [0.6, 0.45], "rank": [[0.6, 0.3], [0.5, 0.25]]}
+    # nodes: .6, .6 * .75 = .45, .3, .6 * .25 = .15, .3 * .75 = .225, .3 * .25 = .075
+    assert [auto.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx(
+        [2.05, 2.35, 2.575]
+    )
+    # no branching: the measured path
+    assert auto.expected_tau(corr, 2, False) == pytest.approx(2.05)
+
+
+def test_choose_by_hand():
+    """B = 3, draft 3 ms at either depth. Expected taus (test_expected_tau_by_hand): path 1: 1.6,
+    path 2: 1.9, tree 2: 1.9, tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms:
+    path 1: 1.6 / 14, path 2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 =
+    0.139, the best, 1.39x plain (0.1)."""
+    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
+    d3 = {1: 3.0, 2: 3.0}
+    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
+    assert (
+        shape == ("tree", 5)
+        and "138.9 tok/s" in why
+        and "1.39x" in why
+        and "best path: 2 drafts" in why
+    )
+    # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path
+    # stays
+    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
+    assert shape == ("path", 2) and "no tree beats it here" in why
+    assert auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == (
+        "path",
+        2,
+    )
+    # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
+    shape, why = auto.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
+    assert shape == ("path", 2) and "does not pay" in why
+    # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
+    assert auto.choose(None, None, None, 3)[0] == ("path", 2)
+    assert auto.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[
+        0
+    ] == ("path", 1)
+    # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per
+    # ms, path
+    # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft
+    # cost said
+    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
+    assert shape == ("path", 1) and "per 12.0 ms cycle" in why and "+ draft 1.0)" in why
+
+
+def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, capsys):
+    draft, draft_dir = tiny_draft(3), tmp_path / "d"
+    export.save_draft(draft, str(draft_dir))
+    measured = []
+    costs = lambda sizes, mode: (
+        measured.append(sorted(sizes))
+        or (
+            {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0},
+            {1: 3.0, 2: 3.0},
+        )
+    )
+    # without acceptance.json: the path of B-1 drafts, nothing measured
+    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
+    assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
+    (draft_dir / "acceptance.json").write_text(
+        json.dumps(
+            {
+                "block_size": 3,
+                "step": 1,
+                "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]},
+            }
+        )
+    )
+    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
+    assert measured == [[1, 2, 3, 9, 17, 25, 33]]
+    assert capsys.readouterr().out.startswith("[selector] auto: tree of 5 nodes")
+    assert auto.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
+        ("path", 2),
+        ("tree", 8),
+        ("tree", 5),
+    ]
+    # no unary statistics
+    assert auto.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]
+    with pytest.raises(ValueError, match="--verify-tokens: at most 2"):
+        auto.plan([3], None, draft, str(draft_dir), "selector", costs)
+    (draft_dir / "acceptance.json").write_text(
+        json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}})
+    )
+    with pytest.raises(ValueError, match="acceptance.json: block_size 4"):
+        auto.plan(None, None, draft, str(draft_dir), "selector", costs)

