@@ -21,11 +21,11 @@ b. compile   the same with --compile, the draft cut to --compile-layers layers: 
 c. decode    decoding on the GPU: a random SmolLM2-135M-shaped target (fp32, the lossless rule)
              and a random draft of configs/smollm2-135m-dflash2.json, through
              support.show.speculate (the loop of generate.py and tools/served.py): a path of B-1 and
-             a tree of B-1 nodes against
-             plain decoding (decoding.target_generate): greedy output equal, tau and tokens/s.
-             Random weights: tau here measures the loop, not a trained draft.
-d. tests     every CUDA test of test_all.py (a "cuda" in its name or parameter id), one pytest run,
-             with what is left of the budget.
+             a tree of B-1 nodes against plain decoding (decoding.target_generate): greedy output
+             equal, tau and tokens/s. Random weights: tau here measures the loop, not a trained
+             draft.
+d. tests     every CUDA test (a "cuda" in its name or parameter id) of every test file, one pytest
+             run, with what is left of the budget.
 
 SHARES says where each share comes from. An out-of-memory item is reported, not failed; an item its
 share cut off says how far it got. Each item's result is appended to OUT/rows.jsonl the moment it
@@ -95,7 +95,7 @@ INTERVAL = 10  # steps per interval of the steady time (log.jsonl's elapsed_s is
 # every CUDA test has "cuda" in its name or parameter id; -v shows each as it ends, so a timeout
 # still says where
 TESTS = [sys.executable, "-m", "pytest", "-v", "-rfs", "--durations=10", "-p", "no:cacheprovider"]
-TESTS += ["test_all.py", "-k", "cuda"]
+TESTS += ["-k", "cuda"]  # every test file (pyproject.toml's testpaths)
 INTERRUPT_S = 15  # a run past its bound: Ctrl-C, then this long to say so before it is killed
 OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory", re.IGNORECASE)
 
