@@ -2871,19 +2871,18 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
     )
     records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == list(range(1, 9))
-    # every step sees one whole sequence: tokens and anchors seen so far / elapsed seconds
+    # every step sees one whole sequence: tokens and anchors seen / the interval's seconds
     assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
     order = [data.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
     assert sorted(set(order)) == [0, 1, 2, 3]  # only the first 4 sequences are ever drawn
-    tokens = sum(len(samples[i]["input_ids"]) for i in order)
-    anchors = sum(
-        min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum()))
-        for i in order
-    )
-    r = records[-1]  # both rates share one elapsed time
-    assert r["target_tok_per_s"] / r["anchors_per_s"] == pytest.approx(tokens / anchors, rel=1e-3)
+    # the rates are each logging interval's (here one step: one sequence), and share its time
+    for r, i in zip(records, order):
+        tokens = len(samples[i]["input_ids"])
+        anchors = min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum()))
+        ratio = r["target_tok_per_s"] / r["anchors_per_s"]
+        assert ratio == pytest.approx(tokens / anchors, rel=1e-3), r["step"]
 
 
 def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
@@ -4056,10 +4055,12 @@ def test_prepare_binds_its_gpu_before_the_process_group(setup, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
     monkeypatch.setattr(
         prepare.dist, "init_process_group", lambda backend, **kw: calls.append((backend,))
     )
+    monkeypatch.setattr(prepare.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(prepare.dist, "get_world_size", lambda: 2)
 
     def stop(*a):
         raise KeyboardInterrupt

@@ -326,9 +326,7 @@ def test_load_refuses_mismatched_tensors(tmp_path):
 
 
 def test_published_27b_layout_parameter_count():
-    c = config.load_config(
-        os.path.join(os.path.dirname(__file__), "configs", "qwen3.8-27b-dflash2.json")
-    )
+    c = config.load_config(os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json"))
     with torch.device("meta"):
         m = DraftModel(c)
     assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
@@ -336,8 +334,8 @@ def test_published_27b_layout_parameter_count():
 
 
 def test_shipped_configs_load():
-    for name in os.listdir(os.path.join(os.path.dirname(__file__), "configs")):
-        c = config.load_config(os.path.join(os.path.dirname(__file__), "configs", name))
+    for name in os.listdir(os.path.join(HERE, "configs")):
+        c = config.load_config(os.path.join(HERE, "configs", name))
         assert c.dflash2
 
 

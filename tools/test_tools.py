@@ -930,7 +930,7 @@ def test_study_decodes_on_the_device_it_trained_on(monkeypatch):
     monkeypatch.setattr(study.served, "read_run", lambda f: (run_args, DraftModel(c), 3, {}))
     target = torch.nn.Linear(2, 2)
     monkeypatch.setattr(study, "load_target", lambda name, dtype: (target, None))
-    monkeypatch.setattr(study.train, "load_split", lambda *a, **k: (None, []))
+    monkeypatch.setattr(study.served, "held_out", lambda *a, **k: [])
     monkeypatch.setattr(study, "stop_token_ids", lambda *a: ())
     monkeypatch.setattr(study, "decode_device", lambda: torch.device("meta"))
     devices = []
