@@ -243,7 +243,10 @@ def read_run(out_dir) -> tuple:
             f"{log}: no final record at {file}'s step {saved.get('step')}: the run has not "
             "finished (train.py --resume continues it)"
         )
-    return argparse.Namespace(**saved["args"]), draft, saved.get("step"), finals[-1]
+    # a flag added after the run was written takes its default: what the run trained with
+    defaults = vars(train.parse_args(["--data", "x"]))
+    flags = {**defaults, **saved["args"]}
+    return argparse.Namespace(**flags), draft, saved.get("step"), finals[-1]
 
 
 def parse_args(argv=None):

@@ -518,6 +518,11 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     plain = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
     assert plain["prompts"] == 1 and "auto_shape" not in plain and 1 <= plain["path_tau"] <= 4
     assert plain["path_cycles"] <= 3  # each cycle commits a token at least
+    # a run written before a flag existed reads it at its default, which the run trained with
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    del ckpt["args"]["selector_weighting"]
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    assert served.read_run(str(tmp_path / "run"))[0].selector_weighting == "exp"
     with pytest.raises(FileNotFoundError, match="no such directory"):
         served.main([str(tmp_path / "none")])
     with pytest.raises(FileNotFoundError, match="no training checkpoint"):
