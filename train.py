@@ -413,7 +413,7 @@ def train(args):
     quiet = not master or args.quiet
     bar = tqdm(total=total, initial=step, disable=quiet, desc="train", dynamic_ncols=True)
     t0, rates = time.time(), {}
-    since = lambda: round(time.time() - t0, 1)  # this invocation's seconds, evaluations included
+    since = lambda: round(time.time() - t0, 3)  # this invocation's seconds, evaluations included
     meter.restart()
     while step < stop:
         batches = (next_batch() for _ in range(args.grad_accum))

@@ -385,6 +385,8 @@ def steady(records: list, band: tuple, rows_per_step: int = 1) -> dict:
     if n < 1:
         raise ValueError(f"log.jsonl: {len(steps)} steps, none after the {WARM_STEPS} warm-up")
     step_s = (span[-1]["elapsed_s"] - span[0]["elapsed_s"]) / n  # the whole span's
+    if step_s <= 0:
+        raise ValueError(f"log.jsonl: {n} steps in 0 s of elapsed_s, below the log's resolution")
     marks = span[::INTERVAL]
     per_step = lambda a, b: (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
     intervals = [per_step(a, b) for a, b in zip(marks, marks[1:])]

@@ -901,6 +901,10 @@ def test_gpu_check_reads_the_steady_step_per_interval():
         gpu_check.steady(records[::2], (3072, 4096))
     with pytest.raises(ValueError, match="no train records"):
         gpu_check.steady([{"kind": "eval"}], (3072, 4096))
+    for r in records:  # steps faster than the log's resolution: no step time, not a zero
+        r["elapsed_s"] = compile_s
+    with pytest.raises(ValueError, match="below the log's resolution"):
+        gpu_check.steady(records, (3072, 4096))
 
 
 def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
