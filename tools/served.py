@@ -244,7 +244,7 @@ def read_run(out_dir) -> tuple:
             "finished (train.py --resume continues it)"
         )
     # a flag added after the run was written takes its default: what the run trained with
-    defaults = vars(train.parse_args(["--data", "x"]))
+    defaults = vars(train.parse_args([]))
     flags = {**defaults, **saved["args"]}
     return argparse.Namespace(**flags), draft, saved.get("step"), finals[-1]
 
