@@ -88,6 +88,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import socket
 import subprocess
@@ -718,13 +719,25 @@ def assert_resumed_exactly(straight, resumed):
 
 
 def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n distinct ports free now, below the kernel's ephemeral range: a port the OS handed out (bind
+    to 0) may be taken, before its run listens on it, by an outgoing connection of an earlier run
+    (gloo's own), which ended a CI run in EADDRINUSE; ports below the range are never handed out."""
+    low = 32768  # Linux's default first ephemeral port
+    if os.path.isfile("/proc/sys/net/ipv4/ip_local_port_range"):
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    candidates = list(range(max(1024, low - 12000), low))
+    random.Random(os.getpid()).shuffle(candidates)  # two test processes start far apart
+    ports = []
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise OSError(f"no {n} free ports below {low}")
 
 
 def packing_docs(c, lengths, seed=0):
