@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import sys
 from contextlib import contextmanager
 
@@ -39,6 +40,26 @@ def read_json(file: str):
 def write_json(path: str, obj):
     with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+def cpu_name() -> str:
+    """The CPU, as a speed number names it: model, family and model numbers, its widest vectors."""
+    info = open("/proc/cpuinfo").read() if os.path.isfile("/proc/cpuinfo") else ""
+    fields = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags", "").split()
+    kind = "AVX2 only"
+    for flag, name in (
+        ("avx512f", "AVX-512"),
+        ("avx512_bf16", "AVX-512 with bf16"),
+        ("amx_tile", "AMX"),
+    ):
+        kind = name if flag in flags else kind
+    model = fields.get("model name", platform.processor())
+    numbers = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
 # ----------------------------------------------------------------------------- command lines

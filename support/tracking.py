@@ -115,3 +115,24 @@ def print_summary(m, cfg):
     print("\n".join(f"  {name:40s} {m[k]:.4f}" for k, name in rows.items() if k in m))
     if "path_acc" in m:
         print(f"  {'selector path accuracy per position':40s} {m['path_acc']}")
+
+
+def read_log(path: str) -> tuple:
+    """A run (its folder, or its log.jsonl) -> (its folder, its records). A line that is not a JSON
+    object with a kind and a step is the user's to fix: ValueError naming the file and line."""
+    file = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")
+    records = []
+    with open(file) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file} line {n}: not JSON ({e.msg})") from None
+            if not (isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r):
+                raise ValueError(f"{file} line {n}: not a train.py record (kind, step, ...)")
+            records.append(r)
+    if not records:
+        raise ValueError(f"{file}: no records yet (train.py writes one every --log-interval steps)")
+    return os.path.dirname(os.path.abspath(file)), records

@@ -16,7 +16,6 @@ later record wins. The picture is support/draw.py's SVG: plain text, no plotting
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from support import draw
 from support.common import read_json, run
 from support.metrics import acceptance_file, read_acceptance
+from support.tracking import read_log
 
 # (panel, series name, record kinds, record key, dashed) for each line of the step panels. The train
 # line is the loss's base term (base_loss; loss in a log without it): a held-out loss has no
@@ -43,27 +43,6 @@ KEY = [
     "dashed: the held-out loss; held-out tau and that share on the unary argmax path (plain DFlash",
     "    has only these); a large dot: served tau, the real decoding loop (tools/served.py)",
 ]
-
-
-def read_log(path: str) -> tuple:
-    """A run (its folder, or its log.jsonl) -> (its folder, its records). A line that is not a JSON
-    object with a kind and a step is the user's to fix: ValueError naming the file and line."""
-    file = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise ValueError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")
-    records = []
-    with open(file) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file} line {n}: not JSON ({e.msg})") from None
-            if not (isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r):
-                raise ValueError(f"{file} line {n}: not a train.py record (kind, step, ...)")
-            records.append(r)
-    if not records:
-        raise ValueError(f"{file}: no records yet (train.py writes one every --log-interval steps)")
-    return os.path.dirname(os.path.abspath(file)), records
 
 
 def value(record, key):

@@ -43,7 +43,6 @@ docs/figures/study.svg, or study-quick.* with --quick).
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -56,7 +55,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from support.common import bounded, run
+from support.common import bounded, cpu_name, run
 from support.target import load_target, stop_token_ids
 from tools import served
 
@@ -247,26 +246,6 @@ def verdicts(results: dict, arms: list, default: str = "dflash2") -> list:
         spread = f"twice the spread: {noise:.3f}"
         lines.append(f"- {arm}: {diff:+.3f} against {default} ({spread}), {word}")
     return lines
-
-
-def cpu_name() -> str:
-    """The CPU, as a speed number names it: model, family and model numbers, its widest vectors."""
-    info = open("/proc/cpuinfo").read() if os.path.isfile("/proc/cpuinfo") else ""
-    fields = {}
-    for line in info.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = fields.get("flags", "").split()
-    kind = "AVX2 only"
-    for flag, name in (
-        ("avx512f", "AVX-512"),
-        ("avx512_bf16", "AVX-512 with bf16"),
-        ("amx_tile", "AMX"),
-    ):
-        kind = name if flag in flags else kind
-    model = fields.get("model name", platform.processor())
-    numbers = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-    return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
 def machine_name() -> str:
