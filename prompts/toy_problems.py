@@ -10,6 +10,7 @@ nearly all template text, which is what lets a draft commit several tokens per c
 """
 
 import random
+import sys
 
 NAMES = "Anna Ben Carla David Emma Hiro Lena Omar Priya Rosa Sam Zoe".split()
 THINGS = "apples pencils stickers marbles cookies books shells cards".split()
@@ -87,3 +88,7 @@ def toy_split() -> tuple:
     target or by its draft."""
     pool = toy_problems(POOL)
     return pool[:-HELD_OUT], pool[-HELD_OUT:]
+
+
+if __name__ == "__main__":  # python -m prompts.toy_problems I: held-out question I (run.sh --toy)
+    print(toy_split()[1][int(sys.argv[1])][0])

@@ -4,7 +4,7 @@ length that fits the time left, priced at this run's own step time. Why not the 
 priced: one machine's steps ran 0.7 to 1.3 times their three-step probe, by kind (docs/cpu.md), and
 a shared VM's speed drifts within a run. An early fit moves a cosine that has barely left its peak;
 a late one moves it little, the step time by then known. A fitted run's checkpoint keeps its length
-("total"), and --resume goes on at it. tools/plan.py prices a job with the same rule.
+("total"), and --resume goes on at it.
 """
 
 import collections
@@ -18,7 +18,7 @@ FIT_EVERY = 25  # steps between fits
 FIT_WINDOW = 200  # the step time: the mean of the last 200 (a window of 100 read 0.34-0.50 s in
 # one native job whose steps averaged 0.40: the rows' lengths differ)
 # an evaluation before one is timed: a held-out sequence's no-grad forward about a third of a
-# training step (tools/plan.py prices it so; 5-9 s measured for 48 sequences at 0.40-0.53 s a step)
+# training step (5-9 s measured for 48 sequences at 0.40-0.53 s a step)
 EVAL_STEPS_PER_SEQUENCE = 1 / 3
 
 

@@ -26,7 +26,6 @@ anchors fall, not of the draft.
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -49,7 +48,7 @@ from support.compiling import anything_compiles
 from support.metrics import add_into, objective_with_metrics, record_served, reduce_metrics
 from support.show import label, speculate
 from support.target import check_draft_fits, load_target, stop_token_ids
-from support.tracking import append_log
+from support.tracking import append_log, read_log
 
 
 def prompt_length(loss_mask) -> int:
@@ -66,15 +65,20 @@ def served_anchors(P: int, taus: list) -> list:
 
 
 @torch.no_grad()
-def serve(target, draft, samples, shape, use_selector=True, stop_ids=(), max_new_tokens=None):
+def serve(
+    target, draft, samples, shape, use_selector=True, stop_ids=(), max_new_tokens=None, until=None
+):
     """Decode each sample's prompt greedily for as many tokens as its answer has (at most
     max_new_tokens), verifying shape, ("path", k) or ("tree", n) -> {"tau": accepted drafts + 1 per
     cycle, over all cycles of all prompts; "cycles"; "tokens": committed; "anchors": [the anchors
-    of each sample]}. A progress bar over the prompts shows the tokens a second."""
+    of each sample]}. After the time `until` (time.time()'s) no prompt but the first is begun. A
+    progress bar over the prompts shows the tokens a second."""
     device = next(target.parameters()).device
     taus, anchors, tokens, t0 = [], [], 0, time.time()
     bar = tqdm(samples, desc=f"served, {label(shape)}", unit="prompt", dynamic_ncols=True)
-    for s in bar:
+    for i, s in enumerate(bar):
+        if i and until is not None and time.time() > until:
+            break
         P = prompt_length(s["loss_mask"])
         prompt = s["input_ids"][None, :P].to(device)  # [1, P]
         n = min(len(s["input_ids"]) - P, max_new_tokens or len(s["input_ids"]))  # answer's length
@@ -111,12 +115,15 @@ def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
     return taus
 
 
-def served_evaluation(args, draft, target, tokenizer, samples, out_dir, fast, max_new_tokens=None):
+def served_evaluation(
+    args, draft, target, tokenizer, samples, out_dir, fast, max_new_tokens=None, until=None
+):
     """The samples' prompts decoded greedily by the real loop with the path of B-1 drafts (and,
     fast, with the shape `auto` chooses), and the path's anchors scored teacher-forced where the
     data has a block's first label: served tau beside teacher-forced tau at the same anchors (equal
     when the answers are the target's own greedy ones). args: the training run's flags; draft: as
-    stored, on the target's device. -> the numbers acceptance.json keeps under "served"."""
+    stored, on the target's device; until: each shape decodes the prompts that its equal share of
+    the time left fits. -> the numbers acceptance.json keeps under "served"."""
     device = next(target.parameters()).device
     # teacher-forced as train.py scores: its precision, and the target's embedding and head in the
     # dtype training loaded the target in (taken before --fast may pack the target's weights)
@@ -144,11 +151,14 @@ def served_evaluation(args, draft, target, tokenizer, samples, out_dir, fast, ma
         line = f"{stored}; target {dtype} (auto for decoding: speed/machine.py), stock GEMMs"
         print(f"served.py: {line}; the {label(path)} (--fast: speed/tune.py's)", file=sys.stderr)
     stop = stop_token_ids(target, tokenizer)
-    out = {}
-    for name, shape in shapes.items():
-        same = name != "path" and shape == path
+    out, todo = {}, {n: s for n, s in shapes.items() if n == "path" or s != path}
+    for i, (name, shape) in enumerate(todo.items()):
+        share = until and time.time() + (until - time.time()) / (len(todo) - i)
         kw = dict(use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens)
-        out[name] = out["path"] if same else serve(target, served, samples, shape, **kw)
+        out[name] = serve(target, served, samples, shape, until=share, **kw)
+    if fast:
+        out.setdefault("auto", out["path"])  # auto chose the path
+    samples = samples[: len(out["path"]["anchors"])]  # the prompts that fitted
     anchors = [  # where the data has the block's first label: a training anchor position
         sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
         for s, visited in zip(samples, out["path"]["anchors"])
@@ -220,7 +230,7 @@ def read_run(out_dir) -> tuple:
     """train.py's output directory -> (its flags, the draft as stored, its step, its final log
     record). A run that has not finished (no final record at the checkpoint's step: train.py writes
     acceptance.json just before it) is refused."""
-    file, log = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
+    file = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"{out_dir}: no such directory (train.py's --out-dir)")
     if not os.path.isfile(file):
@@ -229,19 +239,11 @@ def read_run(out_dir) -> tuple:
     saved = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(saved.get("args"), dict):
         raise ValueError(f"{file}: no training flags ('args'): not written by train.py")
-    finals = []
-    if os.path.isfile(log):
-        with open(log) as f:
-            for i, line in enumerate(f, 1):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{log}:{i}: not JSON ({e.msg})") from None
-                finals += [record] if record.get("kind") == "final" else []
+    finals = [r for r in read_log(out_dir)[1] if r["kind"] == "final"]
     if not finals or finals[-1].get("step") != saved.get("step"):
         raise ValueError(
-            f"{log}: no final record at {file}'s step {saved.get('step')}: the run has not "
-            "finished (train.py --resume continues it)"
+            f"{out_dir}/log.jsonl: no final record at {file}'s step {saved.get('step')}: the "
+            "run has not finished (train.py --resume continues it)"
         )
     # a flag added after the run was written takes its default: what the run trained with
     defaults = vars(train.parse_args([]))
@@ -259,6 +261,11 @@ def parse_args(argv=None):
         "--max-new-tokens", type=bounded(int, low=1), default=None, help="default: the answer's"
     )
     p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs, auto")
+    p.add_argument(
+        "--max-seconds",
+        type=bounded(float, above=0.0),
+        help="decode the prompts that fit this many seconds, loading included",
+    )
     return p.parse_args(argv)
 
 
@@ -278,8 +285,9 @@ def main(argv=None):
     if not chosen:
         raise ValueError(f"{held}: no held-out sequences (train.py --eval-data, --eval-fraction)")
     draft = draft.to(device)
+    until = opts.max_seconds and t0 + opts.max_seconds
     s = served_evaluation(
-        args, draft, target, tokenizer, chosen, opts.out_dir, opts.fast, opts.max_new_tokens
+        args, draft, target, tokenizer, chosen, opts.out_dir, opts.fast, opts.max_new_tokens, until
     )
     s["seconds"] = round(time.time() - t0, 1)
     record_served(opts.out_dir, s)

@@ -3,9 +3,6 @@ python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
 
 The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
 holds it equal to the banners):
-    tools/plan.py                   the plan sizes the job and keeps slow and fast CPUs inside
-                                    the budget
-        slow CPUs
     tools/study.py                  seeds pooled per arm by hand
     tools/served.py: served acceptance
                                     teacher-forced at served anchors == the served cycle
@@ -20,7 +17,6 @@ holds it equal to the banners):
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -35,7 +31,6 @@ import decoding
 import export
 import loss as L
 import model
-import prepare
 import train
 from compat import config_json as config
 from compat import serving
@@ -52,305 +47,7 @@ from test_all import (
     tiny_draft,
     tiny_target,
 )
-from tools import gpu_check, plan, plot, served, study, train_cost
-
-
-# ============================================================================ tools/plan.py
-def test_plan_times_each_probe_round_after_round_after_one_untimed_call(monkeypatch):
-    """in_rounds: three rounds, every probe in turn, each one untimed call and then two timed ones;
-    a probe's figure is the median of its six timings. A probe that runs slow (0.3 s) in the first
-    call after another probe's, then 0.01 s, reads 0.01: the untimed call takes the switch (the
-    training step read 0.43-0.79 s timed right after the target's forwards, 0.37-0.40 with it)."""
-    calls = []
-
-    def probe(name):
-        def step():
-            switched = not calls or calls[-1] != name
-            calls.append(name)
-            time.sleep(0.3 if switched else 0.01)
-
-        return step
-
-    seconds = plan.in_rounds({"a": probe("a"), "b": probe("b")})
-    assert calls == ["a", "a", "a", "b", "b", "b"] * 3
-    assert 0.01 <= seconds["a"] < 0.05 and 0.01 <= seconds["b"] < 0.05
-
-
-def test_plan_prices_an_answer_as_its_prompt_its_steps_and_its_features():
-    """By hand: one answer is its prompt's prefill (0.3 s), 160 / 64 steps of its 64-row batch
-    (2.5 x 0.4 = 1.0) and its feature step (0.5): 1.8 s. A held-out set of 16 is one batch of 160
-    steps of 16 rows (160 x 0.2 = 32) and 16 prompts and feature steps (16 x 0.8 = 12.8): 44.8 s."""
-    c = plan.Costs(0, None, 0.4, 0.2, 0.5, 15, 0.1, t_prompt=0.3)
-    assert plan.t_answer(c) == pytest.approx(1.8)
-    assert plan.held_out_s(c, 16) == pytest.approx(44.8)
-    assert plan.held_out_s(c._replace(eval_have=16), 16) == 0.0
-
-
-def test_plan_prices_the_served_answers_at_their_own_lengths(tmp_path):
-    """Served decoding is greedy and lossless: it commits the held-out answers again, each up to
-    --served-tokens. Once prepare made them, the plan reads their lengths (regenerated.*.jsonl, in
-    index order) and prices what they commit: 2 prompts of answers 100 and 300 tokens at 160 commit
-    100 + 160 = 260 prompt-tokens; before, each prompt at their known mean where the domain has one
-    (math: 141), else at the full 160."""
-    rows = [(1, 300), (0, 100), (2, 50)]  # (index, answer tokens), written out of order
-    with open(tmp_path / "regenerated.rank0.jsonl", "w") as f:
-        for i, n in rows:
-            answer = {"role": "assistant", "content": "", "token_ids": [7] * n}
-            f.write(json.dumps({"index": i, "messages": [{"role": "user"}, answer]}) + "\n")
-    assert plan.answer_lengths(str(tmp_path)) == (100, 300, 50)
-    assert plan.answer_lengths(str(tmp_path / "none")) == ()
-    made = plan.Costs(0, None, None, None, None, 15, 0.1, answer_lengths=(100, 300, 50))
-    assert plan.served_s(made, 2, 160) == pytest.approx(15 + 260 * 0.1)
-    assert plan.served_s(made._replace(answer_lengths=()), 2, 160) == pytest.approx(15 + 320 * 0.1)
-    assert plan.served_s(made, 4, 160) == pytest.approx(15 + 640 * 0.1)  # 4 asked, 3 made
-    assert plan.served_s(made, 0, 160) == 0.0
-    before = made._replace(answer_lengths=(), answer_tokens=141)
-    assert plan.served_s(before, 2, 160) == pytest.approx(15 + 282 * 0.1)
-    assert plan.served_s(before, 2, 128) == pytest.approx(15 + 256 * 0.1)  # cut at --served-tokens
-    # a prompt-token costs a cycle (a verify 0.08 s + 0.25 of a plain step 0.05 s = 0.0925 s) over
-    # each shape's tau: 0.0925 / 1.7 (the path) + 0.0925 / 1.95 (auto's tree) = 0.10185 s; the
-    # decode table of 2 layouts x 3 sizes, a prefill 0.2 s and 8 verifies each: 15 + 5.04 s fixed
-    fixed, per_token = plan.served_costs(0.05, 0.08, 0.2, layouts=2, sizes=3)
-    assert (fixed, per_token) == (pytest.approx(20.04), pytest.approx(0.101848, abs=1e-6))
-
-
-def test_plan_probes_the_feature_step_and_train_py_s_own_step(monkeypatch, tmp_path):
-    """capture_step runs prepare.py's own feature step on n conversations into a new folder per
-    call; train_step runs train.py's train_step (clipping, metrics, the schedule with the objective)
-    on one batch of 32 anchors, three times before it returns (a fresh draft's first steps are
-    slow: timed, two of them read 0.58 s in a job whose steps then ran at 0.32)."""
-    written = []
-
-    def features(target, tok, conversations, out_dir, layer_ids, save_target_hidden):
-        written.append((len(conversations), os.path.relpath(out_dir, tmp_path), save_target_hidden))
-
-    monkeypatch.setattr(prepare, "write_features", features)
-    step = plan.capture_step(None, None, [0], str(tmp_path), n=8)
-    step(), step()
-    assert written == [(8, "1", True), (8, "2", True)]
-
-    steps = []
-
-    def one_step(objective, opt, sched, params, batches, alpha_t, args, world, no_sync, autocast):
-        steps.append((len(batches), int(batches[0]["anchor_valid"].sum()), world, alpha_t))
-
-    monkeypatch.setattr(train, "train_step", one_step)
-    # the toy draft (vocabulary 384, width 64) and a stand-in target: its embeddings only
-    target = torch.nn.Module()
-    target.get_input_embeddings = lambda: torch.nn.Embedding(384, 64)
-    target.get_output_embeddings = lambda: torch.nn.Linear(64, 384, bias=False)
-    step = plan.train_step(["--draft-config", "configs/toy-dflash2.json"], target)
-    assert steps == [(1, 32, 1, 0.5)] * 3
-    step()
-    assert len(steps) == 4
-
-
-def test_plan_again_before_training_fills_what_prepare_left(monkeypatch, capsys):
-    """By hand: measuring 10 s, loading 50, served 30 + 5 x 160 x 0.05 = 70; an evaluation of 48
-    answers at 0.3 / 3 s each, 4.8 s, every 600 steps and one at the end: a step costs 0.3 + 4.8 /
-    600 = 0.308 s, and 1,000 s left hold (1,000 - 130 - 4.8) / 0.308 = 2,809 steps; run.sh's job
-    then prices them at 996.7 s, inside the 1,000: 2,809 x 0.3 = 842.7 s of steps and 5 evaluations
-    (at 600 ... 2,400 and the end) of 4.8 s, 866.7 s, the seconds train.py fits its steps to."""
-    c = plan.Costs(10, 0.3, None, None, None, 30, 0.05)
-    f = plan.Fixed(48, 5, 160, 600, [])
-    assert plan.steps_that_fit(c, 1000, f, 1000) == 2809
-    priced = plan.job_seconds(c, 1000, 2.809, f)
-    assert sum(priced.values()) == pytest.approx(996.7, abs=0.05)
-    # run.sh's call: 45 min x 92% = 2,484 s, of which the job took 1,484 s: 1,000 s left for the
-    # steps above, 2,809 over the 1,100 answers made
-    monkeypatch.setattr(plan, "measure", lambda args: (c, "a CPU"))
-    argv = ["--num-samples", "1100", "--n-eval", "48", "--served-samples", "5"]
-    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484"])
-    out, err = capsys.readouterr()
-    assert out.splitlines() == [
-        "MAX_STEPS=2809",
-        "TRAIN_S=867",
-        f"EXPECTED_TAU={plan.expected_tau(1100, 2809 / 1100):.2f}",
-    ]
-    assert "2809 steps (2.55 epochs over 1100 answers)" in err
-    # the first plan hands its reading of a served token on to this one, through run.sh
-    plan.main([*argv, "--served-tokens", "160", "--epochs", "2"])
-    assert capsys.readouterr().out.splitlines()[-1] == "SERVED_TOKEN_S=0.05000"
-    # the first plan's served token read lower (0.04 s): served then costs 30 + 800 x 0.04 = 62 s,
-    # and (1,000 - 10 - 50 - 62 - 4.8) / 0.308 = 2,835 steps fit; read higher, it is not taken
-    for first, steps in (("0.04", 2835), ("0.06", 2809)):
-        plan.main(
-            [*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--served-token-s", first]
-        )
-        assert capsys.readouterr().out.splitlines()[0] == f"MAX_STEPS={steps}"
-    # epochs given, or too little time for one (one epoch all the same): the steps are not fitted
-    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "1484", "--epochs", "2"])
-    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=2200", "TRAIN_S="]
-    plan.main([*argv, "--served-tokens", "160", "--elapsed-s", "2300"])
-    assert capsys.readouterr().out.splitlines()[:2] == ["MAX_STEPS=1100", "TRAIN_S="]
-    # answers not named: refused in one line
-    with pytest.raises(SystemExit) as stop:
-        common.run(lambda: plan.main(["--elapsed-s", "100"]))
-    assert stop.value.code == 2
-    assert capsys.readouterr().err.strip().endswith("give --num-samples")
-
-
-def test_plan_sizes_the_job_to_the_budget(tmp_path):
-    # 1,000 answers x 2 epochs; 1.5 s an answer (regeneration 160 / 64 x 0.4 + features 0.5); the
-    # 48 held-out answers in one batch of 160 steps of 48 rows (0.2 + 0.2 x 32 / 48 s) and 48
-    # feature steps; 1.3 s a step; served 4 prompts x 100 tokens (40 + 400 x 0.015 s):
-    # 90 + 50 + 1,000 * 1.5 + (53.33 + 24) + 2,000 * 1.3 + 4 evaluations of 48 answers at
-    # 1.3 / 3 s + 46 = 4,446.53 s
-    c = plan.Costs(90, 1.3, 0.4, 0.2, 0.5, 40, 0.015)
-    f = plan.Fixed(48, 4, 100, 600, [])
-    parts = plan.job_seconds(c, 1000, 2, f)
-    assert parts["held-out"] == pytest.approx(77.333, abs=1e-3)
-    assert sum(parts.values()) == pytest.approx(4446.533, abs=1e-3)
-    # answers and held-out answers made: free
-    made = plan.job_seconds(c._replace(have=1000, eval_have=48), 1000, 2, f)
-    assert sum(made.values()) == pytest.approx(sum(parts.values()) - 1500 - parts["held-out"])
-    # N_TRAIN and --epochs given: neither the data nor the step measured, nor priced
-    unmeasured = c._replace(t_step=None, t_batch64=None, t_batch16=None, t_capture=None)
-    assert set(plan.job_seconds(unmeasured, 4, 2, f)) == {
-        "measuring",
-        "loading",
-        "layouts",
-        "held-out",
-        "served",
-    }
-    # the chosen pair fits AIM of the budget and the next answer count would not
-    p = plan.choose(c, 90)
-    assert sum(p.seconds.values()) <= 90 * 60 * plan.AIM
-    assert p.n % 100 == 0 and p.epochs == 2  # 1,100: the grid steps by 100 above 1,000
-    assert sum(plan.job_seconds(c, p.n + 100, 2, p.fixed).values()) > 90 * 60 * plan.AIM
-    assert plan.choose(c, 90, n=1234).n == 1234 and plan.choose(c, 90, n=1234).epochs == 2
-    assert plan.choose(c, 90, n=1234, epochs=3).why == "N_TRAIN and --epochs given"
-    # answers already made count only when the folder was finished (its manifest written)
-    (tmp_path / "conversations.jsonl").write_text('{"index": 0}\n{"index": 1}\n')
-    assert plan.answers_made(str(tmp_path)) == 0
-    (tmp_path / "manifest.json").write_text("{}")
-    assert plan.answers_made(str(tmp_path)) == 2 and plan.answers_made(str(tmp_path / "none")) == 0
-
-
-# ---------------------------------------------------------------------------- slow CPUs
-# issue 36's AVX2-only AMD EPYC (Zen 1): 370 s of measuring, an answer 4.06 s (regeneration 1.89 =
-# 160 / 64 steps of 0.756 s, features 2.17), a step 2.78 s, the served evaluation 10.0 min at its
-# full size (30 s fixed, the rest over 16 prompts x 160 tokens); its held-out batch priced as a
-# 64-row one (a 16-row step not measured there)
-SLOW = plan.Costs(370, 2.78, 0.756, 0.756, 2.17, 30, 570 / 2560)
-
-
-# the AMD EPYC with avx512_bf16 (docs/cpu.md, docs/acceptance.md): 46 s of measuring,
-# an answer 0.43 s (regeneration 0.23, features 0.2), a step 0.25 s, the served evaluation 239 s
-FAST = plan.Costs(46, 0.25, 0.23 * 64 / 160, 0.05, 0.2, 30, 209 / 2560)
-
-
-def test_plan_keeps_a_slow_cpu_inside_45_minutes_fixed_costs_included():
-    """By hand: the budget's shares shrink the held-out set to its floor of 16 (160 x 0.756 + 16 x
-    2.17 = 155.7 s; 2% of 45 min is 54 s), the served evaluation to 5 prompts (30 + 5 x 160 x 0.2227
-    = 208.1 s; 6 would pass 9% of 45 min, 243 s) and evaluations to every 200 steps; then 370 + 50
-    + 155.7 + 208.1 + 170 x 4.06 + 340 x 2.78 + 2 x 16 x 2.78 / 3 = 2,448.9 s fits 92% of 45 min
-    (2,484 s) and 180 answers (2,545.1 s) do not."""
-    p = plan.choose(SLOW, 45)
-    assert (p.n, p.epochs) == (170, 2)
-    assert p.fixed[:4] == (16, 5, 160, 200)
-    assert sum(p.seconds.values()) == pytest.approx(2448.9, abs=0.1)
-    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
-    assert sum(plan.job_seconds(SLOW, 180, 2, p.fixed).values()) == pytest.approx(2545.1, abs=0.1)
-    assert p.seconds["served"] <= plan.SERVED_SHARE * 45 * 60
-    assert p.fixed.shrunk == [
-        "held-out 16 of 48 answers",
-        "served 5 of 16 prompts x 160 tokens",
-        "an evaluation every 200 steps",
-    ]
-    # the old plan's choice, 200 answers x 2 epochs, at the full fixed costs: 53.6 minutes
-    full = plan.job_seconds(SLOW, 200, 2, plan.Fixed(48, 16, 160, 600, []))
-    assert sum(full.values()) / 60 == pytest.approx(53.56, abs=0.01)
-    # the curve: 170 x 2 between 150 x 2's measured 1.47 and the two 200 x 2 drafts' 1.51-1.53
-    assert 1.48 < p.tau < 1.53
-
-
-def test_plan_keeps_a_fast_cpu_inside_45_minutes_at_full_fixed_costs():
-    """By hand: 46 + 50 + (160 x 0.0787 + 48 x 0.2 = 22.1) + 239 + 1,700 x 0.43 + 5,100 x 0.25 + 9
-    evaluations x 48 x 0.25 / 3 = 2,399.1 s; 1,700 answers x 3 epochs (5,100 steps, 2.83 epochs of
-    them counted at 1,700 answers) beat 2,200 x 2 (4,400 steps, 2,435.1 s), and 1,800 x 3
-    (2,521.1 s) and 2,300 x 2 (2,528.1 s) do not fit 92% of 45 min (2,484 s)."""
-    p = plan.choose(FAST, 45)
-    assert (p.n, p.epochs) == (1700, 3) and p.fixed == plan.Fixed(48, 16, 160, 600, [])
-    assert sum(p.seconds.values()) == pytest.approx(2399.1, abs=0.1)
-    assert sum(p.seconds.values()) <= 45 * 60 * plan.AIM
-    assert sum(plan.job_seconds(FAST, 1800, 3, p.fixed).values()) > 45 * 60 * plan.AIM
-    assert plan.expected_tau(1700, 3) > plan.expected_tau(2200, 2)
-    # an explicit N_TRAIN and --epochs are kept, with the fixed costs sized all the same
-    assert plan.choose(FAST, 45, n=4, epochs=1)[:2] == (4, 1)
-
-
-def test_plan_refuses_a_budget_too_small_in_one_line_with_the_budget_it_needs(monkeypatch, capsys):
-    """By hand: the smallest useful job (150 answers x 2 epochs) takes 2,220.8 s at 35 minutes (92%
-    of which is 1,932 s) and 2,256.5 s at 40 (served: 5 prompts again, 9% being 216 s; 92% is
-    2,208 s); at 45 it fits, and 170 answers do too (2,448.9 s of 2,484)."""
-    with pytest.raises(ValueError) as e:
-        plan.choose(SLOW, 20)
-    assert str(e.value) == (
-        "BUDGET_MIN=20 cannot hold a useful job on this machine (at least 300 steps, as 150 "
-        "answers x 2 epochs): BUDGET_MIN=45 would, with 170 answers x 2 epochs, for a held-out tau "
-        "of about 1.51"
-    )
-    assert plan.choose(SLOW, 45)[:2] == (170, 2)
-    # before anything runs: one line, status 2
-    monkeypatch.setattr(plan, "measure", lambda args: (SLOW, "a slow CPU"))
-    with pytest.raises(SystemExit) as stop:
-        common.run(lambda: plan.main(["--budget-min", "20"]))
-    out, err = capsys.readouterr()
-    assert stop.value.code == 2 and out == ""
-    assert err.splitlines()[1:] == [f"error: {e.value}"]
-
-
-def test_plan_curve_reproduces_the_measured_drafts_and_credits_repeats_only_where_they_paid():
-    for n, epochs, tau, _ in plan.CURVE:
-        assert abs(plan.expected_tau(n, epochs) - tau) < 0.15
-    # the two 200 x 2 drafts (1.509, 1.527) and the 500 x 2 ones (1.751, 1.745), within the fit's
-    # own scatter (its residuals' rms over every point is 0.043)
-    assert plan.expected_tau(200, 2) == pytest.approx(1.52, abs=0.03)
-    assert plan.expected_tau(500, 2) == pytest.approx(1.75, abs=0.05)
-    # below 1,200 answers a third or fourth epoch counts for nothing; at 2,400 up to four
-    assert plan.expected_tau(150, 4) == plan.expected_tau(150, 2) < plan.expected_tau(300, 2)
-    assert plan.expected_tau(2400, 4) > plan.expected_tau(2400, 3) > plan.expected_tau(2400, 2)
-    assert plan.expected_tau(2400, 2, dflash=True) == pytest.approx(
-        plan.DFLASH_RATIO * plan.expected_tau(2400, 2)
-    )
-
-
-def test_plan_probe_times_a_forward_after_a_cache_of_the_context_without_a_prefill(monkeypatch):
-    """forward_step fills the KV cache with `context` positions of random keys and values, and each
-    call runs the forward of rows x tokens and crops back: every call sees the same cache length,
-    and no call is a prefill."""
-    target, seen = tiny_target("llama"), []
-
-    def spy(module, args, kw):
-        cache = kw.get("cache", kw.get("past_key_values"))
-        seen.append((tuple(kw["input_ids"].shape), cache.get_seq_length()))
-
-    target.register_forward_pre_hook(spy, with_kwargs=True)
-    step = plan.forward_step(target, 4, 2, 10)
-    step(), step(), step()
-    assert seen == [((4, 2), 10)] * 3
-
-
-def test_plan_never_plans_past_the_budget_on_machines_1_to_24_times_slower():
-    """The fast machine's costs times k: every plan fits 92% of its budget with each fixed cost
-    within its share or at its floor, or the budget is refused for a larger one that does."""
-    for k in (1, 2, 4, 8, 12, 16, 24):
-        c = FAST._replace(**{f: k * getattr(FAST, f) for f in FAST._fields[:7]})
-        for budget in (15, 45, 90):
-            try:
-                p = plan.choose(c, budget)
-            except ValueError as e:
-                needed = int(re.search(r"BUDGET_MIN=(\d+) would", str(e)).group(1))
-                assert needed > budget and plan.choose(c, needed).n >= 150
-                continue
-            assert sum(p.seconds.values()) <= plan.AIM * 60 * budget
-            assert plan.effective_steps(p.n, p.epochs) >= plan.MIN_STEPS
-            f = p.fixed
-            assert f.n_eval == plan.N_EVAL_MIN or p.seconds["held-out"] <= 0.02 * 60 * budget
-            assert (f.served_samples, f.served_tokens) == plan.SERVED_MIN or p.seconds[
-                "served"
-            ] <= plan.SERVED_SHARE * 60 * budget
+from tools import gpu_check, plot, served, study, train_cost
 
 
 # ============================================================================ tools/study.py
@@ -476,6 +173,9 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
     assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
     assert result["tau"] == pytest.approx(stats.mean_tau) and result["tokens"] == n
+    # out of time (--max-seconds): the first prompt is decoded, no other is begun
+    late = served.serve(target, draft, [shown] * 3, ("path", B - 1), until=time.time() - 1)
+    assert late["anchors"] == [anchors] and late["tau"] == result["tau"]
     assert len(set(stats.taus)) >= 3  # accepted and rejected drafts alike: not a trivial case
     embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     mode = "accept_unary" if plain else "accept_selector"
@@ -518,6 +218,9 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     plain = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
     assert plain["prompts"] == 1 and "auto_shape" not in plain and 1 <= plain["path_tau"] <= 4
     assert plain["path_cycles"] <= 3  # each cycle commits a token at least
+    served.main([str(tmp_path / "run"), "--samples", "2", "--fast", "--max-seconds", "1e-3"])
+    late = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
+    assert late["prompts"] == 1 and late["path_tf_blocks"] <= late["path_cycles"]
     # a run written before a flag existed reads it at its default, which the run trained with
     ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
     del ckpt["args"]["selector_weighting"]
