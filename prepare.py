@@ -48,7 +48,14 @@ from speed import machine, tune
 from support import distributed, regen, regen_server
 from support.common import DTYPES, add_chat_template_kwargs, bounded, run
 from support.conversations import read_conversations, render, tokenize_conversation
-from support.features import COUNTS, save_shard, shard_done, shard_path, write_manifest
+from support.features import (
+    COUNTS,
+    save_shard,
+    shard_done,
+    shard_path,
+    shard_settings,
+    write_manifest,
+)
 from support.promptsets import PROMPT_SETS
 from support.target import GGUF, check_layer_ids, load_target
 
@@ -172,14 +179,9 @@ def write_features(
     skips shards that exist and any rank can build the manifest. Within a shard the target runs
     batch_size sequences per forward, sorted by length so little is padding."""
     kw, dtype = chat_template_kwargs or {}, DTYPES[feature_dtype]
-    settings = {
-        "target_layer_ids": json.dumps(layer_ids),
-        "feature_dtype": feature_dtype,
-        "max_length": str(max_length),
-        "target_hidden": str(save_target_hidden),
-        "shard_size": str(shard_size),
-        "chat_template_kwargs": json.dumps(kw, sort_keys=True),  # one spelling per dict
-    }
+    settings = shard_settings(
+        layer_ids, feature_dtype, max_length, save_target_hidden, shard_size, kw
+    )
     mine = range(rank, math.ceil(len(conversations) / shard_size), world)
     bar, tokens = tqdm(total=len(mine), desc=f"features (rank {rank})", unit="shard"), 0
     for k in mine:

@@ -38,6 +38,19 @@ def shard_path(out_dir: str, k: int) -> str:
     return os.path.join(out_dir, f"shard-{k:05d}.safetensors")
 
 
+def shard_settings(layer_ids, feature_dtype, max_length, target_hidden, shard_size, kwargs) -> dict:
+    """The settings that make a shard, as its metadata stores them (strings): shard_done refuses a
+    rerun that asks for others, write_manifest reads them back. kwargs: the chat template's."""
+    return {
+        "target_layer_ids": json.dumps(layer_ids),
+        "feature_dtype": feature_dtype,
+        "max_length": str(max_length),
+        "target_hidden": str(target_hidden),
+        "shard_size": str(shard_size),
+        "chat_template_kwargs": json.dumps(kwargs, sort_keys=True),  # one spelling per dict
+    }
+
+
 def shard_metadata(path: str) -> dict:
     """A shard's metadata (its header only; no tensor is read). Shards from before prepare.py
     recorded the chat template kwargs were rendered without any."""

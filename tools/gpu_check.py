@@ -1,9 +1,9 @@
 """The GPU path in one call of at most 9 minutes on one H100 / H200, from a cold compile cache:
 train.py at the Qwen3-8B draft's shape first, the CUDA tests last.
 
-    python tools/gpu_check.py out/gpu-check                  # on a CUDA GPU: the whole plan
-    python tools/gpu_check.py out/gpu-check2 --only tests    # one item again
-    python tools/gpu_check.py out/dry --dry-run              # the plan, and the plumbing on the CPU
+    python -m tools.gpu_check out/gpu-check                  # on a CUDA GPU: the whole plan
+    python -m tools.gpu_check out/gpu-check2 --only tests    # one item again
+    python -m tools.gpu_check out/dry --dry-run              # the plan, and the plumbing on the CPU
 
 The plan (PLAN), in this order, each item in a fresh process group bounded by its share of
 --budget-s (a run past it gets Ctrl-C INTERRUPT_S before its share ends, then is killed):
@@ -62,15 +62,17 @@ try:
 except ImportError:  # a CPU machine
     triton = None
 
+import model
+from compat import config_json as config
+from decoding import target_generate
+from support import features, flops
+from support.common import bounded, cpu_name, run, write_json
+from support.show import speculate
+from support.target import check_draft_fits
+from support.tracking import read_log
+
+# the repository: the configs' home, and where the items' commands run (train.py, -m tools...)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the project's modules
-import model  # noqa: E402
-from compat import config_json as config  # noqa: E402
-from decoding import target_generate  # noqa: E402
-from support import features, flops  # noqa: E402
-from support.common import bounded, run, write_json  # noqa: E402
-from support.show import speculate  # noqa: E402
-from support.target import check_draft_fits  # noqa: E402
 
 # (item, planned seconds) in the order they run; they add up to --budget-s, 9 minutes.
 PLAN = [("train", 150), ("compile", 80), ("decode", 40), ("tests", 270)]
@@ -294,6 +296,21 @@ def run_tests(timeout: float) -> tuple:
 
 
 # ----------------------------------------------------------------------------- items a and b
+def target_config(c, tied: bool) -> LlamaConfig:
+    """A Llama target of draft config c's widths and num_target_layers; tied: one embedding and head
+    (SmolLM2's), untied as Qwen3-8B's."""
+    return LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_target_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        tie_word_embeddings=tied,
+    )
+
+
 def make_train_data(cfg_path: str, out: str, args) -> tuple:
     """A random target of the draft config's shape, embedding, final norm and head only (bf16,
     untied as Qwen3-8B's; config.json counts its num_target_layers: offline training builds no
@@ -302,17 +319,7 @@ def make_train_data(cfg_path: str, out: str, args) -> tuple:
     first tenth of each row unsupervised. -> (target dir, feature dir)."""
     c = config.load_config(cfg_path)
     target_dir, feat_dir = os.path.join(out, "target"), os.path.join(out, "features")
-    hf = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_target_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        tie_word_embeddings=False,
-    )
-    hf.save_pretrained(target_dir)
+    target_config(c, tied=False).save_pretrained(target_dir)
     g = torch.Generator().manual_seed(0)
     weight = lambda: (torch.randn(c.vocab_size, c.hidden_size, generator=g) * 0.02).bfloat16()
     weights = {"model.embed_tokens.weight": weight(), "lm_head.weight": weight()}
@@ -333,18 +340,10 @@ def make_train_data(cfg_path: str, out: str, args) -> tuple:
         ids = torch.randint(0, c.vocab_size - 1, (n,), generator=g)
         samples.append({"input_ids": ids, "loss_mask": mask, "features": block[:n].clone()})
     os.makedirs(feat_dir)
-    settings = {
-        "target_layer_ids": json.dumps(c.target_layer_ids),
-        "feature_dtype": "bf16",
-        "max_length": str(high),
-        "target_hidden": "False",
-        "shard_size": str(len(samples)),
-        "chat_template_kwargs": "{}",
-        "num_samples": len(samples),
-        "skipped_nonfinite": 0,
-        "skipped_no_anchor": 0,
-    }
-    features.save_shard(features.shard_path(feat_dir, 0), samples, settings)
+    # one shard as prepare.py --features writes it: its settings, then its counts (none skipped)
+    settings = features.shard_settings(c.target_layer_ids, "bf16", high, False, len(samples), {})
+    counts = dict(zip(features.COUNTS, (len(samples), 0, 0)))
+    features.save_shard(features.shard_path(feat_dir, 0), samples, {**settings, **counts})
     features.write_manifest(feat_dir, len(samples), len(samples), "random", c.hidden_size)
     return target_dir, feat_dir
 
@@ -432,11 +431,10 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
     log.write(f"$ TORCH_LOGS={env['TORCH_LOGS']} {' '.join(cmd)}\n{out}\n")
     log.flush()
     state, reason = outcome(status, out, limit)
-    path = os.path.join(out_dir, "log.jsonl")
-    records = []
-    if os.path.exists(path):
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    try:
+        records, unread = read_log(out_dir)[1], None
+    except ValueError as e:  # no log: train.py ended before its first step (killed, or refused)
+        records, unread = [], str(e)
     row = {
         "command": " ".join(cmd[3:]),
         "layers": layers,
@@ -454,7 +452,7 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
         try:
             row.update(steady(records, args.band))
         except ValueError as e:
-            row.update(status="failed", reason=str(e))
+            row.update(status="failed", reason=unread or str(e))
     shutil.rmtree(out_dir, ignore_errors=True)  # its ckpt.pt: 14 GB at the 8B shape
     return row
 
@@ -466,17 +464,8 @@ def decode_run(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     c = config.load_config(args.decode_config)
     torch.manual_seed(0)
-    hf = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_target_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        tie_word_embeddings=True,
-    )
-    target = LlamaForCausalLM(hf).to(device, torch.float32).eval()  # fp32: the lossless rule
+    target = LlamaForCausalLM(target_config(c, tied=True))
+    target = target.to(device, torch.float32).eval()  # fp32: the lossless rule
     draft = model.DraftModel(c).to(device).eval()  # as trained: fp32
     check_draft_fits(c, target)
     g = torch.Generator().manual_seed(1)
@@ -514,7 +503,7 @@ def decode_run(args):
 
 def decode_row(args, tmp: str, limit: float, log) -> dict:
     json_path = os.path.join(tmp, "decode.json")
-    cmd = [sys.executable, os.path.join("tools", "gpu_check.py"), json_path, "--decode-run"]
+    cmd = [sys.executable, "-m", "tools.gpu_check", json_path, "--decode-run"]
     cmd += ["--decode-config", args.decode_cfg, "--decode-tokens", str(args.decode_tokens)]
     cmd += ["--decode-prompts", str(args.decode_prompts)]
     status, seconds, out = run_bounded(cmd, bound(limit))
@@ -534,11 +523,6 @@ def decode_row(args, tmp: str, limit: float, log) -> dict:
 
 # ----------------------------------------------------------------------------- what is written
 def environment(cuda: bool, peak_tflops) -> dict:
-    with open("/proc/cpuinfo") as f:
-        cpu = next(
-            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-            platform.machine(),
-        )
     dynamo = torch._dynamo.config
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -547,8 +531,7 @@ def environment(cuda: bool, peak_tflops) -> dict:
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "triton": triton and triton.__version__,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        "cpu": cpu_name(),  # with its core count
         "device": "cpu",
         # what train.py's recompile guard sets (both are torch's since 2.6)
         "dynamo_configs": {
@@ -607,8 +590,7 @@ def summary(results: dict) -> str:
     )
     lines = [
         f"GPU check, {e['date']}: {gpu}; torch {e['torch']} (CUDA {e['cuda']}), transformers "
-        f"{e['transformers']}, triton {e['triton']}, Python {e['python']}; CPU {e['cpu']} "
-        f"({e['cpu_count']} threads)",
+        f"{e['transformers']}, triton {e['triton']}, Python {e['python']}; CPU {e['cpu']}",
         *plan_lines(results),
     ]
     if a["dry_run"]:

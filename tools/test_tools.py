@@ -6,8 +6,8 @@ holds it equal to the banners):
     tools/study.py                  seeds pooled per arm by hand
     tools/served.py: served acceptance
                                     teacher-forced at served anchors == the served cycle
-    tools/train_cost.py             a step measured with gradient checkpointing
-    tools/gpu_check.py              --dry-run, out of memory, interrupted runs
+    tools/gpu_check.py              --dry-run, prepare.py's shards, out of memory, interrupted
+                                    runs
     tools/llamacpp.py               the converter reads every key it needs from an export
     tools/plot.py                   the charts draw the logged values; a bad run is one error
                                     line
@@ -15,6 +15,7 @@ holds it equal to the banners):
 """
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ import train
 from compat import config_json as config
 from compat import serving
 from model import DraftModel, capture_features
-from support import common, metrics, show
+from support import common, features, metrics, show
 from test_all import (
     HERE,
     log_records,
@@ -47,7 +48,7 @@ from test_all import (
     tiny_draft,
     tiny_target,
 )
-from tools import gpu_check, plot, served, study, train_cost
+from tools import gpu_check, plot, served, study
 
 
 # ============================================================================ tools/study.py
@@ -232,22 +233,6 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
         served.main([str(setup / "feats")])
 
 
-# ============================================================================ tools/train_cost.py
-def test_train_cost_measures_a_step_with_gradient_checkpointing(tmp_path):
-    """tools/train_cost.py --gradient-checkpointing: train.py's step with the draft's layers
-    checkpointed (the measurements of training-at-scale.md, "Long sequences"), at toy size."""
-    (tmp_path / "draft.json").write_text(json.dumps(config.config_to_dict(tiny_config())))
-    row = tmp_path / "row.json"
-    train_cost.main(  # block size 8: the objective has a default gamma for it
-        ["--draft-config", str(tmp_path / "draft.json"), "--num-layers", "2", "--block-size", "8"]
-        + ["--lengths", "40,24", "--num-anchors", "6", "--gradient-checkpointing"]
-        + ["--json", str(row)]
-    )
-    r = json.loads(row.read_text())
-    assert r["gradient_checkpointing"] and r["num_layers"] == 2 and r["block_size"] == 8
-    assert r["rows"] == 2 and r["tokens"] == 64 and r["anchors"] == 12 and r["peak_memory_gib"] > 0
-
-
 # ============================================================================ tools/gpu_check.py
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     """tools/gpu_check.py --dry-run: the plan, items a-d in order inside 9 minutes, printed with
@@ -257,7 +242,7 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     CUDA test skips with needs_cuda's reason."""
     out = tmp_path / "gpu"
     done = subprocess.run(
-        [sys.executable, os.path.join("tools", "gpu_check.py"), str(out), "--dry-run"],
+        [sys.executable, "-m", "tools.gpu_check", str(out), "--dry-run"],
         cwd=HERE,
         capture_output=True,
         text=True,
@@ -293,6 +278,59 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "540 s of the 540 s budget" in summary and tests["summary"] in summary
     assert f"steady {t['step_s']} s a step" in summary and "DRY RUN" in summary
+
+
+def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypatch):
+    """Item a's random feature shard is prepare.py --features' own: a rerun of prepare.py with the
+    same layers, length and shard size takes it as done, its manifest says what prepare.py's says,
+    and load_features streams its rows back, the first tenth of each unsupervised."""
+    draft = os.path.join(HERE, "configs", "qwen3-8b-dflash2.json")
+    draft = gpu_check.toy_config(draft, str(tmp_path / "toy.json"))
+    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
+    _, feat_dir = gpu_check.make_train_data(draft, str(tmp_path / "data"), args)
+    c, (low, high) = config.load_config(draft), args.band
+    asked = []  # the settings prepare.py's rerun checks its shard against (it stops there)
+    monkeypatch.setattr(prepare, "shard_done", lambda path, made, n: asked.append(made) or True)
+    prepare.write_features(  # N rows in one shard: prepare.py --max-length HIGH --shard-size N
+        None, None, [[]] * args.rows, str(tmp_path), c.target_layer_ids, high, shard_size=args.rows
+    )
+    assert features.shard_done(features.shard_path(feat_dir, 0), asked[0], args.rows)
+    manifest = features.read_manifest(feat_dir)
+    assert manifest["target_layer_ids"] == c.target_layer_ids and manifest["max_length"] == high
+    assert manifest["num_samples"] == args.rows and manifest["chat_template_kwargs"] == {}
+    rows = features.load_features(feat_dir)
+    assert len(rows) == args.rows and "target_hidden" not in rows[0]
+    for r in rows:
+        n = len(r["input_ids"])
+        assert low <= n <= high and r["features"].shape == (n, len(c.target_layer_ids) * 64)
+        assert r["loss_mask"].tolist() == [0] * (n // 10) + [1] * (n - n // 10)
+
+
+def test_gpu_check_reads_train_logs_a_killed_run_left_or_never_wrote(tmp_path, monkeypatch):
+    """Items a and b read train.py's log.jsonl with support.tracking.read_log: a run its share cut
+    off before its first step left none and is reported as timed out with 0 steps; one that ended
+    well but left no log fails with read_log's reason; a killed run's records count its steps."""
+    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
+    args.draft = os.path.join(HERE, "configs", "smollm2-135m-dflash2.json")
+    os.makedirs(tmp_path / "data")  # made once: train_row makes no more
+    ended = {}
+    monkeypatch.setattr(gpu_check, "run_bounded", lambda *a: ended["as"])
+    ended["as"] = (None, 50.0, "compiling")
+    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
+    assert (row["status"], row["steps_done"]) == ("timed out", 0)
+    ended["as"] = (0, 50.0, "done")
+    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
+    assert row["status"] == "failed" and "no log.jsonl there" in row["reason"]
+
+    def killed(*a):
+        os.makedirs(tmp_path / "train")
+        log = [{"kind": "train", "step": i, "elapsed_s": 9.0 + i} for i in (1, 2, 3)]
+        (tmp_path / "train" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+        return None, 50.0, "step 4"
+
+    monkeypatch.setattr(gpu_check, "run_bounded", killed)
+    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
+    assert (row["status"], row["steps_done"]) == ("timed out", 3)
 
 
 def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
