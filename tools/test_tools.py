@@ -8,7 +8,8 @@ holds it equal to the banners):
                                     teacher-forced at served anchors == the served cycle
     tools/gpu_check.py              --dry-run, prepare.py's shards, out of memory, interrupted
                                     runs
-    tools/llamacpp.py               the converter reads every key it needs from an export
+    tools/llamacpp.py               the converter reads every key it needs from an export;
+                                    convert's command; parity's comparison
     tools/plot.py                   the charts draw the logged values; a bad run is one error
                                     line
     the machinery elsewhere         tests that name this package and no other home
@@ -441,7 +442,7 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     assert {f"candidate_selector.{k}_codebook" for k in ("predecessor", "successor")} <= names
 
 
-def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path, monkeypatch):
+def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path):
     """llama.cpp's DFlash2 loader refuses hidden_size % conv_group_size != 0 and hidden_size <
     K (K + 1), K = selector_top_k (src/models/dflash.cpp). tools/llamacpp.py says so before it
     builds or converts anything: one line `error: ...`, exit status 2, and nothing in the cache.
@@ -451,7 +452,7 @@ def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path
     export.save_draft(tiny_draft(4), str(fits))
     cache = tmp_path / "cache"
     run = subprocess.run(
-        [sys.executable, "tools/llamacpp.py", "convert", "--draft", str(small)]
+        [sys.executable, "-m", "tools.llamacpp", "convert", "--draft", str(small)]
         + ["--cache", str(cache)],
         cwd=HERE,
         capture_output=True,
@@ -464,9 +465,6 @@ def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path
         "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
     ], run.stderr
     assert not cache.exists()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what importing the tool sets, undone after
-    from tools import llamacpp
-
     assert llamacpp.check_draft(str(fits)) is None
     # the group rule, which this project's own validation already enforces, said by name
     c = types.SimpleNamespace(dflash2=True, hidden_size=36, conv_group_size=8, selector_top_k=5)
@@ -475,6 +473,87 @@ def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path
         "conv_group_size 8"
     )
     assert serving.llamacpp_refusal(model.plain_dflash(tiny_config(selector_top_k=8))) is None
+
+
+def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, monkeypatch):
+    """convert runs the source tree's convert_hf_to_gguf.py with that tree's gguf-py first on
+    PYTHONPATH and the hub offline; a draft names its target's folder (--target-model-dir, where
+    its tokenizer is), the target does not. The GGUF is written under a temporary name and renamed
+    into place, so an interrupted run leaves no half file, and one already there is kept."""
+    calls = []
+
+    def sh(cmd, log=None, env=None, what=None):
+        calls.append((cmd, env))
+        with open(cmd[cmd.index("--outfile") + 1], "w") as f:
+            f.write("gguf")
+        return ""
+
+    monkeypatch.setattr(llamacpp, "sh", sh)
+    monkeypatch.setattr(llamacpp, "need_sentencepiece", lambda: None)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    src, out = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf"
+    assert llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", "log", "HF") == str(out)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    cmd, env = calls[0]
+    assert cmd == [sys.executable, f"{src}/convert_hf_to_gguf.py", "EXPORT"] + [
+        *("--outtype", "q8_0", "--outfile", tmp, "--target-model-dir", "HF")
+    ]
+    assert env["PYTHONPATH"] == f"{src}/gguf-py{os.pathsep}/elsewhere"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert out.read_text() == "gguf" and not os.path.exists(tmp)
+    llamacpp.to_gguf(str(src), "HF", str(tmp_path / "target-f32.gguf"), "f32", "log")
+    assert calls[1][0][2:] == ["HF", "--outtype", "f32", "--outfile", calls[1][0][-1]]
+    llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", "log", "HF")
+    assert len(calls) == 2
+
+
+def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_as_anchors(
+    tmp_path, monkeypatch
+):
+    """Parity compares generate.py's tokens with what llama.cpp printed, as bytes: GPT-2's byte
+    alphabet ("Ġ" a space, "Ċ" a newline; a token outside it as its own text), the count of
+    tokens that lead the text. Its debug log's cycles become anchor positions: the first anchors
+    the prompt's last token, each next one accepted + 1 further. The commands are greedy, with
+    -bf (the prompt's last newline kept) and, with the draft, draft-dflash at the n-max asked."""
+    table = llamacpp.byte_decoder()
+    assert sorted(table.values()) == list(range(256))
+    assert (table["Ġ"], table["Ċ"], table["a"]) == (ord(" "), ord("\n"), ord("a"))
+    vocab = ["Tom", "Ġhas", "Ċ", "✓"]
+    tok = types.SimpleNamespace(convert_ids_to_tokens=lambda ids: [vocab[i] for i in ids])
+    pieces = llamacpp.token_bytes(tok, [0, 1, 2, 3], table)
+    assert pieces == [b"Tom", b" has", b"\n", "✓".encode()]
+    assert llamacpp.tokens_matched("Tom has\n✓ more".encode(), pieces) == 4  # a prefix will do
+    assert llamacpp.tokens_matched(b"Tom had\n", pieces) == 1
+    assert llamacpp.tokens_matched(b"Tom", pieces) == 1
+    log = (
+        "accepted 2/7 draft tokens, the last target token is: (198)\nsomething else\n"
+        "accepted 0/7 draft tokens, the last target token is: (42)\n"
+        "accepted 3/3 draft tokens, the last target token is: (5)\n"
+    )
+    cycles = llamacpp.parse_cycles(log)
+    assert cycles == [(2, 7, 198), (0, 7, 42), (3, 3, 5)]
+    assert llamacpp.anchors(cycles, 10) == {9: (2, 7, 198), 12: (0, 7, 42), 13: (3, 3, 5)}
+    # the two llama.cpp runs, through stand-ins that record their arguments and print as they do
+    fake = tmp_path / "fake"
+    fake.write_text(
+        '#!/bin/sh\necho "$@" > "$0.args"\nprintf \'Tom has [end of text]\'\n'
+        "echo 'prompt eval time =  3.0 ms /    12 tokens' >&2\necho \"$LOG\" >&2\n"
+    )
+    fake.chmod(0o755)
+    bins = {"llama-completion": str(fake), "llama-speculative-simple": str(fake)}
+    plain = llamacpp.run_plain(bins, "T.gguf", "p.txt", 96, 1)
+    assert plain == {"text": b"Tom has", "ended": True, "prompt_tokens": 12}
+    args = (tmp_path / "fake.args").read_text().split()
+    assert args[:4] == ["-m", "T.gguf", "-bf", "p.txt"] and "-no-cnv" in args
+    assert " ".join(args).count("-n 96 --temp 0 --top-k 1") == 1
+    monkeypatch.setenv("LOG", log)  # the stand-in writes it as llama.cpp's debug log
+    spec = llamacpp.run_spec(bins, "T.gguf", "D.gguf", "p.txt", 96, 1, 3)
+    assert spec["cycles"] == cycles and spec["stdout"] == b"Tom has [end of text]"
+    args = " ".join((tmp_path / "fake.args").read_text().split())
+    assert "-md D.gguf --spec-type draft-dflash --spec-draft-n-max 3" in args
+    fake.write_text("#!/bin/sh\necho 'model not found' >&2\nexit 1\n")
+    with pytest.raises(ValueError, match=r"^fake failed on T.gguf: model not found$"):
+        llamacpp.run_plain(bins, "T.gguf", "p.txt", 96, 1)
 
 
 # ============================================================================ tools/plot.py
