@@ -12,7 +12,7 @@
 #
 # By budget, not prediction: each phase has a fixed share of BUDGET_MIN and stops itself there.
 #   held-out set  N_EVAL (48) held-out questions answered by the target: a small fixed cost
-#   answers       until 45% of the budget: the target answers training prompts (greedy, on-policy),
+#   answers       until half the budget: the target answers training prompts (greedy, on-policy),
 #                 64 at a time, each window's features captured before the next one begins
 #   training      until 10% of the budget and a minute are left: train.py --max-seconds fits its
 #                 schedule (warm-up, cosine, the selector's ramp) to its own step time
@@ -69,7 +69,7 @@ phase "held-out set ($N_EVAL)"
 if [ -n "${N_TRAIN:-}" ]; then
     python prepare.py --prompts "$TRAIN_SET" --num-samples "$N_TRAIN" "${PREP[@]}" --out-dir "$DATA/train"
 elif [ ! -f "$DATA/train/manifest.json" ]; then
-    python prepare.py --prompts "$TRAIN_SET" --max-seconds "$(until_pct 45)" "${PREP[@]}" --out-dir "$DATA/train"
+    python prepare.py --prompts "$TRAIN_SET" --max-seconds "$(until_pct 50)" "${PREP[@]}" --out-dir "$DATA/train"
 fi
 phase answers
 

@@ -33,6 +33,7 @@ import decoding
 import export
 import loss as L
 import model
+import prepare
 import train
 from compat import config_json as config
 from compat import serving
@@ -49,7 +50,7 @@ from test_all import (
     tiny_draft,
     tiny_target,
 )
-from tools import gpu_check, plot, served, study
+from tools import gpu_check, llamacpp, plot, served, study
 
 
 # ============================================================================ tools/study.py
