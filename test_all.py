@@ -5659,7 +5659,7 @@ def test_toy_run_reduced(tmp_path, capsys):
 
 # ============================================================================ the project's shape
 def project_files(root=HERE) -> dict:
-    """{module, named as imported ("model", "speed.cost", "tools.served"): its path}: the .py files of
+    """{module, named as imported ("model", "speed.cost", "tools.plot"): its path}: the .py files of
     the top level, speed/, tools/, prompts/, compat/ and support/, and speed/__init__.py."""
     files = {}
     for folder in ("", "speed", "tools", "prompts", "compat", "support"):
