@@ -61,11 +61,11 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
             shown(cycle)
             cycles.append(cycle)
 
-    use_selector = not args.unary
+    use_selector, head = not args.unary, machine.draft_head(draft)  # speed/'s head, if it gave one
     n = args.max_new_tokens
     if args.compare:  # untimed greedy warm-ups, as --bench runs: a first decoding pays one-off
         warm = dict(kw, temperature=0.0, generator=None)  # costs, which a short answer shows
-        speculate(target, draft, ids, 8, args.shape, use_selector=use_selector, **warm)
+        speculate(target, draft, ids, 8, args.shape, use_selector=use_selector, head=head, **warm)
         target_generate(target, ids, 8, **warm)
     state = gen.get_state()  # --compare's repeats decode this answer again from here
     out, stats = speculate(
@@ -75,6 +75,7 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
         n,
         args.shape,
         use_selector=use_selector,
+        head=head,
         watch=watch,
         phases=args.show,
         **kw,
@@ -96,7 +97,7 @@ def reply(target, draft, tok, messages, args, gen, stop) -> str:
             return decode(dict(kw, generator=g))[1]
 
         spec = lambda k: speculate(
-            target, draft, ids, n, args.shape, use_selector=use_selector, **k
+            target, draft, ids, n, args.shape, use_selector=use_selector, head=head, **k
         )
         plain = lambda k: timed(lambda: target_generate(target, ids, n, **k), ids)
         speedup = median_speedup(lambda: again(spec, state), lambda: again(plain, plain_state))

@@ -5241,20 +5241,12 @@ def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
 def test_show_formats_a_tree_by_hand():
     text = lambda t: f"t{t}"
     # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
-    tokens, parents = [9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4]
+    t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
     # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6
     # rejected; bonus 8
-    assert (
-        show.format_tree(tokens, parents, [2, 4], 8, text)
-        == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
-    )
-    assert (
-        show.format_tree(tokens, parents, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
-    )
-    assert (
-        show.format_tree(tokens, parents, [1, 3], 8, text)
-        == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
-    )
+    assert show.format_tree(t, [2, 4], 8, text) == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
+    assert show.format_tree(t, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
+    assert show.format_tree(t, [1, 3], 8, text) == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
 
 
 def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
@@ -5392,6 +5384,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             6,
             proposer=record(decoding.draft_proposal),
             grower=record(tree.draft_tree),
+            head=machine.draft_head(draft),
             **kw,
         )
         del draft.head

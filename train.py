@@ -29,7 +29,7 @@ from tqdm import tqdm
 import data
 import loss
 import model
-from compat.config_json import load_config, replace_config
+from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
 from support import compiling, distributed, flops, kernels, tracking
 from support.common import DTYPES, HelpTable, add_chat_template_kwargs, bounded, run
@@ -445,7 +445,8 @@ def train(args):
         # the checkpoint first: an evaluation that fails (out of memory) loses no step
         if step % args.save_interval == 0 or step == stop:
             with meter.paused():
-                save_checkpoint(ckpt_path, draft, cfg, opt, sched, step, total, args, master)
+                config = config_to_dict(cfg)  # what export.py writes as config.json
+                save_checkpoint(ckpt_path, draft, config, opt, sched, step, total, args, master)
         if step % args.eval_interval == 0 and step < total:
             with fit.evaluation(), meter.paused():
                 m = evaluate(

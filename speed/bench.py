@@ -18,6 +18,7 @@ import torch
 from decoding import target_generate
 from speed.auto import plan
 from speed.gemm import set_layout
+from speed.machine import draft_head
 from support.promptsets import eval_prompts
 from support.show import label, speculate, timed
 from support.target import encode
@@ -41,6 +42,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
     ]
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
     new, kw = args.max_new_tokens, dict(temperature=args.temperature, generator=gen, stop_ids=stop)
+    head = draft_head(draft)  # speculation scores the draft's rows with speed/'s head, if any
     kwargs = args.chat_template_kwargs
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev, kwargs)
     print(
@@ -57,7 +59,7 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             target_generate(target, warm, 8)
         set_layout(target, layouts["speculate"])
         for r in rows:
-            speculate(target, draft, warm, 8, r[1], use_selector=r[0] == "selector")
+            speculate(target, draft, warm, 8, r[1], use_selector=r[0] == "selector", head=head)
         # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
         # and a drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs
         # of one VM).
@@ -74,7 +76,15 @@ def bench(target, draft, tok, args, gen, stop, layouts):
             for r in rows:
                 use_selector = r[0] == "selector"
                 out, stats = speculate(
-                    target, draft, ids, new, r[1], use_selector=use_selector, phases=True, **kw
+                    target,
+                    draft,
+                    ids,
+                    new,
+                    r[1],
+                    use_selector=use_selector,
+                    head=head,
+                    phases=True,
+                    **kw,
                 )
                 runs[r].append(stats)
                 outs.setdefault(r, []).append(out)

@@ -33,7 +33,7 @@ import torch
 
 from speed import int8
 from speed.gemm import check_packable, packable
-from support.common import DTYPES, atomic_write
+from support.common import DTYPES, atomic_write, dtype_name
 
 
 # ----------------------------------------------------------------------------- what the CPU has
@@ -148,7 +148,8 @@ def draft_in(precision: str, draft, target, device):
 def draft_head(draft):
     """The head speed/ gave the draft to score its rows with (draft.head: int8.quantize's int8
     head, cost.use_fastest_rows' FastestRows), or None: the target's, decoding.embed_and_head's.
-    The decoding loops take it as their `head`."""
+    The scripts that run the draft through speed/ hand it to the decoding loops as their `head`
+    (support/show.speculate's)."""
     return getattr(draft, "head", None)
 
 
@@ -244,10 +245,6 @@ def describe(device) -> str:
     if torch.device(device).type == "cuda":
         return f"cuda {torch.cuda.get_device_name(device)}"
     return native_bf16(cpu_info())[1].removesuffix(": fp32 with stock GEMMs")
-
-
-def dtype_name(dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
 
 
 # ---------------------------------------------------------------------------- the per-machine cache

@@ -15,7 +15,7 @@ import sys
 
 from speed import auto, cost, machine
 from speed.gemm import set_layout
-from support.common import DTYPES
+from support.common import DTYPES, dtype_name
 from support.show import label
 
 
@@ -75,7 +75,7 @@ def data_target(target, dtype, wanted: str):
     layout, why = machine.choose_layout(dtype, device, wanted, lambda: cost.data_costs(target))
     set_layout(target, layout)
     print(
-        machine.choice_line(machine.describe(device), target=f"{machine.dtype_name(dtype)}, {why}"),
+        machine.choice_line(machine.describe(device), target=f"{dtype_name(dtype)}, {why}"),
         file=sys.stderr,
     )
     note = machine.slow_bf16_note(dtype, device)
@@ -91,14 +91,14 @@ def decoding(target, draft, args):
     device = next(target.parameters()).device
     if args.draft_dtype is None:
         draft = draft.to(device)
-        precision = f"{machine.dtype_name(next(draft.parameters()).dtype)} (as trained)"
+        precision = f"{dtype_name(next(draft.parameters()).dtype)} (as trained)"
     else:
         precision = machine.draft_precision(args.draft_dtype, device)
         draft = machine.draft_in(precision, draft, target, device)
         cost.use_fastest_rows(draft, target)
     layouts = cost.decoding_layouts(target, draft, args.target_gemm)
     dtype = next(target.parameters()).dtype
-    target_line = f"{machine.dtype_name(dtype)}, {layouts['why']}"
+    target_line = f"{dtype_name(dtype)}, {layouts['why']}"
     line = machine.choice_line(machine.describe(device), target=target_line, draft=precision)
     return draft, layouts, line
 

@@ -17,6 +17,11 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype -> its DTYPES name, as the flags spell it."""
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
 @contextmanager
 def atomic_write(path: str):
     """`with atomic_write(path) as tmp:` write tmp; on success it replaces path in one rename, so a

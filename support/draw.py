@@ -12,7 +12,7 @@ it its colour through the style sheet below and lets a test read the picture bac
 import math
 from xml.sax.saxutils import escape, quoteattr
 
-from support.show import BRANCHES, DEPARTS, SHOW_KINDS
+from support.show import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds
 
 FONT = 12  # px, monospace: a character is about 0.6 of it wide
 CHAR = 7.3
@@ -276,16 +276,14 @@ def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
     return svg
 
 
-def tree_nodes(svg, x0, y0, tokens, parents, path, bonus, labels=None, departs=()) -> float:
-    """A draft tree drawn left to right by depth, from node 0 (the anchor): tokens [n] texts,
-    parents [n], path the accepted nodes, bonus the target's token after them (text); labels [n]
-    optional edge labels. Node classes: anchor, accepted, rejected (a child of the anchor or of an
-    accepted node that the target did not pick), unchecked (below a rejected one), bonus. departs:
-    nodes to mark with `*`. -> the y below it."""
-    n, colw, rowh, bw = len(tokens), 170, 26, 110
-    depth = [0] * n
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
+def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> float:
+    """A draft tree (a tree.Tree t) drawn left to right by depth, from node 0 (the anchor): texts
+    [n] its nodes' texts, path the accepted nodes, bonus the target's token after them (text);
+    labels [n] optional edge labels. Node classes: anchor, accepted, rejected (a child of the anchor
+    or of an accepted node that the target did not pick), unchecked (below a rejected one), bonus.
+    departs: nodes to mark with `*`. -> the y below it."""
+    n, colw, rowh, bw = len(t.tokens), 170, 26, 110
+    parents, depth = t.parents, t.depths
     order, stack = [], [0]  # depth-first, best child first: siblings stay together
     while stack:
         i = stack.pop()
@@ -322,7 +320,7 @@ def tree_nodes(svg, x0, y0, tokens, parents, path, bonus, labels=None, departs=(
         x, y = xy(i)
         tip = f"node {i}: {cls}"
         svg.box(
-            x, y, bw, 22, cls, tokens[i][:14], i in departs, tip, data_node=i, data_depth=depth[i]
+            x, y, bw, 22, cls, texts[i][:14], i in departs, tip, data_node=i, data_depth=depth[i]
         )
     x, y = bonus_xy
     tip = "the target's bonus token"
@@ -332,13 +330,13 @@ def tree_nodes(svg, x0, y0, tokens, parents, path, bonus, labels=None, departs=(
     return y0 + max(max(taken.values()), bonus_row + 1) * rowh
 
 
-def story_tree(tokens, parents, path, bonus, probs, title) -> Svg:
-    """walkthrough.py's tree (tree.grow) after a target's walk (tree.follow_target): edge labels
-    are the edge probabilities softmax_K(s(parent -> .))."""
+def story_tree(t, texts, path, bonus, probs, title) -> Svg:
+    """walkthrough.py's tree t (tree.grow; texts [n] its nodes' texts) after a target's walk
+    (tree.follow_target): edge labels are the edge probabilities softmax_K(s(parent -> .))."""
     svg = Svg()
     svg.text(10, 14, title, "title")
     labels = [""] + [f"{p:.3f}" for p in probs[1:]]
-    y = tree_nodes(svg, 20, 40, tokens, parents, path, bonus, labels)
+    y = tree_nodes(svg, 20, 40, t, texts, path, bonus, labels)
     legend(svg, 20, y + 16, tree=False, departs=False)
     return svg
 
@@ -378,25 +376,16 @@ def decoding(cycles, text, title: str) -> Svg:
         if c.tree is None:
             y = path_row(svg, 120, y, c, text) + 10
         else:
-            t = c.tree
-            first = {}  # each parent's best child: its first in best-first order
-            for i in range(len(t.tokens) - 1, 0, -1):
-                first[t.parents[i]] = i
-            branches = [i for i in c.path if first[t.parents[i]] != i]
-            tokens = [text(x) for x in t.tokens]
-            y = (
-                tree_nodes(
-                    svg, 120, y - 5, tokens, t.parents, c.path, text(c.bonus), None, branches
-                )
-                + 14
-            )
+            t, departs = c.tree, branches(c.tree, c.path)
+            texts = [text(x) for x in t.tokens]
+            y = tree_nodes(svg, 120, y - 5, t, texts, c.path, text(c.bonus), None, departs) + 14
         svg.end_group()
     return svg
 
 
 def path_row(svg, x, y, c, text) -> float:
     """One path cycle's drafts and bonus as boxes on one row -> the y below it."""
-    kinds = ["accepted"] * c.accepted + ["rejected"] + ["unchecked"] * len(c.drafts)
+    kinds = path_kinds(len(c.drafts), c.accepted)
     slots = list(zip(c.drafts, c.unary, kinds)) + [(c.bonus, c.bonus, "bonus")]
     for j, (d, u, kind) in enumerate(slots):
         label = text(d)

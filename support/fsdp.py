@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from compat.config_json import config_to_dict
 from support.common import atomic_write
 from support.target import decoder_layers
 
@@ -101,15 +100,16 @@ def shard_target(target):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, draft, cfg, opt, sched, step, total, args, master):
+def save_checkpoint(path, draft, config: dict, opt, sched, step, total, args, master):
     """train.py's ckpt.pt. Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole
-    state, one file whatever the number of ranks. Atomic: a crash mid-write never leaves a broken
-    ckpt.pt behind."""
+    state, one file whatever the number of ranks. config: the draft's config as config.json holds
+    it (the caller writes it: compat/ sits above this package), what export.py exports. Atomic: a
+    crash mid-write never leaves a broken ckpt.pt behind."""
     model_state, opt_state = full_state(draft, opt)
     if master:
         state = {
             "model": model_state,
-            "config": config_to_dict(cfg),
+            "config": config,
             "optimizer": opt_state,
             "scheduler": sched.state_dict(),
             "step": step,

@@ -29,8 +29,7 @@ import torch
 
 import decoding
 import tree
-from speed import machine
-from support.common import DTYPES
+from support.common import DTYPES, dtype_name
 
 
 # ------------------------------------------------------------------------------- run a decoding
@@ -38,12 +37,12 @@ def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, p
     """Speculative decoding as the scripts run it: a verify shape, ("path", k) or ("tree", n) ->
     (ids [1, P + n], Stats). watch(Cycle) sees each cycle as it commits (--show, the streamed text);
     phases: time each phase too (--show, --bench; on a GPU a synchronize around every step). kw:
-    speculative_generate's (use_selector, temperature, generator, stop_ids). The draft's rows are
-    scored with the head speed/ gave it, if any (machine.draft_head)."""
+    speculative_generate's (use_selector, temperature, generator, stop_ids, head). head: what
+    scores the draft's rows, the target's head when None; a caller that ran the draft through
+    speed/ passes the one speed/ gave it (speed.machine.draft_head)."""
     kind, n = shape
     loop = decoding.speculative_generate if kind == "path" else tree.tree_generate
-    head = machine.draft_head(draft)
-    decode = lambda: loop(target, draft, prompt_ids, max_new_tokens, n, head=head, **kw)  # noqa: E731
+    decode = lambda: loop(target, draft, prompt_ids, max_new_tokens, n, **kw)  # noqa: E731
     watcher = Watcher(watch) if watch else None
     with wrapped(watcher.wrap) if watcher else contextlib.nullcontext():
         return timed(decode, prompt_ids, draft.config.block_size, phases)
@@ -281,34 +280,41 @@ def show_legend(color=False, tree=False) -> str:
     )
 
 
+def path_kinds(n: int, accepted: int) -> list:
+    """The kinds of a path's n drafts, the first `accepted` of them accepted: accepted, then the
+    first rejected one, then those never checked (--show and --show-svg alike)."""
+    return (["accepted"] * accepted + ["rejected"] + ["unchecked"] * n)[:n]
+
+
+def branches(t, path) -> list:
+    """The nodes of a tree t's accepted path that are not their parent's best child (its first in
+    best-first order): where a path would have stopped and the tree went on, --show's `*`."""
+    first = {}  # each parent's best child
+    for i in range(len(t.parents) - 1, 0, -1):
+        first[t.parents[i]] = i
+    return [i for i in path if first[t.parents[i]] != i]
+
+
 def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) -> str:
     """One cycle as one line: drafts d_1..d_{B-1} [B-1], the first `accepted` of them accepted, the
     next one rejected, the rest never checked, then the target's bonus token; a `*` marks a draft
     that is not the unary argmax of its slot (unary [B-1]). text(id) -> the token's text."""
-    kinds = ["accepted"] * accepted + ["rejected"] + ["unchecked"] * len(drafts)
+    kinds = path_kinds(len(drafts), accepted)
     slots = [mark(text(d), kind, color, d != u) for d, u, kind in zip(drafts, unary, kinds)]
     return " ".join(slots + [mark(text(bonus), "bonus", color)])
 
 
-def format_tree(tokens, parents, path, bonus: int, text, color=False) -> str:
-    """One tree cycle as one line: a tree's nodes tokens / parents (node 0 the anchor, parents[i] <
-    i, best child first), its accepted nodes `path`, the target's bonus token; then its size and
-    width by depth."""
-    # each parent's best child: its first in best-first order
-    first = {}
-    for i in range(len(tokens) - 1, 0, -1):
-        first[parents[i]] = i
-    last = path[-1] if path else 0
-    rejected = [text(tokens[i]) for i in range(1, len(tokens)) if parents[i] == last]
-    slots = [mark(text(tokens[i]), "accepted", color, first[parents[i]] != i) for i in path]
+def format_tree(t, path, bonus: int, text, color=False) -> str:
+    """One tree cycle as one line: a tree.Tree t (node 0 the anchor, best child first), its accepted
+    nodes `path`, the target's bonus token; then its size and width by depth."""
+    last, departs = (path[-1] if path else 0), branches(t, path)
+    rejected = [text(t.tokens[i]) for i in range(1, len(t.tokens)) if t.parents[i] == last]
+    slots = [mark(text(t.tokens[i]), "accepted", color, i in departs) for i in path]
     slots += [mark("|".join(rejected), "rejected", color)] if rejected else []
-    depth = [0] * len(tokens)
-    for i in range(1, len(tokens)):
-        depth[i] = depth[parents[i]] + 1
-    width = " ".join(str(depth.count(d)) for d in range(1, max(depth) + 1))
+    width = " ".join(str(t.depths.count(d)) for d in range(1, max(t.depths) + 1))
     return (
         " ".join(slots + [mark(text(bonus), "bonus", color)])
-        + f"   {len(tokens) - 1} nodes, by depth {width}"
+        + f"   {len(t.tokens) - 1} nodes, by depth {width}"
     )
 
 
@@ -333,9 +339,7 @@ class ShowBlocks:
         line = (
             format_block(cycle.drafts, cycle.unary, a, bonus, text, self.color)
             if cycle.tree is None
-            else format_tree(
-                cycle.tree.tokens, cycle.tree.parents, cycle.path, bonus, text, self.color
-            )
+            else format_tree(cycle.tree, cycle.path, bonus, text, self.color)
         )
         print(f"{self.cycles:4d}  tau {a + 1}  {line}", flush=True)
 
@@ -391,7 +395,7 @@ def compare(target, P: int, plain, spec, temperature: float, block_size: int) ->
     if i == n:  # one stopped where the other went on: no token to weigh
         return f"different at token {i - P + 1}: NOT a tie: a bug (one output is cut short)"
     step, block = logits_two_ways(target, plain[:, :i], block_size)
-    dtype = machine.dtype_name(next(target.parameters()).dtype)
+    dtype = dtype_name(next(target.parameters()).dtype)
     tie, a, b = numerics_tie(step, block, int(plain[0, i]), int(spec[0, i]), dtype)
     at = f"different at token {i - P + 1}"
     if tie:

@@ -70,8 +70,8 @@ def pictures(out_dir: str) -> list:
             'The selector\'s lattice (K = 2, rank 1), anchor "New": the walk and the unary path',
         ),
         "tree.svg": draw.story_tree(
+            t,
             [W.WORDS[x] for x in t.tokens],
-            t.parents,
             path,
             W.WORDS[bonus],
             edge_probs(t, lattice[0], cands),

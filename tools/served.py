@@ -43,7 +43,7 @@ import train
 from export import load_any
 from speed import machine, tune
 from support import kernels
-from support.common import bounded, run
+from support.common import bounded, dtype_name, run
 from support.compiling import anything_compiles
 from support.metrics import add_into, objective_with_metrics, record_served, reduce_metrics
 from support.show import label, speculate
@@ -76,6 +76,7 @@ def serve(
     device = next(target.parameters()).device
     taus, anchors, tokens, t0 = [], [], 0, time.time()
     bar = tqdm(samples, desc=f"served, {label(shape)}", unit="prompt", dynamic_ncols=True)
+    head = machine.draft_head(draft)  # --fast: speed/'s head for the draft's rows
     for i, s in enumerate(bar):
         if i and until is not None and time.time() > until:
             break
@@ -83,7 +84,7 @@ def serve(
         prompt = s["input_ids"][None, :P].to(device)  # [1, P]
         n = min(len(s["input_ids"]) - P, max_new_tokens or len(s["input_ids"]))  # answer's length
         _, stats = speculate(
-            target, draft, prompt, n, shape, use_selector=use_selector, stop_ids=stop_ids
+            target, draft, prompt, n, shape, use_selector=use_selector, stop_ids=stop_ids, head=head
         )
         taus += stats.taus
         tokens += stats.new_tokens
@@ -136,7 +137,7 @@ def served_evaluation(
     mode = "selector" if use_selector else "unary"
     path = ("path", draft.config.block_size - 1)
     shapes, served = {"path": path}, draft.eval()
-    stored = f"draft {machine.dtype_name(next(draft.parameters()).dtype)} as stored"
+    stored = f"draft {dtype_name(next(draft.parameters()).dtype)} as stored"
     if fast:  # the draft is changed in place (precision): a copy
         options = argparse.Namespace(draft_dtype="auto", target_gemm="auto")
         served, layouts, line = tune.decoding(target, copy.deepcopy(draft).eval(), options)
@@ -147,7 +148,7 @@ def served_evaluation(
             f"--fast adds auto's {label(shapes['auto'])} beside the {label(path)}", file=sys.stderr
         )
     else:
-        dtype = machine.dtype_name(next(target.parameters()).dtype)
+        dtype = dtype_name(next(target.parameters()).dtype)
         line = f"{stored}; target {dtype} (auto for decoding: speed/machine.py), stock GEMMs"
         print(f"served.py: {line}; the {label(path)} (--fast: speed/tune.py's)", file=sys.stderr)
     stop = stop_token_ids(target, tokenizer)
