@@ -1,29 +1,21 @@
 #!/usr/bin/env bash
 # The main job: a DFlash2 draft for the embedded SmolLM2-135M-Instruct, trained on a 2-core CPU in
-# BUDGET_MIN minutes (default 45), ending with its held-out accepted length (tau), teacher-forced
-# at random anchors and served (held-out prompts decoded by the real loop).
-#
+# BUDGET_MIN minutes (default 45), ending with its held-out accepted length (tau).
 #   bash run.sh                  # the maths demo: school word problems, held out on GSM8K test
 #   bash run.sh --dflash         # the plain DFlash baseline on the same data and budget
 #   DOMAIN=general bash run.sh   # the general mix, held out on MT-Bench, HumanEval and GSM8K
 #   bash run.sh --lr 5e-4        # any train.py flag; --epochs or --max-steps fix the steps
 #   N_TRAIN=800 bash run.sh      # that many answers, not those that fit; OUT=DIR trains elsewhere
 #   bash run.sh --toy [--dflash] # a toy target and the whole pipeline in minutes (configs/toy.flags)
-#
-# By budget, not prediction: each phase has a fixed share of BUDGET_MIN and stops itself there.
-#   held-out set  N_EVAL (48) held-out questions answered by the target: a small fixed cost
-#   answers       until half the budget: the target answers training prompts (greedy, on-policy),
-#                 64 at a time, each window's features captured before the next one begins
-#   training      until 10% of the budget and a minute are left: train.py --max-seconds fits its
-#                 schedule (warm-up, cosine, the selector's ramp) to its own step time
-#   served        what is left: held-out prompts decoded by tools/served.py --max-seconds
-# A rerun keeps finished data and resumes stopped answers; --resume continues a stopped training.
+# By budget, not prediction: each phase has a fixed share of the budget and stops itself there
+# (docs/cpu.md, "The budget"): the 48 held-out answers; training answers until half the budget;
+# training until 10% and a minute are left; export; served tau in what is left. A rerun keeps
+# finished data and resumes stopped answering; --resume continues a stopped training.
 set -euo pipefail
 cd "$(dirname "$0")"
 flags() { sed -n "s/^$1: //p" configs/toy.flags; }
 if [ "${1:-}" = --toy ]; then  # the toy: its target is made once (tools/toy_target.py), then reused
-    start=$SECONDS OUT=${OUT:-out/toy} NAME=DFlash2 VARIANT=()
-    DRAFT=$OUT/draft
+    start=$SECONDS OUT=${OUT:-out/toy} NAME=DFlash2 VARIANT=() && DRAFT=$OUT/draft
     [ "${2:-}" = --dflash ] && NAME=DFlash DRAFT=$OUT/draft-dflash VARIANT=(--dflash)
     read -ra PREP <<< "$(flags prepare)"; read -ra TRAIN <<< "$(flags train)"
     [ -d "$OUT/target" ] || python -m tools.toy_target "$OUT/target"
@@ -57,35 +49,42 @@ for a in "$@"; do case $a in
 esac; done
 CFG=configs/smollm2-135m-dflash2.json DATA=${DATA:-data/smollm2-$DOMAIN} OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 start=$SECONDS
-until_pct() { echo $((BUDGET_S * $1 / 100 - (SECONDS - start) - ${2:-0})); }  # seconds to $1%, less $2
+secs() {  # the seconds until $1% of the budget, less $2, for phase $3; none left is an error
+    local s=$((BUDGET_S * $1 / 100 - (SECONDS - start) - $2))
+    [ $s -gt 0 ] || { echo "error: run.sh: BUDGET_MIN=$((BUDGET_S / 60)) leaves no time for $3" >&2; exit 2; }
+    echo $s
+}
 phase() { echo "[run.sh] $1: $((SECONDS - t0)) s"; t0=$SECONDS; }
 t0=$SECONDS
 
-# 1. The target answers the prompts and its features are captured at the draft's target_layer_ids,
-#    with its final hidden state (the kl loss reads it); bf16 where the CPU has it natively.
+# 1. The target answers the prompts, its features captured at the draft's target_layer_ids with its
+#    final hidden state (the kl loss reads it); bf16 where the CPU has it natively.
 PREP=(--regenerate --max-new-tokens 160 --features --draft-config "$CFG" --batch-size 64 --save-target-hidden)
 python prepare.py --prompts "$EVAL_SET" --num-samples "$N_EVAL" "${PREP[@]}" --out-dir "$DATA/eval"
 phase "held-out set ($N_EVAL)"
 if [ -n "${N_TRAIN:-}" ]; then
     python prepare.py --prompts "$TRAIN_SET" --num-samples "$N_TRAIN" "${PREP[@]}" --out-dir "$DATA/train"
 elif [ ! -f "$DATA/train/manifest.json" ]; then
-    python prepare.py --prompts "$TRAIN_SET" --max-seconds "$(until_pct 50)" "${PREP[@]}" --out-dir "$DATA/train"
+    S=$(secs 50 0 answers)
+    python prepare.py --prompts "$TRAIN_SET" --max-seconds "$S" "${PREP[@]}" --out-dir "$DATA/train"
 fi
 phase answers
 
 # 2. Train (the recipe study in README.md chose these flags) for the time left but the served share.
+[ -n "$FIT" ] && S=$(secs 90 60 training)
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" \
     --eval-samples "$N_EVAL" --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --eval-interval 500 \
-    --save-interval 300 ${FIT:+--max-seconds "$(until_pct 90 60)"} "$@"
+    --save-interval 300 ${FIT:+--max-seconds "$S"} "$@"
 phase training
 
-# 3. Export the servable draft directory (config.json + model.safetensors) and draw the run.
+# 3. Export the servable draft directory (config.json + model.safetensors).
 python export.py "$OUT" --out-dir "$OUT/export"
-python -m tools.plot "$OUT"  # $OUT/training.svg: loss, held-out and served tau
 phase export
 # 4. Served tau in the time left, once training has finished: its summary closes the job.
 if tail -n 1 "$OUT/log.jsonl" | grep -q '"kind": "final"'; then
-    python -m tools.served "$OUT" --fast --max-new-tokens 160 --max-seconds "$(until_pct 100 30)"
+    S=$(secs 100 30 "the served evaluation")
+    python -m tools.served "$OUT" --fast --max-new-tokens 160 --max-seconds "$S"
     phase served
 fi
+python -m tools.plot "$OUT"  # $OUT/training.svg: loss, held-out and served tau
 echo "[run.sh] the job: $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s of ${BUDGET_MIN:-45}"
