@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node=2 train.py ...        # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=8 train.py --fsdp ... # the draft (and online the target)
     sharded: support/fsdp.py
-    python tools/served.py OUT_DIR                               # then: served tau
+    python -m tools.served OUT_DIR                               # then: served tau
 
 Each optimizer step: for every micro-batch of rows (a conversation each, or with --pack several:
 data.py), sample anchors, run all anchored blocks of each row through the draft in one pass
@@ -33,7 +33,7 @@ from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
 from support import compiling, distributed, flops, kernels, tracking
 from support.common import DTYPES, HelpTable, add_chat_template_kwargs, bounded, run
-from support.fsdp import load_checkpoint, save_checkpoint  # by name: tools/fsdp_memory.py wraps it
+from support.fsdp import load_checkpoint, save_checkpoint
 from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
 from support.target import check_draft_fits, load_target
 from support.timefit import TimeFit

@@ -446,10 +446,10 @@ def main() -> str:
 
 def cli():
     ap = argparse.ArgumentParser(description="One DFlash2 block's life, printed.")
-    ap.add_argument("--draw", metavar="DIR", help="moved: python tools/figures.py DIR")
+    ap.add_argument("--draw", metavar="DIR", help="moved: python -m tools.figures DIR")
     args = ap.parse_args()
     if args.draw:  # the pictures are drawn by tools/figures.py now
-        raise ValueError(f"--draw moved: python tools/figures.py {args.draw} draws the figures")
+        raise ValueError(f"--draw moved: python -m tools.figures {args.draw} draws the figures")
     main()
 
 

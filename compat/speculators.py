@@ -1,6 +1,6 @@
 """The speculators checkpoint format: what vllm-project/speculators trains and writes, and vLLM
-serves (`export.py --format speculators`; tools/check_speculators.py cross-checks it against the
-library itself).
+serves (`export.py --format speculators`; test_speculators_library_computes_the_same_block in
+compat/test_compat.py cross-checks it against the library itself, where that is installed).
 
 It holds the same tensors as the zlab format, with the draft's Qwen3 layer config nested under
 `transformer_layer_config` and the DFlash fields at the top level. Read here into a DraftConfig

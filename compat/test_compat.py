@@ -33,6 +33,7 @@ from test_all import (
     run,
     tiny_config,
     tiny_draft,
+    tiny_target,
     write_ckpt,
 )
 
@@ -832,3 +833,75 @@ def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
             str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), fmt="speculators", verifier="t"
         )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "layout,differs",
+    [
+        (dict(layer_types=[SLIDING, FULL], sliding_window=64, is_causal=False), False),
+        (dict(layer_types=[SLIDING, SLIDING], sliding_window=64), False),  # is_causal unset
+        (
+            dict(
+                layer_types=[FULL, FULL],
+                rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"},
+            ),
+            False,
+        ),
+        # a window shorter than the context: speculators counts it from the anchor, this project
+        # from each query (docs/training-at-scale.md)
+        (dict(layer_types=[SLIDING, SLIDING], sliding_window=8), True),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # CPU: unfused
+def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
+    """The real speculators 0.9.0: its DFlash2DraftModel.from_pretrained loads this project's
+    `--format speculators` export (fp32) and its training forward up to the logits
+    (_backbone_forward, the loss mask admitting one anchor) gives the block that both of this
+    project's paths give at anchor 13 of 24 tokens: the same final hidden states and unary logits.
+    The verifier is a tiny random Qwen3 on disk, from which speculators reloads embed_tokens and
+    lm_head as from a hub model. Skipped without speculators, which pins transformers<=5.19, so it
+    runs in a venv of its own:
+
+        python3 -m venv /work/venv-spec && . /work/venv-spec/bin/activate
+        grep -v '^transformers' requirements.txt > /tmp/spec.txt
+        pip install -r /tmp/spec.txt speculators==0.9.0
+        pip uninstall -y torchvision torchaudio  # their operator registration breaks transformers
+        python -m pytest -q compat/test_compat.py -k speculators_library
+    """
+    pytest.importorskip("speculators")
+    from speculators.models.dflash2 import DFlash2DraftModel
+
+    S, a = 24, 13
+    target = tiny_target("qwen3", initializer_range=0.2)
+    target.save_pretrained(tmp_path / "target")
+    ids = torch.randint(0, 63, (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    draft = tiny_draft(8, seed=1, **layout)
+    feats = torch.cat([hidden[i + 1] for i in draft.config.target_layer_ids], -1)
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    export.export(
+        str(tmp_path / "ckpt.pt"),
+        str(tmp_path / "spec"),
+        torch.float32,
+        fmt="speculators",
+        verifier=str(tmp_path / "target"),
+    )
+    spec = DFlash2DraftModel.from_pretrained(str(tmp_path / "spec")).eval()
+    loss_mask = torch.zeros(1, S, dtype=torch.long)
+    loss_mask[0, a] = 1
+    with torch.no_grad():
+        h_spec, u_spec, *_ = spec._backbone_forward(
+            feats,
+            ids,
+            loss_mask,
+            # feeds only its loss's targets, which are not compared
+            verifier_last_hidden_states=torch.zeros(1, S, draft.config.hidden_size),
+            document_ids=torch.zeros(1, S, dtype=torch.long),
+            max_anchors=1,
+        )
+        embed_w = target.get_input_embeddings().weight
+        paths = both_paths(draft, embed_w, feats[0], ids[0], a)
+        u = draft.unary_logits(paths[0], target.lm_head)
+    diffs = [(h - h_spec[0]).abs().max() for h in paths] + [(u - u_spec[0]).abs().max()]
+    assert all(d > 0.1 for d in diffs) if differs else all(d <= 1e-4 for d in diffs)

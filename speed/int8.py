@@ -5,7 +5,8 @@ SmolLM2) to compute a handful of rows, so it costs about what those weights weig
 bf16 (AVX2) bf16 runs in software and fp32 GEMMs of 2-8 rows run far below the memory's speed; with
 it, oneDNN's bf16 GEMM of 2-7 rows is slow. So the draft's linear layers and the head hold int8
 weights (measured, two threads, the SmolLM2 draft: the head over 3 rows 1.0 ms against 5.7 fp32 and
-113 bf16 natively, 1.6 against 10.9 fp32 under AVX2; `tools/int8_cost.py`):
+113 bf16 natively, 1.6 against 10.9 fp32 under AVX2; `tools/int8_cost.py` at commit 4deb8a4, removed
+since):
 
     weight  w[o, i] ~ s_o q[o, i],  q int8,  s_o = max_i |w[o, i]| / 127        one scale per row
     input   x[i] ~ a (r[i] - z),    r in 0..127, a and z from min and max of x  (dynamic: per call)

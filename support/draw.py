@@ -1,5 +1,5 @@
 """Pictures, written as plain SVG from what the project's own functions return: the mechanism
-(python tools/figures.py DIR), a decoding (generate.py --show-svg FILE) and training runs
+(python -m tools.figures DIR), a decoding (generate.py --show-svg FILE) and training runs
 (tools/plot.py). This file only lays out and writes; it computes nothing about the method.
 
 Why SVG by hand: every picture here is boxes, lines, text and polylines, which a 30-line writer

@@ -483,7 +483,7 @@ def test_math_prompts_are_deterministic():
 
 # ======================================================================== support/draw.py: pictures
 def test_walkthrough_pictures_show_what_it_prints(tmp_path):
-    """python tools/figures.py DIR: the blocks' visibility cells are the attention rule worked
+    """python -m tools.figures DIR: the blocks' visibility cells are the attention rule worked
     by hand; each conv line joins the boxes of an output row and an input row it reads, no line
     crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
     the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
@@ -497,7 +497,7 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
             open(f) as new,
             open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
         ):
-            assert new.read() == old.read(), "stale: python tools/figures.py docs/figures"
+            assert new.read() == old.read(), "stale: python -m tools.figures docs/figures"
     # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
     # context j < a_b and its own block (a causal layer: slots up to its own)
     root = svg_root(tmp_path / "blocks.svg")

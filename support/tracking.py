@@ -97,7 +97,7 @@ def final_report(out_dir, log_path, final: dict, cfg, step, elapsed_s, tracker):
     save_acceptance(out_dir, final, cfg, step)  # before the record: it pops what it keeps
     append_log(log_path, {"kind": "final", "step": step, "elapsed_s": elapsed_s, **final}, tracker)
     print_summary(final, cfg)
-    print(f"\nserved tau (the real decoding loop): python tools/served.py {out_dir}")
+    print(f"\nserved tau (the real decoding loop): python -m tools.served {out_dir}")
 
 
 def print_summary(m, cfg):

@@ -1,6 +1,6 @@
 """The walkthrough's figures: sections 1, 2, 4 and 5 of walkthrough.py drawn as SVG.
 
-    python tools/figures.py docs/figures
+    python -m tools.figures docs/figures
 
 The same tiny seeded models and numbers as `python walkthrough.py` prints (docs/walkthrough.md shows
 the pictures); support/draw.py draws them.
@@ -8,18 +8,15 @@ the pictures); support/draw.py draws them.
 
 import argparse
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
-import attention  # noqa: E402
-import tree  # noqa: E402
-import walkthrough as W  # noqa: E402
-from selector import top_k_candidates  # noqa: E402
-from support import draw  # noqa: E402
-from support.common import run  # noqa: E402
+import attention
+import tree
+import walkthrough as W
+from selector import top_k_candidates
+from support import draw
+from support.common import run
 
 
 @torch.no_grad()

@@ -1,10 +1,10 @@
 """Break the method on purpose, one rule at a time, and check that `pytest -m method` notices.
 
-    python tools/mutants.py                  # every break: caught / survived / equivalent, per file
-    python tools/mutants.py --list           # the breaks, rule by rule, without running them
-    python tools/mutants.py --ci             # the CI subset (a few minutes on 2 cores)
-    python tools/mutants.py --only loss.py   # the breaks of one file
-    python tools/mutants.py -k property      # which breaks the property tests alone catch
+    python -m tools.mutants                  # every break: caught / survived / equivalent, per file
+    python -m tools.mutants --list           # the breaks, rule by rule, without running them
+    python -m tools.mutants --ci             # the CI subset (a few minutes on 2 cores)
+    python -m tools.mutants --only loss.py   # the breaks of one file
+    python -m tools.mutants -k property      # which breaks the property tests alone catch
 
 Each break (Break below) replaces one code snippet of a mechanism file (conv, selector, attention,
 model, loss, decoding, tree) by another, and names the rule of docs/semantics.md it breaks and the

@@ -1,7 +1,7 @@
 """Training, drawn: one or more runs' log.jsonl and acceptance.json as one SVG picture.
 
-    python tools/plot.py out/smollm2-math-dflash2     # writes out/smollm2-math-dflash2/training.svg
-    python tools/plot.py out/toy/dflash out/toy/dflash2 --labels DFlash DFlash2 --out toy.svg
+    python -m tools.plot out/smollm2-math-dflash2     # writes out/smollm2-math-dflash2/training.svg
+    python -m tools.plot out/toy/dflash out/toy/dflash2 --labels DFlash DFlash2 --out toy.svg
 
 Three panels, one colour per run, from what train.py and tools/served.py record:
   loss            the training loss (train records) and the held-out loss (eval and final records)
@@ -17,9 +17,6 @@ later record wins. The picture is support/draw.py's SVG: plain text, no plotting
 
 import argparse
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 from support import draw
 from support.common import read_json, run

@@ -2,9 +2,9 @@
 trained draft reports the tau a user will see beside the teacher-forced one (docs/semantics.md,
 section 4, "Served acceptance"). After train.py, on its output directory:
 
-    python tools/served.py OUT_DIR         # the draft as stored (fp32), the stock target, a path
+    python -m tools.served OUT_DIR         # the draft as stored (fp32), the stock target, a path
                                            # of B-1 drafts: what decoding.py and model.py say
-    python tools/served.py OUT_DIR --fast  # speed/tune.py's draft precision and target GEMMs,
+    python -m tools.served OUT_DIR --fast  # speed/tune.py's draft precision and target GEMMs,
                                            # and the shape `auto` chooses (run.sh's numbers)
 
 It reads OUT_DIR/ckpt.pt (the draft and the training run's flags: its held-out data, target, chat
@@ -33,8 +33,6 @@ import time
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 import data
 import loss

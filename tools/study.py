@@ -1,14 +1,14 @@
 """What DFlash2 buys, measured: its pieces and the selector objective's forms, trained at equal
 data and steps from ONE prepared data set, several seeds each (docs/study.md).
 
-    python tools/study.py --quick      # the toy target (run.sh --toy's): 35 runs (the first
+    python -m tools.study --quick      # the toy target (run.sh --toy's): 35 runs (the first
                                        # 6 arms' 26 took 7 min on a 2-core Zen 4;
                                        # docs/study-quick.md)
-    python tools/study.py --data data/smollm2-math/train --eval-data data/smollm2-math/eval
+    python -m tools.study --data data/smollm2-math/train --eval-data data/smollm2-math/eval
                                        # the embedded target on the main job's data, 1 epoch
                                        # (the first 6 arms' 18 runs: 2 hours on that Zen 4;
                                        # docs/study.md)
-    python tools/study.py ... --arms dflash2 modelopt kl lk    # some arms only
+    python -m tools.study ... --arms dflash2 modelopt kl lk    # some arms only
 
 The arms are train.py flags, nothing else changes between them:
 
@@ -53,8 +53,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
 from support.common import bounded, cpu_name, run
 from support.target import load_target, stop_token_ids
 from tools import served
@@ -85,7 +83,8 @@ def python(argv: list, log: str, threads=None) -> None:
     with open(log, "a") as out:
         done = subprocess.run([sys.executable, *argv], cwd=HERE, env=env, stdout=out, stderr=out)
     if done.returncode != 0:
-        raise RuntimeError(f"python {argv[0]} failed (exit {done.returncode}); its output: {log}")
+        command = " ".join(argv[: 2 if argv[0] == "-m" else 1])  # the script, or -m and the tool
+        raise RuntimeError(f"python {command} failed (exit {done.returncode}); its output: {log}")
 
 
 def finished(folder: str) -> bool:
@@ -102,7 +101,7 @@ def prepare_toy(out: str) -> tuple:
     config). Each part is made once and then reused."""
     target, log = os.path.join(out, "target"), os.path.join(out, "prepare.log")
     if not os.path.isdir(target):
-        python(["tools/toy_target.py", target], log)
+        python(["-m", "tools.toy_target", target], log)
     sets = {"train": ("toy", 600), "eval": ("toy-eval", 32)}
     for part, (prompts, n) in sets.items():
         folder = os.path.join(out, "data", part)
@@ -152,7 +151,7 @@ def train_run(args, setup, name, seed, flags) -> str:
     if not finished(folder):
         train_once(args, setup, folder, seed, flags)
     if not os.path.isfile(os.path.join(folder, "study.json")):
-        argv = ["tools/study.py", "--measure-run", folder, "--prompts", str(args.prompts)]
+        argv = ["-m", "tools.study", "--measure-run", folder, "--prompts", str(args.prompts)]
         python(argv, os.path.join(folder, "measure.log"), threads=args.threads)
     return folder
 
@@ -266,7 +265,7 @@ def page(args, results, spent: list, figure, answers: int) -> str:
     lines = [
         f"# The study{' (quick)' if args.quick else ''}: what DFlash2's pieces buy",
         "",
-        f"Made by `python tools/study.py {' '.join(args.argv)}` on {machine_name()}, torch "
+        f"Made by `python -m tools.study {' '.join(args.argv)}` on {machine_name()}, torch "
         f"{torch.__version__}, in {sum(spent) / 60:.1f} min of wall time over {len(spent)} "
         f"invocation(s) (it resumes). {args.note + ' ' if args.note else ''}"
         f"{what}; every arm trained on the same prepared data ({args.answers or answers} "
@@ -386,7 +385,7 @@ def main(argv=None):
         results[point] = results[arm_run]
     figure, log = os.path.join(args.out, "study.svg"), os.path.join(args.out, "plot.log")
     seed0 = [os.path.join(args.out, f"{arm}/seed0") for arm in args.arms]
-    python(["tools/plot.py", *seed0, "--labels", *args.arms, "--out", figure], log)
+    python(["-m", "tools.plot", *seed0, "--labels", *args.arms, "--out", figure], log)
     text = page(args, results, spent, "study.svg", answers)
     with open(os.path.join(args.out, "study.md"), "w") as f:
         f.write(text)

@@ -3,7 +3,7 @@ trained here in a minute or two on the project's toy word problems with worked a
 (prompts/toy_problems.py). Nothing is downloaded. It is a toy: it only knows these problems; the
 main job's target stays the embedded SmolLM2-135M-Instruct.
 
-    python tools/toy_target.py OUT_DIR        # writes a Hugging Face directory: --target OUT_DIR
+    python -m tools.toy_target OUT_DIR        # writes a Hugging Face directory: --target OUT_DIR
 
 The directory is what every script loads with --target (target.load_target): config.json and
 model.safetensors (LlamaForCausalLM), and a PreTrainedTokenizerFast with a chat template
@@ -21,7 +21,6 @@ import argparse
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 
@@ -30,11 +29,9 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
-from prompts.toy_problems import toy_split  # noqa: E402
-from support.common import bounded, run  # noqa: E402
-from support.conversations import tokenize_conversation  # noqa: E402
+from prompts.toy_problems import toy_split
+from support.common import bounded, run
+from support.conversations import tokenize_conversation
 
 SPECIALS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|mask|>", "<|unk|>"]
 VOCAB = 384  # the model's rows; configs/toy-dflash2.json's vocab_size
