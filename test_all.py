@@ -5883,6 +5883,19 @@ def test_the_docstrings_map_the_banners():
     assert listed[:3] == [(1, "helpers"), (1, "the method, by hand"), (2, "conv.py")]
 
 
+@pytest.mark.parametrize("package", ["support", "compat", "speed", "tools"])
+def test_each_package_map_names_exactly_its_modules(package):
+    """A package's __init__.py maps it: a line per module, its name at 4 spaces, then what it is
+    for. Every module is on the map and the map names no other (tests and fixtures aside)."""
+    folder = os.path.join(HERE, package)
+    doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
+    mapped = set(re.findall(r"^ {4}(\w+)\.py ", doc, re.M)) - {"conftest"}
+    mapped = {m for m in mapped if not m.startswith("test_")}
+    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
+    modules -= {"__init__", "conftest"} | {m for m in modules if m.startswith("test_")}
+    assert mapped == modules
+
+
 def test_the_method_needs_only_the_reading_path():
     """-m method collects with only the reading path importable: before Part 2 ("# ==== the
     pipeline") test_all.py imports no project module outside the reading path, and all it imports

@@ -7,7 +7,9 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     kernels.py        attention kernels: dense SDPA (memory-safe on CUDA), FlexAttention, compile
     metrics.py        acceptance statistics beside the loss; acceptance.json
     show.py           the cycle watched and timed from outside, --show, --compare's verdict
+    draw.py           hand-written SVG: the walkthrough's figures, --show-svg, training charts
     promptsets.py     the built-in prompt sets, read from files inside PyPI wheels
+    regen.py          prepare.py --regenerate's records: resume, rank merge, fidelity report
     regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)
     distributed.py    torchrun's ranks: start them, DDP or FSDP around the training module
     fsdp.py           FSDP2 sharding of the draft and the online target (train.py --fsdp)
