@@ -17,7 +17,8 @@ flags() { sed -n "s/^$1: //p" configs/toy.flags; }
 if [ "${1:-}" = --toy ]; then  # the toy: its target is made once (tools/toy_target.py), then reused
     start=$SECONDS OUT=${OUT:-out/toy} NAME=DFlash2 VARIANT=() && DRAFT=$OUT/draft
     [ "${2:-}" = --dflash ] && NAME=DFlash DRAFT=$OUT/draft-dflash VARIANT=(--dflash)
-    read -ra PREP <<< "$(flags prepare)"; read -ra TRAIN <<< "$(flags train)"
+    read -ra PREP <<< "$(flags prepare) --draft-config configs/toy-dflash2.json"
+    read -ra TRAIN <<< "$(flags train) --draft-config configs/toy-dflash2.json"
     [ -d "$OUT/target" ] || python -m tools.toy_target "$OUT/target"
     for part in "toy train 600" "toy-eval eval 32"; do read -r prompts dir n <<< "$part"
         python prepare.py --target "$OUT/target" --prompts "$prompts" --num-samples "$n" \

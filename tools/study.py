@@ -70,10 +70,16 @@ ARMS = {
     "lk": ["--loss", "lk"],
 }
 TOY_CONFIG = "configs/toy-dflash2.json"
-# run.sh --toy's preparation and training recipe, at fewer epochs so that every arm fits
-TOY_PREPARE = ["--regenerate", "--max-new-tokens", "80", "--features", "--batch-size", "64"]
-TOY_PREPARE += ["--feature-batch-size", "16", "--target-dtype", "fp32", "--target-gemm", "stock"]
-TOY_TRAIN = ["--num-anchors", "32", "--batch-size", "4", "--lr", "3e-3", "--dtype", "fp32"]
+
+
+def toy_flags(script: str) -> list:
+    """run.sh --toy's recipe for script (prepare or train), from its one home, configs/toy.flags;
+    the study trains it at fewer epochs so that every arm fits."""
+    with open(os.path.join(HERE, "configs", "toy.flags")) as f:
+        return next(line.split()[1:] for line in f if line.startswith(script + ":"))
+
+
+TOY_PREPARE, TOY_TRAIN = toy_flags("prepare"), toy_flags("train")
 
 
 def python(argv: list, log: str, threads=None) -> None:
@@ -107,7 +113,7 @@ def prepare_toy(out: str) -> tuple:
         folder = os.path.join(out, "data", part)
         if not os.path.isfile(os.path.join(folder, "manifest.json")):
             argv = ["prepare.py", "--target", target, "--prompts", prompts, "--num-samples", str(n)]
-            argv += [*TOY_PREPARE, "--draft-config", TOY_CONFIG, "--save-target-hidden"]
+            argv += [*TOY_PREPARE, "--draft-config", TOY_CONFIG]
             python([*argv, "--out-dir", folder], log)
     return target, os.path.join(out, "data", "train"), os.path.join(out, "data", "eval")
 
