@@ -8,9 +8,10 @@
 #   N_TRAIN=800 bash run.sh      # that many answers, not those that fit; OUT=DIR trains elsewhere
 #   bash run.sh --toy [--dflash] # a toy target and the whole pipeline in minutes (configs/toy.flags)
 # By budget, not prediction: each phase has a fixed share of the budget and stops itself there
-# (docs/cpu.md, "The budget"): the 48 held-out answers; training answers until half the budget;
-# training until 10% and a minute are left; export; served tau in what is left. A rerun keeps
-# finished data and resumes stopped answering; --resume continues a stopped training.
+# (docs/cpu.md, "The budget"): the 48 held-out answers; training answers for 55% of the time from
+# there to training's end, 10% of the budget and a minute before the end; export; served tau until
+# a minute before the end. A rerun keeps finished data and resumes stopped answering; --resume
+# continues a stopped training.
 set -euo pipefail
 cd "$(dirname "$0")"
 flags() { sed -n "s/^$1: //p" configs/toy.flags; }
@@ -50,9 +51,10 @@ for a in "$@"; do case $a in
 esac; done
 CFG=configs/smollm2-135m-dflash2.json DATA=${DATA:-data/smollm2-$DOMAIN} OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
 start=$SECONDS
-secs() {  # the seconds until $1% of the budget, less $2, for phase $3; none left is an error
-    local s=$((BUDGET_S * $1 / 100 - (SECONDS - start) - $2))
-    [ $s -gt 0 ] || { echo "error: run.sh: BUDGET_MIN=$((BUDGET_S / 60)) leaves no time for $3" >&2; exit 2; }
+TRAIN_END=$((BUDGET_S * 9 / 10 - 60)) SERVED_END=$((BUDGET_S - 60))  # seconds into the job
+left() {  # the seconds until $1 seconds into the job, for phase $2; none left is an error
+    local s=$(($1 - (SECONDS - start)))
+    [ $s -gt 0 ] || { echo "error: run.sh: BUDGET_MIN=$((BUDGET_S / 60)) leaves no time for $2" >&2; exit 2; }
     echo $s
 }
 phase() { echo "[run.sh] $1: $((SECONDS - t0)) s"; t0=$SECONDS; }
@@ -66,13 +68,13 @@ phase "held-out set ($N_EVAL)"
 if [ -n "${N_TRAIN:-}" ]; then
     python prepare.py --prompts "$TRAIN_SET" --num-samples "$N_TRAIN" "${PREP[@]}" --out-dir "$DATA/train"
 elif [ ! -f "$DATA/train/manifest.json" ]; then
-    S=$(secs 50 0 answers)
+    S=$(left $(((SECONDS - start) + (TRAIN_END - (SECONDS - start)) * 55 / 100)) answers)
     python prepare.py --prompts "$TRAIN_SET" --max-seconds "$S" "${PREP[@]}" --out-dir "$DATA/train"
 fi
 phase answers
 
 # 2. Train (the recipe study in README.md chose these flags) for the time left but the served share.
-[ -n "$FIT" ] && S=$(secs 90 60 training)
+[ -n "$FIT" ] && S=$(left $TRAIN_END training)
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" \
     --eval-samples "$N_EVAL" --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --eval-interval 500 \
     --save-interval 300 ${FIT:+--max-seconds "$S"} "$@"
@@ -83,7 +85,7 @@ python export.py "$OUT" --out-dir "$OUT/export"
 phase export
 # 4. Served tau in the time left, once training has finished: its summary closes the job.
 if tail -n 1 "$OUT/log.jsonl" | grep -q '"kind": "final"'; then
-    S=$(secs 100 30 "the served evaluation")
+    S=$(left $SERVED_END "the served evaluation")
     python -m tools.served "$OUT" --fast --max-new-tokens 160 --max-seconds "$S"
     phase served
 fi
