@@ -12,7 +12,8 @@ cycle, --tree-budget N a tree of N nodes (tree.py).
 
 By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
 target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
-three (the int8 draft on x86, packed target GEMMs, `auto`'s path or tree) and says what it replaced.
+three (the int8 draft on x86, packed target GEMMs, a tree of tune.FAST_TREE nodes) and says what it
+replaced.
 """
 
 import argparse
@@ -38,11 +39,6 @@ from support.show import (
     token_text,
 )
 from support.target import check_draft_fits, encode, load_target, stop_token_ids
-
-
-def verify_arg(text):
-    """A --verify-tokens / --tree-budget value: auto, or a count >= 1."""
-    return text if text == "auto" else bounded(int, low=1)(text)
 
 
 def reply(target, draft, tok, messages, args, gen, stop) -> str:
@@ -134,20 +130,18 @@ def parse_args(argv=None):
     a(
         "--verify-tokens",
         nargs="+",
-        type=verify_arg,
-        metavar="{auto,1..B-1}",
-        help="verify a path: the first k of the B-1 drafts (default: all B-1); auto: the k "
-        "predicted fastest here, from the draft's acceptance.json and this machine's measured "
-        "costs (without acceptance.json: B-1)",
+        type=bounded(int, low=1),
+        metavar="{1..B-1}",
+        help="verify a path: the first k of the B-1 drafts (default: all B-1). --bench takes "
+        "several: a row each",
     )
     a(
         "--tree-budget",
         nargs="+",
-        type=verify_arg,
-        metavar="{auto,N}",
-        help="verify a tree of N drafted nodes in one target forward (tree.py); auto (--fast's "
-        "default): a tree or a path, whichever is predicted fastest here, as for --verify-tokens "
-        "auto. --bench takes several: a row each",
+        type=bounded(int, low=1),
+        metavar="N",
+        help="verify a tree of N drafted nodes in one target forward (tree.py); --fast's default: "
+        "speed/tune.py's FAST_TREE. --bench takes several: a row each",
     )
     a(
         "--show",
@@ -188,14 +182,15 @@ def main(argv=None):
     fast = tune.fill_defaults(args, draft.config.block_size)
     if fast:
         print(fast, file=sys.stderr)
+    shapes = tune.verify_shapes(args, draft.config.block_size)  # refused before any measurement
     draft, layouts, line = tune.decoding(target, draft, args)  # how to run here (speed/)
     print(line, file=sys.stderr)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)
     if args.bench:
-        return bench.bench(target, draft, tok, args, gen, stop, layouts)
+        return bench.bench(target, draft, tok, args, gen, stop, layouts, shapes)
     args.mode = "unary" if args.unary or not draft.candidate_selector else "selector"
-    args.shape = tune.verify_shapes(args, draft, args.mode, layouts)[0]
+    args.shape = shapes[0]
     if args.prompt is not None:
         reply(target, draft, tok, [{"role": "user", "content": args.prompt}], args, gen, stop)
         return

@@ -5008,8 +5008,9 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
         temperature=0.0,
         chat_template_kwargs={},
     )
-    layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock", costs=None)
-    bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts)
+    layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock")
+    shapes = [("path", 1), ("path", 3)]
+    bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts, shapes)
     ways = lambda f: (
         [("plain", "onednn", f), ("plain", "stock", f)]
         + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
@@ -5112,8 +5113,9 @@ def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
 
 def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
     """Without --fast: the draft as trained (no --draft-dtype), stock GEMMs, the path of B-1 drafts,
-    nothing said. --fast: speed/'s auto for each of the three not given, and one line naming what
-    it replaced; an explicit flag keeps its value either way."""
+    nothing said. --fast: speed/'s choice for each of the three not given (--draft-dtype auto,
+    --target-gemm auto, a tree of tune.FAST_TREE nodes), and one line naming what it replaced; an
+    explicit flag keeps its value either way."""
     args = generate.parse_args(["--draft", "d"])
     assert tune.fill_defaults(args, 8) == ""
     assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
@@ -5125,13 +5127,13 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
     args = generate.parse_args(["--draft", "d", "--fast"])
     assert tune.fill_defaults(args, 8) == (
         "--fast: --draft-dtype auto for the draft as trained, --target-gemm auto for stock GEMMs, "
-        "--tree-budget auto for the path of 7 drafts"
+        f"--tree-budget {tune.FAST_TREE} for the path of 7 drafts"
     )
     assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
         "auto",
         "auto",
         None,
-        ["auto"],
+        [tune.FAST_TREE],
     )
     args = generate.parse_args(
         ["--draft", "d", "--fast", "--draft-dtype", "fp32", "--verify-tokens", "3"]
@@ -5470,7 +5472,6 @@ def test_tree_sampling_matches_target_distribution():
             ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"],
             "--max-new-tokens",
         ),
-        (cost, ["--context", "0"], "--context"),
     ],
 )
 def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
@@ -5736,7 +5737,7 @@ def reachable(graph: dict, start: str) -> set:
 
 def test_imports_flow_one_way():
     """No import cycle, no project import hidden inside a function, train.py reaches neither
-    decoding nor the cost model (tools/served.py does, and runs after it), the data path stands
+    decoding nor speed/'s timings (tools/served.py does, and runs after it), the data path stands
     without prepare.py, and the CPU machinery (speed/) is reached only through its two doors,
     machine.py and tune.py (and bench.py, which is generate.py --bench)."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
@@ -5750,7 +5751,7 @@ def test_imports_flow_one_way():
     assert "train" in graph["tools.served"] and "decoding" in reachable(graph, "tools.served")
     training = reachable(graph, "train")
     assert {"model", "loss", "support.metrics", "data", "speed.machine"} <= training
-    no = {"tools.served", "decoding", "tree", "generate", "prepare", "speed.cost", "speed.auto"}
+    no = {"tools.served", "decoding", "tree", "generate", "prepare", "speed.cost", "speed.tune"}
     assert not training & no
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
     core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]

@@ -23,8 +23,7 @@ token at T = 0, and exactly in distribution at T > 0.
 
 Each node opens only its best child when branching is off: a tree of budget k is then the path of k
 drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is fastest depends on
-the machine: `auto` (speed/auto.py) predicts it from measured costs and held-out acceptance
-statistics.
+the machine and the draft: generate.py --bench measures several side by side.
 
 tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps
 (support/show.speculate runs either shape as generate.py, speed/bench.py and tools/served.py do).

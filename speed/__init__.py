@@ -1,15 +1,18 @@
 """CPU speed: how to run the target and the draft fast on this machine. A reader learning DFlash2
 can skip this package: generate.py's defaults run nothing of it on the draft or the target (the
-draft as trained, stock GEMMs, the path of B-1 drafts); `--fast`, a `--draft-dtype`, a
-`--target-gemm` or an `auto` shape opt in.
+draft as trained, stock GEMMs, the path of B-1 drafts); `--fast`, a `--draft-dtype` or a
+`--target-gemm` opt in.
 
-The core reaches it through two modules only:
-    machine.py  the rule (no measurement): the precision of each phase on this CPU. train.py
-                asks it.
-    tune.py     one call per script that returns how to run here, measuring where the rule
-                cannot tell: prepare.py's target layout, generate.py's draft precision, head,
-                layouts and verify shape.
-Behind them: gemm.py (packed GEMM layouts), int8.py (the int8 draft), cost.py (timings and the cost
-model, `python -m speed.cost`), auto.py (a path or a tree, how big), bench.py (`generate.py
---bench`).
+The core reaches it through machine.py and tune.py only (and bench.py, which is generate.py
+--bench). The map:
+    machine.py  the rule (no measurement): the precision and the GEMM layout of each phase on
+                this CPU. train.py asks it.
+    tune.py     one call per script that says how to run here, measuring where the rule cannot
+                tell: prepare.py's target layout, generate.py's draft precision, head, layouts and
+                verify shapes (--fast's tree: FAST_TREE).
+    gemm.py     the target's packed GEMM layouts: oneDNN's packed weights, MKL's packed GEMM.
+    int8.py     the draft with int8 weights, for x86 CPUs.
+    cost.py     the timings behind them, cached per machine: the GEMM layouts' decode and data
+                tables, the draft head's fastest row counts (FastestRows).
+    bench.py    `generate.py --bench`: each prompt decoded plainly and speculatively, every way.
 """

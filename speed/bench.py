@@ -3,9 +3,9 @@
     python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16 \\
         --max-new-tokens 128 --verify-tokens 7 --tree-budget 8 16 24 32
 
-Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts, a tree of N
-nodes, or auto's choice), then plain decoding. Where `--target-gemm auto` measured the GEMM layouts,
-plain decoding runs in each and the speedups divide by the fastest: the fastest plain
+Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts or a tree of N
+nodes: tune.verify_shapes), then plain decoding. Where `--target-gemm auto` measured the GEMM
+layouts, plain decoding runs in each and the speedups divide by the fastest: the fastest plain
 decoding this machine has, not the layout speculation happens to use. "same" counts answers equal to
 plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new
 tokens over the wall time of each call (prefill included). Each prompt is decoded every way back to
@@ -16,7 +16,6 @@ for every row.
 import torch
 
 from decoding import target_generate
-from speed.auto import plan
 from speed.gemm import set_layout
 from speed.machine import draft_head
 from support.promptsets import eval_prompts
@@ -28,18 +27,12 @@ def tok_per_s(stats) -> float:
     return sum(s.new_tokens for s in stats) / sum(s.seconds for s in stats)
 
 
-def bench(target, draft, tok, args, gen, stop, layouts):
+def bench(target, draft, tok, args, gen, stop, layouts, shapes):
     dev, modes = (
         next(target.parameters()).device,
         ["selector", "unary"] if draft.candidate_selector else ["unary"],
     )
-    rows = [
-        (m, shape)
-        for m in modes
-        for shape in plan(
-            args.verify_tokens, args.tree_budget, draft, args.draft, m, layouts["costs"]
-        )
-    ]
+    rows = [(m, shape) for m in modes for shape in shapes]
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
     new, kw = args.max_new_tokens, dict(temperature=args.temperature, generator=gen, stop_ids=stop)
     head = draft_head(draft)  # speculation scores the draft's rows with speed/'s head, if any

@@ -1,43 +1,24 @@
-"""The cost model of speculative decoding on this machine: can a draft pay here, and from what tau?
+"""Timings on this machine: which GEMM layout runs the target fastest, and how many rows the
+draft's head should score.
 
-    python -m speed.cost  # the embedded target, a random draft of the main config
-    python -m speed.cost --draft out/smollm2-math-dflash2/export --context 400
-
-Batch-1 speculative decoding trades one target forward per token for one per cycle:
-
-    plain:        t_1 per token                     (one target forward of 1 token)
-    speculative:  (t_n + t_draft) / tau per token   (a target forward of the n verified tokens,
-                                                     one draft forward with its head over the n-1
-                                                     slots sent and its selector walk, tau tokens
-                                                     committed)
-    speedup = tau * t_1 / (t_n + t_draft),  so it pays from tau > (t_n + t_draft) / t_1.
-
-On a GPU t_n is close to t_1 (the weights are read once for all n tokens). On a CPU it need not be,
-and which GEMMs are fastest depends on the CPU: stock fp32 GEMMs (MKL) with more than one row
-streamed the weights far slower than the 1-row path on two machines; oneDNN's packed weights
-(gemm.py) fixed that on an AMD EPYC and were twice as slow as stock on an Intel Xeon, where MKL's
-own packed GEMM fixed it. So the functions below are also the short measurement behind
-`--target-gemm auto` (machine.choose_layout), cached per machine: the decode table for generate.py,
-the batched shapes for prepare.py. A tree of N nodes (tree.py) costs t_{N+1}: the table runs to 33
-tokens, and generate.py's `auto` picks a path or a tree from it (auto.choose).
+Batch-1 speculative decoding trades one target forward per token for one per cycle: a forward of the
+n verified tokens. On a GPU it costs about what a forward of 1 token does (the weights are read once
+for all n tokens). On a CPU it need not, and which GEMMs are fastest depends on the CPU: stock fp32
+GEMMs (MKL) with more than one row streamed the weights far slower than the 1-row path on two
+machines; oneDNN's packed weights (gemm.py) fixed that on an AMD EPYC and were twice as slow as
+stock on an Intel Xeon, where MKL's own packed GEMM fixed it. So the functions below are the short
+measurement behind `--target-gemm auto` (machine.choose_layout), cached per machine: the decode
+table of 1..B tokens for generate.py, the batched shapes for prepare.py. The draft's head is timed
+over every row count (head_rows), for the head a given --draft-dtype scores with (FastestRows).
 """
-
-import argparse
-import functools
 
 import torch
 from tqdm import tqdm
 
-import model
-from compat.config_json import load_config
-from decoding import crop, draft_proposal, embed_and_head, new_cache, with_cache
-from export import load_any
+from decoding import crop, embed_and_head, new_cache, with_cache
 from speed import machine
-from speed.auto import priced_sizes
 from speed.gemm import drop_packs, set_layout
-from support.common import DTYPES, bounded, run
 from support.show import now
-from support.target import load_target
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
@@ -128,50 +109,6 @@ class FastestRows(torch.nn.Module):
         return self.head(h)[:, :n]
 
 
-def draft_block(draft, target, context: int):
-    """A timing's draft forward: its (embed, head, forward), forward() -> hidden [1, B, H] of one
-    block after `context` cached rows of random features (the cost depends on their number, not
-    their values)."""
-    c, p = draft.config, next(draft.parameters())
-    embed, head = embed_and_head(target, draft)[0], scoring_head(target, draft)
-    ctx = model.ContextCache()
-    ctx.append(
-        draft,
-        torch.randn(
-            1, context, len(c.target_layer_ids) * c.hidden_size, dtype=p.dtype, device=p.device
-        ),
-        torch.arange(context, device=p.device)[None],
-    )
-    anchor, pos = torch.tensor([1], device=p.device), torch.tensor([context], device=p.device)
-    return embed, head, lambda: model.forward_inference(draft, embed, ctx, anchor, pos)
-
-
-@torch.no_grad()
-def draft_ms(draft, target, context: int, repeats: int, L: int, use_selector: bool) -> float:
-    """Median ms of what a cycle runs before its verify: one draft forward from `context` cached
-    rows, the head over rows 0..L as decoding.py scores them, and with use_selector the selector's
-    walk over slots 1..L (draft_proposal)."""
-    p = next(draft.parameters())
-    _, head, forward = draft_block(draft, target, context)
-    ids = torch.ones(1, context + 1, dtype=torch.long, device=p.device)
-
-    def cycle():
-        h = forward()
-        u = draft.unary_logits(h[:, : L + 1], head)[:, 1:]
-        if use_selector:
-            draft_proposal(draft, h[:, 1 : L + 1], u, ids)
-
-    return median_ms(cycle, repeats, p.device)
-
-
-def draft_costs(draft, target, context: int, repeats: int, walk: bool) -> dict:
-    """{L: draft_ms over L slots} for L = 1..B-1: what auto and the CLI price."""
-    return {
-        L: draft_ms(draft, target, context, repeats, L, walk)
-        for L in range(1, draft.config.block_size)
-    }
-
-
 def each_layout(target, measure) -> dict:
     """{layout: measure()} over the layouts this target can run in here (machine.layouts_here),
     which start with "stock"; the target is left stock."""
@@ -204,15 +141,14 @@ def data_key(target) -> str:
     return machine.machine_key("data", target_key(target), "layouts v2")
 
 
-def decode_table(target, sizes, context: int = 200, repeats: int = 7, refresh=False) -> dict:
+def decode_table(target, sizes, context: int = 200, repeats: int = 7) -> dict:
     """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per
-    machine (refresh: measure again and keep the new numbers)."""
+    machine."""
     table = machine.cached(
         decode_key(target, sizes, context),
         lambda: each_layout(
             target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}
         ),
-        refresh,
     )
     return {layout: {int(n): ms for n, ms in row.items()} for layout, row in table.items()}
 
@@ -240,17 +176,14 @@ def verify_sums(table: dict, B: int) -> dict:
 
 def decoding_layouts(target, draft, wanted) -> dict:
     """The target's GEMM layout for speculation and for plain decoding (1 token):
-    machine.choose_layout, from the decode table where it must measure. Speculation's layout is the
-    one with the smallest verify_sums. The target is left in the speculation's layout. ->
-    {"speculate", "plain": layout names, "why", "table" (or None), "costs": costs(sizes, mode) ->
-    ({n: ms of an n-token target forward}, {L: ms of the draft's cycle over L slots}), what
-    auto.plan prices shapes with; its 1-token price is the fastest plain step of the table}. The
-    draft's cycle is timed with the head it will decode with (tune.py sets it first)."""
+    machine.choose_layout, from the decode table of 1..B tokens (B: the draft's block size) where it
+    must measure. Speculation's layout is the one with the smallest verify_sums. The target is left
+    in the speculation's layout. -> {"speculate", "plain": layout names, "why", "table" (or
+    None)}."""
     B, table = draft.config.block_size, {}
-    sizes = priced_sizes(B)
 
     def measure():
-        table.update(decode_table(target, sizes=sizes))
+        table.update(decode_table(target, sizes=list(range(1, B + 1))))
         return verify_sums(table, B)
 
     layout, why = machine.choose_layout(
@@ -264,89 +197,4 @@ def decoding_layouts(target, draft, wanted) -> dict:
             + ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items())
             + " ms)"
         )
-
-    @functools.cache  # timed once per mode, however many shapes ask
-    def t_draft(mode):
-        return draft_costs(draft, target, 200, 5, mode == "selector")
-
-    # the table of the speculation's layout where it was measured, else measured now
-    def costs(want, mode):
-        if table and set(want) <= set(sizes):
-            row = table[layout]
-            return {
-                n: min(r[1] for r in table.values()) if n == 1 else row[n] for n in want
-            }, t_draft(mode)
-        return {n: target_ms(target, 200, n, 5) for n in want}, t_draft(mode)
-
-    return {"speculate": layout, "plain": plain, "why": why, "table": table or None, "costs": costs}
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description="Measure the batch-1 cost model of speculative decoding."
-    )
-    ap.add_argument(
-        "--target", default=None, help="target model name or path (default: the embedded target)"
-    )
-    ap.add_argument(
-        "--draft", default=None, help="a trained draft (default: random weights of --draft-config)"
-    )
-    ap.add_argument("--draft-config", default="configs/smollm2-135m-dflash2.json")
-    ap.add_argument(
-        "--draft-dtype",
-        choices=["auto", *DTYPES, "int8"],
-        default="auto",
-        help="auto: what generate.py picks on this machine (machine.py)",
-    )
-    ap.add_argument(
-        "--context", type=bounded(int, low=1), default=200, help="cached tokens before each forward"
-    )
-    ap.add_argument("--repeats", type=bounded(int, low=1), default=15)
-    args = ap.parse_args(argv)
-
-    precision = machine.draft_precision(args.draft_dtype, "cpu")
-    draft = load_any(args.draft) if args.draft else model.DraftModel(load_config(args.draft_config))
-    target, _ = load_target(args.target, torch.float32)
-    draft = machine.draft_in(precision, draft.eval(), target, "cpu")
-    B = draft.config.block_size
-    # what a cycle runs before its verify, per depth L
-    walk = draft.candidate_selector is not None
-    rows = use_fastest_rows(draft, target)
-    t_draft = draft_costs(draft, target, args.context, args.repeats, walk)
-    print(
-        f"{machine.describe('cpu')}; context {args.context} tokens, {torch.get_num_threads()} "
-        f"threads; draft ({precision}, block {B}) forward + head over L "
-        f"slots{' + selector walk' * walk}: "
-        + ", ".join(f"L={L} {ms:.1f}" for L, ms in t_draft.items())
-        + " ms (head rows: "
-        + " ".join(str(r) for r in rows.values())
-        + ")"
-    )
-    # what generate.py's auto prices; it reuses this measurement
-    sizes = priced_sizes(B)
-    table = decode_table(target, sizes, args.context, args.repeats, refresh=True)
-    print(
-        f"{'fp32 target':<16}" + "".join(f"{f'{n} tok':>9}" for n in sizes) + f"{'t_B / t_1':>11}"
-    )
-    # the fastest plain decoding this machine has
-    plain = min(ms[1] for ms in table.values())
-    for layout, ms in table.items():
-        print(
-            f"{layout + ' GEMMs':<16}"
-            + "".join(f"{ms[n]:>7.1f}ms" for n in sizes)
-            + f"{ms[B] / ms[1]:>11.2f}"
-        )
-    print(
-        f"plain decoding is fastest with {fastest(table, 1)} GEMMs ({plain:.1f} ms), a block of "
-        f"{B} is verified fastest with {fastest(table, B)} GEMMs. A path of k drafts pays from tau "
-        f"(t_(k+1) + draft_k) / {plain:.1f}:"
-    )
-    for layout, ms in table.items():
-        print(
-            f"{layout + ' GEMMs':<16}"
-            + ", ".join(f"k={k} {(ms[k + 1] + t_draft[k]) / plain:.2f}" for k in range(1, B))
-        )
-
-
-if __name__ == "__main__":
-    run(main)
+    return {"speculate": layout, "plain": plain, "why": why, "table": table or None}

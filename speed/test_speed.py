@@ -7,11 +7,9 @@ holds it equal to the banners):
                                     other CPUs played by monkeypatch: dtypes, layouts, refusals,
                                     the per-machine cache
     speed/gemm.py: packed weights   packed and MKL linears == nn.Linear, layouts switch
-    speed/cost.py                   the cost tables
+    speed/cost.py                   the GEMM layouts' tables
     speed/int8.py                   int8 weights by hand and within their rounding bound
-    speed/tune.py                   the head's row counts
-    speed/auto.py: what auto chooses
-                                    expected tau and the choice by hand, what auto says
+    speed/tune.py                   the head's row counts, the verify shapes asked
 """
 
 import json
@@ -19,11 +17,10 @@ import json
 import pytest
 import torch
 
-import export
 import generate
 import prepare
 import train
-from speed import auto, cost, int8, machine
+from speed import cost, int8, machine, tune
 from speed.gemm import (
     MklLinear,
     PackedLinear,
@@ -226,15 +223,15 @@ def test_machine_cache_measures_once_per_machine_and_what(monkeypatch, tmp_path)
 def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
     play_cpu(monkeypatch, *CPUS["avx2"][0])
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    target, draft, sizes = tiny_target("llama"), tiny_draft(3), auto.priced_sizes(3)
+    target, draft, sizes = tiny_target("llama"), tiny_draft(3), [1, 2, 3]
     stock, onednn, mkl = (
         {n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4))
     )
+    measured = []
     monkeypatch.setattr(
-        cost, "decode_table", lambda t, sizes: {"stock": stock, "onednn": onednn, "mkl": mkl}
-    )
-    monkeypatch.setattr(
-        cost, "draft_ms", lambda draft, target, context, repeats, L, walk: 6.0 + L + walk
+        cost,
+        "decode_table",
+        lambda t, sizes: measured.append(sizes) or {"stock": stock, "onednn": onednn, "mkl": mkl},
     )
     # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 /
     # 88 / 86
@@ -252,15 +249,8 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     assert (layouts["speculate"], layouts["plain"]) == ("mkl", "stock")
     # left in the speculation's layout
     assert layout_of(target) == "mkl"
-    mkl.update({3: 94.0})
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    # priced from the onednn row, but a plain step is the fastest one of the three (stock, 80 ms)
-    assert layouts["costs"]([1, 2, 9], "selector") == (
-        {1: 80.0, 2: 90.0, 9: 104.0},
-        {1: 8.0, 2: 9.0},
-    )
-    # per depth, with the walk or not
-    assert layouts["costs"]([1, 2, 9], "unary")[1] == {1: 7.0, 2: 8.0}
+    # the table measured: a plain step and every path's verify, 1..B tokens
+    assert measured == [[1, 2, 3]] * 3
     # asked: nothing measured
     asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")
     assert (
@@ -522,102 +512,21 @@ def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
     assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
 
 
-# ================================================================= speed/auto.py: what auto chooses
-def test_expected_tau_by_hand():
-    """rho_1 = [.6, .3], rho_2 = [.5, .25], r = [.6, .3]: the best candidates' rates already match
-    (a_1 = .6, a_2 = .3 / .6 = .5), so the node probabilities are .6, .3 (rank 2), .3 (.6 * .5),
-    .15, .15, .075. With r_2 = .45 instead, a_2 = .75: rank 1 -> .75, rank 2 scaled by min(1.5, .25
-    / .25)."""
-    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    assert auto.expected_tau(stats, 1, False) == pytest.approx(1.6)
-    assert auto.expected_tau(stats, 2, False) == pytest.approx(1.9)
-    assert [auto.expected_tau(stats, n, True) for n in (1, 2, 3, 5, 6, 50)] == pytest.approx(
-        [1.6, 1.9, 2.2, 2.5, 2.575, 2.575]
-    )
-    corr = {"accepted": [0.6, 0.45], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    # nodes: .6, .6 * .75 = .45, .3, .6 * .25 = .15, .3 * .75 = .225, .3 * .25 = .075
-    assert [auto.expected_tau(corr, n, True) for n in (2, 3, 4)] == pytest.approx(
-        [2.05, 2.35, 2.575]
-    )
-    # no branching: the measured path
-    assert auto.expected_tau(corr, 2, False) == pytest.approx(2.05)
-
-
-def test_choose_by_hand():
-    """B = 3, draft 3 ms at either depth. Expected taus (test_expected_tau_by_hand): path 1: 1.6,
-    path 2: 1.9, tree 2: 1.9, tree 5: 2.5. Costs {1: 10, 2: 11, 3: 12, 6: 15} ms -> tokens per ms:
-    path 1: 1.6 / 14, path 2: 1.9 / 15, tree 2: 1.9 / 15 (a tie: the path), tree 5: 2.5 / 18 =
-    0.139, the best, 1.39x plain (0.1)."""
-    stats = {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]}
-    d3 = {1: 3.0, 2: 3.0}
-    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3)
-    assert (
-        shape == ("tree", 5)
-        and "138.9 tok/s" in why
-        and "1.39x" in why
-        and "best path: 2 drafts" in why
-    )
-    # a 6-token forward of 22 ms: tree 5 = 2.5 / 25 < path 2: the tree cannot pay here, the path
-    # stays
-    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
-    assert shape == ("path", 2) and "no tree beats it here" in why
-    assert auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, d3, stats, 3, trees=False)[0] == (
-        "path",
-        2,
-    )
-    # plain decoding at 5 ms a token (0.2 per ms) beats every shape: said, and the best path stays
-    shape, why = auto.choose({1: 5.0, 2: 11.0, 3: 12.0, 6: 22.0}, d3, stats, 3)
-    assert shape == ("path", 2) and "does not pay" in why
-    # no statistics: the path of B-1 drafts, as before auto existed; rates only: paths only
-    assert auto.choose(None, None, None, 3)[0] == ("path", 2)
-    assert auto.choose({1: 10.0, 2: 11.0, 3: 30.0, 6: 11.0}, d3, {"accepted": [0.6, 0.3]}, 3)[
-        0
-    ] == ("path", 1)
-    # the draft's cost by depth: 1 ms over one slot, 8 over two. Path 1: 1.6 / (11 + 1) = 0.133 per
-    # ms, path
-    # 2: 1.9 / 20, tree 5 (two slots deep): 2.5 / 23 = 0.109: the short path wins, its own draft
-    # cost said
-    shape, why = auto.choose({1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0}, {1: 1.0, 2: 8.0}, stats, 3)
-    assert shape == ("path", 1) and "per 12.0 ms cycle" in why and "+ draft 1.0)" in why
-
-
-def test_auto_reads_the_statistics_measures_and_says_why(tmp_path, monkeypatch, capsys):
-    draft, draft_dir = tiny_draft(3), tmp_path / "d"
-    export.save_draft(draft, str(draft_dir))
-    measured = []
-    costs = lambda sizes, mode: (
-        measured.append(sorted(sizes))
-        or (
-            {1: 10.0, 2: 11.0, 3: 12.0, 6: 15.0, 9: 40.0, 17: 80.0, 25: 120.0, 33: 160.0},
-            {1: 3.0, 2: 3.0},
-        )
-    )
-    # without acceptance.json: the path of B-1 drafts, nothing measured
-    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("path", 2)]
-    assert measured == [] and "no acceptance statistics" in capsys.readouterr().out
-    (draft_dir / "acceptance.json").write_text(
-        json.dumps(
-            {
-                "block_size": 3,
-                "step": 1,
-                "selector": {"accepted": [0.6, 0.3], "rank": [[0.6, 0.3], [0.5, 0.25]]},
-            }
-        )
-    )
-    assert auto.plan(None, None, draft, str(draft_dir), "selector", costs) == [("tree", 5)]
-    assert measured == [[1, 2, 3, 9, 17, 25, 33]]
-    assert capsys.readouterr().out.startswith("[selector] auto: tree of 5 nodes")
-    assert auto.plan(["auto"], [8, "auto"], draft, str(draft_dir), "selector", costs) == [
-        ("path", 2),
-        ("tree", 8),
-        ("tree", 5),
-    ]
-    # no unary statistics
-    assert auto.plan(None, None, draft, str(draft_dir), "unary", costs) == [("path", 2)]
-    with pytest.raises(ValueError, match="--verify-tokens: at most 2"):
-        auto.plan([3], None, draft, str(draft_dir), "selector", costs)
-    (draft_dir / "acceptance.json").write_text(
-        json.dumps({"block_size": 4, "selector": {"accepted": [0.5]}})
-    )
-    with pytest.raises(ValueError, match="acceptance.json: block_size 4"):
-        auto.plan(None, None, draft, str(draft_dir), "selector", costs)
+def test_verify_shapes_are_the_shapes_asked_and_a_path_fits_the_block():
+    """--verify-tokens k: a path of k drafts, k at most B-1 (the drafts a cycle proposes); more is
+    refused in one line. --tree-budget n: a tree of n nodes. Paths first, each in the order
+    given."""
+    flags = ["--tree-budget", "8", "--verify-tokens", "2", "7", "--bench", "gsm8k"]
+    args = generate.parse_args(["--draft", "d", *flags])
+    assert tune.verify_shapes(args, 8) == [("path", 2), ("path", 7), ("tree", 8)]
+    with pytest.raises(ValueError, match=r"--verify-tokens: at most 2, .*\(block size 3\)"):
+        tune.verify_shapes(args, 3)
+    with pytest.raises(ValueError, match="at most 7"):  # B drafts: one more than a cycle proposes
+        tune.verify_shapes(generate.parse_args(["--draft", "d", "--verify-tokens", "8"]), 8)
+    # the default: the path of B-1; --fast's: a tree of FAST_TREE nodes
+    for flags, shape in (([], ("path", 7)), (["--fast"], ("tree", tune.FAST_TREE))):
+        args = generate.parse_args(["--draft", "d", *flags])
+        tune.fill_defaults(args, 8)
+        assert tune.verify_shapes(args, 8) == [shape]
+    with pytest.raises(SystemExit):  # auto is no value any more
+        generate.parse_args(["--draft", "d", "--tree-budget", "auto"])

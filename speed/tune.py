@@ -5,7 +5,7 @@
                  decoding(target, draft, args)        the draft in its precision with its
                                                       fastest head (or as trained), the target
                                                       in its layout, and a line
-                 verify_shapes(args, draft, mode, layouts)   the verify shapes asked, `auto` chosen
+                 verify_shapes(args, B)               the verify shapes asked, each in range
 
 Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement
 cached per machine (cost.py). Each is said in one line, so a run shows what it chose and why.
@@ -13,10 +13,12 @@ cached per machine (cost.py). Each is said in one line, so a run shows what it c
 
 import sys
 
-from speed import auto, cost, machine
+from speed import cost, machine
 from speed.gemm import set_layout
 from support.common import DTYPES, dtype_name
 from support.show import label
+
+FAST_TREE = 7  # the tree --fast verifies: set from the bench (docs/cpu.md)
 
 
 def add_flags(a):
@@ -25,7 +27,7 @@ def add_flags(a):
         "--fast",
         action="store_true",
         help="run as fast as speed/ knows here: --draft-dtype auto, --target-gemm auto and "
-        "--tree-budget auto, each where not given (docs/cpu.md)",
+        f"--tree-budget {FAST_TREE}, each where not given (docs/cpu.md)",
     )
     a(
         "--draft-dtype",
@@ -48,8 +50,9 @@ def add_flags(a):
 
 def fill_defaults(args, B: int) -> str:
     """The defaults run what decoding.py shows: the draft as trained, stock GEMMs, the path of B-1
-    drafts. --fast puts speed/'s `auto` in place of each of the three not given. -> the line saying
-    what it replaced ("" without --fast)."""
+    drafts. --fast puts speed/'s choices in place of each of the three not given: --draft-dtype
+    auto, --target-gemm auto, a tree of FAST_TREE nodes. -> the line saying what it replaced (""
+    without --fast)."""
     replaced = []
     if args.fast and args.draft_dtype is None:
         args.draft_dtype = "auto"
@@ -59,8 +62,8 @@ def fill_defaults(args, B: int) -> str:
         replaced.append("--target-gemm auto for stock GEMMs")
     if not (args.verify_tokens or args.tree_budget):
         if args.fast:
-            args.tree_budget = ["auto"]
-            replaced.append(f"--tree-budget auto for the {label(('path', B - 1))}")
+            args.tree_budget = [FAST_TREE]
+            replaced.append(f"--tree-budget {FAST_TREE} for the {label(('path', B - 1))}")
         else:
             args.verify_tokens = [B - 1]
     if not args.fast:
@@ -87,7 +90,7 @@ def decoding(target, draft, args):
     """generate.py: the draft in --draft-dtype's precision here, with the head that scores its rows
     fastest (draft.head), or, with no --draft-dtype (None), as trained: nothing of this package
     touches it; the target in --target-gemm's layout (None: stock). -> (draft, layouts, line);
-    layouts is cost.decoding_layouts' answer, which verify_shapes and --bench price with."""
+    layouts is cost.decoding_layouts' answer, whose plain layouts --bench decodes in."""
     device = next(target.parameters()).device
     if args.draft_dtype is None:
         draft = draft.to(device)
@@ -103,9 +106,14 @@ def decoding(target, draft, args):
     return draft, layouts, line
 
 
-def verify_shapes(args, draft, mode: str, layouts) -> list:
-    """--verify-tokens / --tree-budget -> the verify shapes, ("path", k) or ("tree", n); `auto` (the
-    default) is chosen from this machine's costs and the draft's held-out statistics (auto.py)."""
-    return auto.plan(
-        args.verify_tokens, args.tree_budget, draft, args.draft, mode, layouts["costs"]
-    )
+def verify_shapes(args, B: int) -> list:
+    """--verify-tokens / --tree-budget -> the verify shapes, ("path", k) for each k given, then
+    ("tree", n) for each n. A path verifies at most the B-1 drafts a cycle proposes (B: the draft's
+    block size); more is refused in one line."""
+    if any(k >= B for k in args.verify_tokens or []):
+        raise ValueError(
+            f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
+            f"{B})"
+        )
+    paths = [("path", k) for k in args.verify_tokens or []]
+    return paths + [("tree", n) for n in args.tree_budget or []]

@@ -7,8 +7,7 @@ ratio of global sums whatever the rank / accumulation split. The metrics are mea
 teacher-forced, as the loss is: how often the unary argmax, the top-K, the selector and the
 selector's own greedy path get the label, and the accepted lengths those imply (tau = 1 + the
 leading run of right labels). At the final held-out evaluation the per-slot statistics go to
-acceptance.json, from which generate.py's `auto` predicts the accepted length of each verify shape
-(speed/auto.py, expected_tau).
+acceptance.json (tools/plot.py draws them).
 """
 
 import os
@@ -228,7 +227,7 @@ def save_acceptance(out_dir, metrics: dict, cfg, step):
     """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode
     (selector, unary) the share of blocks whose greedy path was right up to each slot, and the share
     of each slot's labels that were the draft's k-th candidate. export.py copies it beside the
-    export; generate.py's `auto` predicts accepted lengths from it (speed/auto.py, expected_tau)."""
+    export."""
     L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
     # a 1-element metric is a number
     listed = lambda v: v if isinstance(v, list) else [v]
@@ -253,7 +252,7 @@ def record_served(out_dir, served: dict):
 def read_acceptance(path: str, block_size: int):
     """The held-out acceptance statistics recorded with the draft at path, or None if it has none:
     {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or
-    unary (their meaning: speed/auto.py, expected_tau)."""
+    unary (their meaning: save_acceptance)."""
     file = acceptance_file(path)
     if not os.path.isfile(file):
         return None

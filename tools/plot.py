@@ -10,7 +10,7 @@ Three panels, one colour per run, from what train.py and tools/served.py record:
                   final records; and served tau, the real decoding loop's (served records:
                   served_path_tau, a large dot at the step it was measured)
   by position     acceptance.json's share of held-out blocks accepted up to each block position,
-                  selector and unary (speed/auto.py's expected_tau reads the same numbers)
+                  selector and unary
 against step (the last panel against block position). A resumed run logs some steps twice: the
 later record wins. The picture is support/draw.py's SVG: plain text, no plotting library.
 """

@@ -5,7 +5,7 @@ section 4, "Served acceptance"). After train.py, on its output directory:
     python -m tools.served OUT_DIR         # the draft as stored (fp32), the stock target, a path
                                            # of B-1 drafts: what decoding.py and model.py say
     python -m tools.served OUT_DIR --fast  # speed/tune.py's draft precision and target GEMMs,
-                                           # and the shape `auto` chooses (run.sh's numbers)
+                                           # and its tree (FAST_TREE; run.sh's numbers)
 
 It reads OUT_DIR/ckpt.pt (the draft and the training run's flags: its held-out data, target, chat
 template kwargs) and adds its numbers to OUT_DIR/acceptance.json ("served") and to log.jsonl (a
@@ -115,14 +115,14 @@ def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
 
 
 def served_evaluation(
-    args, draft, target, tokenizer, samples, out_dir, fast, max_new_tokens=None, until=None
+    args, draft, target, tokenizer, samples, fast, max_new_tokens=None, until=None
 ):
     """The samples' prompts decoded greedily by the real loop with the path of B-1 drafts (and,
-    fast, with the shape `auto` chooses), and the path's anchors scored teacher-forced where the
-    data has a block's first label: served tau beside teacher-forced tau at the same anchors (equal
-    when the answers are the target's own greedy ones). args: the training run's flags; draft: as
-    stored, on the target's device; until: each shape decodes the prompts that its equal share of
-    the time left fits. -> the numbers acceptance.json keeps under "served"."""
+    fast, with the tree of tune.FAST_TREE nodes), and the path's anchors scored teacher-forced where
+    the data has a block's first label: served tau beside teacher-forced tau at the same anchors
+    (equal when the answers are the target's own greedy ones). args: the training run's flags;
+    draft: as stored, on the target's device; until: each shape decodes the prompts that its equal
+    share of the time left fits. -> the numbers acceptance.json keeps under "served"."""
     device = next(target.parameters()).device
     # teacher-forced as train.py scores: its precision, and the target's embedding and head in the
     # dtype training loaded the target in (taken before --fast may pack the target's weights)
@@ -138,25 +138,20 @@ def served_evaluation(
     stored = f"draft {dtype_name(next(draft.parameters()).dtype)} as stored"
     if fast:  # the draft is changed in place (precision): a copy
         options = argparse.Namespace(draft_dtype="auto", target_gemm="auto")
-        served, layouts, line = tune.decoding(target, copy.deepcopy(draft).eval(), options)
+        served, _, line = tune.decoding(target, copy.deepcopy(draft).eval(), options)
         print(f"--fast replaces the {stored} and the stock target GEMMs: {line}", file=sys.stderr)
-        asked = argparse.Namespace(verify_tokens=None, tree_budget=["auto"], draft=out_dir)
-        shapes["auto"] = tune.verify_shapes(asked, served, mode, layouts)[0]
-        print(
-            f"--fast adds auto's {label(shapes['auto'])} beside the {label(path)}", file=sys.stderr
-        )
+        shapes["auto"] = ("tree", tune.FAST_TREE)  # the key's name: logs and acceptance.json's
+        print(f"--fast adds the {label(shapes['auto'])} beside the {label(path)}", file=sys.stderr)
     else:
         dtype = dtype_name(next(target.parameters()).dtype)
         line = f"{stored}; target {dtype} (auto for decoding: speed/machine.py), stock GEMMs"
         print(f"served.py: {line}; the {label(path)} (--fast: speed/tune.py's)", file=sys.stderr)
     stop = stop_token_ids(target, tokenizer)
-    out, todo = {}, {n: s for n, s in shapes.items() if n == "path" or s != path}
-    for i, (name, shape) in enumerate(todo.items()):
-        share = until and time.time() + (until - time.time()) / (len(todo) - i)
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        share = until and time.time() + (until - time.time()) / (len(shapes) - i)
         kw = dict(use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens)
         out[name] = serve(target, served, samples, shape, until=share, **kw)
-    if fast:
-        out.setdefault("auto", out["path"])  # auto chose the path
     samples = samples[: len(out["path"]["anchors"])]  # the prompts that fitted
     anchors = [  # where the data has the block's first label: a training anchor position
         sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
@@ -220,7 +215,7 @@ def print_served(s, final, cfg):
         f"  {'tau served, ' + path:40s} {s['path_tau']:.4f}  ({s['path_cycles']} cycles)"
     )
     if "auto_shape" in s:
-        auto = f"tau served, auto: {s['auto_shape']}"
+        auto = f"tau served, --fast: {s['auto_shape']}"
         print(f"  {auto:40s} {s['auto_tau']:.4f}  ({s['auto_cycles']} cycles)")
 
 
@@ -259,7 +254,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--max-new-tokens", type=bounded(int, low=1), default=None, help="default: the answer's"
     )
-    p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs, auto")
+    p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
     p.add_argument(
         "--max-seconds",
         type=bounded(float, above=0.0),
@@ -286,7 +281,7 @@ def main(argv=None):
     draft = draft.to(device)
     until = opts.max_seconds and t0 + opts.max_seconds
     s = served_evaluation(
-        args, draft, target, tokenizer, chosen, opts.out_dir, opts.fast, opts.max_new_tokens, until
+        args, draft, target, tokenizer, chosen, opts.fast, opts.max_new_tokens, until
     )
     s["seconds"] = round(time.time() - t0, 1)
     record_served(opts.out_dir, s)

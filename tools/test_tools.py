@@ -38,6 +38,7 @@ import train
 from compat import config_json as config
 from compat import serving
 from model import DraftModel, capture_features
+from speed import tune
 from support import common, features, metrics, show
 from test_all import (
     HERE,
@@ -198,9 +199,10 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     setup, tmp_path, monkeypatch, capsys
 ):
     """tools/served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop
-    (the path of B-1 drafts and auto's shape), scores the path's anchors teacher-forced, and puts
-    both in the log, in acceptance.json (which export.py carries and auto still reads) and in the
-    summary. Without --fast: the path alone, the draft as stored. A user's mistake: one line."""
+    (the path of B-1 drafts and --fast's tree of tune.FAST_TREE nodes, under the key "auto"),
+    scores the path's anchors teacher-forced, and puts both in the log, in acceptance.json (which
+    export.py carries) and in the summary. Without --fast: the path alone, the draft as stored. A
+    user's mistake: one line."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
     served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
@@ -212,9 +214,11 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     s = stats["served"]
     assert s["prompts"] == 2 and 1 <= s["path_tau"] <= 4 and 1 <= s["auto_tau"] <= 4
     assert s["path_cycles"] >= 2 and 1 <= s["path_tf_tau"] <= 4
-    assert s["path_tf_blocks"] <= s["path_cycles"] and s["auto_shape"]
+    assert s["path_tf_blocks"] <= s["path_cycles"]
+    assert s["auto_shape"] == f"tree of {tune.FAST_TREE} nodes" and s["auto_cycles"] >= 1
     out = capsys.readouterr().out
     assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
+    assert f"tau served, --fast: tree of {tune.FAST_TREE} nodes" in out
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
     assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
     served.main([str(tmp_path / "run"), "--samples", "1", "--max-new-tokens", "3"])
