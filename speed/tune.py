@@ -18,7 +18,7 @@ from speed.gemm import set_layout
 from support.common import DTYPES, dtype_name
 from support.show import label
 
-FAST_TREE = 7  # the tree --fast verifies: set from the bench (docs/cpu.md)
+FAST_TREE = 7  # the tree --fast verifies: what the removed cost model chose on the Zen 3 and Xeon
 
 
 def add_flags(a):
