@@ -3319,7 +3319,7 @@ def test_docs_training_names_every_flag_of_train_py(capsys):
     backticks."""
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
-    flags = set(re.findall(r"(--[a-z][\w-]*)", capsys.readouterr().out)) - {"--help"}
+    flags = set(re.findall(r"^ +(--[a-z][\w-]*)", capsys.readouterr().out, re.M)) - {"--help"}
     doc = open(os.path.join(HERE, "docs", "training.md")).read()
     assert len(flags) > 50
     assert {f for f in flags if not re.search("`" + re.escape(f) + r"[`\s]", doc)} == set()
@@ -5922,7 +5922,7 @@ LINE_BUDGET = {
     "prompts": 320,
     "support": 3400,
     "compat": 750,
-    "speed": 1260,
+    "speed": 1000,
     "tools": 3050,
 }
 
