@@ -364,9 +364,10 @@ def main(argv=None):
     done, last_s = 0, 0.0
     for lo in range(0, n, size):
         hi = min(n, lo + size)
-        left = args.max_seconds and started + args.max_seconds - time.time()
-        if args.max_seconds and not distributed.agreed(int(left > last_s), device, world > 1):
-            break
+        if args.max_seconds:  # rank 0's clock decides for every rank
+            fits = started + args.max_seconds - time.time() > last_s
+            if not distributed.agreed(int(fits), device, world > 1):
+                break
         t = time.time()
         if args.regenerate:
             if args.server:

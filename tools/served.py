@@ -149,7 +149,7 @@ def served_evaluation(
     stop = stop_token_ids(target, tokenizer)
     out = {}
     for i, (name, shape) in enumerate(shapes.items()):
-        share = until and time.time() + (until - time.time()) / (len(shapes) - i)
+        share = None if until is None else time.time() + (until - time.time()) / (len(shapes) - i)
         kw = dict(use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens)
         out[name] = serve(target, served, samples, shape, until=share, **kw)
     samples = samples[: len(out["path"]["anchors"])]  # the prompts that fitted
