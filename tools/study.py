@@ -26,6 +26,8 @@ The arms are train.py flags, nothing else changes between them:
                     the prepared features carry the target's final hidden state for it)
     lk              --loss lk: ce and tv mixed by the accepted mass (SpecForge's lk_loss_type
                     "lambda"; a public Speculators checkpoint trained on CE 0.1 + TV 0.9)
+    dpace           --position-weighting dpace: D-PACE's position weights at alpha 0.5 (NVIDIA
+                    Model-Optimizer's default since PR #1724; Speculators PR #736)
 
 and a data-size curve: dflash and dflash2 on the first N training answers (--sizes; with --answers
 the arms take the first N of a larger set, so the curve can go past them). Per run it
@@ -68,6 +70,7 @@ ARMS = {
     "modelopt": ["--selector-weighting", "uniform", "--selector-miss", "replace"],
     "kl": ["--loss", "kl"],
     "lk": ["--loss", "lk"],
+    "dpace": ["--position-weighting", "dpace", "--dpace-alpha", "0.5"],
 }
 TOY_CONFIG = "configs/toy-dflash2.json"
 
