@@ -2165,6 +2165,7 @@ from support import (
     show,
     timefit,
 )
+from support.common import UsageError
 from support.distributed import end_ranks
 from support.target import (
     convert_embedded,
@@ -2494,7 +2495,7 @@ def test_assistant_free_conversations_are_skipped_and_counted(tmp_path):
 )
 def test_malformed_line_names_file_and_line(tmp_path, bad, why):
     path = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", bad])
-    with pytest.raises(ValueError, match=why) as e:
+    with pytest.raises(UsageError, match=why) as e:
         conversations.read_conversations(path)
     assert "bad.jsonl, line 3" in str(e.value)
 
@@ -2566,7 +2567,7 @@ def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
         "fine , thanks !<|im_end|>the cat is fine "
     )
     other = read_one(tmp_path, {"text": "### user: hello\n### assistant: fine"})
-    with pytest.raises(ValueError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
+    with pytest.raises(UsageError, match=r"one.jsonl, line 1: no '<\|im_start\|>assistant\\n'"):
         conversations.tokenize_conversation(tok, other, 512)
 
 
@@ -2593,9 +2594,9 @@ def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [record, {"input_ids": [1, 5], "loss_mask": [0, 0]}])
     assert conversations.read_conversations(path)[1] == 1
     big = read_one(tmp_path, {"input_ids": [1, len(tok)], "loss_mask": [0, 1]})
-    with pytest.raises(ValueError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
+    with pytest.raises(UsageError, match=f"one.jsonl, line 1: token id {len(tok)} is outside"):
         conversations.tokenize_conversation(tok, big, 512)
-    with pytest.raises(ValueError, match="line 1: --regenerate needs the prompts as turns"):
+    with pytest.raises(UsageError, match="line 1: --regenerate needs the prompts as turns"):
         conversations.read_conversations(str(tmp_path / "one.jsonl"), need_turns=True)
 
 
@@ -2631,7 +2632,7 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
     assert conversations.retokenized_differs(tok, conv)
     plain = tok.convert_tokens_to_ids(["thecat", " ", "is", " ", "fine"])  # cut: no end of turn
     assert not conversations.retokenized_differs(tok, [*prompt, {**answer, "token_ids": plain}])
-    with pytest.raises(ValueError, match="do not spell its content"):
+    with pytest.raises(UsageError, match="do not spell its content"):
         conversations.tokenize_conversation(
             tok, [*prompt, {**answer, "token_ids": generated[1:]}], 512
         )
@@ -2898,7 +2899,7 @@ def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, t
         assert ratio == pytest.approx(tokens / anchors, rel=1e-3), r["step"]
 
 
-def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
+def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path, capsys):
     # ce's sums read only the labels: features stored with or without the target's hidden states
     # give
     # the same steps, and no target-mass metric is made up without them; tv reads them when stored
@@ -2935,6 +2936,13 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
     assert len(logs["with"]) == 5 and logs["with"] == logs["without"]
     assert not any("topk_target_mass" in r for r in logs["with"])
     assert all("topk_target_mass" in r for r in logs["tv"])
+    # kl needs them: without, one line saying where they come from (no step taken)
+    no_hidden = ["--data", str(tmp_path / "feats"), "--loss", "kl"]
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: run(setup, tmp_path / "kl", "--max-steps", "1", *no_hidden))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and last.startswith("error: --loss kl needs the target's hidden")
+    assert "--save-target-hidden" in last and not (tmp_path / "kl" / "ckpt.pt").exists()
 
 
 def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
@@ -2971,7 +2979,7 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
     (tmp_path / "bare" / "acceptance.json").write_text(
         json.dumps({"block_size": 4, "unary": {"accepted": [1.5]}})
     )
-    with pytest.raises(ValueError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
+    with pytest.raises(UsageError, match="bare/acceptance.json: unary must hold accepted: 3 rates"):
         metrics.read_acceptance(str(tmp_path / "bare"), 4)
 
 
@@ -3292,7 +3300,7 @@ def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
     # written back by name
     assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])
     torch.save(ck, tmp_path / "b" / "ckpt.pt")
-    with pytest.raises(ValueError, match="by position .* resume it without --fsdp"):
+    with pytest.raises(UsageError, match="by position .* resume it without --fsdp"):
         train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, None, sharded=True)
 
 
@@ -3380,10 +3388,14 @@ def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsy
 
 
 def test_overrides_are_validated(setup, tmp_path):
-    with pytest.raises(ValueError, match="conv_kernel_size"):
+    with pytest.raises(UsageError, match="conv_kernel_size"):
         run(setup, tmp_path, "--max-steps", "1", "--conv-kernel-size", "9")
-    with pytest.raises(ValueError, match="conv_group_size"):
+    with pytest.raises(UsageError, match="conv_group_size"):
         run(setup, tmp_path, "--max-steps", "1", "--conv-group-size", "5")
+    # exp weights without --gamma: only block sizes 8, 10 and 16 have a default (loss.DEFAULT_GAMMA)
+    argv = ["--draft-config", str(setup / "draft.json"), "--block-size", "5", "--data", "d"]
+    with pytest.raises(UsageError, match="^no default gamma for block size 5; set --gamma$"):
+        train.main(argv)
 
 
 # ------------------------------------------------------------------------- compile and data workers
@@ -3421,7 +3433,8 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
     (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
     eager run's. With a recompile limit of 1, the evaluation's graph (a second one) ends the run in
-    a ValueError (run(): one `error:` line, status 2), not in a silent eager fallback."""
+    a ValueError that says what to do meanwhile (a bug: its traceback), not in a silent eager
+    fallback."""
     from torch._dynamo.utils import counters
 
     argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
@@ -4140,7 +4153,7 @@ def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
     (tmp_path / "b" / "regenerated.rank0.jsonl").write_text("".join(lines[:2]))
     assert regenerate("b", **hot) == a
     for other in ({"temperature": 1.0}, {"seed": 4}, {"chat_template_kwargs": {}}):
-        with pytest.raises(ValueError, match="use a new --out-dir"):
+        with pytest.raises(UsageError, match="use a new --out-dir"):
             regenerate("b", **{**hot, **other})
     regenerate("greedy", chat_template_kwargs=NO_THINKING, seed=4)  # greedy: the seed is unused
 
@@ -4375,7 +4388,7 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     try:
         prepare.main(argv + ["--target-gemm", "onednn"])
         # refused, after loading the target
-        with pytest.raises(ValueError, match="use a new --out-dir"):
+        with pytest.raises(UsageError, match="use a new --out-dir"):
             # auto: stock on a CPU the rule does not know
             prepare.main(argv[:-1] + ["3"])
     finally:
@@ -4418,7 +4431,7 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     for name, (meta, tensors) in before.items():
         assert after[name][0] == meta and tensors.keys() == after[name][1].keys()
         assert all(torch.equal(t, after[name][1][k]) for k, t in tensors.items())
-    with pytest.raises(ValueError, match="use a new --out-dir"):  # other settings, same folder
+    with pytest.raises(UsageError, match="use a new --out-dir"):  # other settings, same folder
         prepare.main([a if a != "bf16" else "fp16" for a in argv])
 
 
@@ -4459,7 +4472,7 @@ def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_pat
     assert asked == [3] and [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
     tick = lambda: clock.__setitem__(0, clock[0] + 10) or clock[0]  # noqa: E731
     monkeypatch.setattr(prepare, "time", types.SimpleNamespace(time=tick))
-    with pytest.raises(ValueError, match="no time left for one window"):  # 10 s gone, of 1
+    with pytest.raises(UsageError, match="no time left for one window"):  # 10 s gone, of 1
         prepare.main(argv + ["--max-seconds", "1"])
 
 
@@ -4734,7 +4747,7 @@ def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_pa
 def test_layer_ids_beyond_the_target_raise(tmp_path):
     # the target has 4
     target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)
-    with pytest.raises(ValueError, match="num_hidden_layers = 4"):
+    with pytest.raises(UsageError, match="num_hidden_layers = 4"):
         prepare.main(
             [
                 "--target",
@@ -4820,18 +4833,18 @@ def test_export_refuses_broken_inputs(tmp_path):
     bad = config.config_to_dict(draft.config)
     bad["dflash_config"]["selector_rank"] = 4
     torch.save({"model": draft.state_dict(), "config": bad}, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="predecessor_codebook"):
+    with pytest.raises(UsageError, match="predecessor_codebook"):
         export.export(str(tmp_path / "bad.pt"), str(tmp_path / "out"))
     # a truncated safetensors file, and a truncated checkpoint: refused, naming the file
     export.save_draft(draft, str(tmp_path / "cut"))
     st = tmp_path / "cut" / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"cut/model\.safetensors"):
+    with pytest.raises(UsageError, match=r"cut/model\.safetensors"):
         export.export(str(tmp_path / "cut"), str(tmp_path / "out"))
     write_ckpt(tmp_path / "ckpt.pt", draft)
     ck = tmp_path / "ckpt.pt"
     ck.write_bytes(ck.read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"ckpt\.pt"):
+    with pytest.raises(UsageError, match=r"ckpt\.pt"):
         export.load_any(str(ck))
     assert not (tmp_path / "out").exists()  # nothing half-written
 
@@ -4936,12 +4949,12 @@ def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
         ),
     ):  # a missing shard
         idx.write_text(json.dumps(broken))
-        with pytest.raises(ValueError, match=why):
+        with pytest.raises(UsageError, match=why):
             export.load_any(str(tmp_path / "b"))
     idx.write_text(json.dumps(good))
     export.save_draft(draft, str(tmp_path / "single"))
     os.replace(tmp_path / "single" / "model.safetensors", tmp_path / "b" / "model.safetensors")
-    with pytest.raises(ValueError, match="ambiguous"):
+    with pytest.raises(UsageError, match="ambiguous"):
         export.load_any(str(tmp_path / "b"))
 
 
@@ -5515,10 +5528,11 @@ def test_data_made_with_other_template_kwargs_is_refused(tmp_path, capsys, case)
     with open(convs) as f:
         r = json.loads(f.readline())
     assert (r["chat_template_kwargs"], r["temperature"], r["seed"]) == (NO_THINKING, 1.5, 0)
+    gamma = ["--gamma", "2"]  # block size 4 has no default: train.py would say that first
     script, argv, named = {
-        "train --online": (train, ["--online", "--data", convs, "--out-dir", out], convs),
+        "train --online": (train, ["--online", "--data", convs, "--out-dir", out, *gamma], convs),
         "prepare --features": (prepare, ["--features", "--data", convs, "--out-dir", out], convs),
-        "train offline": (train, ["--data", out, "--out-dir", out + "-draft"], out),
+        "train offline": (train, ["--data", out, "--out-dir", out + "-draft", *gamma], out),
     }[case]
     if case == "train offline":
         prepare.main(base + ["--data", convs, "--out-dir", out, "--features", *flag])
@@ -5586,7 +5600,8 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
             "broken/config.json: not valid JSON (line 1)",
         ),
         "train": (
-            ["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)],
+            ["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)]
+            + ["--gamma", "2"],  # block size 4 has no default gamma: train.py would say that first
             f"{tmp_path} is not a feature directory",
         ),
         "prepare": (
@@ -5616,6 +5631,39 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     assert last.startswith("error: ") and named in last, run.stderr
     if case == "train":
         assert "python prepare.py" in last  # and which command makes one
+
+
+def test_a_bug_keeps_its_traceback(setup, tmp_path):
+    """A bug is no user's mistake: an unpacking error inside loss.objective (block_labels made to
+    return two of its three tensors, as an edit of loss.py might), reached through train.py's
+    command line, ends in its traceback naming loss.py's line, not in one `error:` line."""
+    bug = (
+        "import runpy, sys, loss\n"
+        "labels = loss.block_labels\n"
+        "loss.block_labels = lambda *a: labels(*a)[:2]\n"
+        "sys.argv[0] = 'train.py'\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    argv = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
+    argv += ["--data", str(setup / "feats"), "--out-dir", str(tmp_path), "--gamma", "2"]
+    run = subprocess.run(
+        [sys.executable, "-c", bug, *argv, "--max-steps", "1", "--quiet"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 1 and "Traceback" in run.stderr, run.stderr
+    assert not any(line.startswith("error:") for line in run.stderr.splitlines()), run.stderr
+    # the last frame in loss.py: its file, line and code
+    frames = re.findall(r'File "(.+)", line (\d+), in (\w+)\n +(.+)', run.stderr)
+    file, line, function, code = [f for f in frames if f[0].endswith("loss.py")][-1]
+    assert (file, function) == (os.path.join(HERE, "loss.py"), "objective")
+    assert code.startswith("labels, prev, w0 = block_labels(")
+    assert open(file).read().splitlines()[int(line) - 1].strip() == code
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == "ValueError: not enough values to unpack (expected 3, got 2)"
 
 
 # ======================================================================= the toy run (run.sh --toy)

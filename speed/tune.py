@@ -15,7 +15,7 @@ import sys
 
 from speed import cost, machine
 from speed.gemm import set_layout
-from support.common import DTYPES, dtype_name
+from support.common import DTYPES, UsageError, dtype_name
 from support.show import label
 
 FAST_TREE = 7  # the tree --fast verifies: what the removed cost model chose on the Zen 3 and Xeon
@@ -111,7 +111,7 @@ def verify_shapes(args, B: int) -> list:
     ("tree", n) for each n. A path verifies at most the B-1 drafts a cycle proposes (B: the draft's
     block size); more is refused in one line."""
     if any(k >= B for k in args.verify_tokens or []):
-        raise ValueError(
+        raise UsageError(
             f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
             f"{B})"
         )

