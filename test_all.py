@@ -80,7 +80,7 @@ holds it equal to the banners):
                                     draft's greedy output is the target's
     the project's shape             imports flow one way, the top level is the reading path, the
                                     method runs without the pipeline, the docstrings map the
-                                    banners
+                                    banners, the docs name what exists
 """
 
 import ast
@@ -5938,6 +5938,34 @@ def test_every_cited_module_name_resolves():
             where = line + text[: found.start()].count("\n")
             stale.append(f"{file}:{where}: {found.group(0)}")
     assert stale == []
+
+
+# an absolute path of two parts or more, not the system's (/proc/cpuinfo, /dev/shm, /usr/bin/env) or
+# a server's (/v1/models)
+OUTSIDE = re.compile(
+    r"(?<![\w.~}$:/-])/(?!(?:proc|dev|sys|usr|bin|etc|v1)/)[A-Za-z][\w.-]*/[\w.-]+"
+)
+
+
+def test_no_doc_names_a_folder_outside_the_repository():
+    """README.md, docs/*.md and the docstrings and comments of the .py files name no folder outside
+    the repository by its absolute path (one machine's /work or /tmp folder): it means nothing on
+    another machine, and a command shown writing there is that machine's. Paths are relative to
+    the repository's root; ~/.cache/dflash2 is the documented cache, not an absolute path."""
+    texts = []
+    for path in ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=HERE)):
+        texts += [(path, i, line) for i, line in enumerate(open(os.path.join(HERE, path)), 1)]
+    for path in project_files().values():
+        source, file = open(path).read(), os.path.relpath(path, HERE)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                texts.append((file, tok.start[0], tok.string))
+        for node in ast.walk(ast.parse(source)):
+            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            if isinstance(node, kinds) and ast.get_docstring(node):
+                texts.append((file, node.body[0].lineno, ast.get_docstring(node)))
+    found = [f"{f}:{n}: {m.group(0)}" for f, n, text in texts for m in OUTSIDE.finditer(text)]
+    assert found == []
 
 
 def test_ci_runs_the_readme_commands_first():

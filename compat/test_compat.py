@@ -865,9 +865,9 @@ def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
     lm_head as from a hub model. Skipped without speculators, which pins transformers<=5.19, so it
     runs in a venv of its own:
 
-        python3 -m venv /work/venv-spec && . /work/venv-spec/bin/activate
-        grep -v '^transformers' requirements.txt > /tmp/spec.txt
-        pip install -r /tmp/spec.txt speculators==0.9.0
+        python3 -m venv .venv-spec && . .venv-spec/bin/activate
+        grep -v '^transformers' requirements.txt > .venv-spec/requirements.txt
+        pip install -r .venv-spec/requirements.txt speculators==0.9.0
         pip uninstall -y torchvision torchaudio  # their operator registration breaks transformers
         python -m pytest -q compat/test_compat.py -k speculators_library
     """

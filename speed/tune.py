@@ -7,8 +7,10 @@
                                                       in its layout, and a line
                  verify_shapes(args, B)               the verify shapes asked, each in range
 
-Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement
-cached per machine (cost.py). Each is said in one line, so a run shows what it chose and why.
+`auto` follows the rule of machine.py and, where the rule cannot tell, a short measurement cached
+per machine (cost.py). It is prepare.py's default (--target-gemm), not generate.py's: there nothing
+of this package runs (the draft as trained, stock GEMMs) unless --fast, --draft-dtype or
+--target-gemm asks. Each choice is said in one line, so a run shows what it chose and why.
 """
 
 import sys
