@@ -12,6 +12,8 @@ holds it equal to the banners):
     support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
                                     print
     support/tracking.py             wandb and tensorboard get the log records
+    support/common.py               a UsageError ends in one line, anything else keeps its
+                                    traceback
 """
 
 import importlib.util
@@ -708,3 +710,31 @@ def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
     }
     assert texts["final/served_auto_shape/text_summary"] == "path"
     assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}
+
+
+# ================================================================================ support/common.py
+def test_run_says_a_usage_error_in_one_line(capsys):
+    """common.run: a UsageError is the user's to fix: `error: ...` on stderr, exit status 2."""
+
+    def mistake():
+        raise UsageError("x.jsonl, line 3: unknown role 'bing'")
+
+    with pytest.raises(SystemExit) as stop:
+        common.run(mistake)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: x.jsonl, line 3: unknown role 'bing'\n"
+
+
+@pytest.mark.parametrize(
+    "bug", [ValueError("not enough values to unpack"), FileNotFoundError(2, "No such file")]
+)
+def test_run_lets_anything_else_through_with_its_traceback(bug, capsys):
+    """Any other exception, a ValueError or an OSError too, is a bug: run() passes it on as it is
+    (Python prints its traceback), and says nothing of its own."""
+
+    def buggy():
+        raise bug
+
+    with pytest.raises(type(bug)) as raised:
+        common.run(buggy)
+    assert raised.value is bug and capsys.readouterr().err == ""
