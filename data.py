@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from support.common import UsageError
 from support.conversations import check_template_kwargs, read_conversations, tokenize_conversation
 from support.features import load_features, read_manifest
 
@@ -83,8 +84,8 @@ def load_samples(path: str, online: bool, tokenizer, max_length: int, chat_templ
     made = read_manifest(path).get("chat_template_kwargs", {})
     try:
         check_template_kwargs(made, chat_template_kwargs)
-    except ValueError as e:
-        raise ValueError(f"{os.path.join(path, 'manifest.json')}: {e}") from None
+    except UsageError as e:
+        raise UsageError(f"{os.path.join(path, 'manifest.json')}: {e}") from None
     # no features read
     masks = (samples.read(i, ["loss_mask"])["loss_mask"] for i in range(len(samples)))
     return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
@@ -101,7 +102,7 @@ def main_job_data(rank: int) -> tuple:
         if rank != 0:  # under torchrun rank 0 says it, once; torchrun stops every rank as soon
             time.sleep(30)  # as one exits, so the others wait for rank 0 to print and exit first
             sys.exit(2)
-        raise ValueError(
+        raise UsageError(
             f"no --data, and no prepared data at {train}: `bash run.sh` makes it (the main job), "
             "or `python prepare.py --prompts math --regenerate --features --draft-config "
             f"configs/smollm2-135m-dflash2.json --out-dir {train}`"
@@ -154,7 +155,7 @@ def schedule(samples, args, world) -> tuple:
     per_step = world * args.grad_accum * args.batch_size
     steps_per_epoch = len(rows) // per_step
     if steps_per_epoch == 0:
-        raise ValueError(
+        raise UsageError(
             f"{args.data}: {len(rows)} training rows cannot fill one step of {per_step}"
         )
     return rows, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch

@@ -31,7 +31,7 @@ from compat.config_json import config_from_dict, config_to_dict, load_config
 from compat.serving import llamacpp_refusal, serving_flags
 from compat.shards import MAX_SHARD_BYTES, load_tensors, save_tensors, size_in_bytes
 from compat.speculators import read_speculators, speculators_config
-from support.common import DTYPES, read_json, run, write_json
+from support.common import DTYPES, UsageError, read_json, run, write_json
 from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
 
 
@@ -78,7 +78,7 @@ def check_state_dict(draft: model.DraftModel, sd: dict, source: str):
         if k in sd and tuple(sd[k].shape) != expected[k]
     ]
     if missing or unexpected or wrong:
-        raise ValueError(
+        raise UsageError(
             f"{source}: tensors do not match the config: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
         )
@@ -95,11 +95,11 @@ def read_checkpoint(file: str) -> tuple:
         # weights_only: a checkpoint is data; loading it must never run pickled code.
         ckpt = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
+        raise UsageError(
             f"{file}: not a readable training checkpoint (truncated or corrupted?): {e}"
         ) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
-        raise ValueError(f"{file}: a training checkpoint needs 'model' and 'config' entries")
+        raise UsageError(f"{file}: a training checkpoint needs 'model' and 'config' entries")
     sd = {}
     for k, v in ckpt["model"].items():
         while k.startswith(WRAPPER_PREFIXES):
@@ -120,7 +120,7 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
         return draft_from_state_dict(cfg, sd, source=path, dtype=dtype).eval()
     file = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise FileNotFoundError(
+        raise UsageError(
             f"no draft at {path}: expected a checkpoint file, or a directory with "
             "config.json + model.safetensors (or its shards), or one with ckpt.pt"
         )

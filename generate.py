@@ -26,7 +26,7 @@ from decoding import target_generate
 from export import load_any
 from speed import bench, machine, tune
 from support import draw
-from support.common import DTYPES, add_chat_template_kwargs, bounded, run
+from support.common import DTYPES, UsageError, add_chat_template_kwargs, bounded, run
 from support.show import (
     Printer,
     ShowBlocks,
@@ -163,7 +163,7 @@ def parse_args(argv=None):
         ap.error("--show-svg draws the blocks of one answer: give --prompt, not --bench")
     folder = os.path.dirname(os.path.abspath(args.show_svg or "."))
     if args.show_svg and not os.path.isdir(folder):  # a bad path: one line (support/common.run)
-        raise ValueError(f"--show-svg {args.show_svg}: no folder {folder}")
+        raise UsageError(f"--show-svg {args.show_svg}: no folder {folder}")
     if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
         ap.error(
             "--verify-tokens / --tree-budget: one value (several, one row each, only with --bench)"

@@ -46,7 +46,7 @@ from data import anchor_positions
 from model import capture_features
 from speed import machine, tune
 from support import distributed, regen, regen_server
-from support.common import DTYPES, add_chat_template_kwargs, bounded, run
+from support.common import DTYPES, UsageError, add_chat_template_kwargs, bounded, run
 from support.conversations import read_conversations, render, tokenize_conversation
 from support.features import (
     COUNTS,
@@ -351,7 +351,7 @@ def main(argv=None):
         conversations = [[{"role": "user", "content": q}] for q in prompts]
     conversations = conversations[: args.num_samples]
     if not conversations:
-        raise ValueError(f"{args.data or '--prompts'}: no conversations to work on")
+        raise UsageError(f"{args.data or '--prompts'}: no conversations to work on")
     if args.regenerate:
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
         # the same records and resume, in-process or from servers
@@ -411,7 +411,7 @@ def main(argv=None):
             barrier()
         done, last_s = hi, time.time() - t
     if not done:
-        raise ValueError(f"--max-seconds {args.max_seconds:g}: no time left for one window")
+        raise UsageError(f"--max-seconds {args.max_seconds:g}: no time left for one window")
     conversations = conversations[:done]
     if args.max_seconds and rank == 0:
         print(f"--max-seconds {args.max_seconds:g}: {done} of {n} conversations", file=sys.stderr)

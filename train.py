@@ -32,7 +32,7 @@ import model
 from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
 from support import compiling, distributed, flops, kernels, tracking
-from support.common import DTYPES, HelpTable, add_chat_template_kwargs, bounded, run
+from support.common import DTYPES, HelpTable, UsageError, add_chat_template_kwargs, bounded, run
 from support.fsdp import load_checkpoint, save_checkpoint
 from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
 from support.target import check_draft_fits, load_target
@@ -132,6 +132,9 @@ def build_config(args) -> model.DraftConfig:
             c.layer_types[min(i, len(c.layer_types) - 1)] for i in range(args.num_layers)
         ]
     c = replace_config(c, **o)  # validates the overridden config
+    exp = args.position_weighting == "exp"  # its weights decay with gamma (loss.py)
+    if exp and args.gamma is None and c.block_size not in loss.DEFAULT_GAMMA:
+        raise UsageError(f"no default gamma for block size {c.block_size}; set --gamma")
     return model.plain_dflash(c) if args.dflash else c
 
 

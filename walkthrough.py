@@ -28,7 +28,6 @@ from conv import GroupedDynamicCausalConv
 from decoding import crop
 from model import DraftConfig, capture_features
 from selector import CandidateSelector, top_k_candidates
-from support.common import run
 
 V, H, B, MASK = 32, 32, 4, 31  # vocabulary, hidden size, block size, mask_token_id
 LAYER_IDS = [0, 2]  # the target layers the draft reads
@@ -449,9 +448,9 @@ def cli():
     ap.add_argument("--draw", metavar="DIR", help="moved: python -m tools.figures DIR")
     args = ap.parse_args()
     if args.draw:  # the pictures are drawn by tools/figures.py now
-        raise ValueError(f"--draw moved: python -m tools.figures {args.draw} draws the figures")
+        ap.error(f"--draw moved: python -m tools.figures {args.draw} draws the figures")
     main()
 
 
 if __name__ == "__main__":
-    run(cli)
+    cli()

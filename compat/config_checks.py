@@ -3,7 +3,7 @@ rule, the refusals of fields this code does not implement, and the RoPE rules. W
 config.json calls them (compat/config_json.py; train.py's overrides through replace_config), not
 model.py, so the mechanism stands without them.
 
-Every rule raises ValueError naming the field and value. Nothing in a config.json is skipped
+Every rule raises UsageError naming the field and value. Nothing in a config.json is skipped
 unread. Each key is read into DraftConfig, or is known not to change what the draft computes (token
 ids, versions, the storage dtype: HARMLESS), or must hold the one value this code implements
 (`attention_bias: false`, `hidden_act: silu`, ...: FIXED). Any other key, or another value, is
@@ -11,6 +11,8 @@ refused by name: a field the code does not know might change the computation.
 """
 
 import math
+
+from support.common import UsageError
 
 # The scaled RoPE types implemented (through transformers' own init functions,
 # compat/rope.py), each with the rope_parameters keys it reads: (required, optional).
@@ -41,24 +43,24 @@ ROPE_KEYS = {
 def _check_int(name, value, low=None, high=None):
     # bool is a subclass of int in Python; a config that says `true` for a size is a mistake.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise UsageError(f"{name} must be an integer, got {value!r}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+        raise UsageError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise UsageError(f"{name} must be <= {high}, got {value}")
 
 
 def _check_number(name, value, positive=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise UsageError(f"{name} must be a finite number, got {value!r}")
     if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise UsageError(f"{name} must be > 0, got {value}")
 
 
 def _check_rope_scaling(s):
     if not isinstance(s, dict) or s.get("rope_type") not in ROPE_KEYS:
         kind = s.get("rope_type") if isinstance(s, dict) else s
-        raise ValueError(
+        raise UsageError(
             f"rope_parameters.rope_type {kind!r} is not implemented (only default, "
             f"{', '.join(ROPE_KEYS)}); refused rather than run as plain RoPE"
         )
@@ -68,7 +70,7 @@ def _check_rope_scaling(s):
         sorted(set(s) - required - optional - {"rope_type"}),
     )
     if missing or unknown:
-        raise ValueError(
+        raise UsageError(
             f"rope_parameters for rope_type {s['rope_type']!r}: missing {missing}, "
             f"not implemented {unknown}"
         )
@@ -76,7 +78,7 @@ def _check_rope_scaling(s):
         if k not in ("rope_type", "truncate"):
             _check_number(f"rope_parameters.{k}", v)
     if not isinstance(s.get("truncate", True), bool):
-        raise ValueError(f"rope_parameters.truncate must be true or false, got {s['truncate']!r}")
+        raise UsageError(f"rope_parameters.truncate must be true or false, got {s['truncate']!r}")
 
 
 def validate(c):
@@ -96,12 +98,12 @@ def validate(c):
         _check_int(name, getattr(c, name), low=1)
     _check_int("block_size", c.block_size, low=2)
     if c.num_attention_heads % c.num_key_value_heads:
-        raise ValueError(
+        raise UsageError(
             f"num_attention_heads ({c.num_attention_heads}) must be a multiple of "
             f"num_key_value_heads ({c.num_key_value_heads})"
         )
     if not isinstance(c.target_layer_ids, (list, tuple)) or not c.target_layer_ids:
-        raise ValueError(f"target_layer_ids must be a non-empty list, got {c.target_layer_ids!r}")
+        raise UsageError(f"target_layer_ids must be a non-empty list, got {c.target_layer_ids!r}")
     if c.num_target_layers is not None:
         _check_int("num_target_layers", c.num_target_layers, low=1)
     top = None if c.num_target_layers is None else c.num_target_layers - 1
@@ -112,25 +114,25 @@ def validate(c):
     if c.rope_scaling is not None:
         _check_rope_scaling(c.rope_scaling)
     if len(c.layer_types) != c.num_hidden_layers:
-        raise ValueError(
+        raise UsageError(
             f"layer_types has {len(c.layer_types)} entries, num_hidden_layers is "
             f"{c.num_hidden_layers}"
         )
     for t in c.layer_types:
         if t not in ("full_attention", "sliding_attention"):
-            raise ValueError(
+            raise UsageError(
                 f"layer_types entries must be full_attention or sliding_attention, got {t!r}"
             )
     if "sliding_attention" in c.layer_types:
         # a window narrower than the block would also cut the block, where the public loaders differ
         _check_int("sliding_window", c.sliding_window, low=c.block_size)
     if c.is_causal is not None and not isinstance(c.is_causal, bool):
-        raise ValueError(f"is_causal must be true, false or absent, got {c.is_causal!r}")
+        raise UsageError(f"is_causal must be true, false or absent, got {c.is_causal!r}")
     if c.dflash2:
         _check_int("conv_kernel_size", c.conv_kernel_size, low=1, high=c.block_size)
         _check_int("conv_group_size", c.conv_group_size, low=1)
         if c.hidden_size % c.conv_group_size:
-            raise ValueError(
+            raise UsageError(
                 f"conv_group_size ({c.conv_group_size}) must divide hidden_size ({c.hidden_size})"
             )
         _check_int("selector_rank", c.selector_rank, low=1)
@@ -139,7 +141,7 @@ def validate(c):
         if getattr(c, name) is not None:
             _check_number(name, getattr(c, name))
     if c.final_logit_softcapping is not None and c.final_logit_softcapping <= 0:
-        raise ValueError(f"final_logit_softcapping must be > 0, got {c.final_logit_softcapping}")
+        raise UsageError(f"final_logit_softcapping must be > 0, got {c.final_logit_softcapping}")
 
 
 # ----------------------------------------------------------------------------- a config.json dict
@@ -175,13 +177,13 @@ def refuse_unread(d: dict, source: str, fields, nested):
     DraftConfig field in `fields`, READ; under dflash_config one of `nested`) nor HARMLESS, or a
     FIXED key with another value, or a sliding window transformers would read otherwise."""
     if "speculators_model_type" in d:
-        raise ValueError(
+        raise UsageError(
             f"{source}: a speculators-format config; read the directory with export.load_any, "
             "or convert it: python export.py DIR --out-dir NEW_DIR"
         )
     arch = d.get("architectures") or []
     if "DFlash2DraftModel" not in arch and "DFlashDraftModel" not in arch:
-        raise ValueError(
+        raise UsageError(
             f"{source}: architectures is {arch!r}; a draft config must declare DFlash2DraftModel "
             "(or DFlashDraftModel). DFlash2 is never derived from a target model's config."
         )
@@ -190,20 +192,20 @@ def refuse_unread(d: dict, source: str, fields, nested):
         f"dflash_config.{k}" for k in sorted(set(d.get("dflash_config") or {}) - set(nested))
     ]
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"{source}: field(s) {unknown} not implemented; refused rather than ignored"
         )
     for k, v in FIXED.items():
         if k in d and (d[k] != v or isinstance(d[k], bool) != isinstance(v, bool)):
-            raise ValueError(f"{source}: {k} = {d[k]!r} is not implemented (only {v!r})")
+            raise UsageError(f"{source}: {k} = {d[k]!r} is not implemented (only {v!r})")
     sliding = "sliding_attention" in (d.get("layer_types") or [])
     if d.get("use_sliding_window") is False and sliding:
-        raise ValueError(
+        raise UsageError(
             f"{source}: use_sliding_window is false, which makes transformers drop sliding_window, "
             "but layer_types has sliding_attention layers; set it true or use full_attention"
         )
     if "layer_types" not in d and d.get("use_sliding_window"):
-        raise ValueError(
+        raise UsageError(
             f"{source}: use_sliding_window without layer_types; write layer_types explicitly"
         )
 
@@ -213,32 +215,32 @@ def read_rope(d: dict, source: str) -> tuple:
     (rope_theta, rope_scaling), the way transformers reads them."""
     new, old = d.get("rope_parameters"), d.get("rope_scaling")
     if new and old:
-        raise ValueError(
+        raise UsageError(
             f"{source}: both rope_parameters and rope_scaling are set; keep one (rope_parameters)"
         )
     p = new or old or {}
     if not isinstance(p, dict):
-        raise ValueError(f"{source}: rope_parameters must be an object, got {p!r}")
+        raise UsageError(f"{source}: rope_parameters must be an object, got {p!r}")
     p = dict(p)
     if "full_attention" in p or "sliding_attention" in p:
-        raise ValueError(f"{source}: rope_parameters per layer type is not implemented")
+        raise UsageError(f"{source}: rope_parameters per layer type is not implemented")
     if "type" in p:  # the oldest spelling of rope_type
         p["rope_type"] = p.pop("type")
     theta, top = p.pop("rope_theta", None), d.get("rope_theta")
     if theta is not None and top is not None and theta != top:
-        raise ValueError(f"{source}: rope_parameters.rope_theta {theta} != rope_theta {top}")
+        raise UsageError(f"{source}: rope_parameters.rope_theta {theta} != rope_theta {top}")
     if theta is None and top is None:
-        raise ValueError(
+        raise UsageError(
             f"{source}: no rope_theta (in rope_parameters or at the top level); transformers "
             "and vLLM default it differently, so it must be written"
         )
     if p.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
+        raise UsageError(
             f"{source}: rope_parameters.partial_rotary_factor other than 1.0 is not implemented"
         )
     if p.get("rope_type", "default") == "default":
         if set(p) - {"rope_type"}:
-            raise ValueError(
+            raise UsageError(
                 f"{source}: rope_parameters {sorted(set(p) - {'rope_type'})} not implemented "
                 "for default RoPE"
             )
@@ -253,13 +255,13 @@ def refuse_incomplete(flat: dict, arch: list, source: str, required, dflash2_fie
     if "DFlash2DraftModel" in arch:
         missing = [f for f in dflash2_fields if flat.get(f) is None]
         if missing:
-            raise ValueError(f"{source}: DFlash2DraftModel needs dflash_config fields {missing}")
+            raise UsageError(f"{source}: DFlash2DraftModel needs dflash_config fields {missing}")
     else:
         extra = [f for f in dflash2_fields if flat.get(f) is not None]
         if extra:
-            raise ValueError(
+            raise UsageError(
                 f"{source}: DFlashDraftModel must not set {extra} (those are DFlash2 fields)"
             )
     missing = [k for k in required if k not in flat]
     if missing:
-        raise ValueError(f"{source}: missing required field(s) {missing}")
+        raise UsageError(f"{source}: missing required field(s) {missing}")

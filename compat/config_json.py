@@ -5,7 +5,7 @@ A draft config must declare DFlash2DraftModel (or DFlashDraftModel for the plain
 never derived from a target model's config. The DFlash fields sit under `dflash_config`; the rest
 are Qwen3-style fields at the top level.
 
-Nothing in a config.json is skipped unread, and every rule raises ValueError naming the field and
+Nothing in a config.json is skipped unread, and every rule raises UsageError naming the field and
 value. Those rules, and the refusals of fields this code does not implement, are the contract with
 the public implementations: they live in compat/config_checks.py, which this file calls on every
 config it reads or changes (model.py does not).
@@ -17,7 +17,7 @@ import os
 import compat.rope  # noqa: F401  (sets model.scaled_rope: a config read here may scale RoPE)
 from compat.config_checks import read_rope, refuse_incomplete, refuse_unread, validate
 from model import DFLASH2_FIELDS, DraftConfig
-from support.common import read_json
+from support.common import UsageError, read_json
 
 # ---------------------------------------------------------------------- config.json <-> DraftConfig
 FIELDS = {f.name for f in dataclasses.fields(DraftConfig)}
@@ -48,7 +48,7 @@ def load_config(path: str) -> DraftConfig:
     """From a JSON file, or a directory holding config.json."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"no draft config at {file}")
+        raise UsageError(f"no draft config at {file}")
     return config_from_dict(read_json(file), source=file)
 
 

@@ -15,7 +15,7 @@ import re
 
 from safetensors.torch import load_file, save_file
 
-from support.common import atomic_write, write_json
+from support.common import UsageError, atomic_write, write_json
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers 4.x's default (5.x raised its own to 50GB)
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -65,8 +65,8 @@ def size_in_bytes(s: str) -> int:
 def read_safetensors(file: str) -> dict:
     try:
         return load_file(file)
-    except Exception as e:  # safetensors' own error is not a ValueError and does not name the file
-        raise ValueError(
+    except Exception as e:  # safetensors' own error does not name the file
+        raise UsageError(
             f"{file}: not a readable safetensors file (missing, truncated or corrupted?): {e}"
         ) from None
 
@@ -77,14 +77,14 @@ def load_tensors(path: str) -> dict:
     if not os.path.isfile(index):
         return read_safetensors(os.path.join(path, WEIGHTS))
     if os.path.isfile(os.path.join(path, WEIGHTS)):
-        raise ValueError(
+        raise UsageError(
             f"{path}: holds both {WEIGHTS} and {INDEX}; which is the draft is ambiguous"
         )
     try:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
+        raise UsageError(
             f"{index}: not a readable index (a JSON object with a weight_map): {e}"
         ) from None
     sd = {}
@@ -92,12 +92,12 @@ def load_tensors(path: str) -> dict:
         part = read_safetensors(os.path.join(path, os.path.basename(shard)))
         stray = sorted(k for k in part if weight_map.get(k) != shard)
         if stray:
-            raise ValueError(
+            raise UsageError(
                 f"{index}: {shard} holds tensors the index does not place there: {stray[:5]}"
             )
         sd.update(part)
     if set(weight_map) - set(sd):
-        raise ValueError(
+        raise UsageError(
             f"{index}: lists tensors no shard holds: {sorted(set(weight_map) - set(sd))[:5]}"
         )
     return sd

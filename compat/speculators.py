@@ -13,7 +13,7 @@ import os
 from compat.config_json import config_from_dict, config_to_dict
 from compat.shards import load_tensors
 from model import DFLASH2_FIELDS
-from support.common import read_json
+from support.common import UsageError, read_json
 
 # Frozen copies of the verifier's tensors, which a speculators checkpoint may carry: the draft
 # uses the target's own.
@@ -56,7 +56,7 @@ def config_from_speculators(d: dict, source: str):
     unset is_causal.
     """
     if d.get("speculators_model_type") != "dflash2":
-        raise ValueError(
+        raise UsageError(
             f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 "
             "is read"
         )
@@ -75,14 +75,14 @@ def config_from_speculators(d: dict, source: str):
     )
     unknown = sorted(set(d) - SPECULATORS_KEYS)
     if missing or unknown:
-        raise ValueError(
+        raise UsageError(
             f"{source}: speculators config: missing {missing}, not implemented {unknown}"
         )
     if not isinstance(d["transformer_layer_config"], dict):
-        raise ValueError(f"{source}: transformer_layer_config must be an object")
+        raise UsageError(f"{source}: transformer_layer_config must be an object")
     layer = dict(d["transformer_layer_config"])
     if "is_causal" in layer or "dflash_config" in layer:
-        raise ValueError(
+        raise UsageError(
             f"{source}: transformer_layer_config.is_causal / dflash_config are not read by "
             "speculators; sliding_window_non_causal decides"
         )
@@ -104,12 +104,12 @@ def config_from_speculators(d: dict, source: str):
     }
     for name, (value, implemented) in checks.items():
         if value != implemented:
-            raise ValueError(
+            raise UsageError(
                 f"{source}: {name} = {value!r} is not implemented (only {implemented!r})"
             )
     aux = d["aux_hidden_state_layer_ids"]
     if not isinstance(aux, list) or not all(isinstance(i, int) and i >= 1 for i in aux):
-        raise ValueError(
+        raise UsageError(
             f"{source}: aux_hidden_state_layer_ids must be layer outputs (integers >= 1), got "
             f"{aux!r}"
         )
@@ -139,15 +139,15 @@ def speculators_config(c, verifier: str) -> dict:
     """The speculators config.json for config c; refuses what speculators 0.9.0 cannot say or would
     read otherwise."""
     if not c.dflash2:
-        raise ValueError("--format speculators writes DFlash2 drafts (its dflash2 model type) only")
+        raise UsageError("--format speculators writes DFlash2 drafts (its dflash2 model type) only")
     if not verifier:
-        raise ValueError(
+        raise UsageError(
             "the speculators format names its verifier (--verifier), which speculators reloads "
             "embed_tokens and lm_head from"
         )
     for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
         if getattr(c, name) is not None:
-            raise ValueError(
+            raise UsageError(
                 f"{name} is set, but speculators' DFlash2 has no such field and would drop it; "
                 "export in the zlab format"
             )
@@ -155,7 +155,7 @@ def speculators_config(c, verifier: str) -> dict:
     # speculators makes full layers bidirectional, and vLLM's translator applies one causal flag
     # to every layer
     if len(causal) > 1 or (True in causal and "full_attention" in c.layer_types):
-        raise ValueError(
+        raise UsageError(
             f"is_causal {c.is_causal!r} with layer_types {sorted(set(c.layer_types))}: the "
             "speculators format cannot say this so that speculators and vLLM both read it; export "
             "in the zlab format"

@@ -25,6 +25,7 @@ import model
 from compat import config_json as config
 from compat import speculators
 from model import DraftConfig, DraftModel
+from support.common import UsageError
 from test_all import (
     HERE,
     block_hidden,
@@ -226,23 +227,23 @@ def test_each_validation_rule_raises(path, value, field):
     for k in path[:-1]:
         target = target[k]
     target[path[-1]] = value
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(UsageError, match=field):
         config.config_from_dict(d)
 
 
 def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
     d = valid_dict()
     d["architectures"] = ["LlamaForCausalLM"]
-    with pytest.raises(ValueError, match="DFlash2DraftModel"):
+    with pytest.raises(UsageError, match="DFlash2DraftModel"):
         config.config_from_dict(d)
     d = valid_dict()
     del d["dflash_config"]["selector_rank"]
-    with pytest.raises(ValueError, match="selector_rank"):
+    with pytest.raises(UsageError, match="selector_rank"):
         config.config_from_dict(d)
     (tmp_path / "bad.json").write_text(
         '{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}'
     )
-    with pytest.raises(ValueError, match="line 2"):
+    with pytest.raises(UsageError, match="line 2"):
         config.load_config(str(tmp_path / "bad.json"))
 
 
@@ -322,7 +323,7 @@ def test_load_refuses_mismatched_tensors(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["dflash_config"]["selector_rank"] = 4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="predecessor_codebook"):
+    with pytest.raises(UsageError, match="predecessor_codebook"):
         export.load_draft(str(tmp_path))
 
 
@@ -572,7 +573,7 @@ def test_unimplemented_fields_are_refused_by_name(key, value, named):
         del target[k]
     else:
         target[k] = value
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(UsageError, match=named):
         config.config_from_dict(d, source="draft/config.json")
 
 
@@ -775,7 +776,7 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
         for h in both_paths(back, embed_w, feats, ids, 9):
             assert (h - ref).abs().max() <= 1e-5
     # not misread as the Z Lab form
-    with pytest.raises(ValueError, match="speculators-format"):
+    with pytest.raises(UsageError, match="speculators-format"):
         config.load_config(str(tmp_path))
 
 
@@ -812,7 +813,7 @@ def test_speculators_fields_refused_by_name(tmp_path, change, named):
     d = speculators_fixture(**{k: v for k, v in change.items() if v is not DELETE})
     for k in [k for k, v in change.items() if v is DELETE]:
         del d[k]
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(UsageError, match=named):
         speculators.config_from_speculators(d, "spec/config.json")
 
 
@@ -830,7 +831,7 @@ def test_speculators_fields_refused_by_name(tmp_path, change, named):
 )
 def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
     write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4, **kw))
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(UsageError, match=named):
         export.export(
             str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), fmt="speculators", verifier="t"
         )
@@ -864,9 +865,9 @@ def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
     lm_head as from a hub model. Skipped without speculators, which pins transformers<=5.19, so it
     runs in a venv of its own:
 
-        python3 -m venv /work/venv-spec && . /work/venv-spec/bin/activate
-        grep -v '^transformers' requirements.txt > /tmp/spec.txt
-        pip install -r /tmp/spec.txt speculators==0.9.0
+        python3 -m venv .venv-spec && . .venv-spec/bin/activate
+        grep -v '^transformers' requirements.txt > .venv-spec/requirements.txt
+        pip install -r .venv-spec/requirements.txt speculators==0.9.0
         pip uninstall -y torchvision torchaudio  # their operator registration breaks transformers
         python -m pytest -q compat/test_compat.py -k speculators_library
     """

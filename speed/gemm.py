@@ -4,6 +4,8 @@ GEMM.
 
 import torch
 
+from support.common import UsageError
+
 
 # ----------------------------------------------------------------------------- CPU decoding
 class PackedLinear(torch.nn.Module):
@@ -71,7 +73,7 @@ def packable(layout: str, dtype, device) -> bool:
 def check_packable(layout: str, dtype, device):
     """Refuse, in one line, a layout this dtype and device cannot be packed into."""
     if not packable(layout, dtype, device):
-        raise ValueError(
+        raise UsageError(
             f"--target-gemm {layout}: only for {'fp32 or bf16' if layout == 'onednn' else 'fp32'} "
             f"targets on the CPU, not {dtype} on {torch.device(device).type}"
         )

@@ -33,7 +33,7 @@ import torch
 
 from speed import int8
 from speed.gemm import check_packable, packable
-from support.common import DTYPES, atomic_write, dtype_name
+from support.common import DTYPES, UsageError, atomic_write, dtype_name
 
 
 # ----------------------------------------------------------------------------- what the CPU has
@@ -122,11 +122,11 @@ def draft_precision(name: str, device) -> str:
     this device."""
     if name == "int8":
         if torch.device(device).type != "cpu":
-            raise ValueError(
+            raise UsageError(
                 "--draft-dtype int8: the int8 kernels are CPU kernels; use bf16 on a GPU"
             )
         if not int8.runs():
-            raise ValueError(
+            raise UsageError(
                 f"--draft-dtype int8: torch's quantized kernels do not run on this CPU "
                 f"({cpu_info()['capability']}; fbgemm needs x86 with AVX2); use fp32"
             )
@@ -200,12 +200,12 @@ def check_layout(layout: str, dtype, device):
         return
     check_packable(layout, dtype, device)
     if layout == "onednn":
-        raise ValueError(
+        raise UsageError(
             "--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
             f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) "
             "lacks; use --target-gemm stock or --target-dtype fp32"
         )
-    raise ValueError(
+    raise UsageError(
         f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock"
     )
 

@@ -30,6 +30,7 @@ from speed.gemm import (
     set_layout,
     unpack_linears,
 )
+from support.common import UsageError
 from test_all import needs_int8, needs_mkl, tiny_draft, tiny_target
 
 
@@ -120,7 +121,7 @@ def test_machine_rule_picks_the_drafts_precision(monkeypatch):
             and machine.draft_precision("int8", "cpu") == "int8"
         )
     assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
-    with pytest.raises(ValueError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
+    with pytest.raises(UsageError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
         machine.draft_precision("int8", torch.device("cuda:0"))
     # no quantized engine: bf16 where native
     monkeypatch.setattr(machine.int8, "runs", lambda: False)
@@ -130,7 +131,7 @@ def test_machine_rule_picks_the_drafts_precision(monkeypatch):
     play_cpu(monkeypatch, *CPUS["avx2"][0])
     assert machine.draft_precision("auto", "cpu") == "fp32"
     with pytest.raises(
-        ValueError,
+        UsageError,
         match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)",
     ):
         machine.draft_precision("int8", "cpu")
@@ -176,21 +177,21 @@ def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
     # asked for what this machine cannot run: one line naming what is missing
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: False)
     with pytest.raises(
-        ValueError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"
+        UsageError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"
     ):
         machine.choose_layout(torch.bfloat16, "cpu", "onednn", never)
     with pytest.raises(
-        ValueError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"
+        UsageError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"
     ):
         machine.choose_layout(torch.float16, "cpu", "onednn", never)
     with pytest.raises(
-        ValueError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"
+        UsageError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"
     ):
         machine.choose_layout(torch.bfloat16, "cpu", "mkl", never)
     # a torch without MKL (ARM)
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)
     assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn"]
-    with pytest.raises(ValueError, match="--target-gemm mkl: this torch has no MKL"):
+    with pytest.raises(UsageError, match="--target-gemm mkl: this torch has no MKL"):
         machine.choose_layout(torch.float32, "cpu", "mkl", never)
 
 
@@ -339,11 +340,11 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
     )
     assert packable("onednn", torch.bfloat16, "cpu") and not packable("mkl", torch.float32, "cuda")
     with pytest.raises(
-        ValueError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"
+        UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"
     ):
         pack_linears(tiny_target("llama").half())
     with pytest.raises(
-        ValueError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"
+        UsageError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"
     ):
         pack_linears(tiny_target("llama").bfloat16(), "mkl")
 
@@ -519,9 +520,9 @@ def test_verify_shapes_are_the_shapes_asked_and_a_path_fits_the_block():
     flags = ["--tree-budget", "8", "--verify-tokens", "2", "7", "--bench", "gsm8k"]
     args = generate.parse_args(["--draft", "d", *flags])
     assert tune.verify_shapes(args, 8) == [("path", 2), ("path", 7), ("tree", 8)]
-    with pytest.raises(ValueError, match=r"--verify-tokens: at most 2, .*\(block size 3\)"):
+    with pytest.raises(UsageError, match=r"--verify-tokens: at most 2, .*\(block size 3\)"):
         tune.verify_shapes(args, 3)
-    with pytest.raises(ValueError, match="at most 7"):  # B drafts: one more than a cycle proposes
+    with pytest.raises(UsageError, match="at most 7"):  # B drafts: one more than a cycle proposes
         tune.verify_shapes(generate.parse_args(["--draft", "d", "--verify-tokens", "8"]), 8)
     # the default: the path of B-1; --fast's: a tree of FAST_TREE nodes
     for flags, shape in (([], ("path", 7)), (["--fast"], ("tree", tune.FAST_TREE))):

@@ -7,15 +7,17 @@
                                                       in its layout, and a line
                  verify_shapes(args, B)               the verify shapes asked, each in range
 
-Each choice follows the rule of machine.py and, where the rule cannot tell, a short measurement
-cached per machine (cost.py). Each is said in one line, so a run shows what it chose and why.
+`auto` follows the rule of machine.py and, where the rule cannot tell, a short measurement cached
+per machine (cost.py). It is prepare.py's default (--target-gemm), not generate.py's: there nothing
+of this package runs (the draft as trained, stock GEMMs) unless --fast, --draft-dtype or
+--target-gemm asks. Each choice is said in one line, so a run shows what it chose and why.
 """
 
 import sys
 
 from speed import cost, machine
 from speed.gemm import set_layout
-from support.common import DTYPES, dtype_name
+from support.common import DTYPES, UsageError, dtype_name
 from support.show import label
 
 FAST_TREE = 7  # the tree --fast verifies: what the removed cost model chose on the Zen 3 and Xeon
@@ -111,7 +113,7 @@ def verify_shapes(args, B: int) -> list:
     ("tree", n) for each n. A path verifies at most the B-1 drafts a cycle proposes (B: the draft's
     block size); more is refused in one line."""
     if any(k >= B for k in args.verify_tokens or []):
-        raise ValueError(
+        raise UsageError(
             f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
             f"{B})"
         )

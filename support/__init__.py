@@ -17,5 +17,5 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     timefit.py        train.py --max-seconds: the schedule's length fitted to the time left
     flops.py          tokens, anchors and FLOPs a second; MFU on a GPU
     tracking.py       log.jsonl, the final report, wandb / TensorBoard (train.py --report-to)
-    common.py         dtypes, atomic writes, bounded argparse types, --help, the one-line error exit
+    common.py         dtypes, atomic writes, bounded argparse types, --help, UsageError and run()
 """

@@ -1,7 +1,7 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
-nanochat's common.py): dtype names, atomic writes, the end of a distributed run,
-the command-line rule that a user's mistake ends in one line, the --help table, and the one
---chat-template-kwargs flag. Nothing else belongs here.
+nanochat's common.py): dtype names, atomic writes, JSON files, the CPU's name, and the command
+line's rules: a user's mistake (UsageError) ends in one line, bounded flag values, the --help
+table, the one --chat-template-kwargs flag. Nothing else belongs here.
 """
 
 import argparse
@@ -13,6 +13,13 @@ import sys
 from contextlib import contextmanager
 
 import torch
+
+
+class UsageError(Exception):
+    """A mistake the user can fix, named in its message: a missing file, a bad config field, a
+    malformed JSONL line, a flag value no parser could refuse, a server that does not answer. The
+    project's deliberate checks raise this and nothing else; run() prints it as one line."""
+
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -32,14 +39,14 @@ def atomic_write(path: str):
 
 
 def read_json(file: str):
-    """A JSON file's content; a missing file or invalid JSON stops with the file's name."""
+    """A JSON file's content; a missing file or invalid JSON is a UsageError naming the file."""
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"no file at {file}")
+        raise UsageError(f"no file at {file}")
     with open(file) as f:
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON (line {e.lineno}): {e.msg}") from None
+            raise UsageError(f"{file}: not valid JSON (line {e.lineno}): {e.msg}") from None
 
 
 def write_json(path: str, obj):
@@ -139,12 +146,11 @@ def add_chat_template_kwargs(add):
 
 
 def run(main):
-    """Run a script's main(). The project raises ValueError or OSError only for what its user can
-    fix (a bad path, config, checkpoint or JSONL line), each naming the file / field / line: those
-    end in one line `error: ...` and exit status 2. Anything else is a bug and keeps its
-    traceback."""
+    """Run a script's main(): a UsageError ends in one line `error: ...` and exit status 2. Any
+    other exception is a bug (an OSError too: the paths a user names are checked where they are
+    read) and keeps its traceback."""
     try:
         main()
-    except (ValueError, OSError) as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from support import kernels
+from support.common import UsageError
 
 COMPILE = dict(automatic_dynamic_shapes=False, recompile_limit=64, fail_on_recompile_limit_hit=True)
 
@@ -20,7 +21,7 @@ def choose_attention(attention: str, device) -> str:
     """--attention auto: support/kernels.py's choice; flex only where torch can train with it."""
     attention = kernels.choose(attention, device)
     if attention == "flex" and torch.device(device).type == "cpu":
-        raise ValueError(
+        raise UsageError(
             "--attention flex: torch runs FlexAttention on CPU forward only (no backward in 2.13); "
             "train on CPU with --attention sdpa"
         )
@@ -35,7 +36,7 @@ def anything_compiles(args) -> bool:
 @contextlib.contextmanager
 def guard(on: bool):
     """COMPILE's dynamo settings while on (an eager run leaves torch as it is); a compiled function
-    past the recompile limit ends the run in a ValueError (one `error:` line)."""
+    past the recompile limit ends the run in a ValueError: a bug, reported with its traceback."""
     try:
         with torch._dynamo.config.patch(**COMPILE) if on else contextlib.nullcontext():
             yield

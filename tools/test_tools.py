@@ -40,6 +40,7 @@ from compat import serving
 from model import DraftModel, capture_features
 from speed import tune
 from support import common, features, metrics, show
+from support.common import UsageError
 from test_all import (
     HERE,
     log_records,
@@ -89,7 +90,7 @@ def test_study_pools_seeds_per_arm_by_hand(capsys):
     assert planned[1][4] == ["--freeze-conv", "--num-samples", "150"]
     assert same == {"dflash2-150/seed0": "dflash2/seed0", "dflash2-150/seed1": "dflash2/seed1"}
     args.answers, args.sizes = None, [601]
-    with pytest.raises(ValueError, match="--sizes 601: the training data holds 600 answers"):
+    with pytest.raises(UsageError, match="--sizes 601: the training data holds 600 answers"):
         study.plan(args, answers=600)
     one = dict(tau_selector=2.0, tau_unary=1.6, recall=0.5, served_path=1.8, served_tree=2.2)
     two = dict(tau_selector=2.4, tau_unary=2.0, recall=0.7, served_path=2.0, served_tree=2.2)
@@ -233,9 +234,9 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     del ckpt["args"]["selector_weighting"]
     torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
     assert served.read_run(str(tmp_path / "run"))[0].selector_weighting == "exp"
-    with pytest.raises(FileNotFoundError, match="no such directory"):
+    with pytest.raises(UsageError, match="no such directory"):
         served.main([str(tmp_path / "none")])
-    with pytest.raises(FileNotFoundError, match="no training checkpoint"):
+    with pytest.raises(UsageError, match="no training checkpoint"):
         served.main([str(setup / "feats")])
 
 
@@ -557,7 +558,7 @@ def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_as_anch
     args = " ".join((tmp_path / "fake.args").read_text().split())
     assert "-md D.gguf --spec-type draft-dflash --spec-draft-n-max 3" in args
     fake.write_text("#!/bin/sh\necho 'model not found' >&2\nexit 1\n")
-    with pytest.raises(ValueError, match=r"^fake failed on T.gguf: model not found$"):
+    with pytest.raises(UsageError, match=r"^fake failed on T.gguf: model not found$"):
         llamacpp.run_plain(bins, "T.gguf", "p.txt", 96, 1)
 
 
