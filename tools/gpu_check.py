@@ -1,38 +1,19 @@
-"""The GPU path in one call of at most 9 minutes on one H100 / H200, from a cold compile cache:
-train.py at the Qwen3-8B draft's shape first, the CUDA tests last.
+"""The GPU path in one call of at most 9 minutes on one H100 / H200, from a cold compile cache
+(docs/training-at-scale.md, "GPU check": what each item runs, and where its share comes from).
 
     python -m tools.gpu_check out/gpu-check                  # on a CUDA GPU: the whole plan
     python -m tools.gpu_check out/gpu-check2 --only tests    # one item again
     python -m tools.gpu_check out/dry --dry-run              # the plan, and the plumbing on the CPU
 
-The plan (PLAN), in this order, each item in a fresh process group bounded by its share of
---budget-s (a run past it gets Ctrl-C INTERRUPT_S before its share ends, then is killed):
-
-a. train     train.py itself, the README's default GPU path: torchrun at one rank (nccl), bf16
-             autocast, flex attention compiled alone, no --compile, --data-workers 0; offline, on
-             configs/qwen3-8b-dflash2.json against a random target's embedding and head (no decoder
-             layer is written: offline training reads none) and random bf16 features in the
-             feature-shard format, rows of --lengths tokens (one static-shape bucket). Step 1
-             compiles; the steady step time is read per interval of log.jsonl's records, after
-             WARM_STEPS; tokens/s and MFU are train.py's own (per interval); peak GPU memory is
-             polled from this process (allocator's reservation + CUDA context).
-b. compile   the same with --compile, the draft cut to --compile-layers layers: the whole 5-layer
-             draft did not compile in 120 s (the first run), so it cannot in this item's share.
-c. decode    decoding on the GPU: a random SmolLM2-135M-shaped target (fp32, the lossless rule)
-             and a random draft of configs/smollm2-135m-dflash2.json, through
-             support.show.speculate (the loop of generate.py and tools/served.py): a path of B-1 and
-             a tree of B-1 nodes against plain decoding (decoding.target_generate): greedy output
-             equal, tau and tokens/s. Random weights: tau here measures the loop, not a trained
-             draft.
-d. tests     every CUDA test (a "cuda" in its name or parameter id) of every test file, one pytest
-             run, with what is left of the budget.
-
-SHARES says where each share comes from. An out-of-memory item is reported, not failed; an item its
-share cut off says how far it got. Each item's result is appended to OUT/rows.jsonl the moment it
-ends, and OUT/results.json and OUT/summary.txt are rewritten then and whatever ends the check (an
-error, Ctrl-C, SIGTERM). OUT/rows.log and OUT/tests.log keep each command's output. --dry-run: the
-same plumbing on the CPU at toy widths in a couple of minutes (b skipped: a CPU compiles the draft's
-backward for minutes). Needs only what a GPU image has (torch, transformers, safetensors, pytest).
+The plan (PLAN), in this order, each item in a process group of its own, bounded by its share of
+the budget (past it: Ctrl-C, INTERRUPT_S to say why, then killed), on random weights made here:
+a. train (train.py at the Qwen3-8B draft's shape, the README's default GPU path: torchrun at one
+rank, bf16, flex compiled alone), b. compile (train.py as run.sh's main job runs it, plus
+--compile), c. decode (generate.py's loop on the GPU: a path and a tree against plain decoding),
+d. tests (every CUDA test). An out-of-memory item is reported, not failed. Each item's row is
+appended to OUT/rows.jsonl as it ends, and OUT/results.json and OUT/summary.txt are rewritten then
+and whatever ends the check; OUT/rows.log and OUT/tests.log keep each command's output. --dry-run:
+the same plumbing on the CPU at toy widths (b skipped: a CPU compiles the backward for minutes).
 """
 
 import argparse
@@ -66,7 +47,7 @@ import model
 from compat import config_json as config
 from decoding import target_generate
 from support import features, flops
-from support.common import UsageError, bounded, cpu_name, run, write_json
+from support.common import UsageError, cpu_name, run, write_json
 from support.show import speculate
 from support.target import check_draft_fits
 from support.tracking import read_log
@@ -74,7 +55,7 @@ from support.tracking import read_log
 # the repository: the configs' home, and where the items' commands run (train.py, -m tools...)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (item, planned seconds) in the order they run; they add up to --budget-s, 9 minutes.
+# (item, planned seconds) in the order they run; they add up to the budget, 9 minutes.
 PLAN = [("train", 150), ("compile", 80), ("decode", 40), ("tests", 270)]
 BUDGET_S = sum(s for _, s in PLAN)
 # where each share comes from (docs/training-at-scale.md's three H200 runs, torch 2.11 + CUDA 13.0)
@@ -82,18 +63,32 @@ SHARES = {
     "train": "the 8B flex step alone did not finish in 60 s (first run's eager row, ~10 s of it "
     "the draft's build); the rest unmeasured: making 3.6 GB of target and features, 32 steps near "
     "the sdpa row's 0.218 s, the last step's 14 GB checkpoint",
-    "compile": "the 5-layer --compile step did not finish in 120 s (first run): 1 layer, by "
-    "arithmetic about a fifth of its inlined layers, + the process's start",
+    "compile": "the first run's train item (this config, --compile, two row lengths) had run "
+    "about 80 s, nearly all of it compiling and starting, after 16 steps; one length here",
     "decode": "no GPU record, an allowance: a process's start (~15 s), a random 135M target and "
     "draft, 3 ways x 4 prompts of 128 tokens",
     "tests": "the first run reached the nccl test after 162 s and that test took 104 s alone "
     "(third run): 162 + 104 = 266 s from a cold cache",
 }
-# --dry-run changes these defaults (a flag given still wins) and shrinks both configs' widths
-DRY_RUN = dict(lengths="40,64", rows=6, num_anchors=8, train_steps=6, decode_tokens=24)
-DRY_RUN.update(decode_prompts=2)
+# each item's draft config: item a the Qwen3-8B draft's, items b and c run.sh's main job's
+CONFIGS = {
+    "train": "configs/qwen3-8b-dflash2.json",
+    "compile": "configs/smollm2-135m-dflash2.json",
+    "decode": "configs/smollm2-135m-dflash2.json",
+}
+# the recipe flags run.sh gives train.py (a test holds them equal to run.sh's)
+MAIN_JOB = ["--num-anchors", "32", "--lr", "1e-3"]
+# the items' sizes on a GPU and at --dry-run's toy widths: rows of LOW..HIGH tokens in the feature
+# shard (item a: the 8B's long rows; item b: a GSM8K question and an answer of at most 160 tokens,
+# one static shape), anchors a row (item a), optimizer steps, and item c's prompts and tokens
+SIZES = {
+    "gpu": dict(lengths=(3072, 4096), main_lengths=(160, 256), rows=8, anchors=512, steps=32),
+    "dry": dict(lengths=(40, 64), main_lengths=(40, 64), rows=6, anchors=8, steps=6),
+}
+SIZES["gpu"].update(decode_prompts=4, decode_tokens=128)
+SIZES["dry"].update(decode_prompts=2, decode_tokens=24)
 WARM_STEPS = 2  # steps left out of the steady time: step 1 compiles, step 2 may still tune
-INTERVAL = 10  # steps per interval of the steady time (log.jsonl's elapsed_s is at 0.1 s)
+INTERVAL = 10  # steps per interval of the steady time
 # every CUDA test has "cuda" in its name or parameter id; -v shows each as it ends, so a timeout
 # still says where
 TESTS = [sys.executable, "-m", "pytest", "-v", "-rfs", "--durations=10", "-p", "no:cacheprovider"]
@@ -108,51 +103,24 @@ def parse_args(argv=None):
     )
     a = p.add_argument
     a("out_dir", help="folder for rows.jsonl, results.json, summary.txt, tests.log and rows.log")
-    a(
-        "--dry-run",
-        action="store_true",
-        help="on the CPU (also where a GPU is) at toy widths: "
-        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in DRY_RUN.items())
-        + "; sdpa, nothing compiled",
-    )
+    a("--dry-run", action="store_true", help="on the CPU (also where a GPU is) at toy widths")
     a("--only", default=",".join(n for n, _ in PLAN), help="comma-separated items of the plan")
-    a("--draft-config", default=os.path.join(ROOT, "configs", "qwen3-8b-dflash2.json"))
-    a("--lengths", default="3072,4096", help="items a, b: rows of LOW..HIGH tokens, uniform")
-    a("--rows", type=bounded(int, low=2), default=8, help="items a, b: rows in the feature shard")
-    a("--num-anchors", type=bounded(int, low=1), default=512, help="items a, b: per row")
-    a("--train-steps", type=bounded(int, low=3), default=32, help="items a, b: optimizer steps")
-    a("--compile-layers", type=bounded(int, low=1), default=1, help="item b: the draft's layers")
-    a("--decode-config", default=os.path.join(ROOT, "configs", "smollm2-135m-dflash2.json"))
-    a("--decode-tokens", type=bounded(int, low=2), default=128, help="item c: tokens a prompt")
-    a("--decode-prompts", type=bounded(int, low=1), default=4, help="item c: random prompts")
-    a(
-        "--peak-tflops",
-        type=bounded(float, above=0.0),
-        default=None,
-        help="the GPU's dense bf16 peak behind MFU; default: flops.PEAK_TFLOPS by device name",
-    )
-    a("--budget-s", type=bounded(float, above=0.0), default=float(BUDGET_S), help="for everything")
-    a("--decode-run", action="store_true", help=argparse.SUPPRESS)  # item c's own process
-    if p.parse_known_args(argv)[0].dry_run:
-        p.set_defaults(**DRY_RUN)
+    a("--decode-run", metavar="CONFIG", help=argparse.SUPPRESS)  # item c's own process
     args = p.parse_args(argv)
     names = [n for n, _ in PLAN]
     args.only = [n for n in args.only.split(",") if n]
     bad = [n for n in args.only if n not in names] or ([] if args.only else ["(none)"])
     if bad:
         raise UsageError(f"--only: {', '.join(bad)} is not one of {', '.join(names)}")
-    low, _, high = args.lengths.partition(",")
-    if not (low.isdigit() and high.isdigit() and 2 <= int(low) <= int(high)):
-        raise UsageError(f"--lengths: LOW,HIGH with 2 <= LOW <= HIGH, got {args.lengths}")
-    args.band = (int(low), int(high))
+    args.sizes = SIZES["dry" if args.dry_run else "gpu"]
     return args
 
 
 def plan(args) -> list:
     """[(item, share in seconds)] of the items asked for, in PLAN's order, the shares scaled to
-    --budget-s."""
+    the budget."""
     chosen = [(n, s) for n, s in PLAN if n in args.only]
-    scale = args.budget_s / sum(s for _, s in chosen)
+    scale = BUDGET_S / sum(s for _, s in chosen)
     return [(n, s * scale) for n, s in chosen]
 
 
@@ -253,35 +221,33 @@ def bound(share: float) -> float:
 def outcome(status, out: str, limit: float) -> tuple:
     """A bounded run -> (status, reason): measured, out of memory (reported, not a failure),
     timed out (its share ran out), or failed, with the last line that says why."""
-    last = next((line for line in reversed(out.strip().splitlines()) if line.strip()), "no output")[
-        -300:
-    ]
+    last = next((line for line in reversed(out.strip().splitlines()) if line.strip()), "no output")
     if status == 0:
         return "measured", None
     if OOM.search(out):
         return "out of memory", next(line for line in out.splitlines() if OOM.search(line))[-300:]
     if status is None:
         return "timed out", f"its share of {limit:.0f} s ran out"
-    return "failed", f"exit status {status}: {last}"
+    return "failed", f"exit status {status}: {last[-300:]}"
+
+
+def bounded_row(cmd: list, limit: float, log, env=None) -> tuple:
+    """cmd run within limit, its output kept in rows.log -> (status, reason, seconds, output)."""
+    status, seconds, out = run_bounded(cmd, bound(limit), env)
+    settings = "".join(f"{k}={v} " for k, v in (env or {}).items())
+    log.write(f"$ {settings}{' '.join(cmd)}\n{out}\n")
+    log.flush()
+    return *outcome(status, out, limit), seconds, out
 
 
 def run_tests(timeout: float) -> tuple:
     """pytest on the CUDA tests -> (record, its output)."""
     status, seconds, out = run_bounded(TESTS, bound(timeout))
+    counted = r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)"
     last = next(
-        (
-            line.strip(" =")
-            for line in reversed(out.splitlines())
-            if re.search(r"\d+ (passed|failed|skipped|error|deselected)", line)
-        ),
+        (line.strip(" =") for line in reversed(out.splitlines()) if re.search(counted, line)),
         "no summary line",
     )
-    counts = {
-        k if k != "errors" else "error": int(n)
-        for n, k in re.findall(
-            r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", last
-        )
-    }
     record = {
         "item": "tests",
         "command": "python " + " ".join(TESTS[1:]),
@@ -290,15 +256,15 @@ def run_tests(timeout: float) -> tuple:
         "summary": last if status is not None else f"timed out after {timeout:.0f} s",
         "passed_before": re.findall(r"::(\S+) PASSED", out),
         "failed": sorted(set(re.findall(r"::(\S+) FAILED", out))),
-        "counts": counts,
+        "counts": {k if k != "errors" else "error": int(n) for n, k in re.findall(counted, last)},
     }
     return record, out
 
 
 # ----------------------------------------------------------------------------- items a and b
-def target_config(c, tied: bool) -> LlamaConfig:
-    """A Llama target of draft config c's widths and num_target_layers; tied: one embedding and head
-    (SmolLM2's), untied as Qwen3-8B's."""
+def target_config(c) -> LlamaConfig:
+    """A Llama target of draft config c's widths and num_target_layers, its embedding and head tied
+    as c says (SmolLM2's are, Qwen3-8B's not)."""
     return LlamaConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -307,33 +273,35 @@ def target_config(c, tied: bool) -> LlamaConfig:
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
-        tie_word_embeddings=tied,
+        tie_word_embeddings=c.tie_word_embeddings,
     )
 
 
-def make_train_data(cfg_path: str, out: str, args) -> tuple:
-    """A random target of the draft config's shape, embedding, final norm and head only (bf16,
-    untied as Qwen3-8B's; config.json counts its num_target_layers: offline training builds no
-    decoder layer, support/target.load_target) with a one-token tokenizer, and a feature shard of
-    --rows random rows of --lengths tokens, bf16 features of the config's target layers, the
-    first tenth of each row unsupervised. -> (target dir, feature dir)."""
+def make_train_data(cfg_path: str, out: str, lengths: tuple, rows: int) -> tuple:
+    """A random target of the draft config's shape, embedding, final norm and head only (bf16;
+    config.json counts its num_target_layers: offline training builds no decoder layer,
+    support/target.load_target) with a one-token tokenizer, and a feature shard of `rows` random
+    rows of LOW..HIGH tokens, bf16 features of the config's target layers, the first tenth of each
+    row unsupervised. -> (target dir, feature dir)."""
     c = config.load_config(cfg_path)
     target_dir, feat_dir = os.path.join(out, "target"), os.path.join(out, "features")
-    target_config(c, tied=False).save_pretrained(target_dir)
+    target_config(c).save_pretrained(target_dir)
     g = torch.Generator().manual_seed(0)
     weight = lambda: (torch.randn(c.vocab_size, c.hidden_size, generator=g) * 0.02).bfloat16()
-    weights = {"model.embed_tokens.weight": weight(), "lm_head.weight": weight()}
+    weights = {"model.embed_tokens.weight": weight()}
     weights["model.norm.weight"] = torch.ones(c.hidden_size, dtype=torch.bfloat16)
+    if not c.tie_word_embeddings:
+        weights["lm_head.weight"] = weight()
     save_file(weights, os.path.join(target_dir, "model.safetensors"), metadata={"format": "pt"})
     unk = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=unk, unk_token="<unk>").save_pretrained(target_dir)
-    low, high = args.band
+    low, high = lengths
     width = len(c.target_layer_ids) * c.hidden_size
     # one random block of features, each row a copy of a slice of it: the values do not matter,
     # the bytes read per token do
     block = torch.randn(high, width, generator=g).bfloat16()
     samples = []
-    for _ in range(args.rows):
+    for _ in range(rows):
         n = int(torch.randint(low, high + 1, (), generator=g))
         mask = torch.ones(n, dtype=torch.long)
         mask[: n // 10] = 0
@@ -348,32 +316,30 @@ def make_train_data(cfg_path: str, out: str, args) -> tuple:
     return target_dir, feat_dir
 
 
-def train_command(args, cfg_path, target_dir, feat_dir, out_dir, compiled=False) -> list:
-    """The README's GPU command at one rank: torchrun, attention auto (flex), dtype auto (bf16),
-    no --compile, --data-workers 0; every step logged, no evaluation, no checkpoint but the last."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    cmd += ["train.py", "--draft-config", cfg_path, "--target", target_dir, "--data", feat_dir]
-    cmd += ["--out-dir", out_dir, "--max-steps", str(args.train_steps), "--log-interval", "1"]
-    cmd += ["--eval-interval", "100000", "--save-interval", "100000", "--eval-samples", "0"]
-    cmd += ["--num-anchors", str(args.num_anchors), "--max-length", str(args.band[1]), "--quiet"]
-    cmd += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
-    cmd += ["--compile", "--num-layers", str(args.compile_layers)] if compiled else []
+def train_command(name: str, args, cfg_path, target_dir, feat_dir, out_dir) -> list:
+    """Item a: the README's GPU command at one rank (torchrun; attention auto: flex; dtype auto:
+    bf16; no --compile, --data-workers 0), no evaluation. Item b: run.sh's train.py command, its
+    recipe flags and a final evaluation, plus --compile. Both log every step and save only at the
+    end."""
+    if name == "train":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        cmd += ["train.py", "--num-anchors", str(args.sizes["anchors"]), "--eval-samples", "0"]
+        cmd += ["--max-length", str(args.sizes["lengths"][1])]
+    else:
+        cmd = [sys.executable, "train.py", *MAIN_JOB, "--compile"]
+        cmd += ["--eval-data", feat_dir, "--eval-samples", "4"]
+    cmd += ["--draft-config", cfg_path, "--target", target_dir, "--data", feat_dir]
+    cmd += ["--out-dir", out_dir, "--max-steps", str(args.sizes["steps"]), "--log-interval", "1"]
+    cmd += ["--eval-interval", "100000", "--save-interval", "100000", "--quiet"]
     # the CPU has no flex backward: the plumbing only
     return cmd + (["--attention", "sdpa"] if args.dry_run else [])
 
 
-def first(record: dict, *names):
-    """The first of names a log record has (the log's field names have changed before)."""
-    return next((record[n] for n in names if record.get(n) is not None), None)
-
-
-def steady(records: list, band: tuple, rows_per_step: int = 1) -> dict:
+def steady(records: list) -> dict:
     """log.jsonl's train records (one a step) -> step 1's seconds (it compiles), the steady step
-    time over the steps after WARM_STEPS (that span's seconds / its steps: per interval, never
-    from the loop's start) and per INTERVAL steps, tokens/s and MFU (train.py's rates: the median
-    over the span). Rates that cannot be per interval (tokens a step outside the rows' band)
-    are dropped with a note, tokens/s then from the band's middle. Raises ValueError naming what
-    is missing."""
+    time over the steps after WARM_STEPS (that span's seconds / its steps: never from the loop's
+    start) and per INTERVAL steps, and train.py's tokens/s and MFU (per logging interval, here a
+    step: their median over the span). Raises ValueError naming what is missing."""
     steps = [r for r in records if r.get("kind") == "train"]
     if not steps or any("step" not in r or "elapsed_s" not in r for r in steps):
         raise ValueError("log.jsonl: no train records with step and elapsed_s")
@@ -388,56 +354,37 @@ def steady(records: list, band: tuple, rows_per_step: int = 1) -> dict:
         raise ValueError(f"log.jsonl: {n} steps in 0 s of elapsed_s, below the log's resolution")
     marks = span[::INTERVAL]
     per_step = lambda a, b: (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
-    intervals = [per_step(a, b) for a, b in zip(marks, marks[1:])]
-    out = {
+    mfu = [r.get("mfu") for r in span[1:]]
+    return {
         "compile_s": round(steps[0]["elapsed_s"] - step_s, 1),
         "steady_steps": n,
         "step_s": round(step_s, 4),
-        "interval_step_s": [round(t, 3) for t in intervals],
-        "rates_note": None,
+        "interval_step_s": [round(per_step(a, b), 3) for a, b in zip(marks, marks[1:])],
+        "tokens_per_s": round(statistics.median(r["target_tok_per_s"] for r in span[1:])),
+        "mfu": statistics.median(mfu) if None not in mfu else None,
     }
-    tok = [first(r, "target_tok_per_s", "tokens_per_s", "tok_per_s") for r in span[1:]]
-    mfu = [r.get("mfu") for r in span[1:]]
-    low, high = band[0] * rows_per_step, band[1] * rows_per_step
-    tokens = statistics.median(tok) * step_s if None not in tok else None  # a step's
-    if tokens is not None and 0.7 * low <= tokens <= 1.3 * high:
-        out["tokens_per_s"] = round(statistics.median(tok))
-        out["mfu"] = statistics.median(mfu) if None not in mfu else None
-    else:
-        out["tokens_per_s"] = round((low + high) / 2 / step_s)
-        out["mfu"] = None
-        out["rates_note"] = (
-            "log.jsonl's tokens/s are not per interval (cumulative from the loop's start?): "
-            "tokens/s from the rows' mean length, no MFU"
-        )
-    return out
 
 
 def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
-    """Items a and b: make the data (once), run train.py under torchrun, read its log."""
+    """Items a and b: make the data (once), run train.py, read its log."""
     t0 = time.monotonic()
-    made = os.path.join(tmp, "data")
+    made = os.path.join(tmp, f"data-{name}")
     if not os.path.isdir(made):
-        make_train_data(args.draft, made, args)
+        lengths = args.sizes["lengths" if name == "train" else "main_lengths"]
+        make_train_data(args.configs[name], made, lengths, args.sizes["rows"])
     data_s = time.monotonic() - t0
     out_dir = os.path.join(tmp, name)
-    compiled = name == "compile"
-    layers = args.compile_layers if compiled else config.load_config(args.draft).num_hidden_layers
     target_dir, feat_dir = os.path.join(made, "target"), os.path.join(made, "features")
-    cmd = train_command(args, args.draft, target_dir, feat_dir, out_dir, compiled)
+    cmd = train_command(name, args, args.configs[name], target_dir, feat_dir, out_dir)
     env = {"TORCH_LOGS": "recompiles,graph_breaks"}
     with PeakMemory() as memory:
-        status, seconds, out = run_bounded(cmd, bound(limit - data_s), env)
-    log.write(f"$ TORCH_LOGS={env['TORCH_LOGS']} {' '.join(cmd)}\n{out}\n")
-    log.flush()
-    state, reason = outcome(status, out, limit)
+        state, reason, seconds, out = bounded_row(cmd, limit - data_s, log, env)
     try:
         records, unread = read_log(out_dir)[1], None
     except UsageError as e:  # no log: train.py ended before its first step (killed, or refused)
         records, unread = [], str(e)
     row = {
-        "command": " ".join(cmd[3:]),
-        "layers": layers,
+        "command": " ".join(cmd[1:]),
         "status": state,
         "reason": reason,
         "data_s": round(data_s, 1),
@@ -450,7 +397,7 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
     }
     if state == "measured":
         try:
-            row.update(steady(records, args.band))
+            row.update(steady(records))
         except ValueError as e:
             row.update(status="failed", reason=unread or str(e))
     shutil.rmtree(out_dir, ignore_errors=True)  # its ckpt.pt: 14 GB at the 8B shape
@@ -459,21 +406,21 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
 
 # ----------------------------------------------------------------------------- item c
 def decode_run(args):
-    """Item c in its own process (--decode-run; out_dir is the JSON to write): plain, path and
-    tree decoding of random prompts, timed after one warm-up each."""
+    """Item c in its own process (--decode-run CONFIG; out_dir is the JSON to write): plain, path
+    and tree decoding of random prompts, timed after one warm-up each."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    c = config.load_config(args.decode_config)
+    c = config.load_config(args.decode_run)
     torch.manual_seed(0)
-    target = LlamaForCausalLM(target_config(c, tied=True))
+    target = LlamaForCausalLM(target_config(c))
     target = target.to(device, torch.float32).eval()  # fp32: the lossless rule
     draft = model.DraftModel(c).to(device).eval()  # as trained: fp32
     check_draft_fits(c, target)
     g = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, c.mask_token_id, (1, 32), generator=g).to(device)
-        for _ in range(args.decode_prompts)
+        for _ in range(args.sizes["decode_prompts"])
     ]
-    B, n = c.block_size, args.decode_tokens
+    B, n = c.block_size, args.sizes["decode_tokens"]
     ways = {
         "plain": lambda p, k: (target_generate(target, p, k)[0], None),
         "path": lambda p, k: speculate(target, draft, p, k, ("path", B - 1)),
@@ -504,12 +451,8 @@ def decode_run(args):
 def decode_row(args, tmp: str, limit: float, log) -> dict:
     json_path = os.path.join(tmp, "decode.json")
     cmd = [sys.executable, "-m", "tools.gpu_check", json_path, "--decode-run"]
-    cmd += ["--decode-config", args.decode_cfg, "--decode-tokens", str(args.decode_tokens)]
-    cmd += ["--decode-prompts", str(args.decode_prompts)]
-    status, seconds, out = run_bounded(cmd, bound(limit))
-    log.write(f"$ {' '.join(cmd)}\n{out}\n")
-    log.flush()
-    state, reason = outcome(status, out, limit)
+    cmd += [args.configs["decode"]] + ["--dry-run"] * args.dry_run
+    state, reason, seconds, _ = bounded_row(cmd, limit, log)
     row = {"command": " ".join(cmd[1:]), "status": state, "reason": reason}
     row["wall_s"] = round(seconds, 1)
     if state == "measured":
@@ -522,8 +465,7 @@ def decode_row(args, tmp: str, limit: float, log) -> dict:
 
 
 # ----------------------------------------------------------------------------- what is written
-def environment(cuda: bool, peak_tflops) -> dict:
-    dynamo = torch._dynamo.config
+def environment(cuda: bool) -> dict:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
@@ -533,14 +475,10 @@ def environment(cuda: bool, peak_tflops) -> dict:
         "triton": triton and triton.__version__,
         "cpu": cpu_name(),  # with its core count
         "device": "cpu",
-        # what train.py's recompile guard sets (both are torch's since 2.6)
-        "dynamo_configs": {
-            k: hasattr(dynamo, k) for k in ("recompile_limit", "fail_on_recompile_limit_hit")
-        },
     }
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        peak = flops.peak_flops(torch.device("cuda"), peak_tflops)
+        peak = flops.peak_flops(torch.device("cuda"))
         env.update(
             device=props.name,
             gpu_memory_gib=round(props.total_memory / 2**30, 1),
@@ -554,21 +492,20 @@ def environment(cuda: bool, peak_tflops) -> dict:
 def plan_lines(results: dict) -> list:
     """The plan as printed and kept: each item, its share and where the share comes from."""
     total = sum(s for _, s in results["plan"])
-    lines = [f"plan, {total:.0f} s of the {results['args']['budget_s']:.0f} s budget, in order:"]
+    lines = [f"plan, {total:.0f} s of the {BUDGET_S} s budget, in order:"]
     for i, (name, share) in enumerate(results["plan"]):
         lines.append(f"  {'abcd'[i]}. {name:8s} {share:4.0f} s  ({SHARES[name]})")
     return lines
 
 
-def train_line(name: str, t: dict, a: dict) -> str:
+def train_line(name: str, t: dict) -> str:
     what = {
-        "train": f"train.py, {os.path.basename(a['draft_config'])}, torchrun 1 rank, flex alone",
-        "compile": f"train.py --compile, {t.get('layers')} layer(s) of the draft",
+        "train": f"train.py, {os.path.basename(CONFIGS['train'])}, torchrun 1 rank, flex alone",
+        "compile": f"run.sh's train.py --compile, {os.path.basename(CONFIGS['compile'])}",
     }[name]
     head = f"{what}: {t['status']}" + (f" ({t['reason']})" if t.get("reason") else "")
     if "step_s" not in t:
         return head + f"; {t.get('steps_done', 0)} steps logged"
-    note = f"; {t['rates_note']}" if t["rates_note"] else ""
     mfu = "-" if t["mfu"] is None else f"{t['mfu']:.3f}"
     peak = "-" if t["peak_gib"] is None else f"{t['peak_gib']} GiB"
     return (
@@ -576,12 +513,12 @@ def train_line(name: str, t: dict, a: dict) -> str:
         f"{t['steady_steps']} steps (intervals of {INTERVAL}: {t['interval_step_s']}), "
         f"{t['tokens_per_s']} tokens/s, MFU {mfu}, peak GPU memory {peak}, "
         f"{t['recompiles']} recompiles, {t['graph_breaks']} graph breaks; data made in "
-        f"{t['data_s']} s, train.py ran {t['wall_s']} s{note}"
+        f"{t['data_s']} s, train.py ran {t['wall_s']} s"
     )
 
 
 def summary(results: dict) -> str:
-    e, a = results["environment"], results["args"]
+    e = results["environment"]
     gpu = (
         f"{e['device']} ({e['gpu_memory_gib']} GiB, {e['multiprocessors']} SMs, bf16 peak "
         f"{e['peak_tflops'] or 'unknown'} TFLOP/s)"
@@ -593,7 +530,7 @@ def summary(results: dict) -> str:
         f"{e['transformers']}, triton {e['triton']}, Python {e['python']}; CPU {e['cpu']}",
         *plan_lines(results),
     ]
-    if a["dry_run"]:
+    if results["args"]["dry_run"]:
         lines.append(
             "DRY RUN on the CPU at toy widths: the plumbing only; these numbers say nothing about "
             "a GPU."
@@ -603,7 +540,7 @@ def summary(results: dict) -> str:
     lines.append("")
     for name, t in results["items"].items():
         if name in ("train", "compile") and "steps_done" in t:
-            lines.append(train_line(name, t, a))
+            lines.append(train_line(name, t))
         elif name == "decode" and "ways" in t:
             ways = "; ".join(
                 f"{w} tau {r['tau']}, {r['tokens_per_s']} tokens/s"
@@ -640,7 +577,7 @@ def finish(out_dir: str, results: dict, name: str, record: dict):
 def run_item(name, args, tmp, limit, log) -> dict:
     if name in ("train", "compile"):
         if name == "compile" and args.dry_run:
-            why = "--dry-run: a CPU compiles the backward for minutes; item a's command + --compile"
+            why = "--dry-run: a CPU compiles the backward for minutes; its command is tested"
             return {"status": "skipped", "reason": why}
         return train_row(args, name, tmp, limit, log)
     if name == "decode":
@@ -678,17 +615,17 @@ def main(argv=None):
     # a SIGTERM (a job's timeout) ends the check through the finally below, as Ctrl-C does
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.monotonic()
-    left = lambda: args.budget_s - (time.monotonic() - start)
+    left = lambda: BUDGET_S - (time.monotonic() - start)
     os.makedirs(args.out_dir, exist_ok=True)
     if os.path.exists(os.path.join(args.out_dir, "rows.jsonl")):
         os.remove(os.path.join(args.out_dir, "rows.jsonl"))
-    results = {"environment": environment(cuda, args.peak_tflops), "args": vars(args)}
+    results = {"environment": environment(cuda), "args": vars(args), "budget_s": BUDGET_S}
     results.update(plan=plan(args), items={}, stopped=None)
     with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=scratch()) as tmp:
-        args.draft, args.decode_cfg = os.path.abspath(args.draft_config), args.decode_config
+        args.configs = {n: os.path.join(ROOT, path) for n, path in CONFIGS.items()}
         if args.dry_run:
-            args.draft = toy_config(args.draft, os.path.join(tmp, "toy-draft.json"))
-            args.decode_cfg = toy_config(args.decode_cfg, os.path.join(tmp, "toy-decode.json"))
+            for n, path in args.configs.items():
+                args.configs[n] = toy_config(path, os.path.join(tmp, f"toy-{n}.json"))
         print("\n".join(summary(results).splitlines()[:-1]), flush=True)
         try:
             with open(os.path.join(args.out_dir, "rows.log"), "w") as log:

@@ -261,7 +261,7 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     results = json.loads((out / "results.json").read_text())
     names = ["train", "compile", "decode", "tests"]
     assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
-    assert sum(s for _, s in results["plan"]) <= results["args"]["budget_s"] == 9 * 60
+    assert sum(s for _, s in results["plan"]) <= results["budget_s"] == 9 * 60
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     assert [r["item"] for r in rows] == names
     t = results["items"]["train"]
@@ -293,21 +293,21 @@ def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypa
     and load_features streams its rows back, the first tenth of each unsupervised."""
     draft = os.path.join(HERE, "configs", "qwen3-8b-dflash2.json")
     draft = gpu_check.toy_config(draft, str(tmp_path / "toy.json"))
-    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
-    _, feat_dir = gpu_check.make_train_data(draft, str(tmp_path / "data"), args)
-    c, (low, high) = config.load_config(draft), args.band
+    rows, (low, high) = gpu_check.SIZES["dry"]["rows"], gpu_check.SIZES["dry"]["lengths"]
+    _, feat_dir = gpu_check.make_train_data(draft, str(tmp_path / "data"), (low, high), rows)
+    c = config.load_config(draft)
     asked = []  # the settings prepare.py's rerun checks its shard against (it stops there)
     monkeypatch.setattr(prepare, "shard_done", lambda path, made, n: asked.append(made) or True)
     prepare.write_features(  # N rows in one shard: prepare.py --max-length HIGH --shard-size N
-        None, None, [[]] * args.rows, str(tmp_path), c.target_layer_ids, high, shard_size=args.rows
+        None, None, [[]] * rows, str(tmp_path), c.target_layer_ids, high, shard_size=rows
     )
-    assert features.shard_done(features.shard_path(feat_dir, 0), asked[0], args.rows)
+    assert features.shard_done(features.shard_path(feat_dir, 0), asked[0], rows)
     manifest = features.read_manifest(feat_dir)
     assert manifest["target_layer_ids"] == c.target_layer_ids and manifest["max_length"] == high
-    assert manifest["num_samples"] == args.rows and manifest["chat_template_kwargs"] == {}
-    rows = features.load_features(feat_dir)
-    assert len(rows) == args.rows and "target_hidden" not in rows[0]
-    for r in rows:
+    assert manifest["num_samples"] == rows and manifest["chat_template_kwargs"] == {}
+    samples = features.load_features(feat_dir)
+    assert len(samples) == rows and "target_hidden" not in samples[0]
+    for r in samples:
         n = len(r["input_ids"])
         assert low <= n <= high and r["features"].shape == (n, len(c.target_layer_ids) * 64)
         assert r["loss_mask"].tolist() == [0] * (n // 10) + [1] * (n - n // 10)
@@ -318,8 +318,8 @@ def test_gpu_check_reads_train_logs_a_killed_run_left_or_never_wrote(tmp_path, m
     off before its first step left none and is reported as timed out with 0 steps; one that ended
     well but left no log fails with read_log's reason; a killed run's records count its steps."""
     args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
-    args.draft = os.path.join(HERE, "configs", "smollm2-135m-dflash2.json")
-    os.makedirs(tmp_path / "data")  # made once: train_row makes no more
+    args.configs = {"train": os.path.join(HERE, "configs", "smollm2-135m-dflash2.json")}
+    os.makedirs(tmp_path / "data-train")  # made once: train_row makes no more
     ended = {}
     monkeypatch.setattr(gpu_check, "run_bounded", lambda *a: ended["as"])
     ended["as"] = (None, 50.0, "compiling")
@@ -674,24 +674,33 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
 
 
 # ========================================================================== the machinery elsewhere
-def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_path():
+def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_and_main_job_paths():
     """The plan on a GPU: a (train.py at the Qwen3-8B draft's shape, torchrun at one rank, flex
-    compiled alone: no --compile, no --attention, no --data-workers), b (the same with --compile
-    at --compile-layers), c (decode), d (tests), every share with its source, inside 540 s."""
+    compiled alone: no --compile, no --attention, no --data-workers), b (train.py as run.sh's main
+    job runs it: its config and recipe flags, with --compile), c (decode), d (tests), every share
+    with its source, inside 540 s."""
     args = gpu_check.parse_args(["OUT"])
     planned = gpu_check.plan(args)
     assert [n for n, _ in planned] == ["train", "compile", "decode", "tests"]
     assert sum(s for _, s in planned) <= 9 * 60 and all(s >= 30 for _, s in planned)
     assert set(gpu_check.SHARES) == {n for n, _ in planned}
-    assert args.draft_config.endswith(os.path.join("configs", "qwen3-8b-dflash2.json"))
-    cmd = gpu_check.train_command(args, args.draft_config, "T", "F", "O")
+    assert gpu_check.CONFIGS["train"] == "configs/qwen3-8b-dflash2.json"
+    cmd = gpu_check.train_command("train", args, "C", "T", "F", "O")
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     assert cmd[5] == "train.py" and cmd[cmd.index("--num-anchors") + 1] == "512"
     assert not {"--compile", "--attention", "--data-workers", "--dtype"} & set(cmd)
-    assert args.train_steps - gpu_check.WARM_STEPS >= 20  # the steady steps
-    compiled = gpu_check.train_command(args, args.draft_config, "T", "F", "O", compiled=True)
-    assert compiled[-3:] == ["--compile", "--num-layers", str(args.compile_layers)]
-    lines = gpu_check.plan_lines({"plan": planned, "args": vars(args)})[1:]
+    assert args.sizes["steps"] - gpu_check.WARM_STEPS >= 20  # the steady steps
+    # item b: run.sh's own train.py command (its config and recipe flags), plus --compile
+    main_job = open(os.path.join(HERE, "run.sh")).read()
+    assert f"CFG={gpu_check.CONFIGS['compile']} " in main_job
+    assert " ".join(gpu_check.MAIN_JOB) in main_job.split("python train.py", 1)[1]
+    compiled = gpu_check.train_command("compile", args, "C", "T", "F", "O")
+    assert compiled[1:7] == ["train.py", *gpu_check.MAIN_JOB, "--compile"]
+    assert compiled[compiled.index("--draft-config") + 1] == "C" and "--attention" not in compiled
+    assert compiled[compiled.index("--eval-data") + 1] == "F"  # and its final evaluation
+    low, high = args.sizes["main_lengths"]
+    assert data.static_size(low, 64) == data.static_size(high, 64)  # one static shape
+    lines = gpu_check.plan_lines({"plan": planned})[1:]
     assert [line.split()[:2] for line in lines] == [
         ["a.", "train"],
         ["b.", "compile"],
@@ -703,8 +712,7 @@ def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_path():
 
 def test_gpu_check_reads_the_steady_step_per_interval():
     """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
-    from the loop's start), per interval too; train.py's rates kept where they are per interval
-    (tokens a step inside the rows' band), dropped with a note where they are cumulative."""
+    from the loop's start), per interval too; train.py's per-interval rates, their median."""
     compile_s, step_s, tokens = 60.0, 0.2, 3500
     records = []
     for i in range(1, 33):
@@ -712,25 +720,19 @@ def test_gpu_check_reads_the_steady_step_per_interval():
         rate = tokens / step_s if i > 1 else tokens / elapsed  # per interval: the step's own
         records.append(dict(kind="train", step=i, elapsed_s=round(elapsed, 1), mfu=0.3))
         records[-1]["target_tok_per_s"] = rate
-    got = gpu_check.steady(records, (3072, 4096))
+    got = gpu_check.steady(records)
     assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
     assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
     assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
     assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
-    assert got["rates_note"] is None
-    for r in records:  # cumulative from the loop's start, compile included: not a step's rate
-        r["target_tok_per_s"] = tokens * r["step"] / r["elapsed_s"]
-    got = gpu_check.steady(records, (3072, 4096))
-    assert got["mfu"] is None and "not per interval" in got["rates_note"]
-    assert got["tokens_per_s"] == round(3584 / got["step_s"])
     with pytest.raises(ValueError, match="one a step"):
-        gpu_check.steady(records[::2], (3072, 4096))
+        gpu_check.steady(records[::2])
     with pytest.raises(ValueError, match="no train records"):
-        gpu_check.steady([{"kind": "eval"}], (3072, 4096))
+        gpu_check.steady([{"kind": "eval"}])
     for r in records:  # steps faster than the log's resolution: no step time, not a zero
         r["elapsed_s"] = compile_s
     with pytest.raises(ValueError, match="below the log's resolution"):
-        gpu_check.steady(records, (3072, 4096))
+        gpu_check.steady(records)
 
 
 def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
