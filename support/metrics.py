@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import loss
 from support.common import UsageError, read_json, write_json
 
-# train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export:
-# generate.py's `auto` reads them. A file of its own, so config.json stays the public contract.
+# train.py's held-out acceptance statistics, beside ckpt.pt and copied beside the export
+# (tools/plot.py draws them). A file of its own, so config.json stays the public contract.
 ACCEPTANCE = "acceptance.json"
 
 
@@ -102,7 +102,7 @@ def metric_terms(
     selector (teacher-forced) and the selector's own greedy path get the label, and the accepted
     lengths those imply. h [M, L, H], u / logq / logp [M, L, V] (logp None without the target),
     labels / prev / w0 [M, L], cand_scores / cand_ids [M, L, K] the unary top-K. With acceptance,
-    per slot [L] and per slot and candidate [L, K] too: what acceptance.json holds."""
+    per slot [L] too: what acceptance.json holds."""
     valid = w0 > 0
     n = valid.float()
     hit = cand_ids == labels[..., None]  # [M, L, K]
@@ -120,14 +120,8 @@ def metric_terms(
     # the target's mass in the top-K
     if logp is not None:
         out["topk_target_mass"] = (n * logp.gather(-1, cand_ids).exp().sum(-1)).sum()
-    K = cand_ids.shape[-1]
-    # blocks whose path is right up to slot j; slots whose label is the draft's candidate k
-    if acceptance:
-        out.update(
-            slots=n.sum(0),
-            run_unary=greedy_ok.float().cumprod(-1).sum(0),
-            rank_unary=(F.one_hot(hit.float().argmax(-1), K) * covered[..., None]).sum(0).float(),
-        )
+    if acceptance:  # blocks whose path is right up to slot j
+        out["run_unary"] = greedy_ok.float().cumprod(-1).sum(0)
     if selector is None:
         return out
     label_idx = hit.float().argmax(-1)
@@ -145,13 +139,8 @@ def metric_terms(
     ok = (path == labels) & valid
     out["path_num"], out["path_den"] = ok.float().sum(0), n.sum(0)  # [L] accuracy per position
     out["accept_selector"] = leading_run(ok).sum()
-    # the label's rank among the K candidates under the selector, given its predecessor
     if acceptance:
-        rank = (strict > strict.gather(-1, label_idx[..., None])).sum(-1)
-        out.update(
-            run_selector=ok.float().cumprod(-1).sum(0),
-            rank_selector=(F.one_hot(rank, K) * covered[..., None]).sum(0).float(),
-        )
+        out["run_selector"] = ok.float().cumprod(-1).sum(0)
     return out
 
 
@@ -183,14 +172,9 @@ def pairs(t, own, anchor_valid, coverage, acceptance=False):
             accept_selector=(t["accept_selector"] + blocks, blocks),
             path_acc=(t["path_num"], t["path_den"]),
         )
-    # r_j per slot j; rho_j(k) per slot and rank
-    for mode in ("unary", "selector") if acceptance else ():
+    for mode in ("unary", "selector") if acceptance else ():  # r_j per slot j
         if f"run_{mode}" in t:
             out[f"accepted_at_{mode}"] = (t[f"run_{mode}"], blocks.expand_as(t[f"run_{mode}"]))
-            out[f"rank_{mode}"] = (
-                t[f"rank_{mode}"],
-                t["slots"][:, None].expand_as(t[f"rank_{mode}"]),
-            )
     return out
 
 
@@ -231,20 +215,13 @@ def acceptance_file(path: str) -> str:
 
 def save_acceptance(out_dir, metrics: dict, cfg, step):
     """OUT_DIR/acceptance.json from the final held-out metrics (popped from them): per mode
-    (selector, unary) the share of blocks whose greedy path was right up to each slot, and the share
-    of each slot's labels that were the draft's k-th candidate. export.py copies it beside the
-    export."""
-    L, out = cfg.block_size - 1, {"block_size": cfg.block_size, "step": step}
-    # a 1-element metric is a number
-    listed = lambda v: v if isinstance(v, list) else [v]
+    (selector, unary) the share of blocks whose greedy path was right up to each slot. export.py
+    copies it beside the export."""
+    out = {"block_size": cfg.block_size, "step": step}
     for mode in ("selector", "unary"):
         if f"accepted_at_{mode}" in metrics:
-            rank = listed(metrics.pop(f"rank_{mode}"))
-            K = len(rank) // L
-            out[mode] = {
-                "accepted": listed(metrics.pop(f"accepted_at_{mode}")),
-                "rank": [rank[j * K : (j + 1) * K] for j in range(L)],
-            }
+            accepted = metrics.pop(f"accepted_at_{mode}")  # a 1-element metric is a number
+            out[mode] = {"accepted": accepted if isinstance(accepted, list) else [accepted]}
     write_json(os.path.join(out_dir, ACCEPTANCE), out)
 
 
