@@ -1,4 +1,5 @@
-"""Break the method on purpose, one rule at a time, and check that `pytest -m method` notices.
+"""Break the method on purpose, one rule at a time, and check that `pytest -m method` notices
+(docs/mutants.md: what a break is, the CI subset, the last full run).
 
     python -m tools.mutants                  # every break: caught / survived / equivalent, per file
     python -m tools.mutants --list           # the breaks, rule by rule, without running them
@@ -6,31 +7,14 @@
     python -m tools.mutants --only loss.py   # the breaks of one file
     python -m tools.mutants -k property      # which breaks the property tests alone catch
 
-Each break (Break below) replaces one code snippet of a mechanism file (conv, selector, attention,
-model, loss, decoding, tree) by another, and names the rule of docs/semantics.md it breaks and the
-tests that pin that rule. A snippet must occur exactly once in its file, so the list cannot rot
-silently when code moves: a snippet that no longer matches is an error that names the break.
-
-A break is applied to a copy of the repository (its tracked and untracked, not ignored, files) and
-`pytest -m method` runs there, in two stages: first the break's own pinning tests (fast), then, if
-none failed, the whole `-m method` subset with -x. A break is *caught* if some test fails,
-*survived* otherwise, unless it is listed as *equivalent* (with the reason: no test can tell it
-from the original). An equivalent break is run too, and one that some test catches is reported:
-the reason was wrong. Exit status 1 if a non-equivalent break survives, or one is caught only by
-tests other than the ones it names (its rule's Pinned by line is then stale); 2 on a usage error.
-
-The tests run in forked children of one process that has imported torch and transformers once, so a
-break costs its tests and the project's imports, not a fresh interpreter. The property tests draw
-the examples they draw in -m method, but do not shrink a failing one (the "mutants" profile of
-test_all.py): the run only asks whether a test fails. A run that takes more than 5 times the
-unbroken subset's time (at least a minute) is stopped and counts as caught: a break that makes
-decoding loop forever is one that a learner would notice. The text check
-test_walkthrough_exercises_name_the_lines_they_change is left out: it fails on any edit of a line an
-exercise quotes, whatever that edit does.
-
-The mechanical breaks (source "mutmut") are the mutants that mutmut 3.8.0 made of conv.py and
-selector.py, survived -m method, and are real breaks; docs/mutants.md records that run and lists
-the equivalent mutants, each with the reason no test can tell it from the original.
+A break (Break below) replaces a snippet that occurs exactly once in a mechanism file, and names the
+rule of docs/semantics.md it breaks and the tests that pin that rule. Exit status 1 if a
+non-equivalent break survives, or is caught only by tests other than the ones it names; 2 on a
+usage error. The tests run in forked children of one process that has imported torch and
+transformers once, so a break costs its tests, not a fresh interpreter; the property tests draw the
+examples of -m method without shrinking a failing one (test_all.py's "mutants" profile). The text
+check test_walkthrough_exercises_name_the_lines_they_change is left out: it fails on any edit of a
+line an exercise quotes, whatever that edit does.
 """
 
 import argparse
@@ -98,7 +82,6 @@ T_SCRIPTED = "test_always_right_always_wrong_and_partial_drafts"
 T_CONTEXT = "test_draft_context_equals_a_fresh_prefill_every_cycle"
 T_GROW = "test_grow_best_first_by_hand"
 T_TREE_MASK = "test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows"
-T_TREE_SCRIPTED = "test_tree_decoding_is_the_target_greedy_output_with_scripted_trees"
 
 # One break per entry, its snippets side by side: not reflowed by ruff format.
 # fmt: off
@@ -595,19 +578,13 @@ def report(results) -> int:
         tests = ", ".join(sorted(failed)) if failed else "-"
         print(f"  {b.file:12} {status:28} {b.why}  [{tests}]")
     print(f"\n  {'file':12} {'breaks':>6} {'caught':>6} {'survived':>8} {'equivalent':>10}")
-    for file in FILES:
-        mine = [(b, f) for b, f, _ in results if b.file == file]
+    for name in (*FILES, "all"):
+        mine = [(b, f) for b, f, _ in results if name in (b.file, "all")]
         if mine:
             caught = sum(1 for b, f in mine if f and not b.equivalent)
             surv = sum(1 for b, f in mine if not f and not b.equivalent)
             eq = sum(1 for b, f in mine if b.equivalent)
-            print(f"  {file:12} {len(mine):6} {caught:6} {surv:8} {eq:10}")
-    print(
-        f"  {'all':12} {len(results):6} "
-        f"{sum(1 for b, f, _ in results if f and not b.equivalent):6} "
-        f"{sum(1 for b, f, _ in results if not f and not b.equivalent):8} "
-        f"{sum(1 for b, f, _ in results if b.equivalent):10}"
-    )
+            print(f"  {name:12} {len(mine):6} {caught:6} {surv:8} {eq:10}")
     if bad:
         print(f"\n{len(bad)} break(s) not caught as listed: see above")
         return 1
