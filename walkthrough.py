@@ -297,15 +297,6 @@ def story_tree(say, lattice, cand_ids, anchor):
 
 
 # ----------------------------------------------------------------------------- 6: the objective
-def objective_ce(draft, head_w, h, ids, loss_mask, anchors, valid) -> tuple:
-    """loss.reference_objective's one call in this file: ce with exponential decay, the selector's
-    term at alpha 0 -> (numerator, denominator)."""
-    num, den = loss.reference_objective(
-        draft, head_w, h, ids, loss_mask, anchors, valid, GAMMA, alpha=0.0
-    )
-    return num.item(), den.item()
-
-
 @torch.no_grad()
 def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     head_w = target.get_output_embeddings().weight  # [V, H]
@@ -313,7 +304,10 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     labels, prev, w0 = loss.block_labels(ids, loss_mask, anchors, valid, B)  # [N, A, B-1]
     w = loss.exp_weights(w0, GAMMA)
     guess = draft.unary_logits(h_train[:, :, 1:], lambda h: h @ head_w.t()).argmax(-1)
-    n, d = objective_ce(draft, head_w, h_train, ids, loss_mask, anchors, valid)
+    # ce with exponential decay, the selector's term at alpha 0
+    n, d = loss.reference_objective(
+        draft, head_w, h_train, ids, loss_mask, anchors, valid, GAMMA, alpha=0.0
+    )
     say("")
     say(f"6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
     for b, a in enumerate(ANCHORS):
@@ -381,11 +375,6 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     return ids, tau, h
 
 
-def serve(target, draft, prompt, n):
-    """The project's loop, decoding.speculative_generate: its one call in this file."""
-    return decoding.speculative_generate(target, draft, prompt, n)
-
-
 @torch.no_grad()
 def decode(say, target, draft, embed, head, ids, h_train):
     prompt = ids[:, : len(PROMPT)]
@@ -409,7 +398,7 @@ def decode(say, target, draft, embed, head, ids, h_train):
     cache, ctx, ids2 = prefill(target, draft, prompt)
     say("  cycle 1 again, a scripted draft right at slots 1 and 2, wrong at slot 3:")
     ids2, tau2, _ = cycle(say, target, draft, embed, head, cache, ctx, ids2, script)
-    out, taus = serve(target, draft, prompt, ANSWER)
+    out, taus = decoding.speculative_generate(target, draft, prompt, ANSWER)
     new = out[0, len(PROMPT) :].tolist()
     say("  the whole answer, decoding.speculative_generate with the random draft:")
     say(f"    {new}, taus {taus}; the target's own answer: {new == answer}")
@@ -444,11 +433,7 @@ def main() -> str:
 
 
 def cli():
-    ap = argparse.ArgumentParser(description="One DFlash2 block's life, printed.")
-    ap.add_argument("--draw", metavar="DIR", help="moved: python -m tools.figures DIR")
-    args = ap.parse_args()
-    if args.draw:  # the pictures are drawn by tools/figures.py now
-        ap.error(f"--draw moved: python -m tools.figures {args.draw} draws the figures")
+    argparse.ArgumentParser(description="One DFlash2 block's life, printed.").parse_args()
     main()
 
 
