@@ -1,28 +1,18 @@
-"""What this machine runs fast: one rule for the precision and the GEMM layout of every phase.
-
-A 2-core laptop and a cloud VM can differ by 16x on the same step (docs/cpu.md): bf16 is
-fast only where the CPU has bf16 instructions, and which GEMM layout is fastest (stock, oneDNN's
-packed weights, MKL's packed GEMM) differs by CPU. So every `auto` flag of the project asks this
-file, for one of four phases:
+"""What this machine runs fast: one rule for the precision and the GEMM layout of every phase
+(docs/cpu.md, "The rule": the choice per CPU, and why). Every `auto` flag asks this file, for one of
+four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
-    decode  the target in generate.py, batch 1: fp32 on every device, because in bf16 verifying
-            8 tokens in one forward rounds differently from decoding them one by one, which flips
-            near-ties (docs/speculation.md, "Greedy equality and the target's precision")
+    decode  the target in generate.py, batch 1: fp32 on every device (bf16 verification is not
+            lossless: docs/speculation.md, "Greedy equality and the target's precision")
     train   the draft's autocast in train.py
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
-    precision  CUDA: bf16. CPU: bf16 where it is native (x86 with avx512_bf16 or AMX tiles, running
-               AVX-512 kernels), else fp32; decode is fp32 on every device. The draft, on every
-               x86 CPU the rule knows: int8 weights (int8.py), measured faster than bf16 and fp32
-               alike.
-    layout     CPU only (gemm.py: stock, onednn, mkl). bf16: onednn (oneDNN's bf16 kernels;
-               stock bf16 GEMMs are slower). fp32: whichever a short measurement on this machine
-               found fastest (cost.py; cached per machine, since the capability cannot tell:
-               oneDNN won on an AMD EPYC, MKL's packed GEMM on an Intel Xeon). A CPU the rule does
-               not know (not x86 AVX2 / AVX-512): fp32, stock.
-
-Each script prints one line of what it chose and why (`choice_line`).
+Precision: bf16 on CUDA, and on a CPU where bf16 is native (x86 running AVX-512 kernels with
+avx512_bf16 or AMX tiles), else fp32; the draft on x86 int8 weights (int8.py). GEMM layout (CPU
+only, gemm.py): bf16 onednn; fp32 whichever a short measurement found fastest (cost.py, cached per
+machine); stock on a CPU the rule does not know. Each script prints one line of what it chose and
+why (`choice_line`).
 """
 
 import json
@@ -277,15 +267,6 @@ def machine_key(*extra) -> str:
         *map(str, extra),
     ]
     return " | ".join(parts)
-
-
-def is_cached(key: str) -> bool:
-    """Whether cached() would find key without measuring."""
-    try:
-        with open(cache_path()) as f:
-            return key in json.load(f)
-    except (OSError, ValueError):
-        return False
 
 
 def cached(key: str, measure, refresh=False):

@@ -1,22 +1,10 @@
 """How much arithmetic a training step does, and what fraction of the GPU's peak that is (MFU).
 
-Model FLOPs, as MFU is usually defined: the matmuls the step needs, counted once, with the
-backward pass at twice the forward (x3 in all), no activation recomputation, no padding and no
-masked-out attention score. Per draft layer, with H hidden, I intermediate, nh / nkv heads of size
-d, B slots per block, and for DFlash2 T conv taps over G channel groups:
-
-    per block slot       2H(2 nh d + 2 nkv d)   q, k, v, o projections of the block rows
-                         4 nh d * keys          scores and values over the keys the slot reads
-                         6 H I                  MLP (gate, up, down)
-                         8 H T G                DFlash2: the two convolutions' kernel projections
-    per context token    4 H nkv d              the context rows' k, v projections
-and once per sequence token 2 n_t H H (the fc over the n_t target layers); per labelled slot (B-1
-per block) 2 H V for the unary head over the vocabulary V, and for DFlash2 2 H r + 2 K r for the
-selector (rank r projection, K teacher-forced candidate scores). keys: the context before the
-block's anchor (inside the sliding window, for sliding layers) plus the slot's own block (all B
-slots, or its causal part). Online, the target's forward adds 2 N_t per token, N_t the weights of
-its linear layers (lm_head included: it runs). Left out: norms, RoPE, softmax, top-K, the
-no-gradient metrics and, for kl, the target's logits at the labelled slots.
+Model FLOPs, as MFU is usually defined: the matmuls the step needs, counted once, with the backward
+pass at twice the forward (x3 in all), no activation recomputation, no padding and no masked-out
+attention score. The count, term by term, is docs/training-at-scale.md's "Throughput and MFU";
+forward_flops writes it out. Left out: norms, RoPE, softmax, top-K, the no-gradient metrics and,
+for kl, the target's logits at the labelled slots.
 """
 
 import contextlib
@@ -54,15 +42,17 @@ def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
     them, in sequences of `tokens` tokens in all (each one a context row)."""
     H, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     n, B, V = len(context), cfg.block_size, cfg.vocab_size
-    slot = 2 * H * (2 * nh * d + 2 * nkv * d) + 6 * H * cfg.intermediate_size
-    if cfg.dflash2:
+    slot = 2 * H * (2 * nh * d + 2 * nkv * d) + 6 * H * cfg.intermediate_size  # q k v o, MLP
+    if cfg.dflash2:  # the two convolutions' kernel projections
         slot += 8 * H * cfg.conv_kernel_size * (H // cfg.conv_group_size)
     keys = sum(
         int(keys_per_slot(cfg, context, t == "sliding_attention").sum()) for t in cfg.layer_types
     )
+    # block slots, the context rows' k and v, the scores and values over the keys a slot reads
     flops = cfg.num_hidden_layers * (n * B * slot + tokens * 4 * H * nkv * d) + 4 * nh * d * keys
+    # fc over the target layers, once a token; the unary head over V, once a labelled slot
     flops += tokens * 2 * len(cfg.target_layer_ids) * H * H + n * (B - 1) * 2 * H * V
-    if cfg.dflash2:
+    if cfg.dflash2:  # the selector: rank r projection, K teacher-forced candidate scores
         flops += n * (B - 1) * 2 * cfg.selector_rank * (H + cfg.selector_top_k)
     return flops
 

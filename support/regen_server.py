@@ -1,32 +1,9 @@
 """Regeneration through a serving engine: `prepare.py --regenerate --server URL` asks any
 OpenAI-compatible server (vLLM, SGLang, llama.cpp's llama-server) for each answer, one chat
-completion per prompt, from a pool of threads, with the standard library's HTTP client.
-
-    POST URL/v1/chat/completions
-      {"model", "messages", "max_tokens", "temperature", "seed", "top_p": 1, "top_k": -1,
-       "min_p": 0, "chat_template_kwargs", "logprobs": true, "top_logprobs": 1,
-       "return_token_ids": true}
-    <- the answer's text, why it stopped ("stop" / "length"), and where the server gives them the
-       generated token ids: llama-server in logprobs.content[i].id, vLLM in choices[0].token_ids
-       (return_token_ids) or as logprobs tokens "token_id:N" (--return-tokens-as-token-ids)
-
-The answers are made as prepare.py's in-process regeneration makes them: the prompt through the
-chat template with the same --chat-template-kwargs; greedy at temperature 0, else plain sampling
-from softmax(logits / T), so top_p, top_k and min_p are switched off (a server's defaults, e.g.
-llama-server's top_k 40 and min_p 0.05, or the model's generation config, would change the
-distribution); seeded per prompt (seed * 1_000_003 + index), so a server that honours seeds gives
-a rerun the same answers.
-
-Token fidelity. Where the server returns the generated ids, the answer keeps them ("token_ids"),
-and data.py supervises exactly those ids; its text is their decoding, as in-process. Where it
-returns none, the text is re-tokenized, and each record says whether that gives another token
-count than the server generated (usage.completion_tokens): at least that share of the answers is
-not the model's own tokens. prepare.py prints both shares.
-
-Failures. A refused connection, a timeout, HTTP 429 or 5xx, or an unreadable reply is tried again,
-up to --retries times, waiting --retry-wait seconds and twice as long each time, each try on the
-next server; another HTTP error (400: a bad request) is not. Then the run ends in one `error:`
-line, and the answers already written are kept: a rerun asks only for the others (prepare.py).
+completion per prompt (POST URL/v1/chat/completions), from a pool of threads, with the standard
+library's HTTP client. docs/data.md, "Regeneration on a serving engine", says how the answers are
+made as the in-process ones are (the chat template kwargs, plain sampling from softmax(logits / T),
+a seed per prompt), how the generated token ids are kept, and which failures are tried again.
 """
 
 import json

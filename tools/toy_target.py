@@ -30,7 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from prompts.toy_problems import toy_split
-from support.common import bounded, run
+from support.common import run
 from support.conversations import tokenize_conversation
 
 SPECIALS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|mask|>", "<|unk|>"]
@@ -173,12 +173,9 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("out_dir")
-    p.add_argument("--steps", type=bounded(int, low=1), default=1000)
-    p.add_argument("--problems", type=bounded(int, low=1), default=None, help="the first N only")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     t0 = time.time()
-    target, tok = build(args.out_dir, args.problems, args.steps, seed=args.seed)
+    target, tok = build(args.out_dir)
     held_out = toy_split()[1][:50]
     got = greedy_answers(target, tok, [q for q, _ in held_out])
     right = sum(g == a for g, (_, a) in zip(got, held_out))
