@@ -14,8 +14,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from support.show import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds
 
-FONT = 12  # px, monospace: a character is about 0.6 of it wide
-CHAR = 7.3
+CHAR = 7.3  # px: a character of the 12 px monospace font is about 0.6 of it wide
 CELL = 16  # a grid cell, px
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]  # one per run
 STYLE = """
@@ -140,37 +139,22 @@ def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
         svg.rect(x, 48, 2 * CELL, 18, "context" if loss_mask[p] else "token")
         svg.text(x + CELL, 58, str(row[p]), anchor="middle")
         svg.text(x + CELL, 76, str(loss_mask[p]), "note", "middle")
+    names = [f"x{q_pos[i]}" if i % B == 0 else "M" for i in range(Q)]
     for i in range(Q):  # each block sits under the positions its queries have
         b, y = q_block[i], 92 + q_block[i] * 22
         x = x0 + q_pos[i] * 2 * CELL
-        label = f"x{q_pos[i]}" if i % B == 0 else "M"
-        svg.rect(
-            x + 1,
-            y,
-            2 * CELL - 2,
-            18,
-            "anchor" if i % B == 0 else "node",
-            data_block=b,
-            data_pos=q_pos[i],
-        )
-        svg.text(x + CELL, y + 10, label, anchor="middle")
+        kind = "anchor" if i % B == 0 else "node"
+        svg.rect(x + 1, y, 2 * CELL - 2, 18, kind, data_block=b, data_pos=q_pos[i])
+        svg.text(x + CELL, y + 10, names[i], anchor="middle")
         if i % B == 0:
             svg.text(10, y + 10, f"block {b}")
     y = 92 + (max(q_block) + 1) * 22 + 30
-    names = [f"x{q_pos[i]}" if i % B == 0 else "M" for i in range(Q)]
+    rows = [f"b{q_block[i]} s{i % B} pos {q_pos[i]}" for i in range(Q)]
+    cols = [str(p) for p in range(S)] + names
+    splits = [S] + [S + b * B for b in range(1, Q // B)]
     for name, mask in masks.items():
         svg.text(10, y, f"{name}: query row i (a block slot) may read key j", "title")
-        y = grid(
-            svg,
-            x0,
-            y + 16,
-            mask,
-            [f"b{q_block[i]} s{i % B} pos {q_pos[i]}" for i in range(Q)],
-            [str(p) for p in range(S)] + names,
-            [S] + [S + b * B for b in range(1, Q // B)],
-            name,
-        )
-        y += 30
+        y = grid(svg, x0, y + 16, mask, rows, cols, splits, name) + 30
     svg.text(
         10, y - 10, "keys 0..S-1: the target's features of the row; then the block rows", "note"
     )
@@ -187,17 +171,8 @@ def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
         y = y0 + 14 + i * CELL
         svg.text(x0 - 6, y + CELL / 2, name_i, anchor="end")
         for j, v in enumerate(r):
-            cls = "seen" if v else "unseen"
-            svg.rect(
-                x0 + j * CELL + gap(j) + 1,
-                y + 1,
-                CELL - 2,
-                CELL - 2,
-                cls,
-                data_grid=name,
-                data_row=i,
-                data_col=j,
-            )
+            x, cls = x0 + j * CELL + gap(j) + 1, "seen" if v else "unseen"
+            svg.rect(x, y + 1, CELL - 2, CELL - 2, cls, data_grid=name, data_row=i, data_col=j)
     return y0 + 14 + len(rows) * CELL
 
 
@@ -249,14 +224,8 @@ def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
                 if on_walk and on_unary:  # both paths take this edge: draw the unary one too
                     svg.line(x1, y1, x2, y2, "unary", data_slot=j + 1, data_from=p, data_to=c)
                 t = 0.5 if j == 0 else 0.25  # where the labels of K x K edges stay apart
-                svg.label(
-                    x1 + t * (x2 - x1),
-                    y1 + t * (y2 - y1),
-                    f"{scores[j][p][c]:.2f}",
-                    data_slot=j + 1,
-                    data_from=p,
-                    data_to=c,
-                )
+                x, y, score = x1 + t * (x2 - x1), y1 + t * (y2 - y1), f"{scores[j][p][c]:.2f}"
+                svg.label(x, y, score, data_slot=j + 1, data_from=p, data_to=c)
     svg.rect(x_of(0), y_of((K - 1) / 2), bw, 28, "anchor")
     svg.text(x_of(0) + bw / 2, y_of((K - 1) / 2) + 14, f"{anchor} (anchor)", anchor="middle")
     for j in range(L):
@@ -301,15 +270,8 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
     bonus_xy = (x0 + (depth[last] + 1) * colw, y0 + bonus_row * rowh)
     for i in range(1, n):
         (px, py), (x, y) = xy(parents[i]), xy(i)
-        svg.line(
-            px + bw,
-            py + 11,
-            x,
-            y + 11,
-            "accepted" if i in path else "edge",
-            data_from=parents[i],
-            data_to=i,
-        )
+        cls = "accepted" if i in path else "edge"
+        svg.line(px + bw, py + 11, x, y + 11, cls, data_from=parents[i], data_to=i)
         if labels:
             svg.label((px + bw + x) / 2, (py + y) / 2 + 11, labels[i])
     (px, py), (x, y) = xy(last), bonus_xy
@@ -428,22 +390,13 @@ def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
     X = lambda v: x0 + (v - xt[0]) / (xt[-1] - xt[0]) * w
     Y = lambda v: y0 + h - (v - yt[0]) / (yt[-1] - yt[0]) * h
     for v in yt:
-        svg.line(x0, Y(v), x0 + w, Y(v), "grid")
-        svg.text(
-            x0 - 4, Y(v), f"{v:g}", "tick", "end", data_axis="y", data_value=f"{v:g}", data_px=Y(v)
-        )
+        tick, y = f"{v:g}", Y(v)
+        svg.line(x0, y, x0 + w, y, "grid")
+        svg.text(x0 - 4, y, tick, "tick", "end", data_axis="y", data_value=tick, data_px=y)
     for v in xt:
-        svg.line(X(v), y0 + h, X(v), y0 + h + 4, "axis")
-        svg.text(
-            X(v),
-            y0 + h + 14,
-            f"{v:g}",
-            "tick",
-            "middle",
-            data_axis="x",
-            data_value=f"{v:g}",
-            data_px=X(v),
-        )
+        tick, x = f"{v:g}", X(v)
+        svg.line(x, y0 + h, x, y0 + h + 4, "axis")
+        svg.text(x, y0 + h + 14, tick, "tick", "middle", data_axis="x", data_value=tick, data_px=x)
     svg.line(x0, y0 + h, x0 + w, y0 + h, "axis")
     svg.line(x0, y0, x0, y0 + h, "axis")
     svg.text(x0 + w / 2, y0 + h + 32, xlabel, "note", "middle")
