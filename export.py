@@ -1,22 +1,15 @@
 """Training checkpoint -> servable draft directory, in either public checkpoint format
-(docs/semantics.md, section 3).
+(docs/training-at-scale.md, "Checkpoint formats"; docs/semantics.md, section 3).
 
     python export.py runs/smollm2/ckpt.pt --out-dir drafts/smollm2-dflash2 [--dtype bf16|fp16|fp32]
     python export.py runs/q8 --out-dir drafts/q8-spec --format speculators --verifier Qwen/Qwen3-8B
 
-`zlab` (default) is the contract Z Lab, SGLang and vLLM load: config.json with a `dflash_config`,
-and the draft's tensors. `speculators` is what vllm-project/speculators trains and writes (vLLM
-serves it too): the same tensors, the draft's Qwen3 layer config nested under
-`transformer_layer_config` (compat/speculators.py maps it). Either is one model.safetensors or,
-past --max-shard-size, shards named by model.safetensors.index.json (compat/shards.py). The
-checkpoint train.py writes is one torch.save file holding {"model", "config", "optimizer",
-"scheduler", "step", "total", "args"}. Only the draft's
-own tensors leave: no optimizer state, no embedding, no lm_head (those stay the target's). load_any
-reads every form: a training checkpoint, or an exported directory in either format, so a draft can
-be re-exported in another dtype or format. Anything that does not match its config, or that a
-format cannot say, is refused with a message naming the field. What an engine would refuse or
-misread is said at export (compat/serving.py): a warning where llama.cpp would refuse the draft,
-and the serving flags that must match its block size.
+Only the draft's own tensors leave (no optimizer state, no embedding, no lm_head: those stay the
+target's), as `zlab` (config.json with a `dflash_config`: what Z Lab, SGLang and vLLM load) or
+`speculators` (compat/speculators.py), in one model.safetensors or shards (compat/shards.py).
+load_any reads every form back, and train.py's checkpoint ({"model", "config", "optimizer",
+"scheduler", "step", "total", "args"}), so a draft can be re-exported in another dtype or format.
+What an engine would refuse or misread is said at export (compat/serving.py).
 """
 
 import argparse

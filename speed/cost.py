@@ -1,15 +1,11 @@
 """Timings on this machine: which GEMM layout runs the target fastest, and how many rows the
 draft's head should score.
 
-Batch-1 speculative decoding trades one target forward per token for one per cycle: a forward of the
-n verified tokens. On a GPU it costs about what a forward of 1 token does (the weights are read once
-for all n tokens). On a CPU it need not, and which GEMMs are fastest depends on the CPU: stock fp32
-GEMMs (MKL) with more than one row streamed the weights far slower than the 1-row path on two
-machines; oneDNN's packed weights (gemm.py) fixed that on an AMD EPYC and were twice as slow as
-stock on an Intel Xeon, where MKL's own packed GEMM fixed it. So the functions below are the short
-measurement behind `--target-gemm auto` (machine.choose_layout), cached per machine: the decode
-table of 1..B tokens for generate.py, the batched shapes for prepare.py. The draft's head is timed
-over every row count (head_rows), for the head a given --draft-dtype scores with (FastestRows).
+Which GEMMs make a verify of n tokens cost about one plain step differs by CPU (docs/cpu.md, "GEMM
+layout"), so the functions below are the short measurement behind `--target-gemm auto`
+(machine.choose_layout), cached per machine: the decode table of 1..B tokens for generate.py, the
+batched shapes for prepare.py. The draft's head is timed over every row count (head_rows), for the
+head a given --draft-dtype scores with (FastestRows).
 """
 
 import torch

@@ -269,16 +269,15 @@ def machine_key(*extra) -> str:
     return " | ".join(parts)
 
 
-def cached(key: str, measure, refresh=False):
-    """measure()'s JSON-able result for this key, measured once and kept in cache_path() (refresh:
-    again)."""
+def cached(key: str, measure):
+    """measure()'s JSON-able result for this key, measured once and kept in cache_path()."""
     path = cache_path()
     try:
         with open(path) as f:
             table = json.load(f)
     except (OSError, ValueError):  # none yet, or unreadable: measure again and rewrite it
         table = {}
-    if refresh or key not in table:
+    if key not in table:
         table[key] = measure()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_write(path) as tmp, open(tmp, "w") as f:
