@@ -140,11 +140,6 @@ def speculators_config(c, verifier: str) -> dict:
     read otherwise."""
     if not c.dflash2:
         raise UsageError("--format speculators writes DFlash2 drafts (its dflash2 model type) only")
-    if not verifier:
-        raise UsageError(
-            "the speculators format names its verifier (--verifier), which speculators reloads "
-            "embed_tokens and lm_head from"
-        )
     for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
         if getattr(c, name) is not None:
             raise UsageError(

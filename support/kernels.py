@@ -2,16 +2,9 @@
 device. A reader learning DFlash2 can skip this file: it changes the speed and the memory of
 attention, never which keys a query reads. model.py runs torch's SDPA over the dense mask
 (attention.block_attention_mask); train.py passes one of these pairs instead
-(model.forward_training's `attention`).
-
-    choose            --attention auto: flex on CUDA, sdpa on the CPU
-    attention_kernel  --attention sdpa or flex -> (mask, kernel): SDPA or FLEX
-    sdpa              F.scaled_dot_product_attention with the dense mask; on CUDA memory_safe_sdpa
-    memory_safe_sdpa  only SDPA kernels that never hold the [N, heads, Q, K] scores
-    flex_block_mask   attention.py's rule as a FlexAttention BlockMask, which skips the tiles of
-                      scores no query may read (at S = 2048 and 512 anchors, almost all)
-    flex              flex_attention with a BlockMask, compiled (block-sparse only so)
-    compiled          a function compiled once, or itself inside a compiled region
+(model.forward_training's `attention`): SDPA, dense (on CUDA through kernels that never hold the
+[N, heads, Q, K] scores), or FLEX, a FlexAttention BlockMask that skips the tiles of scores no query
+may read (at S = 2048 and 512 anchors, almost all), compiled.
 """
 
 import functools
@@ -39,8 +32,6 @@ def choose(attention: str, device) -> str:
 def attention_kernel(name: str) -> tuple:
     """--attention sdpa or flex (after choose) -> (how to build the mask, the kernel that reads
     it), for model.forward_training's `attention`."""
-    if name not in ("sdpa", "flex"):
-        raise ValueError(f"attention must be sdpa or flex, got {name!r}")
     return FLEX if name == "flex" else SDPA
 
 

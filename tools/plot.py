@@ -118,7 +118,6 @@ def main(argv=None):
     ap.add_argument("runs", nargs="+", help="train.py output folders (or their log.jsonl)")
     ap.add_argument("--labels", nargs="+", help="one name per run (default: the folder's name)")
     ap.add_argument("--out", help="the SVG to write (default: RUN/training.svg for one run)")
-    ap.add_argument("--title", default=None)
     args = ap.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):
         ap.error(f"--labels: one per run ({len(args.runs)}), got {len(args.labels)}")
@@ -133,7 +132,7 @@ def main(argv=None):
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise UsageError(f"--out {out}: no folder {folder}")
-    title = args.title or "training: " + ", ".join(label for label, *_ in runs)
+    title = "training: " + ", ".join(label for label, *_ in runs)
     picture(runs, title).save(out)
     print(f"[plot.py] {out}")
 
