@@ -6016,11 +6016,11 @@ def test_the_docstrings_map_the_banners():
 # under its budget. A change that needs more raises the budget in the same commit and says why.
 LINE_BUDGET = {
     ".": 3800,
-    "prompts": 320,
-    "support": 3400,
+    "prompts": 315,
+    "support": 3345,
     "compat": 750,
-    "speed": 1000,
-    "tools": 3050,
+    "speed": 970,
+    "tools": 2990,
 }
 
 
