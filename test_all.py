@@ -2306,7 +2306,7 @@ def setup(tmp_path_factory):
         save_target_hidden=True,
         shard_size=4,
     )
-    prepare.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
+    features.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
     return d
 
 
@@ -2908,7 +2908,7 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path):
     prepare.write_features(
         target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
     )
-    prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
+    features.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
     timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
     logs = {}
     for name, extra in [
@@ -4477,7 +4477,7 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
         for a in ["fine , thanks", "poison too", "the cat"]
     ]
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
-    prepare.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
+    features.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["skipped_nonfinite"] == 1 and manifest["num_samples"] == 2
     kept = [tok.decode(s["input_ids"]) for s in features.load_features(str(tmp_path))]
@@ -4516,7 +4516,7 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
             shard_size=8,
             batch_size=b,
         )
-        prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
+        features.write_manifest(str(d), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
     lengths = sorted(len(conversations.tokenize_conversation(tok, c, 512)[0]) for c in convs)
@@ -4557,7 +4557,7 @@ def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
         prepare.batch_features = batch_features
     # shard 1 again, now with conversations 4, 5, 6
     assert len(seen) == 3
-    prepare.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
+    features.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
     grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
     for conv, sample in zip(convs, grown):
@@ -4580,12 +4580,12 @@ def test_shards_split_across_ranks(tmp_path):
     # k % 2 == 1
     assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]
     with pytest.raises(RuntimeError, match="not every rank"):
-        prepare.write_manifest(str(two), 7, 2, "tiny", 32)
+        features.write_manifest(str(two), 7, 2, "tiny", 32)
     prepare.write_features(
         target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2
     )
     for d in (one, two):
-        prepare.write_manifest(str(d), 7, 2, "tiny", 32)
+        features.write_manifest(str(d), 7, 2, "tiny", 32)
     a, b = features.load_features(str(one)), features.load_features(str(two))
     assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
