@@ -7,16 +7,15 @@
 `zlab` (default) is the contract Z Lab, SGLang and vLLM load: config.json with a `dflash_config`,
 and the draft's tensors. `speculators` is what vllm-project/speculators trains and writes (vLLM
 serves it too): the same tensors, the draft's Qwen3 layer config nested under
-`transformer_layer_config` (compat/speculators.py maps it). Either is one model.safetensors or,
-past --max-shard-size, shards named by model.safetensors.index.json (compat/shards.py). The
-checkpoint train.py writes is one torch.save file holding {"model", "config", "optimizer",
-"scheduler", "step", "total", "args"}. Only the draft's
-own tensors leave: no optimizer state, no embedding, no lm_head (those stay the target's). load_any
-reads every form: a training checkpoint, or an exported directory in either format, so a draft can
-be re-exported in another dtype or format. Anything that does not match its config, or that a
-format cannot say, is refused with a message naming the field. What an engine would refuse or
-misread is said at export (compat/serving.py): a warning where llama.cpp would refuse the draft,
-and the serving flags that must match its block size.
+`transformer_layer_config` (compat/speculators.py maps it). Either is one model.safetensors or, past
+--max-shard-size, shards named by model.safetensors.index.json (compat/shards.py). The checkpoint
+train.py writes is one torch.save file holding {"model", "config", "optimizer", "step", "total",
+"args"}. Only the draft's own tensors leave: no optimizer state, no embedding, no lm_head (those
+stay the target's). load_any reads every form: a training checkpoint, or an exported directory in
+either format, so a draft can be re-exported in another dtype or format. Anything that does not
+match its config, or that a format cannot say, is refused with a message naming the field. What an
+engine would refuse or misread is said at export (compat/serving.py): a warning where llama.cpp
+would refuse the draft, and the serving flags that must match its block size.
 """
 
 import argparse
