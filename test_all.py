@@ -3436,7 +3436,7 @@ def test_compile_matches_eager(setup, tmp_path):
 
 def timeless(records) -> list:
     """log.jsonl records without what a clock measured."""
-    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu")
+    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu", "compile_s")
     return [{k: v for k, v in r.items() if k not in clock} for r in records]
 
 
@@ -3460,23 +3460,29 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     """train.py --compile pads every batch, training and held-out, to data.static_shapes: packed
     rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
     (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
-    eager run's. With a recompile limit of 1, the evaluation's graph (a second one) ends the run in
-    a ValueError (run(): one `error:` line, status 2), not in a silent eager fallback."""
+    eager run's. The log's compile_s (the seconds of the steps that compiled, left out of the
+    rates) grows at the first step of each bucket and never after: no recompile past the warm-up.
+    With a recompile limit of 1, the evaluation's graph (a second one) ends the run in a ValueError
+    (run(): one `error:` line, status 2), not in a silent eager fallback."""
     from torch._dynamo.utils import counters
 
     argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
     argv += ["--eval-interval", "2", "--eval-samples", "1"]
     # the unpadded shapes of the run's micro-batches, from its own schedule
-    args = train.parse_args(["--data", str(setup / "feats"), "--num-anchors", "8", *argv])
+    flags = ["--data", str(setup / "feats"), "--num-anchors", "8", "--seed", "3", *argv]
+    args = train.parse_args(flags)  # as run() gives them
     samples, held = data.load_split(args, None)
     rows, _, per_epoch, total = data.schedule(samples, args, 1)
-    shapes = set()
+    shapes = []  # a step's, in order (one micro-batch a step)
     for epoch, micro in data.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
         docs = [[samples[j] for j in rows[r]] for r in micro]
         b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
-        shapes.add((b["input_ids"].shape[1], b["anchors"].shape[1]))
+        shapes.append((b["input_ids"].shape[1], b["anchors"].shape[1]))
     # unpadded: 4 training shapes and the held-out one, 5 graphs
-    assert len(shapes) == 4 and {data.static_size(s, 64) for s, _ in shapes} == {64, 128}
+    buckets = [data.static_size(s, 64) for s, _ in shapes]
+    assert len(set(shapes)) == 4 and set(buckets) == {64, 128}
+    new_bucket = [b not in buckets[:i] for i, b in enumerate(buckets)]
+    assert new_bucket[0] and not all(new_bucket)
     assert len(held) == 1 and len(held[0]["input_ids"]) <= 64
     run(setup, tmp_path / "e", *argv)
     torch._dynamo.reset()
@@ -3484,6 +3490,9 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     run(setup, tmp_path / "c", *argv, "--compile")
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
     assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
+    compile_s = train_losses(tmp_path / "c", "compile_s")
+    assert [b > a for a, b in zip([0.0, *compile_s], compile_s)] == new_bucket
+    assert all("compile_s" not in r for r in log_records(tmp_path / "e" / "log.jsonl"))
     torch._dynamo.reset()
     monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
     with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):

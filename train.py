@@ -342,8 +342,8 @@ def train(args):
     step, total = load_checkpoint(ckpt, draft, opt, sharded, total) if args.resume else (0, total)
     # the steps that end the run: --max-seconds alone has none (its schedule starts at an epoch's)
     steps = math.inf if args.max_seconds and not (args.max_steps or args.epochs) else total
-    static = compiling.anything_compiles(args)  # batches padded to static shapes
-    meter = flops.Meter(device, args.peak_tflops)  # tokens, anchors, FLOPs a second
+    static = compiling.anything_compiles(args)  # batches padded to static shapes, steps compiled
+    meter = flops.Meter(device, args.peak_tflops, static)  # tokens, anchors, FLOPs a second
     log("; ".join([*said, meter.note] if meter.note else said))  # the precision chosen, and why
     backend = f" ({torch.distributed.get_backend()}{', FSDP' if sharded else ''})" if ranked else ""
     n = sum(p.numel() for p in draft.parameters())
@@ -376,9 +376,12 @@ def train(args):
             group["lr"] = get_lr(step, total, args)
         alpha_t = loss.selector_alpha(step, total, *alpha) if selector_on else None
         batches = (next_batch() for _ in range(args.grad_accum))
+        mark, graphs = meter.mark(), compiling.graphs()
         metrics, grad_norm, taken = train_step(
             objective, opt, params, batches, alpha_t, args, world, no_sync, autocast
         )
+        if compiling.graphs() > graphs:  # it compiled: its seconds go to compile_s, not the rates
+            meter.leave_out(mark, compiled=True)
         if not taken:  # the last good checkpoint stays
             log(f"step {step}: loss {metrics['loss']} or grad norm {grad_norm} is not finite")
             distributed.end_ranks()

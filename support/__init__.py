@@ -13,8 +13,8 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)
     distributed.py    torchrun's ranks: start them, end them, agree on a number
     fsdp.py           FSDP2 sharding of the draft and the online target; whole checkpoints
-    compiling.py      train.py's attention choice, and the guard where something compiles
-    flops.py          tokens, anchors and FLOPs a second; MFU on a GPU
+    compiling.py      train.py's attention choice, the guard where something compiles, graphs
+    flops.py          tokens, anchors and FLOPs a second; MFU on a GPU; compile time apart
     tracking.py       log.jsonl, the final report, wandb / TensorBoard (train.py --report-to)
     common.py         dtypes, atomic writes, bounded argparse types, --help, the one-line error exit
 """
