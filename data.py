@@ -9,6 +9,7 @@ section 4).
                                                                            collate
     -> static shapes for compiled steps                             static_shapes
     -> this rank's micro-batches in the run's order, made ahead     batches
+    online: the target's features of a batch, document by document  add_target_features
 
 prepare.py makes the data (on-policy answers, offline features: support/features.py); train.py reads
 it back with load_samples and turns rows into batches with collate.
@@ -27,11 +28,10 @@ metrics and gradients):
 
 import itertools
 import os
-import sys
-import time
 
 import torch
 
+import model
 from support.common import UsageError
 from support.conversations import check_template_kwargs, read_conversations, tokenize_conversation
 from support.features import load_features, read_manifest
@@ -91,25 +91,6 @@ def load_samples(path: str, online: bool, tokenizer, max_length: int, chat_templ
     return samples[[i for i, mask in enumerate(masks) if len(anchor_positions(mask))]]
 
 
-# The main job's prepared data (bash run.sh): what train.py reads when --data is not given
-MAIN_JOB_DATA = "data/smollm2-math"
-
-
-def main_job_data(rank: int) -> tuple:
-    """No --data: the main job's prepared data (bash run.sh), or one line naming what makes it."""
-    train, held_out = (os.path.join(MAIN_JOB_DATA, part) for part in ("train", "eval"))
-    if not os.path.isfile(os.path.join(train, "manifest.json")):
-        if rank != 0:  # under torchrun rank 0 says it, once; torchrun stops every rank as soon
-            time.sleep(30)  # as one exits, so the others wait for rank 0 to print and exit first
-            sys.exit(2)
-        raise UsageError(
-            f"no --data, and no prepared data at {train}: `bash run.sh` makes it (the main job), "
-            "or `python prepare.py --prompts math --regenerate --features --draft-config "
-            f"configs/smollm2-135m-dflash2.json --out-dir {train}`"
-        )
-    return train, (held_out if os.path.isfile(os.path.join(held_out, "manifest.json")) else None)
-
-
 def load_split(args, tokenizer) -> tuple:
     """train.py's sequences -> (training, held-out). The held-out ones are --eval-data's or, without
     it, the last --eval-fraction of --data's (one at least, where it has two); --num-samples keeps
@@ -158,7 +139,7 @@ def schedule(samples, args, world) -> tuple:
         raise UsageError(
             f"{args.data}: {len(rows)} training rows cannot fill one step of {per_step}"
         )
-    return rows, per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch
+    return rows, per_step, steps_per_epoch, args.max_steps or (args.epochs or 1) * steps_per_epoch
 
 
 def join(docs) -> dict:
@@ -347,3 +328,16 @@ def per_document(batch):
         return out
 
     return ids, mask, back
+
+
+def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
+    """Online (train.py --online): the live target's features of a batch, and for kl its final
+    hidden state, into the batch; the documents of packed rows read one by one (per_document)."""
+    whole = batch["input_ids"], batch["attention_mask"], None
+    ids, mask, back = per_document(batch) if packed else whole
+    kw = dict(final_hidden=need_final, use_cache=False, logits_to_keep=1)
+    out = model.capture_features(
+        target, cfg.target_layer_ids, **kw, input_ids=ids, attention_mask=mask
+    )
+    for name, value in [("features", out[1])] + ([("target_hidden", out[2])] if need_final else []):
+        batch[name] = back(value.float()) if packed else value.float()

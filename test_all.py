@@ -144,7 +144,6 @@ try:
         metrics,
         regen,
         show,
-        timefit,
     )
     from support.common import UsageError
     from support.distributed import end_ranks
@@ -2332,7 +2331,7 @@ def setup(tmp_path_factory):
         save_target_hidden=True,
         shard_size=4,
     )
-    prepare.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
+    features.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
     return d
 
 
@@ -2738,10 +2737,10 @@ def test_online_target_reads_packed_documents_apart(setup):
         for n in (6, 4, 9)
     ]
     packed = data.collate([samples[:2], samples[2:]], [0, 1], 8, 0, "cpu")
-    train.add_target_features(packed, target, cfg, True, packed=True)
+    data.add_target_features(packed, target, cfg, True, packed=True)
     for i, (row, start) in enumerate([(0, 0), (0, 6), (1, 0)]):
         alone = data.collate([[samples[i]]], [0], 8, 0, "cpu")
-        train.add_target_features(alone, target, cfg, True, packed=False)
+        data.add_target_features(alone, target, cfg, True, packed=False)
         n = len(samples[i]["input_ids"])
         for name in ("features", "target_hidden"):
             assert torch.allclose(
@@ -2934,7 +2933,7 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path, capsys):
     prepare.write_features(
         target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
     )
-    prepare.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
+    features.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
     timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
     logs = {}
     for name, extra in [
@@ -3017,7 +3016,7 @@ def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
         loaded.append(target)
         return target, tok
 
-    monkeypatch.setattr(train, "load_target", recording)
+    monkeypatch.setattr(sys.modules["support.target"], "load_target", recording)  # train.py's
     run(setup, tmp_path / "off", "--max-steps", "1", "--eval-samples", "0")
     online = ["--online", "--data", str(setup / "convs.jsonl")]
     run(setup, tmp_path / "on", "--max-steps", "1", "--eval-samples", "0", *online)
@@ -3261,68 +3260,109 @@ def test_evaluation_under_compile_runs_the_draft_uncompiled_and_flex_compiled(mo
     monkeypatch.setattr(model, "forward_training", lambda d, *a: seen.append(d) or forward(d, *a))
     samples = packing_docs(c, [256, 250])
     cpu = torch.device("cpu")
-    m = train.evaluate(objective, samples, args, None, c, cpu, 0, 1, contextlib.nullcontext)
+    m = train.evaluate(objective, samples, args, None, cpu, 0, 1, contextlib.nullcontext)
     assert seen == [draft, draft] and objective.draft is compiled
     assert 0 < m["loss"] < float("inf")
     torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------- resume and --max-seconds
-def test_resume_continues_exactly(setup, tmp_path):
+def killed_after(monkeypatch, steps: int):
+    """train.py killed (KeyboardInterrupt) as its step `steps` + 1 begins, as a run stopped from
+    outside is; undone at the next kill or the test's end."""
+    real, calls = train.train_step, []
+
+    def step(*a):
+        calls.append(1)
+        if len(calls) > steps:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(train, "train_step", step)
+
+
+def test_resume_continues_exactly(setup, tmp_path, monkeypatch):
+    """A run killed after its checkpoint at step 3 of 6 and resumed ends bit for bit as the straight
+    run: the cosine goes on where it stood."""
     straight = run(setup, tmp_path / "a", "--max-steps", "6")
-    run(setup, tmp_path / "b", "--max-steps", "6", "--steps-this-run", "3")
+    killed_after(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        run(setup, tmp_path / "b", "--max-steps", "6", "--save-interval", "3")
+    monkeypatch.undo()
     assert_resumed_exactly(straight, run(setup, tmp_path / "b", "--max-steps", "6", "--resume"))
 
 
-def test_total_that_fits_by_hand():
-    """--max-seconds' arithmetic: at step 100 with 60 s left, steps of 0.5 s and evaluations of 4 s
-    every 20 steps, a step costs 0.5 + 4 / 20 = 0.7 s; the final evaluation's 4 s set apart, 56 s
-    hold 80 more steps. Out of time (3 s, under one evaluation), the run ends where it stands."""
-    assert timefit.total_that_fits(100, 60.0, 0.5, 4.0, 20) == 180
-    assert timefit.total_that_fits(100, 3.0, 0.5, 4.0, 20) == 100
+def on_a_clock(monkeypatch, start: float):
+    """train.py's clock, one second a training step from `start`: --max-seconds S at this pace
+    holds S steps (the loading takes no time on it)."""
+    now, real = [start], train.train_step
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: now[0]))
+
+    def step(*a):
+        now[0] += 1.0
+        return real(*a)
+
+    monkeypatch.setattr(train, "train_step", step)
 
 
-def test_max_seconds_fits_the_schedule_and_resume_keeps_it(setup, tmp_path):
-    """Out of time at the first fit (step 25), the schedule's length becomes 25: the run ends there
-    with its final record and the cosine closed (the last lr is lr x min-lr-ratio), not at the 60
-    steps asked. With time to spare the length grows past --max-steps; a --resume without
-    --max-seconds then goes on at the fitted length, not at --max-steps'."""
-    shape = types.SimpleNamespace(warmup_ratio=0.0, lr_schedule="cosine", min_lr_ratio=0.1)
-    ck = run(setup, tmp_path / "a", "--max-steps", "60", "--max-seconds", "1e-3")
-    records = log_records(tmp_path / "a" / "log.jsonl")
-    assert ck["step"] == ck["total"] == 25 and records[-1]["kind"] == "final"
-    assert records[-1]["step"] == 25 and records[-2]["lr"] == pytest.approx(1e-2 * 0.1)
-    long = ["--max-steps", "30", "--log-interval", "1"]
-    ck = run(setup, tmp_path / "b", *long, "--max-seconds", "1e6", "--steps-this-run", "26")
-    total = ck["total"]
-    assert ck["step"] == 26 and total > 1000  # 1e6 s hold many more steps than 30
-    run(setup, tmp_path / "b", *long, "--resume", "--steps-this-run", "2")
-    lr = {r["step"]: r["lr"] for r in log_records(tmp_path / "b" / "log.jsonl") if "lr" in r}
-    assert lr[24] == pytest.approx(1e-2 * train.lr_factor(24, 30, shape))  # before the fit
-    for step in (25, 26, 28):  # the fitted length, on resume too
-        assert lr[step] == pytest.approx(1e-2 * train.lr_factor(step, total, shape))
-    assert lr[28] > 0.99e-2 > 1e-2 * train.lr_factor(28, 30, shape)
+def test_max_seconds_is_the_steps_that_fit_and_resume_goes_on(setup, tmp_path, monkeypatch):
+    """--max-seconds: progress = max(step / steps, elapsed / S), the schedule at progress. On a
+    clock of a second a step, --max-seconds 10 with --max-steps 100 is --max-steps 10: the same
+    records (lr, losses, the final one) and weights, the time's end before the steps'. With 100
+    seconds, --max-steps 6 ends first. --max-seconds alone runs past the data's one epoch. Killed
+    at step 5 of 10 and resumed with 5 seconds, or without --max-seconds (the schedule's length
+    kept), it ends as the straight run."""
+    steps = run(setup, tmp_path / "steps", "--max-steps", "10", "--log-interval", "1")
+    want = timeless(log_records(tmp_path / "steps" / "log.jsonl"))
+    on_a_clock(monkeypatch, 1000.0)
+    argv = ["--max-steps", "100", "--max-seconds", "10", "--log-interval", "1"]
+    ck = run(setup, tmp_path / "time", *argv)
+    assert timeless(log_records(tmp_path / "time" / "log.jsonl")) == want
+    assert ck["step"] == ck["total"] == 10 and ck["args"]["max_seconds"] == 10
+    assert_equal_weights(steps, ck)
+    ck = run(setup, tmp_path / "six", "--max-steps", "6", "--max-seconds", "100")
+    assert ck["step"] == ck["total"] == 6
+    ck = run(setup, tmp_path / "alone", "--max-seconds", "10", "--num-samples", "6")
+    assert ck["step"] == 10  # 6 rows an epoch
+    for out, rest in (("half", ["--max-seconds", "5"]), ("kept", [])):
+        monkeypatch.undo()
+        on_a_clock(monkeypatch, 2000.0)
+        killed_after(monkeypatch, 5)
+        with pytest.raises(KeyboardInterrupt):
+            run(setup, tmp_path / out, *argv, "--save-interval", "5")
+        monkeypatch.undo()
+        on_a_clock(monkeypatch, 3000.0)
+        resumed = run(setup, tmp_path / out, *argv[:2], *rest, "--log-interval", "1", "--resume")
+        assert resumed["step"] == resumed["total"] == 10, out
+        assert timeless(log_records(tmp_path / out / "log.jsonl")) == want, out
+        assert_equal_weights(steps, resumed)
+
+
+def assert_equal_weights(a, b):
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
 
 
 def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
     """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does:
     it resumes exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold
-    other slices)."""
-    straight = run(setup, tmp_path / "a", "--max-steps", "4")
-    ck = run(setup, tmp_path / "b", "--max-steps", "4", "--steps-this-run", "2")
+    other slices). At a constant lr, 2 steps and a resume to 4 are the 4 steps."""
+    constant = ["--lr-schedule", "constant"]
+    straight = run(setup, tmp_path / "a", "--max-steps", "4", *constant)
+    ck = run(setup, tmp_path / "b", "--max-steps", "2", *constant)
     names = [n for g in ck["optimizer"]["param_groups"] for n in g["params"]]
     ck["optimizer"]["state"] = {names.index(n): v for n, v in ck["optimizer"]["state"].items()}
     for g in ck["optimizer"]["param_groups"]:
         g["params"] = [names.index(n) for n in g["params"]]
     torch.save(ck, tmp_path / "b" / "ckpt.pt")
-    resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume")
-    for k, v in straight["model"].items():
-        assert torch.equal(v, resumed["model"][k]), k
+    resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume", *constant)
+    assert_equal_weights(straight, resumed)
     # written back by name
     assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])
     torch.save(ck, tmp_path / "b" / "ckpt.pt")
     with pytest.raises(UsageError, match="by position .* resume it without --fsdp"):
-        train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, None, sharded=True)
+        train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, True, 4)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
@@ -3403,7 +3443,7 @@ def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsy
     assert trained == len(init) - len(convs)
     for refused in (["--dflash"], ["--selector-loss-alpha", "0"]):
         with pytest.raises(SystemExit) as stop:
-            train.parse_args(["--freeze-conv", *refused])
+            train.parse_args(["--data", "x", "--freeze-conv", *refused])
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert stop.value.code == 2 and "error: --freeze-conv: " in last, last
 
@@ -3429,7 +3469,7 @@ def test_compile_matches_eager(setup, tmp_path):
 
 def timeless(records) -> list:
     """log.jsonl records without what a clock measured."""
-    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu")
+    clock = ("elapsed_s", "target_tok_per_s", "anchors_per_s", "mfu", "compile_s")
     return [{k: v for k, v in r.items() if k not in clock} for r in records]
 
 
@@ -3453,24 +3493,29 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     """train.py --compile pads every batch, training and held-out, to data.static_shapes: packed
     rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
     (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
-    eager run's. With a recompile limit of 1, the evaluation's graph (a second one) ends the run in
-    a ValueError that says what to do meanwhile (a bug: its traceback), not in a silent eager
-    fallback."""
+    eager run's. The log's compile_s (the seconds of the steps that compiled, left out of the
+    rates) grows at the first step of each bucket and never after: no recompile past the warm-up.
+    With a recompile limit of 1, the evaluation's graph (a second one) ends the run in a ValueError
+    that says what to do meanwhile (a bug: its traceback), not in a silent eager fallback."""
     from torch._dynamo.utils import counters
 
     argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
     argv += ["--eval-interval", "2", "--eval-samples", "1"]
     # the unpadded shapes of the run's micro-batches, from its own schedule
-    args = train.parse_args(["--data", str(setup / "feats"), "--num-anchors", "8", *argv])
+    flags = ["--data", str(setup / "feats"), "--num-anchors", "8", "--seed", "3", *argv]
+    args = train.parse_args(flags)  # as run() gives them
     samples, held = data.load_split(args, None)
     rows, _, per_epoch, total = data.schedule(samples, args, 1)
-    shapes = set()
+    shapes = []  # a step's, in order (one micro-batch a step)
     for epoch, micro in data.micro_batch_plan(0, total, per_epoch, len(rows), args, 0, 1):
         docs = [[samples[j] for j in rows[r]] for r in micro]
         b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
-        shapes.add((b["input_ids"].shape[1], b["anchors"].shape[1]))
+        shapes.append((b["input_ids"].shape[1], b["anchors"].shape[1]))
     # unpadded: 4 training shapes and the held-out one, 5 graphs
-    assert len(shapes) == 4 and {data.static_size(s, 64) for s, _ in shapes} == {64, 128}
+    buckets = [data.static_size(s, 64) for s, _ in shapes]
+    assert len(set(shapes)) == 4 and set(buckets) == {64, 128}
+    new_bucket = [b not in buckets[:i] for i, b in enumerate(buckets)]
+    assert new_bucket[0] and not all(new_bucket)
     assert len(held) == 1 and len(held[0]["input_ids"]) <= 64
     run(setup, tmp_path / "e", *argv)
     torch._dynamo.reset()
@@ -3478,6 +3523,9 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     run(setup, tmp_path / "c", *argv, "--compile")
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
     assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
+    compile_s = train_losses(tmp_path / "c", "compile_s")
+    assert [b > a for a, b in zip([0.0, *compile_s], compile_s)] == new_bucket
+    assert all("compile_s" not in r for r in log_records(tmp_path / "e" / "log.jsonl"))
     torch._dynamo.reset()
     monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
     with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
@@ -3673,7 +3721,9 @@ def fsdp_runs(setup, tmp_path_factory):
     one = lambda out, *extra: train.main(
         base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra]
     )
-    half, rest = ["--max-steps", "4", "--steps-this-run", "2"], ["--max-steps", "4", "--resume"]
+    # at a constant lr, 2 steps and a resume to 4 are the 4 steps
+    constant = ["--lr-schedule", "constant"]
+    half, rest = ["--max-steps", "2", *constant], ["--max-steps", "4", "--resume", *constant]
     online = ["--max-steps", "2", "--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
     pack_ = ["--max-steps", "2", "--pack", "--max-length", "100"]
     frozen = ["--max-steps", "2", "--selector-loss-alpha", "0", "--weight-decay", "0.1"]
@@ -3701,7 +3751,7 @@ def fsdp_runs(setup, tmp_path_factory):
         two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2
     )
     one("b", *rest)
-    one("straight", "--max-steps", "4")
+    one("straight", "--max-steps", "4", *constant)
     one("one_step", "--max-steps", "1", "--eval-samples", "0")
     one("online_one", *online, "--grad-accum", "4")
     one("pack_one", *pack_)
@@ -4036,9 +4086,9 @@ runpy.run_path({train!r}, run_name="__main__")
 @needs_cuda
 def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_path):
     """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun
-    launch does), and 3 steps + 3 after --resume equal 6 straight, bit for bit. Deterministic
-    algorithms on (a wrapper script), so that the comparison sees resuming, not the order of atomic
-    adds. Each logged step has an MFU between 0 and 1."""
+    launch does), and 3 steps + 3 after --resume equal 6 straight at a constant lr, bit for bit.
+    Deterministic algorithms on (a wrapper script), so that the comparison sees resuming, not the
+    order of atomic adds. Each logged step has an MFU between 0 and 1."""
     script = tmp_path / "train_deterministic.py"
     script.write_text(DETERMINISTIC_TRAIN.format(here=HERE, train=os.path.join(HERE, "train.py")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -4062,6 +4112,8 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         "0",
         "--lr",
         "1e-2",
+        "--lr-schedule",
+        "constant",
         "--seed",
         "3",
         "--max-steps",
@@ -4096,7 +4148,7 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         return torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
 
     straight = torchrun(tmp_path / "a")
-    torchrun(tmp_path / "b", "--steps-this-run", "3")
+    torchrun(tmp_path / "b", "--max-steps", "3")
     assert_resumed_exactly(straight, torchrun(tmp_path / "b", "--resume"))
     for out in ("a", "b"):
         mfu = [r["mfu"] for r in log_records(tmp_path / out / "log.jsonl") if r["kind"] == "train"]
@@ -4511,7 +4563,7 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
         for a in ["fine , thanks", "poison too", "the cat"]
     ]
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
-    prepare.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
+    features.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["skipped_nonfinite"] == 1 and manifest["num_samples"] == 2
     kept = [tok.decode(s["input_ids"]) for s in features.load_features(str(tmp_path))]
@@ -4550,7 +4602,7 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
             shard_size=8,
             batch_size=b,
         )
-        prepare.write_manifest(str(d), len(convs), 8, "tiny", 32)
+        features.write_manifest(str(d), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
     lengths = sorted(len(conversations.tokenize_conversation(tok, c, 512)[0]) for c in convs)
@@ -4591,7 +4643,7 @@ def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
         prepare.batch_features = batch_features
     # shard 1 again, now with conversations 4, 5, 6
     assert len(seen) == 3
-    prepare.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
+    features.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
     grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
     for conv, sample in zip(convs, grown):
@@ -4614,12 +4666,12 @@ def test_shards_split_across_ranks(tmp_path):
     # k % 2 == 1
     assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]
     with pytest.raises(RuntimeError, match="not every rank"):
-        prepare.write_manifest(str(two), 7, 2, "tiny", 32)
+        features.write_manifest(str(two), 7, 2, "tiny", 32)
     prepare.write_features(
         target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2
     )
     for d in (one, two):
-        prepare.write_manifest(str(d), 7, 2, "tiny", 32)
+        features.write_manifest(str(d), 7, 2, "tiny", 32)
     a, b = features.load_features(str(one)), features.load_features(str(two))
     assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
@@ -5574,25 +5626,14 @@ def bad_jsonl(tmp_path):
     return write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
 
 
-def test_train_without_data_reads_the_main_jobs_or_names_the_command(tmp_path, monkeypatch, capsys):
-    """`torchrun train.py --selector-top-k 16` as typed: no --data reads the main job's prepared
-    data (data/smollm2-math/train and eval, from bash run.sh); without it, one line naming the
-    commands that make it, exit status 2."""
-    monkeypatch.chdir(tmp_path)
+def test_train_without_data_is_one_line(capsys):
+    """No --data: argparse's one line naming it, exit status 2 (run.sh names the main job's)."""
     with pytest.raises(SystemExit) as stop:
-        common.run(lambda: train.main(["--selector-top-k", "16"]))
+        train.parse_args(["--selector-top-k", "16"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and last.startswith("error: no --data, and no prepared data at "), (
-        last
+    assert stop.value.code == 2 and last.endswith(
+        "error: the following arguments are required: --data"
     )
-    assert "`bash run.sh`" in last and "python prepare.py --prompts math" in last
-    main_job = tmp_path / "data" / "smollm2-math"
-    (main_job / "train").mkdir(parents=True)
-    (main_job / "train" / "manifest.json").write_text("{}")
-    assert data.main_job_data(0) == ("data/smollm2-math/train", None)
-    (main_job / "eval").mkdir()
-    (main_job / "eval" / "manifest.json").write_text("{}")
-    assert data.main_job_data(0) == ("data/smollm2-math/train", "data/smollm2-math/eval")
 
 
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])

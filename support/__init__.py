@@ -11,11 +11,10 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     promptsets.py     the built-in prompt sets, read from files inside PyPI wheels
     regen.py          prepare.py --regenerate's records: resume, rank merge, fidelity report
     regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)
-    distributed.py    torchrun's ranks: start them, DDP or FSDP around the training module
-    fsdp.py           FSDP2 sharding of the draft and the online target (train.py --fsdp)
-    compiling.py      train.py's attention choice, and the guard where something compiles
-    timefit.py        train.py --max-seconds: the schedule's length fitted to the time left
-    flops.py          tokens, anchors and FLOPs a second; MFU on a GPU
+    distributed.py    torchrun's ranks: start them, end them, agree on a number
+    fsdp.py           FSDP2 sharding of the draft and the online target; whole checkpoints
+    compiling.py      train.py's attention choice, the guard where something compiles, graphs
+    flops.py          tokens, anchors and FLOPs a second; MFU on a GPU; compile time apart
     tracking.py       log.jsonl, the final report, wandb / TensorBoard (train.py --report-to)
     common.py         dtypes, atomic writes, bounded argparse types, --help, UsageError and run()
 """

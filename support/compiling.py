@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
+from torch._dynamo.utils import counters
 
 from support import kernels
 from support.common import UsageError
@@ -31,6 +32,12 @@ def choose_attention(attention: str, device) -> str:
 def anything_compiles(args) -> bool:
     """Whether batches are padded to data.static_shapes: where anything compiles (see COMPILE)."""
     return args.compile or args.attention == "flex"
+
+
+def graphs() -> int:
+    """The graphs dynamo has compiled in this process so far, recompiles included: a training step
+    after which there are more compiled (train.py logs its seconds as compile_s, apart)."""
+    return counters["stats"]["unique_graphs"]
 
 
 @contextlib.contextmanager

@@ -1,22 +1,17 @@
-"""The ranks of a torchrun job: start them, wrap the training module for them (DDP or FSDP),
-agree on a number. One process without torchrun is rank 0 of 1 and none of this communicates.
+"""The ranks of a torchrun job: start them, end them, agree on a number. One process without
+torchrun is rank 0 of 1 and none of this communicates. train.py wraps its module itself (DDP, or
+--fsdp: support/fsdp.py).
 
     start_ranks   this rank's device (its GPU bound first), rank, world; the process group
     end_ranks     the process group's orderly end
-    wrap          DDP (a whole copy a rank) or --fsdp (support/fsdp.py), and the no_sync of a
-                  step's micro-batches but its last
     agreed        rank 0's number on every rank
 """
 
-import contextlib
 import gc
 import os
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from support import fsdp
 
 
 def rank_device() -> torch.device:
@@ -48,20 +43,6 @@ def end_ranks():
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
-
-
-def wrap(objective, layers, target, device, sharded: bool, ddp: bool, bf16: bool) -> tuple:
-    """-> (the module to call, no_sync). Before the optimizer is built: sharded, its parameters
-    become this rank's slices (fsdp.shard: the online target, then the draft's `layers` and the
-    rest); ddp, a whole copy on every rank whose step's last backward all-reduces the gradients.
-    no_sync(): the backwards of a step but its last add into .grad without communicating."""
-    if sharded:
-        fsdp.shard(objective, layers, target, bf16)
-        return objective, lambda: fsdp.no_sync(objective)
-    if ddp:
-        objective = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None)
-        return objective, objective.no_sync
-    return objective, contextlib.nullcontext
 
 
 def agreed(n: int, device, distributed) -> int:

@@ -91,14 +91,16 @@ class Meter:
     """train.py's throughput: what this rank has done (target tokens, anchors, model FLOPs) and its
     rates over each logging interval, with MFU = model FLOP/s / the device's peak where that is
     known (peak_flops). It counts the host's copy of a batch, before the batch moves: counting a
-    device batch would wait for the GPU (.item(), a boolean mask) on every micro-batch."""
+    device batch would wait for the GPU (.item(), a boolean mask) on every micro-batch. compiles:
+    the steps that compiled are left out of the rates, their seconds summed apart (compile_s)."""
 
-    def __init__(self, device: torch.device, peak_tflops=None):
+    def __init__(self, device: torch.device, peak_tflops=None, compiles=False):
         self.peak = peak_flops(device, peak_tflops)  # FLOP/s; None (a CPU): no MFU, no counting
         self.note = ""  # a line for the log
         if device.type == "cuda" and not self.peak:
             name = torch.cuda.get_device_name(device)
             self.note = f"no MFU: {name} is not in flops.PEAK_TFLOPS; give its --peak-tflops"
+        self.compile_s = 0.0 if compiles else None
         self.restart()
 
     def restart(self):
@@ -113,25 +115,39 @@ class Meter:
         counts = [batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item(), flop]
         self.seen.add_(torch.tensor(counts, dtype=torch.float64))
 
+    def mark(self) -> tuple:
+        """What has been counted, and when: leave_out(mark) drops what came after."""
+        return self.seen.clone(), time.time()
+
+    def leave_out(self, mark: tuple, compiled=False):
+        """What was counted and timed since mark out of the rates; compiled: a step that compiled,
+        whose seconds go to compile_s."""
+        seen, t = mark
+        seconds = time.time() - t
+        self.seen, self.start = seen, self.start + seconds
+        if compiled:
+            self.compile_s += seconds
+
     @contextlib.contextmanager
     def paused(self):
         """Time that is not training (an evaluation, a checkpoint) left out of the rates."""
-        t = time.time()
+        mark = self.mark()
         yield
-        self.start += time.time() - t
+        self.leave_out(mark)
 
     def rates(self) -> dict:
         """Per second since the last call (or the start), as train.py logs them, then counting
-        starts again: a logging interval's rates, not the run's (whose first steps compile). MFU to
-        4 digits (a tiny model's is not 0)."""
+        starts again: a logging interval's rates, not the run's. MFU to 4 digits (a tiny model's is
+        not 0); with compiles, the run's compile_s so far."""
         tok_s, anchor_s, flop_s = (self.seen / max(time.time() - self.start, 1e-9)).tolist()
         self.restart()
         out = {"target_tok_per_s": round(tok_s, 1), "anchors_per_s": round(anchor_s, 1)}
-        return {**out, "mfu": float(f"{flop_s / self.peak:.4g}")} if self.peak else out
+        out.update({"mfu": float(f"{flop_s / self.peak:.4g}")} if self.peak else {})
+        return out | ({} if self.compile_s is None else {"compile_s": round(self.compile_s, 3)})
 
     def brief(self, rates: dict) -> dict:
         """rates (none yet: {}) for a progress bar."""
         if not rates:
             return {}
-        mfu = {"mfu": rates["mfu"]} if "mfu" in rates else {}
-        return {"tok_s": f"{rates['target_tok_per_s']:.0f}", **mfu}
+        kept = {k: rates[k] for k in ("mfu", "compile_s") if k in rates}
+        return {"tok_s": f"{rates['target_tok_per_s']:.0f}", **kept}

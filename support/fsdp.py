@@ -1,6 +1,6 @@
 """Fully sharded training (train.py --fsdp): FSDP2's fully_shard for the draft and, online, for the
-frozen target; and the training checkpoint (save_checkpoint, load_checkpoint), whole, whatever the
-number of ranks.
+frozen target; and the gathering that makes train.py's checkpoint whole, whatever the number of
+ranks (full_state, load_full_state).
 
 Under DDP every rank holds the whole draft in fp32 with its gradients and AdamW's two moments, 16
 bytes a parameter, and online the whole target too. fully_shard cuts every parameter along its first
@@ -18,16 +18,16 @@ The reduce-scatter averages over ranks as DDP's all-reduce does, so train.py's s
 gradients summed over micro-batches and ranks, divided once by the global denominator) is unchanged.
 
 Checkpoints: one consolidated file (train.py's ckpt.pt, as before), not a
-torch.distributed.checkpoint directory. Saving gathers each tensor in turn onto rank 0's CPU, which
-writes it atomically; loading reads the file memory-mapped on every rank, and each rank copies out
-its own slices. The same file serves 1 or N ranks, with or without --fsdp, and export.py reads it
-unchanged. It scales to the 2B-parameter drafts this project trains: weights and AdamW state are 12
-bytes a parameter, 23 GB for 1.92B, on the CPU of one node; a DCP directory would only pay off where
-one host cannot hold the whole state (tens of billions).
+torch.distributed.checkpoint directory. Saving gathers each tensor in turn onto rank 0's CPU
+(full_state), where train.py writes it atomically; loading reads the file memory-mapped on every
+rank, and each rank copies out its own slices (load_full_state). The same file serves 1 or N ranks,
+with or without --fsdp, and export.py reads it unchanged. It scales to the 2B-parameter drafts this
+project trains: weights and AdamW state are 12 bytes a parameter, 23 GB for 1.92B, on the CPU of one
+node; a DCP directory would only pay off where one host cannot hold the whole state (tens of
+billions).
 """
 
 import contextlib
-import os
 import warnings
 
 import torch
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from support.common import UsageError, atomic_write
+from support.common import UsageError
 from support.target import decoder_layers
 
 
@@ -100,39 +100,6 @@ def shard_target(target):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, draft, config: dict, opt, sched, step, total, args, master):
-    """train.py's ckpt.pt. Every rank calls it (--fsdp gathers the slices); rank 0 writes the whole
-    state, one file whatever the number of ranks. config: the draft's config as config.json holds
-    it (the caller writes it: compat/ sits above this package), what export.py exports. Atomic: a
-    crash mid-write never leaves a broken ckpt.pt behind."""
-    model_state, opt_state = full_state(draft, opt)
-    if master:
-        state = {
-            "model": model_state,
-            "config": config,
-            "optimizer": opt_state,
-            "scheduler": sched.state_dict(),
-            "step": step,
-            "total": total,  # the schedule's length (--max-seconds fits it)
-            "args": vars(args),
-        }
-        with atomic_write(path) as tmp:
-            torch.save(state, tmp)
-
-
-def load_checkpoint(path, draft, opt, sched, sharded=False) -> tuple:
-    """--resume: draft, optimizer and schedule as they were; returns the step to continue from and,
-    where --max-seconds fitted the schedule, its length (else None): a fitted run goes on at it.
-    Nothing else needs restoring: after the draft's init every draw (order, anchors) has its own
-    seeded generator."""
-    if not os.path.exists(path):
-        raise UsageError(f"--resume: no checkpoint at {path}")
-    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
-    load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
-    sched.load_state_dict(ck["scheduler"])
-    return ck["step"], ck["total"] if ck["args"].get("max_seconds") else None
-
-
 def full_state(draft, opt) -> tuple:
     """(draft state dict, optimizer state dict), whole and on the CPU, on rank 0 ({} on the other
     ranks). Every rank must call it: under FSDP it gathers the slices. The optimizer's state is

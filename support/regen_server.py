@@ -210,37 +210,17 @@ def regenerate(
 
 # ----------------------------------------------------------------------------- command line
 def add_flags(add):
-    """prepare.py's --server flags (add: a parser's add_argument)."""
+    """prepare.py's --server flags (add: a parser's add_argument); docs/data.md says more."""
+    add("--server", action="append", metavar="URL", help="an OpenAI-compatible server; repeatable")
     add(
-        "--server",
-        action="append",
-        metavar="URL",
-        help="regenerate on this OpenAI-compatible server (vLLM, SGLang, llama-server: "
-        "http://host:port) instead of in-process; repeat for several (support/regen_server.py)",
+        "--concurrency", type=bounded(int, low=1), default=8, help="requests in flight, all servers"
     )
+    add("--retries", type=bounded(int, low=0), default=5, help="tries again of a failed request")
     add(
-        "--concurrency",
-        type=bounded(int, low=1),
-        default=8,
-        help="--server requests in flight at once, over all servers",
-    )
-    add(
-        "--retries",
-        type=bounded(int, low=0),
-        default=5,
-        help="tries again per --server request that fails (down, timeout, 429, 5xx)",
-    )
-    add(
-        "--retry-wait",
-        type=bounded(float, low=0.0),
-        default=1.0,
-        help="seconds before the first retry, doubled for each next one",
+        "--retry-wait", type=bounded(float, low=0.0), default=1.0, help="seconds, doubled each time"
     )
     add("--request-timeout", type=bounded(float, above=0.0), default=600.0, help="seconds")
-    add(
-        "--server-model",
-        help="the model name sent to the servers (default: the first of each one's /v1/models)",
-    )
+    add("--server-model", help="the model name sent; default: each server's first /v1/models")
 
 
 def client(args) -> dict:

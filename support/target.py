@@ -123,6 +123,18 @@ def check_draft_fits(cfg, target):
         )
 
 
+def frozen_target(args, dtype, cfg, device, sharded: bool) -> tuple:
+    """train.py's --target -> (target or None, tokenizer, embedding [V, H], head [V, H]), the draft
+    checked against it. Offline only the embedding and head are read (no decoder layer is built);
+    --online the target runs, on device (sharded: where train.py shards it, --fsdp)."""
+    target, tokenizer = load_target(args.target, dtype, layers=args.online)
+    check_draft_fits(cfg, target)
+    embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
+    head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
+    target = (target if sharded else target.to(device)) if args.online else None
+    return target, tokenizer, embed_w, head_w
+
+
 # ----------------------------------------------------------------------------- features
 def decoder_layers(target):
     """The list of decoder layers of a Hugging Face causal LM (Llama, Qwen3, ...)."""

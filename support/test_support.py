@@ -349,7 +349,8 @@ def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
 
 def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, monkeypatch):
     """flops.Meter: rates() covers what was counted since its last call, over the seconds since
-    then (a paused() stretch left out); train.py counts each micro-batch on the host, before
+    then (a paused() stretch left out; a step that compiled left out, counts and seconds, its
+    seconds summed in compile_s); train.py counts each micro-batch on the host, before
     data.to_device copies it, so counting never waits for the device."""
     clock = [100.0]
     monkeypatch.setattr(flops.time, "time", lambda: clock[0])
@@ -364,6 +365,14 @@ def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, 
         clock[0] += 50.0  # an evaluation
     clock[0] += 4.0
     assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0}
+    meter = flops.Meter(torch.device("cpu"), compiles=True)
+    for seconds, compiled in ((30.0, True), (2.0, False), (20.0, True)):
+        mark = meter.mark()
+        meter.count(None, batch)
+        clock[0] += seconds
+        if compiled:
+            meter.leave_out(mark, compiled=True)
+    assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0, "compile_s": 50.0}
     monkeypatch.undo()
     events, to_device, count = [], data.to_device, flops.Meter.count
     monkeypatch.setattr(

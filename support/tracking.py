@@ -1,4 +1,4 @@
-"""A training run's records: log.jsonl (append_log), the final report (acceptance.json, the held-out
+"""A training run's records: log.jsonl (RunLog), the final report (acceptance.json, the held-out
 summary, the served hint), and experiment tracking: `train.py --report-to {none,wandb,tensorboard}`
 sends each record train.py writes to log.jsonl to wandb or TensorBoard too, under the same names.
 
@@ -84,6 +84,30 @@ class Tracker:
 
 
 # ---------------------------------------------------------------------------- log.jsonl and the end
+class RunLog:
+    """train.py's log.jsonl, on rank 0 (on): run_log(kind=..., step=..., ...) appends a record and
+    sends it to --report-to's tracker; a fresh run starts a fresh log, --resume appends to it;
+    end() writes a finished run's final report. On the other ranks nothing."""
+
+    def __init__(self, args, on: bool):
+        self.out_dir, self.on = args.out_dir, on
+        os.makedirs(args.out_dir, exist_ok=True)  # the run's folder: ckpt.pt goes there too
+        self.path = os.path.join(args.out_dir, "log.jsonl")
+        self.tracker = Tracker(args.report_to if on else "none", args.out_dir, vars(args))
+        if on and not args.resume and os.path.exists(self.path):
+            os.remove(self.path)
+
+    def __call__(self, **record):
+        if self.on:
+            append_log(self.path, record, self.tracker)
+
+    def end(self, final: dict, cfg, step, elapsed_s):
+        """final: the held-out metrics of a finished run ({}: none)."""
+        if self.on and final:
+            final_report(self.out_dir, self.path, final, cfg, step, elapsed_s, self.tracker)
+        self.tracker.close()
+
+
 def append_log(path, record: dict, tracker=None):
     """One log.jsonl record; --report-to sends it to the tracker too."""
     with open(path, "a") as f:

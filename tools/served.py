@@ -187,7 +187,7 @@ def taught_at(draft, embed_w, head_w, samples, anchors, args, target, device, au
         )
         batch = data.static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
         if target is not None:
-            train.add_target_features(batch, target, draft.config, args.loss == "kl", False)
+            data.add_target_features(batch, target, draft.config, args.loss == "kl", False)
         with autocast():
             add_into(acc, objective(batch, alpha_t=None)["metrics"])
     return reduce_metrics(acc)
@@ -240,7 +240,7 @@ def read_run(out_dir) -> tuple:
             "run has not finished (train.py --resume continues it)"
         )
     # a flag added after the run was written takes its default: what the run trained with
-    defaults = vars(train.parse_args([]))
+    defaults = vars(train.parse_args(["--data", saved["args"]["data"]]))
     flags = {**defaults, **saved["args"]}
     return argparse.Namespace(**flags), draft, saved.get("step"), finals[-1]
 
