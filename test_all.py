@@ -4865,9 +4865,9 @@ def test_export_cli_refuses_bad_flags(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- sharded checkpoints
 def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
-    draft = tiny_draft(
-        4, output_multiplier=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0}
-    )
+    linear = {"rope_type": "linear", "factor": 2.0}  # tiny_draft(4), with a scaled RoPE
+    c = tiny_config(target_layer_ids=[0, 2, 3], output_multiplier=0.5, rope_scaling=linear)
+    draft = randomize(DraftModel(config.with_rope(c))).eval()
     write_ckpt(tmp_path / "ckpt.pt", draft)
     out = tmp_path / "sharded"
     export.main(
@@ -5761,8 +5761,8 @@ def test_imports_flow_one_way():
     } == {}
     # the mechanism is the ground floor: its files import torch, the standard library and one
     # another, nothing of support/, compat/, speed/ or tools/. transformers only for the target's
-    # own KV cache (decoding.new_cache); scaled RoPE is compat/rope.py's, which sets
-    # model.scaled_rope
+    # own KV cache (decoding.new_cache); a scaled RoPE's frequencies come with the config
+    # (compat/config_json.py computes them where it reads one)
     mechanism = ("conv", "selector", "attention", "model", "loss", "decoding", "tree")
     for m in mechanism:
         names = set()
