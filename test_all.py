@@ -298,18 +298,13 @@ def objective_sums(
 
 def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
     """decoding.speculative_generate (a path of verify_tokens, default all B-1 drafts) or, with
-    tree_budget, tree.tree_generate, with its proposal (decoding.draft_proposal) or its tree growth
-    (tree.draft_tree) replaced for this call: how the tests script always-right, always-wrong or
+    tree_budget, tree.tree_generate, its step 2 (decoding.draft_proposal, tree.draft_tree) replaced
+    by proposer or grower (their `propose`): how the tests script always-right, always-wrong or
     hand-built drafts. -> (ids, taus)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if proposer is not None:
-            mp.setattr(decoding, "draft_proposal", proposer)
-        if grower is not None:
-            mp.setattr(tree, "draft_tree", grower)
-        if tree_budget is None:
-            k = kw.pop("verify_tokens", None)
-            return decoding.speculative_generate(target, draft, p, n, k, **kw)
-        return tree.tree_generate(target, draft, p, n, tree_budget, **kw)
+    if tree_budget is None:
+        k = kw.pop("verify_tokens", None)
+        return decoding.speculative_generate(target, draft, p, n, k, propose=proposer, **kw)
+    return tree.tree_generate(target, draft, p, n, tree_budget, propose=grower, **kw)
 
 
 def assert_lossless(target, draft, p, B, use_selector):
@@ -2208,17 +2203,13 @@ def run_objective(
 
 
 def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
-    proposal (decoding.draft_proposal) or its tree growth (tree.draft_tree) replaced for this call:
-    how the tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
+    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget), its step 2
+    (decoding.draft_proposal, tree.draft_tree) replaced by proposer or grower, as decode_with's.
+    -> (ids, show.Stats)."""
     k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
-    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
-    with pytest.MonkeyPatch.context() as mp:
-        if proposer is not None:
-            mp.setattr(decoding, "draft_proposal", proposer)
-        if grower is not None:
-            mp.setattr(tree, "draft_tree", grower)
-        return show.speculate(target, draft, p, n, shape, **kw)
+    if tree_budget is None:
+        return show.speculate(target, draft, p, n, ("path", k), propose=proposer, **kw)
+    return show.speculate(target, draft, p, n, ("tree", tree_budget), propose=grower, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -5041,10 +5032,13 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
         # generate.py: CUDA wherever it is
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
-    runs, real = [], show.speculate
-    monkeypatch.setattr(
-        generate, "speculate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
-    )
+    runs, report = [], show.Answer.report
+
+    def recording(answer, ids, *rest):  # the ids generate.py's cycle returned, their statistics
+        runs.append((ids, report(answer, ids, *rest)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(show.Answer, "report", recording)
     text = "tell me about the cat ."
     generate.main(
         [

@@ -20,10 +20,10 @@ b. compile   the same with --compile, the draft cut to --compile-layers layers: 
              draft did not compile in 120 s (the first run), so it cannot in this item's share.
 c. decode    decoding on the GPU: a random SmolLM2-135M-shaped target (fp32, the lossless rule)
              and a random draft of configs/smollm2-135m-dflash2.json, through
-             support.show.speculate (the loop of generate.py and tools/served.py): a path of B-1 and
-             a tree of B-1 nodes against plain decoding (decoding.target_generate): greedy output
-             equal, tau and tokens/s. Random weights: tau here measures the loop, not a trained
-             draft.
+             support.show.speculate (the cycles generate.py and tools/served.py run): a path of
+             B-1 and a tree of B-1 nodes against plain decoding (decoding.target_generate): greedy
+             output equal, tau and tokens/s. Random weights: tau here measures the loop, not a
+             trained draft.
 d. tests     every CUDA test (a "cuda" in its name or parameter id) of every test file, one pytest
              run, with what is left of the budget.
 
