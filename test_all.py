@@ -5770,6 +5770,76 @@ def test_imports_flow_one_way():
         assert roots <= {"torch", *mechanism} | sys.stdlib_module_names, (m, roots)
 
 
+# What a learner edits is what runs (issue 64): nothing outside the tests rebinds a name of these.
+READING_PATH = ("conv", "selector", "attention", "model", "loss", "decoding", "tree", "data")
+READING_PATH += ("train", "prepare", "export", "generate")
+
+
+def rebindings(source: str) -> list:
+    """Where source assigns to or deletes an attribute of a reading-path module, or sets one with
+    setattr / delattr (monkeypatch's too) -> ["line: code"]. The module is a name an import bound to
+    it (`import model as m`: m) or an attribute of such a name (`t.loss`, t the imported train)."""
+    nodes = list(ast.walk(ast.parse(source)))
+    bound = {}  # every name an import binds -> what it names (import a.b: a)
+    for node in nodes:
+        for a in node.names if isinstance(node, (ast.Import, ast.ImportFrom)) else []:
+            full = a.asname or isinstance(node, ast.ImportFrom)
+            bound[a.asname or a.name.split(".")[0]] = a.name if full else a.name.split(".")[0]
+
+    def reading(e) -> bool:  # e names a reading-path module
+        if isinstance(e, ast.Name):
+            return bound.get(e.id) in READING_PATH
+        return (
+            isinstance(e, ast.Attribute)
+            and e.attr in READING_PATH
+            and isinstance(e.value, ast.Name)
+            and e.value.id in bound
+        )
+
+    found, imports_reading = [], any(m in READING_PATH for m in bound.values())
+    for node in nodes:
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        targets = [t for e in targets for t in (e.elts if isinstance(e, ast.Tuple) else [e])]
+        hit = any(isinstance(t, ast.Attribute) and reading(t.value) for t in targets)
+        if isinstance(node, ast.Call) and node.args:
+            f, first = node.func, node.args[0]
+            name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+            # a variable, where the file imports the reading path, may hold one of its modules
+            # (support/show.py's `wrapped` set decoding's steps through a loop's variable)
+            maybe = isinstance(first, ast.Name) and first.id not in bound and imports_reading
+            hit = name in ("setattr", "delattr") and (reading(first) or maybe)
+        if hit:
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {code}" for line, code in sorted(found)]
+
+
+def test_nothing_rebinds_a_reading_path_function():
+    """No module outside the tests assigns to an attribute of a reading-path module (conv.py ..
+    generate.py): the function a learner edits is the one generate.py, --show and the tools run,
+    never one put in its place at run time. The scan catches each kind of rebinding, planted."""
+    planted = (
+        "import decoding\nimport model as m\nimport train as t\nimport tree\nimport show\n"
+        "decoding.draft_proposal = print\n"
+        "m.rope_frequencies, x = print, 1\n"
+        "t.loss.objective += 1\n"
+        "setattr(tree, 'draft_tree', print)\n"
+        "mp.setattr(decoding, 'accept', print)\n"
+        "del m.sdpa\n"
+        "[setattr(step, 'x', 1) for step in (tree, decoding)]\n"
+        "show.speculate = print\nself.model.x = 1\nmodel = 1\nsetattr(show, 'x', 1)\n"
+    )
+    assert [r.split(":")[0] for r in rebindings(planted)] == [str(n) for n in range(6, 13)]
+    found = []
+    for module, path in project_files().items():
+        if not module.rpartition(".")[2].startswith(("test_", "conftest")):
+            found += [f"{module}:{r}" for r in rebindings(open(path).read())]
+    assert found == []
+
+
 def test_every_package_module_is_imported_or_run():
     """Nothing is imported by nothing and tested by nothing: each module of the packages is
     imported by another project file (a test file counts), run by run.sh or .ci/run, or started by
