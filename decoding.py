@@ -10,8 +10,8 @@ against the proposal distribution q keeps the output distributed exactly as the 
 
 speculative_generate is that cycle for a path of k drafts (k = B-1 by default); tree.py runs the
 same steps on a tree of N nodes. Neither holds a clock or prints: they return the ids and each
-cycle's tau, and whoever wants more (generate.py --show, --bench) wraps the steps from outside
-(support/show.py). generate.py is the command line.
+cycle's tau, and tell whoever wants more (generate.py --show, --bench: support/show.py) what each
+phase of a cycle made, through their one `watch` callback. generate.py is the command line.
 """
 
 import inspect
@@ -37,27 +37,35 @@ def speculative_generate(
     generator=None,
     stop_ids=(),
     head=None,
+    propose=None,
+    watch=None,
 ):
     """prompt_ids [1, P] -> (ids [1, P + n], taus); n = max_new_tokens unless a stop token came
     first, taus: accepted drafts + 1 per cycle. Each cycle verifies the first k = verify_tokens of
     the B-1 drafts (default all). head: what scores the draft's rows (default: the target's head,
-    embed_and_head); speed/ may pass one that runs faster here."""
+    embed_and_head); speed/ may pass one that runs faster here. propose: step 2 in place of
+    draft_proposal (the tests and tools/llamacpp.py script the drafts with it). watch(phase,
+    **made): called as the prefill and each phase of a cycle ends, with what it made."""
     c, P = draft.config, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
     embed, target_head = embed_and_head(target, draft)
-    head = head or target_head
+    head, propose = head or target_head, propose or draft_proposal
+    watch = watch or (lambda phase, **made: None)
     # Prefill: the target's cache and features for the prompt; its last logit gives the first token.
     cache, ctx, logits = prefill(target, draft, prompt_ids)
     first = sample(logits, temperature, generator)
     ids, done = commit(prompt_ids, [first], P, max_new_tokens, stop_ids)
+    watch("prefill", ids=ids)
     taus = []
     while not done:
         s = ids.shape[1] - 1  # the anchor: the last committed token, not yet run by the target
         # 1. Draft: ONE forward of [anchor, MASK x (B-1)] at positions s..s+B-1; slots 1..k scored.
         h, u = draft_scores(draft, embed, head, ctx, ids, k)
+        watch("draft", u=u)
         # 2. Walk: the selector's path through its lattice (or the unary argmax; at T > 0 a sample
         #    from q): k drafts.
-        d, q = draft_proposal(draft, h, u, ids, temperature, use_selector, generator)
+        d, q = propose(draft, h, u, ids, temperature, use_selector, generator)
+        watch("selector", drafts=d)
         # 3. Verify: ONE target forward over [anchor, d_1..d_k]; row j is the target after d_1..d_j.
         block = torch.cat([ids[:, -1:], d], dim=1)
         logits, feats = target_forward(target, cache, c.target_layer_ids, block)
@@ -67,10 +75,12 @@ def speculative_generate(
         # 5. Crop the cache to the anchor and the accepted drafts: the bonus enters with the next
         #    block.
         crop(cache, s + a + 1)
+        watch("verify", accepted=a, bonus=bonus)
         # 6. The verify computed their features already: they become draft context.
         extend_context(draft, ctx, feats[:, : a + 1], s)
         ids, done = commit(ids, d[0, :a].tolist() + [bonus], P, max_new_tokens, stop_ids)
         taus.append(a + 1)
+        watch("commit", ids=ids)
     return ids, taus
 
 

@@ -19,88 +19,40 @@ replaced.
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 
-from decoding import target_generate
+from decoding import speculative_generate, target_generate
 from export import load_any
 from speed import bench, machine, tune
-from support import draw
+from support import show
 from support.common import DTYPES, UsageError, add_chat_template_kwargs, bounded, run
-from support.show import (
-    Printer,
-    ShowBlocks,
-    compare,
-    label,
-    median_speedup,
-    show_legend,
-    speculate,
-    timed,
-    token_text,
-)
 from support.target import check_draft_fits, encode, load_target, stop_token_ids
+from tree import tree_generate
 
 
 def reply(target, draft, tok, messages, args, gen, stop) -> str:
-    """Generate one answer, streaming it (--show: its blocks, then the text), then print the
-    statistics (and the baseline with --compare)."""
+    """One answer: the cycle decodes it, streamed as it commits (--show: each cycle's block), then
+    its statistics; --compare then times plain decoding against it. support/show.py prints."""
     ids = encode(tok, messages, next(target.parameters()).device, args.chat_template_kwargs)
-    kw = dict(temperature=args.temperature, generator=gen, stop_ids=stop)
-    if args.show:
-        watch = ShowBlocks(tok, sys.stdout.isatty(), args.shape[0] == "tree")
-    else:
-        watch = Printer(tok)
-    cycles, shown = [], watch
-    if args.show_svg:  # keep every cycle too, to draw them once the answer is done
-
-        def watch(cycle):
-            shown(cycle)
-            cycles.append(cycle)
-
-    use_selector, head = not args.unary, machine.draft_head(draft)  # speed/'s head, if it gave one
-    n = args.max_new_tokens
+    n, (kind, size), B = args.max_new_tokens, args.shape, draft.config.block_size
+    # decoding.py's cycle with a path of `size` drafts, or tree.py's with a tree of `size` nodes;
+    # speed/'s head scores the draft's rows, if it gave one
+    cycle = speculative_generate if kind == "path" else tree_generate
+    kw = dict(use_selector=not args.unary, stop_ids=stop, head=machine.draft_head(draft))
     if args.compare:  # untimed greedy warm-ups, as --bench runs: a first decoding pays one-off
-        warm = dict(kw, temperature=0.0, generator=None)  # costs, which a short answer shows
-        speculate(target, draft, ids, 8, args.shape, use_selector=use_selector, head=head, **warm)
-        target_generate(target, ids, 8, **warm)
+        cycle(target, draft, ids, 8, size, **kw)  # costs, which a short answer shows
+        target_generate(target, ids, 8, stop_ids=stop)
+    kw["temperature"] = args.temperature
     state = gen.get_state()  # --compare's repeats decode this answer again from here
-    out, stats = speculate(
-        target,
-        draft,
-        ids,
-        n,
-        args.shape,
-        use_selector=use_selector,
-        head=head,
-        watch=watch,
-        phases=args.show,
-        **kw,
-    )
-    if args.show:
-        print(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), end="")
-    print(f"\n[{args.mode}, {label(args.shape)}] {stats.summary()}")
-    if args.show_svg:
-        how = f"{args.mode}, {label(args.shape)}: {len(stats.taus)} cycles"
-        title = f"{how}, mean tau {stats.mean_tau:.2f}; prompt: {messages[-1]['content'][:60]}"
-        draw.decoding(cycles, lambda t: token_text(tok, t), title).save(args.show_svg)
-        print(f"[--show-svg] the decoding drawn: {args.show_svg}")
-    if args.compare:
-        plain_state = gen.get_state()
-        base, base_stats = timed(lambda: target_generate(target, ids, n, **kw), ids)
-
-        def again(decode, at):  # the same decoding once more: its generator back where it began
-            g = torch.Generator(device=gen.device).set_state(at)
-            return decode(dict(kw, generator=g))[1]
-
-        spec = lambda k: speculate(
-            target, draft, ids, n, args.shape, use_selector=use_selector, head=head, **k
-        )
-        plain = lambda k: timed(lambda: target_generate(target, ids, n, **k), ids)
-        speedup = median_speedup(lambda: again(spec, state), lambda: again(plain, plain_state))
-        print(
-            f"[plain] {base_stats.summary()}\n  {speedup}, output "
-            + compare(target, ids.shape[1], base, out, args.temperature, draft.config.block_size)
-        )
+    answer = show.Answer(tok, args, ids, B)  # the cycle's watch: prints the answer as it comes
+    out, taus = cycle(target, draft, ids, n, size, generator=gen, watch=answer, **kw)
+    answer.report(out, taus, messages)
+    if args.compare:  # each way again, as functions of their generator
+        spec = partial(cycle, target, draft, ids, n, size, **kw)
+        plain = partial(target_generate, target, ids, n, args.temperature, stop_ids=stop)
+        print(show.versus_plain(target, ids, out, spec, plain, gen, state, args.temperature, B))
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -147,7 +99,7 @@ def parse_args(argv=None):
         "--show",
         action="store_true",
         help="print every cycle's block, in colour on a terminal, "
-        "else with these markers: " + show_legend(),
+        "else with these markers: " + show.show_legend(),
     )
     a(
         "--show-svg",

@@ -15,7 +15,7 @@ selector.py head reranks the unary top-K; without them the same code is the plai
 
 In order: the config, the features the draft reads, the training path (all anchored blocks in one
 pass), the inference path (one block against a cache of context K/V), the backbone both run, and
-last the plumbing (scaled RoPE, autocast's dtype).
+last the plumbing (autocast's dtype).
 """
 
 import dataclasses
@@ -53,6 +53,9 @@ class DraftConfig:
     rope_theta: float = 1e6
     # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain
     rope_scaling: dict = None
+    # its (inverse frequencies [head_dim / 2] fp32, factor): set where a config is read
+    # (compat/config_json.py, from transformers' own functions), never written to config.json
+    scaled_rope: tuple = field(default=None, compare=False, repr=False)
     max_position_embeddings: int = 40960
     layer_types: list = None  # per layer "full_attention" | "sliding_attention"
     sliding_window: int = None
@@ -246,10 +249,17 @@ def rope_frequencies(c: DraftConfig) -> tuple:
     """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin).
 
     Plain RoPE is written out. A scaled one (rope_parameters with rope_type yarn, llama3 or linear)
-    is scaled_rope's, at the bottom of this file.
+    comes with the config, computed where it was read: c.scaled_rope.
     """
     if c.rope_scaling is not None:
-        return scaled_rope(c)
+        if c.scaled_rope is None:
+            raise ValueError(
+                f"rope_parameters.rope_type {c.rope_scaling.get('rope_type')!r}: a scaled RoPE's "
+                "frequencies come with the config; read it with compat.config_json (or give a "
+                "hand-built one compat.config_json.with_rope)"
+            )
+        inv_freq, scale = c.scaled_rope
+        return inv_freq.clone(), scale  # each layer's buffer its own, as a plain RoPE's
     D = c.head_dim
     # on the CPU: the same bits wherever the draft is built (`with torch.device("meta")`, a GPU)
     with torch.device("cpu"):
@@ -469,18 +479,7 @@ class DraftModel(nn.Module):
         return unary_transform(head(h), c.output_multiplier, c.final_logit_softcapping)
 
 
-# ------------------------------------------------------------------ scaled RoPE and dtype plumbing
-def scaled_rope(c: DraftConfig) -> tuple:
-    """A scaled RoPE's (inverse frequencies, factor). They come from transformers' own functions,
-    so that they are the ones Z Lab and speculators use: compat/rope.py builds them and sets this
-    name when imported (compat/config_json.py, which reads every config.json, imports it), so that
-    this file needs only torch."""
-    raise ValueError(
-        f"rope_parameters.rope_type {c.rope_scaling.get('rope_type')!r}: scaled RoPE is built by "
-        "compat/rope.py; import compat.config_json (or compat.rope) first"
-    )
-
-
+# ---------------------------------------------------------------------------- dtype plumbing
 def autocast_dtype(device_type: str):
     """The dtype autocast computes in on this device type, or None where autocast is off."""
     on = torch.is_autocast_enabled(device_type)

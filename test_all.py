@@ -340,18 +340,13 @@ def objective_sums(
 
 def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
     """decoding.speculative_generate (a path of verify_tokens, default all B-1 drafts) or, with
-    tree_budget, tree.tree_generate, with its proposal (decoding.draft_proposal) or its tree growth
-    (tree.draft_tree) replaced for this call: how the tests script always-right, always-wrong or
+    tree_budget, tree.tree_generate, its step 2 (decoding.draft_proposal, tree.draft_tree) replaced
+    by proposer or grower (their `propose`): how the tests script always-right, always-wrong or
     hand-built drafts. -> (ids, taus)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if proposer is not None:
-            mp.setattr(decoding, "draft_proposal", proposer)
-        if grower is not None:
-            mp.setattr(tree, "draft_tree", grower)
-        if tree_budget is None:
-            k = kw.pop("verify_tokens", None)
-            return decoding.speculative_generate(target, draft, p, n, k, **kw)
-        return tree.tree_generate(target, draft, p, n, tree_budget, **kw)
+    if tree_budget is None:
+        k = kw.pop("verify_tokens", None)
+        return decoding.speculative_generate(target, draft, p, n, k, propose=proposer, **kw)
+    return tree.tree_generate(target, draft, p, n, tree_budget, propose=grower, **kw)
 
 
 def assert_lossless(target, draft, p, B, use_selector):
@@ -2233,17 +2228,13 @@ def run_objective(
 
 
 def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget) with its
-    proposal (decoding.draft_proposal) or its tree growth (tree.draft_tree) replaced for this call:
-    how the tests script always-right, always-wrong or hand-built drafts. -> (ids, show.Stats)."""
+    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget), its step 2
+    (decoding.draft_proposal, tree.draft_tree) replaced by proposer or grower, as decode_with's.
+    -> (ids, show.Stats)."""
     k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
-    shape = ("path", k) if tree_budget is None else ("tree", tree_budget)
-    with pytest.MonkeyPatch.context() as mp:
-        if proposer is not None:
-            mp.setattr(decoding, "draft_proposal", proposer)
-        if grower is not None:
-            mp.setattr(tree, "draft_tree", grower)
-        return show.speculate(target, draft, p, n, shape, **kw)
+    if tree_budget is None:
+        return show.speculate(target, draft, p, n, ("path", k), propose=proposer, **kw)
+    return show.speculate(target, draft, p, n, ("tree", tree_budget), propose=grower, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -4951,9 +4942,9 @@ def test_export_cli_refuses_bad_flags(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- sharded checkpoints
 def test_sharded_export_round_trip_and_broken_indexes(tmp_path):
-    draft = tiny_draft(
-        4, output_multiplier=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0}
-    )
+    linear = {"rope_type": "linear", "factor": 2.0}  # tiny_draft(4), with a scaled RoPE
+    c = tiny_config(target_layer_ids=[0, 2, 3], output_multiplier=0.5, rope_scaling=linear)
+    draft = randomize(DraftModel(config.with_rope(c))).eval()
     write_ckpt(tmp_path / "ckpt.pt", draft)
     out = tmp_path / "sharded"
     export.main(
@@ -5127,10 +5118,13 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
         # generate.py: CUDA wherever it is
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
-    runs, real = [], show.speculate
-    monkeypatch.setattr(
-        generate, "speculate", lambda *a, **kw: runs.append(real(*a, **kw)) or runs[-1]
-    )
+    runs, report = [], show.Answer.report
+
+    def recording(answer, ids, *rest):  # the ids generate.py's cycle returned, their statistics
+        runs.append((ids, report(answer, ids, *rest)))
+        return runs[-1][1]
+
+    monkeypatch.setattr(show.Answer, "report", recording)
     text = "tell me about the cat ."
     generate.main(
         [
@@ -5871,8 +5865,8 @@ def test_imports_flow_one_way():
     } == {}
     # the mechanism is the ground floor: its files import torch, the standard library and one
     # another, nothing of support/, compat/, speed/ or tools/. transformers only for the target's
-    # own KV cache (decoding.new_cache); scaled RoPE is compat/rope.py's, which sets
-    # model.scaled_rope
+    # own KV cache (decoding.new_cache); a scaled RoPE's frequencies come with the config
+    # (compat/config_json.py computes them where it reads one)
     mechanism = ("conv", "selector", "attention", "model", "loss", "decoding", "tree")
     for m in mechanism:
         names = set()
@@ -5884,6 +5878,76 @@ def test_imports_flow_one_way():
         allowed = {"transformers.DynamicCache"} if m == "decoding" else set()
         roots = {n.split(".")[0] for n in names - allowed}
         assert roots <= {"torch", *mechanism} | sys.stdlib_module_names, (m, roots)
+
+
+# What a learner edits is what runs (issue 64): nothing outside the tests rebinds a name of these.
+READING_PATH = ("conv", "selector", "attention", "model", "loss", "decoding", "tree", "data")
+READING_PATH += ("train", "prepare", "export", "generate")
+
+
+def rebindings(source: str) -> list:
+    """Where source assigns to or deletes an attribute of a reading-path module, or sets one with
+    setattr / delattr (monkeypatch's too) -> ["line: code"]. The module is a name an import bound to
+    it (`import model as m`: m) or an attribute of such a name (`t.loss`, t the imported train)."""
+    nodes = list(ast.walk(ast.parse(source)))
+    bound = {}  # every name an import binds -> what it names (import a.b: a)
+    for node in nodes:
+        for a in node.names if isinstance(node, (ast.Import, ast.ImportFrom)) else []:
+            full = a.asname or isinstance(node, ast.ImportFrom)
+            bound[a.asname or a.name.split(".")[0]] = a.name if full else a.name.split(".")[0]
+
+    def reading(e) -> bool:  # e names a reading-path module
+        if isinstance(e, ast.Name):
+            return bound.get(e.id) in READING_PATH
+        return (
+            isinstance(e, ast.Attribute)
+            and e.attr in READING_PATH
+            and isinstance(e.value, ast.Name)
+            and e.value.id in bound
+        )
+
+    found, imports_reading = [], any(m in READING_PATH for m in bound.values())
+    for node in nodes:
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        targets = [t for e in targets for t in (e.elts if isinstance(e, ast.Tuple) else [e])]
+        hit = any(isinstance(t, ast.Attribute) and reading(t.value) for t in targets)
+        if isinstance(node, ast.Call) and node.args:
+            f, first = node.func, node.args[0]
+            name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+            # a variable, where the file imports the reading path, may hold one of its modules
+            # (support/show.py's `wrapped` set decoding's steps through a loop's variable)
+            maybe = isinstance(first, ast.Name) and first.id not in bound and imports_reading
+            hit = name in ("setattr", "delattr") and (reading(first) or maybe)
+        if hit:
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {code}" for line, code in sorted(found)]
+
+
+def test_nothing_rebinds_a_reading_path_function():
+    """No module outside the tests assigns to an attribute of a reading-path module (conv.py ..
+    generate.py): the function a learner edits is the one generate.py, --show and the tools run,
+    never one put in its place at run time. The scan catches each kind of rebinding, planted."""
+    planted = (
+        "import decoding\nimport model as m\nimport train as t\nimport tree\nimport show\n"
+        "decoding.draft_proposal = print\n"
+        "m.rope_frequencies, x = print, 1\n"
+        "t.loss.objective += 1\n"
+        "setattr(tree, 'draft_tree', print)\n"
+        "mp.setattr(decoding, 'accept', print)\n"
+        "del m.sdpa\n"
+        "[setattr(step, 'x', 1) for step in (tree, decoding)]\n"
+        "show.speculate = print\nself.model.x = 1\nmodel = 1\nsetattr(show, 'x', 1)\n"
+    )
+    assert [r.split(":")[0] for r in rebindings(planted)] == [str(n) for n in range(6, 13)]
+    found = []
+    for module, path in project_files().items():
+        if not module.rpartition(".")[2].startswith(("test_", "conftest")):
+            found += [f"{module}:{r}" for r in rebindings(open(path).read())]
+    assert found == []
 
 
 def test_every_package_module_is_imported_or_run():

@@ -26,7 +26,7 @@ drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is
 the machine and the draft: generate.py --bench measures several side by side.
 
 tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps
-(support/show.speculate runs either shape as generate.py, speed/bench.py and tools/served.py do).
+(generate.py calls either; so do speed/bench.py and tools/served.py, through support/show.py).
 """
 
 import heapq
@@ -244,24 +244,31 @@ def tree_generate(
     generator=None,
     stop_ids=(),
     head=None,
+    propose=None,
+    watch=None,
 ):
     """decoding.speculative_generate's cycle with a tree of `budget` nodes verified in place of the
     path: the same steps, but for the proposal (draft_tree), the verify's positions and mask, the
-    walk, and the KV rows kept. -> (ids [1, P + n], taus). head: as speculative_generate's."""
+    walk, and the KV rows kept. -> (ids [1, P + n], taus). head, watch: as speculative_generate's;
+    propose: step 2 in place of draft_tree."""
     c, P, dev = draft.config, prompt_ids.shape[1], prompt_ids.device
     L = min(budget, c.block_size - 1)  # the deepest slot a tree of `budget` nodes reaches
     embed, target_head = embed_and_head(target, draft)
-    head = head or target_head
+    head, propose = head or target_head, propose or draft_tree
+    watch = watch or (lambda phase, **made: None)
     pick = lambda row: sample(row, temperature, generator)  # noqa: E731
     cache, ctx, logits = prefill(target, draft, prompt_ids)
     ids, done = commit(prompt_ids, [pick(logits)], P, max_new_tokens, stop_ids)
+    watch("prefill", ids=ids)
     taus = []
     while not done:
         s = ids.shape[1] - 1  # the anchor
         # 1. Draft: the same block forward, slots 1..L scored.
         h, u = draft_scores(draft, embed, head, ctx, ids, L)
+        watch("draft", u=u)
         # 2. Grow the tree best-first over each slot's top-K, from the draft's scores alone.
-        t = draft_tree(draft, h, u, ids, budget, use_selector)
+        t = propose(draft, h, u, ids, budget, use_selector)
+        watch("selector", tree=t)
         # 3. Verify: ONE target forward over [anchor, nodes...]; node i sits at s + depth_i and
         #    sees its ancestors only (a path's ancestor mask is the causal one).
         kw = {}
@@ -276,8 +283,10 @@ def tree_generate(
         rows = [0] + path
         keep_rows(cache, len(t.tokens), rows)
         crop(cache, s + len(rows))
+        watch("verify", path=path, bonus=bonus)
         # 6. Their features become draft context.
         extend_context(draft, ctx, feats[:, rows], s)
         ids, done = commit(ids, [t.tokens[i] for i in path] + [bonus], P, max_new_tokens, stop_ids)
         taus.append(len(path) + 1)
+        watch("commit", ids=ids)
     return ids, taus

@@ -1,8 +1,8 @@
 """Scaled RoPE (rope_parameters with rope_type yarn, llama3 or linear), from transformers' own
 initialisation functions, given the Qwen3 config a public loader builds from the same config.json:
 so the frequencies are the ones Z Lab and speculators use. The one place the draft reads
-transformers; model.py writes plain RoPE out and calls this through model.scaled_rope, which
-importing this file sets (compat/config_json.py, which reads every config.json, imports it).
+transformers; model.py writes plain RoPE out and takes a scaled one from its config, whose
+scaled_rope compat/config_json.py fills with this when it reads a config.json.
 """
 
 import torch
@@ -25,6 +25,3 @@ def scaled_rope(c: model.DraftConfig) -> tuple:
         )
         inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
     return inv_freq.float(), float(scale)  # yarn's scale is its attention factor; 1 for the others
-
-
-model.scaled_rope = scaled_rope

@@ -13,9 +13,12 @@ holds it equal to the banners):
         the speculators format
 """
 
+import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -470,14 +473,33 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     assert (ours - plain).abs().max() > 1e-2
 
 
+def test_a_scaled_rope_comes_with_the_config_that_was_read(tmp_path):
+    """A config read from a config.json carries its scaled RoPE's frequencies: `import model` alone
+    builds its draft, with those frequencies, compat/ never imported. A hand-built config without
+    them is refused by name."""
+    c = config.config_from_dict(zlab_fixture(rope_parameters=dict(YARN)))
+    torch.save(c, tmp_path / "config.pt")
+    code = (
+        "import sys, torch, model\n"
+        "c = torch.load(sys.argv[1], weights_only=False)\n"
+        "inv_freq = model.DraftModel(c).layers[0].self_attn.inv_freq\n"
+        "print([m for m in sys.modules if m.startswith('compat')], inv_freq.tolist())"
+    )
+    argv = [sys.executable, "-c", code, str(tmp_path / "config.pt")]
+    out = subprocess.run(argv, cwd=HERE, capture_output=True, text=True, check=True).stdout
+    # the frequencies test_scaled_rope_equals_transformers_rotary_embedding holds to transformers'
+    assert out.strip() == f"[] {model.rope_frequencies(c)[0].tolist()}"
+    with pytest.raises(ValueError, match="rope_type 'yarn': a scaled RoPE's frequencies come with"):
+        DraftModel(dataclasses.replace(c, scaled_rope=None))
+
+
 def test_rope_frequencies_follow_the_draft_and_stay_fp32():
     """inv_freq is a non-persistent buffer of each Attention: draft.to(device) moves it, so rope()
     copies nothing from the host per call on a GPU; draft.to(bf16) leaves it fp32, since rope()
     computes in fp32; state_dict, and so every export, holds the same tensors as before, in
     order."""
-    c = tiny_config(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    )
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    c = config.with_rope(tiny_config(rope_scaling=yarn))
     fp32 = model.rope_frequencies(c)[0]
     sub = ["input_layernorm.weight"]
     sub += [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -578,8 +600,6 @@ def test_unimplemented_fields_are_refused_by_name(key, value, named):
 
 
 def test_harmless_fields_accepted_and_old_names_read():
-    import dataclasses
-
     base = config.config_from_dict(zlab_fixture())
     quiet = zlab_fixture(
         bos_token_id=None,
@@ -880,7 +900,8 @@ def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
     ids = torch.randint(0, 63, (1, S), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         hidden = target(ids, output_hidden_states=True).hidden_states
-    draft = tiny_draft(8, seed=1, **layout)
+    c = config.with_rope(tiny_config(block_size=8, target_layer_ids=[0, 2, 3], **layout))
+    draft = randomize(DraftModel(c), seed=1).eval()  # tiny_draft(8, seed=1), its RoPE computed
     feats = torch.cat([hidden[i + 1] for i in draft.config.target_layer_ids], -1)
     write_ckpt(tmp_path / "ckpt.pt", draft)
     export.export(

@@ -139,7 +139,7 @@ def draft_head(draft):
     """The head speed/ gave the draft to score its rows with (draft.head: int8.quantize's int8
     head, cost.use_fastest_rows' FastestRows), or None: the target's, decoding.embed_and_head's.
     The scripts that run the draft through speed/ hand it to the decoding loops as their `head`
-    (support/show.speculate's)."""
+    (decoding.speculative_generate's, tree.tree_generate's)."""
     return getattr(draft, "head", None)
 
 

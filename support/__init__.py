@@ -6,7 +6,7 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     target.py         load the target (the embedded SmolLM2 too), check a draft fits it, prompts
     kernels.py        attention kernels: dense SDPA (memory-safe on CUDA), FlexAttention, compile
     metrics.py        acceptance statistics beside the loss; acceptance.json
-    show.py           the cycle watched and timed from outside, --show, --compare's verdict
+    show.py           the cycle's watch: --show, --show-svg, --compare, the statistics and clock
     draw.py           hand-written SVG: the walkthrough's figures, --show-svg, training charts
     promptsets.py     the built-in prompt sets, read from files inside PyPI wheels
     regen.py          prepare.py --regenerate's records: resume, rank merge, fidelity report

@@ -12,8 +12,6 @@ it its colour through the style sheet below and lets a test read the picture bac
 import math
 from xml.sax.saxutils import escape, quoteattr
 
-from support.show import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds
-
 CHAR = 7.3  # px: a character of the 12 px monospace font is about 0.6 of it wide
 CELL = 16  # a grid cell, px
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]  # one per run
@@ -304,8 +302,39 @@ def story_tree(t, texts, path, bonus, probs, title) -> Svg:
 
 
 # ----------------------------------------------------------------------------- a decoding
+# The kinds of a cycle's drafts, as --show prints them (support/show.py) and a picture draws them:
+SHOW_KINDS = {
+    "accepted": ("[", "]", "30;42", "accepted draft"),
+    "rejected": ("{", "}", "97;41", "first rejected draft"),
+    "unchecked": ("(", ")", "2", "later draft, never checked"),
+    # plain brackets, ANSI colour, meaning
+    "bonus": ("<", ">", "30;46", "the target's bonus token"),
+}
+DEPARTS = (
+    "*: the proposal is not the unary argmax there (the selector's path departs, or sampling did)"
+)
+BRANCHES = (
+    "*: an accepted node that is not its parent's best child (a path would have stopped there)"
+)
+
+
+def path_kinds(n: int, accepted: int) -> list:
+    """The kinds of a path's n drafts, the first `accepted` of them accepted: accepted, then the
+    first rejected one, then those never checked (--show and --show-svg alike)."""
+    return (["accepted"] * accepted + ["rejected"] + ["unchecked"] * n)[:n]
+
+
+def branches(t, path) -> list:
+    """The nodes of a tree t's accepted path that are not their parent's best child (its first in
+    best-first order): where a path would have stopped and the tree went on, --show's `*`."""
+    first = {}  # each parent's best child
+    for i in range(len(t.parents) - 1, 0, -1):
+        first[t.parents[i]] = i
+    return [i for i in path if first[t.parents[i]] != i]
+
+
 def legend(svg, x, y, tree: bool, departs=True) -> float:
-    """A row of the four kinds of --show's blocks (show.SHOW_KINDS), then the `*` rule."""
+    """A row of the four kinds of --show's blocks (SHOW_KINDS), then the `*` rule."""
     for kind, (*_, meaning) in SHOW_KINDS.items():
         svg.rect(x, y - 8, 14, 14, kind)
         svg.text(x + 20, y, meaning, "note")

@@ -1,5 +1,5 @@
 """Watching it decode: the statistics and the clock of a decoding, and what generate.py prints of it
-(--show: every cycle's block as one line; else the text streamed).
+(--show: every cycle's block as one line; else the text streamed; --show-svg; --compare).
 
     [accepted] [accepted]* {first rejected} (never checked) (never checked) <bonus>
 
@@ -15,13 +15,12 @@ where `*` marks an accepted node that is not its parent's best child: a path wou
 there, the tree went on. On a terminal colours replace the brackets.
 
 The cycle itself (decoding.py, tree.py) holds no clock and prints nothing: it returns the ids and
-each cycle's tau. What --show, --show-svg, --bench and the streamed text need more, this file gets
-from outside, by wrapping the cycle's steps while one decoding runs (`wrapped`): a Watcher rebuilds
-each cycle (a Cycle) from the steps' results as it commits, a PhaseClock sums each phase's time.
+each cycle's tau, and calls its `watch` as each phase ends, with what that phase made. Everything
+here is such a watch: a Watcher rebuilds each cycle (a Cycle) and hands it on as it commits, a
+PhaseClock sums each phase's time, an Answer prints generate.py's answer with both.
 """
 
-import contextlib
-import functools
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -29,23 +28,29 @@ import torch
 
 import decoding
 import tree
+from support import draw
 from support.common import DTYPES, dtype_name
+from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds
 
 
 # ------------------------------------------------------------------------------- run a decoding
 def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, phases=False, **kw):
-    """Speculative decoding as the scripts run it: a verify shape, ("path", k) or ("tree", n) ->
-    (ids [1, P + n], Stats). watch(Cycle) sees each cycle as it commits (--show, the streamed text);
-    phases: time each phase too (--show, --bench; on a GPU a synchronize around every step). kw:
-    speculative_generate's (use_selector, temperature, generator, stop_ids, head). head: what
-    scores the draft's rows, the target's head when None; a caller that ran the draft through
-    speed/ passes the one speed/ gave it (speed.machine.draft_head)."""
+    """Speculative decoding as speed/bench.py, tools/served.py and the tests run it: a verify shape,
+    ("path", k) or ("tree", n) -> (ids [1, P + n], Stats). watch(Cycle) sees each cycle as it
+    commits; phases: time each phase too (on a GPU a synchronize at each phase's end). kw: the
+    cycle's (use_selector, temperature, generator, stop_ids, head, propose). head: what scores the
+    draft's rows, the target's head when None; a caller that ran the draft through speed/ passes
+    the one speed/ gave it (speed.machine.draft_head)."""
     kind, n = shape
     loop = decoding.speculative_generate if kind == "path" else tree.tree_generate
-    decode = lambda: loop(target, draft, prompt_ids, max_new_tokens, n, **kw)  # noqa: E731
-    watcher = Watcher(watch) if watch else None
-    with wrapped(watcher.wrap) if watcher else contextlib.nullcontext():
-        return timed(decode, prompt_ids, draft.config.block_size, phases)
+    see = Watcher(watch, prompt_ids.shape[1]) if watch else None
+    clock = PhaseClock(prompt_ids.device, then=see) if phases else None
+    return timed(
+        lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=clock or see, **kw),
+        prompt_ids,
+        draft.config.block_size,
+        clock,
+    )
 
 
 def label(shape) -> str:
@@ -97,95 +102,62 @@ class Stats:
         return f"{s}\n  cycle time (wall clock per phase): {split}"
 
 
-def timed(decode, prompt_ids, block_size=None, phases=False):
+def timed(decode, prompt_ids, block_size=None, clock=None):
     """Run decode() -> (ids [1, P + n], taus) -> (ids, Stats). block_size: the draft's B for a
     speculative decoding (acceptance by slot); None for plain decoding, whose Stats hold its tokens
-    and time only. phases: a PhaseClock times the cycle's phases too. Without it nothing is
-    synchronized: every cycle reads its tokens back (.tolist()), which waits for the device."""
-    clock = PhaseClock(prompt_ids.device) if phases else None
-    with (
-        clock or contextlib.nullcontext(),
-        wrapped(clock.wrap) if clock else contextlib.nullcontext(),
-    ):
-        start = time.perf_counter()
-        ids, taus = decode()
-        total = time.perf_counter() - start
-    total = clock.total if clock else total
-    n = ids.shape[1] - prompt_ids.shape[1]
+    and time only. clock: the PhaseClock decode's cycle reports to (its watch), when the phases are
+    timed. Without it nothing is synchronized: every cycle reads its tokens back (.tolist()), which
+    waits for the device."""
+    start = time.perf_counter()
+    ids, taus = decode()
+    seconds = clock.total if clock else time.perf_counter() - start
+    return ids, statistics(ids.shape[1] - prompt_ids.shape[1], seconds, taus, block_size, clock)
+
+
+def statistics(new_tokens: int, seconds: float, taus, block_size=None, clock=None) -> Stats:
+    """The Stats of a decoding that committed new_tokens in seconds; the rest as timed's."""
     if block_size is None:
-        return ids, Stats(new_tokens=n, seconds=total)
+        return Stats(new_tokens=new_tokens, seconds=seconds)
     # slot j accepted iff tau > j
     accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]
     s = clock.seconds if clock else dict.fromkeys(("draft", "selector", "verify"), 0.0)
-    return ids, Stats(n, total, taus, accepted_at, s["draft"], s["selector"], s["verify"])
+    return Stats(new_tokens, seconds, taus, accepted_at, s["draft"], s["selector"], s["verify"])
 
 
-# ------------------------------------------------------------------ the cycle's steps, from outside
-# the steps of decoding.py and tree.py a wrapper sees, the phase each counts in (commit: none)
+# ------------------------------------------------------------------------ timing the cycle's phases
+# the phase each of the cycle's watch calls ends: "commit" ends step 6, the accepted tokens'
+# features becoming draft context, and the commit
 PHASES = {
     "prefill": "prefill",
-    "draft_scores": "draft",
-    "extend_context": "draft",
-    "draft_proposal": "selector",
-    "draft_tree": "selector",
-    "target_forward": "verify",
-    "accept": "verify",
-    "attention_masks": "verify",
-    "follow_target": "verify",
-    "keep_rows": "verify",
-    "commit": None,
+    "draft": "draft",
+    "selector": "selector",
+    "verify": "verify",
+    "commit": "draft",
 }
 
 
-@contextlib.contextmanager
-def wrapped(wrap):
-    """While the block runs, each step `name` of the cycle is wrap(name, step): in decoding.py and
-    in tree.py, which calls decoding's steps by the names it imported."""
-    steps = [
-        (m, name, getattr(m, name)) for m in (decoding, tree) for name in PHASES if hasattr(m, name)
-    ]
-    try:
-        for m, name, step in steps:
-            setattr(m, name, wrap(name, step))
-        yield
-    finally:
-        for m, name, step in steps:
-            setattr(m, name, step)
-
-
 class PhaseClock:
-    """Wall clock per phase of the cycle while it runs (`with PhaseClock(device) as clock:`, its
-    wrap around the steps): each step adds its time to clock.seconds[its phase]; clock.total is the
-    whole span. A step called inside another timed step counts in the outer one's phase."""
+    """Wall clock per phase of the cycle, as its watch: each call adds the time since the one before
+    to the phase that call ends (PHASES); clock.total is the span from the clock's start to the
+    last call. then: a watch to hand every call on to, whose own time (printing a line) counts in
+    no phase."""
 
-    def __init__(self, device):
-        self.device, self.busy, self.total = device, False, 0.0
+    def __init__(self, device, then=None):
+        self.device, self.then = device, then
         self.seconds = {"prefill": 0.0, "draft": 0.0, "selector": 0.0, "verify": 0.0}
+        self.start = self.last = now(device)
 
-    def __enter__(self):
-        self.start = now(self.device)
-        return self
+    def __call__(self, phase, **made):
+        t = now(self.device)
+        self.seconds[PHASES[phase]] += t - self.last
+        if self.then is not None:
+            self.then(phase, **made)
+            t = now(self.device)
+        self.last = t
 
-    def __exit__(self, *exc):
-        self.total = now(self.device) - self.start
-
-    def wrap(self, name: str, step):
-        phase = PHASES[name]
-        if phase is None:
-            return step
-
-        @functools.wraps(step)
-        def timed_step(*args, **kwargs):
-            if self.busy:
-                return step(*args, **kwargs)
-            self.busy, start = True, now(self.device)
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self.seconds[phase] += now(self.device) - start
-                self.busy = False
-
-        return timed_step
+    @property
+    def total(self) -> float:
+        return self.last - self.start
 
 
 def now(device) -> float:
@@ -217,53 +189,29 @@ def unary_best(u) -> list:
 
 
 class Watcher:
-    """Wrapped around the cycle's steps (its wrap), keeps what each returned and, at every commit,
-    hands watch the cycle it makes up (a Cycle)."""
+    """The cycle's watch that keeps what each phase made and, at every commit, hands see(cycle) the
+    cycle it makes up (a Cycle). P: the prompt's length."""
 
-    def __init__(self, watch):
-        self.watch, self.seen = watch, {}
+    def __init__(self, see, P: int):
+        self.see, self.length, self.made = see, P, {}
 
-    def wrap(self, name: str, step):
-        @functools.wraps(step)
-        def seen(*args, **kwargs):
-            out = step(*args, **kwargs)
-            if name == "commit":  # commit(ids, new, ...) -> (ids, done)
-                self.committed(args[0], out[0])
-            else:
-                self.seen[name] = out
-            return out
-
-        return seen
-
-    def committed(self, before, after):
-        new, got, self.seen = after[0, before.shape[1] :].tolist(), self.seen, {}
-        if "draft_scores" not in got:  # the prefill's token
-            return self.watch(Cycle(new))
-        best = unary_best(got["draft_scores"][1])
-        if "draft_tree" in got:
-            t, (path, bonus) = got["draft_tree"], got["follow_target"]
+    def __call__(self, phase, **made):
+        self.made.update(made)
+        if phase not in ("prefill", "commit"):
+            return
+        got, self.made = self.made, {}
+        new, self.length = got["ids"][0, self.length :].tolist(), got["ids"].shape[1]
+        if phase == "prefill":  # the prefill's token
+            return self.see(Cycle(new))
+        best = unary_best(got["u"])
+        if "tree" in got:
+            t, path = got["tree"], got["path"]
             unary = [best[d - 1] for d in t.depths[1:]]  # the unary argmax of each node's slot
-            return self.watch(Cycle(new, t.tokens[1:], unary, len(path), bonus, tree=t, path=path))
-        (d, _), (a, bonus) = got["draft_proposal"], got["accept"]
-        return self.watch(Cycle(new, d[0].tolist(), best, a, bonus))
+            return self.see(Cycle(new, t.tokens[1:], unary, len(path), got["bonus"], t, path))
+        return self.see(Cycle(new, got["drafts"][0].tolist(), best, got["accepted"], got["bonus"]))
 
 
 # -------------------------------------------------------------------- --show: every cycle's block
-SHOW_KINDS = {
-    "accepted": ("[", "]", "30;42", "accepted draft"),
-    "rejected": ("{", "}", "97;41", "first rejected draft"),
-    "unchecked": ("(", ")", "2", "later draft, never checked"),
-    # plain brackets, ANSI colour, meaning
-    "bonus": ("<", ">", "30;46", "the target's bonus token"),
-}
-DEPARTS = (
-    "*: the proposal is not the unary argmax there (the selector's path departs, or sampling did)"
-)
-BRANCHES = (
-    "*: an accepted node that is not its parent's best child (a path would have stopped there)"
-)
-
-
 def mark(text: str, kind: str, color=False, departs=False) -> str:
     """text as a token of this kind: in its brackets, or in its ANSI colour on a terminal; `*` after
     it when the draft departs from the unary argmax."""
@@ -278,21 +226,6 @@ def show_legend(color=False, tree=False) -> str:
         + "  "
         + (BRANCHES if tree else DEPARTS)
     )
-
-
-def path_kinds(n: int, accepted: int) -> list:
-    """The kinds of a path's n drafts, the first `accepted` of them accepted: accepted, then the
-    first rejected one, then those never checked (--show and --show-svg alike)."""
-    return (["accepted"] * accepted + ["rejected"] + ["unchecked"] * n)[:n]
-
-
-def branches(t, path) -> list:
-    """The nodes of a tree t's accepted path that are not their parent's best child (its first in
-    best-first order): where a path would have stopped and the tree went on, --show's `*`."""
-    first = {}  # each parent's best child
-    for i in range(len(t.parents) - 1, 0, -1):
-        first[t.parents[i]] = i
-    return [i for i in path if first[t.parents[i]] != i]
 
 
 def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) -> str:
@@ -360,6 +293,44 @@ class Printer:
             self.shown = len(text)
 
 
+# ------------------------------------------------------------------------ generate.py's answer
+class Answer:
+    """What generate.py prints of one speculative answer to prompt_ids [1, P], as the cycle's watch:
+    the text streamed as it commits or, with --show, each cycle's block and the phases timed. Then
+    report(ids, taus, messages) prints its statistics (--show: the text first) and --show-svg's
+    picture."""
+
+    def __init__(self, tok, args, prompt_ids, block_size: int):
+        self.tok, self.args, self.P, self.B = tok, args, prompt_ids.shape[1], block_size
+        color, is_tree = sys.stdout.isatty(), args.shape[0] == "tree"
+        self.see = ShowBlocks(tok, color, is_tree) if args.show else Printer(tok)
+        self.cycles = []  # --show-svg draws them once the answer is done
+        self.watcher = Watcher(self.seen, self.P)
+        self.clock = PhaseClock(prompt_ids.device, then=self.watcher) if args.show else None
+        self.start = time.perf_counter()
+
+    def __call__(self, phase, **made):
+        (self.clock or self.watcher)(phase, **made)
+
+    def seen(self, cycle):
+        self.see(cycle)
+        self.cycles.append(cycle)
+
+    def report(self, ids, taus, messages) -> Stats:
+        a, tok = self.args, self.tok
+        seconds = self.clock.total if self.clock else time.perf_counter() - self.start
+        stats = statistics(ids.shape[1] - self.P, seconds, taus, self.B, self.clock)
+        if a.show:
+            print(tok.decode(ids[0, self.P :], skip_special_tokens=True), end="")
+        print(f"\n[{a.mode}, {label(a.shape)}] {stats.summary()}")
+        if a.show_svg:
+            how = f"{a.mode}, {label(a.shape)}: {len(stats.taus)} cycles"
+            title = f"{how}, mean tau {stats.mean_tau:.2f}; prompt: {messages[-1]['content'][:60]}"
+            draw.decoding(self.cycles, lambda t: token_text(tok, t), title).save(a.show_svg)
+            print(f"[--show-svg] the decoding drawn: {a.show_svg}")
+        return stats
+
+
 # ---------------------------------------------------------- --compare: the speed-up, a tie or a bug
 REPEATS = 5  # --compare's speed-up: the median of this many decodings each way
 
@@ -377,6 +348,26 @@ def median_speedup(speculative, plain, repeats: int = REPEATS) -> str:
     return (
         f"speedup {s / b:.2f}x (median of {repeats} runs each way: {s:.1f} against {b:.1f} tok/s)"
     )
+
+
+def versus_plain(target, prompt_ids, out, speculative, plain, gen, state, temperature, B) -> str:
+    """--compare, after the speculative answer `out` to prompt_ids [1, P] (a draft of block size B):
+    plain decoding once from gen, then each way REPEATS times more, each from where its first run's
+    generator began (the speculative one's: state) -> the lines giving plain decoding's statistics,
+    the speed-up, and whether the outputs are the same. speculative(generator=g), plain(generator=g)
+    -> (ids, taus): one decoding each way."""
+    plain_state = gen.get_state()
+    base, base_stats = timed(lambda: plain(generator=gen), prompt_ids)
+
+    def again(decode, at, block_size=None):  # once more, its generator back where it began
+        g = torch.Generator(device=gen.device).set_state(at)
+        return timed(lambda: decode(generator=g), prompt_ids, block_size)[1]
+
+    speedup = median_speedup(
+        lambda: again(speculative, state, B), lambda: again(plain, plain_state)
+    )
+    verdict = compare(target, prompt_ids.shape[1], base, out, temperature, B)
+    return f"[plain] {base_stats.summary()}\n  {speedup}, output {verdict}"
 
 
 # At temperature 0 speculative output is the target's greedy output, but "the target's" is up to

@@ -30,10 +30,9 @@ import urllib.request
 
 import torch
 
-import decoding
 from compat.config_json import load_config
 from compat.serving import llamacpp_refusal
-from decoding import speculative_generate, target_generate
+from decoding import draft_proposal, speculative_generate, target_generate
 from export import load_any
 from support.common import UsageError, cpu_name, run, write_json
 from support.promptsets import eval_prompts
@@ -407,11 +406,11 @@ def compare_cycles(target, draft, full, P, cycles) -> list:
     A proposer records the draft's own proposal at each anchor, then hands the target llama.cpp's
     accepted tokens and one wrong one, so that the next anchor is llama.cpp's next anchor.
     full [1, N]: prompt + the tokens both wrote; cycles past its end are not compared."""
-    real, plan = decoding.draft_proposal, anchors(cycles, P)
+    plan = anchors(cycles, P)
     rows, V, N = [], target.get_output_embeddings().weight.shape[0], full.shape[1]
 
     def proposer(draft, h, u, ids, temperature, use_selector, generator):
-        d, q = real(draft, h, u, ids, temperature, use_selector, generator)  # d [1, L]
+        d, q = draft_proposal(draft, h, u, ids, temperature, use_selector, generator)  # d [1, L]
         s, L = ids.shape[1] - 1, d.shape[1]
         ref = torch.zeros(L, dtype=torch.long)  # the target's own tokens
         ref[: len(full[0, s + 1 : s + 1 + L])] = full[0, s + 1 : s + 1 + L]
@@ -433,12 +432,8 @@ def compare_cycles(target, draft, full, P, cycles) -> list:
                 ref[a] = (ref[a] + 1) % V  # rejected, as in llama.cpp
         return ref[None], q
 
-    if N > P:
-        decoding.draft_proposal = proposer  # the cycle's proposal, replaced for this one call
-        try:
-            ours, _ = speculative_generate(target, draft, full[:, : P - 1], N - P + 1)
-        finally:
-            decoding.draft_proposal = real
+    if N > P:  # the cycle, with this proposer as its step 2
+        ours, _ = speculative_generate(target, draft, full[:, : P - 1], N - P + 1, propose=proposer)
         if int(ours[0, P - 1]) != int(full[0, P - 1]):  # not llama.cpp's anchors
             rows = []
     seen = {r["s"] for r in rows}
