@@ -73,11 +73,12 @@ elif [ ! -f "$DATA/train/manifest.json" ]; then
 fi
 phase answers
 
-# 2. Train (the recipe study in README.md chose these flags) for the time left but the served share.
+# 2. Train (the recipe study in README.md chose these flags) for the time left but the served share,
+#    compiled where that pays on this CPU (docs/cpu.md; train.py's first line says which).
 [ -n "$FIT" ] && S=$(left $TRAIN_END training)
 python train.py --draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" \
     --eval-samples "$N_EVAL" --out-dir "$OUT" --num-anchors 32 --lr 1e-3 --eval-interval 500 \
-    --save-interval 300 ${FIT:+--max-seconds "$S"} "$@"
+    --save-interval 300 --compile auto ${FIT:+--max-seconds "$S"} "$@"
 phase training
 
 # 3. Export the servable draft directory (config.json + model.safetensors).

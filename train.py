@@ -101,7 +101,13 @@ def parse_args(argv=None):
     a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument
     a("--fsdp", action="store_true", help="under torchrun: shard, not replicate (support/fsdp.py)")
     a("--dist-timeout", type=bounded(float, above=0.0), default=30.0, help="minutes; torchrun")
-    a("--compile", action="store_true", help="torch.compile the draft")
+    a(
+        "--compile",
+        nargs="?",
+        const="on",
+        choices=["on", "auto"],
+        help="torch.compile the draft's training step; auto: where it pays here (speed/machine.py)",
+    )
     a("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
     a("--attention", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on GPU")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: speed/machine.py")
@@ -326,6 +332,7 @@ def load_checkpoint(path, draft, opt, sharded, total) -> tuple:
 def main(argv=None):
     args = parse_args(argv)
     args.attention = compiling.choose_attention(args.attention, distributed.rank_device())
+    args.compile = machine.compile_training(args.compile, args.dtype, distributed.rank_device())
     with compiling.guard(compiling.anything_compiles(args)):  # dynamo's settings, where it runs
         train(args)
 
@@ -340,7 +347,7 @@ def train(args):
     torch.manual_seed(args.seed)  # the draft's initial weights
     cfg = build_config(args)
     use_bf16, target_dtype, said = machine.train_precision(
-        args.dtype, args.target_dtype, args.online, device
+        args.dtype, args.target_dtype, args.online, device, args.compile
     )
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     target, tok, embed_w, head_w = frozen_target(args, target_dtype, cfg, device, sharded)

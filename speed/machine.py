@@ -94,17 +94,27 @@ def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
     return torch.bfloat16 if native_bf16(cpu_info())[0] else torch.float32
 
 
-def train_precision(draft: str, target: str, online: bool, device) -> tuple:
+def train_precision(draft: str, target: str, online: bool, device, compiled=False) -> tuple:
     """train.py's --dtype and --target-dtype -> (bf16 autocast for the draft?, the target's dtype,
-    the lines that say the choice: choice_line, then any slow_bf16_note)."""
+    the lines that say the choice: choice_line, then any slow_bf16_note). compiled: whether the
+    training step compiles (compile_training), said in the same line."""
     use_bf16 = resolve_dtype(draft, device, "train") == torch.bfloat16
     target_dtype = resolve_dtype(target, device, "data")
-    parts = {"draft": "bf16 autocast" if use_bf16 else "fp32"}
+    parts = {"draft": ("bf16 autocast" if use_bf16 else "fp32") + (", compiled" * compiled)}
     parts.update({"online target": dtype_name(target_dtype)} if online else {})
     lines = [choice_line(describe(device), **parts)]
     dtypes = [torch.bfloat16] * use_bf16 + [target_dtype] * online
     lines += sorted({slow_bf16_note(dt, device) for dt in dtypes} - {""})
     return use_bf16, target_dtype, lines
+
+
+def compile_training(flag, dtype: str, device) -> bool:
+    """train.py's --compile (None: off, "on", or "auto") -> whether the training step compiles.
+    auto: where the draft trains in bf16 (a GPU, or a CPU with native bf16), the kind where
+    compiling paid; in fp32 on a CPU it did not (docs/cpu.md, "torch.compile: where it pays")."""
+    if flag != "auto":
+        return flag == "on"
+    return resolve_dtype(dtype, device, "train") == torch.bfloat16
 
 
 def draft_precision(name: str, device) -> str:

@@ -30,6 +30,7 @@ from speed.gemm import (
     set_layout,
     unpack_linears,
 )
+from support import target as frozen
 from support.common import UsageError
 from test_all import needs_int8, needs_mkl, tiny_draft, tiny_target
 
@@ -102,6 +103,22 @@ def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch,
     # the generic override: any CPU looks unknown
     monkeypatch.setenv("DFLASH2_CPU", "generic")
     assert machine.resolve_dtype("auto", "cpu", "train") == torch.float32
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_compile_auto_compiles_where_the_draft_trains_in_bf16(monkeypatch, cpu):
+    """train.py --compile auto: compiled where the draft trains in bf16 (native bf16 on the CPU, or
+    a GPU), eager in fp32 on a CPU; no flag is off and --compile is on, on every CPU."""
+    reported, dtype, _ = CPUS[cpu]
+    play_cpu(monkeypatch, *reported)
+    assert machine.compile_training("auto", "auto", "cpu") == (dtype == torch.bfloat16)
+    assert machine.compile_training("auto", "auto", torch.device("cuda:0"))
+    assert machine.compile_training("auto", "fp32", torch.device("cuda:0")) is False
+    assert machine.compile_training("auto", "bf16", "cpu")  # a dtype named, not the CPU's
+    assert machine.compile_training(None, "auto", "cpu") is False
+    assert machine.compile_training("on", "fp32", "cpu") is True
+    line = machine.train_precision("auto", "auto", False, "cpu", compiled=True)[2][0]
+    assert line.endswith(", compiled")
 
 
 def test_machine_rule_picks_the_drafts_precision(monkeypatch):
@@ -268,7 +285,8 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
         asked.append(dtype)
         raise Loaded
 
-    for script in (prepare, generate, train):
+    # train.py loads its target through support.target.frozen_target
+    for script in (prepare, generate, frozen):
         monkeypatch.setattr(script, "load_target", fake_load_target)
     monkeypatch.setattr(generate, "load_any", lambda path: None)
     for script, argv in (

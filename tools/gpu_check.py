@@ -5,15 +5,16 @@
     python -m tools.gpu_check out/gpu-check2 --only tests    # one item again
     python -m tools.gpu_check out/dry --dry-run              # the plan, and the plumbing on the CPU
 
-The plan (PLAN), in this order, each item in a process group of its own, bounded by its share of
-the budget (past it: Ctrl-C, INTERRUPT_S to say why, then killed), on random weights made here:
-a. train (train.py at the Qwen3-8B draft's shape, the README's default GPU path: torchrun at one
-rank, bf16, flex compiled alone), b. compile (train.py as run.sh's main job runs it, plus
---compile), c. decode (generate.py's loop on the GPU: a path and a tree against plain decoding),
-d. tests (every CUDA test). An out-of-memory item is reported, not failed. Each item's row is
-appended to OUT/rows.jsonl as it ends, and OUT/results.json and OUT/summary.txt are rewritten then
-and whatever ends the check; OUT/rows.log and OUT/tests.log keep each command's output. --dry-run:
-the same plumbing on the CPU at toy widths (b skipped: a CPU compiles the backward for minutes).
+The plan (PLAN), in this order, each item in a process group of its own, bounded by its share of the
+budget (past it: Ctrl-C, INTERRUPT_S to say why, then killed), on random weights made here: a. train
+(train.py at the Qwen3-8B draft's shape, the README's default GPU path: torchrun at one rank, bf16,
+flex compiled alone), b. compile (train.py as run.sh's main job runs it, with its --compile auto:
+compiled on a GPU), c. decode (generate.py's loop on the GPU: a path and a tree against plain
+decoding), d. tests (every CUDA test). An out-of-memory item is reported, not failed. Each item's
+row is appended to OUT/rows.jsonl as it ends, and OUT/results.json and OUT/summary.txt are rewritten
+then and whatever ends the check; OUT/rows.log and OUT/tests.log keep each command's output.
+--dry-run: the same plumbing on the CPU at toy widths (b skipped: a CPU compiles the backward for
+minutes).
 """
 
 import argparse
@@ -319,14 +320,14 @@ def make_train_data(cfg_path: str, out: str, lengths: tuple, rows: int) -> tuple
 def train_command(name: str, args, cfg_path, target_dir, feat_dir, out_dir) -> list:
     """Item a: the README's GPU command at one rank (torchrun; attention auto: flex; dtype auto:
     bf16; no --compile, --data-workers 0), no evaluation. Item b: run.sh's train.py command, its
-    recipe flags and a final evaluation, plus --compile. Both log every step and save only at the
-    end."""
+    recipe flags, its --compile auto (compiled on a GPU) and a final evaluation. Both log every
+    step and save only at the end."""
     if name == "train":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         cmd += ["train.py", "--num-anchors", str(args.sizes["anchors"]), "--eval-samples", "0"]
         cmd += ["--max-length", str(args.sizes["lengths"][1])]
     else:
-        cmd = [sys.executable, "train.py", *MAIN_JOB, "--compile"]
+        cmd = [sys.executable, "train.py", *MAIN_JOB, "--compile", "auto"]  # run.sh's: on a GPU, on
         cmd += ["--eval-data", feat_dir, "--eval-samples", "4"]
     cmd += ["--draft-config", cfg_path, "--target", target_dir, "--data", feat_dir]
     cmd += ["--out-dir", out_dir, "--max-steps", str(args.sizes["steps"]), "--log-interval", "1"]
