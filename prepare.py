@@ -39,7 +39,6 @@ import time
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from compat.config_json import load_config
 from data import anchor_positions
@@ -50,7 +49,7 @@ from support.common import DTYPES, HelpTable, UsageError, add_chat_template_kwar
 from support.conversations import read_conversations, render, tokenize_conversation
 from support.features import COUNTS, save_shard, shard_done, shard_path, shard_settings
 from support.promptsets import PROMPT_SETS
-from support.target import GGUF, check_layer_ids, load_target
+from support.target import GGUF, check_layer_ids, load_target, load_tokenizer
 
 
 # ----------------------------------------------------------------------------- regeneration
@@ -262,7 +261,7 @@ def main(argv=None):
         barrier()
     dtype = machine.resolve_dtype(args.target_dtype, device, "data")
     if args.server and not args.features and args.target:  # the servers run the target
-        target, tok = None, AutoTokenizer.from_pretrained(args.target)
+        target, tok = None, load_tokenizer(args.target)[1]
     else:
         target, tok = load_target(args.target, dtype)
     if rank == 0:

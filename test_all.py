@@ -4390,6 +4390,10 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     [down] = free_ports(1)
     line = fails("--server", f"http://127.0.0.1:{down}")
     assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    # a mistyped --target (the servers run the target; here it gives the tokenizer): one line
+    nope = str(tmp_path / "nope")
+    line = fails("--server", f"http://127.0.0.1:{down}", "--target", nope)
+    assert line == f"error: --target {nope}: no such model directory"
     with tiny_openai_server(target, tok, fail_after=2) as (url, log):
         line = fails("--server", url, "--concurrency", "1")
     assert re.fullmatch(
@@ -4403,7 +4407,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
         assert len(log["asked"]) == 3
     prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
     convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
-    tok_saved = prepare.AutoTokenizer.from_pretrained(target_dir)
+    tok_saved = prepare.load_tokenizer(target_dir)[1]
     target_saved = prepare.load_target(target_dir)[0]
     assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
 

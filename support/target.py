@@ -61,12 +61,9 @@ def convert_embedded(dest: str):
     return target, tok
 
 
-def load_target(name: str = None, dtype=torch.float32, layers=True):
-    """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
-    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second).
-    layers=False (offline training, which reads only the embedding and the head): a model without
-    decoder layers, whose weights stay on disk; its config still counts the checkpoint's layers,
-    which check_layer_ids reads."""
+def load_tokenizer(name: str = None) -> tuple:
+    """--target (None: the embedded SmolLM2-135M-Instruct, converted once into the cache) -> (the
+    folder or hub name it names, its tokenizer); a name that is neither ends in one line."""
     if name is None:
         name = embedded_dir()
         if not os.path.isdir(name):
@@ -80,9 +77,18 @@ def load_target(name: str = None, dtype=torch.float32, layers=True):
         # a hub name is "name" or "org/name"; anything else was meant as a local directory
         raise UsageError(f"--target {name}: no such model directory")
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        return name, AutoTokenizer.from_pretrained(name)
     except OSError as e:  # transformers' words for a name it cannot find or fetch
         raise UsageError(f"--target {name}: {e}") from None
+
+
+def load_target(name: str = None, dtype=torch.float32, layers=True):
+    """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
+    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second).
+    layers=False (offline training, which reads only the embedding and the head): a model without
+    decoder layers, whose weights stay on disk; its config still counts the checkpoint's layers,
+    which check_layer_ids reads."""
+    name, tok = load_tokenizer(name)
     if layers:
         target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         return target.eval().requires_grad_(False), tok
