@@ -30,16 +30,8 @@ import loss
 import model
 from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
-from support import compiling, distributed, flops, fsdp, kernels, tracking
-from support.common import (
-    DTYPES,
-    HelpTable,
-    UsageError,
-    add_chat_template_kwargs,
-    atomic_write,
-    bounded,
-    run,
-)
+from support import common, compiling, distributed, flops, fsdp, kernels, tracking
+from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded, run
 from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
 from support.target import frozen_target
 
@@ -60,7 +52,9 @@ def parse_args(argv=None):
     a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence or row")
     a("--pack", action="store_true", help="several conversations per row (data.py)")
     a("--data-workers", type=bounded(int, low=0), default=0, help="processes making batches ahead")
-    add_chat_template_kwargs(a)  # offline: must be what prepare.py rendered the features with
+    common.add_chat_template_kwargs(
+        a
+    )  # offline: must be what prepare.py rendered the features with
     a = p.add_argument_group("draft (overrides: validated as config.json is)").add_argument
     a("--draft-config", default="configs/smollm2-135m-dflash2.json", help="the draft's config.json")
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
@@ -101,13 +95,7 @@ def parse_args(argv=None):
     a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument
     a("--fsdp", action="store_true", help="under torchrun: shard, not replicate (support/fsdp.py)")
     a("--dist-timeout", type=bounded(float, above=0.0), default=30.0, help="minutes; torchrun")
-    a(
-        "--compile",
-        nargs="?",
-        const="on",
-        choices=["on", "auto"],
-        help="torch.compile the draft's training step; auto: where it pays here (speed/machine.py)",
-    )
+    a("--compile", nargs="?", const="on", choices=["on", "auto"], help="auto: where it pays here")
     a("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
     a("--attention", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on GPU")
     a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: speed/machine.py")
@@ -235,9 +223,8 @@ def get_lr(step, total, args) -> float:
 @torch.no_grad()
 def evaluate(objective, samples, args, target, device, rank, world, autocast, acceptance=False):
     """Teacher-forced held-out metrics over the first --eval-samples sequences, at random anchors.
-    A --compile draft evaluates uncompiled: its no-grad graphs would compile again (torch 2.11's
-    inductor could not lower flex's mask in them on CUDA: docs/training-at-scale.md, "The second
-    run"), while flex attention stays compiled on its own (support/kernels.py): no dense scores."""
+    A --compile draft evaluates uncompiled, flex attention compiled on its own (support/kernels.py;
+    why: docs/training-at-scale.md, "The second run")."""
     n = min(len(samples), args.eval_samples)
     if n == 0:
         return {}
