@@ -1,8 +1,6 @@
-"""Training data: where blocks start, and the batch a training step reads (docs/semantics.md,
-section 4).
+"""Training data: the batch a training step reads, its anchors drawn by loss.py's rule
+(docs/semantics.md, section 4).
 
-    the method: where a block may start (two supervised tokens)     anchor_positions
-                and which of those a row trains on, seeded          sample_anchors
     conversations -> token ids and loss masks (support/conversations.py) or prepared features
                                                                     load_samples, load_split
     -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, schedule,
@@ -32,33 +30,10 @@ import os
 import torch
 
 import model
+from loss import anchor_positions, sample_anchors
 from support.common import UsageError
 from support.conversations import check_template_kwargs, read_conversations, tokenize_conversation
 from support.features import load_features, read_manifest
-
-
-# ----------------------------------------------------------------------------- the method: anchors
-def anchor_positions(loss_mask):
-    """Where a training block may start (docs/semantics.md, section 4): positions p with
-    loss_mask[p] = loss_mask[p+1] = 1, so both the anchor and the first label are supervised.
-    loss_mask [S] -> positions [n] long."""
-    return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
-
-
-def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_document=False):
-    """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
-    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
-    share a document. per_document: each document of the row draws up to num_anchors of its own
-    (the public trainers' contract: one conversation, num_anchors), so a long document cannot take
-    the anchors of the short ones beside it; else the row draws num_anchors among all of them."""
-    cand = anchor_positions(loss_mask)
-    if docs is not None:
-        cand = cand[docs[cand] == docs[cand + 1]]
-    groups = [cand]
-    if per_document and docs is not None:
-        groups = [cand[docs[cand] == d] for d in docs[cand].unique()]
-    picks = [g[torch.randperm(len(g), generator=generator)[:num_anchors]] for g in groups]
-    return torch.cat(picks).sort().values if picks else cand
 
 
 # ----------------------------------------------------------------------------- what train.py reads

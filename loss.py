@@ -1,7 +1,8 @@
 """The training objective (docs/semantics.md, section 4).
 
-For every sampled anchor a the draft fills the block [x[a], MASK, ...]; slot j (1..B-1) is labelled
-with the sequence token x[a+j]. Per labelled slot:
+For every sampled anchor a (a position whose token and next token are both supervised:
+anchor_positions, drawn by sample_anchors) the draft fills the block [x[a], MASK, ...]; slot j
+(1..B-1) is labelled with the sequence token x[a+j]. Per labelled slot:
 
     w0  = valid_anchor * [a+j < S] * [j > 0] * loss_mask[a+j]           which slots count
     w   = w0 * exp(-(j-1)/gamma)                                        early slots matter more
@@ -56,6 +57,30 @@ def reference_objective(
         sel_ce = -F.log_softmax(sigma, -1).gather(-1, hit.float().argmax(-1, keepdim=True))
         numerator = numerator + alpha * (w * covered * sel_ce.squeeze(-1)).sum()
     return numerator, w.sum()
+
+
+# ----------------------------------------------------------------------------- anchors
+def anchor_positions(loss_mask):
+    """Where a training block may start (docs/semantics.md, section 4): positions p with
+    loss_mask[p] = loss_mask[p+1] = 1, so both the anchor and the first label are supervised.
+    loss_mask [S] -> positions [n] long."""
+    return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
+
+
+def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_document=False):
+    """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
+    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
+    share a document. per_document: each document of the row draws up to num_anchors of its own
+    (the public trainers' contract: one conversation, num_anchors), so a long document cannot take
+    the anchors of the short ones beside it; else the row draws num_anchors among all of them."""
+    cand = anchor_positions(loss_mask)
+    if docs is not None:
+        cand = cand[docs[cand] == docs[cand + 1]]
+    groups = [cand]
+    if per_document and docs is not None:
+        groups = [cand[docs[cand] == d] for d in docs[cand].unique()]
+    picks = [g[torch.randperm(len(g), generator=generator)[:num_anchors]] for g in groups]
+    return torch.cat(picks).sort().values if picks else cand
 
 
 # ----------------------------------------------------------------------------- labels and weights

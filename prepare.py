@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from compat.config_json import load_config
-from data import anchor_positions
+from loss import anchor_positions
 from model import capture_features
 from speed import machine, tune
 from support import distributed, features, regen, regen_server

@@ -154,7 +154,7 @@ def served_evaluation(
         out[name] = serve(target, served, samples, shape, until=share, **kw)
     samples = samples[: len(out["path"]["anchors"])]  # the prompts that fitted
     anchors = [  # where the data has the block's first label: a training anchor position
-        sorted(set(visited) & set(data.anchor_positions(s["loss_mask"]).tolist()))
+        sorted(set(visited) & set(loss.anchor_positions(s["loss_mask"]).tolist()))
         for s, visited in zip(samples, out["path"]["anchors"])
     ]
     online = target if args.online else None

@@ -143,7 +143,7 @@ def fit(draft, target, sample, steps: int):
     accepts some drafts and misses others (random drafts accept almost nothing)."""
     embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
-    anchors = data.anchor_positions(sample["loss_mask"])[None]
+    anchors = L.anchor_positions(sample["loss_mask"])[None]
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
     draft.train()
     for _ in range(steps):
