@@ -89,7 +89,6 @@ def parse_args(argv=None):
     a("--eval-interval", type=count, default=200, help="steps between held-out evaluations")
     a("--eval-samples", type=bounded(int, low=0), default=64, help="held-out sequences at most")
     a("--log-interval", type=count, default=10, help="steps between log.jsonl records")
-    a("--report-to", choices=tracking.REPORT_TO, default="none", help="also wandb / tensorboard")
     a("--seed", type=int, default=0, help="the draft's init, the row order, the anchors")
     a("--quiet", action="store_true", help="no progress bar")
     a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument

@@ -15,6 +15,6 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     fsdp.py           FSDP2 sharding of the draft and the online target; whole checkpoints
     compiling.py      train.py's attention choice, the guard where something compiles, graphs
     flops.py          tokens, anchors and FLOPs a second; MFU on a GPU; compile time apart
-    tracking.py       log.jsonl, the final report, wandb / TensorBoard (train.py --report-to)
+    tracking.py       train.py's log.jsonl and final report; read_log for the tools
     common.py         dtypes, atomic writes, bounded argparse types, --help, UsageError and run()
 """

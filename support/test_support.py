@@ -11,17 +11,14 @@ holds it equal to the banners):
     support/promptsets.py           the prompt sets (skipped without the data packages)
     support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
                                     print
-    support/tracking.py             wandb and tensorboard get the log records
     support/common.py               a UsageError ends in one line, anything else keeps its
                                     traceback
 """
 
 import importlib.util
-import json
 import os
 import re
 import sys
-import types
 
 import pytest
 import torch
@@ -34,7 +31,7 @@ import model
 import train
 from model import DraftModel, capture_features
 from selector import top_k_candidates
-from support import common, draw, flops, kernels, metrics, promptsets, show, tracking
+from support import common, draw, flops, kernels, metrics, promptsets, show
 from support.common import UsageError
 from test_all import (
     FLEX_LAYOUTS,
@@ -616,103 +613,6 @@ def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
                 assert len(by_kind("unchecked")) == len(t.tokens) - 1 - len(c.path) - len(rejected)
         if shape[0] == "path":  # the selector departs somewhere
             assert any(s for _, shown in drawn for *_, s in shown)
-
-
-# ============================================================================ support/tracking.py
-LOG_RECORDS = [  # as train.py writes them to log.jsonl
-    {"kind": "train", "step": 1, "lr": 1e-4, "alpha_t": 0.0, "grad_norm": None, "loss": 2.5},
-    {"kind": "eval", "step": 1, "elapsed_s": 3.0, "loss": 2.75},
-    {"kind": "train", "step": 2, "lr": 2e-4, "alpha_t": 0.5, "grad_norm": 1.25, "loss": 2.0},
-    {"kind": "final", "step": 2, "path_acc": [0.5, 0.25], "served_auto_shape": "path"},
-]
-
-
-def test_tracking_flattens_log_records_under_their_names():
-    assert tracking.flatten(LOG_RECORDS[0]) == (
-        1,
-        {"train/lr": 1e-4, "train/alpha_t": 0.0, "train/loss": 2.5},
-        {},
-    )
-    assert tracking.flatten(LOG_RECORDS[3]) == (
-        2,
-        {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25},
-        {"final/served_auto_shape": "path"},
-    )
-    tracking.Tracker("none", "unused", {}).log(LOG_RECORDS[0])  # none: nothing, no package
-
-
-def test_tracking_wandb_gets_each_record_at_its_step(monkeypatch, tmp_path):
-    """wandb's calls, on a stand-in module: init(dir, config), log({name: value}, step), finish."""
-    calls = []
-    run = types.SimpleNamespace(
-        log=lambda values, step: calls.append(("log", values, step)),
-        finish=lambda: calls.append(("finish",)),
-    )
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    tracker = tracking.Tracker("wandb", str(tmp_path), {"lr": 1e-4})
-    for record in LOG_RECORDS[2:]:
-        tracker.log(record)
-    tracker.close()
-    assert calls == [
-        ("init", {"dir": str(tmp_path), "config": {"lr": 1e-4}}),
-        (
-            "log",
-            {"train/lr": 2e-4, "train/alpha_t": 0.5, "train/grad_norm": 1.25, "train/loss": 2.0},
-            2,
-        ),
-        (
-            "log",
-            {"final/path_acc/0": 0.5, "final/path_acc/1": 0.25, "final/served_auto_shape": "path"},
-            2,
-        ),
-        ("finish",),
-    ]
-
-
-def test_tracking_missing_package_is_one_error_line(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(tracking.PACKAGES, "wandb", ("no_such_module_dflash2", "wandb"))
-    with pytest.raises(SystemExit) as e:
-        common.run(lambda: tracking.Tracker("wandb", str(tmp_path), {}))
-    assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [
-        "error: --report-to wandb needs the wandb package: pip install wandb"
-    ]
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is None,
-    reason="tensorboard is not installed (pip install tensorboard; not in requirements.txt)",
-)
-def test_tracking_tensorboard_events_load_with_tensorboards_reader(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tracker = tracking.Tracker("tensorboard", str(tmp_path), {"lr": 1e-4, "loss": "kl"})
-    for record in LOG_RECORDS:
-        tracker.log(record)
-    tracker.close()
-    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
-    reader.Reload()
-    scalars = {
-        tag: [(e.step, round(e.value, 6)) for e in reader.Scalars(tag)]
-        for tag in reader.Tags()["scalars"]
-    }
-    assert scalars == {
-        "train/lr": [(1, 1e-4), (2, 2e-4)],
-        "train/alpha_t": [(1, 0.0), (2, 0.5)],
-        "train/grad_norm": [(2, 1.25)],
-        "train/loss": [(1, 2.5), (2, 2.0)],
-        "eval/elapsed_s": [(1, 3.0)],
-        "eval/loss": [(1, 2.75)],
-        "final/path_acc/0": [(2, 0.5)],
-        "final/path_acc/1": [(2, 0.25)],
-    }
-    texts = {
-        tag: reader.Tensors(tag)[0].tensor_proto.string_val[0].decode()
-        for tag in reader.Tags()["tensors"]
-    }
-    assert texts["final/served_auto_shape/text_summary"] == "path"
-    assert json.loads(texts["config/text_summary"]) == {"lr": 1e-4, "loss": "kl"}
 
 
 # ================================================================================ support/common.py
