@@ -6,7 +6,7 @@
 
 --compare also decodes plainly, gives the speed-up as the median of 5 runs each way, and says
 whether the outputs are identical (they are, at T = 0, up to a numerics tie, which it names); --show
-prints every cycle's block and times the phases; --bench decodes prompt sets every way
+prints every cycle's block; --bench decodes prompt sets every way
 (speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each
 cycle, --tree-budget N a tree of N nodes (tree.py).
 

@@ -40,7 +40,7 @@ def bench(target, draft, tok, args, gen, stop, layouts, shapes):
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev, kwargs)
     print(
         f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} "
-        f"{'same':>6}   cycle: draft / selector / verify"
+        f"{'same':>6}"
     )
     for name in args.bench:
         prompts = [
@@ -76,7 +76,6 @@ def bench(target, draft, tok, args, gen, stop, layouts, shapes):
                     r[1],
                     use_selector=use_selector,
                     head=head,
-                    phases=True,
                     **kw,
                 )
                 runs[r].append(stats)
@@ -84,15 +83,10 @@ def bench(target, draft, tok, args, gen, stop, layouts, shapes):
         base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)
         for r in rows:
             taus = [t for s in runs[r] for t in s.taus]
-            phases = [
-                sum(getattr(s, k) for s in runs[r]) for k in ("draft_s", "select_s", "verify_s")
-            ]
-            split = " / ".join(f"{100 * p / sum(phases):.1f}%" for p in phases)
             same = sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
             print(
                 f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} "
-                f"{tok_per_s(runs[r]):>8.1f} {tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}   "
-                f"{split}"
+                f"{tok_per_s(runs[r]):>8.1f} {tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}"
             )
         for layout in plains:
             tps = tok_per_s(runs["plain " + layout])

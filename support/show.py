@@ -16,8 +16,8 @@ there, the tree went on. On a terminal colours replace the brackets.
 
 The cycle itself (decoding.py, tree.py) holds no clock and prints nothing: it returns the ids and
 each cycle's tau, and calls its `watch` as each phase ends, with what that phase made. Everything
-here is such a watch: a Watcher rebuilds each cycle (a Cycle) and hands it on as it commits, a
-PhaseClock sums each phase's time, an Answer prints generate.py's answer with both.
+here is such a watch: a Watcher rebuilds each cycle (a Cycle) and hands it on as it commits, an
+Answer prints generate.py's answer with it.
 """
 
 import sys
@@ -34,22 +34,19 @@ from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds
 
 
 # ------------------------------------------------------------------------------- run a decoding
-def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, phases=False, **kw):
+def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, **kw):
     """Speculative decoding as speed/bench.py, tools/served.py and the tests run it: a verify shape,
     ("path", k) or ("tree", n) -> (ids [1, P + n], Stats). watch(Cycle) sees each cycle as it
-    commits; phases: time each phase too (on a GPU a synchronize at each phase's end). kw: the
-    cycle's (use_selector, temperature, generator, stop_ids, head, propose). head: what scores the
-    draft's rows, the target's head when None; a caller that ran the draft through speed/ passes
-    the one speed/ gave it (speed.machine.draft_head)."""
+    commits. kw: the cycle's (use_selector, temperature, generator, stop_ids, head, propose). head:
+    what scores the draft's rows, the target's head when None; a caller that ran the draft through
+    speed/ passes the one speed/ gave it (speed.machine.draft_head)."""
     kind, n = shape
     loop = decoding.speculative_generate if kind == "path" else tree.tree_generate
     see = Watcher(watch, prompt_ids.shape[1]) if watch else None
-    clock = PhaseClock(prompt_ids.device, then=see) if phases else None
     return timed(
-        lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=clock or see, **kw),
+        lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=see, **kw),
         prompt_ids,
         draft.config.block_size,
-        clock,
     )
 
 
@@ -67,9 +64,6 @@ class Stats:
     taus: list = field(default_factory=list)
     # [j-1]: in how many cycles draft slot j was accepted
     accepted_at: list = None
-    draft_s: float = 0.0  # wall clock per phase, summed over the cycles (when timed)
-    select_s: float = 0.0
-    verify_s: float = 0.0
 
     @property
     def mean_tau(self):
@@ -83,81 +77,32 @@ class Stats:
         s = f"{self.new_tokens} tokens in {self.seconds:.2f} s, {self.tok_per_s:.1f} tok/s"
         if not self.taus:
             return s
-        n, phases = len(self.taus), self.draft_s + self.select_s + self.verify_s
+        n = len(self.taus)
         rate = " ".join(f"{k / n:.2f}" for k in self.accepted_at)
-        s = (
+        return (
             f"{s}; {n} cycles, mean acceptance length {self.mean_tau:.2f}\n"
             f"  acceptance rate by block position 1..{len(self.accepted_at)}: {rate}"
         )
-        if not phases:  # the phases were not timed
-            return s
-        split = " / ".join(
-            f"{name} {100 * t / phases:.0f}%"
-            for name, t in (
-                ("draft", self.draft_s),
-                ("selector", self.select_s),
-                ("verify", self.verify_s),
-            )
-        )
-        return f"{s}\n  cycle time (wall clock per phase): {split}"
 
 
-def timed(decode, prompt_ids, block_size=None, clock=None):
+def timed(decode, prompt_ids, block_size=None):
     """Run decode() -> (ids [1, P + n], taus) -> (ids, Stats). block_size: the draft's B for a
     speculative decoding (acceptance by slot); None for plain decoding, whose Stats hold its tokens
-    and time only. clock: the PhaseClock decode's cycle reports to (its watch), when the phases are
-    timed. Without it nothing is synchronized: every cycle reads its tokens back (.tolist()), which
+    and time only. Nothing is synchronized: every cycle reads its tokens back (.tolist()), which
     waits for the device."""
     start = time.perf_counter()
     ids, taus = decode()
-    seconds = clock.total if clock else time.perf_counter() - start
-    return ids, statistics(ids.shape[1] - prompt_ids.shape[1], seconds, taus, block_size, clock)
+    seconds = time.perf_counter() - start
+    return ids, statistics(ids.shape[1] - prompt_ids.shape[1], seconds, taus, block_size)
 
 
-def statistics(new_tokens: int, seconds: float, taus, block_size=None, clock=None) -> Stats:
+def statistics(new_tokens: int, seconds: float, taus, block_size=None) -> Stats:
     """The Stats of a decoding that committed new_tokens in seconds; the rest as timed's."""
     if block_size is None:
         return Stats(new_tokens=new_tokens, seconds=seconds)
     # slot j accepted iff tau > j
     accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]
-    s = clock.seconds if clock else dict.fromkeys(("draft", "selector", "verify"), 0.0)
-    return Stats(new_tokens, seconds, taus, accepted_at, s["draft"], s["selector"], s["verify"])
-
-
-# ------------------------------------------------------------------------ timing the cycle's phases
-# the phase each of the cycle's watch calls ends: "commit" ends step 6, the accepted tokens'
-# features becoming draft context, and the commit
-PHASES = {
-    "prefill": "prefill",
-    "draft": "draft",
-    "selector": "selector",
-    "verify": "verify",
-    "commit": "draft",
-}
-
-
-class PhaseClock:
-    """Wall clock per phase of the cycle, as its watch: each call adds the time since the one before
-    to the phase that call ends (PHASES); clock.total is the span from the clock's start to the
-    last call. then: a watch to hand every call on to, whose own time (printing a line) counts in
-    no phase."""
-
-    def __init__(self, device, then=None):
-        self.device, self.then = device, then
-        self.seconds = {"prefill": 0.0, "draft": 0.0, "selector": 0.0, "verify": 0.0}
-        self.start = self.last = now(device)
-
-    def __call__(self, phase, **made):
-        t = now(self.device)
-        self.seconds[PHASES[phase]] += t - self.last
-        if self.then is not None:
-            self.then(phase, **made)
-            t = now(self.device)
-        self.last = t
-
-    @property
-    def total(self) -> float:
-        return self.last - self.start
+    return Stats(new_tokens, seconds, taus, accepted_at)
 
 
 def now(device) -> float:
@@ -296,7 +241,7 @@ class Printer:
 # ------------------------------------------------------------------------ generate.py's answer
 class Answer:
     """What generate.py prints of one speculative answer to prompt_ids [1, P], as the cycle's watch:
-    the text streamed as it commits or, with --show, each cycle's block and the phases timed. Then
+    the text streamed as it commits or, with --show, each cycle's block. Then
     report(ids, taus, messages) prints its statistics (--show: the text first) and --show-svg's
     picture."""
 
@@ -306,11 +251,10 @@ class Answer:
         self.see = ShowBlocks(tok, color, is_tree) if args.show else Printer(tok)
         self.cycles = []  # --show-svg draws them once the answer is done
         self.watcher = Watcher(self.seen, self.P)
-        self.clock = PhaseClock(prompt_ids.device, then=self.watcher) if args.show else None
         self.start = time.perf_counter()
 
     def __call__(self, phase, **made):
-        (self.clock or self.watcher)(phase, **made)
+        self.watcher(phase, **made)
 
     def seen(self, cycle):
         self.see(cycle)
@@ -318,8 +262,8 @@ class Answer:
 
     def report(self, ids, taus, messages) -> Stats:
         a, tok = self.args, self.tok
-        seconds = self.clock.total if self.clock else time.perf_counter() - self.start
-        stats = statistics(ids.shape[1] - self.P, seconds, taus, self.B, self.clock)
+        seconds = time.perf_counter() - self.start
+        stats = statistics(ids.shape[1] - self.P, seconds, taus, self.B)
         if a.show:
             print(tok.decode(ids[0, self.P :], skip_special_tokens=True), end="")
         print(f"\n[{a.mode}, {label(a.shape)}] {stats.summary()}")
