@@ -14,7 +14,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import loss
 from support.common import UsageError, read_json, write_json
@@ -100,18 +99,16 @@ def metric_terms(
 ):
     """Metric sums of a chunk of M blocks, no gradient: how often the unary argmax, the top-K, the
     selector (teacher-forced) and the selector's own greedy path get the label, and the accepted
-    lengths those imply. h [M, L, H], u / logq / logp [M, L, V] (logp None without the target),
-    labels / prev / w0 [M, L], cand_scores / cand_ids [M, L, K] the unary top-K. With acceptance,
-    per slot [L] too: what acceptance.json holds."""
+    lengths those imply. h [M, L, H], u / logq / logp [M, L, V] (logq unread: the chunk comes
+    whole; logp None without the target), labels / prev / w0 [M, L], cand_scores / cand_ids
+    [M, L, K] the unary top-K. With acceptance, per slot [L] too: what acceptance.json holds."""
     valid = w0 > 0
     n = valid.float()
     hit = cand_ids == labels[..., None]  # [M, L, K]
     covered = hit.any(-1) & valid
     greedy_ok = (u.argmax(-1) == labels) & valid
-    q_label = logq.gather(-1, labels[..., None]).squeeze(-1).exp()
     out = dict(
         unary_acc=greedy_ok.float().sum(),
-        target_prob=(n * q_label).sum(),
         tokens=n.sum(),
         topk_recall=covered.float().sum(),
         accept_unary=leading_run(greedy_ok).sum(),
@@ -126,12 +123,9 @@ def metric_terms(
         return out
     label_idx = hit.float().argmax(-1)
     strict = selector.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()  # [M, L, K]
-    log_s = F.log_softmax(strict, -1).gather(-1, label_idx[..., None]).squeeze(-1)
     cov = covered.float()
     out.update(
         sel_acc=(cov * (strict.argmax(-1) == label_idx).float()).sum(),
-        sel_prob=(cov * log_s.exp()).sum(),
-        sel_ce=(cov * -log_s).sum(),
         sel_covered=cov.sum(),
     )
     # greedy self-conditioned path: walk from the anchor, feeding back its own choices
@@ -155,7 +149,6 @@ def pairs(t, own, anchor_valid, coverage, acceptance=False):
         "loss": own["loss"],
         "base_loss": own["base_loss"],
         "unary_acc": (t["unary_acc"], t["tokens"]),
-        "target_prob": (t["target_prob"], t["tokens"]),
         "topk_recall": (t["topk_recall"], t["tokens"]),
         "accept_unary": (t["accept_unary"] + blocks, blocks),
         "accept_oracle": (t["accept_oracle"] + blocks, blocks),
@@ -167,8 +160,6 @@ def pairs(t, own, anchor_valid, coverage, acceptance=False):
         out.update(
             sel_loss=own["sel_loss"],
             sel_acc=(t["sel_acc"], t["sel_covered"]),
-            sel_prob=(t["sel_prob"], t["sel_covered"]),
-            sel_ce=(t["sel_ce"], t["sel_covered"]),
             accept_selector=(t["accept_selector"] + blocks, blocks),
             path_acc=(t["path_num"], t["path_den"]),
         )
@@ -234,8 +225,8 @@ def record_served(out_dir, served: dict):
 
 def read_acceptance(path: str, block_size: int):
     """The held-out acceptance statistics recorded with the draft at path, or None if it has none:
-    {mode: {"accepted": [B-1 rates], "rank": [B-1 rows of K shares]}} for mode selector and / or
-    unary (their meaning: save_acceptance)."""
+    {mode: {"accepted": [B-1 rates]}} for mode selector and / or unary (their meaning:
+    save_acceptance)."""
     file = acceptance_file(path)
     if not os.path.isfile(file):
         return None
@@ -255,16 +246,6 @@ def read_acceptance(path: str, block_size: int):
     )
     for mode in {"selector", "unary"} & set(d):
         m = d[mode] if isinstance(d[mode], dict) else {}
-        rank = m.get("rank", [[1.0]] * L)
-        if not (
-            set(m) <= {"accepted", "rank"}
-            and shares(m.get("accepted"), L)
-            and isinstance(rank, list)
-            and len(rank) == L
-            and all(isinstance(row, list) and row and shares(row, len(rank[0])) for row in rank)
-        ):
-            raise UsageError(
-                f"{file}: {mode} must hold accepted: {L} rates in [0, 1], and may hold rank: {L} "
-                "rows of K shares in [0, 1]"
-            )
+        if not (set(m) <= {"accepted"} and shares(m.get("accepted"), L)):
+            raise UsageError(f"{file}: {mode} must hold accepted: {L} rates in [0, 1]")
     return {mode: d[mode] for mode in ("selector", "unary") if mode in d}
