@@ -1,30 +1,8 @@
 """Fully sharded training (train.py --fsdp): FSDP2's fully_shard for the draft and, online, for the
 frozen target; and the gathering that makes train.py's checkpoint whole, whatever the number of
-ranks (full_state, load_full_state).
-
-Under DDP every rank holds the whole draft in fp32 with its gradients and AdamW's two moments, 16
-bytes a parameter, and online the whole target too. fully_shard cuts every parameter along its first
-dimension into world slices; rank r keeps slice r of the weights, of the gradients and of the
-optimizer state, and holds a unit's whole weights only while that unit computes:
-
-    forward   all_gather(unit) -> compute -> free          a unit: one draft layer, then the root
-                                                           (the rest)
-    backward  all_gather(unit) -> grads -> reduce_scatter  rank r keeps the rank-mean of slice r's
-                                                           gradient
-    step      AdamW on this rank's slices                  the optimizer never sees a whole
-                                                           parameter
-
-The reduce-scatter averages over ranks as DDP's all-reduce does, so train.py's step (the numerators'
-gradients summed over micro-batches and ranks, divided once by the global denominator) is unchanged.
-
-Checkpoints: one consolidated file (train.py's ckpt.pt, as before), not a
-torch.distributed.checkpoint directory. Saving gathers each tensor in turn onto rank 0's CPU
-(full_state), where train.py writes it atomically; loading reads the file memory-mapped on every
-rank, and each rank copies out its own slices (load_full_state). The same file serves 1 or N ranks,
-with or without --fsdp, and export.py reads it unchanged. It scales to the 2B-parameter drafts this
-project trains: weights and AdamW state are 12 bytes a parameter, 23 GB for 1.92B, on the CPU of one
-node; a DCP directory would only pay off where one host cannot hold the whole state (tens of
-billions).
+ranks (full_state, load_full_state). What a rank keeps, why the step is unchanged, why one whole
+ckpt.pt and not a torch.distributed.checkpoint directory, and the memory per GPU:
+docs/training-at-scale.md, "Sharded training for 27B-class drafts".
 """
 
 import contextlib
