@@ -23,7 +23,7 @@ import torch
 
 from speed import int8
 from speed.gemm import check_packable, packable
-from support.common import DTYPES, UsageError, atomic_write, dtype_name
+from support.common import DTYPES, UsageError, atomic_write, cpu_name, dtype_name
 
 
 # ----------------------------------------------------------------------------- what the CPU has
@@ -256,19 +256,13 @@ def cache_path() -> str:
 def machine_key(*extra) -> str:
     """This CPU, its kernels, torch and the threads, plus what was measured: a new machine measures
     anew."""
-    model = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
-            )
     info = cpu_info()
     # ISA caps
     caps = [
         os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
     ]
     parts = [
-        model or platform.processor(),
+        cpu_name(),
         info["capability"],
         info["onednn_isa"],
         *caps,
