@@ -247,5 +247,7 @@ def read_acceptance(path: str, block_size: int):
     for mode in {"selector", "unary"} & set(d):
         m = d[mode] if isinstance(d[mode], dict) else {}
         if not (set(m) <= {"accepted"} and shares(m.get("accepted"), L)):
-            raise UsageError(f"{file}: {mode} must hold accepted: {L} rates in [0, 1]")
+            raise UsageError(
+                f"{file}: {mode} must hold accepted: {L} rates in [0, 1], nothing else"
+            )
     return {mode: d[mode] for mode in ("selector", "unary") if mode in d}
