@@ -184,12 +184,16 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     assert len(set(stats.taus)) >= 3  # accepted and rejected drafts alike: not a trivial case
     embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     mode = "accept_unary" if plain else "accept_selector"
-    taught = served.teacher_forced_taus(draft, embed_w, head_w, sample, anchors)
-    assert taught == [float(t) for t in stats.taus]
-    # the same anchors through train.py's objective (data.collate with given anchors)
+    # the anchors through train.py's objective (data.collate with given anchors): one at a time,
+    # each block accepts what its cycle did; all together, their mean
     args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
     weights = embed_w.detach(), head_w.detach()
     cpu = torch.device("cpu")
+    taught = [
+        served.taught_at(draft, *weights, [sample], [[a]], args, None, cpu, contextlib.nullcontext)
+        for a in anchors
+    ]
+    assert [m[mode] for m in taught] == [float(t) for t in stats.taus]
     metrics = served.taught_at(
         draft, *weights, [sample], [anchors], args, None, cpu, contextlib.nullcontext
     )
