@@ -6,9 +6,9 @@
 
 Only the draft's own tensors leave (no optimizer state, no embedding, no lm_head: those stay the
 target's), as `zlab` (config.json with a `dflash_config`: what Z Lab, SGLang and vLLM load) or
-`speculators` (compat/speculators.py), in one model.safetensors or shards (compat/shards.py).
-load_any reads every form back, and train.py's checkpoint ({"model", "config", "optimizer", "step",
-"total", "args"}), so a draft can be re-exported in another dtype or format.
+`speculators` (compat/speculators.py), in one model.safetensors. load_any reads every form back,
+single-file or sharded (compat/shards.py), and train.py's checkpoint ({"model", "config",
+"optimizer", "step", "total", "args"}), so a draft can be re-exported in another dtype or format.
 What an engine would refuse or misread is said at export (compat/serving.py).
 """
 
@@ -22,23 +22,22 @@ import torch
 import model
 from compat.config_json import config_from_dict, config_to_dict, load_config
 from compat.serving import llamacpp_refusal, serving_flags
-from compat.shards import MAX_SHARD_BYTES, load_tensors, save_tensors, size_in_bytes
+from compat.shards import load_tensors, save_tensors
 from compat.speculators import read_speculators, speculators_config
 from support.common import DTYPES, UsageError, read_json, run, write_json
 from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistics, carried along
 
 
 # ------------------------------------------------------------------- draft directories: save / load
-def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, max_shard_bytes=None, cfg=None):
-    """config.json (cfg, by default the contract's) + exactly the contract's tensors: one
-    model.safetensors, or past max_shard_bytes shards listed by model.safetensors.index.json
-    (compat/shards.py)."""
+def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, cfg=None):
+    """config.json (cfg, by default the contract's) + exactly the contract's tensors in one
+    model.safetensors (compat/shards.py)."""
     os.makedirs(out_dir, exist_ok=True)
     sd = {
         k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
         for k, v in draft.state_dict().items()
     }
-    save_tensors(sd, out_dir, max_shard_bytes)
+    save_tensors(sd, out_dir)
     cfg = dict(
         cfg or config_to_dict(draft.config),
         dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""),
@@ -129,7 +128,6 @@ def export(
     out_dir: str,
     dtype=torch.bfloat16,
     fmt="zlab",
-    max_shard_bytes=MAX_SHARD_BYTES,
     verifier=None,
 ) -> str:
     """Write out_dir/config.json + the draft's tensors (contract names only, in dtype), in format
@@ -137,7 +135,7 @@ def export(
     draft = load_any(checkpoint_path_or_dir)  # fp32: no rounding before the one cast below
     # refusals before writing
     cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None
-    save_draft(draft, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, cfg=cfg)
+    save_draft(draft, out_dir, dtype=dtype, cfg=cfg)
     src, dst = acceptance_file(checkpoint_path_or_dir), os.path.join(out_dir, ACCEPTANCE)
     if os.path.isfile(src) and not os.path.samefile(os.path.dirname(src), out_dir):
         shutil.copyfile(src, dst)
@@ -154,12 +152,6 @@ def main(argv=None):
     a("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export")
     a("--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout")
     a(
-        "--max-shard-size",
-        type=size_in_bytes,
-        default=MAX_SHARD_BYTES,
-        help="tensor files larger than this are split into shards (default 5GB)",
-    )
-    a(
         "--verifier",
         help="--format speculators: the target's hub name or local path, which "
         "speculators reloads embed_tokens and lm_head from",
@@ -168,7 +160,7 @@ def main(argv=None):
     if args.format == "speculators" and not args.verifier:
         ap.error("--format speculators needs --verifier (the target model's hub name or path)")
     dtype = DTYPES[args.dtype]
-    export(args.checkpoint, args.out_dir, dtype, args.format, args.max_shard_size, args.verifier)
+    export(args.checkpoint, args.out_dir, dtype, args.format, args.verifier)
     draft = load_any(args.out_dir)
     files = sorted(f for f in os.listdir(args.out_dir) if f.endswith(".safetensors"))
     print(

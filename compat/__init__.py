@@ -7,7 +7,7 @@ export.py, train.py) calls into it, never the mechanism files.
                       refusals of fields this code does not implement, and the RoPE rules.
     rope.py           scaled RoPE (yarn, llama3, linear) from transformers' own functions.
     serving.py        what SGLang, vLLM and llama.cpp need of an export, said at export time
-    shards.py         sharded safetensors and their index, written and read
+    shards.py         a draft's safetensors: one file written; one, or shards and their index, read
     speculators.py    the second public checkpoint format, vllm-project/speculators' config.json,
                       read and written (`export.py --format speculators`).
 """

@@ -2,7 +2,6 @@
 (docs/training-at-scale.md, "GPU check": what each item runs, and where its share comes from).
 
     python -m tools.gpu_check out/gpu-check                  # on a CUDA GPU: the whole plan
-    python -m tools.gpu_check out/gpu-check2 --only tests    # one item again
     python -m tools.gpu_check out/dry --dry-run              # the plan, and the plumbing on the CPU
 
 The plan (PLAN), in this order, each item in a process group of its own, bounded by its share of the
@@ -10,9 +9,9 @@ budget (past it: Ctrl-C, INTERRUPT_S to say why, then killed), on random weights
 (train.py at the Qwen3-8B draft's shape, the README's default GPU path: torchrun at one rank, bf16,
 flex compiled alone), b. compile (train.py as run.sh's main job runs it, with its --compile auto:
 compiled on a GPU), c. decode (generate.py's loop on the GPU: a path and a tree against plain
-decoding), d. tests (every CUDA test). An out-of-memory item is reported, not failed. Each item's
-row is appended to OUT/rows.jsonl as it ends, and OUT/results.json and OUT/summary.txt are rewritten
-then and whatever ends the check; OUT/rows.log and OUT/tests.log keep each command's output.
+decoding), d. tests (every CUDA test). An out-of-memory item is reported, not failed. As each item
+ends, and whatever ends the check, OUT/results.json and OUT/summary.txt are rewritten; OUT/rows.log
+and OUT/tests.log keep each command's output.
 --dry-run: the same plumbing on the CPU at toy widths (b skipped: a CPU compiles the backward for
 minutes).
 """
@@ -59,18 +58,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (item, planned seconds) in the order they run; they add up to the budget, 9 minutes.
 PLAN = [("train", 150), ("compile", 80), ("decode", 40), ("tests", 270)]
 BUDGET_S = sum(s for _, s in PLAN)
-# where each share comes from (docs/training-at-scale.md's three H200 runs, torch 2.11 + CUDA 13.0)
-SHARES = {
-    "train": "the 8B flex step alone did not finish in 60 s (first run's eager row, ~10 s of it "
-    "the draft's build); the rest unmeasured: making 3.6 GB of target and features, 32 steps near "
-    "the sdpa row's 0.218 s, the last step's 14 GB checkpoint",
-    "compile": "the first run's train item (this config, --compile, two row lengths) had run "
-    "about 80 s, nearly all of it compiling and starting, after 16 steps; one length here",
-    "decode": "no GPU record, an allowance: a process's start (~15 s), a random 135M target and "
-    "draft, 3 ways x 4 prompts of 128 tokens",
-    "tests": "the first run reached the nccl test after 162 s and that test took 104 s alone "
-    "(third run): 162 + 104 = 266 s from a cold cache",
-}
 # each item's draft config: item a the Qwen3-8B draft's, items b and c run.sh's main job's
 CONFIGS = {
     "train": "configs/qwen3-8b-dflash2.json",
@@ -103,26 +90,12 @@ def parse_args(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     a = p.add_argument
-    a("out_dir", help="folder for rows.jsonl, results.json, summary.txt, tests.log and rows.log")
+    a("out_dir", help="folder for results.json, summary.txt, tests.log and rows.log")
     a("--dry-run", action="store_true", help="on the CPU (also where a GPU is) at toy widths")
-    a("--only", default=",".join(n for n, _ in PLAN), help="comma-separated items of the plan")
     a("--decode-run", metavar="CONFIG", help=argparse.SUPPRESS)  # item c's own process
     args = p.parse_args(argv)
-    names = [n for n, _ in PLAN]
-    args.only = [n for n in args.only.split(",") if n]
-    bad = [n for n in args.only if n not in names] or ([] if args.only else ["(none)"])
-    if bad:
-        raise UsageError(f"--only: {', '.join(bad)} is not one of {', '.join(names)}")
     args.sizes = SIZES["dry" if args.dry_run else "gpu"]
     return args
-
-
-def plan(args) -> list:
-    """[(item, share in seconds)] of the items asked for, in PLAN's order, the shares scaled to
-    the budget."""
-    chosen = [(n, s) for n, s in PLAN if n in args.only]
-    scale = BUDGET_S / sum(s for _, s in chosen)
-    return [(n, s * scale) for n, s in chosen]
 
 
 def toy_config(path: str, out: str) -> str:
@@ -491,11 +464,11 @@ def environment(cuda: bool) -> dict:
 
 
 def plan_lines(results: dict) -> list:
-    """The plan as printed and kept: each item, its share and where the share comes from."""
+    """The plan as printed and kept: each item and its share."""
     total = sum(s for _, s in results["plan"])
     lines = [f"plan, {total:.0f} s of the {BUDGET_S} s budget, in order:"]
     for i, (name, share) in enumerate(results["plan"]):
-        lines.append(f"  {'abcd'[i]}. {name:8s} {share:4.0f} s  ({SHARES[name]})")
+        lines.append(f"  {'abcd'[i]}. {name:8s} {share:4.0f} s")
     return lines
 
 
@@ -567,10 +540,8 @@ def save(out_dir: str, results: dict):
 
 
 def finish(out_dir: str, results: dict, name: str, record: dict):
-    """An item ended: its row appended to rows.jsonl at once, the results and summary rewritten."""
+    """An item ended: the results and summary rewritten at once."""
     results["items"][name] = record
-    with open(os.path.join(out_dir, "rows.jsonl"), "a") as f:
-        f.write(json.dumps({"item": name, **record}) + "\n")
     save(out_dir, results)
 
 
@@ -618,10 +589,8 @@ def main(argv=None):
     start = time.monotonic()
     left = lambda: BUDGET_S - (time.monotonic() - start)
     os.makedirs(args.out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(args.out_dir, "rows.jsonl")):
-        os.remove(os.path.join(args.out_dir, "rows.jsonl"))
     results = {"environment": environment(cuda), "args": vars(args), "budget_s": BUDGET_S}
-    results.update(plan=plan(args), items={}, stopped=None)
+    results.update(plan=PLAN, items={}, stopped=None)
     with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=scratch()) as tmp:
         args.configs = {n: os.path.join(ROOT, path) for n, path in CONFIGS.items()}
         if args.dry_run:
@@ -649,7 +618,7 @@ def main(argv=None):
             signal.signal(signal.SIGTERM, previous)
             save(args.out_dir, results)
             print(
-                f"wrote {args.out_dir}/summary.txt, results.json and rows.jsonl in "
+                f"wrote {args.out_dir}/summary.txt and results.json in "
                 f"{time.monotonic() - start:.0f} s",
                 flush=True,
             )

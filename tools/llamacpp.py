@@ -32,7 +32,7 @@ import torch
 
 from compat.config_json import load_config
 from compat.serving import llamacpp_refusal
-from decoding import draft_proposal, speculative_generate, target_generate
+from decoding import speculative_generate, target_generate
 from export import load_any
 from support.common import UsageError, cpu_name, run, write_json
 from support.promptsets import eval_prompts
@@ -315,7 +315,7 @@ def token_bytes(tok, ids, table) -> list:
 
 def tokens_matched(text: bytes, pieces: list) -> int:
     """How many of the tokens (as bytes) lead text. llama.cpp prints text, not ids, so a token
-    split otherwise would pass here; the cycles' last token ids check the ids."""
+    split otherwise would pass here."""
     pos = 0
     for j, p in enumerate(pieces):
         if text[pos : pos + len(p)] != p:
@@ -327,7 +327,7 @@ def tokens_matched(text: bytes, pieces: list) -> int:
 # ----------------------------------------------------------------------------- parity
 def parity(bins, ggufs, draft_dir, args) -> dict:
     """At T=0 with the f32 target: llama.cpp plain, llama.cpp with the draft and generate.py write
-    the same tokens; per llama.cpp cycle, generate.py's draft accepts as many at the same anchor."""
+    the same tokens."""
     target, tok = load_target(None, torch.float32)
     draft = load_any(draft_dir)  # fp32, from the export's values
     table, stop = byte_decoder(), {tok.eos_token_id}
@@ -371,78 +371,17 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
                 "llama_accepted": sum(c[0] for c in spec["cycles"]),
                 "generate_cycles": len(taus),
                 "generate_accepted": sum(t - 1 for t in taus),
-                # cycles are compared where both wrote the same tokens
-                "cycles": compare_cycles(target, draft, gen[:, : P + m], P, spec["cycles"]),
             }
         out["prompts"].append(row)
         k0 = row[f"k{args.parity_k[0]}"]
-        agree = [c["agree"] for c in k0["cycles"] if c["agree"] is not None]
         with_draft = "same" if k0["same_as_generate"] else f"DIFFERS at token {k0['matched']}"
         print(
             f"prompt {i}: P={P} new={len(new)} plain {'same' if row['plain_same'] else 'DIFFERS'}"
-            f", with draft {with_draft}, cycles agree {sum(agree)}/{len(agree)}",
+            f", with draft {with_draft}",
             file=sys.stderr,
         )
     shutil.rmtree(tmp)
     return out
-
-
-def anchors(cycles: list, P: int) -> dict:
-    """{anchor position: (accepted, drafted, last token)} of llama.cpp's cycles. Its first cycle
-    anchors the prompt's last token (P - 1); a cycle that accepts a drafts commits a + 1 tokens."""
-    plan, s = {}, P - 1
-    for a, n, last in cycles:
-        plan[s] = (a, n, last)
-        s += a + 1
-    return plan
-
-
-def compare_cycles(target, draft, full, P, cycles) -> list:
-    """Per llama.cpp cycle: its anchor position s, how many it drafted (n) and accepted, and how
-    many generate.py's draft accepts of its first n drafts at the same anchor, same context.
-
-    One generate.py call walks llama.cpp's cycles. Its prompt stops one token short: llama.cpp's
-    first cycle anchors the prompt's last token, which generate.py's prefill then commits (checked).
-    A proposer records the draft's own proposal at each anchor, then hands the target llama.cpp's
-    accepted tokens and one wrong one, so that the next anchor is llama.cpp's next anchor.
-    full [1, N]: prompt + the tokens both wrote; cycles past its end are not compared."""
-    plan = anchors(cycles, P)
-    rows, V, N = [], target.get_output_embeddings().weight.shape[0], full.shape[1]
-
-    def proposer(draft, h, u, ids, temperature, use_selector, generator):
-        d, q = draft_proposal(draft, h, u, ids, temperature, use_selector, generator)  # d [1, L]
-        s, L = ids.shape[1] - 1, d.shape[1]
-        ref = torch.zeros(L, dtype=torch.long)  # the target's own tokens
-        ref[: len(full[0, s + 1 : s + 1 + L])] = full[0, s + 1 : s + 1 + L]
-        if s in plan:
-            a, n, last = plan[s]
-            ours = next((j for j in range(n) if int(d[0, j]) != int(ref[j])), n)
-            ok = n > 0 and s + 1 + min(a + 1, n) <= N  # inside the tokens both wrote
-            rows.append(
-                {
-                    "s": s,
-                    "drafted": n,
-                    "llama": a,
-                    "generate": ours if ok else None,
-                    "agree": ours == a if ok else None,
-                    "last_same": s + a + 1 < N and int(full[0, s + a + 1]) == last,
-                }
-            )
-            if a < L:
-                ref[a] = (ref[a] + 1) % V  # rejected, as in llama.cpp
-        return ref[None], q
-
-    if N > P:  # the cycle, with this proposer as its step 2
-        ours, _ = speculative_generate(target, draft, full[:, : P - 1], N - P + 1, propose=proposer)
-        if int(ours[0, P - 1]) != int(full[0, P - 1]):  # not llama.cpp's anchors
-            rows = []
-    seen = {r["s"] for r in rows}
-    rows += [
-        {"s": s, "drafted": n, "llama": a, "generate": None, "agree": None}
-        for s, (a, n, _) in plan.items()
-        if s not in seen
-    ]
-    return sorted(rows, key=lambda r: r["s"])
 
 
 def print_parity(p: dict):
@@ -456,12 +395,10 @@ def print_parity(p: dict):
     )
     for k in p["k"]:
         ks = [r[f"k{k}"] for r in rows]
-        cyc = [c for r in ks for c in r["cycles"] if c["agree"] is not None]
         print(
             f"  n-max {k}: llama.cpp + draft == generate.py: {total('same_as_generate', ks)}/{n}; "
-            f"cycles agreeing {total('agree', cyc)}/{len(cyc)} compared "
-            f"(of {sum(len(r['cycles']) for r in ks)}); llama.cpp {total('llama_cycles', ks)} "
-            f"cycles / {total('llama_accepted', ks)} accepted, generate.py "
+            f"llama.cpp {total('llama_cycles', ks)} cycles / {total('llama_accepted', ks)} "
+            f"accepted, generate.py "
             f"{total('generate_cycles', ks)} / {total('generate_accepted', ks)}"
         )
 

@@ -2,10 +2,7 @@
 (docs/mutants.md: what a break is, the CI subset, the last full run).
 
     python -m tools.mutants                  # every break: caught / survived / equivalent, per file
-    python -m tools.mutants --list           # the breaks, rule by rule, without running them
     python -m tools.mutants --ci             # the CI subset (a few minutes on 2 cores)
-    python -m tools.mutants --only loss.py   # the breaks of one file
-    python -m tools.mutants -k property      # which breaks the property tests alone catch
 
 A break (Break below) replaces a snippet that occurs exactly once in a mechanism file, and names the
 rule of docs/semantics.md it breaks and the tests that pin that rule. Exit status 1 if a
@@ -460,18 +457,14 @@ def run_tests(repo: str, select: str, stop_first: bool, log: str, limit: int = 0
     return names
 
 
-def try_break(repo: str, b: Break, log: str, limit: int, select: str = None) -> tuple:
+def try_break(repo: str, b: Break, log: str, limit: int) -> tuple:
     """Apply b in repo, run its tests, then (if none failed) all of -m method; restore ->
-    (failed tests, stage: 1 its own tests, 2 the whole subset, 0 survived). With select (a -k
-    expression) only the -m method tests it selects run, in one stage."""
+    (failed tests, stage: 1 its own tests, 2 the whole subset, 0 survived)."""
     path = os.path.join(repo, b.file)
     original = open(path).read()
     try:
         with open(path, "w") as f:
             f.write(original.replace(b.old, b.new, 1))
-        if select:
-            failed = run_tests(repo, f"({select}) and {SKIP}", False, log, limit)
-            return failed, (1 if failed else 0)
         own = " or ".join(b.tests)
         failed = run_tests(repo, f"({own}) and {SKIP}", False, log, limit)
         if failed:
@@ -483,34 +476,11 @@ def try_break(repo: str, b: Break, log: str, limit: int, select: str = None) -> 
             f.write(original)
 
 
-def list_breaks(breaks):
-    for rule in RULES:
-        mine = [b for b in breaks if b.rule == rule]
-        section = RULES[rule][0]
-        print(f"\nsection {section}, {rule}: pinned by {', '.join(sorted(pinned_names(rule)))}")
-        for b in mine:
-            tag = f" [{b.source}]" if b.source != "rule" else ""
-            eq = f"  EQUIVALENT: {b.equivalent}" if b.equivalent else ""
-            print(f"  {b.file:12} {b.why}{tag}{eq}")
-            print(f"  {'':12}   {b.old.strip()!r} -> {b.new.strip()!r}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--list", action="store_true", help="print the breaks by rule and stop")
     ap.add_argument("--ci", action="store_true", help="only the CI subset")
-    ap.add_argument("--only", metavar="FILE", help=f"only the breaks of one of {', '.join(FILES)}")
-    ap.add_argument(
-        "-k",
-        metavar="EXPR",
-        help="run only the -m method tests this -k expression selects, on every break (e.g. -k "
-        "property: which breaks the property tests catch); no pinning check",
-    )
     args = ap.parse_args(argv)
-    breaks = [b for b in BREAKS if (not args.ci or b.ci) and (not args.only or b.file == args.only)]
-    if args.only and args.only not in FILES:
-        print(f"error: --only takes one of {', '.join(FILES)}, got {args.only!r}", file=sys.stderr)
-        return 2
+    breaks = [b for b in BREAKS if not args.ci or b.ci]
     problems = check(BREAKS)
     if problems:
         print("error: " + "\n       ".join(problems), file=sys.stderr)
@@ -518,9 +488,6 @@ def main(argv=None) -> int:
     stale = stale_pinned_lines(breaks)
     for line in stale:
         print(f"stale Pinned by: {line}")
-    if args.list:
-        list_breaks(breaks)
-        return int(bool(stale))
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the property tests draw the examples of -m method, but a failing one is not shrunk
@@ -548,7 +515,7 @@ def main(argv=None) -> int:
         limit = max(60, round(5 * baseline))
         print(f"baseline: -m method passes ({baseline:.0f} s); a run is stopped after {limit} s")
         for b in tqdm(breaks, desc="breaks", unit="break", file=sys.stdout):
-            failed, stage = try_break(repo, b, log, limit, args.k)
+            failed, stage = try_break(repo, b, log, limit)
             results.append((b, failed, stage))
     return report(results) or int(bool(stale))
 

@@ -1,27 +1,13 @@
-"""Served acceptance: held-out prompts decoded by the real loop (decoding.py), greedily, so that a
-trained draft reports the tau a user will see beside the teacher-forced one (docs/semantics.md,
-section 4, "Served acceptance"). After train.py, on its output directory:
+"""Served acceptance: held-out prompts decoded greedily by the real loop (decoding.py), so that a
+trained draft reports the tau a user will see beside the teacher-forced one. After train.py:
 
     python -m tools.served OUT_DIR         # the draft as stored (fp32), the stock target, a path
                                            # of B-1 drafts: what decoding.py and model.py say
-    python -m tools.served OUT_DIR --fast  # speed/tune.py's draft precision and target GEMMs,
-                                           # and its tree (FAST_TREE; run.sh's numbers)
+    python -m tools.served OUT_DIR --fast  # speed/tune.py's precision, GEMMs and tree (run.sh's)
 
-It reads OUT_DIR/ckpt.pt (the draft and the training run's flags: its held-out data, target, chat
-template kwargs) and adds its numbers to OUT_DIR/acceptance.json ("served") and to log.jsonl (a
-"served" record).
-
-Teacher-forced tau (loss.py) is measured at anchors drawn uniformly from the supervised tokens. A
-served cycle's anchor is wherever the previous cycle stopped: serving visits
-
-    s_0 = P                    the first answer token, committed by the prefill (P: prompt length)
-    s_{i+1} = s_i + tau_i      tau_i = accepted drafts + 1 (the bonus token)
-
-When the held-out answer is the target's own greedy answer, the draft at s_i reads the same context
-(the target's features of tokens 0..s_i-1) and the same block as it does in training at anchor s_i,
-so teacher-forced acceptance at the served anchors equals served acceptance cycle for cycle
-(test_all.py checks it). The gap between random and served anchors is then a matter of where the
-anchors fall, not of the draft.
+It reads OUT_DIR/ckpt.pt (the draft and the training run's flags) and adds its numbers to
+OUT_DIR/acceptance.json ("served") and log.jsonl (a "served" record). Which anchors serving visits,
+and why teacher-forced tau there equals served tau: docs/acceptance.md.
 """
 
 import argparse
@@ -31,19 +17,16 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
 import loss
-import model
 import train
 from export import load_any
 from speed import machine, tune
-from support import kernels
 from support.common import UsageError, bounded, dtype_name, run
 from support.compiling import anything_compiles
-from support.metrics import add_into, objective_with_metrics, record_served, reduce_metrics
+from support.metrics import add_into, record_served, reduce_metrics
 from support.show import label, speculate
 from support.target import check_draft_fits, load_target, stop_token_ids
 from support.tracking import append_log, read_log
@@ -90,28 +73,6 @@ def serve(
         bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.1f}")
     tau = sum(taus) / len(taus) if taus else float("nan")
     return {"tau": tau, "cycles": len(taus), "tokens": tokens, "anchors": anchors}
-
-
-@torch.no_grad()
-def teacher_forced_taus(draft, embed_w, head_w, sample, anchors) -> list:
-    """The identity's other side: the block at each anchor of one sequence, teacher-forced as
-    training scores it (model.forward_training, support.metrics.objective_with_metrics), one block
-    at a time -> its accepted length, 1 + the leading run of labels the draft's greedy path (the
-    selector's walk, or the unary argmax) gets right. embed_w, head_w [V, H]: the target's
-    embedding and head."""
-    ids, mask = sample["input_ids"][None], sample["loss_mask"][None]  # [1, S]
-    feats = sample["features"][None].float()  # [1, S, k*H]
-    embed = lambda x: F.embedding(x, embed_w)  # noqa: E731
-    mode = "accept_selector" if draft.candidate_selector is not None else "accept_unary"
-    cfg = loss.LossConfig(gamma=1.0)  # gamma weighs the loss only, not the metrics
-    taus = []
-    for a in anchors:
-        A = torch.tensor([[a]], device=ids.device)
-        h = model.forward_training(draft, embed, ids, feats, A, attention=kernels.SDPA)
-        metrics = objective_with_metrics(draft, head_w, h, ids, mask, A, A >= 0, cfg)["metrics"]
-        num, den = metrics[mode]
-        taus.append(float(num / den))
-    return taus
 
 
 def served_evaluation(
