@@ -10,8 +10,8 @@ against the proposal distribution q keeps the output distributed exactly as the 
 
 speculative_generate is that cycle for a path of k drafts (k = B-1 by default); tree.py runs the
 same steps on a tree of N nodes. Neither holds a clock or prints: they return the ids and each
-cycle's tau, and tell whoever wants more (generate.py --show, --bench: support/show.py) what each
-phase of a cycle made, through their one `watch` callback. generate.py is the command line.
+cycle's tau, and tell whoever wants more (generate.py --show: support/show.py) what each phase
+of a cycle made, through their one `watch` callback. generate.py is the command line.
 """
 
 import inspect
@@ -44,8 +44,8 @@ def speculative_generate(
     first, taus: accepted drafts + 1 per cycle. Each cycle verifies the first k = verify_tokens of
     the B-1 drafts (default all). head: what scores the draft's rows (default: the target's head,
     embed_and_head); speed/ may pass one that runs faster here. propose: step 2 in place of
-    draft_proposal (the tests and tools/llamacpp.py script the drafts with it). watch(phase,
-    **made): called as the prefill and each phase of a cycle ends, with what it made."""
+    draft_proposal (the tests script the drafts with it). watch(phase, **made): called as the
+    prefill and each phase of a cycle ends, with what it made."""
     c, P = draft.config, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
     embed, target_head = embed_and_head(target, draft)

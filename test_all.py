@@ -6117,12 +6117,12 @@ def test_the_docstrings_map_the_banners():
 # The weight is a decision, not a drift (issue 63): each part's non-test Python, in lines, stays
 # under its budget. A change that needs more raises the budget in the same commit and says why.
 LINE_BUDGET = {
-    ".": 3800,
+    ".": 3600,
     "prompts": 315,
-    "support": 3345,
-    "compat": 750,
-    "speed": 970,
-    "tools": 2990,
+    "support": 3100,
+    "compat": 720,
+    "speed": 960,
+    "tools": 2800,
 }
 
 
