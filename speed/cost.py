@@ -8,13 +8,20 @@ batched shapes for prepare.py. The draft's head is timed over every row count (h
 head a given --draft-dtype scores with (FastestRows).
 """
 
+import time
+
 import torch
 from tqdm import tqdm
 
 from decoding import crop, embed_and_head, new_cache, with_cache
 from speed import machine
 from speed.gemm import drop_packs, set_layout
-from support.show import now
+
+
+def now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # CUDA runs asynchronously: time the work, not the kernel launches
+    return time.perf_counter()
 
 
 def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:

@@ -12,7 +12,7 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     regen.py          prepare.py --regenerate's records: resume, rank merge, fidelity report
     regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)
     distributed.py    torchrun's ranks: start them, end them, agree on a number
-    fsdp.py           FSDP2 sharding of the draft and the online target; whole checkpoints
+    fsdp.py           FSDP2 sharding of the draft and the online target; the whole state to save
     compiling.py      train.py's attention choice, the guard where something compiles, graphs
     flops.py          tokens, anchors and FLOPs a second; MFU on a GPU; compile time apart
     tracking.py       train.py's log.jsonl and final report; read_log for the tools

@@ -15,9 +15,9 @@ where `*` marks an accepted node that is not its parent's best child: a path wou
 there, the tree went on. On a terminal colours replace the brackets.
 
 The cycle itself (decoding.py, tree.py) holds no clock and prints nothing: it returns the ids and
-each cycle's tau, and calls its `watch` as each phase ends, with what that phase made. Everything
-here is such a watch: a Watcher rebuilds each cycle (a Cycle) and hands it on as it commits, an
-Answer prints generate.py's answer with it.
+each cycle's tau, and calls its `watch` as each phase ends, with what that phase made. The watches
+here: a Watcher rebuilds each cycle (a Cycle) and hands it on as it commits, to ShowBlocks (--show)
+or a Printer (the streamed text); an Answer is the Watcher that prints generate.py's answer.
 """
 
 import sys
@@ -103,12 +103,6 @@ def statistics(new_tokens: int, seconds: float, taus, block_size=None) -> Stats:
     # slot j accepted iff tau > j
     accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]
     return Stats(new_tokens, seconds, taus, accepted_at)
-
-
-def now(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # CUDA runs asynchronously: time the work, not the kernel launches
-    return time.perf_counter()
 
 
 # ----------------------------------------------------------------------------- watching each cycle
@@ -239,7 +233,7 @@ class Printer:
 
 
 # ------------------------------------------------------------------------ generate.py's answer
-class Answer:
+class Answer(Watcher):
     """What generate.py prints of one speculative answer to prompt_ids [1, P], as the cycle's watch:
     the text streamed as it commits or, with --show, each cycle's block. Then
     report(ids, taus, messages) prints its statistics (--show: the text first) and --show-svg's
@@ -248,16 +242,13 @@ class Answer:
     def __init__(self, tok, args, prompt_ids, block_size: int):
         self.tok, self.args, self.P, self.B = tok, args, prompt_ids.shape[1], block_size
         color, is_tree = sys.stdout.isatty(), args.shape[0] == "tree"
-        self.see = ShowBlocks(tok, color, is_tree) if args.show else Printer(tok)
+        self.show = ShowBlocks(tok, color, is_tree) if args.show else Printer(tok)
         self.cycles = []  # --show-svg draws them once the answer is done
-        self.watcher = Watcher(self.seen, self.P)
+        super().__init__(self.seen, self.P)
         self.start = time.perf_counter()
 
-    def __call__(self, phase, **made):
-        self.watcher(phase, **made)
-
     def seen(self, cycle):
-        self.see(cycle)
+        self.show(cycle)
         self.cycles.append(cycle)
 
     def report(self, ids, taus, messages) -> Stats:

@@ -11,7 +11,7 @@ from support.metrics import save_acceptance
 
 
 class RunLog:
-    """train.py's log.jsonl, on rank 0 (on): run_log(kind=..., step=..., ...) appends a record; a
+    """train.py's log.jsonl, on rank 0 (on): record(kind=..., step=..., ...) appends a record; a
     fresh run starts a fresh log, --resume appends to it; end() writes a finished run's final
     report. On the other ranks nothing."""
 
