@@ -34,8 +34,8 @@ holds it equal to the banners):
         tree.py                     best-first growth by hand, ancestor masks, scripted trees,
                                     the tree walk samples the target
         walkthrough.py              the walkthrough's printed numbers, by hand
-    the pipeline                    Part 2 starts: its machinery imported, and the shared
-                                    helpers that need it
+    the pipeline                    Part 2 starts: its machinery's import checked, and the
+                                    shared helpers that need it
     data.py                         loss masks, chat template kwargs, conversation readers and
                                     formats, a packed row == its documents one per row, the
                                     loader
@@ -743,12 +743,18 @@ def train_losses(out, key="loss"):
     return [r[key] for r in log_records(os.path.join(out, "log.jsonl")) if r["kind"] == "train"]
 
 
+def assert_equal_weights(a, b):
+    """Two checkpoints' weights: the same names, bit for bit equal."""
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+
+
 def assert_resumed_exactly(straight, resumed):
     """Two checkpoints of step 6, one made straight, one after a stop at step 3 and --resume: bit
     for bit equal."""
     assert straight["step"] == resumed["step"] == 6
-    for k, v in straight["model"].items():
-        assert torch.equal(v, resumed["model"][k]), k
+    assert_equal_weights(straight, resumed)
     for a, b in zip(
         straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()
     ):
@@ -2512,6 +2518,15 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, why):
     assert "bad.jsonl, line 3" in str(e.value)
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+    """A JSONL file saved in another encoding (here latin-1's e-acute) is the user's to fix: one
+    error naming its file and line, not a decoder's traceback."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "cafe"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(UsageError, match=r"bad.jsonl, line 2: 'utf-8' codec can't decode"):
+        conversations.read_conversations(str(path), require_assistant=False)
+
+
 # ------------------------------------------------------------ data formats (docs/training.md table)
 def read_one(tmp_path, record, **kw):
     """The one conversation read_conversations makes of a one-line JSONL file."""
@@ -3257,7 +3272,7 @@ def test_evaluation_under_compile_runs_the_draft_uncompiled_and_flex_compiled(mo
 # ------------------------------------------------------------------------- resume and --max-seconds
 def killed_after(monkeypatch, steps: int):
     """train.py killed (KeyboardInterrupt) as its step `steps` + 1 begins, as a run stopped from
-    outside is; undone at the next kill or the test's end."""
+    outside is; undone by monkeypatch.undo() or at the test's end."""
     real, calls = train.train_step, []
 
     def step(*a):
@@ -3324,12 +3339,6 @@ def test_max_seconds_is_the_steps_that_fit_and_resume_goes_on(setup, tmp_path, m
         assert resumed["step"] == resumed["total"] == 10, out
         assert timeless(log_records(tmp_path / out / "log.jsonl")) == want, out
         assert_equal_weights(steps, resumed)
-
-
-def assert_equal_weights(a, b):
-    assert a["model"].keys() == b["model"].keys()
-    for k, v in a["model"].items():
-        assert torch.equal(v, b["model"][k]), k
 
 
 def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):

@@ -128,12 +128,12 @@ def read_conversations(
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file (a conversations JSONL)")
     conversations, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded line by line, so a line that is not UTF-8 is named
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(raw.decode("utf-8"))
                 conv = to_conversation(record)
                 check_template_kwargs(record.get("chat_template_kwargs"), chat_template_kwargs)
                 if need_turns and isinstance(conv, dict):
@@ -141,7 +141,7 @@ def read_conversations(
                         '--regenerate needs the prompts as turns ("messages" or '
                         '"conversations"); this line is already rendered'
                     )
-            except (json.JSONDecodeError, UsageError) as e:
+            except (UnicodeDecodeError, json.JSONDecodeError, UsageError) as e:
                 raise UsageError(f"{path}, line {n}: {e}") from None
             if nothing_to_learn(conv, require_assistant):
                 skipped += 1
