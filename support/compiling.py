@@ -52,4 +52,4 @@ def guard(on: bool):
             f"a compiled function met more than {COMPILE['recompile_limit']} shapes (batches are "
             "padded to data.static_shapes, so this is a bug to report); train without --compile "
             f"and with --attention sdpa meanwhile ({str(e).splitlines()[0]})"
-        ) from None
+        ) from e  # a bug: dynamo's own traceback stays beside ours
