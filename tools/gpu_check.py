@@ -340,12 +340,11 @@ def steady(records: list) -> dict:
 
 
 def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
-    """Items a and b: make the data (once), run train.py, read its log."""
+    """Items a and b: make the item's data, run train.py, read its log."""
     t0 = time.monotonic()
     made = os.path.join(tmp, f"data-{name}")
-    if not os.path.isdir(made):
-        lengths = args.sizes["lengths" if name == "train" else "main_lengths"]
-        make_train_data(args.configs[name], made, lengths, args.sizes["rows"])
+    lengths = args.sizes["lengths" if name == "train" else "main_lengths"]
+    make_train_data(args.configs[name], made, lengths, args.sizes["rows"])
     data_s = time.monotonic() - t0
     out_dir = os.path.join(tmp, name)
     target_dir, feat_dir = os.path.join(made, "target"), os.path.join(made, "features")
