@@ -490,17 +490,10 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
     by hand; each conv line joins the boxes of an output row and an input row it reads, no line
     crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
     the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
-    target's. docs/figures holds, byte for byte, what the command draws today (its toy-*.svg are
-    a toy run's, docs/walkthrough.md section 5)."""
+    target's. (That docs/figures holds what it draws today is tools/form.py's to check.)"""
     import walkthrough as W
 
-    files = figures.pictures(str(tmp_path))
-    for f in files:  # the committed pictures are today's
-        with (
-            open(f) as new,
-            open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
-        ):
-            assert new.read() == old.read(), "stale: python -m tools.figures docs/figures"
+    figures.pictures(str(tmp_path))
     # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
     # context j < a_b and its own block (a causal layer: slots up to its own)
     root = svg_root(tmp_path / "blocks.svg")

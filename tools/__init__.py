@@ -9,5 +9,7 @@ Each runs from the repository's root as `python -m tools.NAME` (--help says how)
     mutants.py     breaks the method one rule at a time; the tests must notice (docs/mutants.md)
     gpu_check.py   the GPU path in one bounded call (docs/training-at-scale.md)
     llamacpp.py    llama.cpp: build it, convert to GGUF, check its tokens against generate.py
+    form.py        the repository's form: imports, maps, cited names, line budgets, docs against
+                   the code (python -m pytest -q tools/form.py; .ci/run runs it)
     test_tools.py  the tests of these tools (conftest.py: the fixtures they share with test_all.py)
 """
