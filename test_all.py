@@ -5597,14 +5597,69 @@ def bad_jsonl(tmp_path):
     return write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
 
 
-def test_train_without_data_is_one_line(capsys):
-    """No --data: argparse's one line naming it, exit status 2 (run.sh names the main job's)."""
+def test_train_defaults_to_run_sh_data(tmp_path, monkeypatch, capsys):
+    """No --data: bash run.sh's prepared data. Not made yet: one line `error: ...` naming it and
+    how to make it, exit status 2, before any work. Made: its held-out set is the default
+    --eval-data where that is made too; an explicit --eval-data, another --data or --online keeps
+    its own."""
+    monkeypatch.chdir(tmp_path)  # the default is relative, as run.sh makes it
     with pytest.raises(SystemExit) as stop:
-        train.parse_args(["--selector-top-k", "16"])
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and last.endswith(
-        "error: the following arguments are required: --data"
+        common.run(lambda: train.main(["--selector-top-k", "16"]))
+    said = capsys.readouterr()
+    assert stop.value.code == 2 and said.out == "", said.out
+    [line] = said.err.splitlines()
+    assert line.startswith("error: ") and train.RUN_SH_DATA in line and "bash run.sh" in line
+
+    def eval_data(*flags):
+        args = train.parse_args(list(flags))
+        train.check_default_data(args)
+        return args.eval_data
+
+    made = {}
+    for path in (train.RUN_SH_DATA, train.RUN_SH_EVAL):
+        os.makedirs(path)
+        (tmp_path / path / "manifest.json").write_text("{}")
+        made[path] = (eval_data(), eval_data("--eval-data", "mine"), eval_data("--data", "d"))
+    assert made[train.RUN_SH_DATA] == (None, "mine", None)  # the last --eval-fraction of --data
+    assert made[train.RUN_SH_EVAL] == (train.RUN_SH_EVAL, "mine", None)
+    assert eval_data("--online") is None
+
+
+def run_sh(tmp_path, *flags):
+    """bash run.sh FLAGS with each python command logged, not run, but its flag check (python -c):
+    -> (the finished process, each logged command's argv)."""
+    log, fake = tmp_path / "python.jsonl", tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "if sys.argv[1] == '-c':\n"
+        "    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
     )
+    fake.chmod(0o755)
+    path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        ["bash", os.path.join(HERE, "run.sh"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    return run, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("toy", [["--toy"], []])
+def test_run_sh_refuses_a_wrong_flag_before_any_work(tmp_path, toy):
+    """bash run.sh [--toy] checks train.py's flags with train.py's parser first: an unknown one
+    ends in one line `error: ...` naming it, exit status 2, and nothing else ran (the main job
+    would otherwise fail at training, after its data)."""
+    run, commands = run_sh(tmp_path, *toy, "--no-such-flag")
+    assert run.returncode == 2 and run.stdout == "", run.stdout
+    [line] = run.stderr.splitlines()
+    assert line.startswith("error: ") and "--no-such-flag" in line, line
+    assert [argv[0] for argv in commands] == ["-c"]
 
 
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
@@ -5741,3 +5796,16 @@ def test_toy_run_reduced(tmp_path, capsys):
     spec, _ = decoding.speculative_generate(target, draft, ids, 60, stop_ids={tok.eos_token_id})
     plain = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=tok.eos_token_id)
     assert torch.equal(spec, plain)
+
+
+def test_run_sh_toy_takes_train_flags(tmp_path):
+    """bash run.sh --toy passes train.py's flags on, after its own (the user's win), as the main
+    job does: train.py gets what the check parsed; --dflash trains into OUT/draft-dflash."""
+    run, commands = run_sh(tmp_path, "--toy", "--dflash", "--loss", "kl", "--epochs", "2")
+    assert run.returncode == 0, run.stderr
+    check, trained = commands[0][2:], [argv[1:] for argv in commands if argv[0] == "train.py"]
+    assert trained == [check]
+    args = train.parse_args(check)
+    assert (args.loss, args.dflash, args.epochs) == ("kl", True, 2)
+    assert args.out_dir == str(tmp_path / "out" / "draft-dflash")
+    assert args.data == str(tmp_path / "out" / "data" / "train")

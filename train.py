@@ -35,6 +35,9 @@ from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded,
 from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
 from support.target import frozen_target
 
+# bash run.sh's prepared data (its first phases make it): train/, and eval/ held out (GSM8K test)
+RUN_SH_DATA, RUN_SH_EVAL = "data/smollm2-math/train", "data/smollm2-math/eval"
+
 
 def parse_args(argv=None):
     """One line a flag, in groups; what each one means and why its default: docs/training.md."""
@@ -42,8 +45,16 @@ def parse_args(argv=None):
     ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
     count = bounded(int, low=1)
     a = p.add_argument_group("data").add_argument
-    a("--data", required=True, help="prepare.py's features (--online: a conversations JSONL)")
-    a("--eval-data", help="held-out data; default: the last --eval-fraction of --data")
+    a(
+        "--data",
+        default=RUN_SH_DATA,
+        help="prepare.py's features, by default bash run.sh's (--online: a conversations JSONL)",
+    )
+    a(
+        "--eval-data",
+        help="held-out data; default: bash run.sh's held-out set with the default --data, else the "
+        "last --eval-fraction of --data",
+    )
     a("--eval-fraction", type=ratio, default=0.05, help="--data held out without --eval-data")
     a("--num-samples", type=count, help="train on the first N sequences only")
     a("--online", action="store_true", help="the target runs here and gives features every step")
@@ -115,6 +126,20 @@ def parse_args(argv=None):
     if args.selector_weighting == "uniform" and args.position_weighting == "dpace":
         p.error("--selector-weighting uniform takes --position-weighting exp (loss.py)")
     return args
+
+
+def check_default_data(args):
+    """--data left at its default (offline): run.sh's data must be there, else one line saying how
+    to make it; run.sh's held-out set is then the default --eval-data, where it is made."""
+    if args.online or args.data != RUN_SH_DATA:
+        return
+    if not os.path.isfile(os.path.join(RUN_SH_DATA, "manifest.json")):
+        raise UsageError(
+            f"--data: no prepared data at {RUN_SH_DATA} (the default): bash run.sh makes it (then "
+            "trains), or name prepare.py's --out-dir with --data"
+        )
+    if args.eval_data is None and os.path.isfile(os.path.join(RUN_SH_EVAL, "manifest.json")):
+        args.eval_data = RUN_SH_EVAL
 
 
 # ------------------------------------------------------------------------ the draft, the objective
@@ -317,6 +342,7 @@ def load_checkpoint(path, draft, opt, sharded, total) -> tuple:
 # ----------------------------------------------------------------------------- training
 def main(argv=None):
     args = parse_args(argv)
+    check_default_data(args)
     args.attention = compiling.choose_attention(args.attention, distributed.rank_device())
     args.compile = machine.compile_training(args.compile, args.dtype, distributed.rank_device())
     with compiling.guard(compiling.anything_compiles(args)):  # dynamo's settings, where it runs

@@ -1,16 +1,18 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
 nanochat's common.py): dtype names, atomic writes, JSON files, the CPU's name, and the command
 line's rules: a user's mistake (UsageError) ends in one line, bounded flag values, the --help
-table, the one --chat-template-kwargs flag. Nothing else belongs here.
+table, the one --chat-template-kwargs flag, a shell script's flags checked up front. Nothing else
+belongs here.
 """
 
 import argparse
+import io
 import json
 import math
 import os
 import platform
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 
 import torch
 
@@ -143,6 +145,20 @@ def add_chat_template_kwargs(add):
         help="keyword arguments for the target's chat template, e.g. "
         "'{\"enable_thinking\": false}' (Qwen3); the same when regenerating, training and serving",
     )
+
+
+def flags_checked(parse_args, argv, script: str):
+    """parse_args(argv), for a shell script that passes argv on to script later (run.sh, to
+    train.py) and checks them before any work: argparse's refusal (its usage, then `PROG: error:
+    ...`) as a UsageError naming script, one line."""
+    said = io.StringIO()
+    try:
+        with redirect_stderr(said):
+            return parse_args(argv)
+    except SystemExit as e:
+        if e.code != 2:  # --help: printed, a success
+            raise
+        raise UsageError(f"{script}: {said.getvalue().split(': error: ', 1)[-1].strip()}") from None
 
 
 def run(main):
