@@ -12,6 +12,19 @@ speculative_generate is that cycle for a path of k drafts (k = B-1 by default); 
 same steps on a tree of N nodes. Neither holds a clock or prints: they return the ids and each
 cycle's tau, and tell whoever wants more (generate.py --show: support/show.py) what each phase
 of a cycle made, through their one `watch` callback. generate.py is the command line.
+
+The watch: a cycle calls watch(phase, **made) as each phase ends, prefill once and then draft,
+proposal, verify and commit each cycle, with these keys (tree.py's where they differ):
+
+    phase     fires after                                   made
+    prefill   the prompt's forward and its first token      ids [1, P+1]: the committed tokens
+    draft     step 1, the draft's block forward             u [1, L, V]: unary scores, slots 1..L
+    proposal  step 2: the selector's walk, the unary        drafts [1, k]; tree.py: tree (a Tree)
+              argmax or a sample; tree.py: the tree grown
+    verify    steps 3-5: target forward, accept, crop       accepted (drafts kept), bonus (the
+                                                            target's token); tree.py: path (the
+                                                            accepted nodes), bonus
+    commit    step 6, the tokens committed                  ids [1, P+n]: all committed so far
 """
 
 import inspect
@@ -45,7 +58,7 @@ def speculative_generate(
     the B-1 drafts (default all). head: what scores the draft's rows (default: the target's head,
     embed_and_head); speed/ may pass one that runs faster here. propose: step 2 in place of
     draft_proposal (the tests script the drafts with it). watch(phase, **made): called as the
-    prefill and each phase of a cycle ends, with what it made."""
+    prefill and each phase of a cycle ends, with what it made (the module's docstring)."""
     c, P = draft.config, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
     embed, target_head = embed_and_head(target, draft)
@@ -65,7 +78,7 @@ def speculative_generate(
         # 2. Walk: the selector's path through its lattice (or the unary argmax; at T > 0 a sample
         #    from q): k drafts.
         d, q = propose(draft, h, u, ids, temperature, use_selector, generator)
-        watch("selector", drafts=d)
+        watch("proposal", drafts=d)
         # 3. Verify: ONE target forward over [anchor, d_1..d_k]; row j is the target after d_1..d_j.
         block = torch.cat([ids[:, -1:], d], dim=1)
         logits, feats = target_forward(target, cache, c.target_layer_ids, block)

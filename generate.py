@@ -4,11 +4,9 @@
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
---compare also decodes plainly, gives the speed-up as the median of 5 runs each way, and says
-whether the outputs are identical (they are, at T = 0, up to a numerics tie, which it names); --show
-prints every cycle's block; --bench decodes prompt sets every way
-(speed/bench.py). Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each
-cycle, --tree-budget N a tree of N nodes (tree.py).
+Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each cycle,
+--tree-budget N a tree of N nodes (tree.py). What it prints, --show's blocks and --compare's
+speed-up included, is support/show.py's; --bench decodes prompt sets every way (speed/bench.py).
 
 By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
 target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
@@ -17,7 +15,6 @@ replaced.
 """
 
 import argparse
-import os
 import sys
 from functools import partial
 
@@ -27,26 +24,27 @@ from decoding import speculative_generate, target_generate
 from export import load_any
 from speed import bench, machine, tune
 from support import show
-from support.common import DTYPES, UsageError, add_chat_template_kwargs, bounded, run
+from support.common import DTYPES, add_chat_template_kwargs, bounded, run
 from support.target import check_draft_fits, encode, load_target, stop_token_ids
 from tree import tree_generate
 
 
-def reply(target, draft, tok, messages, args, gen, stop) -> str:
+def reply(target, draft, tok, messages, args, gen, stop, *, mode, shape, head) -> str:
     """One answer: the cycle decodes it, streamed as it commits (--show: each cycle's block), then
-    its statistics; --compare then times plain decoding against it. support/show.py prints."""
+    its statistics; --compare then times plain decoding against it. support/show.py prints.
+    mode: "selector" or "unary"; shape: the verify shape; head: what scores the draft's rows."""
     ids = encode(tok, messages, next(target.parameters()).device, args.chat_template_kwargs)
-    n, (kind, size), B = args.max_new_tokens, args.shape, draft.config.block_size
-    # decoding.py's cycle with a path of `size` drafts, or tree.py's with a tree of `size` nodes;
-    # speed/'s head scores the draft's rows, if it gave one
+    n, (kind, size), B = args.max_new_tokens, shape, draft.config.block_size
+    # decoding.py's cycle with a path of `size` drafts, or tree.py's with a tree of `size` nodes
     cycle = speculative_generate if kind == "path" else tree_generate
-    kw = dict(use_selector=not args.unary, stop_ids=stop, head=machine.draft_head(draft))
+    kw = dict(use_selector=not args.unary, stop_ids=stop, head=head)
     if args.compare:  # untimed greedy warm-ups, as --bench runs: a first decoding pays one-off
         cycle(target, draft, ids, 8, size, **kw)  # costs, which a short answer shows
         target_generate(target, ids, 8, stop_ids=stop)
     kw["temperature"] = args.temperature
     state = gen.get_state()  # --compare's repeats decode this answer again from here
-    answer = show.Answer(tok, args, ids, B)  # the cycle's watch: prints the answer as it comes
+    # the cycle's watch: prints the answer as it comes
+    answer = show.Answer(tok, ids, B, mode, shape, args.show, args.show_svg)
     out, taus = cycle(target, draft, ids, n, size, generator=gen, watch=answer, **kw)
     answer.report(out, taus, messages)
     if args.compare:  # each way again, as functions of their generator
@@ -61,65 +59,29 @@ def parse_args(argv=None):
     a = ap.add_argument
     a("--target", default=None, help="target model name or path (default: the embedded target)")
     a("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
+    dtypes = ["auto", *DTYPES]
     a(
         "--target-dtype",
-        choices=["auto", *DTYPES],
+        choices=dtypes,
         default="auto",
-        help="the target's dtype; auto: fp32 on every device, so that greedy output is plain "
-        "greedy's token for token (docs/speculation.md); bf16 is faster on a GPU, and --compare "
-        "names the near-ties it flips",
+        help="the target's dtype (auto: fp32, where greedy is exact)",
     )
     tune.add_flags(a)  # --fast, --draft-dtype, --target-gemm: speed/'s choices
     a("--prompt", default=None, help="one prompt; without it, an interactive chat")
     add_chat_template_kwargs(a)
-    a("--max-new-tokens", type=bounded(int, low=1), default=256)
+    a("--max-new-tokens", type=bounded(int, low=1), default=256, help="the answer's length at most")
     a("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="the seed of sampling at temperature > 0")
     a("--unary", action="store_true", help="plain argmax / softmax proposals, no selector walk")
-    a("--compare", action="store_true", help="also run plain target decoding and compare")
-    a("--bench", nargs="+", choices=["mtbench", "humaneval", "gsm8k"], default=None)
-    a("--bench-limit", type=bounded(int, low=1), default=None, help="first N prompts of each set")
-    a(
-        "--verify-tokens",
-        nargs="+",
-        type=bounded(int, low=1),
-        metavar="{1..B-1}",
-        help="verify a path: the first k of the B-1 drafts (default: all B-1). --bench takes "
-        "several: a row each",
-    )
-    a(
-        "--tree-budget",
-        nargs="+",
-        type=bounded(int, low=1),
-        metavar="N",
-        help="verify a tree of N drafted nodes in one target forward (tree.py); --fast's default: "
-        "speed/tune.py's FAST_TREE. --bench takes several: a row each",
-    )
-    a(
-        "--show",
-        action="store_true",
-        help="print every cycle's block, in colour on a terminal, "
-        "else with these markers: " + show.show_legend(),
-    )
-    a(
-        "--show-svg",
-        metavar="FILE",
-        default=None,
-        help="also draw every cycle's block, marked as --show marks it, into an SVG picture "
-        "(with --prompt)",
-    )
+    sizes = dict(nargs="+", type=bounded(int, low=1))  # several only with --bench: a row each
+    a("--verify-tokens", **sizes, metavar="K", help="verify the first K drafts of each cycle's B-1")
+    a("--tree-budget", **sizes, metavar="N", help="verify a tree of N drafted nodes (tree.py)")
+    show.add_flags(a)  # --show, --show-svg, --compare: what it prints
+    bench.add_flags(a)  # --bench, --bench-limit: prompt sets decoded every way
     args = ap.parse_args(argv)
-    if args.show and args.bench:
-        ap.error("--show prints the blocks of single answers; it does not go with --bench")
-    if args.show_svg and (args.bench or args.prompt is None):
-        ap.error("--show-svg draws the blocks of one answer: give --prompt, not --bench")
-    folder = os.path.dirname(os.path.abspath(args.show_svg or "."))
-    if args.show_svg and not os.path.isdir(folder):  # a bad path: one line (support/common.run)
-        raise UsageError(f"--show-svg {args.show_svg}: no folder {folder}")
+    show.check_flags(args, ap.error)
     if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
-        ap.error(
-            "--verify-tokens / --tree-budget: one value (several, one row each, only with --bench)"
-        )
+        ap.error("--verify-tokens / --tree-budget: several values (a row each) only with --bench")
     return args
 
 
@@ -131,20 +93,22 @@ def main(argv=None):
     target, tok = load_target(args.target, target_dtype)
     target = target.to(device)
     check_draft_fits(draft.config, target)
-    fast = tune.fill_defaults(args, draft.config.block_size)
+    # what the flags ask, --fast's choices in place of the defaults: the reading path's otherwise
+    draft_dtype, target_gemm, shapes, fast = tune.choose(args, draft.config.block_size)
     if fast:
         print(fast, file=sys.stderr)
-    shapes = tune.verify_shapes(args, draft.config.block_size)  # refused before any measurement
-    draft, layouts, line = tune.decoding(target, draft, args)  # how to run here (speed/)
+    # how to run here (speed/): head, what scores the draft's rows (None: the target's head)
+    draft, head, layouts, line = tune.decoding(target, draft, draft_dtype, target_gemm)
     print(line, file=sys.stderr)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     stop = stop_token_ids(target, tok)
     if args.bench:
-        return bench.bench(target, draft, tok, args, gen, stop, layouts, shapes)
-    args.mode = "unary" if args.unary or not draft.candidate_selector else "selector"
-    args.shape = shapes[0]
+        return bench.bench(target, draft, head, tok, args, gen, stop, layouts, shapes)
+    mode = "unary" if args.unary or not draft.candidate_selector else "selector"
+    how = dict(mode=mode, shape=shapes[0], head=head)
     if args.prompt is not None:
-        reply(target, draft, tok, [{"role": "user", "content": args.prompt}], args, gen, stop)
+        messages = [{"role": "user", "content": args.prompt}]
+        reply(target, draft, tok, messages, args, gen, stop, **how)
         return
     messages = []
     while True:
@@ -153,7 +117,7 @@ def main(argv=None):
         except (EOFError, KeyboardInterrupt):
             break
         messages.append({"role": "user", "content": text})
-        answer = reply(target, draft, tok, messages, args, gen, stop)
+        answer = reply(target, draft, tok, messages, args, gen, stop, **how)
         messages.append({"role": "assistant", "content": answer})
 
 

@@ -5063,8 +5063,8 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
         chat_template_kwargs={},
     )
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock")
-    shapes = [("path", 1), ("path", 3)]
-    bench.bench(target, draft, None, args, torch.Generator().manual_seed(0), set(), layouts, shapes)
+    shapes, gen = [("path", 1), ("path", 3)], torch.Generator().manual_seed(0)
+    bench.bench(target, draft, None, None, args, gen, set(), layouts, shapes)
     ways = lambda f: (
         [("plain", "onednn", f), ("plain", "stock", f)]
         + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
@@ -5168,39 +5168,31 @@ def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
     )
 
 
-def test_generate_defaults_run_the_reading_path_and_fast_opts_in(capsys):
+def test_generate_defaults_run_the_reading_path_and_fast_opts_in():
     """Without --fast: the draft as trained (no --draft-dtype), stock GEMMs, the path of B-1 drafts,
     nothing said. --fast: speed/'s choice for each of the three not given (--draft-dtype auto,
     --target-gemm auto, a tree of tune.FAST_TREE nodes), and one line naming what it replaced; an
-    explicit flag keeps its value either way."""
+    explicit flag keeps its value either way. The parsed flags stay as parsed."""
     args = generate.parse_args(["--draft", "d"])
-    assert tune.fill_defaults(args, 8) == ""
-    assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
-        None,
-        None,
-        [7],
-        None,
-    )
+    assert tune.choose(args, 8) == (None, None, [("path", 7)], "")
     args = generate.parse_args(["--draft", "d", "--fast"])
-    assert tune.fill_defaults(args, 8) == (
+    parsed = dict(vars(args))
+    assert tune.choose(args, 8) == (
+        "auto",
+        "auto",
+        [("tree", tune.FAST_TREE)],
         "--fast: --draft-dtype auto for the draft as trained, --target-gemm auto for stock GEMMs, "
-        f"--tree-budget {tune.FAST_TREE} for the path of 7 drafts"
+        f"--tree-budget {tune.FAST_TREE} for the path of 7 drafts",
     )
-    assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
-        "auto",
-        "auto",
-        None,
-        [tune.FAST_TREE],
-    )
+    assert vars(args) == parsed
     args = generate.parse_args(
         ["--draft", "d", "--fast", "--draft-dtype", "fp32", "--verify-tokens", "3"]
     )
-    assert tune.fill_defaults(args, 8) == "--fast: --target-gemm auto for stock GEMMs"
-    assert (args.draft_dtype, args.target_gemm, args.verify_tokens, args.tree_budget) == (
+    assert tune.choose(args, 8) == (
         "fp32",
         "auto",
-        [3],
-        None,
+        [("path", 3)],
+        "--fast: --target-gemm auto for stock GEMMs",
     )
 
 
@@ -5312,11 +5304,12 @@ def test_show_formats_a_tree_by_hand():
     text = lambda t: f"t{t}"
     # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
     t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
-    # accepted 2 (not the anchor's best child: *) then 4 (2's best child); 4's only child 6
-    # rejected; bonus 8
-    assert show.format_tree(t, [2, 4], 8, text) == "[t2]* [t4] {t6} <t8>   6 nodes, by depth 2 3 1"
-    assert show.format_tree(t, [], 8, text) == "{t1|t2} <t8>   6 nodes, by depth 2 3 1"
-    assert show.format_tree(t, [1, 3], 8, text) == "[t1] [t3] <t8>   6 nodes, by depth 2 3 1"
+    # accepted 2 (not the anchor's best child 1, rejected: *) then 4 (2's best child; its sibling 5
+    # rejected); 4's only child 6 rejected; 3, below the rejected 1, never checked; bonus 8
+    by_depth = "   6 nodes, by depth 2 3 1"
+    assert show.format_tree(t, [2, 4], 8, text) == "{t1}[t2]* [t4]{t5} {t6} <t8>" + by_depth
+    assert show.format_tree(t, [], 8, text) == "{t1|t2} <t8>" + by_depth
+    assert show.format_tree(t, [1, 3], 8, text) == "[t1]{t2} [t3] <t8>" + by_depth
 
 
 def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
@@ -5446,7 +5439,6 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
         # all B
         # rows, zeros past the real ones) changes nothing
         _, head = decoding.embed_and_head(target, draft)
-        draft.head = cost.FastestRows(head, {d: B for d in range(1, B)})
         wide, _ = speculate(
             target,
             draft,
@@ -5454,10 +5446,9 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
             6,
             proposer=record(decoding.draft_proposal),
             grower=record(tree.draft_tree),
-            head=machine.draft_head(draft),
+            head=cost.FastestRows(head, {d: B for d in range(1, B)}),
             **kw,
         )
-        del draft.head
         assert torch.equal(out, wide) and set(seen) == {(depth, depth)}
     _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))

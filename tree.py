@@ -268,7 +268,7 @@ def tree_generate(
         watch("draft", u=u)
         # 2. Grow the tree best-first over each slot's top-K, from the draft's scores alone.
         t = propose(draft, h, u, ids, budget, use_selector)
-        watch("selector", tree=t)
+        watch("proposal", tree=t)
         # 3. Verify: ONE target forward over [anchor, nodes...]; node i sits at s + depth_i and
         #    sees its ancestors only (a path's ancestor mask is the causal one).
         kw = {}

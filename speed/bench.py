@@ -4,9 +4,9 @@
         --max-new-tokens 128 --verify-tokens 7 --tree-budget 8 16 24 32
 
 Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts or a tree of N
-nodes: tune.verify_shapes), then plain decoding. Where `--target-gemm auto` measured the GEMM
-layouts, plain decoding runs in each and the speedups divide by the fastest: the fastest plain
-decoding this machine has, not the layout speculation happens to use. "same" counts answers equal to
+nodes: tune.choose), then plain decoding. Where `--target-gemm auto` measured the GEMM layouts,
+plain decoding runs in each and the speedups divide by the fastest: the fastest plain decoding this
+machine has, not the layout speculation happens to use. "same" counts answers equal to
 plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new
 tokens over the wall time of each call (prefill included). Each prompt is decoded every way back to
 back before the next one starts, so a shared machine that speeds up or slows down meanwhile does so
@@ -17,17 +17,31 @@ import torch
 
 from decoding import target_generate
 from speed.gemm import set_layout
-from speed.machine import draft_head
-from support.promptsets import eval_prompts
+from support.common import bounded
+from support.promptsets import EVAL_SETS, eval_prompts
 from support.show import label, speculate, timed
 from support.target import encode
+
+
+def add_flags(a):
+    """generate.py's flags for the bench; a: its ArgumentParser's add_argument."""
+    a(
+        "--bench",
+        nargs="+",
+        choices=list(EVAL_SETS),
+        help="decode these prompt sets every way and compare",
+    )
+    a("--bench-limit", type=bounded(int, low=1), help="only the first N prompts of each set")
 
 
 def tok_per_s(stats) -> float:
     return sum(s.new_tokens for s in stats) / sum(s.seconds for s in stats)
 
 
-def bench(target, draft, tok, args, gen, stop, layouts, shapes):
+def bench(target, draft, head, tok, args, gen, stop, layouts, shapes):
+    """Print the table: args.bench's sets (the first args.bench_limit prompts of each), each row
+    one way of decoding them. head: what speculation scores the draft's rows with (tune.decoding's;
+    None: the target's); layouts: tune.decoding's; shapes: the verify shapes (tune.choose's)."""
     dev, modes = (
         next(target.parameters()).device,
         ["selector", "unary"] if draft.candidate_selector else ["unary"],
@@ -35,7 +49,6 @@ def bench(target, draft, tok, args, gen, stop, layouts, shapes):
     rows = [(m, shape) for m in modes for shape in shapes]
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
     new, kw = args.max_new_tokens, dict(temperature=args.temperature, generator=gen, stop_ids=stop)
-    head = draft_head(draft)  # speculation scores the draft's rows with speed/'s head, if any
     kwargs = args.chat_template_kwargs
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev, kwargs)
     print(

@@ -66,13 +66,12 @@ def fastest_rows(ms: dict, B: int) -> dict:
 
 
 @torch.no_grad()
-def head_rows(draft, target, repeats: int = 3) -> dict:
-    """{L: r}: the block rows the head should score to cover slots 1..L. Its GEMM [r, H] x [H, V]
-    does not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a third
-    of 8 on one machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in 2..B is
-    timed here."""
+def head_rows(draft, head, repeats: int = 3) -> dict:
+    """{L: r}: the block rows `head` should score to cover the draft's slots 1..L. Its GEMM [r, H] x
+    [H, V] does not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a
+    third of 8 on one machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in
+    2..B is timed here."""
     c, p = draft.config, next(draft.parameters())
-    head = scoring_head(target, draft)
     h = torch.randn(1, c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
     ms = {
         r: median_ms(lambda: draft.unary_logits(h[:, :r], head), repeats, p.device)
@@ -81,17 +80,12 @@ def head_rows(draft, target, repeats: int = 3) -> dict:
     return fastest_rows(ms, c.block_size)
 
 
-def scoring_head(target, draft):
-    """The head the draft's rows are scored with here: the one speed/ gave it, else the target's."""
-    return machine.draft_head(draft) or embed_and_head(target, draft)[1]
-
-
-def use_fastest_rows(draft, target):
-    """Give the draft, in its precision here, the head that scores its rows fastest (draft.head,
-    which the decoding loops score with: machine.draft_head): its own head, over head_rows' row
-    counts. -> those row counts, {L: r}."""
-    draft.head = FastestRows(scoring_head(target, draft), head_rows(draft, target))
-    return draft.head.rows
+def fastest_head(draft, target, head=None):
+    """The head that scores the draft's rows fastest here, for the decoding loops' `head`: head
+    (int8.py's), else the target's in the draft's precision (decoding.embed_and_head), over
+    head_rows' row counts -> a FastestRows."""
+    head = head or embed_and_head(target, draft)[1]
+    return FastestRows(head, head_rows(draft, head))
 
 
 class FastestRows(torch.nn.Module):

@@ -4,9 +4,8 @@ At batch 1 a draft cycle reads every weight of the draft and of the target's hea
 SmolLM2) to compute a handful of rows, so it costs about what those weights weigh. Without native
 bf16 (AVX2) bf16 runs in software and fp32 GEMMs of 2-8 rows run far below the memory's speed; with
 it, oneDNN's bf16 GEMM of 2-7 rows is slow. So the draft's linear layers and the head hold int8
-weights (measured, two threads, the SmolLM2 draft: the head over 3 rows 1.0 ms against 5.7 fp32 and
-113 bf16 natively, 1.6 against 10.9 fp32 under AVX2; `tools/int8_cost.py` at commit 4deb8a4, removed
-since):
+weights (docs/cpu.md, "Precision": on the Xeon, the SmolLM2 draft's head over 3 rows took 1.0 ms
+in int8 against 5.7 in fp32 and 113 in bf16):
 
     weight  w[o, i] ~ s_o q[o, i],  q int8,  s_o = max_i |w[o, i]| / 127        one scale per row
     input   x[i] ~ a (r[i] - z),    r in 0..127, a and z from min and max of x  (dynamic: per call)
@@ -69,12 +68,11 @@ def runs() -> bool:
 
 
 def quantize(draft, head_weight):
-    """An fp32 CPU draft in place: every nn.Linear but fc -> Int8Linear, and draft.head, the
-    target's head [V, H] in int8, which the decoding loops score with instead of the fp32 product
-    (machine.draft_head)."""
+    """An fp32 CPU draft in place: every nn.Linear but fc -> Int8Linear. -> the target's head
+    head_weight [V, H] as an Int8Linear: what the decoding loops score the draft's rows with (their
+    `head`) in place of the fp32 product."""
     for name, m in list(draft.named_modules()):
         if isinstance(m, nn.Linear) and name != "fc":
             parent, _, child = name.rpartition(".")
             setattr(draft.get_submodule(parent), child, Int8Linear(m.weight))
-    draft.head = Int8Linear(head_weight)
-    return draft
+    return Int8Linear(head_weight)

@@ -136,21 +136,14 @@ def draft_precision(name: str, device) -> str:
     return dtype_name(resolve_dtype(name, device, "draft"))
 
 
-def draft_in(precision: str, draft, target, device):
-    """The draft on the device in draft_precision's choice: a DTYPES name, or int8 weights on
-    fp32."""
+def draft_in(precision: str, draft, target, device) -> tuple:
+    """The draft on the device in draft_precision's choice: a DTYPES name, or int8 weights on fp32.
+    -> (draft, head): head the target's head in int8 for an int8 draft (int8.quantize), else None
+    (the target's own, in the draft's precision: decoding.embed_and_head)."""
     draft = draft.to(device=device, dtype=DTYPES.get(precision, torch.float32))
     if precision == "int8":
-        int8.quantize(draft, target.get_output_embeddings().weight)
-    return draft
-
-
-def draft_head(draft):
-    """The head speed/ gave the draft to score its rows with (draft.head: int8.quantize's int8
-    head, cost.use_fastest_rows' FastestRows), or None: the target's, decoding.embed_and_head's.
-    The scripts that run the draft through speed/ hand it to the decoding loops as their `head`
-    (decoding.speculative_generate's, tree.tree_generate's)."""
-    return getattr(draft, "head", None)
+        return draft, int8.quantize(draft, target.get_output_embeddings().weight)
+    return draft, None
 
 
 def slow_bf16_note(dtype, device) -> str:

@@ -496,15 +496,14 @@ def test_int8_linear_stays_within_its_rounding_bound():
 def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
     target, draft = tiny_target("qwen3"), tiny_draft(4)
     ref = draft.state_dict()
-    int8.quantize(draft, target.get_output_embeddings().weight)
+    head = int8.quantize(draft, target.get_output_embeddings().weight)
     linears = {
         n: type(m)
         for n, m in draft.named_modules()
         if isinstance(m, (torch.nn.Linear, int8.Int8Linear))
     }
     assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
-    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and "head" in linears
-    assert machine.draft_head(draft) is draft.head
+    assert torch.equal(draft.fc.weight, ref["fc.weight"]) and isinstance(head, int8.Int8Linear)
     # every layer's projections, the convolutions' kernel projections and the selector's P are int8
     names = {n.rsplit(".", 1)[-1] for n in linears}
     assert {
@@ -536,15 +535,13 @@ def test_verify_shapes_are_the_shapes_asked_and_a_path_fits_the_block():
     given."""
     flags = ["--tree-budget", "8", "--verify-tokens", "2", "7", "--bench", "gsm8k"]
     args = generate.parse_args(["--draft", "d", *flags])
-    assert tune.verify_shapes(args, 8) == [("path", 2), ("path", 7), ("tree", 8)]
+    assert tune.choose(args, 8)[2] == [("path", 2), ("path", 7), ("tree", 8)]
     with pytest.raises(UsageError, match=r"--verify-tokens: at most 2, .*\(block size 3\)"):
-        tune.verify_shapes(args, 3)
+        tune.choose(args, 3)
     with pytest.raises(UsageError, match="at most 7"):  # B drafts: one more than a cycle proposes
-        tune.verify_shapes(generate.parse_args(["--draft", "d", "--verify-tokens", "8"]), 8)
+        tune.choose(generate.parse_args(["--draft", "d", "--verify-tokens", "8"]), 8)
     # the default: the path of B-1; --fast's: a tree of FAST_TREE nodes
     for flags, shape in (([], ("path", 7)), (["--fast"], ("tree", tune.FAST_TREE))):
-        args = generate.parse_args(["--draft", "d", *flags])
-        tune.fill_defaults(args, 8)
-        assert tune.verify_shapes(args, 8) == [shape]
+        assert tune.choose(generate.parse_args(["--draft", "d", *flags]), 8)[2] == [shape]
     with pytest.raises(SystemExit):  # auto is no value any more
         generate.parse_args(["--draft", "d", "--tree-budget", "auto"])

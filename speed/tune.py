@@ -1,11 +1,11 @@
-"""How to run here: one call per script, the core's door into this package.
+"""How to run here: the one call each script makes into this package to choose how it runs.
 
     prepare.py   data_target(target, dtype, wanted)   the target's GEMM layout for batched forwards
-    generate.py  add_flags(a), fill_defaults(args, B) --fast, --draft-dtype, --target-gemm
-                 decoding(target, draft, args)        the draft in its precision with its
-                                                      fastest head (or as trained), the target
-                                                      in its layout, and a line
-                 verify_shapes(args, B)               the verify shapes asked, each in range
+    generate.py  add_flags(a)                         --fast, --draft-dtype, --target-gemm
+                 choose(args, B)                      what those flags and the verify shapes ask
+                 decoding(target, draft, ...)         the draft in its precision with the head that
+                                                      scores its rows fastest (or as trained), the
+                                                      target in its layout, and a line
 
 `auto` follows the rule of machine.py and, where the rule cannot tell, a short measurement cached
 per machine (cost.py). It is prepare.py's default (--target-gemm), not generate.py's: there nothing
@@ -20,7 +20,10 @@ from speed.gemm import set_layout
 from support.common import DTYPES, UsageError, dtype_name
 from support.show import label
 
-FAST_TREE = 7  # the tree --fast verifies: what the removed cost model chose on the Zen 3 and Xeon
+# --fast's tree: in docs/cpu.md's benches ("What each piece of speed/ buys") a tree of 7 nodes beat
+# both the default path of 7 drafts and a tree of 4 (Zen 3, Xeon); `generate.py --bench
+# --verify-tokens 7 --tree-budget 4 7 16` compares them on this machine.
+FAST_TREE = 7
 
 
 def add_flags(a):
@@ -28,49 +31,62 @@ def add_flags(a):
     a(
         "--fast",
         action="store_true",
-        help="run as fast as speed/ knows here: --draft-dtype auto, --target-gemm auto and "
-        f"--tree-budget {FAST_TREE}, each where not given (docs/cpu.md)",
+        help=f"use speed/'s choices for this machine (auto below, a tree of {FAST_TREE} nodes) "
+        "where not given",
     )
     a(
         "--draft-dtype",
         choices=["auto", *DTYPES, "int8"],
         default=None,
-        help="the draft's precision (default: as trained, fp32); auto: int8 weights on x86 CPUs "
-        "(speed/int8.py), bf16 on a GPU, else bf16 where native, else fp32 (speed/machine.py). A "
-        "precision given also scores the draft's head over the row count fastest here "
-        "(speed/cost.py). Output is the target's either way",
+        help="the draft's precision (default: as trained; auto: the fastest here), which never "
+        "changes the output",
     )
     a(
         "--target-gemm",
         choices=["auto", "stock", "onednn", "mkl"],
         default=None,
-        help="the target's GEMM layout (speed/gemm.py; default stock): oneDNN's packed weights or "
-        "MKL's packed GEMM; auto: whichever speed/cost.py measures fastest here (once per "
-        "machine, cached; docs/cpu.md)",
+        help="the CPU layout of the target's weights (default: stock; auto: the fastest here)",
     )
 
 
-def fill_defaults(args, B: int) -> str:
-    """The defaults run what decoding.py shows: the draft as trained, stock GEMMs, the path of B-1
-    drafts. --fast puts speed/'s choices in place of each of the three not given: --draft-dtype
-    auto, --target-gemm auto, a tree of FAST_TREE nodes. -> the line saying what it replaced (""
-    without --fast)."""
+def choose(args, B: int) -> tuple:
+    """generate.py's flags -> (--draft-dtype, --target-gemm, the verify shapes, the line saying what
+    --fast replaced: "" without it); B: the draft's block size. The defaults run what decoding.py
+    shows: the draft as trained (None), stock GEMMs (None), the path of B-1 drafts. --fast puts
+    speed/'s choices in place of each of the three not given: auto, auto, a tree of FAST_TREE
+    nodes. args is left as parsed."""
+    draft_dtype, target_gemm = args.draft_dtype, args.target_gemm
+    paths, trees = args.verify_tokens or [], args.tree_budget or []
     replaced = []
-    if args.fast and args.draft_dtype is None:
-        args.draft_dtype = "auto"
+    if args.fast and draft_dtype is None:
+        draft_dtype = "auto"
         replaced.append("--draft-dtype auto for the draft as trained")
-    if args.fast and args.target_gemm is None:
-        args.target_gemm = "auto"
+    if args.fast and target_gemm is None:
+        target_gemm = "auto"
         replaced.append("--target-gemm auto for stock GEMMs")
-    if not (args.verify_tokens or args.tree_budget):
+    if not (paths or trees):
         if args.fast:
-            args.tree_budget = [FAST_TREE]
+            trees = [FAST_TREE]
             replaced.append(f"--tree-budget {FAST_TREE} for the {label(('path', B - 1))}")
         else:
-            args.verify_tokens = [B - 1]
+            paths = [B - 1]
+    shapes = verify_shapes(paths, trees, B)
     if not args.fast:
-        return ""
-    return "--fast: " + (", ".join(replaced) if replaced else "nothing to replace, all three given")
+        return draft_dtype, target_gemm, shapes, ""
+    line = "--fast: " + (", ".join(replaced) if replaced else "nothing to replace, all three given")
+    return draft_dtype, target_gemm, shapes, line
+
+
+def verify_shapes(paths: list, trees: list, B: int) -> list:
+    """--verify-tokens' and --tree-budget's values -> the verify shapes, ("path", k) for each k,
+    then ("tree", n) for each n. A path verifies at most the B-1 drafts a cycle proposes (B: the
+    draft's block size); more is refused in one line."""
+    if any(k >= B for k in paths):
+        raise UsageError(
+            f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
+            f"{B})"
+        )
+    return [("path", k) for k in paths] + [("tree", n) for n in trees]
 
 
 def data_target(target, dtype, wanted: str):
@@ -88,34 +104,22 @@ def data_target(target, dtype, wanted: str):
         print(note, file=sys.stderr)
 
 
-def decoding(target, draft, args):
-    """generate.py: the draft in --draft-dtype's precision here, with the head that scores its rows
-    fastest (draft.head), or, with no --draft-dtype (None), as trained: nothing of this package
-    touches it; the target in --target-gemm's layout (None: stock). -> (draft, layouts, line);
-    layouts is cost.decoding_layouts' answer, whose plain layouts --bench decodes in."""
-    device = next(target.parameters()).device
-    if args.draft_dtype is None:
+def decoding(target, draft, draft_dtype, target_gemm) -> tuple:
+    """generate.py: the draft in draft_dtype's precision here (choose's --draft-dtype), with the
+    head that scores its rows fastest, or, with None, as trained: nothing of this package touches
+    it; the target in target_gemm's layout (None: stock). -> (draft, head, layouts, line): head
+    for the decoding loops' `head` (None: the target's own); layouts is cost.decoding_layouts'
+    answer, whose plain layouts --bench decodes in."""
+    device, head = next(target.parameters()).device, None
+    if draft_dtype is None:
         draft = draft.to(device)
         precision = f"{dtype_name(next(draft.parameters()).dtype)} (as trained)"
     else:
-        precision = machine.draft_precision(args.draft_dtype, device)
-        draft = machine.draft_in(precision, draft, target, device)
-        cost.use_fastest_rows(draft, target)
-    layouts = cost.decoding_layouts(target, draft, args.target_gemm)
+        precision = machine.draft_precision(draft_dtype, device)
+        draft, head = machine.draft_in(precision, draft, target, device)
+        head = cost.fastest_head(draft, target, head)
+    layouts = cost.decoding_layouts(target, draft, target_gemm)
     dtype = next(target.parameters()).dtype
     target_line = f"{dtype_name(dtype)}, {layouts['why']}"
     line = machine.choice_line(machine.describe(device), target=target_line, draft=precision)
-    return draft, layouts, line
-
-
-def verify_shapes(args, B: int) -> list:
-    """--verify-tokens / --tree-budget -> the verify shapes, ("path", k) for each k given, then
-    ("tree", n) for each n. A path verifies at most the B-1 drafts a cycle proposes (B: the draft's
-    block size); more is refused in one line."""
-    if any(k >= B for k in args.verify_tokens or []):
-        raise UsageError(
-            f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
-            f"{B})"
-        )
-    paths = [("path", k) for k in args.verify_tokens or []]
-    return paths + [("tree", n) for n in args.tree_budget or []]
+    return draft, head, layouts, line

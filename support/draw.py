@@ -246,9 +246,8 @@ def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
 def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> float:
     """A draft tree (a tree.Tree t) drawn left to right by depth, from node 0 (the anchor): texts
     [n] its nodes' texts, path the accepted nodes, bonus the target's token after them (text);
-    labels [n] optional edge labels. Node classes: anchor, accepted, rejected (a child of the anchor
-    or of an accepted node that the target did not pick), unchecked (below a rejected one), bonus.
-    departs: nodes to mark with `*`. -> the y below it."""
+    labels [n] optional edge labels. Node classes: tree_kinds', then the bonus. departs: nodes to
+    mark with `*`. -> the y below it."""
     n, colw, rowh, bw = len(t.tokens), 170, 26, 110
     parents, depth = t.parents, t.depths
     order, stack = [], [0]  # depth-first, best child first: siblings stay together
@@ -260,7 +259,7 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
     for i in order:
         row[i] = taken.get(depth[i], 0)
         taken[depth[i]] = row[i] + 1
-    checked = {0, *path}
+    kinds = tree_kinds(t, path)
     xy = lambda i: (x0 + depth[i] * colw, y0 + row[i] * rowh)
     last = path[-1] if path else 0
     below = [row[i] for i in range(n) if depth[i] == depth[last] + 1]  # the next depth's rows
@@ -275,12 +274,10 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
     (px, py), (x, y) = xy(last), bonus_xy
     svg.line(px + bw, py + 11, x, y + 11, "bonus", data_from=last, data_to="bonus")
     for i in range(n):
-        cls = "anchor" if i == 0 else "accepted" if i in path else "unchecked"
-        cls = "rejected" if i and cls == "unchecked" and parents[i] in checked else cls
-        x, y = xy(i)
-        tip = f"node {i}: {cls}"
+        (x, y), kind = xy(i), kinds[i]
+        tip = f"node {i}: {kind}"
         svg.box(
-            x, y, bw, 22, cls, texts[i][:14], i in departs, tip, data_node=i, data_depth=depth[i]
+            x, y, bw, 22, kind, texts[i][:14], i in departs, tip, data_node=i, data_depth=depth[i]
         )
     x, y = bonus_xy
     tip = "the target's bonus token"
@@ -322,6 +319,18 @@ def path_kinds(n: int, accepted: int) -> list:
     """The kinds of a path's n drafts, the first `accepted` of them accepted: accepted, then the
     first rejected one, then those never checked (--show and --show-svg alike)."""
     return (["accepted"] * accepted + ["rejected"] + ["unchecked"] * n)[:n]
+
+
+def tree_kinds(t, path) -> list:
+    """The kind of each node of a tree t whose accepted nodes are `path` (--show and --show-svg
+    alike): node 0 the anchor; accepted; rejected, a child of the anchor or of an accepted node that
+    does not hold the target's token there (the walk looked it up and passed it by); unchecked, the
+    rest, below a rejected node."""
+    checked = {0, *path}  # the nodes whose row of logits the walk read
+    return ["anchor"] + [
+        "accepted" if i in path else "rejected" if t.parents[i] in checked else "unchecked"
+        for i in range(1, len(t.tokens))
+    ]
 
 
 def branches(t, path) -> list:

@@ -6,20 +6,23 @@
 The draft proposed d_1..d_{B-1}; the target accepted the first a of them, rejected d_{a+1} (the
 later ones were never compared), and added its own bonus token. A `*` marks a slot where the
 proposal is not the unary argmax: there the selector's path (or sampling) departed from the plain
-DFlash choice. A tree (--tree-budget) shows its accepted branch, then the children the target
-rejected after it:
+DFlash choice. A tree (--tree-budget) shows, depth by depth, the nodes the target checked, best
+first: the one it accepted and, in braces, those it rejected (draw.tree_kinds):
 
-    [accepted] [accepted]* {rejected|rejected} <bonus>   16 nodes, by depth 4 5 3 2 1 1
+    [accepted]{rejected} {rejected}[accepted]* {rejected|rejected} <bonus>   7 nodes, by depth 2 3 2
 
 where `*` marks an accepted node that is not its parent's best child: a path would have stopped
 there, the tree went on. On a terminal colours replace the brackets.
 
 The cycle itself (decoding.py, tree.py) holds no clock and prints nothing: it returns the ids and
-each cycle's tau, and calls its `watch` as each phase ends, with what that phase made. The watches
-here: a Watcher rebuilds each cycle (a Cycle) and hands it on as it commits, to ShowBlocks (--show)
-or a Printer (the streamed text); an Answer is the Watcher that prints generate.py's answer.
+each cycle's tau, and calls its `watch(phase, **made)` as each phase ends, with what that phase made
+(the phases and what each carries: decoding.py's docstring). The watches here: a Watcher rebuilds
+each cycle (a Cycle) and hands it on as it commits, to ShowBlocks (--show) or a Printer (the
+streamed text); an Answer is the Watcher that prints generate.py's answer.
 """
 
+import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,8 +32,8 @@ import torch
 import decoding
 import tree
 from support import draw
-from support.common import DTYPES, dtype_name
-from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds
+from support.common import DTYPES, UsageError, dtype_name
+from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds, tree_kinds
 
 
 # ------------------------------------------------------------------------------- run a decoding
@@ -39,7 +42,7 @@ def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, *
     ("path", k) or ("tree", n) -> (ids [1, P + n], Stats). watch(Cycle) sees each cycle as it
     commits. kw: the cycle's (use_selector, temperature, generator, stop_ids, head, propose). head:
     what scores the draft's rows, the target's head when None; a caller that ran the draft through
-    speed/ passes the one speed/ gave it (speed.machine.draft_head)."""
+    speed/ passes the one speed/ chose (speed.tune.decoding's)."""
     kind, n = shape
     loop = decoding.speculative_generate if kind == "path" else tree.tree_generate
     see = Watcher(watch, prompt_ids.shape[1]) if watch else None
@@ -128,8 +131,9 @@ def unary_best(u) -> list:
 
 
 class Watcher:
-    """The cycle's watch that keeps what each phase made and, at every commit, hands see(cycle) the
-    cycle it makes up (a Cycle). P: the prompt's length."""
+    """The cycle's watch that keeps what each phase made (decoding.py's docstring: the phases and
+    their keys) and, at every commit, hands see(cycle) the cycle it makes up (a Cycle). P: the
+    prompt's length."""
 
     def __init__(self, see, P: int):
         self.see, self.length, self.made = see, P, {}
@@ -178,16 +182,23 @@ def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) ->
 
 def format_tree(t, path, bonus: int, text, color=False) -> str:
     """One tree cycle as one line: a tree.Tree t (node 0 the anchor, best child first), its accepted
-    nodes `path`, the target's bonus token; then its size and width by depth."""
-    last, departs = (path[-1] if path else 0), branches(t, path)
-    rejected = [text(t.tokens[i]) for i in range(1, len(t.tokens)) if t.parents[i] == last]
-    slots = [mark(text(t.tokens[i]), "accepted", color, i in departs) for i in path]
-    slots += [mark("|".join(rejected), "rejected", color)] if rejected else []
+    nodes `path`, the target's bonus token; then its size and width by depth. Depth by depth, the
+    nodes the target checked, best first: the one it accepted and, in braces, those it rejected
+    (draw.tree_kinds)."""
+    kinds, departs, slots = tree_kinds(t, path), branches(t, path), []
+    for d in range(1, len(path) + 2):  # the walk checks one depth past its last accepted node
+        checked = [
+            i for i in range(1, len(t.tokens)) if t.depths[i] == d and kinds[i] != "unchecked"
+        ]
+        marks = []
+        for kind, run in itertools.groupby(checked, key=kinds.__getitem__):
+            run = list(run)  # the accepted node, or rejected siblings side by side
+            words = "|".join(text(t.tokens[i]) for i in run)
+            marks.append(mark(words, kind, color, run[0] in departs))
+        slots += ["".join(marks)] if marks else []
     width = " ".join(str(t.depths.count(d)) for d in range(1, max(t.depths) + 1))
-    return (
-        " ".join(slots + [mark(text(bonus), "bonus", color)])
-        + f"   {len(t.tokens) - 1} nodes, by depth {width}"
-    )
+    slots.append(mark(text(bonus), "bonus", color))
+    return " ".join(slots) + f"   {len(t.tokens) - 1} nodes, by depth {width}"
 
 
 def token_text(tok, t: int) -> str:
@@ -233,16 +244,49 @@ class Printer:
 
 
 # ------------------------------------------------------------------------ generate.py's answer
+def add_flags(a):
+    """generate.py's flags for what it prints of an answer; a: its ArgumentParser's add_argument."""
+    a(
+        "--show",
+        action="store_true",
+        help="print each cycle's drafts, marked as the target judged them",
+    )
+    a(
+        "--show-svg",
+        metavar="FILE",
+        help="draw each cycle's drafts, marked as --show marks them, as SVG",
+    )
+    a(
+        "--compare",
+        action="store_true",
+        help="also decode plainly and say the speed-up and any difference",
+    )
+
+
+def check_flags(args, error):
+    """Refuse what add_flags' flags do not go with: error(message) ends the run (generate.py's
+    ArgumentParser.error); a --show-svg FILE in no folder is the user's one-line UsageError."""
+    if args.show and args.bench:
+        error("--show prints the blocks of single answers; it does not go with --bench")
+    if args.show_svg and (args.bench or args.prompt is None):
+        error("--show-svg draws the blocks of one answer: give --prompt, not --bench")
+    folder = os.path.dirname(os.path.abspath(args.show_svg or "."))
+    if args.show_svg and not os.path.isdir(folder):  # a bad path: one line (support/common.run)
+        raise UsageError(f"--show-svg {args.show_svg}: no folder {folder}")
+
+
 class Answer(Watcher):
     """What generate.py prints of one speculative answer to prompt_ids [1, P], as the cycle's watch:
-    the text streamed as it commits or, with --show, each cycle's block. Then
-    report(ids, taus, messages) prints its statistics (--show: the text first) and --show-svg's
-    picture."""
+    the text streamed as it commits or, with blocks (--show), each cycle's block. Then
+    report(ids, taus, messages) prints its statistics (--show: the text first) and, given svg
+    (--show-svg's file), its picture. mode ("selector" or "unary") and shape (a verify shape, as
+    speculate's) name the run in the report."""
 
-    def __init__(self, tok, args, prompt_ids, block_size: int):
-        self.tok, self.args, self.P, self.B = tok, args, prompt_ids.shape[1], block_size
-        color, is_tree = sys.stdout.isatty(), args.shape[0] == "tree"
-        self.show = ShowBlocks(tok, color, is_tree) if args.show else Printer(tok)
+    def __init__(self, tok, prompt_ids, block_size: int, mode, shape, blocks=False, svg=None):
+        self.tok, self.P, self.B = tok, prompt_ids.shape[1], block_size
+        self.how, self.blocks, self.svg = f"{mode}, {label(shape)}", blocks, svg
+        color, is_tree = sys.stdout.isatty(), shape[0] == "tree"
+        self.show = ShowBlocks(tok, color, is_tree) if blocks else Printer(tok)
         self.cycles = []  # --show-svg draws them once the answer is done
         super().__init__(self.seen, self.P)
         self.start = time.perf_counter()
@@ -252,17 +296,16 @@ class Answer(Watcher):
         self.cycles.append(cycle)
 
     def report(self, ids, taus, messages) -> Stats:
-        a, tok = self.args, self.tok
-        seconds = time.perf_counter() - self.start
+        tok, seconds = self.tok, time.perf_counter() - self.start
         stats = statistics(ids.shape[1] - self.P, seconds, taus, self.B)
-        if a.show:
+        if self.blocks:
             print(tok.decode(ids[0, self.P :], skip_special_tokens=True), end="")
-        print(f"\n[{a.mode}, {label(a.shape)}] {stats.summary()}")
-        if a.show_svg:
-            how = f"{a.mode}, {label(a.shape)}: {len(stats.taus)} cycles"
+        print(f"\n[{self.how}] {stats.summary()}")
+        if self.svg:
+            how = f"{self.how}: {len(stats.taus)} cycles"
             title = f"{how}, mean tau {stats.mean_tau:.2f}; prompt: {messages[-1]['content'][:60]}"
-            draw.decoding(self.cycles, lambda t: token_text(tok, t), title).save(a.show_svg)
-            print(f"[--show-svg] the decoding drawn: {a.show_svg}")
+            draw.decoding(self.cycles, lambda t: token_text(tok, t), title).save(self.svg)
+            print(f"[--show-svg] the decoding drawn: {self.svg}")
         return stats
 
 

@@ -29,6 +29,7 @@ import data
 import loss as L
 import model
 import train
+import tree
 from model import DraftModel, capture_features
 from selector import top_k_candidates
 from support import common, draw, flops, kernels, metrics, promptsets, show
@@ -606,6 +607,31 @@ def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
                 assert len(by_kind("unchecked")) == len(t.tokens) - 1 - len(c.path) - len(rejected)
         if shape[0] == "path":  # the selector departs somewhere
             assert any(s for _, shown in drawn for *_, s in shown)
+
+
+def test_show_and_show_svg_mark_a_tree_cycle_alike(tmp_path):
+    """--show's line (show.format_tree) and --show-svg's picture (draw.decoding) of a tree cycle
+    mark the same nodes accepted, starred alike, and rejected, and the same bonus: draw.tree_kinds
+    is the one definition. A hand tree with rejected siblings beside both accepted nodes, then a
+    real decoding's trees."""
+    text = lambda t: f"t{t}"
+    # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4; the target accepts 2 then 4, then says 8
+    t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
+    cycles = [show.Cycle([2, 4, 8], t.tokens[1:], None, 2, 8, t, [2, 4])]
+    show.speculate(
+        tiny_target("llama"), tiny_draft(4), prompt(), 24, ("tree", 6), watch=cycles.append
+    )
+    cycles = [c for c in cycles if c.tree is not None]
+    draw.decoding(cycles, text, "test").save(str(tmp_path / "tree.svg"))
+    kinds = {"[": "accepted", "{": "rejected", "<": "bonus"}
+    for c, (_, drawn) in zip(cycles, cycle_boxes(tmp_path / "tree.svg"), strict=True):
+        line = show.format_tree(c.tree, c.path, c.bonus, text)
+        printed = [
+            (kinds[bracket], word, star == "*")
+            for bracket, words, star in re.findall(r"([\[{<])([^\]}>]*)[\]}>](\*?)", line)
+            for word in words.split("|")
+        ]
+        assert sorted(printed) == sorted(box for box in drawn if box[0] in kinds.values())
 
 
 # ================================================================================ support/common.py

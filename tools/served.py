@@ -47,17 +47,25 @@ def served_anchors(P: int, taus: list) -> list:
 
 @torch.no_grad()
 def serve(
-    target, draft, samples, shape, use_selector=True, stop_ids=(), max_new_tokens=None, until=None
+    target,
+    draft,
+    samples,
+    shape,
+    use_selector=True,
+    stop_ids=(),
+    max_new_tokens=None,
+    until=None,
+    head=None,
 ):
     """Decode each sample's prompt greedily for as many tokens as its answer has (at most
     max_new_tokens), verifying shape, ("path", k) or ("tree", n) -> {"tau": accepted drafts + 1 per
     cycle, over all cycles of all prompts; "cycles"; "tokens": committed; "anchors": [the anchors
     of each sample]}. After the time `until` (time.time()'s) no prompt but the first is begun. A
-    progress bar over the prompts shows the tokens a second."""
+    progress bar over the prompts shows the tokens a second. head: what scores the draft's rows
+    (--fast: speed/tune.decoding's; None: the target's head)."""
     device = next(target.parameters()).device
     taus, anchors, tokens, t0 = [], [], 0, time.time()
     bar = tqdm(samples, desc=f"served, {label(shape)}", unit="prompt", dynamic_ncols=True)
-    head = machine.draft_head(draft)  # --fast: speed/'s head for the draft's rows
     for i, s in enumerate(bar):
         if i and until is not None and time.time() > until:
             break
@@ -95,11 +103,10 @@ def served_evaluation(
     use_selector = draft.candidate_selector is not None
     mode = "selector" if use_selector else "unary"
     path = ("path", draft.config.block_size - 1)
-    shapes, served = {"path": path}, draft.eval()
+    shapes, served, head = {"path": path}, draft.eval(), None
     stored = f"draft {dtype_name(next(draft.parameters()).dtype)} as stored"
     if fast:  # the draft is changed in place (precision): a copy
-        options = argparse.Namespace(draft_dtype="auto", target_gemm="auto")
-        served, _, line = tune.decoding(target, copy.deepcopy(draft).eval(), options)
+        served, head, _, line = tune.decoding(target, copy.deepcopy(draft).eval(), "auto", "auto")
         print(f"--fast replaces the {stored} and the stock target GEMMs: {line}", file=sys.stderr)
         shapes["auto"] = ("tree", tune.FAST_TREE)  # the key's name: logs and acceptance.json's
         print(f"--fast adds the {label(shapes['auto'])} beside the {label(path)}", file=sys.stderr)
@@ -111,7 +118,9 @@ def served_evaluation(
     out = {}
     for i, (name, shape) in enumerate(shapes.items()):
         share = None if until is None else time.time() + (until - time.time()) / (len(shapes) - i)
-        kw = dict(use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens)
+        kw = dict(
+            use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens, head=head
+        )
         out[name] = serve(target, served, samples, shape, until=share, **kw)
     samples = samples[: len(out["path"]["anchors"])]  # the prompts that fitted
     anchors = [  # where the data has the block's first label: a training anchor position
