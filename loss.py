@@ -10,16 +10,13 @@ anchor_positions, drawn by sample_anchors) the draft fills the block [x[a], MASK
 
 ce trains the unary logits u = transform(lm_head(h)); the selector term is a K-way cross-entropy
 over the unary top-K with the previous *sequence* token as predecessor (teacher forcing), counted
-only where the label is among the K ("covered"). `reference_objective` computes exactly this in
-one piece: read it first.
+only where the label is among the K ("covered").
 
-What train.py runs is `objective`: the same sums (a test holds the two equal), returned as
-numerator and denominator so that train.py can add them over micro-batches and ranks and divide
-once, with everything vocabulary-sized (anchors x B x V logits) computed in chunks of blocks under
-activation checkpointing, so that peak memory is one chunk's. It also runs the variants the public
-trainers offer, each under the last banner with its source. The metrics that come with the loss
-(accuracies, accepted lengths) are support/metrics.py's, measured from the same chunks' tensors
-(objective's observe).
+`objective` computes exactly this, top to bottom, and train.py runs it. One step is not the
+formula: the logits are vocabulary-sized (anchors x B x V), so `head_at_slots` makes them a chunk
+of anchors at a time, under activation checkpointing, and keeps only a few numbers per slot
+(`Slots`), which the objective and the metrics read. The variants the public trainers offer are
+under the last banner, each one function that its flag picks.
 """
 
 import dataclasses
@@ -31,32 +28,6 @@ from torch.utils.checkpoint import checkpoint
 
 from model import autocast_dtype
 from selector import TOP_K, top_k_candidates
-
-
-# -------------------------------------------------------------------------- the objective, plainly
-def reference_objective(
-    draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, gamma, alpha
-):
-    """The default objective by its definition, unchunked: ce on the unary logits, exp position
-    weights, the strict selector CE. h [N, A, B, H] (model.forward_training) -> (numerator,
-    denominator); the loss is their ratio. `objective` computes the same sums in chunks."""
-    labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, h.shape[2])
-    w = exp_weights(w0, gamma)  # [N, A, B-1]
-    h = h[:, :, 1:]  # slot 0 holds the anchor: it proposes nothing
-    u = draft.unary_logits(h, lambda x: x @ lm_head_weight.t()).float()  # [N, A, B-1, V]
-    ce = -F.log_softmax(u, -1).gather(-1, labels[..., None]).squeeze(-1)  # -log q(label)
-    numerator = (w * ce).sum()
-    if draft.candidate_selector is not None:  # DFlash2
-        _, cand_ids = top_k_candidates(u.detach(), top_k(draft.config))  # [N, A, B-1, K]
-        hit = cand_ids == labels[..., None]
-        covered = hit.any(-1) & (w0 > 0)  # strict: a label outside the top-K adds nothing
-        # the K candidates' scores after the true previous token: [N, A, B-1, K]
-        sigma = draft.candidate_selector.teacher_forced_scores(
-            h, prev, cand_ids, u.gather(-1, cand_ids)
-        ).float()
-        sel_ce = -F.log_softmax(sigma, -1).gather(-1, hit.float().argmax(-1, keepdim=True))
-        numerator = numerator + alpha * (w * covered * sel_ce.squeeze(-1)).sum()
-    return numerator, w.sum()
 
 
 # ----------------------------------------------------------------------------- anchors
@@ -120,32 +91,56 @@ def selector_alpha(step: int, total_steps: int, alpha: float, warmup: float, ram
     return alpha if R == 0 else alpha * min((step - W + 1) / R, 1.0)
 
 
-# ------------------------------------------------------ what train.py runs: the same sums, chunked
+# ----------------------------------------------------------------------------- the objective
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # exp decay gamma by block size, when --gamma is unset
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The objective's settings: train.py builds one from its flags (docs/training.md)."""
+    """The objective's settings; train.py builds one from its flags. The defaults are the objective
+    above; each other value names a variant under the last banner."""
 
-    loss: str = "ce"  # the base loss: ce, tv, kl or lk (base_sums)
-    weighting: str = "exp"  # position weights: exp (exp_weights) or dpace (dpace_weights)
+    loss: str = "ce"  # the base loss: a name in BASE_LOSSES
+    weighting: str = "exp"  # the position weights: a name in POSITION_WEIGHTS
     gamma: float = None  # exp's decay; None: DEFAULT_GAMMA of the block size
-    dpace_alpha: float = 0.5
-    selector_miss: str = "strict"  # a label outside the top-K: strict or replace
-    selector_weighting: str = "exp"  # the selector term's weights: exp (w, D) or uniform
+    dpace_alpha: float = 0.5  # D-PACE's smoothing
+    selector_miss: str = "strict"  # a label outside the top-K: strict (adds nothing) or replace
+    selector_weighting: str = "exp"  # the selector term's weights: exp (w) or uniform
     stop_gradient: bool = False  # the selector's CE trains the selector only, not the backbone
     chunk_blocks: int = None  # anchors per chunk of logits; None: all at once
 
     def __post_init__(self):
-        if self.loss not in ("ce", "kl", "tv", "lk"):
-            raise ValueError(f"loss must be ce, kl, tv or lk, got {self.loss!r}")
+        if self.loss not in BASE_LOSSES:
+            raise ValueError(f"loss must be one of {sorted(BASE_LOSSES)}, got {self.loss!r}")
+        if self.weighting not in POSITION_WEIGHTS:
+            raise ValueError(f"weighting must be one of {sorted(POSITION_WEIGHTS)}")
 
     def decay(self, block_size: int) -> float:
         """exp's gamma: the one set, or DEFAULT_GAMMA of the block size."""
         if self.gamma is None and block_size not in DEFAULT_GAMMA:
             raise ValueError(f"no default gamma for block size {block_size}; set --gamma")
         return DEFAULT_GAMMA[block_size] if self.gamma is None else self.gamma
+
+
+@dataclasses.dataclass
+class Objective:
+    """What `objective` made for one micro-batch. The loss is numerator / denominator; train.py adds
+    both over micro-batches and ranks before it divides, and calls numerator.backward()."""
+
+    numerator: torch.Tensor  # base + alpha_t * selector
+    denominator: torch.Tensor  # sum w (no gradient)
+    base: torch.Tensor  # sum w * base loss
+    selector: torch.Tensor  # sum w * covered * selector CE; None for a plain DFlash draft
+    selector_denominator: torch.Tensor  # the uniform variant's own denominator, else None
+    slots: "Slots"  # what the head said at every labelled slot
+    h: torch.Tensor  # [N, A, L, H] the draft's hidden states at the labelled slots
+    labels: torch.Tensor  # [N, A, L] x[a+j]
+    prev: torch.Tensor  # [N, A, L] x[a+j-1], the teacher-forced predecessor
+    w0: torch.Tensor  # [N, A, L] which slots count
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.numerator / self.denominator.clamp(min=1e-9)
 
 
 def objective(
@@ -156,108 +151,147 @@ def objective(
     loss_mask,
     anchors,
     anchor_valid,
-    cfg=LossConfig(),
+    cfg=None,
     *,
-    target_hidden=None,
     alpha_t=None,
-    sel_scale=None,
+    target_hidden=None,
     docs=None,
-    observe=None,
-):
-    """The loss's sums for one micro-batch: {"numerator", "denominator", "base" and, with a
-    selector, "selector"}; the loss is numerator / denominator, numerator = base + alpha_t *
-    selector (with uniform selector weights, "selector_denominator" D_sel too, and numerator =
-    base + alpha_t * selector * D / D_sel: the selector's mean over its own slots).
+    sel_scale=None,
+) -> Objective:
+    """The objective of one micro-batch, as the module docstring writes it.
 
-    h [N, A, B, H] draft hidden states (model.forward_training); input_ids, loss_mask [N, S];
-    anchors, anchor_valid [N, A]; cfg: the loss's settings. target_hidden [N, S, H]: the target's
-    final normed hidden states (needed by `kl`, read by `tv` / `lk`, unread by `ce`). alpha_t:
-    selector weight this step, or None when the selector is frozen (alpha == 0). sel_scale: with
-    --selector-weighting uniform, D / D_sel of the whole step (train.py), None: this micro-batch's.
-    docs [N, S]: the documents of packed rows, or None. observe: called once per chunk with the
-    chunk's tensors, observe(h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids), outside
-    the checkpoint: support/metrics.py measures the metrics from the tensors the loss made.
+    h [N, A, B, H] the draft's hidden states (model.forward_training); input_ids, loss_mask [N, S];
+    anchors, anchor_valid [N, A]; cfg: a LossConfig (None: the default objective). alpha_t: the
+    selector's weight this step, None while the selector is frozen. target_hidden [N, S, H]: the
+    target's final normed hidden states, read by kl, tv and lk (never by ce). docs [N, S]: the
+    documents of packed rows, or None. sel_scale: only for uniform selector weights (below).
     """
-    _, A, B, _ = h.shape
-    if cfg.loss == "kl" and target_hidden is None:
-        raise ValueError(
-            "loss 'kl' needs the target's hidden states (prepare.py --save-target-hidden, or "
-            "--online)"
-        )
+    cfg = cfg or LossConfig()
+    B = h.shape[2]
     if cfg.weighting == "exp":
         cfg = dataclasses.replace(cfg, gamma=cfg.decay(B))
-    # [N, A, B-1]
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)
-    # ce reads only the labels: the target's [blocks x (B-1), V] distribution would feed metrics
-    # alone, at about a third of a CPU step, so ce never makes it
-    target_at_slots = None  # [N, A, B-1, H]
-    if target_hidden is not None and cfg.loss != "ce":
-        target_at_slots = at_slots(target_hidden, anchors, B - 1)
+    h = h[:, :, 1:]  # [N, A, L, H], L = B-1: slot 0 holds the anchor, it proposes nothing
+    if target_hidden is not None and cfg.loss != "ce":  # ce reads only the labels
+        target_hidden = at_slots(target_hidden, anchors, B - 1)  # [N, A, L, H]
+    else:
+        target_hidden = None
+    s = head_at_slots(draft, lm_head_weight, h, labels, target_hidden, cfg.chunk_blocks)
 
-    # The frozen head [V, H] in the dtype its matmuls run in, cast here once: autocast would cast
-    # it in every chunk and again in every chunk's recompute (it keeps casts only of leaves that
-    # need grad), 1.24 GB each for Qwen3-8B. Autocast casts the same way, so the sums are the same.
-    dtype = autocast_dtype(h.device.type)
-    lm_head_weight = lm_head_weight if dtype is None else lm_head_weight.to(dtype)
-    # chunk over the anchor axis; checkpoint recomputes each chunk's logits during backward
-    chunk = A if not cfg.chunk_blocks else min(cfg.chunk_blocks, A)
-    sums = {}
-    for s in range(0, A, chunk):
-        part = [
-            None if t is None else t[:, s : s + chunk].flatten(0, 1)
-            for t in (h[:, :, 1:], labels, prev, w0, target_at_slots)
-        ]
-        args = (draft, lm_head_weight, cfg, *part)
-        if chunk < A and torch.is_grad_enabled():
-            chunk_loss, made = checkpoint(chunk_sums, *args, use_reentrant=False)
-        else:
-            chunk_loss, made = chunk_sums(*args)
-        add_sums(sums, chunk_loss)
-        if observe is not None:  # (u, logq, logp), then (cand_scores, cand_ids)
-            observe(part[0], *made[:3], *part[1:4], *made[3:])
-        del made  # vocabulary-sized: held for one chunk at a time
+    # the base loss: ce = -log q(label) by default
+    w = POSITION_WEIGHTS[cfg.weighting](w0, s, cfg)  # [N, A, L]: exp(-(j-1)/gamma) by default
+    base = (w * BASE_LOSSES[cfg.loss](s, w0)).sum()
+    D = w.sum().detach()
+    out = Objective(base, D, base, None, None, s, h, labels, prev, w0)
+    if draft.candidate_selector is None:  # plain DFlash
+        return out
 
-    base = base_numerator(cfg.loss, sums)
-    numerator = base
-    D = sums["D"].detach()
-    out = {"denominator": D, "base": base}
-    if "N_sel" in sums:
-        out["selector"] = sel = sums["N_sel"]
-        if "D_sel" in sums:  # uniform: alpha * N_sel / D_sel, written over the shared D
-            out["selector_denominator"] = D_sel = sums["D_sel"].detach()
-            sel = sel * (D / D_sel.clamp(min=1) if sel_scale is None else sel_scale)
-        if alpha_t is not None:  # alpha_t = 0 keeps the selector in the graph
-            numerator = numerator + alpha_t * sel
-    out["numerator"] = numerator
+    # the selector: a K-way CE over the unary top-K, the previous sequence token as predecessor
+    hidden, cand_ids, cand_scores = h, s.cand_ids, s.cand_scores  # [N, A, L, K] the candidates
+    if cfg.stop_gradient:  # variant: the selector's CE reaches neither the backbone nor the head
+        hidden, cand_scores = h.detach(), cand_scores.detach()
+    hit = cand_ids == labels[..., None]  # [N, A, L, K]
+    label_at = hit.float().argmax(-1)  # the label's place among the K, where covered
+    counted = hit.any(-1) & (w0 > 0)  # strict: a label outside the top-K adds nothing
+    if cfg.selector_miss == "replace":  # variant: the label takes the weakest candidate's place
+        label_score = s.label_score.detach() if cfg.stop_gradient else s.label_score
+        cand_ids, cand_scores, label_at, counted = replace_weakest(
+            cand_ids, cand_scores, labels, label_score, hit, label_at, w0 > 0
+        )
+    sigma = draft.candidate_selector.teacher_forced_scores(hidden, prev, cand_ids, cand_scores)
+    sel_ce = F.cross_entropy(sigma.float().flatten(0, -2), label_at.flatten(), reduction="none")
+    w_sel = w if cfg.selector_weighting == "exp" else (w0 > 0).float()  # uniform: a variant
+    out.selector = (w_sel * counted.float() * sel_ce.view_as(w)).sum()
+    scale = 1.0
+    if cfg.selector_weighting == "uniform":  # variant: the selector's mean over its own slots
+        out.selector_denominator = D_sel = w_sel.sum().detach()
+        # train.py passes the whole step's D / D_sel (uniform_denominators); alone, this batch's
+        scale = D / D_sel.clamp(min=1) if sel_scale is None else sel_scale
+    if alpha_t is not None:  # alpha_t = 0 keeps the selector in the graph
+        out.numerator = base + alpha_t * (out.selector * scale)
     return out
 
 
-def chunk_sums(draft, lm_head_weight, cfg, h, labels, prev, w0, target_hidden):
-    """The loss sums of a chunk of M blocks (loss_sums), and the vocabulary-sized tensors it made
-    for them, for objective's observe: (u, logq, logp, cand_scores, cand_ids). h [M, L, H] (L = B-1
-    labelled slots), labels / prev / w0 [M, L], target_hidden [M, L, H] or None."""
-    c = draft.config
+# ----------------------------------------------------------------------------- the head, in chunks
+@dataclasses.dataclass
+class Slots:
+    """What the head says at every labelled slot: [N, A, L] each, [N, A, L, K] for the candidates.
+    `grad` marks the tensors the objective trains through; the rest feed the metrics."""
+
+    logq_label: torch.Tensor  # log q(label), q = softmax(u) the draft's distribution       grad
+    accepted: torch.Tensor  # sum_v min(p_v, q_v) with the target's p, else q(label)       grad
+    kl: torch.Tensor  # KL(p || q), None without the target's p                            grad
+    label_score: torch.Tensor  # u(label), the label's unary score                         grad
+    cand_scores: torch.Tensor  # [.., K] the unary top-K's scores, best first               grad
+    cand_ids: torch.Tensor  # [.., K] the unary top-K
+    argmax: torch.Tensor  # the unary argmax
+    target_mass: torch.Tensor  # the target's p over the top-K, None without it
+
+
+def head_at_slots(draft, lm_head_weight, h, labels, target_hidden=None, chunk_blocks=None):
+    """Slots of h [N, A, L, H] with labels [N, A, L] (target_hidden [N, A, L, H] or None).
+
+    The logits [N, A, L, V] are the largest tensors of a training step (Qwen3-8B: 512 anchors x 15
+    slots x 151,936 x 4 bytes = 4.7 GB a row), so they are made for chunk_blocks anchors at a time
+    and reduced to Slots' numbers; under gradient each chunk runs under activation checkpointing,
+    which recomputes its logits in backward instead of keeping them. Peak memory: one chunk's."""
+    A = h.shape[1]
+    # the frozen head [V, H] in the dtype its matmuls run in, cast once here: autocast would cast it
+    # in every chunk and again in every recompute (1.24 GB each for Qwen3-8B), to the same values
+    dtype = autocast_dtype(h.device.type)
+    lm_head_weight = lm_head_weight if dtype is None else lm_head_weight.to(dtype)
+    K = top_k(draft.config)
+    chunk = A if not chunk_blocks else min(chunk_blocks, A)
+    parts = []
+    for s in range(0, A, chunk):
+        part = [None if t is None else t[:, s : s + chunk] for t in (h, labels, target_hidden)]
+        if chunk < A and torch.is_grad_enabled():
+            parts.append(
+                checkpoint(slot_numbers, draft, lm_head_weight, K, *part, use_reentrant=False)
+            )
+        else:
+            parts.append(slot_numbers(draft, lm_head_weight, K, *part))
+    return Slots(*(None if p[0] is None else torch.cat(p, dim=1) for p in zip(*parts)))
+
+
+def slot_numbers(draft, lm_head_weight, K: int, h, labels, target_hidden) -> tuple:
+    """Slots' fields, in order, for a chunk of c anchors: h [N, c, L, H], labels [N, c, L]."""
+    N, c, L = labels.shape
+    h, labels = h.flatten(0, 1), labels.flatten(0, 1)  # [M, L, H], [M, L]: M = N*c blocks
     head = lambda x: head_logits(x, lm_head_weight)
-    u = draft.unary_logits(h, head).float()  # [M, L, V] unary scores
+    u = draft.unary_logits(h, head).float()  # [M, L, V] the unary scores
     logq = F.log_softmax(u, -1)  # the draft's distribution q
-    logp = None  # the target's p, when known
-    if target_hidden is not None:
-        logp = F.log_softmax(head(target_hidden).float(), -1)
+    logq_label = logq.gather(-1, labels[..., None]).squeeze(-1)
     with torch.no_grad():
-        cand_scores, cand_ids = top_k_candidates(u, top_k(c))  # [M, L, K]: the unary top-K
-    sums = loss_sums(cfg, draft.candidate_selector, h, u, logq, logp, labels, prev, w0, cand_ids)
-    return sums, (u, logq, logp, cand_scores, cand_ids)
+        _, cand_ids = top_k_candidates(u, K)  # [M, L, K]
+    accepted, kl, target_mass = logq_label.exp(), None, None
+    if target_hidden is not None:
+        logp = F.log_softmax(head(target_hidden.flatten(0, 1)).float(), -1)  # the target's p
+        accepted = torch.minimum(logp.exp(), logq.exp()).sum(-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        target_mass = logp.gather(-1, cand_ids).exp().sum(-1).detach()
+    made = (
+        logq_label,
+        accepted,
+        kl,
+        u.gather(-1, labels[..., None]).squeeze(-1),  # u(label)
+        u.gather(-1, cand_ids),  # the candidates' scores, with gradient
+        cand_ids,
+        u.argmax(-1),
+        target_mass,
+    )
+    return tuple(None if t is None else t.view(N, c, *t.shape[1:]) for t in made)
 
 
 def top_k(c) -> int:
-    """K of the unary top-K, in both objectives: the draft's selector_top_k, or selector.TOP_K for
-    a plain draft (its metrics), at most the vocabulary."""
+    """K of the unary top-K: the draft's selector_top_k, or selector.TOP_K for a plain draft (its
+    metrics), at most the vocabulary."""
     return min(c.selector_top_k or TOP_K, c.vocab_size)
 
 
 def head_logits(x, lm_head_weight):
-    """x [M, L, H] -> x @ W_lm^T [M, L, V], as one [M*L, H] x [H, V] GEMM. A chunk's x is a strided
-    view (h[:, :, 1:]), and a strided 3-D x goes to a batched matmul: about 3x slower on a CPU,
+    """x [..., H] -> x @ W_lm^T [..., V], as one 2-D GEMM. A chunk's x is a strided view
+    (h[:, :, 1:]), and a strided 3-D x goes to a batched matmul: about 3x slower on a CPU,
     forward and backward, for the same sums."""
     return (x.reshape(-1, x.shape[-1]) @ lm_head_weight.t()).view(*x.shape[:-1], -1)
 
@@ -270,36 +304,10 @@ def at_slots(target_hidden, anchors, L: int):
     return target_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, H)).view(N, -1, L, H)
 
 
-def add_sums(total: dict, new: dict):
-    for k, v in new.items():
-        total[k] = total[k] + v if k in total else v
-
-
-def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
-    """Sums with gradient over a chunk's slots: the weight total D, the base loss's numerator
-    (base_sums) and, with a selector, the selector's (selector_numerator; with uniform weights
-    its own denominator D_sel too)."""
-    logq_label = logq.gather(-1, labels[..., None]).squeeze(-1)  # [M, L]
-    if cfg.weighting == "dpace":
-        w = dpace_weights(logq_label.exp().detach(), w0, cfg.dpace_alpha)
-    else:
-        w = exp_weights(w0, cfg.gamma)
-    out = {"D": w.sum(), **base_sums(cfg.loss, w, w0, logq, logq_label, logp)}
-    if selector is not None:
-        hidden, unary = (h.detach(), u.detach()) if cfg.stop_gradient else (h, u)
-        valid = w0 > 0
-        w_sel = w
-        if cfg.selector_weighting == "uniform":
-            w_sel = valid.float()
-            out["D_sel"] = w_sel.sum()
-        out["N_sel"] = selector_numerator(
-            selector, hidden, unary, labels, prev, w_sel, valid, cand_ids, cfg.selector_miss
-        )
-    return out
-
-
 # ----------------------------------------------------------------------------- the variants
-# Each is a public trainer's option, off by default here (docs/semantics.md, section 4):
+# Each is a public trainer's option, off by default here (docs/semantics.md, section 4). A new base
+# loss or position weighting is one function below and one entry in its table: train.py's flag
+# takes the table's names (docs/training.md, "A variant of your own").
 #   tv       1 - accepted mass: SpecForge's lk_loss_type "tv" (hard label, 1 - q(label))
 #   kl       KL(p || q) to the target's distribution: Speculators' --loss-fn kl_div
 #   lk       lambda * ce + (1 - lambda) * tv, lambda = exp(-mean accepted mass): SpecForge's
@@ -311,64 +319,44 @@ def loss_sums(cfg, selector, h, u, logq, logp, labels, prev, w0, cand_ids):
 #   uniform  the selector term unweighted over its own denominator, base + alpha * mean CE:
 #            Model-Optimizer PR #2216 (hf_dflash2.py: "position weighting ... deliberately not
 #            applied"); with replace, Model-Optimizer's selector objective
-def base_sums(loss: str, w, w0, logq, logq_label, logp):
-    """The sums the chosen base loss needs; w, w0, logq_label = log q(label) [M, L], logq and the
-    target's logp [M, L, V] (logp None without the target):
-
-        ce  sum w * -log q(label)
-        tv  sum w * (1 - accepted)     accepted = sum_v min(p, q), or q(label) without the target
-        kl  sum w * KL(p || q)
-        lk  ce's and tv's sums, and sum w0 * accepted and sum w0, that give it lambda
-    """
-    if loss == "kl":
-        p = logp.exp()
-        return {"N_kl": (w * (p * (logp - logq)).sum(-1)).sum()}
-    out = {}
-    if loss in ("ce", "lk"):
-        out["N_ce"] = (w * -logq_label).sum()
-    if loss in ("tv", "lk"):
-        accepted = (
-            logq_label.exp() if logp is None else torch.minimum(logp.exp(), logq.exp()).sum(-1)
-        )
-        out["N_tv"] = (w * (1 - accepted)).sum()
-    if loss == "lk":
-        out.update(acc_mass=(w0 * accepted).detach().sum(), w0=w0.sum())
-    return out
+def ce(s: Slots, w0):
+    """-log q(label), per slot [N, A, L]: the default."""
+    return -s.logq_label
 
 
-def base_numerator(loss: str, sums: dict):
-    """The base loss's numerator over the micro-batch. lk mixes ce and tv with lambda = exp(-mean
-    accepted mass) over the whole micro-batch, detached (a number, not a path for gradients)."""
-    if loss == "lk":
-        lam = math.exp(-(sums["acc_mass"] / sums["w0"].clamp(min=1)).item())
-        return lam * sums["N_ce"] + (1 - lam) * sums["N_tv"]
-    return sums[f"N_{loss}"]  # ce, tv or kl: the one numerator base_sums made
+def tv(s: Slots, w0):
+    """1 - accepted mass: 1 - sum_v min(p_v, q_v), or 1 - q(label) without the target."""
+    return 1 - s.accepted
 
 
-def selector_numerator(selector, hidden, unary, labels, prev, w, valid, cand_ids, miss: str):
-    """sum w * counted * CE of the selector's K-way scores, teacher-forced predecessor prev [M, L].
+def kl(s: Slots, w0):
+    """KL(p || q) to the target's distribution p at the slot."""
+    if s.kl is None:
+        raise ValueError("the kl loss needs the target's hidden states (target_hidden)")
+    return s.kl
 
-    strict: a slot counts only when its label is among the unary top-K candidates cand_ids
-    [M, L, K]. replace: an uncovered label takes the weakest candidate's place, with its own unary
-    score.
-    """
-    K = cand_ids.shape[-1]
-    hit = cand_ids == labels[..., None]  # [M, L, K]
-    # the label's candidate, if covered
-    label_idx = hit.float().argmax(-1)
-    cands, cand_scores = cand_ids, unary.gather(-1, cand_ids)  # scores with gradient
-    counted = hit.any(-1) & valid
-    if miss == "replace":
-        replaced = (valid & ~hit.any(-1))[..., None] & (
-            torch.arange(K, device=cand_ids.device) == K - 1
-        )
-        cands = torch.where(replaced, labels[..., None], cands)
-        cand_scores = torch.where(replaced, unary.gather(-1, labels[..., None]), cand_scores)
-        label_idx = torch.where(replaced.any(-1), K - 1, label_idx)
-        counted = valid
-    sigma = selector.teacher_forced_scores(hidden, prev, cands, cand_scores).float()  # [M, L, K]
-    ce = F.cross_entropy(sigma.flatten(0, 1), label_idx.flatten(), reduction="none").view_as(w)
-    return (w * counted.float() * ce).sum()
+
+def lk(s: Slots, w0):
+    """lambda * ce + (1 - lambda) * tv, lambda = exp(-sum w0 * accepted / sum w0) over the
+    micro-batch, detached: a number, not a path for gradients."""
+    lam = math.exp(-((w0 * s.accepted).detach().sum() / w0.sum().clamp(min=1)).item())
+    return lam * ce(s, w0) + (1 - lam) * tv(s, w0)
+
+
+BASE_LOSSES = {"ce": ce, "tv": tv, "kl": kl, "lk": lk}  # --loss
+
+
+def exp_position_weights(w0, s: Slots, cfg: LossConfig):
+    """The default: w0 * exp(-(j-1)/gamma) (exp_weights)."""
+    return exp_weights(w0, cfg.gamma)
+
+
+def dpace_position_weights(w0, s: Slots, cfg: LossConfig):
+    """D-PACE, at the draft's own q(label) (dpace_weights)."""
+    return dpace_weights(s.logq_label.exp().detach(), w0, cfg.dpace_alpha)
+
+
+POSITION_WEIGHTS = {"exp": exp_position_weights, "dpace": dpace_position_weights}
 
 
 @torch.no_grad()
@@ -382,6 +370,19 @@ def dpace_weights(q, w0, alpha: float):
     P = s.cumprod(-1)
     d = (P * w0).flip(-1).cumsum(-1).flip(-1)
     return w0 * d
+
+
+def replace_weakest(cand_ids, cand_scores, labels, label_score, hit, label_at, valid):
+    """replace: a supervised label outside the top-K takes the K-th (weakest) candidate's place,
+    with its own unary score, so every supervised slot counts. [.., K] and [..] tensors."""
+    K = cand_ids.shape[-1]
+    replaced = (valid & ~hit.any(-1))[..., None] & (
+        torch.arange(K, device=cand_ids.device) == K - 1
+    )
+    cand_ids = torch.where(replaced, labels[..., None], cand_ids)
+    cand_scores = torch.where(replaced, label_score[..., None], cand_scores)
+    label_at = torch.where(replaced.any(-1), K - 1, label_at)
+    return cand_ids, cand_scores, label_at, valid
 
 
 def uniform_denominators(cfg, block_size: int, input_ids, loss_mask, anchors, anchor_valid, docs):

@@ -333,6 +333,35 @@ def objective_sums(
     return L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
 
 
+def reference_objective(
+    draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, gamma, alpha
+):
+    """The default objective written out independently of loss.py's: unchunked, the logits of every
+    slot at once: ce on the unary logits, exp position weights, the strict selector CE. h [N, A, B,
+    H] (model.forward_training) -> (numerator, denominator); the loss is their ratio."""
+    S, B = input_ids.shape[1], h.shape[2]
+    pos = anchors[..., None] + torch.arange(B)  # [N, A, B]
+    tokens = input_ids.gather(1, pos.clamp(max=S - 1).flatten(1)).view(pos.shape)
+    mask = loss_mask.gather(1, pos.clamp(max=S - 1).flatten(1)).view(pos.shape).float()
+    w0 = (anchor_valid[..., None].float() * (pos < S).float() * mask)[..., 1:]
+    labels, prev = tokens[..., 1:], tokens[..., :-1]
+    w = w0 * torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma)  # [N, A, B-1]
+    h = h[:, :, 1:]
+    u = draft.unary_logits(h, lambda x: x @ lm_head_weight.t()).float()  # [N, A, B-1, V]
+    ce = -F.log_softmax(u, -1).gather(-1, labels[..., None]).squeeze(-1)
+    numerator = (w * ce).sum()
+    if draft.candidate_selector is not None:
+        _, cand_ids = torch.topk(u.detach(), L.top_k(draft.config), dim=-1)  # [N, A, B-1, K]
+        hit = cand_ids == labels[..., None]
+        covered = hit.any(-1) & (w0 > 0)
+        sigma = draft.candidate_selector.teacher_forced_scores(
+            h, prev, cand_ids, u.gather(-1, cand_ids)
+        ).float()
+        sel_ce = -F.log_softmax(sigma, -1).gather(-1, hit.float().argmax(-1, keepdim=True))
+        numerator = numerator + alpha * (w * covered * sel_ce.squeeze(-1)).sum()
+    return numerator, w.sum()
+
+
 def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
     """decoding.speculative_generate (a path of verify_tokens, default all B-1 drafts) or, with
     tree_budget, tree.tree_generate, its step 2 (decoding.draft_proposal, tree.draft_tree) replaced
@@ -1415,7 +1444,7 @@ def worked_example(loss, weighting="exp", target=False):
         L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
         target_hidden=th,
     )
-    return out["numerator"].item(), out["denominator"].item()
+    return out.numerator.item(), out.denominator.item()
 
 
 # pins docs/semantics.md section 4 (base loss)
@@ -1442,19 +1471,25 @@ def ce_of(scores, idx):
     return -torch.log_softmax(torch.tensor(scores), 0)[idx].item()
 
 
-def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp", objective=L.objective):
-    """Anchor token 2 then labels 1 and `third_token`. Selector: A = [1,-1,0,0], Bs = [0,0,1,-1],
-    P picks h[4] = 1, so s(p -> c) = u[c] + A[p] * Bs[c]. Slot 1: u = [1, .5, -10, -10] (top-2
-    {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the best is 3, after 0 it is 2.
-    objective: loss.objective, or one with its arguments (support/metrics.py's)."""
+def selector_draft():
+    """Selector: A = [1,-1,0,0], Bs = [0,0,1,-1], P picks h[4] = 1, so s(p -> c) = u[c] + A[p] *
+    Bs[c]."""
     draft = DraftModel(hand_config())
     sel = draft.candidate_selector
     with torch.no_grad():
         sel.predecessor_codebook.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
         sel.successor_codebook.copy_(torch.tensor([[0.0], [0.0], [1.0], [-1.0]]))
         sel.hidden_projection.weight.copy_(torch.eye(8)[4:5])
+    return draft
+
+
+def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp", draft=None):
+    """Anchor token 2 then labels 1 and `third_token`, through selector_draft (or draft). Slot 1:
+    u = [1, .5, -10, -10] (top-2 {0,1}); slot 2: u = [-10, -10, .1, 0] (top-2 {2,3}): after 1 the
+    best is 3, after 0 it is 2."""
+    draft = draft or selector_draft()
     h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return objective(
+    return L.objective(
         draft,
         HEAD,
         h,
@@ -1476,16 +1511,16 @@ def test_selector_loss_strict_and_replace():
     base1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
     # covered: exact K-way CE with the teacher predecessor 1: scores [.1 - 1, 0 + 1]
     out = selector_case(3)
-    sel_n = out["selector"].item()
+    sel_n = out.selector.item()
     assert sel_n == pytest.approx(ce1 + e * ce_of([-0.9, 1.0], 1), rel=1e-5)
     # strict miss: label 0 at slot 2 is outside the top-2 and adds nothing
     out = selector_case(0)
-    assert out["selector"].item() == pytest.approx(ce1, rel=1e-5)
+    assert out.selector.item() == pytest.approx(ce1, rel=1e-5)
     base2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
-    assert out["numerator"].item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
+    assert out.numerator.item() == pytest.approx(base1 + e * base2 + ce1, rel=1e-5)
     # replace: the label takes the weakest slot with its own unary score: [.1 - 1, -10 + 0]
     out = selector_case(0, miss="replace")
-    assert out["selector"].item() == pytest.approx(ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5)
+    assert out.selector.item() == pytest.approx(ce1 + e * ce_of([-0.9, -10.0], 1), rel=1e-5)
 
 
 # pins docs/semantics.md section 4 (selector weighting)
@@ -1497,7 +1532,7 @@ def test_selector_weighting_exp_and_uniform():
     b1 = -torch.log_softmax(torch.tensor([1, 0.5, -10, -10.0]), 0)[1].item()
     b2 = -torch.log_softmax(torch.tensor([-10, -10, 0.1, 0.0]), 0)[0].item()
     ce1, ce2 = ce_of([1.0, 0.5], 1), ce_of([-0.9, -10.0], 1)
-    loss = lambda out: out["numerator"].item() / out["denominator"].item()
+    loss = lambda out: out.numerator.item() / out.denominator.item()
     # exp: one ratio, (b1 + e b2 + ce1 + e ce2) / (1 + e) = 8.705
     exp = selector_case(0, miss="replace")
     assert loss(exp) == pytest.approx((b1 + e * b2 + ce1 + e * ce2) / (1 + e), rel=1e-5)
@@ -1506,9 +1541,7 @@ def test_selector_weighting_exp_and_uniform():
     uni = selector_case(0, miss="replace", weighting="uniform")
     assert loss(uni) == pytest.approx((b1 + e * b2) / (1 + e) + (ce1 + ce2) / 2, rel=1e-5)
     assert loss(uni) == pytest.approx(9.700, abs=1e-3)
-    assert [uni["selector"].item(), uni["selector_denominator"].item()] == pytest.approx(
-        [ce1 + ce2, 2]
-    )
+    assert [uni.selector.item(), uni.selector_denominator.item()] == pytest.approx([ce1 + ce2, 2])
     # strict: the missed slot adds no CE but stays in D_sel, as it stays in exp's D: 5.150
     strict = selector_case(0, weighting="uniform")
     assert loss(strict) == pytest.approx((b1 + e * b2) / (1 + e) + ce1 / 2, rel=1e-5)
@@ -1517,8 +1550,8 @@ def test_selector_weighting_exp_and_uniform():
 # pins docs/semantics.md section 4 (the objective)
 @pytest.mark.method
 @pytest.mark.parametrize("plain", [False, True])
-def test_reference_objective_equals_the_chunked_one_training_runs(plain):
-    """loss.reference_objective, the definition in one piece, gives the sums (and so the
+def test_objective_equals_its_definition_written_out(plain):
+    """reference_objective, the definition written out here in one piece, gives the sums (and so the
     gradients) of loss.objective as train.py runs it: in chunks of 2 blocks under checkpointing,
     ce, exp weights and the strict selector CE, at alpha 0.7."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
@@ -1529,15 +1562,12 @@ def test_reference_objective_equals_the_chunked_one_training_runs(plain):
         draft.zero_grad(set_to_none=True)
         h = model.forward_training(draft, embed, ids, feats, anchors)
         if reference:
-            num, den = L.reference_objective(
-                draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.7
-            )
+            num, den = reference_objective(draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.7)
         else:
             cfg = L.LossConfig(gamma=3.0, chunk_blocks=2)
             out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.7)
-            num, den = out["numerator"], out["denominator"]
-            sel = out.get("selector", torch.tensor(0.0))
-            assert (sel > 0) != plain  # DFlash2's selector term is in the sums
+            num, den = out.numerator, out.denominator
+            assert (out.selector is not None and out.selector > 0) != plain  # DFlash2's term
         num.backward()
         results.append((num.detach(), den, grads(draft)))
     (num, den, g), (num_c, den_c, g_c) = results
@@ -1550,16 +1580,16 @@ def test_reference_objective_equals_the_chunked_one_training_runs(plain):
 @pytest.mark.method
 def test_selector_gradients_and_stop_gradient():
     draft, *rest = model_batch()
-    objective_sums(draft, *rest, alpha_t=1.0)["numerator"].backward()
+    objective_sums(draft, *rest, alpha_t=1.0).numerator.backward()
     g = grads(draft)
     for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
         assert g["candidate_selector." + k].abs().sum() > 0, k
     # with stop_gradient the backbone sees only the base loss
     draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=1.0, stop_gradient=True)["numerator"].backward()
+    objective_sums(draft, *rest, alpha_t=1.0, stop_gradient=True).numerator.backward()
     g_stop = grads(draft)
     draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=None)["numerator"].backward()
+    objective_sums(draft, *rest, alpha_t=None).numerator.backward()
     g_base = grads(draft)
     for k, v in g_base.items():
         if not k.startswith("candidate_selector"):
@@ -1568,7 +1598,7 @@ def test_selector_gradients_and_stop_gradient():
     # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
     # used)
     draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=0.0)["numerator"].backward()
+    objective_sums(draft, *rest, alpha_t=0.0).numerator.backward()
     sel_grad = draft.candidate_selector.successor_codebook.grad
     assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
 
@@ -1581,9 +1611,7 @@ def test_fresh_dflash2_base_loss_equals_plain_dflash():
     with torch.no_grad():
         a = objective_sums(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
         b = objective_sums(d1, embed, head, ids, feats, anchors, loss_mask, valid)
-    assert torch.equal(a["numerator"], b["numerator"]) and torch.equal(
-        a["denominator"], b["denominator"]
-    )
+    assert torch.equal(a.numerator, b.numerator) and torch.equal(a.denominator, b.denominator)
 
 
 # pins docs/semantics.md section 4 (selector weight schedule)
@@ -1618,7 +1646,7 @@ def test_kl_is_target_to_draft_by_hand():
         target_hidden=th,
     )
     kl = 0.4 * math.log(4) + 0.2 * math.log(1 / 3) + 0.2 * math.log(2)
-    assert out["numerator"].item() == pytest.approx(kl, rel=1e-5)
+    assert out.numerator.item() == pytest.approx(kl, rel=1e-5)
 
 
 # pins docs/semantics.md section 4 (position weights)
@@ -1635,7 +1663,7 @@ def test_default_gamma_by_block_size(B, gamma):
             draft, HEAD, torch.zeros(1, 1, block, 8), torch.zeros(1, S, dtype=torch.long),
             torch.ones(1, S), torch.tensor([[0]]), torch.tensor([[True]]), L.LossConfig(),
         )  # fmt: skip
-        return out["denominator"].item()
+        return out.denominator.item()
 
     assert D(B) == pytest.approx(sum(math.exp(-j / gamma) for j in range(B - 1)))
     with pytest.raises(ValueError, match="no default gamma for block size 5"):
@@ -1680,18 +1708,16 @@ def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chun
         parts = objective_sums(
             draft, embed, head, ids, feats, anchors, loss_mask, valid, chunk_blocks=chunk, **kw
         )
-    assert torch.allclose(one["numerator"], parts["numerator"], rtol=1e-5)
-    assert torch.allclose(one["denominator"], parts["denominator"])
+    assert torch.allclose(one.numerator, parts.numerator, rtol=1e-5)
+    assert torch.allclose(one.denominator, parts.denominator)
     if (loss, weighting, miss) == ("ce", "exp", "strict"):
         with torch.no_grad():
             h = model.forward_training(draft, embed, ids, feats, anchors)
-            num, den = L.reference_objective(
-                draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.5
-            )
-        assert torch.allclose(num, parts["numerator"], rtol=1e-5)
-        assert torch.allclose(den, parts["denominator"])
+            num, den = reference_objective(draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.5)
+        assert torch.allclose(num, parts.numerator, rtol=1e-5)
+        assert torch.allclose(den, parts.denominator)
     for name in ("base", "selector"):
-        assert torch.allclose(one[name], parts[name], rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(getattr(one, name), getattr(parts, name), rtol=1e-5, atol=1e-6), name
 
 
 # ---------------------------------------------------------------------------- decoding.py
@@ -2156,7 +2182,7 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
         h = model.forward_training(draft, embed, ids, feats, torch.tensor([W.ANCHORS]))
         u = draft.unary_logits(h[:, :, 1:], head)
     ce = -F.log_softmax(u, -1).gather(-1, torch.tensor([[x[3:6], x[6:9]]])[..., None])[..., 0]
-    printed = float(after("loss.reference_objective, ce:")[0].split("=")[-1])
+    printed = float(after("loss.objective, ce:")[0].split("=")[-1])
     assert printed == pytest.approx(((w * ce).sum() / w.sum()).item(), abs=1e-3)
     # 7. the traced cycles commit the target's own tokens; the scripted one accepts 2 plus a bonus
     commits = [ints(s.split(":")[0]) for s in after("commit")]
@@ -2205,11 +2231,14 @@ def run_objective(
     acceptance=False,
     **cfg,
 ):
+    """loss.objective and what support/metrics.py measures of it, as train.DraftObjective returns
+    them: {"numerator", "denominator", "metrics"}."""
     h = model.forward_training(draft, embed, ids, feats, anchors)
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden, acceptance=acceptance)
-    return metrics.objective_with_metrics(
-        draft, head, h, ids, loss_mask, anchors, valid, L.LossConfig(gamma=3.0, **cfg), **kw
-    )
+    cfg = L.LossConfig(gamma=3.0, **cfg)
+    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden)
+    out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
+    m = metrics.measure(draft.candidate_selector, out, loss_mask, anchors, valid, acceptance)
+    return {"numerator": out.numerator, "denominator": out.denominator, "metrics": m}
 
 
 def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
@@ -3351,7 +3380,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_pat
         out = real(*args, **kw)
         poisoned.calls += 1
         if poisoned.calls == 3:
-            out["numerator"] = out["numerator"] * float("nan")
+            out.numerator = out.numerator * float("nan")
         return out
 
     poisoned.calls = 0

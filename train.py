@@ -32,7 +32,7 @@ from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
 from support import common, compiling, distributed, flops, fsdp, kernels, tracking
 from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded, run
-from support.metrics import add_into, all_sum, objective_with_metrics, reduce_metrics
+from support.metrics import add_into, all_sum, measure, reduce_metrics
 from support.target import frozen_target
 
 # bash run.sh's prepared data (its first phases make it): train/, and eval/ held out (GSM8K test)
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     a("--selector-rank", type=int, help="override the selector's rank r (selector.py)")
     a("--selector-top-k", type=int, help="override the selector's K candidates (selector.py)")
     a = p.add_argument_group("objective (loss.py)").add_argument
-    a("--loss", choices=["ce", "kl", "tv", "lk"], default="ce", help="the unary logits' loss")
+    a("--loss", choices=list(loss.BASE_LOSSES), default="ce", help="the unary logits' loss")
     a("--gamma", type=bounded(float, above=0.0), help="exp weights' decay; 7/5/4 for B 16/10/8")
     a("--num-anchors", type=count, default=512, help="blocks sampled per row")
     a("--selector-loss-alpha", type=nonneg, default=1.0, help="selector CE's weight; 0: frozen")
@@ -113,7 +113,12 @@ def parse_args(argv=None):
     a("--peak-tflops", type=bounded(float, above=0.0), help="GPU: MFU's peak")
     a = p.add_argument_group("research knobs (docs/training.md, docs/acceptance.md)").add_argument
     a("--anchors-per", choices=["row", "document"], default="row", help="with --pack")
-    a("--position-weighting", choices=["exp", "dpace"], default="exp", help="dpace: D-PACE")
+    a(
+        "--position-weighting",
+        choices=list(loss.POSITION_WEIGHTS),
+        default="exp",
+        help="dpace: D-PACE",
+    )
     a("--dpace-alpha", type=ratio, default=0.5, help="D-PACE's smoothing")
     a("--selector-warmup-ratio", type=ratio, default=0.0, help="share of steps at alpha 0")
     a("--selector-ramp-ratio", type=ratio, default=0.0, help="then alpha rises over this share")
@@ -184,16 +189,35 @@ class DraftObjective(torch.nn.Module):
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
     def forward(self, batch, alpha_t, acceptance=False, sel_scale=None):
+        """-> {"numerator", "denominator": the objective's (loss.py), "metrics": what it measured
+        (support/metrics.py)}. acceptance: the per-slot statistics of acceptance.json too."""
         b, embed = batch, lambda ids: F.embedding(ids, self.embed_weight)
         ids, anchors, valid, docs = b["input_ids"], b["anchors"], b["anchor_valid"], b["docs"]
+        if self.cfg.loss == "kl" and b.get("target_hidden") is None:
+            raise UsageError(
+                "--loss kl needs the target's hidden states: features made with prepare.py "
+                "--save-target-hidden, or --online"
+            )
         h = model.forward_training(
             self.draft, embed, ids, b["features"], anchors, b["positions"], docs, self.attention
         )
-        kw = dict(target_hidden=b.get("target_hidden"), alpha_t=alpha_t, sel_scale=sel_scale)
-        kw.update(docs=docs, acceptance=acceptance)
-        return objective_with_metrics(  # loss.objective, and the metrics of its chunks
-            self.draft, self.head_weight, h, ids, b["loss_mask"], anchors, valid, self.cfg, **kw
+        out = loss.objective(
+            self.draft,
+            self.head_weight,
+            h,
+            ids,
+            b["loss_mask"],
+            anchors,
+            valid,
+            self.cfg,
+            alpha_t=alpha_t,
+            target_hidden=b.get("target_hidden"),
+            docs=docs,
+            sel_scale=sel_scale,
         )
+        selector = self.draft.candidate_selector
+        metrics = measure(selector, out, b["loss_mask"], anchors, valid, acceptance)
+        return {"numerator": out.numerator, "denominator": out.denominator, "metrics": metrics}
 
     def uniform_denominators(self, batch):
         """--selector-weighting uniform: [sum w, D_sel] of a batch, before its forward (loss.py)."""
@@ -252,7 +276,7 @@ def evaluate(objective, samples, args, target, device, rank, world, autocast, ac
     n = min(len(samples), args.eval_samples)
     if n == 0:
         return {}
-    acc, inner = {}, getattr(objective, "module", objective)  # DDP wraps it
+    acc, sums, inner = {}, 0.0, getattr(objective, "module", objective)  # DDP wraps it
     compiled, inner.draft = inner.draft, getattr(inner.draft, "_orig_mod", inner.draft)
     cfg = inner.draft.config
     objective.eval()
@@ -266,11 +290,13 @@ def evaluate(objective, samples, args, target, device, rank, world, autocast, ac
         if target is not None:
             data.add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
-            metrics = objective(batch, alpha_t=None, acceptance=acceptance)["metrics"]
-        add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in metrics.items()})
+            out = objective(batch, alpha_t=None, acceptance=acceptance)
+        sums = sums + torch.stack([out["numerator"], out["denominator"]]) * keep
+        add_into(acc, {k: (num * keep, den * keep) for k, (num, den) in out["metrics"].items()})
     objective.train()
     inner.draft = compiled
-    return reduce_metrics(acc)
+    N, D = all_sum(sums)  # the loss: one ratio of global sums
+    return {"loss": (N / D.clamp(min=1e-9)).item(), **reduce_metrics(acc)}
 
 
 def train_step(objective, opt, params, batches, alpha_t, args, world, no_sync, autocast):
@@ -284,7 +310,7 @@ def train_step(objective, opt, params, batches, alpha_t, args, world, no_sync, a
     sum_rm dN_rm/dw. Times world / D that is dJ/dw exactly, once D is known after the last one.
     --selector-weighting uniform adds alpha_t sum N_sel / D_sel, D_sel summed from the data first
     (loss.uniform_denominators): N_sel enters times D / D_sel; the rescale leaves 1 / D_sel."""
-    acc, D, sel_scale = {}, 0.0, None
+    acc, N, D, sel_scale = {}, 0.0, 0.0, None
     if args.selector_weighting == "uniform":
         batches = list(batches)
         core = getattr(objective, "module", objective)  # DDP wraps it
@@ -295,16 +321,17 @@ def train_step(objective, opt, params, batches, alpha_t, args, world, no_sync, a
         with autocast(), contextlib.nullcontext() if last else no_sync():
             out = objective(batch, alpha_t, sel_scale=sel_scale)
             out["numerator"].backward()
-        D = D + out["denominator"]
+        N, D = N + out["numerator"].detach(), D + out["denominator"]
         add_into(acc, out["metrics"])
-    D = all_sum(D)  # the global denominator
+    N, D = all_sum(torch.stack([N, D]))  # the global numerator and denominator
+    loss = (N / D.clamp(min=1e-9)).item()
     for p in params:  # DDP and FSDP averaged the gradients over the ranks (1 / world): undo that
         if p.grad is not None:
             p.grad.mul_(world / D.clamp(min=1e-9))
     norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip) if args.grad_clip > 0 else None
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
-    metrics = reduce_metrics(acc)
-    if not math.isfinite(metrics["loss"]) or (norm is not None and not torch.isfinite(norm)):
+    metrics = {"loss": loss, **reduce_metrics(acc)}
+    if not math.isfinite(loss) or (norm is not None and not torch.isfinite(norm)):
         return metrics, norm, False
     opt.step()
     opt.zero_grad(set_to_none=True)

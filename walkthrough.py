@@ -305,9 +305,10 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     w = loss.exp_weights(w0, GAMMA)
     guess = draft.unary_logits(h_train[:, :, 1:], lambda h: h @ head_w.t()).argmax(-1)
     # ce with exponential decay, the selector's term at alpha 0
-    n, d = loss.reference_objective(
-        draft, head_w, h_train, ids, loss_mask, anchors, valid, GAMMA, alpha=0.0
-    )
+    out = loss.objective(
+        draft, head_w, h_train, ids, loss_mask, anchors, valid, loss.LossConfig(gamma=GAMMA)
+    )  # alpha_t None: the selector's term is left out of the numerator
+    n, d = out.numerator, out.denominator
     say("")
     say(f"6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
     for b, a in enumerate(ANCHORS):
@@ -317,10 +318,7 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
         say(f"    w0                       {row([f'{v:.0f}' for v in w0[0, b].tolist()], 5)}")
         say(f"    w = w0 exp(-(j-1)/gamma) {row([f'{v:.3f}' for v in w[0, b].tolist()], 5)}")
         say(f"    the draft's argmax       {row(guess[0, b].tolist(), 5)}")
-    say(
-        f"  loss.reference_objective, ce: sum w * -log q(label) / sum w = {n:.4f} / {d:.4f} = "
-        f"{n / d:.4f}"
-    )
+    say(f"  loss.objective, ce: sum w * -log q(label) / sum w = {n:.4f} / {d:.4f} = {n / d:.4f}")
     return labels, w0, w
 
 

@@ -1,13 +1,12 @@
 """What the objective's logits say besides the loss, its reduction over ranks, and acceptance.json.
 
-Every metric is a (numerator, denominator) pair: objective_with_metrics runs loss.objective and
-measures one micro-batch's pairs from the tensors of its chunks; train.py adds them over
-micro-batches (add_into), sums them over ranks and divides once (reduce_metrics), so a metric is a
-ratio of global sums whatever the rank / accumulation split. The metrics are measured
-teacher-forced, as the loss is: how often the unary argmax, the top-K, the selector and the
-selector's own greedy path get the label, and the accepted lengths those imply (tau = 1 + the
-leading run of right labels). At the final held-out evaluation the per-slot statistics go to
-acceptance.json (tools/plot.py draws them).
+Every metric is a (numerator, denominator) pair: `measure` reads one micro-batch's from the record
+loss.objective returns (loss.Objective and its loss.Slots); train.py adds them over micro-batches
+(add_into), sums them over ranks and divides once (reduce_metrics), so a metric is a ratio of global
+sums whatever the rank / accumulation split. The metrics are measured teacher-forced, as the loss
+is: how often the unary argmax, the top-K, the selector and the selector's own greedy path get the
+label, and the accepted lengths those imply (tau = 1 + the leading run of right labels). At the
+final held-out evaluation the per-slot statistics go to acceptance.json (tools/plot.py draws them).
 """
 
 import os
@@ -23,59 +22,53 @@ from support.common import UsageError, read_json, write_json
 ACCEPTANCE = "acceptance.json"
 
 
-# ----------------------------------------------------------------------------- the loss, measured
-def objective_with_metrics(
-    draft,
-    lm_head_weight,
-    h,
-    input_ids,
-    loss_mask,
-    anchors,
-    anchor_valid,
-    cfg=loss.LossConfig(),
-    *,
-    acceptance=False,
-    **kw,
-):
-    """loss.objective (its arguments, kw: target_hidden, alpha_t, docs), and the metrics of the
-    same chunks: {"numerator", "denominator", "metrics"}, where metrics maps a name to a
-    (numerator, denominator) pair of detached tensors. acceptance: add the per-slot statistics of
-    acceptance.json (held-out evaluation). loss.objective's own check of target_hidden guards its
-    callers; here a --loss kl run on features without them is the user's to fix."""
-    if cfg.loss == "kl" and kw.get("target_hidden") is None:
-        raise UsageError(
-            "--loss kl needs the target's hidden states: features made with prepare.py "
-            "--save-target-hidden, or --online"
+# ----------------------------------------------------------------------------- one micro-batch
+@torch.no_grad()
+def measure(selector, out: loss.Objective, loss_mask, anchors, anchor_valid, acceptance=False):
+    """A micro-batch's metrics {name: (numerator, denominator)}, detached, from what the objective
+    made (out): its base and selector losses, how often the unary argmax, the top-K, the selector
+    (teacher-forced) and the selector's own greedy path get the label, and the accepted lengths
+    those imply, counting the bonus token (1 + the leading run, per valid block). loss_mask [N, S],
+    anchors and anchor_valid [N, A]; acceptance: the per-slot runs of acceptance.json too."""
+    s, flat = out.slots, lambda t: t.flatten(0, 1)  # blocks [N, A, ...] -> [M, ...]
+    labels, w0, cand_ids = flat(out.labels), flat(out.w0), flat(s.cand_ids)
+    valid = w0 > 0
+    n, blocks, D = valid.float(), anchor_valid.float().sum(), out.denominator
+    covered = (cand_ids == labels[..., None]).any(-1) & valid
+    greedy_ok = (flat(s.argmax) == labels) & valid
+    m = {
+        "base_loss": (out.base.detach(), D),
+        "unary_acc": (greedy_ok.float().sum(), n.sum()),
+        "topk_recall": (covered.float().sum(), n.sum()),
+        "accept_unary": (leading_run(greedy_ok).sum() + blocks, blocks),
+        "accept_oracle": (leading_run(covered).sum() + blocks, blocks),
+        "coverage": coverage(loss_mask, anchors, out.w0),
+    }
+    if s.target_mass is not None:  # only where the target's distribution was given
+        m["topk_target_mass"] = ((n * flat(s.target_mass)).sum(), n.sum())
+    runs = {"unary": greedy_ok}
+    if out.selector is not None:
+        h, prev, cand_scores = flat(out.h), flat(out.prev), flat(s.cand_scores)
+        hit = cand_ids == labels[..., None]
+        strict = selector.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()
+        right = (strict.argmax(-1) == hit.float().argmax(-1)).float()
+        # the greedy self-conditioned path: walk from the anchor, fed its own choices
+        path, _ = selector.walk(selector.lattice(h, prev[:, 0], cand_ids, cand_scores), cand_ids)
+        ok = runs["selector"] = (path == labels) & valid
+        m.update(
+            sel_loss=(
+                out.selector.detach(),
+                D if out.selector_denominator is None else out.selector_denominator,
+            ),
+            sel_acc=((covered.float() * right).sum(), covered.float().sum()),
+            accept_selector=(leading_run(ok).sum() + blocks, blocks),
+            path_acc=(ok.float().sum(0), n.sum(0)),  # [L] accuracy per position
         )
-    terms, selector = {}, draft.candidate_selector
-
-    def observe(*chunk):  # h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids
-        loss.add_sums(terms, metric_terms(selector, *chunk, acceptance))
-
-    out = loss.objective(
-        draft,
-        lm_head_weight,
-        h,
-        input_ids,
-        loss_mask,
-        anchors,
-        anchor_valid,
-        cfg,
-        observe=observe,
-        **kw,
-    )
-    D = out["denominator"]
-    own = {"loss": (out["numerator"].detach(), D), "base_loss": (out["base"].detach(), D)}
-    if "selector" in out:
-        own["sel_loss"] = (out["selector"].detach(), out.get("selector_denominator", D))
-    _, _, w0 = loss.block_labels(
-        input_ids, loss_mask, anchors, anchor_valid, h.shape[2], kw.get("docs")
-    )
-    metrics = pairs(terms, own, anchor_valid, coverage(loss_mask, anchors, w0), acceptance)
-    return {"numerator": out["numerator"], "denominator": D, "metrics": metrics}
+    for mode, ok in runs.items() if acceptance else ():  # r_j: blocks right up to slot j
+        m[f"accepted_at_{mode}"] = (ok.float().cumprod(-1).sum(0), blocks.expand(ok.shape[-1]))
+    return m
 
 
-# ----------------------------------------------------------------------------- one chunk's sums
 def coverage(loss_mask, anchors, w0):
     """(supervised tokens that some anchored block labels, supervised tokens): the share of the data
     a step trains on. loss_mask [N, S], anchors [N, A], w0 [N, A, B-1] (loss.block_labels) -> two
@@ -91,82 +84,6 @@ def coverage(loss_mask, anchors, w0):
 def leading_run(ok):
     """Length of the leading run of True along the last dim: [..., L] bool -> [...] float."""
     return ok.float().cumprod(-1).sum(-1)
-
-
-@torch.no_grad()
-def metric_terms(
-    selector, h, u, logq, logp, labels, prev, w0, cand_scores, cand_ids, acceptance=False
-):
-    """Metric sums of a chunk of M blocks, no gradient: how often the unary argmax, the top-K, the
-    selector (teacher-forced) and the selector's own greedy path get the label, and the accepted
-    lengths those imply. h [M, L, H], u / logq / logp [M, L, V] (logq unread: the chunk comes
-    whole; logp None without the target), labels / prev / w0 [M, L], cand_scores / cand_ids
-    [M, L, K] the unary top-K. With acceptance, per slot [L] too: what acceptance.json holds."""
-    valid = w0 > 0
-    n = valid.float()
-    hit = cand_ids == labels[..., None]  # [M, L, K]
-    covered = hit.any(-1) & valid
-    greedy_ok = (u.argmax(-1) == labels) & valid
-    out = dict(
-        unary_acc=greedy_ok.float().sum(),
-        tokens=n.sum(),
-        topk_recall=covered.float().sum(),
-        accept_unary=leading_run(greedy_ok).sum(),
-        accept_oracle=leading_run(covered).sum(),
-    )
-    # the target's mass in the top-K
-    if logp is not None:
-        out["topk_target_mass"] = (n * logp.gather(-1, cand_ids).exp().sum(-1)).sum()
-    if acceptance:  # blocks whose path is right up to slot j
-        out["run_unary"] = greedy_ok.float().cumprod(-1).sum(0)
-    if selector is None:
-        return out
-    label_idx = hit.float().argmax(-1)
-    strict = selector.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()  # [M, L, K]
-    cov = covered.float()
-    out.update(
-        sel_acc=(cov * (strict.argmax(-1) == label_idx).float()).sum(),
-        sel_covered=cov.sum(),
-    )
-    # greedy self-conditioned path: walk from the anchor, feeding back its own choices
-    path, _ = selector.walk(selector.lattice(h, prev[:, 0], cand_ids, cand_scores), cand_ids)
-    ok = (path == labels) & valid
-    out["path_num"], out["path_den"] = ok.float().sum(0), n.sum(0)  # [L] accuracy per position
-    out["accept_selector"] = leading_run(ok).sum()
-    if acceptance:
-        out["run_selector"] = ok.float().cumprod(-1).sum(0)
-    return out
-
-
-# ----------------------------------------------------------------------------- one micro-batch
-def pairs(t, own, anchor_valid, coverage, acceptance=False):
-    """A micro-batch's metrics {name: (numerator, denominator)}: the objective's own pairs (own:
-    loss, base_loss and, with a selector, sel_loss), then the ratios of metric_terms' sums t (added
-    over the chunks, detached). anchor_valid [N, A]; coverage: coverage()'s pair. An accepted
-    length counts the bonus token: 1 + the leading run, per valid block."""
-    blocks = (anchor_valid.float().sum()).detach()
-    out = {
-        "loss": own["loss"],
-        "base_loss": own["base_loss"],
-        "unary_acc": (t["unary_acc"], t["tokens"]),
-        "topk_recall": (t["topk_recall"], t["tokens"]),
-        "accept_unary": (t["accept_unary"] + blocks, blocks),
-        "accept_oracle": (t["accept_oracle"] + blocks, blocks),
-        "coverage": coverage,
-    }
-    if "topk_target_mass" in t:  # only where the target's distribution was given
-        out["topk_target_mass"] = (t["topk_target_mass"], t["tokens"])
-    if "sel_loss" in own:
-        out.update(
-            sel_loss=own["sel_loss"],
-            sel_acc=(t["sel_acc"], t["sel_covered"]),
-            accept_selector=(t["accept_selector"] + blocks, blocks),
-            path_acc=(t["path_num"], t["path_den"]),
-        )
-    for mode in ("unary", "selector") if acceptance else ():  # r_j per slot j
-        if f"run_{mode}" in t:
-            out[f"accepted_at_{mode}"] = (t[f"run_{mode}"], blocks.expand_as(t[f"run_{mode}"]))
-    return out
 
 
 # --------------------------------------------------------------------- over micro-batches and ranks
@@ -217,7 +134,7 @@ def save_acceptance(out_dir, metrics: dict, cfg, step):
 
 
 def record_served(out_dir, served: dict):
-    """Add train.py's served evaluation (served tau beside teacher-forced tau) to
+    """Add the served evaluation of tools/served.py (served tau beside teacher-forced tau) to
     OUT_DIR/acceptance.json, under "served"."""
     path = os.path.join(out_dir, ACCEPTANCE)
     write_json(path, dict(read_json(path), served=served))

@@ -50,6 +50,7 @@ from test_all import (
     run,
     run_objective,
     selector_case,
+    selector_draft,
     svg_root,
     tiny_config,
     tiny_draft,
@@ -96,14 +97,15 @@ def test_acceptance_statistics_by_hand():
     u = torch.tensor(
         [[[3.0, 5, 0, 0], [0, 0, 4, 5], [4, 0, 0, 5]], [[5.0, 4, 0, 0], [5, 0, 4, 0], [0, 5, 4, 0]]]
     )
-    labels, w0 = torch.tensor([[1, 2, 3], [0, 0, 0]]), torch.ones(2, 3)
+    u, labels, w0 = u[None], torch.tensor([[[1, 2, 3], [0, 0, 0]]]), torch.ones(1, 2, 3)  # 1 row
     cand_scores, cand_ids = top_k_candidates(u, 2)
-    out = metrics.metric_terms(
-        None, None, u, u.log_softmax(-1), None, labels, labels, w0, cand_scores, cand_ids, True
-    )
-    assert out["run_unary"].tolist() == [2, 1, 0]
-    # the accepted length: the runs' sum
-    assert out["accept_unary"] == out["run_unary"].sum()
+    slots = L.Slots(None, None, None, None, cand_scores, cand_ids, u.argmax(-1), None)
+    out = L.Objective(*torch.zeros(3), None, None, slots, None, labels, labels, w0)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    m = metrics.measure(None, out, torch.ones(1, 6), torch.tensor([[0, 1]]), valid, acceptance=True)
+    assert m["accepted_at_unary"][0].tolist() == [2, 1, 0]
+    # the accepted length: 1 + the runs' sum, per block
+    assert m["accept_unary"][0] == 2 + m["accepted_at_unary"][0].sum()
     # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same
     # statistics
     d2, _ = twin_drafts()
@@ -126,7 +128,10 @@ def test_acceptance_statistics_by_hand():
 
 # pins docs/semantics.md section 4 (selector loss)
 def test_self_conditioned_path_feeds_back_its_own_choice():
-    m = selector_case(3, objective=metrics.objective_with_metrics)["metrics"]
+    draft = selector_draft()
+    out = selector_case(3, draft=draft)
+    anchors, valid = torch.tensor([[0]]), torch.tensor([[True]])
+    m = metrics.measure(draft.candidate_selector, out, torch.ones(1, 3), anchors, valid)
     # slot 1: path and teacher both pick 0 (label 1) -> wrong. Slot 2: the teacher predecessor 1
     # gives 3 = label, but the path continues from its own 0 and picks 2.
     assert m["sel_acc"][0].item() == 1 and m["sel_acc"][1].item() == 2
@@ -137,9 +142,9 @@ def test_self_conditioned_path_feeds_back_its_own_choice():
 
 
 def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_path():
-    """support/metrics.py measures from the loss's own chunk tensors: every metric is the same in
-    chunks of 2 anchors as in one, and a fresh DFlash2 draft's teacher-forced selector path is its
-    unary argmax path."""
+    """support/metrics.py measures from what the objective made: every metric is the same in chunks
+    of 2 anchors as in one, and a fresh DFlash2 draft's teacher-forced selector path is its unary
+    argmax path."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
     fresh, _ = twin_drafts()
     with torch.no_grad():
@@ -147,9 +152,9 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
         for name, d, chunk in (("one", draft, None), ("parts", draft, 2), ("fresh", fresh, None)):
             h = model.forward_training(d, embed, ids, feats, anchors)
             cfg = L.LossConfig(gamma=3.0, chunk_blocks=chunk)
-            out[name] = metrics.objective_with_metrics(
-                d, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.5
-            )["metrics"]
+            made = L.objective(d, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.5)
+            sel = d.candidate_selector
+            out[name] = metrics.measure(sel, made, loss_mask, anchors, valid)
     assert out["one"]["sel_loss"][0] > 0
     for name, (n, d) in out["one"].items():
         pn, pd = out["parts"][name]

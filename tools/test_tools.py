@@ -154,7 +154,7 @@ def fit(draft, target, sample, steps: int):
             draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, cfg, alpha_t=1.0
         )
         opt.zero_grad()
-        out["numerator"].backward()
+        out.numerator.backward()
         opt.step()
     return draft.eval()
 
