@@ -1687,7 +1687,7 @@ def test_selector_alpha_schedule_rounds_down():
 
 
 # docs/semantics.md section 4 (total); where the draw is the reference's own case (ce, exp weights,
-# strict), loss.reference_objective, the definition in one piece, gives the same sums too
+# strict), reference_objective, the definition written out, gives the same sums too
 @pytest.mark.method
 @hypothesis.given(
     st.sampled_from(["ce", "tv", "kl", "lk"]),
