@@ -5,12 +5,14 @@
                                                                     load_samples, load_split
     -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, schedule,
                                                                            collate
-    -> static shapes for compiled steps                             static_shapes
-    -> this rank's micro-batches in the run's order, made ahead     batches
+    -> the run's order: the rows of each rank's micro-batches       step_micro_batches,
+                                                                    micro_batch_plan
     online: the target's features of a batch, document by document  add_target_features
 
 prepare.py makes the data (on-policy answers, offline features: support/features.py); train.py reads
-it back with load_samples and turns rows into batches with collate.
+it back with load_split and turns rows into batches with collate, in step_micro_batches' order.
+support/loader.py makes those batches ahead in worker processes and, for compiled steps, pads them
+to a few static shapes; neither changes what a step trains on.
 
 A row is one conversation, or with `train.py --pack` several of them (documents) filled greedily up
 to --max-length tokens, so that a batch of conversations of mixed lengths is not mostly padding. A
@@ -131,7 +133,7 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
     """Right-pad rows (each a list of samples, its documents) into a batch on device; anchors are
     seeded per (seed, key) so that every rank / accumulation layout draws the same anchors for the
     same row (per_document: sample_anchors), or given: anchors[i] the positions of row i (the
-    anchors serving visited, train.py's served evaluation). Padding has position 0 and document -1,
+    anchors serving visited, tools/served.py's evaluation). Padding has position 0 and document -1,
     no anchor and no label. features keep their stored dtype (the draft casts them,
     model.DraftModel.context_kv); target_hidden is fp32, as the objective reads it."""
     rows = [join(docs) for docs in rows]
@@ -168,45 +170,7 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
     return {k: v.to(device) for k, v in batch.items()}
 
 
-# ----------------------------------------------------------------------------- static shapes
-# A compiled step (train.py --compile, flex attention) specialises on its shapes: each new one
-# compiles again. Rows are padded to LENGTH_UNIT tokens times a power of two and the anchors to
-# --num-anchors times one, so that a run meets a handful of shapes (log2(longest / 64) + 1 lengths)
-# instead of one per step.
-LENGTH_UNIT = 64
-
-
-def static_size(n: int, unit: int) -> int:
-    """The smallest unit * 2^k >= n (k >= 0): static_size(100, 64) = 128, static_size(512, 512) =
-    512."""
-    return unit * (1 << (-(-n // unit) - 1).bit_length())
-
-
-def pad_batch(batch, length: int, num_anchors: int) -> dict:
-    """A batch right-padded to `length` tokens and `num_anchors` anchor slots, on its device.
-    Padded tokens are collate's padding (no attention, no label, document -1, features 0); padded
-    anchors are invalid (position 0, anchor_valid False), so the objective gives their blocks
-    weight 0 and the loss, its gradients and the metrics are the unpadded batch's."""
-    N, S = batch["input_ids"].shape
-    A = batch["anchors"].shape[1]
-    if length < S or num_anchors < A:
-        raise ValueError(f"cannot pad {S} tokens, {A} anchors to {length}, {num_anchors}")
-    out = {}
-    for k, v in batch.items():
-        size = num_anchors if k in ("anchors", "anchor_valid") else length
-        out[k] = v.new_full((N, size, *v.shape[2:]), -1 if k == "docs" else 0)
-        out[k][:, : v.shape[1]] = v
-    return out
-
-
-def static_shapes(batch, num_anchors: int) -> dict:
-    """pad_batch to static_size: S up to 64 * 2^k tokens, the anchors to --num-anchors (with
-    --anchors-per document, a power of two times it)."""
-    S, A = batch["input_ids"].shape[1], batch["anchors"].shape[1]
-    return pad_batch(batch, static_size(S, LENGTH_UNIT), static_size(A, num_anchors))
-
-
-# ---------------------------------------------------------------------------- the order, made ahead
+# --------------------------------------------------------------------------------- the run's order
 def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
     """This rank's micro-batches of optimizer step `step`: (epoch, [row indices] per micro-batch).
     Each epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size
@@ -223,61 +187,10 @@ def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
 
 def micro_batch_plan(start, stop, steps_per_epoch, num_rows, args, rank, world):
     """(epoch, row indices) of this rank's micro-batches of steps start..stop-1, in order: what
-    loader makes ahead; stop None: open-ended, as train.py --max-seconds wants."""
+    support/loader.py makes ahead; stop None: open-ended, as train.py --max-seconds wants."""
     for step in range(start, stop) if stop is not None else itertools.count(start):
         epoch, micro = step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world)
         yield from ((epoch, rows) for rows in micro)
-
-
-class MicroBatches(torch.utils.data.Dataset):
-    """A run's micro-batches, made wherever the DataLoader runs them (its worker processes): item
-    (epoch, row numbers) -> collate's batch of those rows on the CPU, anchors keyed by epoch and row
-    as train.py keys them, with static shapes when `static`."""
-
-    def __init__(self, samples, rows, num_anchors, seed, per_document=False, static=False):
-        self.samples, self.rows, self.num_anchors = samples, rows, num_anchors
-        self.seed, self.per_document, self.static = seed, per_document, static
-
-    def __getitem__(self, item):
-        epoch, batch_rows = item
-        keys = [epoch * len(self.rows) + r for r in batch_rows]
-        docs = [[self.samples[j] for j in self.rows[r]] for r in batch_rows]
-        batch = collate(docs, keys, self.num_anchors, self.seed, "cpu", self.per_document)
-        return static_shapes(batch, self.num_anchors) if self.static else batch
-
-
-def loader(dataset, schedule, workers: int, pin: bool):
-    """The items of `schedule` (an iterable of (epoch, row numbers), consumed once, in order) made
-    ahead by `workers` processes, two each in flight (0: made here, when asked), and with pin (a
-    CUDA device) copied into page-locked memory, from which to_device's copy runs asynchronously.
-    Batches come in schedule order whatever the number of workers, equal to collate's bit for bit.
-    Its own generator: the global RNG (the draft's initialisation) is left untouched."""
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=None,  # an item is a whole micro-batch
-        sampler=schedule,
-        num_workers=workers,
-        pin_memory=pin,
-        prefetch_factor=2 if workers else None,
-        generator=torch.Generator(),
-    )
-
-
-def batches(samples, rows, args, rank, world, start, stop, static: bool, pin: bool):
-    """train.py's micro-batches for this rank, steps start..stop-1 (stop None: open-ended), in
-    order: on the host (pinned where pin), made ahead by --data-workers processes; to_device moves
-    each. static: padded to static_shapes."""
-    per_epoch = len(rows) // (world * args.grad_accum * args.batch_size)
-    plan = micro_batch_plan(start, stop, per_epoch, len(rows), args, rank, world)
-    per_doc = args.anchors_per == "document"
-    made = MicroBatches(samples, rows, args.num_anchors, args.seed, per_doc, static)
-    return iter(loader(made, plan, args.data_workers, pin))
-
-
-def to_device(batch, device) -> dict:
-    """Copy a batch to device; from pinned memory the copy is queued behind the GPU's work instead
-    of waiting for it (non_blocking), from pageable memory it is a plain copy."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 # ------------------------------------------------------------------ online: the target per document

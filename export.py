@@ -148,14 +148,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = ap.add_argument
     a("checkpoint", help="ckpt.pt, a run directory holding it, or an exported draft directory")
-    a("--out-dir", required=True, help="directory for config.json + the tensors")
-    a("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype in the export")
-    a("--format", choices=["zlab", "speculators"], default="zlab", help="checkpoint layout")
-    a(
-        "--verifier",
-        help="--format speculators: the target's hub name or local path, which "
-        "speculators reloads embed_tokens and lm_head from",
-    )
+    a("--out-dir", required=True, help="where config.json and the tensors go")
+    a("--dtype", choices=sorted(DTYPES), default="bf16", help="the exported tensors' dtype")
+    a("--format", choices=["zlab", "speculators"], default="zlab", help="the public format written")
+    a("--verifier", help="--format speculators: the target whose embedding and head it reloads")
     args = ap.parse_args(argv)
     if args.format == "speculators" and not args.verifier:
         ap.error("--format speculators needs --verifier (the target model's hub name or path)")

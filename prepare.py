@@ -202,13 +202,9 @@ def parse_args(argv=None):
     count, nonneg, seconds = bounded(int, low=1), bounded(float, low=0.0), bounded(float, above=0.0)
     a = p.add_argument_group("the target").add_argument
     a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
-    a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="auto: speed/machine.py")
-    a(
-        "--target-gemm",
-        choices="auto stock onednn mkl".split(),
-        default="auto",
-        help="speed/gemm.py",
-    )
+    dtypes, gemms = ["auto", *DTYPES], ["auto", "stock", "onednn", "mkl"]
+    a("--target-dtype", choices=dtypes, default="auto", help="auto: bf16 where native, else fp32")
+    a("--target-gemm", choices=gemms, default="auto", help="CPU matmul layout; auto: the fastest")
     src = p.add_argument_group("what to read")
     g = src.add_mutually_exclusive_group(required=True).add_argument
     g("--data", help="conversations JSONL, OpenAI (messages) or ShareGPT (conversations) style")
@@ -216,11 +212,11 @@ def parse_args(argv=None):
     a = src.add_argument
     a("--num-samples", type=count, help="use only the first N conversations / prompts")
     a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence at most")
-    a("--seed", type=int, default=0, help="the built-in prompt set's draw; sampled answers")
+    a("--seed", type=int, default=0, help="seeds the prompt set's draw and the sampled answers")
     add_chat_template_kwargs(a)
     a = p.add_argument_group("regeneration (support/regen.py)").add_argument
     a("--regenerate", action="store_true", help="replace the first answer by the target's own")
-    a("--temperature", type=nonneg, default=0.0, help="0: greedy; best the T served at")
+    a("--temperature", type=nonneg, default=0.0, help="0: greedy; best: the temperature served at")
     a("--max-new-tokens", type=count, default=256, help="an answer's tokens at most")
     a("--batch-size", type=count, default=16, help="prompts per regeneration batch")
     regen_server.add_flags(a)
@@ -230,10 +226,10 @@ def parse_args(argv=None):
     a("--feature-dtype", choices=DTYPES, default="bf16", help="the stored features' dtype")
     a("--save-target-hidden", action="store_true", help="also store the final normed hidden state")
     a("--shard-size", type=count, default=64, help="conversations per shard")
-    a("--feature-batch-size", type=count, default=1, help="sequences a forward: 1 on CPUs")
+    a("--feature-batch-size", type=count, default=1, help="sequences per forward; keep 1 on a CPU")
     a = p.add_argument_group("running").add_argument
-    a("--out-dir", required=True, help="answers, shards, manifest.json")
-    a("--max-seconds", type=seconds, help="stop by then: windows of --shard-size a rank")
+    a("--out-dir", required=True, help="where the answers, shards and manifest.json go")
+    a("--max-seconds", type=seconds, help="end by this many seconds, in whole --shard-size windows")
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")

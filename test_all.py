@@ -39,14 +39,12 @@ holds it equal to the banners):
     the pipeline                    Part 2 starts: its machinery's import checked, and the
                                     shared helpers that need it
     data.py                         loss masks, chat template kwargs, conversation readers and
-                                    formats, a packed row == its documents one per row, the
-                                    loader
+                                    formats, a packed row == its documents one per row
         tokenisation / loss mask
         chat template kwargs
         conversation readers
         data formats (docs/training.md table)
         packed rows
-        the loader and static shapes
     train.py                        loss goes down, target dtype, chunking, anchor coverage,
                                     resume, freezing, compile, DDP and FSDP == accumulation,
                                     MFU, the CUDA tests
@@ -136,6 +134,7 @@ try:
         flops,
         fsdp,
         kernels,
+        loader,
         metrics,
         regen,
         show,
@@ -144,7 +143,6 @@ try:
     from support.distributed import end_ranks
     from support.target import (
         convert_embedded,
-        decoder_layers,
         embedded_dir,
         encode,
         load_target,
@@ -2802,84 +2800,6 @@ def test_pack_flag_trains_offline_and_online(setup, tmp_path):
     )
 
 
-# --------------------------------------------------------------------- the loader and static shapes
-def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
-    """data.loader (a DataLoader over data.MicroBatches) gives, in schedule order, the batches that
-    collate makes of the same rows, bit for bit and in the same dtypes, features in their stored
-    one (fp16 here: no fp32 copy), with 0 and with 2 worker processes, with static shapes or
-    without. A streamed feature directory's samples travel to another process without their open
-    shard (pickle refused the handle)."""
-    import pickle
-
-    samples = data.load_samples(str(setup / "feats"), False, None, 512)
-    rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
-    assert len(rows) == 5 and max(map(len, rows)) > 1
-    schedule = [(0, [3, 1]), (0, [0, 2]), (1, [4]), (1, [2, 4, 0])]
-    for static in (False, True):
-        want = []
-        for epoch, batch_rows in schedule:  # train.py's keys: epoch * len(rows) + row
-            keys = [epoch * len(rows) + r for r in batch_rows]
-            b = data.collate([[samples[j] for j in rows[r]] for r in batch_rows], keys, 6, 3, "cpu")
-            want.append(data.static_shapes(b, 6) if static else b)
-        assert want[0]["features"].dtype == torch.float16
-        assert want[0]["target_hidden"].dtype == torch.float32
-        for workers in (0, 2):
-            made = data.MicroBatches(samples, rows, num_anchors=6, seed=3, static=static)
-            got = list(data.loader(made, iter(schedule), workers, pin=False))
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
-                assert g.keys() == w.keys()
-                for k in w:
-                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (
-                        static,
-                        workers,
-                        k,
-                    )
-    copied = pickle.loads(pickle.dumps(samples))
-    assert samples.shard is not None and copied.shard is None
-    assert torch.equal(copied[5]["features"], samples[5]["features"])
-
-
-def test_static_shapes_pad_to_buckets_and_keep_the_objective():
-    """data.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchor slots (sizes by
-    hand), with collate's padding (no attention, no label, document -1, features 0) and invalid
-    anchors. The objective's numerator, denominator and metrics, the gradients and the valid
-    blocks' hidden states are the unpadded batch's (fp32 sums in another order)."""
-    sizes = [data.static_size(n, 64) for n in (1, 64, 65, 128, 129, 300, 1000)]
-    assert sizes == [64, 64, 128, 128, 256, 512, 1024]
-    assert [data.static_size(n, 12) for n in (3, 12, 13, 30, 49)] == [12, 12, 24, 48, 96]
-    c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    g = torch.Generator().manual_seed(1)
-    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
-    docs = packing_docs(c, [9, 14, 22])
-    batch = data.collate([[d] for d in docs], [0, 1, 2], 16, 0, "cpu")
-    padded = data.static_shapes(batch, 16)
-    (N, S), A = batch["input_ids"].shape, batch["anchors"].shape[1]
-    assert (N, S, A) == (3, 22, 15) and batch["anchor_valid"].sum(1).tolist() == [5, 9, 15]
-    assert padded["input_ids"].shape == (3, 64) and padded["anchors"].shape == (3, 16)
-    for k, fill in (("attention_mask", 0), ("loss_mask", 0), ("docs", -1), ("features", 0)):
-        assert (padded[k][:, S:] == fill).all() and torch.equal(padded[k][:, :S], batch[k]), k
-    assert not padded["anchor_valid"][:, A:].any() and (padded["anchors"][:, A:] == 0).all()
-    assert torch.equal(padded["anchors"][:, :A], batch["anchors"])
-    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "5", "--loss", "kl"])
-    args.attention = "sdpa"
-    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, batch, args)
-    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, padded, args)
-    valid = batch["anchor_valid"]
-    assert (h2[:, :A][valid] - h1[valid]).abs().max() <= 1e-5
-    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
-    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
-    assert out1["metrics"].keys() == out2["metrics"].keys()
-    for k, (num, den) in out1["metrics"].items():
-        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
-        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
-    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
-    for k in g1:
-        assert_same_sum(g2[k], g1[k], 64 * 16 * c.block_size, torch.float32, k)
-
-
 # ============================================================================ train.py
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
@@ -3034,14 +2954,14 @@ def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
     run(setup, tmp_path / "off", "--max-steps", "1", "--eval-samples", "0")
     online = ["--online", "--data", str(setup / "convs.jsonl")]
     run(setup, tmp_path / "on", "--max-steps", "1", "--eval-samples", "0", *online)
-    assert [len(decoder_layers(t)) for t in loaded] == [0, 4]
+    assert [len(t.model.layers) for t in loaded] == [0, 4]
     assert loaded[0].config.num_hidden_layers == 4
     (tmp_path / "qwen3").mkdir()
     tiny_target("qwen3", initializer_range=0.3).save_pretrained(tmp_path / "qwen3")
     tiny_tokenizer().save_pretrained(tmp_path / "qwen3")
     for d in (setup / "target", tmp_path / "qwen3"):
         whole, part = load_target(str(d))[0], load_target(str(d), layers=False)[0]
-        assert len(decoder_layers(part)) == 0 and part.config.num_hidden_layers == 4
+        assert len(part.model.layers) == 0 and part.config.num_hidden_layers == 4
         for get in ("get_input_embeddings", "get_output_embeddings"):
             assert torch.equal(getattr(part, get)().weight, getattr(whole, get)().weight)
 
@@ -3471,9 +3391,10 @@ def timeless(records) -> list:
 
 
 def test_train_data_workers_log_the_same_records(setup, tmp_path):
-    """--data-workers 2 (data.loader's worker processes make the micro-batches ahead) trains as
-    the batches made in the loop do: every log.jsonl record (losses, gradient norms, evaluations,
-    the final metrics) equal, over accumulated micro-batches of 2 rows, offline and packed."""
+    """--data-workers 2 (loader.data_loader's worker processes make the micro-batches ahead)
+    trains as the batches made in the loop do: every log.jsonl record (losses, gradient norms,
+    evaluations, the final metrics) equal, over accumulated micro-batches of 2 rows, offline and
+    packed."""
     extra = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", "--eval-samples"]
     extra += ["2", "--batch-size", "2", "--grad-accum", "2", "--pack", "--max-length", "80"]
     logs = []
@@ -3487,7 +3408,7 @@ def test_train_data_workers_log_the_same_records(setup, tmp_path):
 def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     setup, tmp_path, monkeypatch
 ):
-    """train.py --compile pads every batch, training and held-out, to data.static_shapes: packed
+    """train.py --compile pads every batch, training and held-out, to loader.static_shapes: packed
     rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
     (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
     eager run's. The log's compile_s (the seconds of the steps that compiled, left out of the
@@ -3509,7 +3430,7 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
         b = data.collate(docs, [epoch * len(rows) + r for r in micro], 8, 3, "cpu")
         shapes.append((b["input_ids"].shape[1], b["anchors"].shape[1]))
     # unpadded: 4 training shapes and the held-out one, 5 graphs
-    buckets = [data.static_size(s, 64) for s, _ in shapes]
+    buckets = [loader.static_size(s, 64) for s, _ in shapes]
     assert len(set(shapes)) == 4 and set(buckets) == {64, 128}
     new_bucket = [b not in buckets[:i] for i, b in enumerate(buckets)]
     assert new_bucket[0] and not all(new_bucket)
@@ -3538,10 +3459,10 @@ def test_compiled_training_step_compiles_once_per_static_shape():
     """A compiled training step (train.py --compile's draft, forward and backward, sdpa on the CPU)
     over six micro-batches of 2 rows, 12 to 120 tokens and 7 or 8 anchor slots: unpadded they are 6
     shapes, each a compile of its own under compiling.COMPILE (no automatic dynamic shapes); made as
-    train.py makes them (data.MicroBatches, static shapes, data.loader) they are 2 (64 and 128
-    tokens, 8 anchor slots), and the step compiles 2 graphs. A third compile of the draft's forward
-    raises (compiling.COMPILE fails at the limit, 2 here), so a padding that let a shape through
-    fails here, never falls back to eager."""
+    train.py makes them (loader.MicroBatches, static shapes, loader.data_loader) they are 2 (64 and
+    128 tokens, 8 anchor slots), and the step compiles 2 graphs. A third compile of the draft's
+    forward raises (compiling.COMPILE fails at the limit, 2 here), so a padding that let a shape
+    through fails here, never falls back to eager."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # the draft's forward compiled by earlier tests counts against the limit
@@ -3564,9 +3485,9 @@ def test_compiled_training_step_compiles_once_per_static_shape():
     # dynamo config entry hidden, and the next train.main's patch of it fails
     with torch._dynamo.config.patch(**{**compiling.COMPILE, "recompile_limit": 2}):
         counters.clear()
-        # made as train.py makes them where anything compiles: data.MicroBatches, static shapes
-        made = data.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
-        for b in data.loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
+        # made as train.py makes them where anything compiles: loader.MicroBatches, static shapes
+        made = loader.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
+        for b in loader.data_loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
             assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
             out = objective(b, alpha_t=0.5)
             out["numerator"].backward()

@@ -1,4 +1,4 @@
-"""The training loop of a DFlash2 draft (with --dflash, of a plain DFlash one): train.py.
+"""Train a DFlash2 draft (with --dflash, a plain DFlash one): the training loop.
 
     python train.py --data out/features                          # offline: features from prepare.py
     python train.py --online --data convs.jsonl                  # online: the target runs here
@@ -30,7 +30,7 @@ import loss
 import model
 from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
-from support import common, compiling, distributed, flops, fsdp, kernels, tracking
+from support import common, compiling, distributed, flops, fsdp, kernels, loader, tracking
 from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded, run
 from support.metrics import add_into, all_sum, measure, reduce_metrics
 from support.target import frozen_target
@@ -43,34 +43,25 @@ def parse_args(argv=None):
     """One line a flag, in groups; what each one means and why its default: docs/training.md."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
     ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
-    count = bounded(int, low=1)
+    positive, count, whole = bounded(float, above=0.0), bounded(int, low=1), bounded(int, low=0)
+    dtypes = ["auto", *DTYPES]
     a = p.add_argument_group("data").add_argument
-    a(
-        "--data",
-        default=RUN_SH_DATA,
-        help="prepare.py's features, by default bash run.sh's (--online: a conversations JSONL)",
-    )
-    a(
-        "--eval-data",
-        help="held-out data; default: bash run.sh's held-out set with the default --data, else the "
-        "last --eval-fraction of --data",
-    )
-    a("--eval-fraction", type=ratio, default=0.05, help="--data held out without --eval-data")
+    a("--data", default=RUN_SH_DATA, help="prepare.py's features (default: bash run.sh's)")
+    a("--eval-data", help="held-out data; default: run.sh's with its --data, else a share of it")
+    a("--eval-fraction", type=ratio, default=0.05, help="share of --data held out (no --eval-data)")
     a("--num-samples", type=count, help="train on the first N sequences only")
     a("--online", action="store_true", help="the target runs here and gives features every step")
     a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
-    a("--target-dtype", choices=["auto", *DTYPES], default="auto", help="auto: speed/machine.py")
-    a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence or row")
-    a("--pack", action="store_true", help="several conversations per row (data.py)")
-    a("--data-workers", type=bounded(int, low=0), default=0, help="processes making batches ahead")
-    common.add_chat_template_kwargs(
-        a
-    )  # offline: must be what prepare.py rendered the features with
+    a("--target-dtype", choices=dtypes, default="auto", help="auto: bf16 where native, else fp32")
+    a("--max-length", type=bounded(int, low=2), default=512, help="tokens a sequence or row holds")
+    a("--pack", action="store_true", help="pack several conversations into each row")
+    a("--data-workers", type=whole, default=0, help="processes that make batches ahead; 0: none")
+    common.add_chat_template_kwargs(a)  # offline: what prepare.py rendered the features with
     a = p.add_argument_group("draft (overrides: validated as config.json is)").add_argument
     a("--draft-config", default="configs/smollm2-135m-dflash2.json", help="the draft's config.json")
     a("--dflash", action="store_true", help="plain DFlash baseline: no convolution, no selector")
-    a("--freeze-conv", action="store_true", help="selector-only arm: convs stay identity")
-    a("--block-size", type=bounded(int, low=2), help="override B, the block's slots")
+    a("--freeze-conv", action="store_true", help="convolutions stay identity; the selector trains")
+    a("--block-size", type=bounded(int, low=2), help="override the block size B")
     a("--num-layers", type=count, help="override the number of draft layers")
     a("--conv-kernel-size", type=int, help="override the convolution's taps (conv.py)")
     a("--conv-group-size", type=int, help="override the channels a kernel serves (conv.py)")
@@ -78,53 +69,49 @@ def parse_args(argv=None):
     a("--selector-top-k", type=int, help="override the selector's K candidates (selector.py)")
     a = p.add_argument_group("objective (loss.py)").add_argument
     a("--loss", choices=list(loss.BASE_LOSSES), default="ce", help="the unary logits' loss")
-    a("--gamma", type=bounded(float, above=0.0), help="exp weights' decay; 7/5/4 for B 16/10/8")
+    a("--gamma", type=positive, help="decay of the position weights; default: by block size")
     a("--num-anchors", type=count, default=512, help="blocks sampled per row")
-    a("--selector-loss-alpha", type=nonneg, default=1.0, help="selector CE's weight; 0: frozen")
+    a("--selector-loss-alpha", type=nonneg, default=1.0, help="selector loss weight; 0 freezes it")
     a = p.add_argument_group("optimisation").add_argument
-    a("--lr", type=bounded(float, above=0.0), default=6e-4, help="AdamW's peak learning rate")
+    a("--lr", type=positive, default=6e-4, help="AdamW's peak learning rate")
     a("--min-lr-ratio", type=ratio, default=0.1, help="the cosine ends at lr x this")
     a("--warmup-ratio", type=ratio, default=0.04, help="share of steps with a linear warm-up")
-    a("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after warm-up")
+    a("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="lr after warm-up")
     a("--weight-decay", type=nonneg, default=0.0, help="AdamW's weight decay")
     a("--grad-clip", type=nonneg, default=1.0, help="clip the gradient norm to this; 0: off")
     a("--batch-size", type=count, default=1, help="rows per micro-batch per rank")
     a("--grad-accum", type=count, default=1, help="micro-batches per optimizer step")
-    a("--epochs", type=count, help="passes over the training rows; default 1, none with time")
+    a("--epochs", type=count, help="passes over the rows; default 1, unbounded with --max-seconds")
     a("--max-steps", type=count, help="stop after N steps; overrides --epochs")
-    a("--max-seconds", type=bounded(float, above=0.0), help="or stop at this time, if sooner")
+    a("--max-seconds", type=positive, help="end by this many seconds; the schedule fits the pace")
     a = p.add_argument_group("running").add_argument
-    a("--out-dir", default="out/draft", help="ckpt.pt, log.jsonl, acceptance.json")
+    a("--out-dir", default="out/draft", help="where ckpt.pt, log.jsonl and acceptance.json go")
     a("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt")
     a("--save-interval", type=count, default=200, help="steps between checkpoints")
     a("--eval-interval", type=count, default=200, help="steps between held-out evaluations")
-    a("--eval-samples", type=bounded(int, low=0), default=64, help="held-out sequences at most")
+    a("--eval-samples", type=whole, default=64, help="held-out sequences per evaluation, at most")
     a("--log-interval", type=count, default=10, help="steps between log.jsonl records")
-    a("--seed", type=int, default=0, help="the draft's init, the row order, the anchors")
+    a("--seed", type=int, default=0, help="seeds the draft's init, the row order and the anchors")
     a("--quiet", action="store_true", help="no progress bar")
     a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument
-    a("--fsdp", action="store_true", help="under torchrun: shard, not replicate (support/fsdp.py)")
-    a("--dist-timeout", type=bounded(float, above=0.0), default=30.0, help="minutes; torchrun")
-    a("--compile", nargs="?", const="on", choices=["on", "auto"], help="auto: where it pays here")
+    a("--fsdp", action="store_true", help="under torchrun: shard the models over the ranks (FSDP2)")
+    a("--dist-timeout", type=positive, default=30.0, help="minutes a rank waits for the others")
+    a("--compile", nargs="?", const="on", choices=["on", "auto"], help="compile; auto: when bf16")
     a("--gradient-checkpointing", action="store_true", help="recompute layers in backward")
-    a("--attention", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on GPU")
-    a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: speed/machine.py")
-    a("--chunk-blocks", type=bounded(int, low=0), default=64, help="anchors a chunk; 0 = off")
-    a("--peak-tflops", type=bounded(float, above=0.0), help="GPU: MFU's peak")
+    a("--attention", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on a GPU")
+    a("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 where native")
+    a("--chunk-blocks", type=whole, default=64, help="anchors per loss chunk; 0: one chunk")
+    a("--peak-tflops", type=positive, help="the GPU's peak TFLOP/s for MFU; default: by its name")
     a = p.add_argument_group("research knobs (docs/training.md, docs/acceptance.md)").add_argument
-    a("--anchors-per", choices=["row", "document"], default="row", help="with --pack")
-    a(
-        "--position-weighting",
-        choices=list(loss.POSITION_WEIGHTS),
-        default="exp",
-        help="dpace: D-PACE",
-    )
+    a("--anchors-per", choices=["row", "document"], default="row", help="--num-anchors is for each")
+    weights = list(loss.POSITION_WEIGHTS)
+    a("--position-weighting", choices=weights, default="exp", help="block slots' weights")
     a("--dpace-alpha", type=ratio, default=0.5, help="D-PACE's smoothing")
-    a("--selector-warmup-ratio", type=ratio, default=0.0, help="share of steps at alpha 0")
-    a("--selector-ramp-ratio", type=ratio, default=0.0, help="then alpha rises over this share")
-    a("--selector-stop-gradient", action="store_true", help="selector CE: selector only")
-    a("--selector-miss", choices=["strict", "replace"], default="strict", help="label not in K")
-    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help="uniform: 1 a slot")
+    a("--selector-warmup-ratio", type=ratio, default=0.0, help="share of steps, selector loss off")
+    a("--selector-ramp-ratio", type=ratio, default=0.0, help="then it ramps up over this share")
+    a("--selector-stop-gradient", action="store_true", help="selector loss: no backbone gradient")
+    a("--selector-miss", choices=["strict", "replace"], default="strict", help="label not in top K")
+    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help="selector's weights")
     args = p.parse_args(argv)
     if args.freeze_conv and (args.dflash or args.selector_loss_alpha == 0):
         p.error("--freeze-conv: with --dflash or --selector-loss-alpha 0 nothing of DFlash2 trains")
@@ -286,7 +273,7 @@ def evaluate(objective, samples, args, target, device, rank, world, autocast, ac
     for i, keep in mine:
         batch = data.collate([[samples[i]]], [10_000_000 + i], args.num_anchors, args.seed, device)
         if compiling.anything_compiles(args):
-            batch = data.static_shapes(batch, args.num_anchors)
+            batch = loader.static_shapes(batch, args.num_anchors)
         if target is not None:
             data.add_target_features(batch, target, cfg, args.loss == "kl", packed=False)
         with autocast():
@@ -411,20 +398,24 @@ def train(args):
     )
 
     # ------------------------------------------------------------------ loop
-    # this rank's micro-batches on the host (pinned on a GPU: the copies run asynchronously)
-    ends, pin = None if args.max_seconds else total, device.type == "cuda"  # time: open-ended
-    ahead = data.batches(samples, rows, args, rank, world, step, ends, static, pin)
+    # this rank's micro-batches on the host, pinned on a GPU (the copies run asynchronously);
+    # with --max-seconds they have no last step: the clock ends the run
+    ends = None if args.max_seconds else total
+    pin = device.type == "cuda"
+    ahead = loader.batches(samples, rows, args, rank, world, step, ends, static, pin)
 
     def next_batch():
         host = next(ahead)
         meter.count(cfg, host, target)  # counted before the copy: no wait for the device
-        batch = data.to_device(host, device)
+        batch = loader.to_device(host, device)
         if target is not None:  # online: the target's features of this batch
             data.add_target_features(batch, target, cfg, args.loss == "kl", args.pack)
         return batch
 
     alpha = args.selector_loss_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
     bar = tqdm(total=total, initial=step, disable=not master or args.quiet, desc="train")
+    # --max-seconds: p0 is the share of the run done before this invocation (step / total at a
+    # --resume, 0 on a fresh run); the rest of it is spread over the seconds the budget has left
     t0, p0, rates = time.time(), step / total, {}
     since = lambda: round(time.time() - t0, 3)  # this invocation's seconds, evaluations included
     meter.restart()
@@ -445,8 +436,16 @@ def train(args):
             sys.exit(1)
         step += 1
         bar.update(1)
-        if args.max_seconds:  # progress = max(step / steps, the time's share); total: at this pace
-            p = p0 + (1 - p0) * (time.time() - t0) / max(started + args.max_seconds - t0, 1e-9)
+        if args.max_seconds:
+            # p: the run's progress by the clock, p0 plus the rest of the run in proportion to
+            # the part of this invocation's seconds spent. At this pace the run takes step / p
+            # steps: that is the new total, re-estimated every step, so the length of the lr
+            # schedule (and of the selector's alpha ramp) changes every step too. It is at least
+            # the steps taken (time is up: the loop ends) and at most `steps` (--max-steps or
+            # --epochs), so the progress step / total is about max(step / steps, p). All ranks
+            # take rank 0's.
+            left = max(started + args.max_seconds - t0, 1e-9)  # the budget's seconds left at t0
+            p = p0 + (1 - p0) * (time.time() - t0) / left
             total = distributed.agreed(min(steps, max(step, round(step / p))), device, ranked)
             bar.total = total
         if master and (step % args.log_interval == 0 or step == total):

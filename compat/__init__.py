@@ -1,6 +1,7 @@
 """Compatibility: what keeps this project's drafts exchangeable with the public implementations. A
-reader learning DFlash2 can skip this package: what reads or writes a config.json (config_json.py,
-export.py, train.py) calls into it, never the mechanism files.
+reader learning DFlash2 can skip this package: what reads or writes a config.json or a draft's
+tensors calls into it (train.py, prepare.py, export.py, tools/gpu_check.py, tools/llamacpp.py),
+never the mechanism files.
 
     config_json.py    config.json <-> DraftConfig, the one door of the mechanism's config
     config_checks.py  every rule a config.json must satisfy (docs/semantics.md, section 3), the

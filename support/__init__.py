@@ -5,6 +5,7 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     features.py       the offline feature shards prepare.py writes and train.py streams
     target.py         load the target (the embedded SmolLM2 too), check a draft fits it, prompts
     kernels.py        attention kernels: dense SDPA (memory-safe on CUDA), FlexAttention, compile
+    loader.py         data.py's batches made ahead (DataLoader workers, pinned), static shapes
     metrics.py        acceptance statistics beside the loss; acceptance.json
     show.py           the cycle's watch: --show, --show-svg, --compare, the statistics and clock
     draw.py           hand-written SVG: the walkthrough's figures, --show-svg, training charts

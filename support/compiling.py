@@ -1,7 +1,7 @@
 """What compiles in train.py, and the guard around it.
 
 A compiled draft (--compile; flex attention's kernels) specialises on its shapes, and a new one
-compiles again: batches are padded to data.static_shapes, a handful of buckets, each compiled once
+compiles again: batches are padded to loader.static_shapes, a handful of buckets, each compiled once
 (no dynamic shapes: dynamic flex recompiles anyway). Past the limit dynamo would silently run eager,
 and eager flex is dense ([N, H, Q, K] scores, tens of GB): that ends the run instead.
 """
@@ -30,7 +30,7 @@ def choose_attention(attention: str, device) -> str:
 
 
 def anything_compiles(args) -> bool:
-    """Whether batches are padded to data.static_shapes: where anything compiles (see COMPILE)."""
+    """Whether batches are padded to loader.static_shapes: where anything compiles (see COMPILE)."""
     return args.compile or args.attention == "flex"
 
 
@@ -50,6 +50,6 @@ def guard(on: bool):
     except FailOnRecompileLimitHit as e:
         raise ValueError(
             f"a compiled function met more than {COMPILE['recompile_limit']} shapes (batches are "
-            "padded to data.static_shapes, so this is a bug to report); train without --compile "
+            "padded to loader.static_shapes, so this is a bug to report); train without --compile "
             f"and with --attention sdpa meanwhile ({str(e).splitlines()[0]})"
         ) from e  # a bug: dynamo's own traceback stays beside ours

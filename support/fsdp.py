@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from support.common import UsageError
-from support.target import decoder_layers
 
 
 def shard(objective, layers, target, bf16: bool):
@@ -71,7 +70,7 @@ def shard_target(target):
     root (embedding, final norm, head), which frees its gathered weights after each forward too. On
     a GPU each unit moves there as it is sharded, so no rank ever holds the whole target on its
     device."""
-    for layer in decoder_layers(target):
+    for layer in target.model.layers:  # its decoder layers, as model.capture_features reads them
         fully_shard(layer)
     fully_shard(target, reshard_after_forward=True)
     return target

@@ -141,12 +141,6 @@ def frozen_target(args, dtype, cfg, device, sharded: bool) -> tuple:
     return target, tokenizer, embed_w, head_w
 
 
-# ----------------------------------------------------------------------------- features
-def decoder_layers(target):
-    """The list of decoder layers of a Hugging Face causal LM (Llama, Qwen3, ...)."""
-    return target.model.layers
-
-
 # ----------------------------------------------------------------------------- prompts
 def encode(tok, messages, device, chat_template_kwargs=None):
     """A conversation -> prompt ids [1, P] through the target's chat template, rendered by

@@ -7,6 +7,8 @@ holds it equal to the banners):
     support/metrics.py              the per-slot acceptance statistics
     support/kernels.py: flex == sdpa
                                     flex attention == sdpa on every layout, the casts
+    support/loader.py               batches made ahead == collate's under any worker count;
+                                    static shapes keep the objective
     support/flops.py                FLOPs against a hand count, the peak per device
     support/promptsets.py           the prompt sets (skipped without the data packages)
     support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
@@ -32,11 +34,12 @@ import train
 import tree
 from model import DraftModel, capture_features
 from selector import top_k_candidates
-from support import common, draw, flops, kernels, metrics, promptsets, show
+from support import common, draw, flops, kernels, loader, metrics, promptsets, show
 from support.common import UsageError
 from test_all import (
     FLEX_LAYOUTS,
     HERE,
+    assert_same_sum,
     boxes,
     cycle_boxes,
     flex_case,
@@ -44,6 +47,7 @@ from test_all import (
     marks,
     model_batch,
     needs_smollm2,
+    objective_terms_and_grads,
     packing_docs,
     prompt,
     randomize,
@@ -262,6 +266,84 @@ def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
     assert plain[0][0].dtype == torch.float32
 
 
+# ================================================================================ support/loader.py
+def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
+    """loader.data_loader (a DataLoader over loader.MicroBatches) gives, in schedule order, the
+    batches that collate makes of the same rows, bit for bit and in the same dtypes, features in
+    their stored one (fp16 here: no fp32 copy), with 0 and with 2 worker processes, with static
+    shapes or without. A streamed feature directory's samples travel to another process without
+    their open shard (pickle refused the handle)."""
+    import pickle
+
+    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
+    assert len(rows) == 5 and max(map(len, rows)) > 1
+    schedule = [(0, [3, 1]), (0, [0, 2]), (1, [4]), (1, [2, 4, 0])]
+    for static in (False, True):
+        want = []
+        for epoch, batch_rows in schedule:  # train.py's keys: epoch * len(rows) + row
+            keys = [epoch * len(rows) + r for r in batch_rows]
+            b = data.collate([[samples[j] for j in rows[r]] for r in batch_rows], keys, 6, 3, "cpu")
+            want.append(loader.static_shapes(b, 6) if static else b)
+        assert want[0]["features"].dtype == torch.float16
+        assert want[0]["target_hidden"].dtype == torch.float32
+        for workers in (0, 2):
+            made = loader.MicroBatches(samples, rows, num_anchors=6, seed=3, static=static)
+            got = list(loader.data_loader(made, iter(schedule), workers, pin=False))
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.keys() == w.keys()
+                for k in w:
+                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (
+                        static,
+                        workers,
+                        k,
+                    )
+    copied = pickle.loads(pickle.dumps(samples))
+    assert samples.shard is not None and copied.shard is None
+    assert torch.equal(copied[5]["features"], samples[5]["features"])
+
+
+def test_static_shapes_pad_to_buckets_and_keep_the_objective():
+    """loader.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchor slots (sizes by
+    hand), with collate's padding (no attention, no label, document -1, features 0) and invalid
+    anchors. The objective's numerator, denominator and metrics, the gradients and the valid
+    blocks' hidden states are the unpadded batch's (fp32 sums in another order)."""
+    sizes = [loader.static_size(n, 64) for n in (1, 64, 65, 128, 129, 300, 1000)]
+    assert sizes == [64, 64, 128, 128, 256, 512, 1024]
+    assert [loader.static_size(n, 12) for n in (3, 12, 13, 30, 49)] == [12, 12, 24, 48, 96]
+    c = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    g = torch.Generator().manual_seed(1)
+    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size, generator=g) for _ in range(2))
+    docs = packing_docs(c, [9, 14, 22])
+    batch = data.collate([[d] for d in docs], [0, 1, 2], 16, 0, "cpu")
+    padded = loader.static_shapes(batch, 16)
+    (N, S), A = batch["input_ids"].shape, batch["anchors"].shape[1]
+    assert (N, S, A) == (3, 22, 15) and batch["anchor_valid"].sum(1).tolist() == [5, 9, 15]
+    assert padded["input_ids"].shape == (3, 64) and padded["anchors"].shape == (3, 16)
+    for k, fill in (("attention_mask", 0), ("loss_mask", 0), ("docs", -1), ("features", 0)):
+        assert (padded[k][:, S:] == fill).all() and torch.equal(padded[k][:, :S], batch[k]), k
+    assert not padded["anchor_valid"][:, A:].any() and (padded["anchors"][:, A:] == 0).all()
+    assert torch.equal(padded["anchors"][:, :A], batch["anchors"])
+    args = train.parse_args(["--data", "x", "--gamma", "2", "--chunk-blocks", "5", "--loss", "kl"])
+    args.attention = "sdpa"
+    h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, batch, args)
+    h2, out2, g2 = objective_terms_and_grads(draft, embed_w, head_w, padded, args)
+    valid = batch["anchor_valid"]
+    assert (h2[:, :A][valid] - h1[valid]).abs().max() <= 1e-5
+    assert out2["numerator"].item() == pytest.approx(out1["numerator"].item(), rel=1e-5)
+    assert out2["denominator"].item() == pytest.approx(out1["denominator"].item(), rel=1e-6)
+    assert out1["metrics"].keys() == out2["metrics"].keys()
+    for k, (num, den) in out1["metrics"].items():
+        assert torch.allclose(out2["metrics"][k][0], num, rtol=1e-5, atol=1e-6), k
+        assert torch.allclose(out2["metrics"][k][1], den, rtol=1e-6), k
+    assert g1.keys() == g2.keys() and len(g1) == len(list(draft.parameters()))
+    for k in g1:
+        assert_same_sum(g2[k], g1[k], 64 * 16 * c.block_size, torch.float32, k)
+
+
 # ============================================================================ support/flops.py
 def test_flops_per_step_against_a_hand_count():
     from torch.utils.flop_counter import FlopCounterMode
@@ -354,7 +436,7 @@ def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, 
     """flops.Meter: rates() covers what was counted since its last call, over the seconds since
     then (a paused() stretch left out; a step that compiled left out, counts and seconds, its
     seconds summed in compile_s); train.py counts each micro-batch on the host, before
-    data.to_device copies it, so counting never waits for the device."""
+    loader.to_device copies it, so counting never waits for the device."""
     clock = [100.0]
     monkeypatch.setattr(flops.time, "time", lambda: clock[0])
     meter = flops.Meter(torch.device("cpu"))
@@ -377,9 +459,9 @@ def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, 
             meter.leave_out(mark, compiled=True)
     assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0, "compile_s": 50.0}
     monkeypatch.undo()
-    events, to_device, count = [], data.to_device, flops.Meter.count
+    events, to_device, count = [], loader.to_device, flops.Meter.count
     monkeypatch.setattr(
-        data, "to_device", lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
+        loader, "to_device", lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
     )
     monkeypatch.setattr(
         flops.Meter,

@@ -494,9 +494,9 @@ def test_the_docstrings_map_the_banners():
 # test), in lines, stays under its budget. A change that needs more raises the budget in the same
 # commit and says why.
 LINE_BUDGET = {
-    ".": 3600,
+    ".": 3500,
     "prompts": 315,
-    "support": 3100,
+    "support": 3200,  # 100 from the top level: the loader and static shapes left data.py
     "compat": 720,
     "speed": 960,
     "tools": 2800,

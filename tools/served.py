@@ -26,6 +26,7 @@ from export import load_any
 from speed import machine, tune
 from support.common import UsageError, bounded, dtype_name, run
 from support.compiling import anything_compiles
+from support.loader import static_shapes
 from support.metrics import add_into, record_served, reduce_metrics
 from support.show import label, speculate
 from support.target import check_draft_fits, load_target, stop_token_ids
@@ -155,7 +156,7 @@ def taught_at(draft, embed_w, head_w, samples, anchors, args, target, device, au
         batch = data.collate(
             [[sample]], [10_000_000 + i], args.num_anchors, args.seed, device, anchors=[given]
         )
-        batch = data.static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
+        batch = static_shapes(batch, args.num_anchors) if anything_compiles(args) else batch
         if target is not None:
             data.add_target_features(batch, target, draft.config, args.loss == "kl", False)
         with autocast():

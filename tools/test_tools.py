@@ -28,7 +28,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
 import decoding
 import export
 import loss as L
@@ -39,7 +38,7 @@ from compat import config_json as config
 from compat import serving
 from model import DraftModel, capture_features
 from speed import tune
-from support import common, features, metrics, show
+from support import common, features, loader, metrics, show
 from support.common import UsageError
 from test_all import (
     HERE,
@@ -701,7 +700,7 @@ def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_and_main_job_paths
     assert compiled[compiled.index("--draft-config") + 1] == "C" and "--attention" not in compiled
     assert compiled[compiled.index("--eval-data") + 1] == "F"  # and its final evaluation
     low, high = args.sizes["main_lengths"]
-    assert data.static_size(low, 64) == data.static_size(high, 64)  # one static shape
+    assert loader.static_size(low, 64) == loader.static_size(high, 64)  # one static shape
     lines = gpu_check.plan_lines({"plan": planned})[1:]
     assert [line.split()[:2] for line in lines] == [
         ["a.", "train"],

@@ -1,0 +1,101 @@
+"""The machinery that feeds data.py's batches to train.py: static shapes for compiled steps, and the
+run's micro-batches made ahead by DataLoader worker processes into pinned memory. The batches are
+data.py's (its rows, collate, its step order); nothing here changes what a step trains on.
+
+    static shapes for compiled steps                      static_size, pad_batch, static_shapes
+    this rank's micro-batches in the run's order, ahead   MicroBatches, data_loader, batches
+    the copy to the device, non-blocking from pinned      to_device
+"""
+
+import torch
+
+from data import collate, micro_batch_plan
+
+# ----------------------------------------------------------------------------- static shapes
+# A compiled step (train.py --compile, flex attention) specialises on its shapes: each new one
+# compiles again. Rows are padded to LENGTH_UNIT tokens times a power of two and the anchors to
+# --num-anchors times one, so that a run meets a handful of shapes (log2(longest / 64) + 1 lengths)
+# instead of one per step.
+LENGTH_UNIT = 64
+
+
+def static_size(n: int, unit: int) -> int:
+    """The smallest unit * 2^k >= n (k >= 0): static_size(100, 64) = 128, static_size(512, 512) =
+    512."""
+    return unit * (1 << (-(-n // unit) - 1).bit_length())
+
+
+def pad_batch(batch, length: int, num_anchors: int) -> dict:
+    """A batch right-padded to `length` tokens and `num_anchors` anchor slots, on its device.
+    Padded tokens are collate's padding (no attention, no label, document -1, features 0); padded
+    anchors are invalid (position 0, anchor_valid False), so the objective gives their blocks
+    weight 0 and the loss, its gradients and the metrics are the unpadded batch's."""
+    N, S = batch["input_ids"].shape
+    A = batch["anchors"].shape[1]
+    if length < S or num_anchors < A:
+        raise ValueError(f"cannot pad {S} tokens, {A} anchors to {length}, {num_anchors}")
+    out = {}
+    for k, v in batch.items():
+        size = num_anchors if k in ("anchors", "anchor_valid") else length
+        out[k] = v.new_full((N, size, *v.shape[2:]), -1 if k == "docs" else 0)
+        out[k][:, : v.shape[1]] = v
+    return out
+
+
+def static_shapes(batch, num_anchors: int) -> dict:
+    """pad_batch to static_size: S up to 64 * 2^k tokens, the anchors to --num-anchors (with
+    --anchors-per document, a power of two times it)."""
+    S, A = batch["input_ids"].shape[1], batch["anchors"].shape[1]
+    return pad_batch(batch, static_size(S, LENGTH_UNIT), static_size(A, num_anchors))
+
+
+# ---------------------------------------------------------------------------- the order, made ahead
+class MicroBatches(torch.utils.data.Dataset):
+    """A run's micro-batches, made wherever the DataLoader runs them (its worker processes): item
+    (epoch, row numbers) -> collate's batch of those rows on the CPU, anchors keyed by epoch and row
+    as train.py keys them, with static shapes when `static`."""
+
+    def __init__(self, samples, rows, num_anchors, seed, per_document=False, static=False):
+        self.samples, self.rows, self.num_anchors = samples, rows, num_anchors
+        self.seed, self.per_document, self.static = seed, per_document, static
+
+    def __getitem__(self, item):
+        epoch, batch_rows = item
+        keys = [epoch * len(self.rows) + r for r in batch_rows]
+        docs = [[self.samples[j] for j in self.rows[r]] for r in batch_rows]
+        batch = collate(docs, keys, self.num_anchors, self.seed, "cpu", self.per_document)
+        return static_shapes(batch, self.num_anchors) if self.static else batch
+
+
+def data_loader(dataset, schedule, workers: int, pin: bool):
+    """The items of `schedule` (an iterable of (epoch, row numbers), consumed once, in order) made
+    ahead by `workers` processes, two each in flight (0: made here, when asked), and with pin (a
+    CUDA device) copied into page-locked memory, from which to_device's copy runs asynchronously.
+    Batches come in schedule order whatever the number of workers, equal to collate's bit for bit.
+    Its own generator: the global RNG (the draft's initialisation) is left untouched."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,  # an item is a whole micro-batch
+        sampler=schedule,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=2 if workers else None,
+        generator=torch.Generator(),
+    )
+
+
+def batches(samples, rows, args, rank, world, start, stop, static: bool, pin: bool):
+    """train.py's micro-batches for this rank, steps start..stop-1 (stop None: open-ended), in
+    data.micro_batch_plan's order: on the host (pinned where pin), made ahead by --data-workers
+    processes; to_device moves each. static: padded to static_shapes."""
+    per_epoch = len(rows) // (world * args.grad_accum * args.batch_size)
+    plan = micro_batch_plan(start, stop, per_epoch, len(rows), args, rank, world)
+    per_doc = args.anchors_per == "document"
+    made = MicroBatches(samples, rows, args.num_anchors, args.seed, per_doc, static)
+    return iter(data_loader(made, plan, args.data_workers, pin))
+
+
+def to_device(batch, device) -> dict:
+    """Copy a batch to device; from pinned memory the copy is queued behind the GPU's work instead
+    of waiting for it (non_blocking), from pageable memory it is a plain copy."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
