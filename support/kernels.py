@@ -94,6 +94,6 @@ def compiled(fn):
     return fn if torch.compiler.is_compiling() else compiled_once(fn)
 
 
-# (how to build the mask, the kernel that reads it): model.py's pair, kept in memory on CUDA; faster
+# (how to build the mask, the kernel that reads it): model.py's on memory-safe CUDA kernels; flex
 MEMORY_SAFE_SDPA = (block_attention_mask, memory_safe_sdpa)
 FLEX = (flex_block_mask, flex)
