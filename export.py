@@ -16,6 +16,7 @@ import argparse
 import os
 import shutil
 import sys
+import zipfile
 
 import torch
 
@@ -81,15 +82,30 @@ def check_state_dict(draft: model.DraftModel, sd: dict, source: str):
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
+def read_training_checkpoint(file: str, mmap=False) -> dict:
+    """train.py's ckpt.pt -> its dict, read as data only (torch.load weights_only: tensors, numbers,
+    strings, lists, dicts): loading a checkpoint must never run pickled code. So --resume and
+    export.py refuse alike, in one line, a file torch.save did not write, and a checkpoint holding
+    an object of another class (a dataclass, say), named."""
+    if not zipfile.is_zipfile(file):  # torch.save writes a zip archive
+        raise UsageError(f"{file}: not a training checkpoint (truncated, or not from torch.save)")
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except RuntimeError:  # torch's reader finds no pickled data in the archive
+        raise UsageError(
+            f"{file}: not a training checkpoint (a zip archive torch.save did not write)"
+        ) from None
+    if unsafe:
+        raise UsageError(
+            f"{file}: holds {', '.join(unsafe)}, which a checkpoint may not: it is read as data "
+            "(tensors, numbers, strings, lists, dicts), never as pickled code; store fields instead"
+        )
+    return torch.load(file, map_location="cpu", mmap=mmap, weights_only=True)
+
+
 def read_checkpoint(file: str) -> tuple:
     """A training checkpoint file -> (config dict, state dict), wrapper prefixes removed."""
-    try:
-        # weights_only: a checkpoint is data; loading it must never run pickled code.
-        ckpt = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(
-            f"{file}: not a readable training checkpoint (truncated or corrupted?): {e}"
-        ) from None
+    ckpt = read_training_checkpoint(file)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
         raise UsageError(f"{file}: a training checkpoint needs 'model' and 'config' entries")
     sd = {}

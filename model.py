@@ -19,6 +19,7 @@ last the plumbing (autocast's dtype).
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -51,11 +52,8 @@ class DraftConfig:
     block_size: int = 8
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
-    # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain
+    # scaled RoPE: {"rope_type": "yarn" | "llama3" | "linear", ...}; None: plain (rope_frequencies)
     rope_scaling: dict = None
-    # its (inverse frequencies [head_dim / 2] fp32, factor): set where a config is read
-    # (compat/config_json.py, from transformers' own functions), never written to config.json
-    scaled_rope: tuple = field(default=None, compare=False, repr=False)
     max_position_embeddings: int = 40960
     layer_types: list = None  # per layer "full_attention" | "sliding_attention"
     sliding_window: int = None
@@ -246,24 +244,60 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(c: DraftConfig) -> tuple:
-    """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin).
-
-    Plain RoPE is written out. A scaled one (rope_parameters with rope_type yarn, llama3 or linear)
-    comes with the config, computed where it was read: c.scaled_rope.
-    """
-    if c.rope_scaling is not None:
-        if c.scaled_rope is None:
-            raise ValueError(
-                f"rope_parameters.rope_type {c.rope_scaling.get('rope_type')!r}: a scaled RoPE's "
-                "frequencies come with the config; read it with compat.config_json (or give a "
-                "hand-built one compat.config_json.with_rope)"
-            )
-        inv_freq, scale = c.scaled_rope
-        return inv_freq.clone(), scale  # each layer's buffer its own, as a plain RoPE's
-    D = c.head_dim
+    """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin), computed
+    from the config's fields wherever a layer is built (a config holds nothing derived from them).
+    A scaled RoPE (c.rope_scaling) is computed as transformers' own functions compute it, bit for
+    bit (compat/test_compat.py holds them equal): what Z Lab and speculators load."""
+    D, s = c.head_dim, c.rope_scaling or {"rope_type": "default"}
     # on the CPU: the same bits wherever the draft is built (`with torch.device("meta")`, a GPU)
     with torch.device("cpu"):
-        return 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D), 1.0
+        # [D/2] theta^(2i/D): the wavelength of dimension pair i, over 2 pi
+        wavelength = c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)
+        kind = s["rope_type"]
+        if kind == "default":
+            return 1.0 / wavelength, 1.0
+        if kind == "linear":  # positions slowed by the factor
+            return 1.0 / wavelength / s["factor"], 1.0
+        if kind == "llama3":
+            return llama3_frequencies(1.0 / wavelength, s, c.max_position_embeddings), 1.0
+        if kind == "yarn":
+            return yarn_frequencies(wavelength, s, c.max_position_embeddings, c.rope_theta, D)
+    raise ValueError(f"rope_scaling rope_type {kind!r} is not implemented")
+
+
+def llama3_frequencies(inv_freq, s: dict, max_positions: int):
+    """Llama 3.1's: frequencies of long wavelengths divided by the factor, of short ones kept, and
+    between the two bands a smooth mix of both."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s.get("original_max_position_embeddings", max_positions)
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    mixed = (1 - smooth) * slowed / factor + smooth * slowed
+    return torch.where(~(wavelen < old / high) * ~(wavelen > old / low), mixed, slowed)
+
+
+def yarn_frequencies(wavelength, s: dict, max_positions: int, theta: float, D: int) -> tuple:
+    """YaRN's: dimensions turning more than beta_fast times over the original context keep their
+    frequency, those turning fewer than beta_slow times are divided by the factor, a linear ramp
+    between; and cos, sin scaled by the attention factor."""
+    factor, old = s["factor"], s.get("original_max_position_embeddings", max_positions)
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    scale = s.get("attention_factor")
+    if scale is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        scale = mscale(m) / mscale(m_all) if m and m_all else mscale(1)
+    # the dimension whose frequency turns `turns` times over the original context
+    dim = lambda turns: D * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim(s.get("beta_fast") or 32), dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # a ramp of some width
+    kept = 1 - ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = 1.0 / (factor * wavelength) * (1 - kept) + 1.0 / wavelength * kept
+    return inv_freq, float(scale)
 
 
 def rope(x, pos, inv_freq, scale=1.0):
@@ -444,8 +478,9 @@ class DraftModel(nn.Module):
         and inference (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q]
         and ctx_doc [N, C] tell packed documents apart (None: one document per row). attention:
         (how to build the mask of attention.py's rule, the kernel that reads it); None: the dense
-        mask and torch's SDPA (sdpa), the reference. support/kernels.py has the faster pairs that
-        train.py --attention passes (memory-safe SDPA on CUDA, compiled flex_attention).
+        mask and torch's SDPA (sdpa), the reference, which train.py --attention sdpa runs too.
+        support/kernels.py has the pairs train.py passes otherwise: compiled flex_attention
+        (--attention flex), and on CUDA this sdpa on memory-safe kernels only.
         """
         c = self.config
         make_mask, attend = attention or (block_attention_mask, sdpa)

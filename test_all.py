@@ -95,6 +95,7 @@ import sys
 import tempfile
 import types
 import xml.etree.ElementTree as ET
+import zipfile
 
 import hypothesis
 import pytest
@@ -2350,7 +2351,7 @@ def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
         batch["anchors"],
         batch["positions"],
         batch["docs"],
-        kernels.attention_kernel(args.attention),
+        kernels.attention_kernel(args.attention, embed_w.device),
     )
     objective = train.DraftObjective(
         draft, embed_w, head_w, train.loss_config(args), args.attention
@@ -2385,7 +2386,7 @@ def flex_case(kw, packed, S=256, device="cpu"):
         batch["anchors"],
         batch["positions"],
         batch["docs"],
-        kernels.attention_kernel(how),
+        kernels.attention_kernel(how, device),
     )
     return c, draft, batch, attend
 
@@ -3272,25 +3273,25 @@ def test_max_seconds_is_the_steps_that_fit_and_resume_goes_on(setup, tmp_path, m
         assert_equal_weights(steps, resumed)
 
 
-def test_resume_reads_an_optimizer_state_kept_by_position(setup, tmp_path):
-    """A checkpoint written before --fsdp keyed AdamW's state by position, as opt.state_dict() does:
-    it resumes exactly without --fsdp, and is refused in one line under --fsdp (whose ranks hold
-    other slices). At a constant lr, 2 steps and a resume to 4 are the 4 steps."""
+def test_resume_reads_an_optimizer_state_kept_by_name(setup, tmp_path):
+    """A one-process checkpoint holds draft.state_dict() and opt.state_dict() (AdamW's state by
+    position); one keyed by parameter name, as --fsdp writes it (and one process did before),
+    resumes exactly too. At a constant lr, 2 steps and a resume to 4 are the 4 steps."""
     constant = ["--lr-schedule", "constant"]
     straight = run(setup, tmp_path / "a", "--max-steps", "4", *constant)
     ck = run(setup, tmp_path / "b", "--max-steps", "2", *constant)
-    names = [n for g in ck["optimizer"]["param_groups"] for n in g["params"]]
-    ck["optimizer"]["state"] = {names.index(n): v for n, v in ck["optimizer"]["state"].items()}
+    cfg = config.load_config(str(setup / "draft.json"))
+    names = [n for n, _ in DraftModel(cfg).named_parameters()]  # the optimizer's order
+    assert ck["model"].keys() == DraftModel(cfg).state_dict().keys()
+    assert sorted(ck["optimizer"]["state"]) == list(range(len(names)))
+    ck["optimizer"]["state"] = {names[i]: v for i, v in ck["optimizer"]["state"].items()}
     for g in ck["optimizer"]["param_groups"]:
-        g["params"] = [names.index(n) for n in g["params"]]
+        g["params"] = [names[i] for i in g["params"]]
     torch.save(ck, tmp_path / "b" / "ckpt.pt")
     resumed = run(setup, tmp_path / "b", "--max-steps", "4", "--resume", *constant)
     assert_equal_weights(straight, resumed)
-    # written back by name
-    assert not any(isinstance(k, int) for k in resumed["optimizer"]["state"])
-    torch.save(ck, tmp_path / "b" / "ckpt.pt")
-    with pytest.raises(UsageError, match="by position .* resume it without --fsdp"):
-        train.load_checkpoint(str(tmp_path / "b" / "ckpt.pt"), None, None, True, 4)
+    # written back by position
+    assert resumed["optimizer"]["state"].keys() == straight["optimizer"]["state"].keys()
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_path, monkeypatch):
@@ -3751,9 +3752,10 @@ def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
     # 4 steps on 1 process == 2 + 2 on 2 ranks (a) == 2 on 2 ranks + 2 on 1 (b) == 2 on 1 + 2 on 2
     # ranks (c)
     straight = checkpoint_of(fsdp_runs, "straight")
+    # in the optimizer's order: keyed by name (--fsdp's checkpoints) or by position (one process)
     moments = lambda ck: {
-        f"{name}.{m}": state[m]
-        for name, state in ck["optimizer"]["state"].items()
+        f"{i}.{m}": ck["optimizer"]["state"][p][m]
+        for i, p in enumerate(ck["optimizer"]["param_groups"][0]["params"])
         for m in ("exp_avg", "exp_avg_sq")
     }
     for name in ("a", "b", "c"):
@@ -3880,12 +3882,12 @@ def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
 
 @needs_cuda
 def test_cuda_sdpa_keeps_no_scores_at_training_scale():
-    """--attention sdpa on a GPU (kernels.sdpa: k/v heads repeated, memory-safe kernels only) at
-    a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192 context rows:
-    forward and backward allocate less than a quarter of the fp32 scores the math kernel would make
-    (6.4 GiB a layer; its bf16 scores alone would be half), and the output equals the grouped-query
-    math kernel's on a slice. An H200 (torch 2.11) allocated 672 MB, of which the repeated k/v are
-    201 MB."""
+    """--attention sdpa on a GPU (kernels.memory_safe_sdpa: k/v heads repeated, memory-safe kernels
+    only) at a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192
+    context rows: forward and backward allocate less than a quarter of the fp32 scores the math
+    kernel would make (6.4 GiB a layer; its bf16 scores alone would be half), and the output equals
+    the grouped-query math kernel's on a slice. An H200 (torch 2.11) allocated 672 MB, of which the
+    repeated k/v are 201 MB."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -3899,7 +3901,7 @@ def test_cuda_sdpa_keeps_no_scores_at_training_scale():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    kernels.sdpa(q, k, v, mask, True).float().sum().backward()
+    kernels.memory_safe_sdpa(q, k, v, mask, True).float().sum().backward()
     torch.cuda.synchronize()
     scores = 32 * Q * K * 4
     assert torch.cuda.max_memory_allocated() - before < scores / 4
@@ -3909,7 +3911,7 @@ def test_cuda_sdpa_keeps_no_scores_at_training_scale():
             q[:, :, s], k, v, attn_mask=mask[:, :, s], enable_gqa=True
         )
     with torch.no_grad():
-        got = kernels.sdpa(q[:, :, s], k, v, mask[:, :, s], True)
+        got = kernels.memory_safe_sdpa(q[:, :, s], k, v, mask[:, :, s], True)
     assert (got.float() - want.float()).abs().max() <= 2e-2
 
 
@@ -4844,6 +4846,39 @@ def test_export_refuses_broken_inputs(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
+@dataclasses.dataclass
+class LearnersNote:  # an object a learner might add to the checkpoint's dict
+    text: str = "warm start"
+
+
+def test_a_checkpoint_is_read_as_data_by_export_and_resume(tmp_path, capsys):
+    """export.py and train.py --resume read ckpt.pt alike, as data only: a file torch.save did not
+    write (text, another zip, a cut one) ends in one `error:` line saying it is no checkpoint; a
+    real checkpoint that holds an object of another class is refused by both, naming the class,
+    never called corrupted."""
+    draft = tiny_draft(4)
+    write_ckpt(tmp_path / "ckpt.pt", draft)
+    good = (tmp_path / "ckpt.pt").read_bytes()
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as z:
+        z.writestr("notes.txt", "not a checkpoint")
+    (tmp_path / "notes.pt").write_text("not a checkpoint\n")
+    (tmp_path / "cut.pt").write_bytes(good[: len(good) - 100])
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    torch.save(dict(ck, note=LearnersNote()), tmp_path / "note.pt")
+    out = str(tmp_path / "out")
+    for name in ("notes.pt", "other.zip", "cut.pt", "note.pt"):
+        with pytest.raises(SystemExit) as stop:
+            common.run(lambda: export.main([str(tmp_path / name), "--out-dir", out]))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        said = "LearnersNote" if name == "note.pt" else "not a training checkpoint"
+        assert name in err[0] and said in err[0], err
+    with pytest.raises(UsageError, match=r"note\.pt: holds test_all\.LearnersNote"):
+        train.load_checkpoint(str(tmp_path / "note.pt"), draft, None, False, 10)
+    assert export.load_any(str(tmp_path / "ckpt.pt")).state_dict().keys() == ck["model"].keys()
+    assert not os.path.exists(out)
+
+
 def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     draft = tiny_draft(4, plain=True)
     write_ckpt(tmp_path / "ckpt.pt", draft)
@@ -4896,7 +4931,7 @@ def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
     index is refused, naming the file."""
     linear = {"rope_type": "linear", "factor": 2.0}  # tiny_draft(4), with a scaled RoPE
     c = tiny_config(target_layer_ids=[0, 2, 3], output_multiplier=0.5, rope_scaling=linear)
-    draft = randomize(DraftModel(config.with_rope(c))).eval()
+    draft = randomize(DraftModel(c)).eval()
     write_ckpt(tmp_path / "ckpt.pt", draft)
     out = tmp_path / "sharded"
     export.main([str(tmp_path / "ckpt.pt"), "--out-dir", str(out), "--dtype", "fp32"])

@@ -29,6 +29,7 @@ import data
 import loss
 import model
 from compat.config_json import config_to_dict, load_config, replace_config
+from export import read_training_checkpoint
 from speed import machine
 from support import common, compiling, distributed, flops, fsdp, kernels, loader, tracking
 from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded, run
@@ -172,7 +173,8 @@ class DraftObjective(torch.nn.Module):
     def __init__(self, draft, embed_weight, head_weight, cfg: loss.LossConfig, attention: str):
         super().__init__()
         self.draft, self.cfg = draft, cfg
-        self.attention = kernels.attention_kernel(attention)  # (mask, kernel) for the draft
+        # None (model.py's own mask and sdpa: the CPU's sdpa), or support/kernels.py's pair
+        self.attention = kernels.attention_kernel(attention, embed_weight.device)
         self.embed_weight, self.head_weight = embed_weight, head_weight
 
     def forward(self, batch, alpha_t, acceptance=False, sel_scale=None):
@@ -325,15 +327,20 @@ def train_step(objective, opt, params, batches, alpha_t, args, world, no_sync, a
     return metrics, norm, True
 
 
-def save_checkpoint(path, draft, opt, cfg, step, total, args, master):
-    """ckpt.pt: what --resume needs, and the draft export.py exports. Every rank calls it (--fsdp
-    gathers the slices); rank 0 writes one whole file, atomically: a crash leaves no broken one."""
-    model_state, opt_state = fsdp.full_state(draft, opt)
+def save_checkpoint(path, draft, opt, cfg, step, total, args, master, sharded):
+    """ckpt.pt: what --resume needs, and the draft export.py exports: the draft's and AdamW's state
+    dicts, as torch gives them. Every rank calls it: under --fsdp each holds slices, which
+    support/fsdp.py gathers into whole tensors; rank 0 writes one file, atomically: a crash leaves
+    no broken one."""
+    model_state, opt_state = (
+        fsdp.full_state(draft, opt) if sharded else (draft.state_dict(), opt.state_dict())
+    )
     if master:
         ckpt = {
-            "model": model_state,  # the draft's tensors, whole, on the CPU
+            "model": model_state,  # the draft's tensors, whole
             "config": config_to_dict(cfg),  # as config.json holds it
-            "optimizer": opt_state,  # AdamW's moments, keyed by parameter name
+            # AdamW's moments, keyed by position in the optimizer (--fsdp: by parameter name)
+            "optimizer": opt_state,
             "step": step,
             "total": total,  # the schedule's length (--max-seconds: at the pace so far)
             "args": vars(args),
@@ -348,8 +355,13 @@ def load_checkpoint(path, draft, opt, sharded, total) -> tuple:
     each draw after the draft's init (order, anchors) has its own seeded generator: nothing else."""
     if not os.path.exists(path):
         raise UsageError(f"--resume: no checkpoint at {path}")
-    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # mapped: ranks share
-    fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"], path, sharded)
+    ck = read_training_checkpoint(path, mmap=True)  # mapped: ranks share its pages
+    if sharded:
+        fsdp.load_full_state(draft, opt, ck["model"], ck["optimizer"])
+    else:
+        draft.load_state_dict(ck["model"])
+        # by position, or by name (--fsdp's): both list the parameters in the optimizer's order
+        opt.load_state_dict(ck["optimizer"])
     return ck["step"], ck["total"] if ck["args"].get("max_seconds") else total
 
 
@@ -458,7 +470,7 @@ def train(args):
         # the checkpoint first: an evaluation that fails (out of memory) loses no step
         if step % args.save_interval == 0 or step == total:
             with meter.paused():
-                save_checkpoint(ckpt, draft, opt, cfg, step, total, args, master)
+                save_checkpoint(ckpt, draft, opt, cfg, step, total, args, master, sharded)
         if step % args.eval_interval == 0 and step < total:
             with meter.paused():
                 m = evaluate(objective, eval_samples, args, target, device, rank, world, autocast)

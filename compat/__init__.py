@@ -6,7 +6,6 @@ never the mechanism files.
     config_json.py    config.json <-> DraftConfig, the one door of the mechanism's config
     config_checks.py  every rule a config.json must satisfy (docs/semantics.md, section 3), the
                       refusals of fields this code does not implement, and the RoPE rules.
-    rope.py           scaled RoPE (yarn, llama3, linear) from transformers' own functions.
     serving.py        what SGLang, vLLM and llama.cpp need of an export, said at export time
     shards.py         a draft's safetensors: one file written; one, or shards and their index, read
     speculators.py    the second public checkpoint format, vllm-project/speculators' config.json,

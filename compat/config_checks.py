@@ -14,8 +14,8 @@ import math
 
 from support.common import UsageError
 
-# The scaled RoPE types implemented (through transformers' own init functions,
-# compat/rope.py), each with the rope_parameters keys it reads: (required, optional).
+# The scaled RoPE types implemented (model.rope_frequencies, as transformers' own init functions
+# compute them), each with the rope_parameters keys it reads: (required, optional).
 # dynamic and longrope are left out: their frequencies depend on the longest position seen so far,
 # which the public loaders handle differently.
 ROPE_KEYS = {

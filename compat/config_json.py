@@ -15,14 +15,11 @@ import dataclasses
 import os
 
 from compat.config_checks import read_rope, refuse_incomplete, refuse_unread, validate
-from compat.rope import scaled_rope
 from model import DFLASH2_FIELDS, DraftConfig
 from support.common import UsageError, read_json
 
 # ---------------------------------------------------------------------- config.json <-> DraftConfig
-# computed here from the other fields (with_rope), never read from or written to config.json
-DERIVED = ("scaled_rope",)
-FIELDS = {f.name for f in dataclasses.fields(DraftConfig)} - set(DERIVED)
+FIELDS = {f.name for f in dataclasses.fields(DraftConfig)}
 REQUIRED = [f.name for f in dataclasses.fields(DraftConfig) if f.default is dataclasses.MISSING]
 # the fields config.json holds under dflash_config
 NESTED = (
@@ -43,7 +40,7 @@ def config_from_dict(d: dict, source: str = "config") -> DraftConfig:
     refuse_incomplete(flat, d.get("architectures") or [], source, REQUIRED, DFLASH2_FIELDS)
     c = DraftConfig(**flat)
     validate(c)  # every rule of docs/semantics.md, section 3
-    return with_rope(c)
+    return c
 
 
 def load_config(path: str) -> DraftConfig:
@@ -58,13 +55,7 @@ def replace_config(c: DraftConfig, **changes) -> DraftConfig:
     """c with some fields changed (train.py's overrides), held to the rules a config.json is."""
     c = dataclasses.replace(c, **changes)
     validate(c)
-    return with_rope(c)
-
-
-def with_rope(c: DraftConfig) -> DraftConfig:
-    """c with its scaled RoPE's frequencies (compat/rope.py), computed once where the config is
-    read, so that model.py builds the draft with torch alone; None for a plain RoPE."""
-    return dataclasses.replace(c, scaled_rope=scaled_rope(c) if c.rope_scaling else None)
+    return c
 
 
 def config_to_dict(c: DraftConfig) -> dict:
@@ -87,7 +78,7 @@ def config_to_dict(c: DraftConfig) -> dict:
         d["use_sliding_window"] = True
     for f in dataclasses.fields(DraftConfig):
         v = getattr(c, f.name)
-        if f.name not in NESTED + DERIVED + ("rope_theta", "rope_scaling") and v is not None:
+        if f.name not in NESTED + ("rope_theta", "rope_scaling") and v is not None:
             d[f.name] = v
     d["rope_parameters"] = {
         "rope_theta": c.rope_theta,

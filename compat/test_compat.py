@@ -464,8 +464,14 @@ def test_yarn_rope_parameters_forward():
     ],
 )
 def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
+    """model.rope_frequencies computes a scaled RoPE as transformers' own init functions do, bit for
+    bit, given the Qwen3Config a public loader builds from the same config.json; so the rotation
+    is transformers' Qwen3RotaryEmbedding's."""
     d = zlab_fixture(rope_parameters=dict(rope_parameters))
-    inv_freq, scale = model.rope_frequencies(config.config_from_dict(d))
+    c = config.config_from_dict(d)
+    inv_freq, scale = model.rope_frequencies(c)
+    want, want_scale = transformers_frequencies(c)
+    assert torch.equal(inv_freq, want) and scale == want_scale
     x, pos = torch.randn(1, 3, 7, 8), torch.tensor([[0, 5, 31, 40, 100, 200, 255]])
     ours = model.rope(x, pos, inv_freq, scale)  # [1, heads, L, hd]
     theirs = hf_rotate(d)(x[0].transpose(0, 1), pos[0].tolist()).transpose(0, 1)
@@ -474,10 +480,26 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     assert (ours - plain).abs().max() > 1e-2
 
 
-def test_a_scaled_rope_comes_with_the_config_that_was_read(tmp_path):
-    """A config read from a config.json carries its scaled RoPE's frequencies: `import model` alone
-    builds its draft, with those frequencies, compat/ never imported. A hand-built config without
-    them is refused by name."""
+def transformers_frequencies(c: DraftConfig) -> tuple:
+    """(inverse frequencies, factor) of c.rope_scaling by transformers' ROPE_INIT_FUNCTIONS."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen3Config(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
+    return inv_freq, scale
+
+
+def test_a_scaled_rope_is_computed_from_the_configs_fields(tmp_path):
+    """A config holds no frequencies: `import model` alone builds a scaled-RoPE draft from a config,
+    compat/ never imported, and a RoPE field changed by dataclasses.replace changes the draft's
+    frequencies (a cache copied along would keep the old ones)."""
     c = config.config_from_dict(zlab_fixture(rope_parameters=dict(YARN)))
     torch.save(c, tmp_path / "config.pt")
     code = (
@@ -488,10 +510,16 @@ def test_a_scaled_rope_comes_with_the_config_that_was_read(tmp_path):
     )
     argv = [sys.executable, "-c", code, str(tmp_path / "config.pt")]
     out = subprocess.run(argv, cwd=HERE, capture_output=True, text=True, check=True).stdout
-    # the frequencies test_scaled_rope_equals_transformers_rotary_embedding holds to transformers'
-    assert out.strip() == f"[] {model.rope_frequencies(c)[0].tolist()}"
-    with pytest.raises(ValueError, match="rope_type 'yarn': a scaled RoPE's frequencies come with"):
-        DraftModel(dataclasses.replace(c, scaled_rope=None))
+    assert out.strip() == f"[] {transformers_frequencies(c)[0].tolist()}"
+    for change in ({"rope_scaling": dict(c.rope_scaling, factor=8.0)}, {"rope_theta": 1e6}):
+        changed = dataclasses.replace(c, **change)
+        want = transformers_frequencies(changed)[0]
+        assert not torch.equal(want, transformers_frequencies(c)[0]), change
+        assert torch.equal(DraftModel(changed).layers[0].self_attn.inv_freq, want), change
+    for theta in (1e4, 1e6):  # plain RoPE: 1 / theta^(2i/D)
+        freqs = DraftModel(dataclasses.replace(c, rope_scaling=None, rope_theta=theta)).layers[1]
+        want = [theta ** -(i / c.head_dim) for i in range(0, c.head_dim, 2)]
+        assert freqs.self_attn.inv_freq.tolist() == pytest.approx(want, rel=1e-6)
 
 
 def test_rope_frequencies_follow_the_draft_and_stay_fp32():
@@ -500,7 +528,7 @@ def test_rope_frequencies_follow_the_draft_and_stay_fp32():
     computes in fp32; state_dict, and so every export, holds the same tensors as before, in
     order."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    c = config.with_rope(tiny_config(rope_scaling=yarn))
+    c = tiny_config(rope_scaling=yarn)
     fp32 = model.rope_frequencies(c)[0]
     sub = ["input_layernorm.weight"]
     sub += [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -903,7 +931,7 @@ def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
     ids = torch.randint(0, 63, (1, S), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         hidden = target(ids, output_hidden_states=True).hidden_states
-    c = config.with_rope(tiny_config(block_size=8, target_layer_ids=[0, 2, 3], **layout))
+    c = tiny_config(block_size=8, target_layer_ids=[0, 2, 3], **layout)
     draft = randomize(DraftModel(c), seed=1).eval()  # tiny_draft(8, seed=1), its RoPE computed
     feats = torch.cat([hidden[i + 1] for i in draft.config.target_layer_ids], -1)
     write_ckpt(tmp_path / "ckpt.pt", draft)

@@ -1,7 +1,7 @@
 """Fully sharded training (train.py --fsdp): FSDP2's fully_shard for the draft and, online, for the
-frozen target; and the gathering that makes train.py's checkpoint whole, whatever the number of
-ranks (full_state, load_full_state). What a rank keeps, why the step is unchanged, why one whole
-ckpt.pt and not a torch.distributed.checkpoint directory, and the memory per GPU:
+frozen target; and the gathering that makes train.py --fsdp's checkpoint whole, which any number
+of ranks reads back (full_state, load_full_state). What a rank keeps, why the step is unchanged,
+why one whole ckpt.pt and not a torch.distributed.checkpoint directory, and the memory per GPU:
 docs/training-at-scale.md, "Sharded training for 27B-class drafts".
 """
 
@@ -17,8 +17,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
-from support.common import UsageError
 
 
 def shard(objective, layers, target, bf16: bool):
@@ -79,28 +77,33 @@ def shard_target(target):
 # ----------------------------------------------------------------------------- checkpoints
 def full_state(draft, opt) -> tuple:
     """(draft state dict, optimizer state dict), whole and on the CPU, on rank 0 ({} on the other
-    ranks). Every rank must call it: under FSDP it gathers the slices. The optimizer's state is
-    keyed by parameter name, not by position, so that any rank layout can read it back."""
+    ranks). Every rank must call it: it gathers the slices. The optimizer's state is keyed by
+    parameter name, so that any rank layout can read it back."""
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(draft, options=whole), get_optimizer_state_dict(
         draft, opt, options=whole
     )
 
 
-def load_full_state(draft, opt, model_state: dict, opt_state: dict, source="", sharded=False):
-    """full_state's two dicts -> draft and optimizer, sharded or not: each rank keeps its own
-    slices. A checkpoint written before --fsdp keeps AdamW's state by position, as
-    opt.state_dict() does: it loads as torch saved it, unsharded only (source: its file)."""
-    if any(isinstance(k, int) for k in opt_state["state"]):
-        if sharded:
-            raise UsageError(
-                f"--resume: {source} keeps its optimizer state by position (written before "
-                "--fsdp); resume it without --fsdp once, and its next checkpoint is keyed by "
-                "parameter name"
-            )
-        draft.load_state_dict(model_state)
-        opt.load_state_dict(opt_state)  # the same parameters in the same order: the same flags
-        return
+def load_full_state(draft, opt, model_state: dict, opt_state: dict):
+    """A whole checkpoint's two dicts -> the sharded draft and optimizer: each rank keeps its own
+    slices. AdamW's state keyed by parameter name (full_state's), or by position (opt.state_dict(),
+    as a one-process run writes it)."""
+    if any(isinstance(p, int) for g in opt_state["param_groups"] for p in g["params"]):
+        opt_state = keyed_by_name(draft, opt, opt_state)
     whole = StateDictOptions(full_state_dict=True)
     set_model_state_dict(draft, model_state, options=whole)
     set_optimizer_state_dict(draft, opt, opt_state, options=whole)
+
+
+def keyed_by_name(draft, opt, opt_state: dict) -> dict:
+    """opt.state_dict()'s form, whose position i is the optimizer's i-th parameter, keyed by
+    parameter name instead, the form set_optimizer_state_dict reads."""
+    names = {p: name for name, p in draft.named_parameters()}
+    order = [names[p] for g in opt.param_groups for p in g["params"]]
+    return {
+        "state": {order[i]: state for i, state in opt_state["state"].items()},
+        "param_groups": [
+            dict(g, params=[order[i] for i in g["params"]]) for g in opt_state["param_groups"]
+        ],
+    }

@@ -1,19 +1,20 @@
 """The attention kernels: how the draft's attention runs the masks of attention.py's rule, on each
 device. A reader learning DFlash2 can skip this file: it changes the speed and the memory of
 attention, never which keys a query reads. model.py runs torch's SDPA over the dense mask
-(attention.block_attention_mask); train.py passes one of these pairs instead
-(model.forward_training's `attention`): SDPA, dense (on CUDA through kernels that never hold the
-[N, heads, Q, K] scores), or FLEX, a FlexAttention BlockMask that skips the tiles of scores no query
-may read (at S = 2048 and 512 anchors, almost all), compiled.
+(attention.block_attention_mask, model.sdpa), and so does train.py --attention sdpa on the CPU;
+elsewhere train.py passes one of these pairs (model.forward_training's `attention`): on CUDA,
+model.sdpa through kernels that never hold the [N, heads, Q, K] scores, or FLEX, a FlexAttention
+BlockMask that skips the tiles of scores no query may read (at S = 2048 and 512 anchors, almost
+all), compiled.
 """
 
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import model
 from attention import attention_rule, block_attention_mask
 
 # SDPA's CUDA kernels that take a mask without making the [N, heads, Q, K] scores. Flash takes no
@@ -29,32 +30,27 @@ def choose(attention: str, device) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
-def attention_kernel(name: str) -> tuple:
-    """--attention sdpa or flex (after choose) -> (how to build the mask, the kernel that reads
-    it), for model.forward_training's `attention`."""
-    return FLEX if name == "flex" else SDPA
+def attention_kernel(name: str, device):
+    """--attention sdpa or flex (after choose) on device -> model.forward_training's `attention`:
+    None (model.py's own mask and model.sdpa) for sdpa on the CPU, MEMORY_SAFE_SDPA on CUDA;
+    FLEX."""
+    if name == "flex":
+        return FLEX
+    return MEMORY_SAFE_SDPA if torch.device(device).type == "cuda" else None
 
 
-def sdpa(q, k, v, mask, gqa: bool):
-    """q [N, heads, Q, hd], k, v [N, kv_heads, K, hd], mask [N, 1, Q, K] -> [N, heads, Q, hd]. On
-    the CPU torch's own choice (its kernels keep no [Q, K] scores per head); on CUDA
-    memory_safe_sdpa."""
-    if q.device.type == "cuda":
-        return memory_safe_sdpa(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def memory_safe_sdpa(q, k, v, mask):
-    """SDPA by MEMORY_SAFE_BACKENDS only. Memory-efficient attention takes a mask but not grouped
-    query heads (its check wants as many k/v heads as q heads), so GQA with a mask would leave torch
-    the math kernel: the k/v heads are repeated instead, as enable_gqa groups them (kv head j
-    serves q heads j*g .. j*g+g-1), which costs [N, heads, K, hd] per tensor, not the scores. Where
-    no such kernel takes the shapes, it stops with the fix instead of running out of memory."""
+def memory_safe_sdpa(q, k, v, mask, gqa: bool):
+    """model.sdpa by MEMORY_SAFE_BACKENDS only. Memory-efficient attention takes a mask but not
+    grouped query heads (its check wants as many k/v heads as q heads), so GQA with a mask would
+    leave torch the math kernel: the k/v heads are repeated instead, as enable_gqa groups them (kv
+    head j serves q heads j*g .. j*g+g-1), which costs [N, heads, K, hd] per tensor, not the
+    scores. Where no such kernel takes the shapes, it stops with the fix instead of running out of
+    memory."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     try:
         with sdpa_kernel(MEMORY_SAFE_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return model.sdpa(q, k, v, mask, gqa=False)
     except RuntimeError as e:  # torch's words for "no kernel allowed here takes this" (2.11, 2.13)
         if not any(m in str(e) for m in ("No available kernel", "No viable backend")):
             raise
@@ -98,6 +94,6 @@ def compiled(fn):
     return fn if torch.compiler.is_compiling() else compiled_once(fn)
 
 
-# (how to build the mask, the kernel that reads it): model.sdpa's kinds, faster where they run
-SDPA = (block_attention_mask, sdpa)
+# (how to build the mask, the kernel that reads it): model.py's on memory-safe CUDA kernels; flex
+MEMORY_SAFE_SDPA = (block_attention_mask, memory_safe_sdpa)
 FLEX = (flex_block_mask, flex)

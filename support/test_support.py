@@ -216,8 +216,7 @@ def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monke
     CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: run on
     this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
     back to math; with math allowed too it equals torch's own grouped-query SDPA, so the repeated
-    k/v heads are grouped as enable_gqa groups them. model.Attention takes it for any non-flex
-    mask."""
+    k/v heads are grouped as enable_gqa groups them."""
     assert (
         kernels.choose("auto", "cuda:3") == kernels.choose("auto", torch.device("cuda")) == "flex"
     )
@@ -227,21 +226,42 @@ def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monke
     mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
     mask[..., 0] = True  # every query reads a key
     with pytest.raises(RuntimeError, match="--attention flex"):
-        kernels.memory_safe_sdpa(q, k, v, mask)
+        kernels.memory_safe_sdpa(q, k, v, mask, True)
     from torch.nn.attention import SDPBackend
 
     monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert (kernels.memory_safe_sdpa(q, k, v, mask) - want).abs().max() <= 1e-6
-    calls = []
-    monkeypatch.setattr(model, "sdpa", lambda *a: calls.append(a) or kernels.sdpa(*a))
+    assert (kernels.memory_safe_sdpa(q, k, v, mask, True) - want).abs().max() <= 1e-6
+
+
+def test_training_with_sdpa_runs_model_sdpa(monkeypatch):
+    """train.py --attention sdpa runs model.py's own attention: on the CPU model.sdpa itself, on
+    CUDA model.sdpa through kernels.memory_safe_sdpa (run here with the math kernel allowed, this
+    CPU having no memory-safe one), with the same hidden states. So an edit to model.sdpa changes
+    what training computes."""
+    from torch.nn.attention import SDPBackend
+
     c = tiny_config()
-    docs = packing_docs(c, [20])
-    b = data.collate([docs], [0], 4, 0, "cpu")
-    model.forward_training(
-        DraftModel(c), torch.nn.Embedding(64, 32), b["input_ids"], b["features"], b["anchors"]
+    torch.manual_seed(0)
+    draft = randomize(DraftModel(c), std=0.1)
+    embed_w, head_w = (torch.randn(c.vocab_size, c.hidden_size) for _ in "eh")
+    b = data.collate([packing_docs(c, [20])], [0], 4, 0, "cpu")
+    cfg = train.loss_config(train.parse_args(["--data", "x", "--gamma", "2"]))
+    objective = train.DraftObjective(draft, embed_w, head_w, cfg, "sdpa")
+    loss = lambda: objective(b, alpha_t=0.5)["numerator"].item()
+    before, calls, real = loss(), [], model.sdpa
+    edited = lambda q, k, v, mask, gqa: calls.append(gqa) or 2 * real(q, k, v, mask, gqa)
+    monkeypatch.setattr(model, "sdpa", edited)
+    assert loss() != before and calls == [True] * c.num_hidden_layers  # gqa: 4 heads on 2
+    monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
+    calls.clear()
+    embed = lambda ids: F.embedding(ids, embed_w)
+    hidden = lambda how: model.forward_training(
+        draft, embed, b["input_ids"], b["features"], b["anchors"], attention=how
     )
-    assert len(calls) == c.num_hidden_layers and all(a[4] for a in calls)  # gqa: 4 heads on 2
+    cuda = kernels.attention_kernel("sdpa", "cuda")
+    assert (hidden(cuda) - hidden(None)).abs().max() <= 1e-6
+    assert calls == [False] * c.num_hidden_layers + [True] * c.num_hidden_layers
 
 
 def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():

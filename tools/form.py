@@ -494,10 +494,10 @@ def test_the_docstrings_map_the_banners():
 # test), in lines, stays under its budget. A change that needs more raises the budget in the same
 # commit and says why.
 LINE_BUDGET = {
-    ".": 3500,
+    ".": 3540,  # 40 from compat: the scaled RoPE is computed in model.py from the config's fields
     "prompts": 315,
     "support": 3200,  # 100 from the top level: the loader and static shapes left data.py
-    "compat": 720,
+    "compat": 680,
     "speed": 960,
     "tools": 2800,
 }
