@@ -31,7 +31,19 @@ import model
 from compat.config_json import config_to_dict, load_config, replace_config
 from speed import machine
 from support import common, compiling, distributed, flops, fsdp, kernels, loader, tracking
-from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded, run
+from support.common import (
+    DTYPES,
+    HelpTable,
+    UsageError,
+    atomic_write,
+    bounded,
+    count,
+    nonneg,
+    positive,
+    ratio,
+    run,
+    whole,
+)
 from support.metrics import add_into, all_sum, measure, reduce_metrics
 from support.target import frozen_target
 
@@ -42,8 +54,6 @@ RUN_SH_DATA, RUN_SH_EVAL = "data/smollm2-math/train", "data/smollm2-math/eval"
 def parse_args(argv=None):
     """One line a flag, in groups; what each one means and why its default: docs/training.md."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
-    ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
-    positive, count, whole = bounded(float, above=0.0), bounded(int, low=1), bounded(int, low=0)
     dtypes = ["auto", *DTYPES]
     a = p.add_argument_group("data").add_argument
     a("--data", default=RUN_SH_DATA, help="prepare.py's features (default: bash run.sh's)")

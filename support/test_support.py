@@ -734,6 +734,22 @@ def test_run_says_a_usage_error_in_one_line(capsys):
     assert capsys.readouterr().err == "error: x.jsonl, line 3: unknown role 'bing'\n"
 
 
+def test_run_logged_logs_the_output_and_fails_in_one_line(tmp_path):
+    """common.run_logged: the command line, then its output (both streams, in the order written),
+    appended to the log; a failure is a UsageError naming the step, its exit status, its last words
+    and the log."""
+    log = str(tmp_path / "log")
+    say = "import sys; print('out'); print('why', file=sys.stderr); sys.exit({})"
+    common.run_logged([sys.executable, "-c", say.format(0)], log, env={"X": "1"})
+    with pytest.raises(UsageError) as failed:
+        common.run_logged([sys.executable, "-c", say.format(3)], log, what="step")
+    lines = open(log).read().splitlines()
+    assert lines[0] == f"$ X=1 {sys.executable} -c {say.format(0)}" and lines[1:3] == ["out", "why"]
+    assert lines[4:] == ["out", "why"]
+    said = str(failed.value)
+    assert said.startswith("step failed (exit 3): why") and said.endswith(log), said
+
+
 @pytest.mark.parametrize(
     "bug", [ValueError("not enough values to unpack"), FileNotFoundError(2, "No such file")]
 )
