@@ -23,8 +23,8 @@ import torch
 from decoding import speculative_generate, target_generate
 from export import load_any
 from speed import bench, machine, tune
-from support import show
-from support.common import DTYPES, add_chat_template_kwargs, bounded, run
+from support import distributed, show
+from support.common import DTYPES, add_chat_template_kwargs, count, nonneg, run
 from support.target import check_draft_fits, encode, load_target, stop_token_ids
 from tree import tree_generate
 
@@ -69,11 +69,11 @@ def parse_args(argv=None):
     tune.add_flags(a)  # --fast, --draft-dtype, --target-gemm: speed/'s choices
     a("--prompt", default=None, help="one prompt; without it, an interactive chat")
     add_chat_template_kwargs(a)
-    a("--max-new-tokens", type=bounded(int, low=1), default=256, help="the answer's length at most")
-    a("--temperature", type=bounded(float, low=0.0), default=0.0, help="0: greedy")
+    a("--max-new-tokens", type=count, default=256, help="the answer's length at most")
+    a("--temperature", type=nonneg, default=0.0, help="0: greedy")
     a("--seed", type=int, default=0, help="the seed of sampling at temperature > 0")
     a("--unary", action="store_true", help="plain argmax / softmax proposals, no selector walk")
-    sizes = dict(nargs="+", type=bounded(int, low=1))  # several only with --bench: a row each
+    sizes = dict(nargs="+", type=count)  # several only with --bench: a row each
     a("--verify-tokens", **sizes, metavar="K", help="verify the first K drafts of each cycle's B-1")
     a("--tree-budget", **sizes, metavar="N", help="verify a tree of N drafted nodes (tree.py)")
     show.add_flags(a)  # --show, --show-svg, --compare: what it prints
@@ -88,7 +88,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     draft = load_any(args.draft)  # first: a mistake in it shows before the target loads
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = distributed.rank_device()
     target_dtype = machine.resolve_dtype(args.target_dtype, device, "decode")
     target, tok = load_target(args.target, target_dtype)
     target = target.to(device)

@@ -45,7 +45,17 @@ from loss import anchor_positions
 from model import capture_features
 from speed import machine, tune
 from support import distributed, features, regen, regen_server
-from support.common import DTYPES, HelpTable, UsageError, add_chat_template_kwargs, bounded, run
+from support.common import (
+    DTYPES,
+    HelpTable,
+    UsageError,
+    add_chat_template_kwargs,
+    bounded,
+    count,
+    nonneg,
+    positive,
+    run,
+)
 from support.conversations import read_conversations, render, tokenize_conversation
 from support.features import COUNTS, save_shard, shard_done, shard_path, shard_settings
 from support.promptsets import PROMPT_SETS
@@ -199,7 +209,6 @@ def barrier():
 def parse_args(argv=None):
     """One line a flag, in groups; the prompt sets: docs/data.md."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
-    count, nonneg, seconds = bounded(int, low=1), bounded(float, low=0.0), bounded(float, above=0.0)
     a = p.add_argument_group("the target").add_argument
     a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
     dtypes, gemms = ["auto", *DTYPES], ["auto", "stock", "onednn", "mkl"]
@@ -229,7 +238,11 @@ def parse_args(argv=None):
     a("--feature-batch-size", type=count, default=1, help="sequences per forward; keep 1 on a CPU")
     a = p.add_argument_group("running").add_argument
     a("--out-dir", required=True, help="where the answers, shards and manifest.json go")
-    a("--max-seconds", type=seconds, help="end by this many seconds, in whole --shard-size windows")
+    a(
+        "--max-seconds",
+        type=positive,
+        help="end by this many seconds, in whole --shard-size windows",
+    )
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")

@@ -16,7 +16,7 @@
 # job in one line `error: ...`.
 set -euo pipefail
 cd "$(dirname "$0")"
-flags() { sed -n "s/^$1: //p" configs/toy.flags; }
+flags() { sed -n "s/^$2: //p" "configs/$1.flags"; }  # a recipe's flags for a script
 check() {  # parse train.py's flags as given here, run.sh's then the user's, with train.py's parser
     python -c 'import sys, train; from support.common import flags_checked, run
 run(lambda: flags_checked(train.parse_args, sys.argv[1:], "train.py"))' "$@"
@@ -34,8 +34,8 @@ esac; done
 if [ -n "$TOY" ]; then  # the toy: its target is made once (tools/toy_target.py), then reused
     start=$SECONDS OUT=${OUT:-out/toy} NAME=DFlash2 DRAFT=$OUT/draft
     [ -n "$DFLASH" ] && NAME=DFlash DRAFT=$OUT/draft-dflash
-    read -ra PREP <<< "$(flags prepare) --draft-config configs/toy-dflash2.json"
-    read -ra TRAIN <<< "$(flags train) --draft-config configs/toy-dflash2.json"
+    read -ra PREP <<< "$(flags toy prepare) --draft-config configs/toy-dflash2.json"
+    read -ra TRAIN <<< "$(flags toy train) --draft-config configs/toy-dflash2.json"
     TRAIN+=(--target "$OUT/target" --data "$OUT/data/train" --epochs 8 --eval-data "$OUT/data/eval")
     TRAIN+=(--eval-samples 32 --eval-interval 100 --quiet --out-dir "$DRAFT" "$@")
     check "${TRAIN[@]}"
@@ -63,8 +63,9 @@ case $DOMAIN in
 esac
 [ -n "$DFLASH" ] && NAME=dflash
 CFG=configs/smollm2-135m-dflash2.json DATA=${DATA:-data/smollm2-$DOMAIN} OUT=${OUT:-out/smollm2-$DOMAIN-$NAME}
-TRAIN=(--draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL")
-TRAIN+=(--out-dir "$OUT" --num-anchors 32 --lr 1e-3 --eval-interval 500 --save-interval 300)
+read -ra TRAIN <<< "$(flags main train)"  # configs/main.flags: the recipe
+TRAIN+=(--draft-config "$CFG" --data "$DATA/train" --eval-data "$DATA/eval" --eval-samples "$N_EVAL")
+TRAIN+=(--out-dir "$OUT" --eval-interval 500 --save-interval 300)
 TRAIN+=(--compile auto)  # then --max-seconds, then the user's flags
 check "${TRAIN[@]}" "$@"
 echo "[run.sh] the $NAME draft into $OUT${*:+, with train.py $*}"

@@ -2112,6 +2112,7 @@ def test_tree_walk_by_hand():
     children: 5 (node 1), 7 (node 3); node 1's: 7 (node 2). The target says 5 at the anchor, 7 after
     node 1, 9 after node 2 (8 after node 3): it accepts nodes 1, 2, and 9 is the bonus."""
     t = tree.Tree([4, 5, 7, 7], [-1, 0, 1, 0], [0, 1, 2, 1])
+    assert t.children() == [[1, 3], [2], [], []]  # best first
     logits = torch.nn.functional.one_hot(torch.tensor([5, 7, 9, 8]), 10).float()
     assert tree.follow_target(t, logits, lambda row: int(row.argmax())) == ([1, 2], 9)
 

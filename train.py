@@ -32,7 +32,19 @@ from compat.config_json import config_to_dict, load_config, replace_config
 from export import read_training_checkpoint
 from speed import machine
 from support import common, compiling, distributed, flops, fsdp, kernels, loader, tracking
-from support.common import DTYPES, HelpTable, UsageError, atomic_write, bounded, run
+from support.common import (
+    DTYPES,
+    HelpTable,
+    UsageError,
+    atomic_write,
+    bounded,
+    count,
+    nonneg,
+    positive,
+    ratio,
+    run,
+    whole,
+)
 from support.metrics import add_into, all_sum, measure, reduce_metrics
 from support.target import frozen_target
 
@@ -43,8 +55,6 @@ RUN_SH_DATA, RUN_SH_EVAL = "data/smollm2-math/train", "data/smollm2-math/eval"
 def parse_args(argv=None):
     """One line a flag, in groups; what each one means and why its default: docs/training.md."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
-    ratio, nonneg = bounded(float, low=0.0, high=1.0), bounded(float, low=0.0)
-    positive, count, whole = bounded(float, above=0.0), bounded(int, low=1), bounded(int, low=0)
     dtypes = ["auto", *DTYPES]
     a = p.add_argument_group("data").add_argument
     a("--data", default=RUN_SH_DATA, help="prepare.py's features (default: bash run.sh's)")
@@ -92,6 +102,7 @@ def parse_args(argv=None):
     a("--eval-interval", type=count, default=200, help="steps between held-out evaluations")
     a("--eval-samples", type=whole, default=64, help="held-out sequences per evaluation, at most")
     a("--log-interval", type=count, default=10, help="steps between log.jsonl records")
+    a("--report-to", choices=["wandb", "tensorboard"], help="also send the records there")
     a("--seed", type=int, default=0, help="seeds the draft's init, the row order and the anchors")
     a("--quiet", action="store_true", help="no progress bar")
     a = p.add_argument_group("scale and precision (docs/training-at-scale.md)").add_argument
@@ -382,6 +393,8 @@ def train(args):
     device, rank, world, ranked = distributed.start_ranks(timeout)
     sharded, master = args.fsdp and world > 1, rank == 0  # --fsdp on one process: nothing to shard
     log = (lambda *m: print(*m, flush=True)) if master else (lambda *m: None)
+    # --report-to's tracker first: a missing package ends the run before anything loads
+    track = tracking.start_tracker(args) if master and args.report_to else None
     torch.manual_seed(args.seed)  # the draft's initial weights
     cfg = build_config(args)
     use_bf16, target_dtype, said = machine.train_precision(
@@ -394,7 +407,7 @@ def train(args):
     draft, objective, no_sync, params, opt, selector_on = build_objective(
         args, cfg, embed_w, head_w, target, device, sharded, ranked and not args.fsdp, use_bf16
     )
-    ckpt, record = os.path.join(args.out_dir, "ckpt.pt"), tracking.RunLog(args, master)
+    ckpt, record = os.path.join(args.out_dir, "ckpt.pt"), tracking.RunLog(args, master, track)
     step, total = load_checkpoint(ckpt, draft, opt, sharded, total) if args.resume else (0, total)
     # the steps that end the run: --max-seconds alone has none (its schedule starts at an epoch's)
     steps = math.inf if args.max_seconds and not (args.max_steps or args.epochs) else total

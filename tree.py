@@ -68,6 +68,13 @@ class Tree:
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
+    def children(self) -> list:
+        """[n] lists: children[i] the nodes whose parent is node i, best first."""
+        kids = [[] for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]].append(i)
+        return kids
+
     def ancestors(self) -> torch.Tensor:
         """[n, n] bool: [i, j] when node j is node i or one of its ancestors."""
         n = len(self.tokens)
@@ -205,7 +212,8 @@ def follow_target(tree: Tree, logits, pick):
     """Follow the target through the tree: logits [n, V] (row i: the target after node i's path),
     pick(row) -> the target's token there (its argmax, or a sample from p, exactly as plain
     decoding picks) -> (accepted nodes, the token after the last of them: the bonus)."""
-    child = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if i}
+    # (node, token) -> the child of node that holds token
+    child = {(p, tree.tokens[c]): c for p, kids in enumerate(tree.children()) for c in kids}
     node, path = 0, []
     while True:
         token = pick(logits[node])

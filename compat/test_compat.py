@@ -341,7 +341,7 @@ def test_published_27b_layout_parameter_count():
 
 def test_shipped_configs_load():
     for name in os.listdir(os.path.join(HERE, "configs")):
-        if not name.endswith(".json"):  # toy.flags: the toy's recipe, not a draft
+        if not name.endswith(".json"):  # *.flags: recipes, not drafts
             continue
         c = config.load_config(os.path.join(HERE, "configs", name))
         assert c.dflash2

@@ -17,7 +17,7 @@ import torch
 
 from decoding import target_generate
 from speed.gemm import set_layout
-from support.common import bounded
+from support.common import count
 from support.promptsets import EVAL_SETS, eval_prompts
 from support.show import label, speculate, timed
 from support.target import encode
@@ -31,7 +31,7 @@ def add_flags(a):
         choices=list(EVAL_SETS),
         help="decode these prompt sets every way and compare",
     )
-    a("--bench-limit", type=bounded(int, low=1), help="only the first N prompts of each set")
+    a("--bench-limit", type=count, help="only the first N prompts of each set")
 
 
 def tok_per_s(stats) -> float:

@@ -1,8 +1,8 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
-nanochat's common.py): dtype names, atomic writes, JSON files, the CPU's name, and the command
-line's rules: a user's mistake (UsageError) ends in one line, bounded flag values, the --help
-table, the one --chat-template-kwargs flag, a shell script's flags checked up front. Nothing else
-belongs here.
+nanochat's common.py): dtype names, atomic writes, JSON files, the CPU's name, a command run with
+its output logged, the recipes in configs/*.flags, and the command line's rules: a user's mistake
+(UsageError) ends in one line, bounded flag values, the --help table, the one
+--chat-template-kwargs flag, a shell script's flags checked up front. Nothing else belongs here.
 """
 
 import argparse
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from contextlib import contextmanager, redirect_stderr
 
@@ -76,6 +77,39 @@ def cpu_name() -> str:
     return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
+def run_logged(cmd, log: str, what=None, env=None, cwd=None):
+    """Run cmd, its command line (env's extra variables first) and then its output, both streams as
+    they come, appended to the file log. A failure ends the caller in one line: a UsageError naming
+    what (default: cmd's program), its exit status, its output's last line and the log."""
+    cmd, env = [str(c) for c in cmd], env or {}
+    with open(log, "a") as out:
+        out.write(f"$ {''.join(f'{k}={v} ' for k, v in env.items())}{' '.join(cmd)}\n")
+        start = out.tell()
+        out.flush()
+        # unbuffered: a Python child's last words (its error) stay last in the log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        done = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=out)
+    if done.returncode:
+        with open(log) as f:
+            f.seek(start)
+            why = last_line(f.read())
+        name = what or os.path.basename(cmd[0])
+        raise UsageError(f"{name} failed (exit {done.returncode}): {why}; its output: {log}")
+
+
+def last_line(text: str) -> str:
+    """A command's output -> the last line that says something (why it failed, usually)."""
+    return (text.strip().splitlines() or ["no output"])[-1][:300]
+
+
+def recipe(name: str, script: str) -> list:
+    """configs/NAME.flags's flags for script (prepare or train): a recipe's one home, which run.sh
+    reads too (its flags function)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    with open(os.path.join(path, f"{name}.flags")) as f:
+        return next(line.split()[1:] for line in f if line.startswith(script + ":"))
+
+
 # ----------------------------------------------------------------------------- command lines
 class HelpTable(argparse.RawDescriptionHelpFormatter):
     """--help as a table: a line a flag, a short value name, the default after the help."""
@@ -110,6 +144,12 @@ def bounded(kind, low=None, high=None, above=None):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+# the flags' usual bounds, one name each
+count, whole = bounded(int, low=1), bounded(int, low=0)
+nonneg, positive = bounded(float, low=0.0), bounded(float, above=0.0)
+ratio = bounded(float, low=0.0, high=1.0)
 
 
 def json_object(text):

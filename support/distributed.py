@@ -2,6 +2,7 @@
 torchrun is rank 0 of 1 and none of this communicates. train.py wraps its module itself (DDP, or
 --fsdp: support/fsdp.py).
 
+    rank_device   the device every script runs on: this rank's GPU, or the CPU
     start_ranks   this rank's device (its GPU bound first), rank, world; the process group
     end_ranks     the process group's orderly end
     agreed        rank 0's number on every rank
@@ -15,7 +16,8 @@ import torch.distributed as dist
 
 
 def rank_device() -> torch.device:
-    """This rank's GPU (torchrun's LOCAL_RANK), or the CPU."""
+    """This rank's GPU (torchrun's LOCAL_RANK; one process without torchrun: GPU 0), or the CPU.
+    The one device choice: train.py, prepare.py, generate.py and the tools all take it."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")

@@ -249,12 +249,12 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
     labels [n] optional edge labels. Node classes: tree_kinds', then the bonus. departs: nodes to
     mark with `*`. -> the y below it."""
     n, colw, rowh, bw = len(t.tokens), 170, 26, 110
-    parents, depth = t.parents, t.depths
+    parents, depth, children = t.parents, t.depths, t.children()
     order, stack = [], [0]  # depth-first, best child first: siblings stay together
     while stack:
         i = stack.pop()
         order.append(i)
-        stack += [c for c in range(n - 1, 0, -1) if parents[c] == i]
+        stack += children[i][::-1]
     row, taken = {}, {}
     for i in order:
         row[i] = taken.get(depth[i], 0)
@@ -336,10 +336,8 @@ def tree_kinds(t, path) -> list:
 def branches(t, path) -> list:
     """The nodes of a tree t's accepted path that are not their parent's best child (its first in
     best-first order): where a path would have stopped and the tree went on, --show's `*`."""
-    first = {}  # each parent's best child
-    for i in range(len(t.parents) - 1, 0, -1):
-        first[t.parents[i]] = i
-    return [i for i in path if first[t.parents[i]] != i]
+    children = t.children()
+    return [i for i in path if children[t.parents[i]][0] != i]
 
 
 def legend(svg, x, y, tree: bool, departs=True) -> float:

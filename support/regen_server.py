@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
-from support.common import UsageError, bounded
+from support.common import UsageError, count, nonneg, positive, whole
 from support.conversations import render, retokenized_differs
 
 
@@ -211,13 +211,11 @@ def regenerate(
 # ----------------------------------------------------------------------------- command line
 def add_flags(add):
     """prepare.py's --server flags (add: a parser's add_argument); docs/data.md says more."""
-    count, whole = bounded(int, low=1), bounded(int, low=0)
-    wait, timeout = bounded(float, low=0.0), bounded(float, above=0.0)
     add("--server", action="append", metavar="URL", help="an OpenAI-compatible server; repeatable")
     add("--concurrency", type=count, default=8, help="requests in flight over all servers")
     add("--retries", type=whole, default=5, help="how often a failed request is tried again")
-    add("--retry-wait", type=wait, default=1.0, help="seconds before a retry, doubled each time")
-    add("--request-timeout", type=timeout, default=600.0, help="seconds a request may take")
+    add("--retry-wait", type=nonneg, default=1.0, help="seconds before a retry, doubled each time")
+    add("--request-timeout", type=positive, default=600.0, help="seconds a request may take")
     add("--server-model", help="the model name sent; default: each server's first /v1/models")
 
 

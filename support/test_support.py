@@ -13,6 +13,8 @@ holds it equal to the banners):
     support/promptsets.py           the prompt sets (skipped without the data packages)
     support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
                                     print
+    support/tracking.py             --report-to: the records reach the tracker; no package,
+                                    one line
     support/common.py               a UsageError ends in one line, anything else keeps its
                                     traceback
 """
@@ -21,6 +23,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -34,7 +37,7 @@ import train
 import tree
 from model import DraftModel, capture_features
 from selector import top_k_candidates
-from support import common, draw, flops, kernels, loader, metrics, promptsets, show
+from support import common, draw, flops, kernels, loader, metrics, promptsets, show, tracking
 from support.common import UsageError
 from test_all import (
     FLEX_LAYOUTS,
@@ -741,6 +744,43 @@ def test_show_and_show_svg_mark_a_tree_cycle_alike(tmp_path):
         assert sorted(printed) == sorted(box for box in drawn if box[0] in kinds.values())
 
 
+# ============================================================================ support/tracking.py
+def test_report_to_sends_the_logged_records_to_the_tracker(tmp_path, monkeypatch):
+    """--report-to wandb: each record RunLog writes to log.jsonl, the final one too, reaches the
+    tracker at its step, its numbers named kind/key (a fake wandb module stands in for one)."""
+    sent = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: types.SimpleNamespace(log=lambda d, step: sent.append((step, d)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    argv = ["--data", "x", "--out-dir", str(tmp_path), "--report-to", "wandb"]
+    args = train.parse_args(argv)
+    record = tracking.RunLog(args, True, tracking.start_tracker(args))
+    record(kind="train", step=10, loss=2.5, alpha_t=None, path_acc=[0.5, 0.25])
+    record(kind="eval", step=10, loss=3.0)
+    record.end({"loss": 2.75}, tiny_config(), 20, 4.5)
+    logged = tracking.read_log(str(tmp_path))[1]
+    assert [r["kind"] for r in logged] == ["train", "eval", "final"]
+    assert sent == [
+        (10, {"train/loss": 2.5}),
+        (10, {"eval/loss": 3.0}),
+        (20, {"final/elapsed_s": 4.5, "final/loss": 2.75}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, module", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")]
+)
+def test_report_to_without_its_package_is_one_line(name, module, tmp_path, monkeypatch, capsys):
+    """--report-to with the package missing (its import fails): one line `error: ...` naming the
+    flag, exit status 2, before any training."""
+    monkeypatch.setitem(sys.modules, module, None)  # `import` now raises ImportError
+    args = train.parse_args(["--data", "x", "--out-dir", str(tmp_path), "--report-to", name])
+    with pytest.raises(SystemExit) as stop:
+        common.run(lambda: tracking.start_tracker(args))
+    [line] = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 2 and line.startswith(f"error: --report-to {name}: "), line
+
+
 # ================================================================================ support/common.py
 def test_run_says_a_usage_error_in_one_line(capsys):
     """common.run: a UsageError is the user's to fix: `error: ...` on stderr, exit status 2."""
@@ -752,6 +792,22 @@ def test_run_says_a_usage_error_in_one_line(capsys):
         common.run(mistake)
     assert stop.value.code == 2
     assert capsys.readouterr().err == "error: x.jsonl, line 3: unknown role 'bing'\n"
+
+
+def test_run_logged_logs_the_output_and_fails_in_one_line(tmp_path):
+    """common.run_logged: the command line, then its output (both streams, in the order written),
+    appended to the log; a failure is a UsageError naming the step, its exit status, its last words
+    and the log."""
+    log = str(tmp_path / "log")
+    say = "import sys; print('out'); print('why', file=sys.stderr); sys.exit({})"
+    common.run_logged([sys.executable, "-c", say.format(0)], log, env={"X": "1"})
+    with pytest.raises(UsageError) as failed:
+        common.run_logged([sys.executable, "-c", say.format(3)], log, what="step")
+    lines = open(log).read().splitlines()
+    assert lines[0] == f"$ X=1 {sys.executable} -c {say.format(0)}" and lines[1:3] == ["out", "why"]
+    assert lines[4:] == ["out", "why"]
+    said = str(failed.value)
+    assert said.startswith("step failed (exit 3): why") and said.endswith(log), said
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""A training run's records: log.jsonl (RunLog), the final report (acceptance.json, the held-out
-summary, the served hint), and read_log, which tools/ read a run's log.jsonl back with.
+"""A training run's records: log.jsonl (RunLog) and, with --report-to, the same records sent to
+wandb or TensorBoard; the final report (acceptance.json, the held-out summary, the served hint);
+and read_log, which tools/ read a run's log.jsonl back with.
 """
 
 import json
@@ -11,25 +12,61 @@ from support.metrics import save_acceptance
 
 
 class RunLog:
-    """train.py's log.jsonl, on rank 0 (on): record(kind=..., step=..., ...) appends a record; a
-    fresh run starts a fresh log, --resume appends to it; end() writes a finished run's final
-    report. On the other ranks nothing."""
+    """train.py's log.jsonl, on rank 0 (on): record(kind=..., step=..., ...) appends a record, and
+    sends it to track (start_tracker's, or None); a fresh run starts a fresh log, --resume appends
+    to it; end() writes a finished run's final report. On the other ranks nothing."""
 
-    def __init__(self, args, on: bool):
+    def __init__(self, args, on: bool, track=None):
         self.out_dir, self.on = args.out_dir, on
         os.makedirs(args.out_dir, exist_ok=True)  # the run's folder: ckpt.pt goes there too
         self.path = os.path.join(args.out_dir, "log.jsonl")
         if on and not args.resume and os.path.exists(self.path):
             os.remove(self.path)
+        self.track = track
 
     def __call__(self, **record):
         if self.on:
             append_log(self.path, record)
+        if self.track:
+            self.track(record)
 
     def end(self, final: dict, cfg, step, elapsed_s):
         """final: the held-out metrics of a finished run ({}: none)."""
         if self.on and final:
-            final_report(self.out_dir, self.path, final, cfg, step, elapsed_s)
+            record = final_report(self.out_dir, self.path, final, cfg, step, elapsed_s)
+            if self.track:
+                self.track(record)
+
+
+def start_tracker(args):
+    """--report-to's tracker, as nanoGPT's wandb_log: a function that gets each log.jsonl record
+    and sends its numbers, named kind/key (train/loss, eval/loss), at its step. wandb: project
+    dflash2, the run named after --out-dir, the flags as its config; tensorboard: OUT_DIR/tb."""
+    name = args.report_to  # the package's name too
+    try:  # here, not at the top: an optional package, imported only when asked for
+        if name == "wandb":
+            import wandb
+        else:
+            from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UsageError(f"--report-to {name}: no {name} here (pip install {name})") from None
+    if name == "wandb":
+        run = wandb.init(project="dflash2", name=os.path.basename(args.out_dir), config=vars(args))
+        return lambda r: run.log(numbers(r), step=r["step"])
+    writer = SummaryWriter(os.path.join(args.out_dir, "tb"))
+
+    def send(r):
+        for key, value in numbers(r).items():
+            writer.add_scalar(key, value, r["step"])
+        writer.flush()  # a run that is killed keeps what it logged
+
+    return send
+
+
+def numbers(record: dict) -> dict:
+    """A log.jsonl record's numbers, named kind/key (lists and texts left out)."""
+    keep = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    return {f"{record['kind']}/{k}": v for k, v in record.items() if k != "step" and keep(v)}
 
 
 def append_log(path, record: dict):
@@ -38,13 +75,15 @@ def append_log(path, record: dict):
         f.write(json.dumps(record) + "\n")
 
 
-def final_report(out_dir, log_path, final: dict, cfg, step, elapsed_s):
+def final_report(out_dir, log_path, final: dict, cfg, step, elapsed_s) -> dict:
     """The end of a finished run, on rank 0: acceptance.json, the "final" record, the held-out
-    summary and how to measure served tau."""
+    summary and how to measure served tau. -> the final record."""
     save_acceptance(out_dir, final, cfg, step)  # before the record: it pops what it keeps
-    append_log(log_path, {"kind": "final", "step": step, "elapsed_s": elapsed_s, **final})
+    record = {"kind": "final", "step": step, "elapsed_s": elapsed_s, **final}
+    append_log(log_path, record)
     print_summary(final, cfg)
     print(f"\nserved tau (the real decoding loop): python -m tools.served {out_dir}")
+    return record
 
 
 def print_summary(m, cfg):

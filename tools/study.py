@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
-from support.common import UsageError, bounded, cpu_name, run
+from support.common import UsageError, bounded, cpu_name, recipe, run
 from support.target import load_target, stop_token_ids
 from tools import served
 
@@ -75,14 +75,9 @@ ARMS = {
 TOY_CONFIG = "configs/toy-dflash2.json"
 
 
-def toy_flags(script: str) -> list:
-    """run.sh --toy's recipe for script (prepare or train), from its one home, configs/toy.flags;
-    the study trains it at fewer epochs so that every arm fits."""
-    with open(os.path.join(HERE, "configs", "toy.flags")) as f:
-        return next(line.split()[1:] for line in f if line.startswith(script + ":"))
-
-
-TOY_PREPARE, TOY_TRAIN = toy_flags("prepare"), toy_flags("train")
+# run.sh --toy's recipe (configs/toy.flags); the study trains it at fewer epochs so that every arm
+# fits
+TOY_PREPARE, TOY_TRAIN = recipe("toy", "prepare"), recipe("toy", "train")
 
 
 def python(argv: list, log: str, threads=None) -> None:
@@ -354,7 +349,7 @@ def parse_args(argv=None):
     args.prompts = args.prompts or (16 if quick else 8)
     args.eval_interval = args.eval_interval or (50 if quick else 200)
     args.sizes = args.sizes if args.sizes is not None else ([150, 300] if quick else [250, 500])
-    args.recipe = TOY_TRAIN if quick else ["--num-anchors", "32", "--lr", "1e-3"]
+    args.recipe = TOY_TRAIN if quick else recipe("main", "train")
     args.threads = 1 if args.jobs > 1 else None
     return args
 

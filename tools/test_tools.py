@@ -489,13 +489,12 @@ def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, mo
     into place, so an interrupted run leaves no half file, and one already there is kept."""
     calls = []
 
-    def sh(cmd, log=None, env=None, what=None):
+    def run_logged(cmd, log, what=None, env=None):
         calls.append((cmd, env))
         with open(cmd[cmd.index("--outfile") + 1], "w") as f:
             f.write("gguf")
-        return ""
 
-    monkeypatch.setattr(llamacpp, "sh", sh)
+    monkeypatch.setattr(llamacpp, "run_logged", run_logged)
     monkeypatch.setattr(llamacpp, "need_sentencepiece", lambda: None)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     src, out = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf"
@@ -692,8 +691,7 @@ def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_and_main_job_paths
     # item b: run.sh's own train.py command (its config, recipe flags and --compile auto)
     run_sh = open(os.path.join(HERE, "run.sh")).read()
     assert f"CFG={gpu_check.CONFIGS['compile']} " in run_sh
-    main_job = run_sh.split("\nTRAIN=(", 1)[1]  # the main job's train.py flags, then the rest
-    assert " ".join(gpu_check.MAIN_JOB) in main_job
+    _, main_job = run_sh.split('\nread -ra TRAIN <<< "$(flags main train)"', 1)  # the recipe, ...
     compiled = gpu_check.train_command("compile", args, "C", "T", "F", "O")
     assert compiled[1:8] == ["train.py", *gpu_check.MAIN_JOB, "--compile", "auto"]
     assert "--compile auto" in main_job  # the main job's own choice
