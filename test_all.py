@@ -1583,17 +1583,19 @@ def test_selector_gradients_and_stop_gradient():
     g = grads(draft)
     for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
         assert g["candidate_selector." + k].abs().sum() > 0, k
-    # with stop_gradient the backbone sees only the base loss
-    draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=1.0, stop_gradient=True).numerator.backward()
-    g_stop = grads(draft)
+    # with stop_gradient the backbone sees only the base loss, replace's label scores included
     draft.zero_grad(set_to_none=True)
     objective_sums(draft, *rest, alpha_t=None).numerator.backward()
     g_base = grads(draft)
-    for k, v in g_base.items():
-        if not k.startswith("candidate_selector"):
-            assert torch.allclose(g_stop[k], v, atol=1e-7), k
-    assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
+    for miss in ("strict", "replace"):
+        draft.zero_grad(set_to_none=True)
+        kw = dict(alpha_t=1.0, stop_gradient=True, selector_miss=miss)
+        objective_sums(draft, *rest, **kw).numerator.backward()
+        g_stop = grads(draft)
+        for k, v in g_base.items():
+            if not k.startswith("candidate_selector"):
+                assert torch.allclose(g_stop[k], v, atol=1e-7), (miss, k)
+        assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
     # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
     # used)
     draft.zero_grad(set_to_none=True)
