@@ -32,7 +32,8 @@ from tree import tree_generate
 def reply(target, draft, tok, messages, args, gen, stop, *, mode, shape, head) -> str:
     """One answer: the cycle decodes it, streamed as it commits (--show: each cycle's block), then
     its statistics; --compare then times plain decoding against it. support/show.py prints.
-    mode: "selector" or "unary"; shape: the verify shape; head: what scores the draft's rows."""
+    mode: "selector" or "unary"; shape: ("path", k drafts) or ("tree", N nodes), what one target
+    forward verifies; head: what scores the draft's rows (the target's head, or speed/'s)."""
     ids = encode(tok, messages, next(target.parameters()).device, args.chat_template_kwargs)
     n, (kind, size), B = args.max_new_tokens, shape, draft.config.block_size
     # decoding.py's cycle with a path of `size` drafts, or tree.py's with a tree of `size` nodes

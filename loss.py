@@ -12,10 +12,10 @@ ce trains the unary logits u = transform(lm_head(h)); the selector term is a K-w
 over the unary top-K with the previous *sequence* token as predecessor (teacher forcing), counted
 only where the label is among the K ("covered").
 
-`objective` computes exactly this, top to bottom, and train.py runs it. One step is not the
-formula: the logits are vocabulary-sized (anchors x B x V), so `head_at_slots` makes them a chunk
-of anchors at a time, under activation checkpointing, and keeps only a few numbers per slot
-(`Slots`), which the objective and the metrics read. The variants the public trainers offer are
+`objective` computes exactly this, top to bottom, and train.py runs it. It leaves one thing to a
+helper: the logits are vocabulary-sized (anchors x B x V), so `head_at_slots` makes them a chunk of
+anchors at a time, under activation checkpointing, and keeps only a few numbers per slot (`Slots`),
+which the objective and the metrics read. The variants the public trainers offer are
 under the last banner, each one function that its flag picks.
 """
 
@@ -205,7 +205,9 @@ def objective(
     scale = 1.0
     if cfg.selector_weighting == "uniform":  # variant: the selector's mean over its own slots
         out.selector_denominator = D_sel = w_sel.sum().detach()
-        # train.py passes the whole step's D / D_sel (uniform_denominators); alone, this batch's
+        # the selector's sum over D_sel, written over the shared denominator D: times D / D_sel.
+        # train.py passes the ratio of the whole step's sums (uniform_denominators), since the
+        # loss divides by the step's D; called alone, the ratio is this micro-batch's
         scale = D / D_sel.clamp(min=1) if sel_scale is None else sel_scale
     if alpha_t is not None:  # alpha_t = 0 keeps the selector in the graph
         out.numerator = base + alpha_t * (out.selector * scale)

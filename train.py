@@ -117,13 +117,13 @@ def parse_args(argv=None):
     a = p.add_argument_group("research knobs (docs/training.md, docs/acceptance.md)").add_argument
     a("--anchors-per", choices=["row", "document"], default="row", help="--num-anchors is for each")
     weights = list(loss.POSITION_WEIGHTS)
-    a("--position-weighting", choices=weights, default="exp", help="block slots' weights")
+    a("--position-weighting", choices=weights, default="exp", help="exp decay, or dpace: D-PACE")
     a("--dpace-alpha", type=ratio, default=0.5, help="D-PACE's smoothing")
     a("--selector-warmup-ratio", type=ratio, default=0.0, help="share of steps, selector loss off")
     a("--selector-ramp-ratio", type=ratio, default=0.0, help="then it ramps up over this share")
     a("--selector-stop-gradient", action="store_true", help="selector loss: no backbone gradient")
-    a("--selector-miss", choices=["strict", "replace"], default="strict", help="label not in top K")
-    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help="selector's weights")
+    a("--selector-miss", choices=["strict", "replace"], default="strict", help="see loss.py")
+    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help="see loss.py")
     args = p.parse_args(argv)
     if args.freeze_conv and (args.dflash or args.selector_loss_alpha == 0):
         p.error("--freeze-conv: with --dflash or --selector-loss-alpha 0 nothing of DFlash2 trains")
@@ -271,8 +271,9 @@ def get_lr(step, total, args) -> float:
 @torch.no_grad()
 def evaluate(objective, samples, args, target, device, rank, world, autocast, acceptance=False):
     """Teacher-forced held-out metrics over the first --eval-samples sequences, at random anchors.
-    A --compile draft evaluates uncompiled, flex attention compiled on its own (support/kernels.py;
-    why: docs/training-at-scale.md, "The second run")."""
+    A --compile draft evaluates uncompiled, with flex attention compiled on its own
+    (support/kernels.py): inductor could not compile the whole draft's no-grad forward with flex
+    attention inside it, on a GPU (docs/training-at-scale.md, "The second run")."""
     n = min(len(samples), args.eval_samples)
     if n == 0:
         return {}
