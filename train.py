@@ -122,8 +122,9 @@ def parse_args(argv=None):
     a("--selector-warmup-ratio", type=ratio, default=0.0, help="share of steps, selector loss off")
     a("--selector-ramp-ratio", type=ratio, default=0.0, help="then it ramps up over this share")
     a("--selector-stop-gradient", action="store_true", help="selector loss: no backbone gradient")
-    a("--selector-miss", choices=["strict", "replace"], default="strict", help="see loss.py")
-    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help="see loss.py")
+    miss, by = "label outside the top K: strict skips it, replace puts it in", "uniform: 1 a slot"
+    a("--selector-miss", choices=["strict", "replace"], default="strict", help=miss)
+    a("--selector-weighting", choices=["exp", "uniform"], default="exp", help=by)
     args = p.parse_args(argv)
     if args.freeze_conv and (args.dflash or args.selector_loss_alpha == 0):
         p.error("--freeze-conv: with --dflash or --selector-loss-alpha 0 nothing of DFlash2 trains")
