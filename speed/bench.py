@@ -42,14 +42,10 @@ def bench(target, draft, head, tok, args, gen, stop, layouts, shapes):
     """Print the table: args.bench's sets (the first args.bench_limit prompts of each), each row
     one way of decoding them. head: what speculation scores the draft's rows with (tune.decoding's;
     None: the target's); layouts: tune.decoding's; shapes: the verify shapes (tune.choose's)."""
-    dev, modes = (
-        next(target.parameters()).device,
-        ["selector", "unary"] if draft.candidate_selector else ["unary"],
-    )
+    dev, kwargs = next(target.parameters()).device, args.chat_template_kwargs
+    modes = ["selector", "unary"] if draft.candidate_selector else ["unary"]
     rows = [(m, shape) for m in modes for shape in shapes]
-    plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
-    new, kw = args.max_new_tokens, dict(temperature=args.temperature, generator=gen, stop_ids=stop)
-    kwargs = args.chat_template_kwargs
+    kw = dict(temperature=args.temperature, generator=gen, stop_ids=stop)
     warm = encode(tok, [{"role": "user", "content": "Hi"}], dev, kwargs)
     print(
         f"{'set':<10} {'mode':<14} {'verify':<18} {'mean tau':>8} {'tok/s':>8} {'speedup':>8} "
@@ -60,50 +56,56 @@ def bench(target, draft, head, tok, args, gen, stop, layouts, shapes):
             encode(tok, [{"role": "user", "content": text}], dev, kwargs)
             for text in eval_prompts(name)[: args.bench_limit]
         ]
-        for layout in plains:  # warm-ups
+        new = args.max_new_tokens
+        for w in decode_every_way(target, draft, head, prompts, warm, new, kw, layouts, rows):
+            same = "" if w["same"] is None else f" {w['same']:>3}/{len(prompts):<2}"
+            print(
+                f"{name:<10} {w['mode']:<14} {w['verify']:<18} {w['tau']:>8.2f} "
+                f"{w['tok_s']:>8.1f} {w['speedup']:>7.2f}x{same}"
+            )
+
+
+def decode_every_way(target, draft, head, prompts, warm, new, kw, layouts, rows) -> list:
+    """Each prompt ([1, P] ids) decoded for at most `new` tokens plainly in each layout (layouts:
+    tune.decoding's) and speculatively each way of rows ((mode, verify shape)), after one untimed
+    warm-up of each on the prompt warm. kw: the loops' temperature, generator, stop_ids. -> one
+    {"mode", "verify", "tau", "tok_s", "speedup", "same"} a way, the rows then plain decoding in
+    each layout: speedup over the fastest plain layout; same: the answers equal to plain decoding's
+    (the first layout's) token for token (None for plain decoding)."""
+    plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
+    for layout in plains:  # warm-ups
+        set_layout(target, layout)
+        target_generate(target, warm, 8)
+    set_layout(target, layouts["speculate"])
+    for r in rows:
+        speculate(target, draft, warm, 8, r[1], use_selector=r[0] == "selector", head=head)
+    # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
+    # and a drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs
+    # of one VM).
+    runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
+    for ids in prompts:
+        for layout in plains:
             set_layout(target, layout)
-            target_generate(target, warm, 8)
+            out, stats = timed(lambda: target_generate(target, ids, new, **kw), ids)
+            runs["plain " + layout].append(stats)
+            # the first layout's: the reference
+            if layout == plains[0]:
+                outs.setdefault("plain", []).append(out)
         set_layout(target, layouts["speculate"])
         for r in rows:
-            speculate(target, draft, warm, 8, r[1], use_selector=r[0] == "selector", head=head)
-        # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
-        # and a drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs
-        # of one VM).
-        runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
-        for ids in prompts:
-            for layout in plains:
-                set_layout(target, layout)
-                out, stats = timed(lambda: target_generate(target, ids, new, **kw), ids)
-                runs["plain " + layout].append(stats)
-                # the first layout's: the reference
-                if layout == plains[0]:
-                    outs.setdefault("plain", []).append(out)
-            set_layout(target, layouts["speculate"])
-            for r in rows:
-                use_selector = r[0] == "selector"
-                out, stats = speculate(
-                    target,
-                    draft,
-                    ids,
-                    new,
-                    r[1],
-                    use_selector=use_selector,
-                    head=head,
-                    **kw,
-                )
-                runs[r].append(stats)
-                outs.setdefault(r, []).append(out)
-        base, n = max(tok_per_s(runs["plain " + layout]) for layout in plains), len(prompts)
-        for r in rows:
-            taus = [t for s in runs[r] for t in s.taus]
-            same = sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
-            print(
-                f"{name:<10} {r[0]:<14} {label(r[1]):<18} {sum(taus) / len(taus):>8.2f} "
-                f"{tok_per_s(runs[r]):>8.1f} {tok_per_s(runs[r]) / base:>7.2f}x {same:>3}/{n:<2}"
+            use_selector = r[0] == "selector"
+            out, stats = speculate(
+                target, draft, ids, new, r[1], use_selector=use_selector, head=head, **kw
             )
-        for layout in plains:
-            tps = tok_per_s(runs["plain " + layout])
-            print(
-                f"{name:<10} {'plain ' + layout:<14} {'':<18} {1.0:>8.2f} {tps:>8.1f} "
-                f"{tps / base:>7.2f}x"
-            )
+            runs[r].append(stats)
+            outs.setdefault(r, []).append(out)
+    base = max(tok_per_s(runs["plain " + layout]) for layout in plains)
+
+    def way(mode, verify, stats, same=None):
+        taus = [t for s in stats for t in s.taus] or [1.0]  # plain decoding: one token a step
+        tps, tau = tok_per_s(stats), sum(taus) / len(taus)
+        return dict(mode=mode, verify=verify, tau=tau, tok_s=tps, speedup=tps / base, same=same)
+
+    same = lambda r: sum(torch.equal(a, b) for a, b in zip(outs[r], outs["plain"]))
+    ways = [way(r[0], label(r[1]), runs[r], same(r)) for r in rows]
+    return ways + [way("plain " + layout, "", runs["plain " + layout]) for layout in plains]

@@ -8,10 +8,10 @@ The plan (PLAN), in this order, each item in a process group of its own, bounded
 budget (past it: Ctrl-C, INTERRUPT_S to say why, then killed), on random weights made here: a. train
 (train.py at the Qwen3-8B draft's shape, the README's default GPU path: torchrun at one rank, bf16,
 flex compiled alone), b. compile (train.py as run.sh's main job runs it, with its --compile auto:
-compiled on a GPU), c. decode (generate.py's loop on the GPU: a path and a tree against plain
-decoding), d. tests (every CUDA test). An out-of-memory item is reported, not failed. As each item
-ends, and whatever ends the check, OUT/results.json and OUT/summary.txt are rewritten; OUT/rows.log
-and OUT/tests.log keep each command's output.
+compiled on a GPU), c. decode (generate.py --bench's code on the GPU: a path and a tree against
+plain decoding), d. tests (every CUDA test). An out-of-memory item is reported, not failed. As each
+item ends, and whatever ends the check, OUT/results.json and OUT/summary.txt are rewritten;
+OUT/rows.log and OUT/tests.log keep each command's output.
 --dry-run: the same plumbing on the CPU at toy widths (b skipped: a CPU compiles the backward for
 minutes).
 """
@@ -45,10 +45,9 @@ except ImportError:  # a CPU machine
 
 import model
 from compat import config_json as config
-from decoding import target_generate
+from speed import bench, tune
 from support import distributed, features, flops
 from support.common import UsageError, cpu_name, last_line, recipe, run, write_json
-from support.show import speculate
 from support.target import check_draft_fits
 from support.tracking import read_log
 
@@ -378,8 +377,9 @@ def train_row(args, name: str, tmp: str, limit: float, log) -> dict:
 
 # ----------------------------------------------------------------------------- item c
 def decode_run(args):
-    """Item c in its own process (--decode-run CONFIG; out_dir is the JSON to write): plain, path
-    and tree decoding of random prompts, timed after one warm-up each."""
+    """Item c in its own process (--decode-run CONFIG; out_dir is the JSON to write): random
+    prompts decoded by generate.py --bench's code (speed/bench.py) on a random target and draft,
+    plainly and on the selector's path and tree of B-1, each timed after one warm-up."""
     device = distributed.rank_device()
     c = config.load_config(args.decode_run)
     torch.manual_seed(0)
@@ -387,37 +387,18 @@ def decode_run(args):
     target = target.to(device, torch.float32).eval()  # fp32: the lossless rule
     draft = model.DraftModel(c).to(device).eval()  # as trained: fp32
     check_draft_fits(c, target)
+    # generate.py's defaults: the draft as trained, the stock GEMMs
+    draft, head, layouts, line = tune.decoding(target, draft, None, None)
+    print(line)
     g = torch.Generator().manual_seed(1)
-    prompts = [
-        torch.randint(0, c.mask_token_id, (1, 32), generator=g).to(device)
-        for _ in range(args.sizes["decode_prompts"])
-    ]
-    B, n = c.block_size, args.sizes["decode_tokens"]
-    ways = {
-        "plain": lambda p, k: (target_generate(target, p, k)[0], None),
-        "path": lambda p, k: speculate(target, draft, p, k, ("path", B - 1)),
-        "tree": lambda p, k: speculate(target, draft, p, k, ("tree", B - 1)),
-    }
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    rows, outputs = {}, {}
-    with torch.no_grad():
-        for way, decode in ways.items():
-            decode(prompts[0], 8)  # warm-up: kernels, the allocator
-            sync()
-            t0, taus, tokens, outputs[way] = time.perf_counter(), [], 0, []
-            for p in prompts:
-                ids, stats = decode(p, n)
-                outputs[way].append(ids[0].tolist())
-                tokens += ids.shape[1] - p.shape[1]
-                taus += stats.taus if stats else []
-            sync()
-            seconds = time.perf_counter() - t0
-            rows[way] = {
-                "tokens_per_s": round(tokens / seconds, 1),
-                "tau": round(sum(taus) / len(taus), 3) if taus else 1.0,
-                "equal_to_plain": outputs[way] == outputs["plain"],
-            }
-    write_json(args.out_dir, {"device": str(device), "block_size": B, "ways": rows})
+    ids = lambda: torch.randint(0, c.mask_token_id, (1, 32), generator=g).to(device)
+    prompts = [ids() for _ in range(args.sizes["decode_prompts"])]
+    B, kw = c.block_size, dict(temperature=0.0, generator=None, stop_ids=())
+    rows = [("selector", ("path", B - 1)), ("selector", ("tree", B - 1))]
+    n = args.sizes["decode_tokens"]
+    ways = bench.decode_every_way(target, draft, head, prompts, ids(), n, kw, layouts, rows)
+    done = {"device": str(device), "block_size": B, "prompts": len(prompts), "ways": ways}
+    write_json(args.out_dir, done)
 
 
 def decode_row(args, tmp: str, limit: float, log) -> dict:
@@ -430,7 +411,11 @@ def decode_row(args, tmp: str, limit: float, log) -> dict:
     if state == "measured":
         with open(json_path) as f:
             row.update(json.load(f))
-        unequal = [w for w, r in row["ways"].items() if not r["equal_to_plain"]]
+        unequal = [
+            f"{w['mode']} {w['verify']}"
+            for w in row["ways"]
+            if w["same"] not in (None, row["prompts"])
+        ]
         if unequal:
             row.update(status="failed", reason=f"greedy output differs from plain: {unequal}")
     return row
@@ -515,9 +500,10 @@ def summary(results: dict) -> str:
             lines.append(train_line(name, t))
         elif name == "decode" and "ways" in t:
             ways = "; ".join(
-                f"{w} tau {r['tau']}, {r['tokens_per_s']} tokens/s"
-                + ("" if r["equal_to_plain"] else ", NOT EQUAL to plain")
-                for w, r in t["ways"].items()
+                f"{w['mode']} {w['verify']}".strip()
+                + f" tau {w['tau']:.2f}, {w['tok_s']:.1f} tokens/s"
+                + ("" if w["same"] in (None, t["prompts"]) else ", NOT EQUAL to plain")
+                for w in t["ways"]
             )
             lines.append(f"decoding on {t['device']} (random weights, B {t['block_size']}): {ways}")
         elif name == "tests" and "summary" in t:
