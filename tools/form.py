@@ -302,7 +302,7 @@ def test_the_method_runs_without_the_pipeline(tmp_path):
 CITED = re.compile(r"(?<![\w./-])(?:[a-z_][a-z0-9_]*[./])+[A-Za-z_][A-Za-z0-9_]+(?!\w)")
 
 
-FILE_ENDINGS = {"py", "md", "json", "jsonl", "safetensors", "pt", "svg", "txt", "gguf", "sh"}
+FILE_ENDINGS = set("py md json jsonl safetensors pt svg txt gguf sh toml".split())
 
 
 TEXT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}

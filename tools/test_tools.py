@@ -12,6 +12,7 @@ holds it equal to the banners):
                                     convert's command; parity's comparison
     tools/plot.py                   the charts draw the logged values; a bad run is one error
                                     line
+    tools/mutants.py                the breaks load; a bad one is named, exit status 2
     the machinery elsewhere         tests that name this package and no other home
 """
 
@@ -51,7 +52,7 @@ from test_all import (
     tiny_draft,
     tiny_target,
 )
-from tools import gpu_check, llamacpp, plot, served, study
+from tools import gpu_check, llamacpp, mutants, plot, served, study
 
 
 # ============================================================================ tools/study.py
@@ -646,6 +647,34 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and "error: " in err[-1] and says in err[-1], err
         assert len(err) == 1 or not one_line, err
+
+
+# ================================================================================= tools/mutants.py
+def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
+    """tools/mutants.toml loads with no problem (every snippet occurs once in its file). In a
+    catalogue of five breaks, the four bad ones (a misspelt field, a missing one, a snippet not in
+    its file, one in it many times) are each named by number and field, the good one loads, and the
+    run stops before any test with exit status 2."""
+    rules, breaks, problems = mutants.load(mutants.DATA)
+    assert problems == [] and breaks and {b.rule for b in breaks} <= set(rules)
+    good = {k: getattr(breaks[0], k) for k in ("file", "old", "new", "rule", "tests", "why")}
+    entries = [good, {**good, "od": "x"}, {k: v for k, v in good.items() if k != "why"}]
+    entries += [{**good, "old": "no such snippet"}, {**good, "old": "\n"}]  # 0 times, many
+    text = f'[rules]\n{json.dumps(good["rule"])} = {{ section = "1", phrase = "p" }}\n'
+    for entry in entries:
+        text += "[[break]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in entry.items())
+    (tmp_path / "m.toml").write_text(text)
+    rules, breaks, problems = mutants.load(str(tmp_path / "m.toml"))
+    assert [b.old for b in breaks] == [good["old"], "no such snippet", "\n"]
+    assert [p.split(": ")[1].split(" (")[0] for p in problems] == [
+        f"break {n}" for n in (2, 3, 4, 5)
+    ]
+    assert "'od'" in problems[0] and "'why'" in problems[1]
+    assert "'no such snippet'" in problems[2] and "'\\n'" in problems[3]
+    monkeypatch.setattr(mutants, "DATA", str(tmp_path / "m.toml"))
+    assert mutants.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == len(problems)
 
 
 # ========================================================================== the machinery elsewhere
