@@ -490,16 +490,18 @@ def test_the_docstrings_map_the_banners():
     assert listed[:3] == [(1, "helpers"), (1, "the method, by hand"), (2, "conv.py")]
 
 
-# The weight is a decision, not a drift (issue 63): each part's non-test Python (this file is a
-# test), in lines, stays under its budget. A change that needs more raises the budget in the same
-# commit and says why.
+# The weight is a decision, not a drift: each part's non-test Python (this file is a test), in
+# lines, stays under its budget, set to what is left (issue 71). A change that needs more raises the
+# budget in the same commit and says why. The top level holds the scaled RoPE (from compat/), the
+# default-data check and the one objective; support/ the loader (from data.py), run_logged and
+# --report-to; tools/ lost the study's runner and mutants' catalogue (now tools/mutants.toml).
 LINE_BUDGET = {
-    ".": 3540,  # 40 from compat: the scaled RoPE is computed in model.py from the config's fields
-    "prompts": 315,
-    "support": 3200,  # 100 from the top level: the loader and static shapes left data.py
+    ".": 3570,
+    "prompts": 310,
+    "support": 3200,
     "compat": 680,
     "speed": 960,
-    "tools": 2800,
+    "tools": 2200,
 }
 
 
