@@ -607,43 +607,14 @@ CHATML = (
 # ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
 # ChatML.
 WORDS = [
-    "<unk>",
-    "<|im_start|>",
-    "<|im_end|>",
+    *"<unk> <|im_start|> <|im_end|>".split(),
     "\n",
     " ",
-    "system",
-    "user",
-    "assistant",
-    "be",
-    "nice",
-    ".",
-    "hello",
-    "there",
-    ",",
-    "how",
-    "are",
-    "you",
-    "?",
-    "fine",
-    "thanks",
-    "!",
-    "and",
-    "the",
-    "cat",
-    "is",
-    "too",
-    "what",
-    "a",
-    "dog",
-    "poison",
-    "sun",
-    "hot",
-    "sky",
-    "blue",
-    "tell",
-    "me",
-    "about",
+    *(
+        "system user assistant be nice . hello there , how are you ? "
+        "fine thanks ! and the cat is too what a dog poison sun hot "
+        "sky blue tell me about"
+    ).split(),
 ]
 
 
@@ -738,19 +709,10 @@ def run(setup, out, *extra):
         str(setup / "feats"),
         "--out-dir",
         str(out),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--eval-interval",
-        "1000",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 "
+            "--warmup-ratio 0 --lr 1e-2 --seed 3"
+        ).split(),
         *extra,
     ]
     train.main(args)
@@ -3514,30 +3476,16 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
         str(setup / "target"),
         "--data",
         str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--max-steps",
-        "3",
-        "--eval-interval",
-        "1000",
-        "--eval-samples",
-        "3",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 "
+            "--max-steps 3 --eval-interval 1000 --eval-samples 3"
+        ).split(),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
+            *"-m torch.distributed.run --standalone --nproc_per_node=2".split(),
             os.path.join(HERE, "train.py"),
             *common,
             "--out-dir",
@@ -3622,22 +3570,10 @@ def fsdp_runs(setup, tmp_path_factory):
         str(setup / "target"),
         "--data",
         str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
-        "--eval-interval",
-        "1000",
-        "--log-interval",
-        "1",
-        "--fsdp",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 "
+            "--seed 3 --eval-interval 1000 --log-interval 1 --fsdp"
+        ).split(),
     ]
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
     one = lambda out, *extra: train.main(
@@ -3949,12 +3885,7 @@ def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
         str(cuda_setup / "target"),
         "--draft-config",
         str(cuda_setup / "draft.json"),
-        "--max-steps",
-        "1",
-        "--log-interval",
-        "1",
-        "--selector-loss-alpha",
-        "0",
+        *"--max-steps 1 --log-interval 1 --selector-loss-alpha 0".split(),
     ]
     real_clip, real_capture = torch.nn.utils.clip_grad_norm_, model.capture_features
 
@@ -4024,25 +3955,11 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         str(setup / "target"),
         "--data",
         str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--eval-interval",
-        "1000",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--lr-schedule",
-        "constant",
-        "--seed",
-        "3",
-        "--max-steps",
-        "6",
-        "--log-interval",
-        "1",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 "
+            "--warmup-ratio 0 --lr 1e-2 --lr-schedule constant --seed 3 "
+            "--max-steps 6 --log-interval 1"
+        ).split(),
         *peak,
     ]
 
@@ -4050,10 +3967,7 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         done = subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=1",
+                *"-m torch.distributed.run --standalone --nproc_per_node=1".split(),
                 str(script),
                 *common,
                 "--out-dir",
@@ -4369,17 +4283,10 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         user_only_jsonl(tmp_path),
         "--out-dir",
         str(out),
-        "--regenerate",
-        "--max-new-tokens",
-        "5",
-        "--batch-size",
-        "2",
-        "--features",
-        "--feature-dtype",
-        "bf16",
-        "--save-target-hidden",
-        "--shard-size",
-        "2",
+        *(
+            "--regenerate --max-new-tokens 5 --batch-size 2 --features "
+            "--feature-dtype bf16 --save-target-hidden --shard-size 2"
+        ).split(),
     ]
     packed, put = [], tune.set_layout  # the target's weights packed, as asked
     tune.set_layout = lambda t, layout: packed.append(
@@ -5099,12 +5006,7 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
             str(tmp_path / "draft"),
             "--prompt",
             text,
-            "--max-new-tokens",
-            "24",
-            "--target-dtype",
-            "fp32",
-            "--draft-dtype",
-            "bf16",
+            *"--max-new-tokens 24 --target-dtype fp32 --draft-dtype bf16".split(),
         ]
     )
     ((out, stats),) = runs
