@@ -36,9 +36,9 @@ import prepare
 import train
 from compat import config_json as config
 from compat import serving
-from model import DraftModel, capture_features
+from model import capture_features
 from speed import tune
-from support import common, features, loader, metrics, show
+from support import common, features, metrics, show
 from support.common import UsageError
 from test_all import (
     HERE,
@@ -669,43 +669,6 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
         assert len(err) == 1 or not one_line, err
 
 
-# ========================================================================== the machinery elsewhere
-def test_gpu_check_plan_fits_nine_minutes_and_runs_the_readme_and_main_job_paths():
-    """The plan on a GPU: a (train.py at the Qwen3-8B draft's shape, torchrun at one rank, flex
-    compiled alone: no --compile, no --attention, no --data-workers), b (train.py as run.sh's main
-    job runs it: its config and recipe flags, with --compile), c (decode), d (tests), inside
-    540 s."""
-    args = gpu_check.parse_args(["OUT"])
-    planned = gpu_check.PLAN
-    assert [n for n, _ in planned] == ["train", "compile", "decode", "tests"]
-    assert sum(s for _, s in planned) <= 9 * 60 and all(s >= 30 for _, s in planned)
-    assert gpu_check.CONFIGS["train"] == "configs/qwen3-8b-dflash2.json"
-    cmd = gpu_check.train_command("train", args, "C", "T", "F", "O")
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    assert cmd[5] == "train.py" and cmd[cmd.index("--num-anchors") + 1] == "512"
-    assert not {"--compile", "--attention", "--data-workers", "--dtype"} & set(cmd)
-    assert args.sizes["steps"] - gpu_check.WARM_STEPS >= 20  # the steady steps
-    # item b: run.sh's own train.py command (its config, recipe flags and --compile auto)
-    run_sh = open(os.path.join(HERE, "run.sh")).read()
-    assert f"CFG={gpu_check.CONFIGS['compile']} " in run_sh
-    _, main_job = run_sh.split('\nread -ra TRAIN <<< "$(flags main train)"', 1)  # the recipe, ...
-    compiled = gpu_check.train_command("compile", args, "C", "T", "F", "O")
-    assert compiled[1:8] == ["train.py", *gpu_check.MAIN_JOB, "--compile", "auto"]
-    assert "--compile auto" in main_job  # the main job's own choice
-    assert compiled[compiled.index("--draft-config") + 1] == "C" and "--attention" not in compiled
-    assert compiled[compiled.index("--eval-data") + 1] == "F"  # and its final evaluation
-    low, high = args.sizes["main_lengths"]
-    assert loader.static_size(low, 64) == loader.static_size(high, 64)  # one static shape
-    lines = gpu_check.plan_lines({"plan": planned})[1:]
-    assert [line.split()[:2] for line in lines] == [
-        ["a.", "train"],
-        ["b.", "compile"],
-        ["c.", "decode"],
-        ["d.", "tests"],
-    ]
-    assert all(line.split()[2:] == [str(s), "s"] for line, (_, s) in zip(lines, planned))
-
-
 def test_gpu_check_reads_the_steady_step_per_interval():
     """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
     from the loop's start), per interval too; train.py's per-interval rates, their median."""
@@ -755,31 +718,3 @@ def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
     }
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["items"]) == ["train", "compile", "decode", "tests"]
-
-
-def test_study_decodes_on_the_device_it_trained_on(monkeypatch):
-    """tools/study.py measure(): the target and the draft go to the device train.py trained on
-    (a GPU where there is one) before the served taus are decoded."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert study.decode_device() == torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert study.decode_device() == torch.device("cpu")
-    c = tiny_config(num_hidden_layers=1)
-    run_args = train.parse_args(["--data", "x"])
-    monkeypatch.setattr(study.served, "read_run", lambda f: (run_args, DraftModel(c), 3, {}))
-    target = torch.nn.Linear(2, 2)
-    monkeypatch.setattr(study, "load_target", lambda name, dtype: (target, None))
-    monkeypatch.setattr(study.served, "held_out", lambda *a, **k: [])
-    monkeypatch.setattr(study, "stop_token_ids", lambda *a: ())
-    monkeypatch.setattr(study, "decode_device", lambda: torch.device("meta"))
-    devices = []
-
-    def serve(target, draft, samples, shape, **kw):
-        devices.append((next(target.parameters()).device, next(draft.parameters()).device))
-        return {"tau": 1.0}
-
-    monkeypatch.setattr(study.served, "serve", serve)
-    with pytest.raises(KeyError):  # the fake run has no final record; the decodes came first
-        study.measure("unused", 1)
-    meta = torch.device("meta")
-    assert devices == [(meta, meta), (meta, meta)]
