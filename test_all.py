@@ -2767,6 +2767,49 @@ def test_pack_flag_trains_offline_and_online(setup, tmp_path):
 
 
 # ============================================================================ train.py
+def test_learning_rate_warm_up_cosine_and_floor_by_hand():
+    """train.get_lr at lr 1, 10 steps, --warmup-ratio 0.2 (2 warm-up steps), --min-lr-ratio 0.1:
+    (s + 1) / 2 while warming up, then 0.1 + 0.9 x (1 + cos(pi t)) / 2, t = (s - 2) / 8."""
+    args = types.SimpleNamespace(lr=1.0, warmup_ratio=0.2, min_lr_ratio=0.1, lr_schedule="cosine")
+    got = [train.get_lr(s, 10, args) for s in (0, 1, 2, 6, 9, 10)]
+    # cos(7 pi / 8) = -0.9238795: 0.1 + 0.45 x 0.0761205 = 0.1342542
+    assert got == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1342542, 0.1], abs=1e-7)
+    args.lr_schedule = "constant"
+    assert [train.get_lr(s, 10, args) for s in (0, 1, 5, 9)] == [0.5, 1.0, 1.0, 1.0]
+    args.warmup_ratio = 0.0  # at least one warm-up step: step 0 runs at lr
+    assert train.get_lr(0, 10, args) == 1.0
+
+
+class Scaled(torch.nn.Module):
+    """An objective whose micro-batch (c, d) has numerator c x w and denominator d."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, batch, alpha_t, sel_scale=None):
+        c, d = batch
+        one = (torch.tensor(1.0), torch.tensor(1.0))
+        return {"numerator": c * self.w, "denominator": torch.tensor(d), "metrics": {"n": one}}
+
+
+@pytest.mark.parametrize("world, w_after", [(1, 0.0), (2, -1.0)])
+def test_train_step_divides_by_the_global_denominator(world, w_after):
+    """train.train_step over micro-batches (3w, 2) and (5w, 6): the loss is (3 + 5) / (2 + 6) = 1,
+    not the mean of the ratios (3/2 + 5/6) / 2; the gradient 8 / 8 = 1 (times world, undoing DDP's
+    average over the ranks): one SGD step at lr 1 takes w from 1 to 1 - world."""
+    objective = Scaled()
+    opt = torch.optim.SGD(objective.parameters(), lr=1.0)
+    args = types.SimpleNamespace(selector_weighting="exp", grad_accum=2, grad_clip=0.0)
+    step = train.train_step(
+        objective, opt, [objective.w], [(3.0, 2.0), (5.0, 6.0)], 0.5, args, world,
+        contextlib.nullcontext, contextlib.nullcontext,
+    )  # fmt: skip
+    metrics, norm, taken = step
+    assert metrics["loss"] == 1.0 and metrics["n"] == 1.0 and norm is None and taken
+    assert objective.w.item() == w_after
+
+
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
     extra = (
