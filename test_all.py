@@ -2521,26 +2521,23 @@ def check_supervised(tok, conv, answers=ANSWERS, kw=None):
     assert len(masked_runs(mask)) == 2
 
 
-def test_format_messages_openai_ultrachat(tmp_path):
-    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
-    conv = read_one(tmp_path, ultrachat)
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
+SHAREGPT = [
+    {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+    for m in CONVERSATION
+]
 
 
-def test_format_conversations_specforge_role_content(tmp_path):
-    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
-    conv = read_one(tmp_path, specforge)
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
-
-
-def test_format_conversations_sharegpt_from_value(tmp_path):
-    names = {"system": "system", "user": "human", "assistant": "gpt"}
-    turns = [
-        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
-    ]
-    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION},  # UltraChat
+        {"id": "q-7", "conversations": CONVERSATION},  # SpecForge's documented format
+        {"id": "x", "conversations": [{**t, "markdown": None} for t in SHAREGPT]},  # ShareGPT
+    ],
+    ids=["openai-ultrachat", "specforge-role-content", "sharegpt-from-value"],
+)
+def test_format_conversations_are_read_alike(tmp_path, record):
+    conv = read_one(tmp_path, record)
     assert conv == CONVERSATION
     check_supervised(tiny_tokenizer(), conv)
 
@@ -5526,44 +5523,24 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
-    argv, named = {
-        "export": (
-            ["export.py", str(tmp_path / "no.pt"), "--out-dir", str(tmp_path / "out")],
-            "no.pt",
-        ),
+    argv, named = {  # (paths without spaces: pytest's tmp_path)
+        "export": (f"export.py {tmp_path}/no.pt --out-dir {tmp_path}/out", "no.pt"),
         "generate": (
-            [
-                "generate.py",
-                "--target",
-                target_dir,
-                "--draft",
-                str(tmp_path / "broken"),
-                "--prompt",
-                "hi",
-            ],
+            f"generate.py --target {target_dir} --draft {tmp_path}/broken --prompt hi",
             "broken/config.json: not valid JSON (line 1)",
         ),
-        "train": (
-            ["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)]
-            + ["--gamma", "2"],  # block size 4 has no default gamma: train.py would say that first
+        "train": (  # block size 4 has no default gamma: train.py would say that first
+            f"train.py --target {target_dir} --draft-config {cfg} --data {tmp_path} --gamma 2",
             f"{tmp_path} is not a feature directory",
         ),
         "prepare": (
-            [
-                "prepare.py",
-                "--target",
-                target_dir,
-                "--data",
-                bad_jsonl(tmp_path),
-                "--out-dir",
-                str(tmp_path / "out"),
-                "--regenerate",
-            ],
+            f"prepare.py --target {target_dir} --data {bad_jsonl(tmp_path)} --out-dir "
+            f"{tmp_path}/out --regenerate",
             "bad.jsonl, line 3",
         ),
     }[case]
     run = subprocess.run(
-        [sys.executable, *argv],
+        [sys.executable, *argv.split()],
         cwd=HERE,
         capture_output=True,
         text=True,
