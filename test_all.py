@@ -4004,6 +4004,7 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
 
 
+# ============================================================================ prepare.py
 # ---------------------------------------------------------------------------- regeneration
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()

@@ -669,6 +669,7 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
         assert len(err) == 1 or not one_line, err
 
 
+# ========================================================================== the machinery elsewhere
 def test_gpu_check_reads_the_steady_step_per_interval():
     """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
     from the loop's start), per interval too; train.py's per-interval rates, their median."""
