@@ -130,7 +130,6 @@ try:
         common,
         compiling,
         conversations,
-        distributed,
         features,
         flops,
         fsdp,
@@ -607,43 +606,14 @@ CHATML = (
 # ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
 # ChatML.
 WORDS = [
-    "<unk>",
-    "<|im_start|>",
-    "<|im_end|>",
+    *"<unk> <|im_start|> <|im_end|>".split(),
     "\n",
     " ",
-    "system",
-    "user",
-    "assistant",
-    "be",
-    "nice",
-    ".",
-    "hello",
-    "there",
-    ",",
-    "how",
-    "are",
-    "you",
-    "?",
-    "fine",
-    "thanks",
-    "!",
-    "and",
-    "the",
-    "cat",
-    "is",
-    "too",
-    "what",
-    "a",
-    "dog",
-    "poison",
-    "sun",
-    "hot",
-    "sky",
-    "blue",
-    "tell",
-    "me",
-    "about",
+    *(
+        "system user assistant be nice . hello there , how are you ? "
+        "fine thanks ! and the cat is too what a dog poison sun hot "
+        "sky blue tell me about"
+    ).split(),
 ]
 
 
@@ -738,19 +708,10 @@ def run(setup, out, *extra):
         str(setup / "feats"),
         "--out-dir",
         str(out),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--eval-interval",
-        "1000",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 "
+            "--warmup-ratio 0 --lr 1e-2 --seed 3"
+        ).split(),
         *extra,
     ]
     train.main(args)
@@ -2560,26 +2521,23 @@ def check_supervised(tok, conv, answers=ANSWERS, kw=None):
     assert len(masked_runs(mask)) == 2
 
 
-def test_format_messages_openai_ultrachat(tmp_path):
-    ultrachat = {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION}
-    conv = read_one(tmp_path, ultrachat)
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
+SHAREGPT = [
+    {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+    for m in CONVERSATION
+]
 
 
-def test_format_conversations_specforge_role_content(tmp_path):
-    specforge = {"id": "q-7", "conversations": CONVERSATION}  # SpecForge's documented format
-    conv = read_one(tmp_path, specforge)
-    assert conv == CONVERSATION
-    check_supervised(tiny_tokenizer(), conv)
-
-
-def test_format_conversations_sharegpt_from_value(tmp_path):
-    names = {"system": "system", "user": "human", "assistant": "gpt"}
-    turns = [
-        {"from": names[m["role"]], "value": m["content"], "markdown": None} for m in CONVERSATION
-    ]
-    conv = read_one(tmp_path, {"id": "x", "conversations": turns})
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"prompt": "hello there", "prompt_id": "ab12", "messages": CONVERSATION},  # UltraChat
+        {"id": "q-7", "conversations": CONVERSATION},  # SpecForge's documented format
+        {"id": "x", "conversations": [{**t, "markdown": None} for t in SHAREGPT]},  # ShareGPT
+    ],
+    ids=["openai-ultrachat", "specforge-role-content", "sharegpt-from-value"],
+)
+def test_format_conversations_are_read_alike(tmp_path, record):
+    conv = read_one(tmp_path, record)
     assert conv == CONVERSATION
     check_supervised(tiny_tokenizer(), conv)
 
@@ -2805,6 +2763,49 @@ def test_pack_flag_trains_offline_and_online(setup, tmp_path):
 
 
 # ============================================================================ train.py
+def test_learning_rate_warm_up_cosine_and_floor_by_hand():
+    """train.get_lr at lr 1, 10 steps, --warmup-ratio 0.2 (2 warm-up steps), --min-lr-ratio 0.1:
+    (s + 1) / 2 while warming up, then 0.1 + 0.9 x (1 + cos(pi t)) / 2, t = (s - 2) / 8."""
+    args = types.SimpleNamespace(lr=1.0, warmup_ratio=0.2, min_lr_ratio=0.1, lr_schedule="cosine")
+    got = [train.get_lr(s, 10, args) for s in (0, 1, 2, 6, 9, 10)]
+    # cos(7 pi / 8) = -0.9238795: 0.1 + 0.45 x 0.0761205 = 0.1342542
+    assert got == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1342542, 0.1], abs=1e-7)
+    args.lr_schedule = "constant"
+    assert [train.get_lr(s, 10, args) for s in (0, 1, 5, 9)] == [0.5, 1.0, 1.0, 1.0]
+    args.warmup_ratio = 0.0  # at least one warm-up step: step 0 runs at lr
+    assert train.get_lr(0, 10, args) == 1.0
+
+
+class Scaled(torch.nn.Module):
+    """An objective whose micro-batch (c, d) has numerator c x w and denominator d."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, batch, alpha_t, sel_scale=None):
+        c, d = batch
+        one = (torch.tensor(1.0), torch.tensor(1.0))
+        return {"numerator": c * self.w, "denominator": torch.tensor(d), "metrics": {"n": one}}
+
+
+@pytest.mark.parametrize("world, w_after", [(1, 0.0), (2, -1.0)])
+def test_train_step_divides_by_the_global_denominator(world, w_after):
+    """train.train_step over micro-batches (3w, 2) and (5w, 6): the loss is (3 + 5) / (2 + 6) = 1,
+    not the mean of the ratios (3/2 + 5/6) / 2; the gradient 8 / 8 = 1 (times world, undoing DDP's
+    average over the ranks): one SGD step at lr 1 takes w from 1 to 1 - world."""
+    objective = Scaled()
+    opt = torch.optim.SGD(objective.parameters(), lr=1.0)
+    args = types.SimpleNamespace(selector_weighting="exp", grad_accum=2, grad_clip=0.0)
+    step = train.train_step(
+        objective, opt, [objective.w], [(3.0, 2.0), (5.0, 6.0)], 0.5, args, world,
+        contextlib.nullcontext, contextlib.nullcontext,
+    )  # fmt: skip
+    metrics, norm, taken = step
+    assert metrics["loss"] == 1.0 and metrics["n"] == 1.0 and norm is None and taken
+    assert objective.w.item() == w_after
+
+
 @pytest.mark.parametrize("mode", ["offline", "online"])
 def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
     extra = (
@@ -3514,30 +3515,16 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
         str(setup / "target"),
         "--data",
         str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--max-steps",
-        "3",
-        "--eval-interval",
-        "1000",
-        "--eval-samples",
-        "3",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 "
+            "--max-steps 3 --eval-interval 1000 --eval-samples 3"
+        ).split(),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
+            *"-m torch.distributed.run --standalone --nproc_per_node=2".split(),
             os.path.join(HERE, "train.py"),
             *common,
             "--out-dir",
@@ -3557,33 +3544,6 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
     # both runs logged the same global metrics
     la, lb = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "one")
     assert la == pytest.approx(lb, rel=1e-5)
-
-
-def test_train_binds_its_gpu_before_the_process_group_with_a_timeout(setup, monkeypatch):
-    """train.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
-    LOCAL_RANK 1 binds cuda:1 first, then makes its nccl group on that device with --dist-timeout's
-    minutes; a timeout that is not positive is refused."""
-    import datetime
-
-    calls = []
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-
-    def group(backend, **kw):
-        calls.append((backend, kw))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(distributed.dist, "init_process_group", group)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(["--data", str(setup / "feats"), "--dist-timeout", "45"])
-    cuda1 = torch.device("cuda:1")
-    kw = {"device_id": cuda1, "timeout": datetime.timedelta(minutes=45)}
-    assert calls == [("set_device", cuda1), ("nccl", kw)]
-    with pytest.raises(SystemExit) as e:
-        train.parse_args(["--data", "x", "--dist-timeout", "0"])
-    assert e.value.code == 2
 
 
 # ---------------------------------------------------------- FSDP (train.py --fsdp, support/fsdp.py)
@@ -3622,22 +3582,10 @@ def fsdp_runs(setup, tmp_path_factory):
         str(setup / "target"),
         "--data",
         str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--seed",
-        "3",
-        "--eval-interval",
-        "1000",
-        "--log-interval",
-        "1",
-        "--fsdp",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 "
+            "--seed 3 --eval-interval 1000 --log-interval 1 --fsdp"
+        ).split(),
     ]
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
     one = lambda out, *extra: train.main(
@@ -3949,12 +3897,7 @@ def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
         str(cuda_setup / "target"),
         "--draft-config",
         str(cuda_setup / "draft.json"),
-        "--max-steps",
-        "1",
-        "--log-interval",
-        "1",
-        "--selector-loss-alpha",
-        "0",
+        *"--max-steps 1 --log-interval 1 --selector-loss-alpha 0".split(),
     ]
     real_clip, real_capture = torch.nn.utils.clip_grad_norm_, model.capture_features
 
@@ -4024,25 +3967,11 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         str(setup / "target"),
         "--data",
         str(setup / "feats"),
-        "--gamma",
-        "2",
-        "--num-anchors",
-        "8",
-        "--quiet",
-        "--eval-interval",
-        "1000",
-        "--warmup-ratio",
-        "0",
-        "--lr",
-        "1e-2",
-        "--lr-schedule",
-        "constant",
-        "--seed",
-        "3",
-        "--max-steps",
-        "6",
-        "--log-interval",
-        "1",
+        *(
+            "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 "
+            "--warmup-ratio 0 --lr 1e-2 --lr-schedule constant --seed 3 "
+            "--max-steps 6 --log-interval 1"
+        ).split(),
         *peak,
     ]
 
@@ -4050,10 +3979,7 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
         done = subprocess.run(
             [
                 sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=1",
+                *"-m torch.distributed.run --standalone --nproc_per_node=1".split(),
                 str(script),
                 *common,
                 "--out-dir",
@@ -4079,31 +4005,6 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
 
 
 # ============================================================================ prepare.py
-def test_prepare_binds_its_gpu_before_the_process_group(setup, monkeypatch):
-    """prepare.py under torchrun on a GPU machine (CUDA played by monkeypatch): rank 0 of 2 with
-    LOCAL_RANK 1 binds cuda:1 first, then makes its gloo group, so that nothing it does lands on
-    GPU 0."""
-    calls = []
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
-    monkeypatch.setattr(
-        prepare.dist, "init_process_group", lambda backend, **kw: calls.append((backend,))
-    )
-    monkeypatch.setattr(prepare.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(prepare.dist, "get_world_size", lambda: 2)
-
-    def stop(*a):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(prepare, "load_target", stop)
-    with pytest.raises(KeyboardInterrupt):
-        prepare.main(["--data", str(setup / "convs.jsonl"), "--out-dir", "x", "--regenerate"])
-    assert calls == [("set_device", "cuda:1"), ("gloo",)]
-
-
 # ---------------------------------------------------------------------------- regeneration
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()
@@ -4369,17 +4270,10 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         user_only_jsonl(tmp_path),
         "--out-dir",
         str(out),
-        "--regenerate",
-        "--max-new-tokens",
-        "5",
-        "--batch-size",
-        "2",
-        "--features",
-        "--feature-dtype",
-        "bf16",
-        "--save-target-hidden",
-        "--shard-size",
-        "2",
+        *(
+            "--regenerate --max-new-tokens 5 --batch-size 2 --features "
+            "--feature-dtype bf16 --save-target-hidden --shard-size 2"
+        ).split(),
     ]
     packed, put = [], tune.set_layout  # the target's weights packed, as asked
     tune.set_layout = lambda t, layout: packed.append(
@@ -5099,12 +4993,7 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
             str(tmp_path / "draft"),
             "--prompt",
             text,
-            "--max-new-tokens",
-            "24",
-            "--target-dtype",
-            "fp32",
-            "--draft-dtype",
-            "bf16",
+            *"--max-new-tokens 24 --target-dtype fp32 --draft-dtype bf16".split(),
         ]
     )
     ((out, stats),) = runs
@@ -5158,30 +5047,16 @@ def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
 
 def test_generate_defaults_run_the_reading_path_and_fast_opts_in():
     """Without --fast: the draft as trained (no --draft-dtype), stock GEMMs, the path of B-1 drafts,
-    nothing said. --fast: speed/'s choice for each of the three not given (--draft-dtype auto,
-    --target-gemm auto, a tree of tune.FAST_TREE nodes), and one line naming what it replaced; an
+    nothing said. --fast: speed/'s choice for each of the three not given, and a line saying so; an
     explicit flag keeps its value either way. The parsed flags stay as parsed."""
     args = generate.parse_args(["--draft", "d"])
     assert tune.choose(args, 8) == (None, None, [("path", 7)], "")
     args = generate.parse_args(["--draft", "d", "--fast"])
     parsed = dict(vars(args))
-    assert tune.choose(args, 8) == (
-        "auto",
-        "auto",
-        [("tree", tune.FAST_TREE)],
-        "--fast: --draft-dtype auto for the draft as trained, --target-gemm auto for stock GEMMs, "
-        f"--tree-budget {tune.FAST_TREE} for the path of 7 drafts",
-    )
-    assert vars(args) == parsed
-    args = generate.parse_args(
-        ["--draft", "d", "--fast", "--draft-dtype", "fp32", "--verify-tokens", "3"]
-    )
-    assert tune.choose(args, 8) == (
-        "fp32",
-        "auto",
-        [("path", 3)],
-        "--fast: --target-gemm auto for stock GEMMs",
-    )
+    *chosen, said = tune.choose(args, 8)
+    assert chosen == ["auto", "auto", [("tree", tune.FAST_TREE)]] and said and vars(args) == parsed
+    args = generate.parse_args("--draft d --fast --draft-dtype fp32 --verify-tokens 3".split())
+    assert tune.choose(args, 8)[:3] == ("fp32", "auto", [("path", 3)])
 
 
 # --------------------------------------------------------------------- sampling: the rejection rule
@@ -5649,44 +5524,24 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
-    argv, named = {
-        "export": (
-            ["export.py", str(tmp_path / "no.pt"), "--out-dir", str(tmp_path / "out")],
-            "no.pt",
-        ),
+    argv, named = {  # (paths without spaces: pytest's tmp_path)
+        "export": (f"export.py {tmp_path}/no.pt --out-dir {tmp_path}/out", "no.pt"),
         "generate": (
-            [
-                "generate.py",
-                "--target",
-                target_dir,
-                "--draft",
-                str(tmp_path / "broken"),
-                "--prompt",
-                "hi",
-            ],
+            f"generate.py --target {target_dir} --draft {tmp_path}/broken --prompt hi",
             "broken/config.json: not valid JSON (line 1)",
         ),
-        "train": (
-            ["train.py", "--target", target_dir, "--draft-config", cfg, "--data", str(tmp_path)]
-            + ["--gamma", "2"],  # block size 4 has no default gamma: train.py would say that first
+        "train": (  # block size 4 has no default gamma: train.py would say that first
+            f"train.py --target {target_dir} --draft-config {cfg} --data {tmp_path} --gamma 2",
             f"{tmp_path} is not a feature directory",
         ),
         "prepare": (
-            [
-                "prepare.py",
-                "--target",
-                target_dir,
-                "--data",
-                bad_jsonl(tmp_path),
-                "--out-dir",
-                str(tmp_path / "out"),
-                "--regenerate",
-            ],
+            f"prepare.py --target {target_dir} --data {bad_jsonl(tmp_path)} --out-dir "
+            f"{tmp_path}/out --regenerate",
             "bad.jsonl, line 3",
         ),
     }[case]
     run = subprocess.run(
-        [sys.executable, *argv],
+        [sys.executable, *argv.split()],
         cwd=HERE,
         capture_output=True,
         text=True,

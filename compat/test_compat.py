@@ -760,12 +760,7 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
         str(tmp_path / "ckpt.pt"),
         "--out-dir",
         str(tmp_path / "spec"),
-        "--dtype",
-        "fp32",
-        "--format",
-        "speculators",
-        "--verifier",
-        "Org/Target-4L",
+        *"--dtype fp32 --format speculators --verifier Org/Target-4L".split(),
     ]
     export.main(argv)
     if sharded:  # as a public sharded checkpoint: shards + index
