@@ -39,7 +39,7 @@ from compat import config_json as config
 from compat import serving
 from model import capture_features
 from speed import tune
-from support import common, features, metrics, show
+from support import common, features, loader, metrics, show
 from support.common import UsageError
 from test_all import (
     HERE,
