@@ -1649,11 +1649,12 @@ def test_selector_alpha_schedule_rounds_down():
 
 
 # docs/semantics.md section 4 (total); where the draw is the reference's own case (ce, exp weights,
-# strict), reference_objective, the definition written out, gives the same sums too
+# strict), reference_objective, the definition written out, gives the same sums too. The draws
+# read loss.py's tables: a base loss or position weighting of your own is drawn here too
 @pytest.mark.method
 @hypothesis.given(
-    st.sampled_from(["ce", "tv", "kl", "lk"]),
-    st.sampled_from(["exp", "dpace"]),
+    st.sampled_from(sorted(L.BASE_LOSSES)),
+    st.sampled_from(sorted(L.POSITION_WEIGHTS)),
     st.sampled_from(["strict", "replace"]),
     st.integers(1, 4),
     st.integers(0, 2**16),
@@ -1661,7 +1662,8 @@ def test_selector_alpha_schedule_rounds_down():
 @hypothesis.example("ce", "exp", "strict", 2, 0)  # the reference's case, every run
 def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
     """Numerator, denominator and the base and selector sums are the same in chunks of 1..4
-    anchors as in one (5 anchors: the last chunk is shorter unless the chunk divides 5)."""
+    anchors as in one (5 anchors: the last chunk is shorter unless the chunk divides 5); both are
+    finite, and the position weights leave every slot that does not count (w0 = 0) at zero."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(seed % 7)
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
     kw = dict(alpha_t=0.5, target_hidden=th, loss=loss, weighting=weighting, selector_miss=miss)
@@ -1670,8 +1672,12 @@ def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chun
         parts = objective_sums(
             draft, embed, head, ids, feats, anchors, loss_mask, valid, chunk_blocks=chunk, **kw
         )
+    assert torch.isfinite(one.numerator) and torch.isfinite(one.denominator)
     assert torch.allclose(one.numerator, parts.numerator, rtol=1e-5)
     assert torch.allclose(one.denominator, parts.denominator)
+    cfg = L.LossConfig(loss=loss, weighting=weighting, gamma=3.0)
+    w = L.POSITION_WEIGHTS[weighting](one.w0, one.slots, cfg)
+    assert torch.equal(w[one.w0 == 0], torch.zeros_like(w[one.w0 == 0])) and (w >= 0).all()
     if (loss, weighting, miss) == ("ce", "exp", "strict"):
         with torch.no_grad():
             h = model.forward_training(draft, embed, ids, feats, anchors)

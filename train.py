@@ -128,7 +128,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.freeze_conv and (args.dflash or args.selector_loss_alpha == 0):
         p.error("--freeze-conv: with --dflash or --selector-loss-alpha 0 nothing of DFlash2 trains")
-    if args.selector_weighting == "uniform" and args.position_weighting == "dpace":
+    if args.selector_weighting == "uniform" and args.position_weighting != "exp":
         p.error("--selector-weighting uniform takes --position-weighting exp (loss.py)")
     return args
 

@@ -4,8 +4,9 @@ what the code computes (test_all.py and the packages' test_*.py check that).
     python -m pytest -q tools/form.py
 
 Its name is not test_*.py, so `python -m pytest -q` leaves it out: a learner's edit to the method
-(a line added above a rule, a flag for an experiment) fails a behaviour test or none, never a check
-of the form. .ci/run runs it right after the test suite.
+(a line added above a rule, a flag for an experiment) fails a behaviour test or none. These checks
+are the developers' step: .ci/run runs it right after the test suite, and of them only the line
+budget speaks when a file grows (LINE_BUDGET keeps a margin for a variant or two).
 
 The map: each "# ====" banner (a check holds it equal to the banners):
     imports                         they flow one way, nothing rebinds a reading-path function,
@@ -496,7 +497,7 @@ def test_the_docstrings_map_the_banners():
 # default-data check and the one objective; support/ the loader (from data.py), run_logged and
 # --report-to; tools/ lost the study's runner and mutants' catalogue (now tools/mutants.toml).
 LINE_BUDGET = {
-    ".": 3570,
+    ".": 3600,
     "prompts": 310,
     "support": 3200,
     "compat": 680,
