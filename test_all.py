@@ -3497,7 +3497,9 @@ def test_compiled_training_step_compiles_once_per_static_shape():
     with torch._dynamo.config.patch(**{**compiling.COMPILE, "recompile_limit": 2}):
         counters.clear()
         # made as train.py makes them where anything compiles: loader.MicroBatches, static shapes
-        made = loader.MicroBatches(docs, [[j] for j in range(len(docs))], 8, 0, static=True)
+        made = loader.MicroBatches(
+            data.collate, docs, [[j] for j in range(len(docs))], 8, 0, static=True
+        )
         for b in loader.data_loader(made, iter([(0, rows) for rows in micro]), 0, pin=False):
             assert b["input_ids"].shape[1] in (64, 128) and b["anchors"].shape == (2, 8)
             out = objective(b, alpha_t=0.5)

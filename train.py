@@ -405,7 +405,7 @@ def train(args):
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     target, tok, embed_w, head_w = frozen_target(args, target_dtype, cfg, device, sharded)
     samples, eval_samples = data.load_split(args, tok)
-    rows, per_step, _, total = data.schedule(samples, args, world)
+    rows, per_step, per_epoch, total = data.schedule(samples, args, world)
     draft, objective, no_sync, params, opt, selector_on = build_objective(
         args, cfg, embed_w, head_w, target, device, sharded, ranked and not args.fsdp, use_bf16
     )
@@ -429,7 +429,8 @@ def train(args):
     # with --max-seconds they have no last step: the clock ends the run
     ends = None if args.max_seconds else total
     pin = device.type == "cuda"
-    ahead = loader.batches(samples, rows, args, rank, world, step, ends, static, pin)
+    plan = data.micro_batch_plan(step, ends, per_epoch, len(rows), args, rank, world)
+    ahead = loader.batches(data.collate, plan, samples, rows, args, static, pin)
 
     def next_batch():
         host = next(ahead)

@@ -9,8 +9,6 @@ data.py's (its rows, collate, its step order); nothing here changes what a step 
 
 import torch
 
-from data import collate, micro_batch_plan
-
 # ----------------------------------------------------------------------------- static shapes
 # A compiled step (train.py --compile, flex attention) specialises on its shapes: each new one
 # compiles again. Rows are padded to LENGTH_UNIT tokens times a power of two and the anchors to
@@ -52,18 +50,24 @@ def static_shapes(batch, num_anchors: int) -> dict:
 # ---------------------------------------------------------------------------- the order, made ahead
 class MicroBatches(torch.utils.data.Dataset):
     """A run's micro-batches, made wherever the DataLoader runs them (its worker processes): item
-    (epoch, row numbers) -> collate's batch of those rows on the CPU, anchors keyed by epoch and row
-    as train.py keys them, with static shapes when `static`."""
+    (epoch, row numbers) -> collate's batch of those rows on the CPU (collate: data.collate, passed
+    in, so that this machinery stays below data.py), anchors keyed by epoch and row as train.py keys
+    them, with static shapes when `static`."""
 
-    def __init__(self, samples, rows, num_anchors, seed, per_document=False, static=False):
-        self.samples, self.rows, self.num_anchors = samples, rows, num_anchors
+    def __init__(self, collate, samples, rows, num_anchors, seed, per_document=False, static=False):
+        self.collate, self.samples, self.rows, self.num_anchors = (
+            collate,
+            samples,
+            rows,
+            num_anchors,
+        )
         self.seed, self.per_document, self.static = seed, per_document, static
 
     def __getitem__(self, item):
         epoch, batch_rows = item
         keys = [epoch * len(self.rows) + r for r in batch_rows]
         docs = [[self.samples[j] for j in self.rows[r]] for r in batch_rows]
-        batch = collate(docs, keys, self.num_anchors, self.seed, "cpu", self.per_document)
+        batch = self.collate(docs, keys, self.num_anchors, self.seed, "cpu", self.per_document)
         return static_shapes(batch, self.num_anchors) if self.static else batch
 
 
@@ -84,14 +88,12 @@ def data_loader(dataset, schedule, workers: int, pin: bool):
     )
 
 
-def batches(samples, rows, args, rank, world, start, stop, static: bool, pin: bool):
-    """train.py's micro-batches for this rank, steps start..stop-1 (stop None: open-ended), in
-    data.micro_batch_plan's order: on the host (pinned where pin), made ahead by --data-workers
-    processes; to_device moves each. static: padded to static_shapes."""
-    per_epoch = len(rows) // (world * args.grad_accum * args.batch_size)
-    plan = micro_batch_plan(start, stop, per_epoch, len(rows), args, rank, world)
+def batches(collate, plan, samples, rows, args, static: bool, pin: bool):
+    """train.py's micro-batches in plan's order (data.micro_batch_plan's (epoch, row numbers)),
+    each made by collate (data.collate): on the host (pinned where pin), made ahead by
+    --data-workers processes; to_device moves each. static: padded to static_shapes."""
     per_doc = args.anchors_per == "document"
-    made = MicroBatches(samples, rows, args.num_anchors, args.seed, per_doc, static)
+    made = MicroBatches(collate, samples, rows, args.num_anchors, args.seed, per_doc, static)
     return iter(data_loader(made, plan, args.data_workers, pin))
 
 

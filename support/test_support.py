@@ -311,7 +311,9 @@ def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup)
         assert want[0]["features"].dtype == torch.float16
         assert want[0]["target_hidden"].dtype == torch.float32
         for workers in (0, 2):
-            made = loader.MicroBatches(samples, rows, num_anchors=6, seed=3, static=static)
+            made = loader.MicroBatches(
+                data.collate, samples, rows, num_anchors=6, seed=3, static=static
+            )
             got = list(loader.data_loader(made, iter(schedule), workers, pin=False))
             assert len(got) == len(want)
             for g, w in zip(got, want):
