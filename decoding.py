@@ -151,16 +151,19 @@ def draft_scores(draft, embed, head, ctx, ids, L: int):
     return h[:, 1 : L + 1], u
 
 
-def draft_proposal(draft, h, u, ids, temperature=0.0, use_selector=True, generator=None):
+def draft_proposal(
+    draft, h, u, ids, temperature=0.0, use_selector=True, generator=None, walk="sequential"
+):
     """The block's proposal -> (drafts [1, L], q [1, L, V] or None).
     h [1, L, H]: final draft hidden states of slots 1..L (L <= B-1); u [1, L, V]: their unary
     scores; ids [1, P]: the committed tokens (ids[:, -1] is the anchor).
 
     q is the distribution each draft token was sampled from; only rejection sampling needs it.
+    walk: how the selector walks its lattice, a name in selector.WALKS (generate.py --walk).
     """
     selector = draft.candidate_selector
     if use_selector and selector is not None:
-        d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator)  # q_k [1, L, K]
+        d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator, walk)  # [1, L, K]
         if temperature == 0:
             return d, None
         # q: the selector's K-way q, zero off the candidates

@@ -20,8 +20,9 @@ from functools import partial
 
 import torch
 
-from decoding import speculative_generate, target_generate
+from decoding import draft_proposal, speculative_generate, target_generate
 from export import load_any
+from selector import WALKS
 from speed import bench, machine, tune
 from support import distributed, show
 from support.common import DTYPES, add_chat_template_kwargs, count, nonneg, run
@@ -39,6 +40,8 @@ def reply(target, draft, tok, messages, args, gen, stop, *, mode, shape, head) -
     # decoding.py's cycle with a path of `size` drafts, or tree.py's with a tree of `size` nodes
     cycle = speculative_generate if kind == "path" else tree_generate
     kw = dict(use_selector=not args.unary, stop_ids=stop, head=head)
+    if kind == "path":  # step 2 walks the selector's lattice the way --walk names
+        kw["propose"] = partial(draft_proposal, walk=args.walk)
     if args.compare:  # untimed greedy warm-ups, as --bench runs: a first decoding pays one-off
         cycle(target, draft, ids, 8, size, **kw)  # costs, which a short answer shows
         target_generate(target, ids, 8, stop_ids=stop)
@@ -74,12 +77,17 @@ def parse_args(argv=None):
     a("--temperature", type=nonneg, default=0.0, help="0: greedy")
     a("--seed", type=int, default=0, help="the seed of sampling at temperature > 0")
     a("--unary", action="store_true", help="plain argmax / softmax proposals, no selector walk")
+    a("--walk", choices=list(WALKS), default="sequential", help="how the selector walks (path)")
     sizes = dict(nargs="+", type=count)  # several only with --bench: a row each
     a("--verify-tokens", **sizes, metavar="K", help="verify the first K drafts of each cycle's B-1")
     a("--tree-budget", **sizes, metavar="N", help="verify a tree of N drafted nodes (tree.py)")
     show.add_flags(a)  # --show, --show-svg, --compare: what it prints
     bench.add_flags(a)  # --bench, --bench-limit: prompt sets decoded every way
     args = ap.parse_args(argv)
+    if args.walk != "sequential" and (args.tree_budget or args.fast or args.bench or args.unary):
+        ap.error(
+            "--walk: a path of the selector's drafts (no --tree-budget, --fast, --bench, --unary)"
+        )
     show.check_flags(args, ap.error)
     if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
         ap.error("--verify-tokens / --tree-budget: several values (a row each) only with --bench")

@@ -105,11 +105,15 @@ class CandidateSelector(nn.Module):
         picks = torch.stack(picks, dim=1)  # [N, B-1] indices into K
         return cand_ids.gather(-1, picks[..., None]).squeeze(-1), torch.stack(qs, dim=1)
 
-    def propose(self, h, u, anchor, temperature: float = 0.0, generator=None):
+    def propose(self, h, u, anchor, temperature: float = 0.0, generator=None, walk="sequential"):
         """One block's proposal: h [N, B-1, H], unary u [N, B-1, V], anchor [N] -> (ids, q,
-        cand_ids)."""
+        cand_ids). walk: a name in WALKS (generate.py --walk)."""
         cand_scores, cand_ids = top_k_candidates(u, self.top_k)
-        ids, q = self.walk(
-            self.lattice(h, anchor, cand_ids, cand_scores), cand_ids, temperature, generator
-        )
+        lattice = self.lattice(h, anchor, cand_ids, cand_scores)
+        ids, q = WALKS[walk](self, lattice, cand_ids, temperature, generator)
         return ids, q, cand_ids
+
+
+# The walks a proposal can take: a walk of your own is a function with walk's arguments (the
+# selector first) and its name here; generate.py --walk takes every name (docs/speculation.md).
+WALKS = {"sequential": CandidateSelector.walk}

@@ -110,7 +110,7 @@ import tree
 from conv import GroupedDynamicCausalConv
 from decoding import crop, new_cache
 from model import DraftConfig, DraftModel, capture_features
-from selector import CandidateSelector, top_k_candidates, unary_transform
+from selector import WALKS, CandidateSelector, top_k_candidates, unary_transform
 
 # The pipeline and the machinery it stands on, in one guarded block: Part 1 (-m method) needs only
 # the mechanism above, so a module here that fails to import must not stop it from collecting. The
@@ -983,10 +983,13 @@ def test_selector_scores_equal_formula():
 
 # pins docs/semantics.md section 2.2
 @pytest.mark.method
-def test_fresh_selector_walk_is_unary_argmax():
+@pytest.mark.parametrize("walk", sorted(WALKS))  # a walk of your own is drawn here too
+def test_fresh_selector_walk_is_unary_argmax(walk):
+    """With Bs = 0 every edge scores its candidate's unary score alone: any greedy walk is the
+    unary argmax path."""
     s = make_selector(fresh=True)
     h, u = torch.randn(4, 7, 12), torch.randn(4, 7, 30)
-    ids, q, _ = s.propose(h, u, anchor=torch.tensor([0, 1, 2, 3]))
+    ids, q, _ = s.propose(h, u, anchor=torch.tensor([0, 1, 2, 3]), walk=walk)
     assert torch.equal(ids, u.argmax(-1))
 
 
