@@ -138,10 +138,6 @@ class Objective:
     prev: torch.Tensor  # [N, A, L] x[a+j-1], the teacher-forced predecessor
     w0: torch.Tensor  # [N, A, L] which slots count
 
-    @property
-    def loss(self) -> torch.Tensor:
-        return self.numerator / self.denominator.clamp(min=1e-9)
-
 
 def objective(
     draft,
