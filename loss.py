@@ -265,8 +265,9 @@ def slot_numbers(draft, lm_head_weight, K: int, h, labels, target_hidden) -> tup
     accepted, kl, target_mass = logq_label.exp(), None, None
     if target_hidden is not None:
         logp = F.log_softmax(head(target_hidden.flatten(0, 1)).float(), -1)  # the target's p
-        accepted = torch.minimum(logp.exp(), logq.exp()).sum(-1)
-        kl = (logp.exp() * (logp - logq)).sum(-1)
+        p = logp.exp()
+        accepted = torch.minimum(p, logq.exp()).sum(-1)
+        kl = (p * (logp - logq)).sum(-1)
         target_mass = logp.gather(-1, cand_ids).exp().sum(-1).detach()
     made = (
         logq_label,

@@ -34,7 +34,8 @@ def measure(selector, out: loss.Objective, loss_mask, anchors, anchor_valid, acc
     labels, w0, cand_ids = flat(out.labels), flat(out.w0), flat(s.cand_ids)
     valid = w0 > 0
     n, blocks, D = valid.float(), anchor_valid.float().sum(), out.denominator
-    covered = (cand_ids == labels[..., None]).any(-1) & valid
+    hit = cand_ids == labels[..., None]  # [M, L, K]: where the label is among the top-K
+    covered = hit.any(-1) & valid
     greedy_ok = (flat(s.argmax) == labels) & valid
     m = {
         "base_loss": (out.base.detach(), D),
@@ -49,7 +50,6 @@ def measure(selector, out: loss.Objective, loss_mask, anchors, anchor_valid, acc
     runs = {"unary": greedy_ok}
     if out.selector is not None:
         h, prev, cand_scores = flat(out.h), flat(out.prev), flat(s.cand_scores)
-        hit = cand_ids == labels[..., None]
         strict = selector.teacher_forced_scores(h, prev, cand_ids, cand_scores).float()
         right = (strict.argmax(-1) == hit.float().argmax(-1)).float()
         # the greedy self-conditioned path: walk from the anchor, fed its own choices
