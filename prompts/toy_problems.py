@@ -12,6 +12,8 @@ nearly all template text, which is what lets a draft commit several tokens per c
 import random
 import sys
 
+from prompts.word_problems import distinct
+
 NAMES = "Anna Ben Carla David Emma Hiro Lena Omar Priya Rosa Sam Zoe".split()
 THINGS = "apples pencils stickers marbles cookies books shells cards".split()
 CONTAINERS = "boxes bags jars packs".split()
@@ -72,15 +74,8 @@ def fill(i: int, rng: random.Random) -> tuple:
 
 def toy_problems(n: int, seed: int = 0) -> list:
     """n distinct (question, worked answer) pairs, templates taken in turn."""
-    rng, out, seen = random.Random(seed), [], set()
-    for i in range(50 * n):
-        if len(out) == n:
-            break
-        pair = fill(i, rng)
-        if pair[0] not in seen:
-            seen.add(pair[0])
-            out.append(pair)
-    return out
+    rng = random.Random(seed)
+    return distinct(n, lambda i: fill(i, rng), key=lambda pair: pair[0])
 
 
 def toy_split() -> tuple:

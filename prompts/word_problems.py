@@ -17,27 +17,9 @@ NAMES = (
     "Aria Leo Maya Owen Nora"
 ).split()
 THINGS = (
-    "apples",
-    "oranges",
-    "pencils",
-    "stickers",
-    "marbles",
-    "cookies",
-    "cupcakes",
-    "books",
-    "toy cars",
-    "stamps",
-    "shells",
-    "candles",
-    "bracelets",
-    "notebooks",
-    "balloons",
-    "muffins",
-    "tomatoes",
-    "eggs",
-    "flowers",
-    "cards",
-)
+    "apples, oranges, pencils, stickers, marbles, cookies, cupcakes, books, toy cars, stamps, "
+    "shells, candles, bracelets, notebooks, balloons, muffins, tomatoes, eggs, flowers, cards"
+).split(", ")
 CONTAINERS = ("boxes", "bags", "baskets", "packs", "jars", "crates", "trays")
 JOBS = ("babysitting", "mowing lawns", "walking dogs", "tutoring", "washing cars")
 PLACES = (
@@ -146,14 +128,20 @@ def fill(template: str, rng: random.Random) -> str:
     return template.format(**slots)
 
 
-def word_problems(n: int, seed: int = 0) -> list:
-    """n distinct questions, templates taken in turn so every kind of problem is represented."""
-    rng, out, seen = random.Random(seed), [], set()
+def distinct(n: int, make, key=lambda x: x) -> list:
+    """The first n of make(0), make(1), ... whose key is new (at most 50 n tries)."""
+    out, seen = [], set()
     for i in range(50 * n):
         if len(out) == n:
             break
-        q = fill(TEMPLATES[i % len(TEMPLATES)], rng)
-        if q not in seen:
-            seen.add(q)
-            out.append(q)
+        x = make(i)
+        if key(x) not in seen:
+            seen.add(key(x))
+            out.append(x)
     return out
+
+
+def word_problems(n: int, seed: int = 0) -> list:
+    """n distinct questions, templates taken in turn so every kind of problem is represented."""
+    rng = random.Random(seed)
+    return distinct(n, lambda i: fill(TEMPLATES[i % len(TEMPLATES)], rng))
