@@ -4017,6 +4017,13 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
 
 # ============================================================================ prepare.py
 # ---------------------------------------------------------------------------- regeneration
+def in_process_answers(tmp_path, target, tok, name="in-process", **kw):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    prepare.regenerate(target, tok, PROMPTS, str(out), max_new_tokens=6, batch_size=2, **kw)
+    return regen.merge_regenerated(str(out), len(PROMPTS))
+
+
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     one, batched = tmp_path / "one", tmp_path / "batched"
@@ -4039,16 +4046,10 @@ def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
 
 
 def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
-    """--temperature > 0: the same seed samples the same answers, on a rerun and on a run resumed
-    after whole batches; another seed or greedy gives others; every record keeps its settings; a
-    rerun with other settings is refused."""
+    """--temperature > 0: one seed, one set of answers (rerun or resumed); the settings are
+    recorded, and a rerun with others is refused."""
     target, tok = tiny_target("llama"), tiny_tokenizer()
-
-    def regenerate(name, **kw):
-        (tmp_path / name).mkdir(exist_ok=True)
-        prepare.regenerate(target, tok, PROMPTS, str(tmp_path / name), 6, batch_size=2, **kw)
-        return regen.merge_regenerated(str(tmp_path / name), len(PROMPTS))
-
+    regenerate = lambda *a, **kw: in_process_answers(tmp_path, target, tok, *a, **kw)  # noqa: E731
     hot = dict(temperature=2.0, seed=3, chat_template_kwargs=NO_THINKING)
     a = regenerate("a", **hot)
     assert a == regenerate("b", **hot)
@@ -4075,13 +4076,9 @@ def test_prompt_part_keeps_turns_before_first_answer():
 # ----------------------------------------------- regeneration on a server (support/regen_server.py)
 @contextlib.contextmanager
 def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
-    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
-    /v1/chat/completions renders the messages with tok's chat template (and the request's
-    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
-    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
-    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
-    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
-    answered."""
+    """An OpenAI-compatible server on 127.0.0.1 answering greedily with target, as llama-server does
+    (ids: logprobs.content[i].id, the stop token's with stop_id); the first fail_first requests,
+    and every one after fail_after answers, fail. Yields (url, log)."""
     import http.server
     import threading
 
@@ -4111,30 +4108,19 @@ def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_a
                 if fail_after is not None and len(log["asked"]) >= fail_after:
                     return self.reply(500, {"error": "out of memory"})
                 assert body["temperature"] == 0 and body["model"] == "tiny"
-                text = tok.apply_chat_template(
-                    body["messages"],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    **body["chat_template_kwargs"],
+                kw = dict(
+                    tokenize=False, add_generation_prompt=True, **body["chat_template_kwargs"]
                 )
+                text = tok.apply_chat_template(body["messages"], **kw)
                 enc = tok(text, return_tensors="pt", add_special_tokens=False)
-                out = target.generate(
-                    **enc,
-                    max_new_tokens=body["max_tokens"],
-                    do_sample=False,
-                    pad_token_id=tok.eos_token_id,
-                )[0, enc["input_ids"].shape[1] :].tolist()
+                n, pad = body["max_tokens"], tok.eos_token_id
+                out = target.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=pad)
+                out = out[0, enc["input_ids"].shape[1] :].tolist()
                 log["asked"].append(body["messages"])
             stopped = tok.eos_token_id in out
             new = out[: out.index(tok.eos_token_id)] if stopped else out
-            choice = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": tok.decode(new, skip_special_tokens=True),
-                },
-                "finish_reason": "stop" if stopped else "length",
-            }
+            message = {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)}
+            choice = {"index": 0, "message": message, "finish_reason": ("length", "stop")[stopped]}
             if ids:
                 given = out[: len(new) + 1] if stop_id else new
                 choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
@@ -4151,11 +4137,12 @@ def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_a
         server.server_close()
 
 
-def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
+def server_answers(tmp_path, tok, name, url, prompts=PROMPTS, **kw) -> str:
+    """Regenerate prompts on the server at url into tmp_path/name; -> the folder."""
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
-    return regen.merge_regenerated(str(out), len(prompts))
+    regen.regenerate_on_servers(tok, prompts, str(out), [url], 6, **kw)
+    return str(out)
 
 
 def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
@@ -4165,22 +4152,20 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
     # (a tie goes to the lower id), so it comes where that token would
-    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
+    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, "probe")]
     some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
     with torch.no_grad():
         target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
-    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    expected = in_process_answers(tmp_path, target, tok)
     stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
     assert 0 < sum(stopped) < len(PROMPTS)
-    out = tmp_path / "server"
-    out.mkdir()
     with tiny_openai_server(target, tok) as (url, log):
         client = dict(concurrency=3, retries=0, wait=0.0)
-        regen.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
-        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        server_answers(tmp_path, tok, "server", url, PROMPTS[:2], **client)
+        out = server_answers(tmp_path, tok, "server", url, **client)
         assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
-    assert regen.merge_regenerated(str(out), len(PROMPTS)) == expected
-    records = regen.read_regenerated(str(out)).values()
+    assert regen.merge_regenerated(out, len(PROMPTS)) == expected
+    records = regen.read_regenerated(out).values()
     for r in records:
         ids = r["messages"][-1]["token_ids"]
         again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
@@ -4188,22 +4173,17 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
         assert r["retokenized_differs"] == (again[: len(ids)] != ids)
         assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
     d = sum(r["retokenized_differs"] for r in records)
-    assert "5 answers keep the target's generated token ids" in regen.fidelity(records)
     assert f"would change {d} ({100 * d / 5:.1f}%)" in regen.fidelity(records)
-    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
-    nostop.mkdir()
+    # ids without the token it stopped at: appended, as in-process
     with tiny_openai_server(target, tok, stop_id=False) as (url, log):
-        regen.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
-    assert regen.merge_regenerated(str(nostop), len(PROMPTS)) == expected
+        nostop = server_answers(tmp_path, tok, "nostop", url, concurrency=2)
+    assert regen.merge_regenerated(nostop, len(PROMPTS)) == expected
     # no ids from the server: the text, re-tokenized; the share that differs by count
-    plain = tmp_path / "plain"
-    plain.mkdir()
     with tiny_openai_server(target, tok, ids=False) as (url, log):
-        regen.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
-    got = regen.merge_regenerated(str(plain), len(PROMPTS))
+        plain = server_answers(tmp_path, tok, "plain", url, concurrency=2)
     strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
-    assert got == strip
-    for i, r in regen.read_regenerated(str(plain)).items():
+    assert regen.merge_regenerated(plain, len(PROMPTS)) == strip
+    for i, r in regen.read_regenerated(plain).items():
         n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
         assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
 
@@ -4214,9 +4194,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     for the others and makes the in-process conversations."""
     target, tok = tiny_target("llama"), tiny_tokenizer()
     with tiny_openai_server(target, tok, fail_first=2) as (url, log):
-        out = tmp_path / "flaky"
-        out.mkdir()
-        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        server_answers(tmp_path, tok, "flaky", url, retries=2, wait=0.0)
         assert log["requests"] == len(PROMPTS) + 2
     target_dir, _ = tiny_setup(tmp_path)
     out = tmp_path / "out"
@@ -4226,34 +4204,26 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     def fails(*server_argv) -> str:
         with pytest.raises(SystemExit) as e:
             common.run(lambda: prepare.main(argv + list(server_argv)))
+        [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
         assert e.value.code == 2
-        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
-        assert len(errors) == 1
-        return errors[0]
+        return line
 
-    [down] = free_ports(1)
-    line = fails("--server", f"http://127.0.0.1:{down}")
-    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    down = f"http://127.0.0.1:{free_ports(1)[0]}"
+    assert down in fails("--server", down)
     # a mistyped --target (the servers run the target; here it gives the tokenizer): one line
-    nope = str(tmp_path / "nope")
-    line = fails("--server", f"http://127.0.0.1:{down}", "--target", nope)
-    assert line == f"error: --target {nope}: no such model directory"
+    assert "--target" in fails("--server", down, "--target", str(tmp_path / "nope"))
     with tiny_openai_server(target, tok, fail_after=2) as (url, log):
         line = fails("--server", url, "--concurrency", "1")
-    assert re.fullmatch(
-        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
-        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
-        r".jsonl, a rerun asks only for the 3 others",
-        line,
-    )
+    assert url.removesuffix("/v1") in line and "out of memory" in line
+    assert len(regen.read_regenerated(str(out))) == 2  # the answers it gave are kept
     with tiny_openai_server(target, tok) as (url, log):
         prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
         assert len(log["asked"]) == 3
-    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
+    prepare.main(argv + ["--server", down])  # all done: nothing asked
     convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     tok_saved = prepare.load_tokenizer(target_dir)[1]
     target_saved = prepare.load_target(target_dir)[0]
-    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
+    assert convs == in_process_answers(tmp_path, target_saved, tok_saved)
 
 
 # ---------------------------------------------------------------------------- features
