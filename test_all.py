@@ -4239,42 +4239,37 @@ def read_shards(out):
     return shards
 
 
-def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path):
+def count_batched(monkeypatch) -> list:
+    """Record the sequences prepare.batch_features is given (its third argument)."""
+    seen, batch_features = [], prepare.batch_features
+    monkeypatch.setattr(
+        prepare, "batch_features", lambda *a: seen.extend(a[2]) or batch_features(*a)
+    )
+    return seen
+
+
+def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path, monkeypatch):
     target_dir, cfg = tiny_setup(tmp_path)
     out = tmp_path / "out"
-    argv = [
-        "--target",
-        target_dir,
-        "--draft-config",
-        cfg,
-        "--data",
-        user_only_jsonl(tmp_path),
-        "--out-dir",
-        str(out),
-        *(
-            "--regenerate --max-new-tokens 5 --batch-size 2 --features "
-            "--feature-dtype bf16 --save-target-hidden --shard-size 2"
-        ).split(),
-    ]
+    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
+    argv += ["--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2"]
+    argv += "--features --feature-dtype bf16 --save-target-hidden --shard-size 2".split()
     packed, put = [], tune.set_layout  # the target's weights packed, as asked
-    tune.set_layout = lambda t, layout: packed.append(
-        type(put(t, layout).model.layers[0].mlp.up_proj).__name__
+    monkeypatch.setattr(
+        tune,
+        "set_layout",
+        lambda t, how: packed.append(type(put(t, how).model.layers[0].mlp.up_proj)),
     )
-    try:
-        prepare.main(argv + ["--target-gemm", "onednn"])
-        # refused, after loading the target
-        with pytest.raises(UsageError, match="use a new --out-dir"):
-            # auto: stock on a CPU the rule does not know
-            prepare.main(argv[:-1] + ["3"])
-    finally:
-        tune.set_layout = put
-    assert packed == ["PackedLinear", "Linear"]
+    prepare.main(argv + ["--target-gemm", "onednn"])
+    # refused, after loading the target (auto: stock on a CPU the rule does not know)
+    with pytest.raises(UsageError, match="use a new --out-dir"):
+        prepare.main(argv[:-1] + ["3"])
+    assert [c.__name__ for c in packed] == ["PackedLinear", "Linear"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
     assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
-    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest[
-        "skipped_nonfinite"
-    ] == 0
+    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
+    assert manifest["skipped_nonfinite"] == 0
     convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     samples = features.load_features(str(out))
     target, tok = load_target(target_dir)
@@ -4285,21 +4280,15 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
         with torch.no_grad():
             _, feats = capture_features(target, [0, 2], input_ids=ids[None])
-            # after the final norm
-            hidden = target.model(input_ids=ids[None]).last_hidden_state
+            hidden = target.model(input_ids=ids[None]).last_hidden_state  # after the final norm
         assert s["features"].dtype == torch.bfloat16
         assert torch.equal(s["features"], feats[0].to(torch.bfloat16))
         assert torch.equal(s["target_hidden"], hidden[0].to(torch.bfloat16))
     # rerun: every shard exists, so the target never runs; a lost shard is rebuilt identically
     before = read_shards(out)
     os.remove(out / "shard-00001.safetensors")
-    seen, batch_features = [], prepare.batch_features
-    # a[2]: the sequences
-    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)
-    try:
-        prepare.main(argv)
-    finally:
-        prepare.batch_features = batch_features
+    seen = count_batched(monkeypatch)
+    prepare.main(argv)
     assert len(seen) == 2  # shard 1's two sequences only
     after = read_shards(out)
     assert before.keys() == after.keys()
@@ -4311,11 +4300,9 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
 
 
 def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_path, monkeypatch):
-    """--max-seconds: prompts in windows of --shard-size, each answered and captured before the
-    next; a window is not begun when the last one's seconds no longer fit. On a clock that moves
-    60 s a window, a budget of 100 s keeps the first window alone (60 s left 40, under 60),
-    complete: answers, conversations.jsonl and a manifest of its shard. A rerun without it answers
-    the other three only and ends where an unbounded run would: shards of 2, 2 and 1."""
+    """--max-seconds: windows of --shard-size prompts, each answered and captured before the next,
+    none begun once the last one's seconds no longer fit. At 60 s a window, 100 s keeps the first
+    window alone, complete; a rerun answers the other three only, ending as an unbounded run."""
     target_dir, cfg = tiny_setup(tmp_path)
     out = tmp_path / "out"
     argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
@@ -4334,14 +4321,12 @@ def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_pat
     assert [s["num_samples"] for s in manifest["shards"]] == [2] and clock[0] == 60
     assert len((out / "conversations.jsonl").read_text().splitlines()) == 2
     asked, generate = [], prepare.regenerate
-    monkeypatch.setattr(
-        prepare,
-        "regenerate",
-        lambda t, k, p, **kw: (
-            asked.append(len(regen.pending(kw["out_dir"], len(p), 0, 1, regen.settings())[0]))
-            or generate(t, k, p, **kw)
-        ),
-    )
+
+    def regenerate(t, k, p, **kw):
+        asked.append(len(regen.pending(kw["out_dir"], len(p), 0, 1, regen.settings())[0]))
+        return generate(t, k, p, **kw)
+
+    monkeypatch.setattr(prepare, "regenerate", regenerate)
     prepare.main(argv)
     manifest = json.loads((out / "manifest.json").read_text())
     assert asked == [3] and [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
@@ -4349,6 +4334,10 @@ def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_pat
     monkeypatch.setattr(prepare, "time", types.SimpleNamespace(time=tick))
     with pytest.raises(UsageError, match="no time left for one window"):  # 10 s gone, of 1
         prepare.main(argv + ["--max-seconds", "1"])
+
+
+def answered(prompts, answers) -> list:
+    return [p + [{"role": "assistant", "content": a}] for p, a in zip(prompts, answers)]
 
 
 def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
@@ -4360,10 +4349,7 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
             out * torch.where((args[0] == poison).any(-1), float("nan"), 1.0)[:, None, None]
         )
     )
-    convs = [
-        PROMPTS[0] + [{"role": "assistant", "content": a}]
-        for a in ["fine , thanks", "poison too", "the cat"]
-    ]
+    convs = answered(PROMPTS[:1] * 3, ["fine , thanks", "poison too", "the cat"])
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
     features.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -4376,105 +4362,69 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
     # mixed lengths in one shard: batches of 3 are right-padded; every real position must be
     # unchanged
     target, tok = tiny_target("llama"), tiny_tokenizer()
-    answers = [
-        "fine",
-        "the cat is fine too . the cat is blue .",
-        "hot",
-        "the sky is blue , the sun is hot .",
-        "ok !",
-    ]
-    convs = [PROMPTS[i] + [{"role": "assistant", "content": a}] for i, a in enumerate(answers)]
-    one, three = tmp_path / "one", tmp_path / "three"
-    one.mkdir(), three.mkdir()
-    # what each target forward is given: [rows, padded width]
-    shapes, forward = {}, target.forward
-    for d, b in ((one, 1), (three, 3)):
+    long = ["the cat is fine too . the cat is blue .", "the sky is blue , the sun is hot ."]
+    convs = answered(PROMPTS, ["fine", long[0], "hot", long[1], "ok !"])
+    shapes, forward = {}, target.forward  # what each target forward is given: [rows, width]
+    for b in (1, 3):
         shapes[b] = []
         target.forward = lambda **kw: (
             shapes[b].append(tuple(kw["input_ids"].shape)) or forward(**kw)
         )
-        prepare.write_features(
-            target,
-            tok,
-            convs,
-            str(d),
-            [0, 3],
-            feature_dtype="fp32",
-            save_target_hidden=True,
-            shard_size=8,
-            batch_size=b,
-        )
-        features.write_manifest(str(d), len(convs), 8, "tiny", 32)
+        kw = dict(feature_dtype="fp32", save_target_hidden=True, shard_size=8, batch_size=b)
+        (tmp_path / str(b)).mkdir()
+        prepare.write_features(target, tok, convs, str(tmp_path / str(b)), [0, 3], **kw)
+        features.write_manifest(str(tmp_path / str(b)), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
     lengths = sorted(len(conversations.tokenize_conversation(tok, c, 512)[0]) for c in convs)
-    assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [
-        (3, lengths[2]),
-        (2, lengths[4]),
-    ]
-    a, b = features.load_features(str(one)), features.load_features(str(three))
+    assert shapes[1] == [(1, n) for n in lengths]
+    assert shapes[3] == [(3, lengths[2]), (2, lengths[4])]
+    a, b = features.load_features(str(tmp_path / "1")), features.load_features(str(tmp_path / "3"))
     assert len({len(x["input_ids"]) for x in a}) > 1 and len(a) == len(b) == 5
     for x, y in zip(a, b):  # same order, same tokens, same features
-        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(
-            x["loss_mask"], y["loss_mask"]
-        )
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["loss_mask"], y["loss_mask"])
         for k in ("features", "target_hidden"):
             torch.testing.assert_close(x[k], y[k], rtol=1e-5, atol=1e-5)
 
 
-def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
+def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path, monkeypatch):
     # a rerun with more conversations (run.sh with a larger N_TRAIN) keeps the full shards and
-    # rebuilds
-    # the last one, which the smaller run had filled only in part
+    # rebuilds the last one, which the smaller run had filled only in part
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
-    convs = [
-        PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine " * (i + 1)}]
-        for i in range(7)
-    ]
-    prepare.write_features(
-        target, tok, convs[:5], str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32"
-    )
-    seen, batch_features = [], prepare.batch_features
-    # a[2]: the sequences
-    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)
-    try:
-        prepare.write_features(
-            target, tok, convs, str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32"
-        )
-    finally:
-        prepare.batch_features = batch_features
-    # shard 1 again, now with conversations 4, 5, 6
-    assert len(seen) == 3
+    convs = answered(PROMPTS * 2, ["the cat is fine " * (i + 1) for i in range(7)])
+    kw = dict(shard_size=4, feature_dtype="fp32")
+    prepare.write_features(target, tok, convs[:5], str(tmp_path), [0, 3], **kw)
+    seen = count_batched(monkeypatch)
+    prepare.write_features(target, tok, convs, str(tmp_path), [0, 3], **kw)
+    assert len(seen) == 3  # shard 1 again, now with conversations 4, 5, 6
     features.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
     grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
     for conv, sample in zip(convs, grown):
-        assert torch.equal(
-            sample["input_ids"], conversations.tokenize_conversation(tok, conv, 512)[0]
-        )
+        ids = conversations.tokenize_conversation(tok, conv, 512)[0]
+        assert torch.equal(sample["input_ids"], ids)
 
 
 def test_shards_split_across_ranks(tmp_path):
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
-    convs = [
-        PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine"}] for i in range(7)
-    ]
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    prepare.write_features(target, tok, convs, str(one), [0, 3], shard_size=2, feature_dtype="fp32")
-    prepare.write_features(
-        target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=1, world=2
+    convs = answered(PROMPTS * 2, ["the cat is fine"] * 7)
+    one, two, kw = (
+        str(tmp_path / "one"),
+        str(tmp_path / "two"),
+        dict(shard_size=2, feature_dtype="fp32"),
     )
+    os.mkdir(one), os.mkdir(two)
+    prepare.write_features(target, tok, convs, one, [0, 3], **kw)
+    prepare.write_features(target, tok, convs, two, [0, 3], rank=1, world=2, **kw)
     # k % 2 == 1
     assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]
     with pytest.raises(RuntimeError, match="not every rank"):
-        features.write_manifest(str(two), 7, 2, "tiny", 32)
-    prepare.write_features(
-        target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2
-    )
+        features.write_manifest(two, 7, 2, "tiny", 32)
+    prepare.write_features(target, tok, convs, two, [0, 3], rank=0, world=2, **kw)
     for d in (one, two):
-        features.write_manifest(str(d), 7, 2, "tiny", 32)
-    a, b = features.load_features(str(one)), features.load_features(str(two))
+        features.write_manifest(d, 7, 2, "tiny", 32)
+    a, b = features.load_features(one), features.load_features(two)
     assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
@@ -4491,29 +4441,15 @@ def hand_made_features(
         for j in range(per_shard):
             S = length + (k + j) % 3
             mask = torch.arange(S) % 2 if (k, j) in no_anchor else (torch.arange(S) > 0).long()
-            samples.append(
-                {
-                    "input_ids": torch.randint(0, 64, (S,), generator=g),
-                    "loss_mask": mask,
-                    "features": torch.randn(S, width, generator=g).to(dtype),
-                }
-            )
+            ids = torch.randint(0, 64, (S,), generator=g)
+            feats = torch.randn(S, width, generator=g).to(dtype)
+            samples.append({"input_ids": ids, "loss_mask": mask, "features": feats})
             if hidden:
                 samples[-1]["target_hidden"] = torch.randn(S, hidden, generator=g).to(dtype)
-        features.save_shard(
-            features.shard_path(out, k),
-            samples,
-            {
-                "target_layer_ids": "[0]",
-                "feature_dtype": "bf16",
-                "max_length": 512,
-                "target_hidden": bool(hidden),
-                "shard_size": per_shard,
-                "num_samples": per_shard,
-                "skipped_nonfinite": 0,
-                "skipped_no_anchor": 0,
-            },
-        )
+        meta = dict(target_layer_ids="[0]", feature_dtype="bf16", max_length=512)
+        meta |= dict(target_hidden=bool(hidden), shard_size=per_shard, num_samples=per_shard)
+        meta |= dict(skipped_nonfinite=0, skipped_no_anchor=0)
+        features.save_shard(features.shard_path(out, k), samples, meta)
     features.write_manifest(out, shards * per_shard, per_shard, "hand-made", width)
 
 
@@ -4522,14 +4458,8 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
 
     hand_made_features(str(tmp_path), shards=3, per_shard=3, no_anchor=[(1, 2)])
     whole = [load_file(str(tmp_path / f"shard-{k:05d}.safetensors")) for k in range(3)]
-    expected = [
-        {
-            key: whole[k][f"{key}.{j}"]
-            for key in ("input_ids", "loss_mask", "features", "target_hidden")
-        }
-        for k in range(3)
-        for j in range(3)
-    ]
+    keys = ("input_ids", "loss_mask", "features", "target_hidden")
+    expected = [{key: w[f"{key}.{j}"] for key in keys} for w in whole for j in range(3)]
     samples = features.load_features(str(tmp_path))
 
     def same(a, b):
@@ -4537,14 +4467,11 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
             x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
         )
 
-    assert same(list(samples), expected) and same(
-        [samples[8], samples[-9]], [expected[8], expected[0]]
-    )
-    assert same(list(samples[2:7]), expected[2:7]) and same(
-        list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]]
-    )
-    # train.py's view: the sequence without an anchor (shard 1, sample 2) is left out, the order
-    # kept
+    assert same(list(samples), expected)
+    assert same([samples[8], samples[-9]], [expected[8], expected[0]])
+    assert same(list(samples[2:7]), expected[2:7])
+    assert same(list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]])
+    # train.py's view: the sequence without an anchor (shard 1, sample 2) left out, the order kept
     kept = data.load_samples(str(tmp_path), False, None, 512)
     assert same(list(kept), expected[:5] + expected[6:])
     with pytest.raises(IndexError):
@@ -4588,32 +4515,19 @@ def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_pa
     for k in range(10):
         os.link(features.shard_path(str(one), 0), features.shard_path(str(ten), k))
     features.write_manifest(str(ten), 20, 2, "hand-made", 3072)
+    # large blocks always mapped and unmapped: glibc's moving threshold would let freed
+    # temporaries pile up on its heap and add noise to the peak
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
 
     def peak(folder, how):
+        probe = [sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how]
         run = subprocess.run(
-            [sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            # large blocks always mapped and unmapped: glibc's moving threshold
-            # would let
-            # freed temporaries pile up on its heap and add noise to the peak
-            env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+            probe, check=True, capture_output=True, text=True, timeout=300, env=env
         )
         return int(run.stdout.split()[-1])
 
-    streamed_one, streamed_ten, whole_ten = (
-        peak(one, "streamed"),
-        peak(ten, "streamed"),
-        peak(ten, "whole"),
-    )
-    print(
-        # pytest -s shows it
-        f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, "
-        f"10 shards {streamed_ten / 2**20:.1f}; "
-        f"read whole, 10 shards {whole_ten / 2**20:.1f} (a shard: {shard / 2**20:.1f})"
-    )
+    streamed_one, streamed_ten = peak(one, "streamed"), peak(ten, "streamed")
+    whole_ten = peak(ten, "whole")
     assert streamed_ten - streamed_one < shard / 4, (streamed_one, streamed_ten, shard)
     # the probe does see memory
     assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)
@@ -4622,21 +4536,9 @@ def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_pa
 def test_layer_ids_beyond_the_target_raise(tmp_path):
     # the target has 4
     target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)
+    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
     with pytest.raises(UsageError, match="num_hidden_layers = 4"):
-        prepare.main(
-            [
-                "--target",
-                target_dir,
-                "--draft-config",
-                cfg,
-                "--data",
-                user_only_jsonl(tmp_path),
-                "--out-dir",
-                str(tmp_path / "out"),
-                "--regenerate",
-                "--features",
-            ]
-        )
+        prepare.main(argv + ["--out-dir", str(tmp_path / "out"), "--regenerate", "--features"])
 
 
 # ============================================================================ export.py
