@@ -4544,27 +4544,18 @@ def test_layer_ids_beyond_the_target_raise(tmp_path):
 # ============================================================================ export.py
 def test_export_names_the_serving_flags_and_warns_where_llamacpp_would_refuse(tmp_path, capsys):
     """export.py prints the flags an engine must be given for the draft's block size B (SGLang's
-    --speculative-num-draft-tokens B, vLLM's num_speculative_tokens B - 1). A DFlash2 draft that
-    llama.cpp's loader refuses (hidden 32 < K (K + 1) = 72 at K = 8) is still exported in the zlab
-    format, with one warning line; the speculators format (no llama.cpp) and a draft that meets the
-    rule (K = 5: 30 <= 32) get none."""
+    B draft tokens, vLLM's B - 1 speculative tokens). A draft that llama.cpp's loader refuses
+    (hidden 32 < K (K + 1) = 72 at K = 8) is still exported, with one warning line; the speculators
+    format (no llama.cpp) and a draft that meets the rule (K = 5: 30 <= 32) get none."""
     for name, draft in (("small", tiny_draft(4, selector_top_k=8)), ("fits", tiny_draft(4))):
         write_ckpt(tmp_path / f"{name}.pt", draft)
         export.main([str(tmp_path / f"{name}.pt"), "--out-dir", str(tmp_path / name)])
         out, err = capsys.readouterr()
-        assert out.splitlines()[-1] == (
-            "serve it with block size 4: SGLang --speculative-num-draft-tokens 4, "
-            "vLLM num_speculative_tokens 3"
-        )
+        said = out.splitlines()[-1]
+        assert "--speculative-num-draft-tokens 4" in said and "num_speculative_tokens 3" in said
         assert (tmp_path / name / "config.json").is_file()
-        if name == "fits":
-            assert err == ""
-            continue
-        assert err.splitlines() == [
-            "warning: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 is below "
-            "K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice); "
-            "tools/llamacpp.py will not convert it"
-        ]
+        warned = err.splitlines()
+        assert warned == [] if name == "fits" else len(warned) == 1 and "72" in warned[0]
     spec = ["--format", "speculators", "--verifier", "t"]
     export.main([str(tmp_path / "small.pt"), "--out-dir", str(tmp_path / "spec"), *spec])
     assert capsys.readouterr().err == ""
@@ -4583,10 +4574,8 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
         assert set(f.keys()) == set(draft.state_dict())
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    assert (
-        cfg["architectures"] == ["DFlash2DraftModel"]
-        and cfg["dflash_config"]["selector_top_k"] == 5
-    )
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_top_k"] == 5
 
     back = export.load_draft(str(tmp_path / "fp32"))
     assert back.config == draft.config
@@ -4633,9 +4622,8 @@ class LearnersNote:  # an object a learner might add to the checkpoint's dict
 
 def test_a_checkpoint_is_read_as_data_by_export_and_resume(tmp_path, capsys):
     """export.py and train.py --resume read ckpt.pt alike, as data only: a file torch.save did not
-    write (text, another zip, a cut one) ends in one `error:` line saying it is no checkpoint; a
-    real checkpoint that holds an object of another class is refused by both, naming the class,
-    never called corrupted."""
+    write (text, another zip, a cut one) ends in one `error:` line naming it; a real checkpoint
+    that holds an object of another class is refused by both, naming the class."""
     draft = tiny_draft(4)
     write_ckpt(tmp_path / "ckpt.pt", draft)
     good = (tmp_path / "ckpt.pt").read_bytes()
@@ -4649,11 +4637,10 @@ def test_a_checkpoint_is_read_as_data_by_export_and_resume(tmp_path, capsys):
     for name in ("notes.pt", "other.zip", "cut.pt", "note.pt"):
         with pytest.raises(SystemExit) as stop:
             common.run(lambda: export.main([str(tmp_path / name), "--out-dir", out]))
-        err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-        said = "LearnersNote" if name == "note.pt" else "not a training checkpoint"
-        assert name in err[0] and said in err[0], err
-    with pytest.raises(UsageError, match=r"note\.pt: holds test_all\.LearnersNote"):
+        [err] = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and err.startswith("error: ") and name in err, err
+        assert ("LearnersNote" in err) == (name == "note.pt"), err
+    with pytest.raises(UsageError, match="LearnersNote"):
         train.load_checkpoint(str(tmp_path / "note.pt"), draft, None, False, 10)
     assert export.load_any(str(tmp_path / "ckpt.pt")).state_dict().keys() == ck["model"].keys()
     assert not os.path.exists(out)
@@ -4667,20 +4654,10 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
     back = export.load_draft(str(tmp_path / "out"))
-    assert back.candidate_selector is None and isinstance(
-        back.layers[0].attention_conv, model.PassThrough
-    )
+    assert back.candidate_selector is None
+    assert isinstance(back.layers[0].attention_conv, model.PassThrough)
     assert not any("conv" in k or "selector" in k for k in back.state_dict())
     assert torch.equal(block_hidden(back), block_hidden(draft))
-
-
-def test_export_cli_refuses_bad_flags(tmp_path, capsys):
-    write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4))
-    out = str(tmp_path / "out")
-    with pytest.raises(SystemExit) as e:
-        export.main([str(tmp_path / "ckpt.pt"), "--out-dir", out, "--format", "speculators"])
-    assert e.value.code == 2 and "--verifier" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------- sharded checkpoints
@@ -4718,9 +4695,8 @@ def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
     shards = shard_by_hand(out)
     sd = draft.state_dict()
     back = export.load_any(str(out))
-    assert back.config == draft.config and all(
-        torch.equal(v, back.state_dict()[k]) for k, v in sd.items()
-    )
+    assert back.config == draft.config
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in sd.items())
     assert torch.equal(block_hidden(back), block_hidden(draft))
     # a single-file re-export into the same directory replaces the shards
     export.export(str(out), str(out), torch.float32)
@@ -4731,30 +4707,14 @@ def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
     shard_by_hand(tmp_path / "b")
     idx = tmp_path / "b" / "model.safetensors.index.json"
     good = json.loads(idx.read_text())
-    moved = dict(
-        good,
-        weight_map={
-            **good["weight_map"],
-            "fc.weight": shards[-1] if good["weight_map"]["fc.weight"] != shards[-1] else shards[0],
-        },
-    )
-    for broken, why in (
-        (moved, "does not place there"),
-        (
-            dict(good, weight_map={**good["weight_map"], "extra.weight": shards[0]}),
-            "no shard holds",
-        ),
-        (
-            {
-                "weight_map": {
-                    **good["weight_map"],
-                    "extra.weight": "model-00009-of-00009.safetensors",
-                }
-            },
-            "model-00009-of-00009.safetensors",
-        ),
-    ):  # a missing shard
-        idx.write_text(json.dumps(broken))
+    where = good["weight_map"]
+    elsewhere = shards[0] if where["fc.weight"] == shards[-1] else shards[-1]
+    for changed, why in (
+        ({"fc.weight": elsewhere}, "does not place there"),
+        ({"extra.weight": shards[0]}, "no shard holds"),
+        ({"extra.weight": "model-00009-of-00009.safetensors"}, "model-00009-of-00009"),  # missing
+    ):
+        idx.write_text(json.dumps(dict(good, weight_map={**where, **changed})))
         with pytest.raises(UsageError, match=why):
             export.load_any(str(tmp_path / "b"))
     idx.write_text(json.dumps(good))
