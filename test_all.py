@@ -4752,9 +4752,8 @@ def test_greedy_is_lossless_in_each_precision_and_cpu_layout(kind, draft_kw):
 
 
 def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
-    """--bench: every prompt is decoded plainly in each layout and then in each speculative row
-    before the next prompt starts, so a drift in the machine's speed cannot fall on one way's whole
-    run; a greedy row's answers all equal plain decoding's."""
+    """--bench decodes every prompt every way before the next prompt, so a drift in the machine's
+    speed cannot fall on one way's whole run; a greedy row's answers all equal plain decoding's."""
     import argparse
 
     target, draft = tiny_target("llama"), tiny_draft(4)
@@ -4777,16 +4776,8 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
 
     monkeypatch.setattr(bench, "target_generate", plain)
     monkeypatch.setattr(bench, "speculate", spec)
-    args = argparse.Namespace(
-        verify_tokens=[1, 3],
-        tree_budget=None,
-        draft="d",
-        bench=["gsm8k"],
-        bench_limit=None,
-        max_new_tokens=12,
-        temperature=0.0,
-        chat_template_kwargs={},
-    )
+    args = argparse.Namespace(verify_tokens=[1, 3], tree_budget=None, draft="d", bench=["gsm8k"])
+    vars(args).update(bench_limit=None, max_new_tokens=12, temperature=0.0, chat_template_kwargs={})
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock")
     shapes, gen = [("path", 1), ("path", 3)], torch.Generator().manual_seed(0)
     bench.bench(target, draft, None, None, args, gen, set(), layouts, shapes)
@@ -4798,15 +4789,10 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))
     assert calls[6:] == [c for i in range(3) for c in ways(int(prompt(seed=i)[0, 0]))]
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [r[1:4] for r in rows[:4]] == [
-        ["selector", "path", "of"],
-        ["selector", "path", "of"],
-        ["unary", "path", "of"],
-        ["unary", "path", "of"],
+    assert [(r[1], r[2], r[4]) for r in rows[:4]] == [
+        (m, "path", k) for m in ("selector", "unary") for k in "13"
     ]
-    assert [r[4] for r in rows[:4]] == ["1", "3", "1", "3"] and all(
-        r[-1] == "3/3" for r in rows[:4]
-    )
+    assert all(r[-1] == "3/3" for r in rows[:4])  # every answer equal to plain decoding's
     assert [r[1:3] for r in rows[4:]] == [["plain", "onednn"], ["plain", "stock"]]
 
 
@@ -4828,38 +4814,23 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
 
     monkeypatch.setattr(show.Answer, "report", recording)
     text = "tell me about the cat ."
-    generate.main(
-        [
-            "--target",
-            str(setup / "target"),
-            "--draft",
-            str(tmp_path / "draft"),
-            "--prompt",
-            text,
-            *"--max-new-tokens 24 --target-dtype fp32 --draft-dtype bf16".split(),
-        ]
-    )
+    argv = ["--target", str(setup / "target"), "--draft", str(tmp_path / "draft"), "--prompt", text]
+    generate.main(argv + "--max-new-tokens 24 --target-dtype fp32 --draft-dtype bf16".split())
     ((out, stats),) = runs
     target, tok = load_target(str(setup / "target"))
     target = target.to(device)
     p = encode(tok, [{"role": "user", "content": text}], device)
     stop = sorted(stop_token_ids(target, tok))
-    ref = target.generate(
-        p,
-        attention_mask=torch.ones_like(p),
-        max_new_tokens=24,
-        do_sample=False,
-        eos_token_id=stop,
-        pad_token_id=stop[0],
-    )
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=stop, pad_token_id=stop[0])
+    ref = target.generate(p, attention_mask=torch.ones_like(p), **kw)
     assert out.device.type == device and torch.equal(out, ref), (out, ref)
     assert stats.new_tokens == ref.shape[1] - p.shape[1] > 1
 
 
 def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
-    """--compare at the first token where plain and speculative greedy output part: a tie when the
-    two tokens' logits are closer than a one-token step and a block verify differ there (the
-    largest difference, on either side) plus one rounding in the target's dtype; else a bug."""
+    """--compare where plain and speculative greedy output part: a tie when the two tokens' logits
+    are closer than a step and a block verify differ there plus one rounding in the target's dtype;
+    else a bug."""
     step, block = torch.tensor([10.0, 9.9, 3.0, 0.0]), torch.tensor([9.95, 10.0, 3.0, 0.0])
     # noise 0.1: 0.1 apart <= 2 * 0.1 + 2^-7 * 10 in bf16; 7 apart is not
     assert show.numerics_tie(step, block, 0, 1, "bf16") == (True, 10.0, pytest.approx(9.9))
@@ -4872,20 +4843,12 @@ def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
     assert show.numerics_tie(apart, apart, 0, 1, "bf16")[0]
     bf16_target = torch.nn.Linear(1, 1).to(torch.bfloat16)
     monkeypatch.setattr(show, "logits_two_ways", lambda target, prefix, m: (step, block))
-    plain, tie, bug = (
-        torch.tensor([[7, 7, 0, 5]]),
-        torch.tensor([[7, 7, 1, 5]]),
-        torch.tensor([[7, 7, 2]]),
-    )
-    assert show.compare(bf16_target, 2, plain, plain[:, :3], 0.0, 4).endswith("cut short)")
-    assert show.compare(bf16_target, 2, plain, plain, 0.0, 4) == "identical"
-    assert show.compare(bf16_target, 2, plain, tie, 1.0, 4).endswith("at temperature > 0)")
-    assert show.compare(bf16_target, 2, plain, tie, 0.0, 4) == (
-        "different at token 1: a numerics tie (top-2 logits 10, 9.9 within bf16 rounding)"
-    )
-    assert show.compare(bf16_target, 2, plain, bug, 0.0, 4).startswith(
-        "different at token 1: NOT a tie: a bug"
-    )
+    plain = torch.tensor([[7, 7, 0, 5]])
+    tie, bug = torch.tensor([[7, 7, 1, 5]]), torch.tensor([[7, 7, 2]])
+    said = lambda spec, t=0.0: show.compare(bf16_target, 2, plain, spec, t, 4)  # noqa: E731
+    assert said(plain) == "identical" and "NOT a tie" in said(plain[:, :3])  # cut short: a bug
+    assert "tie" not in said(tie, 1.0)  # at temperature > 0 the outputs may part
+    assert "a numerics tie" in said(tie) and "NOT a tie" in said(bug)
 
 
 def test_generate_defaults_run_the_reading_path_and_fast_opts_in():
@@ -4980,26 +4943,20 @@ def test_show_marks_always_right_and_wrong_at_k_drafts(B):
         for (drafts, unary, a, bonus), line in zip(cycles, lines):
             k = B - 1 if wrong_at(L) is None else wrong_at(L)
             marks = MARK.findall(line)
-            assert (
-                "".join(m[0] for m in marks)
-                == "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
-            )
+            kinds = "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
+            assert "".join(m[0] for m in marks) == kinds
             assert [int(m[1]) for m in marks] == drafts + [bonus]
             assert [m[3] == "*" for m in marks[:-1]] == [d != u for d, u in zip(drafts, unary)]
-            # the target's token
+            # the target's token; the rejected one is not
             assert drafts[:k] == ref[0, L : L + k].tolist() and bonus == int(ref[0, L + k])
-            if k < B - 1:
-                # the rejected one
-                assert drafts[k] != int(ref[0, L + k])
+            assert k == B - 1 or drafts[k] != int(ref[0, L + k])
             L += k + 1
 
 
 def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     target, p = tiny_target("llama"), prompt()
-    # Bs = 0: the unary path
-    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()
-    # random codebooks
-    trained = tiny_draft(4)
+    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()  # Bs = 0
+    trained = tiny_draft(4)  # random codebooks
     _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.draft_proposal)
     assert not any("*" in line for line in lines)
     _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.draft_proposal)
@@ -5037,11 +4994,10 @@ def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, 
         block = line.split("tau", 1)[1].split("  ", 1)[1]
         printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
         assert shown == [(kinds[k], text, star == "*") for k, text, star in printed]
-    no_folder = tmp_path / "no" / "such" / "decode.svg"
     with pytest.raises(SystemExit) as stop:  # a bad path: one line, as support/common.run says
-        common.run(lambda: generate.main(argv + ["--show-svg", str(no_folder)]))
-    says = f"error: --show-svg {no_folder}: no folder {no_folder.parent}"
-    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [says]
+        common.run(lambda: generate.main(argv + ["--show-svg", str(tmp_path / "no" / "x.svg")]))
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and line.startswith("error: --show-svg ")
 
 
 # ------------------------------------------------------------ trees: --tree-budget, --verify-tokens
@@ -5053,26 +5009,16 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
     """A budget of B-1 where each node opens only its best child is today's path, cycle for cycle:
     the same drafts each cycle, the same taus, the same output (the target's own greedy output)."""
     B = 5
-    dkw = dict(draft_kw)
-    dtype = dkw.pop("dtype", torch.float32)
-    draft = tiny_draft(B, **dkw).to(dtype)
+    draft = tiny_draft(B, draft_kw.get("plain", False)).to(draft_kw.get("dtype", torch.float32))
     target, p = tiny_target("llama"), prompt()
     runs, grow = [], tree.draft_tree
     for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: grow(*a, branch=False))):
         cycles = []
-        out, st = speculate(
-            target,
-            draft,
-            p,
-            30,
-            use_selector=use_selector,
-            watch=lambda c: cycles.append((c.drafts, c.unary, c.accepted, c.bonus)),
-            **kw,
-        )
+        watch = lambda c: cycles.append((c.drafts, c.unary, c.accepted, c.bonus))  # noqa: E731
+        out, st = speculate(target, draft, p, 30, use_selector=use_selector, watch=watch, **kw)
         runs.append((out, st.taus, cycles))
-    assert (
-        torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:] and len(runs[0][2]) > 3
-    )
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+    assert len(runs[0][2]) > 3
     assert torch.equal(runs[0][0], decoding.target_generate(target, p, 30)[0])
     # ties: unary scores equal at tokens 5 and 3 of slot 1 -> argmax takes 3, and so does the tree
     u = torch.zeros(1, B - 1, 64)
@@ -5098,11 +5044,8 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
             return d, q
 
         out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=recording)
-        assert (
-            torch.equal(out, ref[:, : p.shape[1] + 30])
-            and st.taus == [k + 1] * len(st.taus)
-            and set(sent) == {k}
-        )
+        assert torch.equal(out, ref[:, : p.shape[1] + 30]) and set(sent) == {k}
+        assert st.taus == [k + 1] * len(st.taus)
         out, _ = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
         assert torch.equal(out, ref[:, : p.shape[1] + 30])
     default, taus0 = decoding.speculative_generate(target, draft, p, 30)
@@ -5117,13 +5060,9 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
     alike."""
     B = 5
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    for kw, depth in [
-        (dict(verify_tokens=1), 1),
-        (dict(verify_tokens=3), 3),
-        ({}, B - 1),
-        (dict(tree_budget=2), 2),
-        (dict(tree_budget=9), B - 1),
-    ]:
+    _, head = decoding.embed_and_head(target, draft)
+    cases = [(dict(verify_tokens=1), 1), (dict(verify_tokens=3), 3), ({}, B - 1)]
+    for kw, depth in cases + [(dict(tree_budget=2), 2), (dict(tree_budget=9), B - 1)]:
         seen = []
 
         def record(fn):
@@ -5131,32 +5070,15 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
                 seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
             )
 
-        out, _ = speculate(
-            target,
-            draft,
-            p,
-            6,
-            proposer=record(decoding.draft_proposal),
-            grower=record(tree.draft_tree),
-            **kw,
-        )
+        kw |= dict(proposer=record(decoding.draft_proposal), grower=record(tree.draft_tree))
+        out, _ = speculate(target, draft, p, 6, **kw)
         assert set(seen) == {(depth, depth)}
         # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores
-        # all B
-        # rows, zeros past the real ones) changes nothing
-        _, head = decoding.embed_and_head(target, draft)
+        # all B rows, zeros past the real ones) changes nothing
         wide, _ = speculate(
-            target,
-            draft,
-            p,
-            6,
-            proposer=record(decoding.draft_proposal),
-            grower=record(tree.draft_tree),
-            head=cost.FastestRows(head, {d: B for d in range(1, B)}),
-            **kw,
+            target, draft, p, 6, head=cost.FastestRows(head, dict.fromkeys(range(1, B), B)), **kw
         )
         assert torch.equal(out, wide) and set(seen) == {(depth, depth)}
-    _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
     full = decoding.draft_proposal(draft, h, u, p)[0]
