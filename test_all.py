@@ -5126,56 +5126,51 @@ def test_tree_sampling_matches_target_distribution():
 
 
 # ============================================================================ command lines
+BEFORE = {  # what each script needs before the flag a case gets wrong
+    "generate": "--draft d",
+    "train": "--data d",
+    "prepare": "--data d --out-dir o --regenerate",
+    "export": "c.pt --out-dir o",
+}
+
+
 @pytest.mark.parametrize(
     "script, argv, flag",
     [
-        # would prefer the least likely tokens
-        ("generate", ["--draft", "d", "--temperature", "-1"], "--temperature"),
-        ("generate", ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
-        ("generate", ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
-        ("generate", ["--draft", "d", "--bench", "gsm8k", "--show"], "--show"),
-        # several: only with --bench
-        ("generate", ["--draft", "d", "--tree-budget", "8", "16"], "--tree-budget"),
-        ("generate", ["--draft", "d", "--tree-budget", "many"], "--tree-budget"),
-        ("generate", ["--draft", "d", "--verify-tokens", "0"], "--verify-tokens"),
-        ("train", ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
-        ("train", ["--data", "d", "--lr", "-1e-3"], "--lr"),
-        ("train", ["--data", "d", "--lr", "nan"], "--lr"),
-        ("train", ["--data", "d", "--epochs", "0"], "--epochs"),
-        ("train", ["--data", "d", "--peak-tflops", "0"], "--peak-tflops"),
-        (
-            "prepare",
-            ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"],
-            "--max-new-tokens",
-        ),
+        ("generate", "--temperature -1", "--temperature"),  # would prefer the least likely tokens
+        ("generate", "--max-new-tokens 0", "--max-new-tokens"),
+        ("generate", "--bench gsm8k --bench-limit 0", "--bench-limit"),
+        ("generate", "--bench gsm8k --show", "--show"),
+        ("generate", "--tree-budget 8 16", "--tree-budget"),  # several: only with --bench
+        ("generate", "--tree-budget many", "--tree-budget"),
+        ("generate", "--verify-tokens 0", "--verify-tokens"),
+        ("train", "--num-anchors -4", "--num-anchors"),
+        ("train", "--lr -1e-3", "--lr"),
+        ("train", "--lr nan", "--lr"),
+        ("train", "--epochs 0", "--epochs"),
+        ("train", "--peak-tflops 0", "--peak-tflops"),
+        ("prepare", "--max-new-tokens 0", "--max-new-tokens"),
+        ("export", "--format speculators", "--verifier"),  # the format names its target
     ],
 )
 def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
     with pytest.raises(SystemExit) as stop:
-        importlib.import_module(script).main(argv)
+        importlib.import_module(script).main(f"{BEFORE[script]} {argv}".split())
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and "error: " in last and flag in last, last
 
 
-@pytest.mark.parametrize(
-    "script, argv",
-    [
-        ("prepare", ["--data", "d", "--out-dir", "o", "--regenerate"]),
-        ("train", ["--data", "d"]),
-        ("generate", ["--draft", "d"]),
-    ],
-)
-def test_every_script_reads_chat_template_kwargs_alike(script, argv, capsys):
-    script, flag = importlib.import_module(script), "--chat-template-kwargs"
-    assert script.parse_args(argv + [flag, '{"enable_thinking": false}']).chat_template_kwargs == {
-        "enable_thinking": False
-    }
-    assert script.parse_args(argv).chat_template_kwargs == {}
+@pytest.mark.parametrize("script", ["prepare", "train", "generate"])
+def test_every_script_reads_chat_template_kwargs_alike(script, capsys):
+    argv, flag = BEFORE[script].split(), "--chat-template-kwargs"
+    script = importlib.import_module(script)
+    kwargs = script.parse_args(argv + [flag, '{"enable_thinking": false}']).chat_template_kwargs
+    assert kwargs == NO_THINKING and script.parse_args(argv).chat_template_kwargs == {}
     for bad in ("[1]", "{bad", '{"tokenize": true}'):
         with pytest.raises(SystemExit) as stop:
             script.parse_args(argv + [flag, bad])
         last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert stop.value.code == 2 and f"error: argument {flag}: " in last, last
+        assert stop.value.code == 2 and "error: " in last and flag in last, last
 
 
 @pytest.mark.parametrize("case", ["train --online", "prepare --features", "train offline"])
@@ -5203,31 +5198,23 @@ def test_data_made_with_other_template_kwargs_is_refused(tmp_path, capsys, case)
         assert manifest["chat_template_kwargs"] == NO_THINKING
         assert len(data.load_samples(out, False, None, 512, NO_THINKING)) == len(PROMPTS)
         named = os.path.join(out, "manifest.json")
-    else:
-        named += ", line 1"
     with pytest.raises(SystemExit) as stop:
         common.run(lambda: script.main(base + argv))
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and last.startswith(f"error: {named}: made with "), last
-    assert """--chat-template-kwargs '{"enable_thinking": false}', this run asks for '{}'""" in last
-
-
-def bad_jsonl(tmp_path):
-    return write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
+    assert stop.value.code == 2 and last.startswith(f"error: {named}"), last
 
 
 def test_train_defaults_to_run_sh_data(tmp_path, monkeypatch, capsys):
-    """No --data: bash run.sh's prepared data. Not made yet: one line `error: ...` naming it and
-    how to make it, exit status 2, before any work. Made: its held-out set is the default
-    --eval-data where that is made too; an explicit --eval-data, another --data or --online keeps
-    its own."""
+    """No --data: bash run.sh's prepared data. Not made yet: one line `error: ...` naming it, exit
+    status 2, before any work. Made: its held-out set is the default --eval-data where that is made
+    too; an explicit --eval-data, another --data or --online keeps its own."""
     monkeypatch.chdir(tmp_path)  # the default is relative, as run.sh makes it
     with pytest.raises(SystemExit) as stop:
         common.run(lambda: train.main(["--selector-top-k", "16"]))
     said = capsys.readouterr()
     assert stop.value.code == 2 and said.out == "", said.out
     [line] = said.err.splitlines()
-    assert line.startswith("error: ") and train.RUN_SH_DATA in line and "bash run.sh" in line
+    assert line.startswith("error: ") and train.RUN_SH_DATA in line
 
     def eval_data(*flags):
         args = train.parse_args(list(flags))
@@ -5259,13 +5246,8 @@ def run_sh(tmp_path, *flags):
     fake.chmod(0o755)
     path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
     env = {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        ["bash", os.path.join(HERE, "run.sh"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    argv = ["bash", os.path.join(HERE, "run.sh"), *flags]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     return run, [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -5281,6 +5263,13 @@ def test_run_sh_refuses_a_wrong_flag_before_any_work(tmp_path, toy):
     assert [argv[0] for argv in commands] == ["-c"]
 
 
+def python(*argv) -> subprocess.CompletedProcess:
+    """python ARGV run here as a user runs it, in its own process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *argv]
+    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
 def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     """Each script, run as a user runs it: one line `error: ...` naming the file (and line), exit
@@ -5289,35 +5278,26 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
+    bad = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
     argv, named = {  # (paths without spaces: pytest's tmp_path)
         "export": (f"export.py {tmp_path}/no.pt --out-dir {tmp_path}/out", "no.pt"),
         "generate": (
             f"generate.py --target {target_dir} --draft {tmp_path}/broken --prompt hi",
-            "broken/config.json: not valid JSON (line 1)",
+            "broken/config.json",
         ),
         "train": (  # block size 4 has no default gamma: train.py would say that first
             f"train.py --target {target_dir} --draft-config {cfg} --data {tmp_path} --gamma 2",
-            f"{tmp_path} is not a feature directory",
+            str(tmp_path),
         ),
         "prepare": (
-            f"prepare.py --target {target_dir} --data {bad_jsonl(tmp_path)} --out-dir "
-            f"{tmp_path}/out --regenerate",
+            f"prepare.py --target {target_dir} --data {bad} --out-dir {tmp_path}/out --regenerate",
             "bad.jsonl, line 3",
         ),
     }[case]
-    run = subprocess.run(
-        [sys.executable, *argv.split()],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    run = python(*argv.split())
     last = run.stderr.strip().splitlines()[-1]  # after any progress bars of transformers
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert last.startswith("error: ") and named in last, run.stderr
-    if case == "train":
-        assert "python prepare.py" in last  # and which command makes one
 
 
 def test_a_bug_keeps_its_traceback(setup, tmp_path):
@@ -5333,14 +5313,7 @@ def test_a_bug_keeps_its_traceback(setup, tmp_path):
     )
     argv = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
     argv += ["--data", str(setup / "feats"), "--out-dir", str(tmp_path), "--gamma", "2"]
-    run = subprocess.run(
-        [sys.executable, "-c", bug, *argv, "--max-steps", "1", "--quiet"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    run = python("-c", bug, *argv, "--max-steps", "1", "--quiet")
     assert run.returncode == 1 and "Traceback" in run.stderr, run.stderr
     assert not any(line.startswith("error:") for line in run.stderr.splitlines()), run.stderr
     # the last frame in loss.py: its file, line and code
@@ -5349,40 +5322,34 @@ def test_a_bug_keeps_its_traceback(setup, tmp_path):
     assert (file, function) == (os.path.join(HERE, "loss.py"), "objective")
     assert code.startswith("labels, prev, w0 = block_labels(")
     assert open(file).read().splitlines()[int(line) - 1].strip() == code
-    last = run.stderr.strip().splitlines()[-1]
-    assert last == "ValueError: not enough values to unpack (expected 3, got 2)"
+    assert run.stderr.strip().splitlines()[-1].startswith("ValueError: ")
 
 
 # ======================================================================= the toy run (run.sh --toy)
 def test_toy_run_reduced(tmp_path, capsys):
     """A REDUCED toy run (bash run.sh --toy's steps at a much smaller size; the full toy run is not
-    in CI): the toy target (tools/toy_target.py) trained on 16 problems learns them, its greedy
-    answers being the worked ones; prepare -> train -> export then run as run.sh runs them, and the
-    exported draft decodes a held-out problem greedily into exactly the target's own greedy output,
-    as transformers' generate() computes it."""
+    in CI): the toy target (tools/toy_target.py) trained on 16 problems learns them; prepare ->
+    train -> export as run.sh runs them, and the exported draft decodes a held-out problem greedily
+    into exactly the target's own greedy output, as transformers' generate() computes it."""
     from tools import toy_target
 
     pairs, held_out = toy_split()
     tgt = str(tmp_path / "target")
     target, tok = toy_target.build(tgt, num_problems=16, steps=150, batch_size=16, lr=1e-2)
-    assert toy_target.greedy_answers(target, tok, [q for q, _ in pairs[:4]]) == [
-        a for _, a in pairs[:4]
-    ]
+    answers = toy_target.greedy_answers(target, tok, [q for q, _ in pairs[:4]])
+    assert answers == [a for _, a in pairs[:4]]
     cfg = os.path.join(HERE, "configs", "toy-dflash2.json")
     prep = ["--target", tgt, "--target-dtype", "fp32", "--target-gemm", "stock", "--regenerate"]
     prep += ["--max-new-tokens", "60", "--features", "--draft-config", cfg, "--save-target-hidden"]
-    for name, n in (("train", 16), ("eval", 2)):
+    for name, prompts, n in (("train", "toy", 16), ("eval", "toy-eval", 2)):
         prepare.main(
-            ["--prompts", "toy" if name == "train" else "toy-eval", "--num-samples", str(n)]
-            + prep
-            + ["--out-dir", str(tmp_path / name)]
+            prep
+            + ["--prompts", prompts, "--num-samples", str(n), "--out-dir", str(tmp_path / name)]
         )
     out = str(tmp_path / "draft")
-    train.main(
-        ["--draft-config", cfg, "--target", tgt, "--data", str(tmp_path / "train"), "--quiet"]
-        + ["--eval-data", str(tmp_path / "eval"), "--out-dir", out, "--max-steps", "8"]
-        + ["--num-anchors", "8", "--dtype", "fp32"]
-    )
+    argv = ["--draft-config", cfg, "--target", tgt, "--data", str(tmp_path / "train"), "--quiet"]
+    argv += ["--eval-data", str(tmp_path / "eval"), "--out-dir", out, "--max-steps", "8"]
+    train.main(argv + ["--num-anchors", "8", "--dtype", "fp32"])
     export.main([out, "--out-dir", out + "/export"])
     capsys.readouterr()
     question = held_out[-1][0]
