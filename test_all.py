@@ -4744,11 +4744,8 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     target, draft = tiny_target("llama"), tiny_draft(4)
     prompts = {f"q{i}": prompt(seed=i) for i in range(3)}
     monkeypatch.setattr(bench, "eval_prompts", lambda name: list(prompts))
-    monkeypatch.setattr(
-        bench,
-        "encode",
-        lambda tok, messages, dev, kwargs: prompts.get(messages[0]["content"], prompt(seed=9)),
-    )
+    warm_up = prompt(seed=9)  # what a message not among the prompts encodes to
+    monkeypatch.setattr(bench, "encode", lambda t, m, *a: prompts.get(m[0]["content"], warm_up))
     calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculate
 
     def plain(target, ids, max_new_tokens, **kw):
@@ -4766,13 +4763,10 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock")
     shapes, gen = [("path", 1), ("path", 3)], torch.Generator().manual_seed(0)
     bench.bench(target, draft, None, None, args, gen, set(), layouts, shapes)
-    ways = lambda f: (
-        [("plain", "onednn", f), ("plain", "stock", f)]
-        + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
-    )
-    # warm-ups
-    assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))
-    assert calls[6:] == [c for i in range(3) for c in ways(int(prompt(seed=i)[0, 0]))]
+    ways = [("plain", "onednn"), ("plain", "stock")]
+    ways += [(m, k) for m in ("selector", "unary") for k in (1, 3)]
+    firsts = [int(p[0, 0]) for p in [warm_up, *prompts.values()]]
+    assert calls == [(*way, f) for f in firsts for way in ways]
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [(r[1], r[2], r[4]) for r in rows[:4]] == [
         (m, "path", k) for m in ("selector", "unary") for k in "13"
@@ -5247,21 +5241,14 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
-    bad = write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
-    argv, named = {  # (paths without spaces: pytest's tmp_path)
-        "export": (f"export.py {tmp_path}/no.pt --out-dir {tmp_path}/out", "no.pt"),
-        "generate": (
-            f"generate.py --target {target_dir} --draft {tmp_path}/broken --prompt hi",
-            "broken/config.json",
-        ),
-        "train": (  # block size 4 has no default gamma: train.py would say that first
-            f"train.py --target {target_dir} --draft-config {cfg} --data {tmp_path} --gamma 2",
-            str(tmp_path),
-        ),
-        "prepare": (
-            f"prepare.py --target {target_dir} --data {bad} --out-dir {tmp_path}/out --regenerate",
-            "bad.jsonl, line 3",
-        ),
+    bad = write_lines(tmp_path / "b.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
+    d, t = tmp_path, f"--target {target_dir}"  # (paths without spaces: pytest's tmp_path)
+    argv, named = {
+        "export": (f"export.py {d}/no.pt --out-dir {d}/out", "no.pt"),
+        "generate": (f"generate.py {t} --draft {d}/broken --prompt hi", "broken/config.json"),
+        # block size 4 has no default gamma: train.py would say that first
+        "train": (f"train.py {t} --draft-config {cfg} --data {d} --gamma 2", str(d)),
+        "prepare": (f"prepare.py {t} --data {bad} --out-dir {d}/o --regenerate", "b.jsonl, line 3"),
     }[case]
     run = python(*argv.split())
     last = run.stderr.strip().splitlines()[-1]  # after any progress bars of transformers
