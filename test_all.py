@@ -4843,31 +4843,35 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in():
 
 
 # --------------------------------------------------------------------- sampling: the rejection rule
-def test_speculative_sampling_matches_target_distribution():
-    """End to end at temperature 1 with the selector's q: the second new token (the first one a
-    draft proposes) must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1), computed
-    exactly. Bound as above with V = 6 bins, N = 1200, eps = 0.07: P(TV >= eps) <= 62 exp(-11.8) <
-    1e-3."""
-    V, N = 6, 1200
+def second_tokens(V=6, N=1200, **kw):
+    """Two new tokens, N times, at temperature 1 on tiny_vocab_pair(V); -> (how often each token
+    came second, the target's exact marginal p(t2) = sum_t1 p(t1) p(t2 | t1), every cycle's tau)."""
     target, draft = tiny_vocab_pair(V)
     p = torch.tensor([[1, 4, 2]])
     with torch.no_grad():
         p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)  # [V]
         both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, 4]
         p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)  # [V]
-    g, counts, proposed, taus = torch.Generator().manual_seed(0), torch.zeros(V), torch.zeros(V), []
+    g, counts, taus = torch.Generator().manual_seed(0), torch.zeros(V), []
+    for _ in range(N):
+        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, **kw)
+        counts[out[0, 4]] += 1
+        taus += st.taus
+    return counts, p2, taus
 
-    real = decoding.draft_proposal
+
+def test_speculative_sampling_matches_target_distribution():
+    """End to end with the selector's q: the second new token (the first one a draft proposes)
+    follows the target's marginal. Bound as above with V = 6 bins, N = 1200, eps = 0.07:
+    P(TV >= eps) <= 62 exp(-11.8) < 1e-3."""
+    proposed, real = torch.zeros(6), decoding.draft_proposal
 
     def recording(draft, h, u, ids, *rest):
         d, q = real(draft, h, u, ids, *rest)
         proposed[d[0, 0]] += 1
         return d, q
 
-    for _ in range(N):
-        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, proposer=recording)
-        counts[out[0, 4]] += 1
-        taus += st.taus
+    counts, p2, taus = second_tokens(proposer=recording)
     assert tv(counts, p2) < 0.07
     assert tv(proposed, p2) > 0.15  # the drafts alone are off: the check has power
     assert 1 in taus and max(taus) > 1  # both rejections and acceptances happened
@@ -5067,23 +5071,9 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
 
 def test_tree_sampling_matches_target_distribution():
     """As test_speculative_sampling_matches_target_distribution, with a tree of 4 nodes."""
-    V, N = 6, 1200
-    target, draft = tiny_vocab_pair(V)
-    p = torch.tensor([[1, 4, 2]])
-    with torch.no_grad():
-        p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)
-        both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)
-    g, counts, taus, trees = torch.Generator().manual_seed(0), torch.zeros(V), [], []
-
-    grow = tree.draft_tree
+    trees, grow = [], tree.draft_tree
     recording = lambda *a: trees.append(grow(*a)) or trees[-1]  # noqa: E731
-    for _ in range(N):
-        out, st = speculate(
-            target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4, grower=recording
-        )
-        counts[out[0, 4]] += 1
-        taus += st.taus
+    counts, p2, taus = second_tokens(tree_budget=4, grower=recording)
     assert tv(counts, p2) < 0.07
     # branching, rejections and acceptances
     assert not trees[0].is_chain() and 1 in taus and max(taus) > 1
