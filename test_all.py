@@ -4417,8 +4417,7 @@ def test_shards_split_across_ranks(tmp_path):
     os.mkdir(one), os.mkdir(two)
     prepare.write_features(target, tok, convs, one, [0, 3], **kw)
     prepare.write_features(target, tok, convs, two, [0, 3], rank=1, world=2, **kw)
-    # k % 2 == 1
-    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]  # odd
     with pytest.raises(RuntimeError, match="not every rank"):
         features.write_manifest(two, 7, 2, "tiny", 32)
     prepare.write_features(target, tok, convs, two, [0, 3], rank=0, world=2, **kw)
@@ -4507,8 +4506,7 @@ print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_path):
     one, ten = tmp_path / "one", tmp_path / "ten"
     one.mkdir(), ten.mkdir()
-    # 2 x 12.6 MB
-    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)
+    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)  # 25 MB
     shard = os.path.getsize(features.shard_path(str(one), 0))
     # ten shards: the same file under ten names (hard links)
     for k in range(10):
@@ -4528,13 +4526,11 @@ def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_pa
     streamed_one, streamed_ten = peak(one, "streamed"), peak(ten, "streamed")
     whole_ten = peak(ten, "whole")
     assert streamed_ten - streamed_one < shard / 4, (streamed_one, streamed_ten, shard)
-    # the probe does see memory
-    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)
+    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)  # it sees memory
 
 
 def test_layer_ids_beyond_the_target_raise(tmp_path):
-    # the target has 4
-    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)
+    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)  # it has 4
     argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
     with pytest.raises(UsageError, match="num_hidden_layers = 4"):
         prepare.main(argv + ["--out-dir", str(tmp_path / "out"), "--regenerate", "--features"])
@@ -4779,8 +4775,7 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
 def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monkeypatch, device):
     """generate.py as a user runs it against transformers' own greedy generate: independent, where
     target_generate shares the loop's cache calls (a forward that ignored the cache fooled both)."""
-    if device == "cpu":
-        # generate.py: CUDA wherever it is
+    if device == "cpu":  # generate.py: CUDA wherever it is
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
     runs, report = [], show.Answer.report
