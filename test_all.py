@@ -4017,6 +4017,13 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
 
 # ============================================================================ prepare.py
 # ---------------------------------------------------------------------------- regeneration
+def in_process_answers(tmp_path, target, tok, name="in-process", **kw):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    prepare.regenerate(target, tok, PROMPTS, str(out), max_new_tokens=6, batch_size=2, **kw)
+    return regen.merge_regenerated(str(out), len(PROMPTS))
+
+
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     one, batched = tmp_path / "one", tmp_path / "batched"
@@ -4039,16 +4046,10 @@ def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
 
 
 def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
-    """--temperature > 0: the same seed samples the same answers, on a rerun and on a run resumed
-    after whole batches; another seed or greedy gives others; every record keeps its settings; a
-    rerun with other settings is refused."""
+    """--temperature > 0: one seed, one set of answers (rerun or resumed); the settings are
+    recorded, and a rerun with others is refused."""
     target, tok = tiny_target("llama"), tiny_tokenizer()
-
-    def regenerate(name, **kw):
-        (tmp_path / name).mkdir(exist_ok=True)
-        prepare.regenerate(target, tok, PROMPTS, str(tmp_path / name), 6, batch_size=2, **kw)
-        return regen.merge_regenerated(str(tmp_path / name), len(PROMPTS))
-
+    regenerate = lambda *a, **kw: in_process_answers(tmp_path, target, tok, *a, **kw)  # noqa: E731
     hot = dict(temperature=2.0, seed=3, chat_template_kwargs=NO_THINKING)
     a = regenerate("a", **hot)
     assert a == regenerate("b", **hot)
@@ -4075,13 +4076,9 @@ def test_prompt_part_keeps_turns_before_first_answer():
 # ----------------------------------------------- regeneration on a server (support/regen_server.py)
 @contextlib.contextmanager
 def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_after=None):
-    """A tiny OpenAI-compatible server on 127.0.0.1, started in a thread: GET /v1/models; POST
-    /v1/chat/completions renders the messages with tok's chat template (and the request's
-    chat_template_kwargs) and answers greedily with target, with the text, finish_reason, usage
-    and, with ids, the generated ids as llama-server gives them (logprobs.content[i].id, the token
-    it stopped at included; left out with stop_id=False). The first fail_first requests, and every
-    one after fail_after answers, get HTTP 503 / 500. Yields (url, log): log["asked"] the prompts
-    answered."""
+    """An OpenAI-compatible server on 127.0.0.1 answering greedily with target, as llama-server does
+    (ids: logprobs.content[i].id, the stop token's with stop_id); the first fail_first requests,
+    and every one after fail_after answers, fail. Yields (url, log)."""
     import http.server
     import threading
 
@@ -4111,30 +4108,19 @@ def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_a
                 if fail_after is not None and len(log["asked"]) >= fail_after:
                     return self.reply(500, {"error": "out of memory"})
                 assert body["temperature"] == 0 and body["model"] == "tiny"
-                text = tok.apply_chat_template(
-                    body["messages"],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    **body["chat_template_kwargs"],
+                kw = dict(
+                    tokenize=False, add_generation_prompt=True, **body["chat_template_kwargs"]
                 )
+                text = tok.apply_chat_template(body["messages"], **kw)
                 enc = tok(text, return_tensors="pt", add_special_tokens=False)
-                out = target.generate(
-                    **enc,
-                    max_new_tokens=body["max_tokens"],
-                    do_sample=False,
-                    pad_token_id=tok.eos_token_id,
-                )[0, enc["input_ids"].shape[1] :].tolist()
+                n, pad = body["max_tokens"], tok.eos_token_id
+                out = target.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=pad)
+                out = out[0, enc["input_ids"].shape[1] :].tolist()
                 log["asked"].append(body["messages"])
             stopped = tok.eos_token_id in out
             new = out[: out.index(tok.eos_token_id)] if stopped else out
-            choice = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": tok.decode(new, skip_special_tokens=True),
-                },
-                "finish_reason": "stop" if stopped else "length",
-            }
+            message = {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)}
+            choice = {"index": 0, "message": message, "finish_reason": ("length", "stop")[stopped]}
             if ids:
                 given = out[: len(new) + 1] if stop_id else new
                 choice["logprobs"] = {"content": [{"id": t, "logprob": 0.0} for t in given]}
@@ -4151,11 +4137,12 @@ def tiny_openai_server(target, tok, ids=True, stop_id=True, fail_first=0, fail_a
         server.server_close()
 
 
-def in_process_answers(tmp_path, target, tok, prompts, name="in-process", **kw):
+def server_answers(tmp_path, tok, name, url, prompts=PROMPTS, **kw) -> str:
+    """Regenerate prompts on the server at url into tmp_path/name; -> the folder."""
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, batch_size=2, **kw)
-    return regen.merge_regenerated(str(out), len(prompts))
+    regen.regenerate_on_servers(tok, prompts, str(out), [url], 6, **kw)
+    return str(out)
 
 
 def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
@@ -4165,22 +4152,20 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     # some answers must stop, not all: end-of-turn scores as a token that some answers hold does
     # (a tie goes to the lower id), so it comes where that token would
-    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, PROMPTS, "probe")]
+    made = [c[-1]["token_ids"] for c in in_process_answers(tmp_path, target, tok, "probe")]
     some = [t for t in range(tok.eos_token_id + 1, 64) if 0 < sum(t in a for a in made) < len(made)]
     with torch.no_grad():
         target.lm_head.weight[tok.eos_token_id] = target.lm_head.weight[some[0]]
-    expected = in_process_answers(tmp_path, target, tok, PROMPTS)
+    expected = in_process_answers(tmp_path, target, tok)
     stopped = [c[-1]["token_ids"][-1] == tok.eos_token_id for c in expected]
     assert 0 < sum(stopped) < len(PROMPTS)
-    out = tmp_path / "server"
-    out.mkdir()
     with tiny_openai_server(target, tok) as (url, log):
         client = dict(concurrency=3, retries=0, wait=0.0)
-        regen.regenerate_on_servers(tok, PROMPTS[:2], str(out), [url], 6, **client)
-        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, **client)
+        server_answers(tmp_path, tok, "server", url, PROMPTS[:2], **client)
+        out = server_answers(tmp_path, tok, "server", url, **client)
         assert sorted(map(str, log["asked"])) == sorted(map(str, PROMPTS))  # each asked once
-    assert regen.merge_regenerated(str(out), len(PROMPTS)) == expected
-    records = regen.read_regenerated(str(out)).values()
+    assert regen.merge_regenerated(out, len(PROMPTS)) == expected
+    records = regen.read_regenerated(out).values()
     for r in records:
         ids = r["messages"][-1]["token_ids"]
         again = tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
@@ -4188,22 +4173,17 @@ def test_server_regeneration_equals_in_process_greedy_and_resumes(tmp_path):
         assert r["retokenized_differs"] == (again[: len(ids)] != ids)
         assert r["prompt_tokens_differ"] is False and r["server"] == url.removesuffix("/v1")
     d = sum(r["retokenized_differs"] for r in records)
-    assert "5 answers keep the target's generated token ids" in regen.fidelity(records)
     assert f"would change {d} ({100 * d / 5:.1f}%)" in regen.fidelity(records)
-    nostop = tmp_path / "nostop"  # ids without the token it stopped at: appended, as in-process
-    nostop.mkdir()
+    # ids without the token it stopped at: appended, as in-process
     with tiny_openai_server(target, tok, stop_id=False) as (url, log):
-        regen.regenerate_on_servers(tok, PROMPTS, str(nostop), [url], 6, concurrency=2)
-    assert regen.merge_regenerated(str(nostop), len(PROMPTS)) == expected
+        nostop = server_answers(tmp_path, tok, "nostop", url, concurrency=2)
+    assert regen.merge_regenerated(nostop, len(PROMPTS)) == expected
     # no ids from the server: the text, re-tokenized; the share that differs by count
-    plain = tmp_path / "plain"
-    plain.mkdir()
     with tiny_openai_server(target, tok, ids=False) as (url, log):
-        regen.regenerate_on_servers(tok, PROMPTS, str(plain), [url], 6, concurrency=2)
-    got = regen.merge_regenerated(str(plain), len(PROMPTS))
+        plain = server_answers(tmp_path, tok, "plain", url, concurrency=2)
     strip = [[{"role": m["role"], "content": m["content"]} for m in c] for c in expected]
-    assert got == strip
-    for i, r in regen.read_regenerated(str(plain)).items():
+    assert regen.merge_regenerated(plain, len(PROMPTS)) == strip
+    for i, r in regen.read_regenerated(plain).items():
         n = len(tok(r["messages"][-1]["content"], add_special_tokens=False)["input_ids"])
         assert r["retokenized_differs"] == (n + r["finished"] != len(expected[i][-1]["token_ids"]))
 
@@ -4214,9 +4194,7 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     for the others and makes the in-process conversations."""
     target, tok = tiny_target("llama"), tiny_tokenizer()
     with tiny_openai_server(target, tok, fail_first=2) as (url, log):
-        out = tmp_path / "flaky"
-        out.mkdir()
-        regen.regenerate_on_servers(tok, PROMPTS, str(out), [url], 6, retries=2, wait=0.0)
+        server_answers(tmp_path, tok, "flaky", url, retries=2, wait=0.0)
         assert log["requests"] == len(PROMPTS) + 2
     target_dir, _ = tiny_setup(tmp_path)
     out = tmp_path / "out"
@@ -4226,34 +4204,26 @@ def test_server_regeneration_retries_and_ends_in_one_error_line(tmp_path, capsys
     def fails(*server_argv) -> str:
         with pytest.raises(SystemExit) as e:
             common.run(lambda: prepare.main(argv + list(server_argv)))
+        [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
         assert e.value.code == 2
-        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
-        assert len(errors) == 1
-        return errors[0]
+        return line
 
-    [down] = free_ports(1)
-    line = fails("--server", f"http://127.0.0.1:{down}")
-    assert line.startswith(f"error: http://127.0.0.1:{down}: GET /v1/models: no answer after 2")
+    down = f"http://127.0.0.1:{free_ports(1)[0]}"
+    assert down in fails("--server", down)
     # a mistyped --target (the servers run the target; here it gives the tokenizer): one line
-    nope = str(tmp_path / "nope")
-    line = fails("--server", f"http://127.0.0.1:{down}", "--target", nope)
-    assert line == f"error: --target {nope}: no such model directory"
+    assert "--target" in fails("--server", down, "--target", str(tmp_path / "nope"))
     with tiny_openai_server(target, tok, fail_after=2) as (url, log):
         line = fails("--server", url, "--concurrency", "1")
-    assert re.fullmatch(
-        rf"error: {url.removesuffix('/v1')}: the answer to prompt \d: no answer after 2 tries "
-        rf"\(last: HTTP 500: .*out of memory.*\); 2 new answers kept in {out}/regenerated.rank0"
-        r".jsonl, a rerun asks only for the 3 others",
-        line,
-    )
+    assert url.removesuffix("/v1") in line and "out of memory" in line
+    assert len(regen.read_regenerated(str(out))) == 2  # the answers it gave are kept
     with tiny_openai_server(target, tok) as (url, log):
         prepare.main(argv + ["--server", url, "--server", url, "--concurrency", "2"])
         assert len(log["asked"]) == 3
-    prepare.main(argv + ["--server", f"http://127.0.0.1:{down}"])  # all done: nothing asked
+    prepare.main(argv + ["--server", down])  # all done: nothing asked
     convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     tok_saved = prepare.load_tokenizer(target_dir)[1]
     target_saved = prepare.load_target(target_dir)[0]
-    assert convs == in_process_answers(tmp_path, target_saved, tok_saved, PROMPTS)
+    assert convs == in_process_answers(tmp_path, target_saved, tok_saved)
 
 
 # ---------------------------------------------------------------------------- features
@@ -4269,42 +4239,37 @@ def read_shards(out):
     return shards
 
 
-def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path):
+def count_batched(monkeypatch) -> list:
+    """Record the sequences prepare.batch_features is given (its third argument)."""
+    seen, batch_features = [], prepare.batch_features
+    monkeypatch.setattr(
+        prepare, "batch_features", lambda *a: seen.extend(a[2]) or batch_features(*a)
+    )
+    return seen
+
+
+def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path, monkeypatch):
     target_dir, cfg = tiny_setup(tmp_path)
     out = tmp_path / "out"
-    argv = [
-        "--target",
-        target_dir,
-        "--draft-config",
-        cfg,
-        "--data",
-        user_only_jsonl(tmp_path),
-        "--out-dir",
-        str(out),
-        *(
-            "--regenerate --max-new-tokens 5 --batch-size 2 --features "
-            "--feature-dtype bf16 --save-target-hidden --shard-size 2"
-        ).split(),
-    ]
+    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
+    argv += ["--out-dir", str(out), "--regenerate", "--max-new-tokens", "5", "--batch-size", "2"]
+    argv += "--features --feature-dtype bf16 --save-target-hidden --shard-size 2".split()
     packed, put = [], tune.set_layout  # the target's weights packed, as asked
-    tune.set_layout = lambda t, layout: packed.append(
-        type(put(t, layout).model.layers[0].mlp.up_proj).__name__
+    monkeypatch.setattr(
+        tune,
+        "set_layout",
+        lambda t, how: packed.append(type(put(t, how).model.layers[0].mlp.up_proj)),
     )
-    try:
-        prepare.main(argv + ["--target-gemm", "onednn"])
-        # refused, after loading the target
-        with pytest.raises(UsageError, match="use a new --out-dir"):
-            # auto: stock on a CPU the rule does not know
-            prepare.main(argv[:-1] + ["3"])
-    finally:
-        tune.set_layout = put
-    assert packed == ["PackedLinear", "Linear"]
+    prepare.main(argv + ["--target-gemm", "onednn"])
+    # refused, after loading the target (auto: stock on a CPU the rule does not know)
+    with pytest.raises(UsageError, match="use a new --out-dir"):
+        prepare.main(argv[:-1] + ["3"])
+    assert [c.__name__ for c in packed] == ["PackedLinear", "Linear"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
     assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
-    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1] and manifest[
-        "skipped_nonfinite"
-    ] == 0
+    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
+    assert manifest["skipped_nonfinite"] == 0
     convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     samples = features.load_features(str(out))
     target, tok = load_target(target_dir)
@@ -4315,21 +4280,15 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask)
         with torch.no_grad():
             _, feats = capture_features(target, [0, 2], input_ids=ids[None])
-            # after the final norm
-            hidden = target.model(input_ids=ids[None]).last_hidden_state
+            hidden = target.model(input_ids=ids[None]).last_hidden_state  # after the final norm
         assert s["features"].dtype == torch.bfloat16
         assert torch.equal(s["features"], feats[0].to(torch.bfloat16))
         assert torch.equal(s["target_hidden"], hidden[0].to(torch.bfloat16))
     # rerun: every shard exists, so the target never runs; a lost shard is rebuilt identically
     before = read_shards(out)
     os.remove(out / "shard-00001.safetensors")
-    seen, batch_features = [], prepare.batch_features
-    # a[2]: the sequences
-    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)
-    try:
-        prepare.main(argv)
-    finally:
-        prepare.batch_features = batch_features
+    seen = count_batched(monkeypatch)
+    prepare.main(argv)
     assert len(seen) == 2  # shard 1's two sequences only
     after = read_shards(out)
     assert before.keys() == after.keys()
@@ -4341,11 +4300,9 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
 
 
 def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_path, monkeypatch):
-    """--max-seconds: prompts in windows of --shard-size, each answered and captured before the
-    next; a window is not begun when the last one's seconds no longer fit. On a clock that moves
-    60 s a window, a budget of 100 s keeps the first window alone (60 s left 40, under 60),
-    complete: answers, conversations.jsonl and a manifest of its shard. A rerun without it answers
-    the other three only and ends where an unbounded run would: shards of 2, 2 and 1."""
+    """--max-seconds: windows of --shard-size prompts, each answered and captured before the next,
+    none begun once the last one's seconds no longer fit. At 60 s a window, 100 s keeps the first
+    window alone, complete; a rerun answers the other three only, ending as an unbounded run."""
     target_dir, cfg = tiny_setup(tmp_path)
     out = tmp_path / "out"
     argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
@@ -4364,14 +4321,12 @@ def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_pat
     assert [s["num_samples"] for s in manifest["shards"]] == [2] and clock[0] == 60
     assert len((out / "conversations.jsonl").read_text().splitlines()) == 2
     asked, generate = [], prepare.regenerate
-    monkeypatch.setattr(
-        prepare,
-        "regenerate",
-        lambda t, k, p, **kw: (
-            asked.append(len(regen.pending(kw["out_dir"], len(p), 0, 1, regen.settings())[0]))
-            or generate(t, k, p, **kw)
-        ),
-    )
+
+    def regenerate(t, k, p, **kw):
+        asked.append(len(regen.pending(kw["out_dir"], len(p), 0, 1, regen.settings())[0]))
+        return generate(t, k, p, **kw)
+
+    monkeypatch.setattr(prepare, "regenerate", regenerate)
     prepare.main(argv)
     manifest = json.loads((out / "manifest.json").read_text())
     assert asked == [3] and [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
@@ -4379,6 +4334,10 @@ def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_pat
     monkeypatch.setattr(prepare, "time", types.SimpleNamespace(time=tick))
     with pytest.raises(UsageError, match="no time left for one window"):  # 10 s gone, of 1
         prepare.main(argv + ["--max-seconds", "1"])
+
+
+def answered(prompts, answers) -> list:
+    return [p + [{"role": "assistant", "content": a}] for p, a in zip(prompts, answers)]
 
 
 def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
@@ -4390,10 +4349,7 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
             out * torch.where((args[0] == poison).any(-1), float("nan"), 1.0)[:, None, None]
         )
     )
-    convs = [
-        PROMPTS[0] + [{"role": "assistant", "content": a}]
-        for a in ["fine , thanks", "poison too", "the cat"]
-    ]
+    convs = answered(PROMPTS[:1] * 3, ["fine , thanks", "poison too", "the cat"])
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
     features.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -4406,105 +4362,68 @@ def test_batched_features_equal_one_sequence_at_a_time(tmp_path):
     # mixed lengths in one shard: batches of 3 are right-padded; every real position must be
     # unchanged
     target, tok = tiny_target("llama"), tiny_tokenizer()
-    answers = [
-        "fine",
-        "the cat is fine too . the cat is blue .",
-        "hot",
-        "the sky is blue , the sun is hot .",
-        "ok !",
-    ]
-    convs = [PROMPTS[i] + [{"role": "assistant", "content": a}] for i, a in enumerate(answers)]
-    one, three = tmp_path / "one", tmp_path / "three"
-    one.mkdir(), three.mkdir()
-    # what each target forward is given: [rows, padded width]
-    shapes, forward = {}, target.forward
-    for d, b in ((one, 1), (three, 3)):
+    long = ["the cat is fine too . the cat is blue .", "the sky is blue , the sun is hot ."]
+    convs = answered(PROMPTS, ["fine", long[0], "hot", long[1], "ok !"])
+    shapes, forward = {}, target.forward  # what each target forward is given: [rows, width]
+    for b in (1, 3):
         shapes[b] = []
         target.forward = lambda **kw: (
             shapes[b].append(tuple(kw["input_ids"].shape)) or forward(**kw)
         )
-        prepare.write_features(
-            target,
-            tok,
-            convs,
-            str(d),
-            [0, 3],
-            feature_dtype="fp32",
-            save_target_hidden=True,
-            shard_size=8,
-            batch_size=b,
-        )
-        features.write_manifest(str(d), len(convs), 8, "tiny", 32)
+        kw = dict(feature_dtype="fp32", save_target_hidden=True, shard_size=8, batch_size=b)
+        (tmp_path / str(b)).mkdir()
+        prepare.write_features(target, tok, convs, str(tmp_path / str(b)), [0, 3], **kw)
+        features.write_manifest(str(tmp_path / str(b)), len(convs), 8, "tiny", 32)
     del target.forward
     # batches are taken in length order and padded only to their own longest sequence
     lengths = sorted(len(conversations.tokenize_conversation(tok, c, 512)[0]) for c in convs)
-    assert shapes[1] == [(1, n) for n in lengths] and shapes[3] == [
-        (3, lengths[2]),
-        (2, lengths[4]),
-    ]
-    a, b = features.load_features(str(one)), features.load_features(str(three))
+    assert shapes[1] == [(1, n) for n in lengths]
+    assert shapes[3] == [(3, lengths[2]), (2, lengths[4])]
+    a, b = features.load_features(str(tmp_path / "1")), features.load_features(str(tmp_path / "3"))
     assert len({len(x["input_ids"]) for x in a}) > 1 and len(a) == len(b) == 5
     for x, y in zip(a, b):  # same order, same tokens, same features
-        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(
-            x["loss_mask"], y["loss_mask"]
-        )
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["loss_mask"], y["loss_mask"])
         for k in ("features", "target_hidden"):
             torch.testing.assert_close(x[k], y[k], rtol=1e-5, atol=1e-5)
 
 
-def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path):
+def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path, monkeypatch):
     # a rerun with more conversations (run.sh with a larger N_TRAIN) keeps the full shards and
-    # rebuilds
-    # the last one, which the smaller run had filled only in part
+    # rebuilds the last one, which the smaller run had filled only in part
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
-    convs = [
-        PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine " * (i + 1)}]
-        for i in range(7)
-    ]
-    prepare.write_features(
-        target, tok, convs[:5], str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32"
-    )
-    seen, batch_features = [], prepare.batch_features
-    # a[2]: the sequences
-    prepare.batch_features = lambda *a: seen.extend(a[2]) or batch_features(*a)
-    try:
-        prepare.write_features(
-            target, tok, convs, str(tmp_path), [0, 3], shard_size=4, feature_dtype="fp32"
-        )
-    finally:
-        prepare.batch_features = batch_features
-    # shard 1 again, now with conversations 4, 5, 6
-    assert len(seen) == 3
+    convs = answered(PROMPTS * 2, ["the cat is fine " * (i + 1) for i in range(7)])
+    kw = dict(shard_size=4, feature_dtype="fp32")
+    prepare.write_features(target, tok, convs[:5], str(tmp_path), [0, 3], **kw)
+    seen = count_batched(monkeypatch)
+    prepare.write_features(target, tok, convs, str(tmp_path), [0, 3], **kw)
+    assert len(seen) == 3  # shard 1 again, now with conversations 4, 5, 6
     features.write_manifest(str(tmp_path), 7, 4, "tiny", 32)
     grown = features.load_features(str(tmp_path))
     assert len(grown) == 7
     for conv, sample in zip(convs, grown):
-        assert torch.equal(
-            sample["input_ids"], conversations.tokenize_conversation(tok, conv, 512)[0]
-        )
+        ids = conversations.tokenize_conversation(tok, conv, 512)[0]
+        assert torch.equal(sample["input_ids"], ids)
 
 
 def test_shards_split_across_ranks(tmp_path):
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
-    convs = [
-        PROMPTS[i % 5] + [{"role": "assistant", "content": "the cat is fine"}] for i in range(7)
-    ]
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    prepare.write_features(target, tok, convs, str(one), [0, 3], shard_size=2, feature_dtype="fp32")
-    prepare.write_features(
-        target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=1, world=2
+    convs = answered(PROMPTS * 2, ["the cat is fine"] * 7)
+    one, two, kw = (
+        str(tmp_path / "one"),
+        str(tmp_path / "two"),
+        dict(shard_size=2, feature_dtype="fp32"),
     )
-    # k % 2 == 1
-    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    os.mkdir(one), os.mkdir(two)
+    prepare.write_features(target, tok, convs, one, [0, 3], **kw)
+    prepare.write_features(target, tok, convs, two, [0, 3], rank=1, world=2, **kw)
+    assert sorted(os.listdir(two)) == ["shard-00001.safetensors", "shard-00003.safetensors"]  # odd
     with pytest.raises(RuntimeError, match="not every rank"):
-        features.write_manifest(str(two), 7, 2, "tiny", 32)
-    prepare.write_features(
-        target, tok, convs, str(two), [0, 3], shard_size=2, feature_dtype="fp32", rank=0, world=2
-    )
+        features.write_manifest(two, 7, 2, "tiny", 32)
+    prepare.write_features(target, tok, convs, two, [0, 3], rank=0, world=2, **kw)
     for d in (one, two):
-        features.write_manifest(str(d), 7, 2, "tiny", 32)
-    a, b = features.load_features(str(one)), features.load_features(str(two))
+        features.write_manifest(d, 7, 2, "tiny", 32)
+    a, b = features.load_features(one), features.load_features(two)
     assert len(a) == len(b) == 7 and "target_hidden" not in a[0]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
 
@@ -4512,38 +4431,23 @@ def test_shards_split_across_ranks(tmp_path):
 def hand_made_features(
     out, shards, per_shard, length=6, width=8, hidden=4, dtype=torch.bfloat16, no_anchor=()
 ):
-    """A feature directory written without a target: random tensors, sequence lengths that vary,
-    every loss_mask [0, 1, 1, ...] except the samples (shard, j) in no_anchor, whose 1s never
-    touch."""
+    """Random features without a target; loss_mask [0, 1, 1, ...] but in no_anchor's (shard, j),
+    whose 1s never touch."""
     g = torch.Generator().manual_seed(0)
     for k in range(shards):
         samples = []
         for j in range(per_shard):
             S = length + (k + j) % 3
             mask = torch.arange(S) % 2 if (k, j) in no_anchor else (torch.arange(S) > 0).long()
-            samples.append(
-                {
-                    "input_ids": torch.randint(0, 64, (S,), generator=g),
-                    "loss_mask": mask,
-                    "features": torch.randn(S, width, generator=g).to(dtype),
-                }
-            )
+            ids = torch.randint(0, 64, (S,), generator=g)
+            feats = torch.randn(S, width, generator=g).to(dtype)
+            samples.append({"input_ids": ids, "loss_mask": mask, "features": feats})
             if hidden:
                 samples[-1]["target_hidden"] = torch.randn(S, hidden, generator=g).to(dtype)
-        features.save_shard(
-            features.shard_path(out, k),
-            samples,
-            {
-                "target_layer_ids": "[0]",
-                "feature_dtype": "bf16",
-                "max_length": 512,
-                "target_hidden": bool(hidden),
-                "shard_size": per_shard,
-                "num_samples": per_shard,
-                "skipped_nonfinite": 0,
-                "skipped_no_anchor": 0,
-            },
-        )
+        meta = dict(target_layer_ids="[0]", feature_dtype="bf16", max_length=512)
+        meta |= dict(target_hidden=bool(hidden), shard_size=per_shard, num_samples=per_shard)
+        meta |= dict(skipped_nonfinite=0, skipped_no_anchor=0)
+        features.save_shard(features.shard_path(out, k), samples, meta)
     features.write_manifest(out, shards * per_shard, per_shard, "hand-made", width)
 
 
@@ -4552,14 +4456,8 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
 
     hand_made_features(str(tmp_path), shards=3, per_shard=3, no_anchor=[(1, 2)])
     whole = [load_file(str(tmp_path / f"shard-{k:05d}.safetensors")) for k in range(3)]
-    expected = [
-        {
-            key: whole[k][f"{key}.{j}"]
-            for key in ("input_ids", "loss_mask", "features", "target_hidden")
-        }
-        for k in range(3)
-        for j in range(3)
-    ]
+    keys = ("input_ids", "loss_mask", "features", "target_hidden")
+    expected = [{key: w[f"{key}.{j}"] for key in keys} for w in whole for j in range(3)]
     samples = features.load_features(str(tmp_path))
 
     def same(a, b):
@@ -4567,14 +4465,11 @@ def test_streamed_features_equal_the_shards_read_whole(tmp_path):
             x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
         )
 
-    assert same(list(samples), expected) and same(
-        [samples[8], samples[-9]], [expected[8], expected[0]]
-    )
-    assert same(list(samples[2:7]), expected[2:7]) and same(
-        list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]]
-    )
-    # train.py's view: the sequence without an anchor (shard 1, sample 2) is left out, the order
-    # kept
+    assert same(list(samples), expected)
+    assert same([samples[8], samples[-9]], [expected[8], expected[0]])
+    assert same(list(samples[2:7]), expected[2:7])
+    assert same(list(samples[[8, 0, 4]][1:]), [expected[0], expected[4]])
+    # train.py's view: the sequence without an anchor (shard 1, sample 2) left out, the order kept
     kept = data.load_samples(str(tmp_path), False, None, 512)
     assert same(list(kept), expected[:5] + expected[6:])
     with pytest.raises(IndexError):
@@ -4611,88 +4506,49 @@ print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 def test_streamed_features_memory_does_not_grow_with_the_number_of_shards(tmp_path):
     one, ten = tmp_path / "one", tmp_path / "ten"
     one.mkdir(), ten.mkdir()
-    # 2 x 12.6 MB
-    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)
+    hand_made_features(str(one), shards=1, per_shard=2, length=2048, width=3072, hidden=0)  # 25 MB
     shard = os.path.getsize(features.shard_path(str(one), 0))
     # ten shards: the same file under ten names (hard links)
     for k in range(10):
         os.link(features.shard_path(str(one), 0), features.shard_path(str(ten), k))
     features.write_manifest(str(ten), 20, 2, "hand-made", 3072)
+    # large blocks always mapped and unmapped: glibc's moving threshold would let freed
+    # temporaries pile up on its heap and add noise to the peak
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
 
     def peak(folder, how):
+        probe = [sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how]
         run = subprocess.run(
-            [sys.executable, "-c", RSS_PROBE.format(here=HERE), str(folder), how],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            # large blocks always mapped and unmapped: glibc's moving threshold
-            # would let
-            # freed temporaries pile up on its heap and add noise to the peak
-            env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+            probe, check=True, capture_output=True, text=True, timeout=300, env=env
         )
         return int(run.stdout.split()[-1])
 
-    streamed_one, streamed_ten, whole_ten = (
-        peak(one, "streamed"),
-        peak(ten, "streamed"),
-        peak(ten, "whole"),
-    )
-    print(
-        # pytest -s shows it
-        f"peak RSS, MiB: streamed 1 shard {streamed_one / 2**20:.1f}, "
-        f"10 shards {streamed_ten / 2**20:.1f}; "
-        f"read whole, 10 shards {whole_ten / 2**20:.1f} (a shard: {shard / 2**20:.1f})"
-    )
+    streamed_one, streamed_ten = peak(one, "streamed"), peak(ten, "streamed")
+    whole_ten = peak(ten, "whole")
     assert streamed_ten - streamed_one < shard / 4, (streamed_one, streamed_ten, shard)
-    # the probe does see memory
-    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)
+    assert whole_ten - streamed_one > 5 * shard, (streamed_one, whole_ten, shard)  # it sees memory
 
 
 def test_layer_ids_beyond_the_target_raise(tmp_path):
-    # the target has 4
-    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)
+    target_dir, cfg = tiny_setup(tmp_path, layer_ids=(0, 6), num_target_layers=8)  # it has 4
+    argv = ["--target", target_dir, "--draft-config", cfg, "--data", user_only_jsonl(tmp_path)]
     with pytest.raises(UsageError, match="num_hidden_layers = 4"):
-        prepare.main(
-            [
-                "--target",
-                target_dir,
-                "--draft-config",
-                cfg,
-                "--data",
-                user_only_jsonl(tmp_path),
-                "--out-dir",
-                str(tmp_path / "out"),
-                "--regenerate",
-                "--features",
-            ]
-        )
+        prepare.main(argv + ["--out-dir", str(tmp_path / "out"), "--regenerate", "--features"])
 
 
 # ============================================================================ export.py
 def test_export_names_the_serving_flags_and_warns_where_llamacpp_would_refuse(tmp_path, capsys):
-    """export.py prints the flags an engine must be given for the draft's block size B (SGLang's
-    --speculative-num-draft-tokens B, vLLM's num_speculative_tokens B - 1). A DFlash2 draft that
-    llama.cpp's loader refuses (hidden 32 < K (K + 1) = 72 at K = 8) is still exported in the zlab
-    format, with one warning line; the speculators format (no llama.cpp) and a draft that meets the
-    rule (K = 5: 30 <= 32) get none."""
+    """Serving flags for block size B: SGLang's B, vLLM's B - 1. llama.cpp refuses hidden below
+    K (K + 1) (32 < 72 at K = 8): one warning line; K = 5 and the speculators format get none."""
     for name, draft in (("small", tiny_draft(4, selector_top_k=8)), ("fits", tiny_draft(4))):
         write_ckpt(tmp_path / f"{name}.pt", draft)
         export.main([str(tmp_path / f"{name}.pt"), "--out-dir", str(tmp_path / name)])
         out, err = capsys.readouterr()
-        assert out.splitlines()[-1] == (
-            "serve it with block size 4: SGLang --speculative-num-draft-tokens 4, "
-            "vLLM num_speculative_tokens 3"
-        )
+        said = out.splitlines()[-1]
+        assert "--speculative-num-draft-tokens 4" in said and "num_speculative_tokens 3" in said
         assert (tmp_path / name / "config.json").is_file()
-        if name == "fits":
-            assert err == ""
-            continue
-        assert err.splitlines() == [
-            "warning: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 is below "
-            "K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice); "
-            "tools/llamacpp.py will not convert it"
-        ]
+        warned = err.splitlines()
+        assert warned == [] if name == "fits" else len(warned) == 1 and "72" in warned[0]
     spec = ["--format", "speculators", "--verifier", "t"]
     export.main([str(tmp_path / "small.pt"), "--out-dir", str(tmp_path / "spec"), *spec])
     assert capsys.readouterr().err == ""
@@ -4711,10 +4567,8 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
         assert set(f.keys()) == set(draft.state_dict())
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    assert (
-        cfg["architectures"] == ["DFlash2DraftModel"]
-        and cfg["dflash_config"]["selector_top_k"] == 5
-    )
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_top_k"] == 5
 
     back = export.load_draft(str(tmp_path / "fp32"))
     assert back.config == draft.config
@@ -4740,17 +4594,12 @@ def test_export_refuses_broken_inputs(tmp_path):
     torch.save({"model": draft.state_dict(), "config": bad}, tmp_path / "bad.pt")
     with pytest.raises(UsageError, match="predecessor_codebook"):
         export.export(str(tmp_path / "bad.pt"), str(tmp_path / "out"))
-    # a truncated safetensors file, and a truncated checkpoint: refused, naming the file
+    # a truncated safetensors file: refused, naming the file (a cut ckpt.pt: the test below)
     export.save_draft(draft, str(tmp_path / "cut"))
     st = tmp_path / "cut" / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
     with pytest.raises(UsageError, match=r"cut/model\.safetensors"):
         export.export(str(tmp_path / "cut"), str(tmp_path / "out"))
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    ck = tmp_path / "ckpt.pt"
-    ck.write_bytes(ck.read_bytes()[:1000])
-    with pytest.raises(UsageError, match=r"ckpt\.pt"):
-        export.load_any(str(ck))
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
@@ -4761,9 +4610,8 @@ class LearnersNote:  # an object a learner might add to the checkpoint's dict
 
 def test_a_checkpoint_is_read_as_data_by_export_and_resume(tmp_path, capsys):
     """export.py and train.py --resume read ckpt.pt alike, as data only: a file torch.save did not
-    write (text, another zip, a cut one) ends in one `error:` line saying it is no checkpoint; a
-    real checkpoint that holds an object of another class is refused by both, naming the class,
-    never called corrupted."""
+    write (text, another zip, a cut one) ends in one `error:` line naming it; a real checkpoint
+    that holds an object of another class is refused by both, naming the class."""
     draft = tiny_draft(4)
     write_ckpt(tmp_path / "ckpt.pt", draft)
     good = (tmp_path / "ckpt.pt").read_bytes()
@@ -4777,11 +4625,10 @@ def test_a_checkpoint_is_read_as_data_by_export_and_resume(tmp_path, capsys):
     for name in ("notes.pt", "other.zip", "cut.pt", "note.pt"):
         with pytest.raises(SystemExit) as stop:
             common.run(lambda: export.main([str(tmp_path / name), "--out-dir", out]))
-        err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-        said = "LearnersNote" if name == "note.pt" else "not a training checkpoint"
-        assert name in err[0] and said in err[0], err
-    with pytest.raises(UsageError, match=r"note\.pt: holds test_all\.LearnersNote"):
+        [err] = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and err.startswith("error: ") and name in err, err
+        assert ("LearnersNote" in err) == (name == "note.pt"), err
+    with pytest.raises(UsageError, match="LearnersNote"):
         train.load_checkpoint(str(tmp_path / "note.pt"), draft, None, False, 10)
     assert export.load_any(str(tmp_path / "ckpt.pt")).state_dict().keys() == ck["model"].keys()
     assert not os.path.exists(out)
@@ -4795,27 +4642,15 @@ def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
     back = export.load_draft(str(tmp_path / "out"))
-    assert back.candidate_selector is None and isinstance(
-        back.layers[0].attention_conv, model.PassThrough
-    )
+    assert back.candidate_selector is None
+    assert isinstance(back.layers[0].attention_conv, model.PassThrough)
     assert not any("conv" in k or "selector" in k for k in back.state_dict())
     assert torch.equal(block_hidden(back), block_hidden(draft))
 
 
-def test_export_cli_refuses_bad_flags(tmp_path, capsys):
-    write_ckpt(tmp_path / "ckpt.pt", tiny_draft(4))
-    out = str(tmp_path / "out")
-    with pytest.raises(SystemExit) as e:
-        export.main([str(tmp_path / "ckpt.pt"), "--out-dir", out, "--format", "speculators"])
-    assert e.value.code == 2 and "--verifier" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 # ---------------------------------------------------------------------------- sharded checkpoints
 def shard_by_hand(out) -> list:
-    """An exported directory's model.safetensors rewritten in the sharded layout of public
-    checkpoints: two shards, the tensors split in order, and model.safetensors.index.json naming
-    each tensor's shard. -> the shards' names."""
+    """Rewrite an export as public checkpoints ship: two shards and an index; -> the shards."""
     from safetensors.torch import load_file, save_file
 
     sd = load_file(str(out / "model.safetensors"))
@@ -4834,9 +4669,8 @@ def shard_by_hand(out) -> list:
 
 
 def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
-    """A sharded checkpoint (shards + index, as public checkpoints ship) loads to the same draft;
-    re-exported into its own directory it becomes one model.safetensors, the shards gone; a broken
-    index is refused, naming the file."""
+    """A sharded checkpoint loads to the same draft; re-exported in place it becomes one file; a
+    broken index is refused, naming the file."""
     linear = {"rope_type": "linear", "factor": 2.0}  # tiny_draft(4), with a scaled RoPE
     c = tiny_config(target_layer_ids=[0, 2, 3], output_multiplier=0.5, rope_scaling=linear)
     draft = randomize(DraftModel(c)).eval()
@@ -4846,9 +4680,8 @@ def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
     shards = shard_by_hand(out)
     sd = draft.state_dict()
     back = export.load_any(str(out))
-    assert back.config == draft.config and all(
-        torch.equal(v, back.state_dict()[k]) for k, v in sd.items()
-    )
+    assert back.config == draft.config
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in sd.items())
     assert torch.equal(block_hidden(back), block_hidden(draft))
     # a single-file re-export into the same directory replaces the shards
     export.export(str(out), str(out), torch.float32)
@@ -4859,30 +4692,14 @@ def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
     shard_by_hand(tmp_path / "b")
     idx = tmp_path / "b" / "model.safetensors.index.json"
     good = json.loads(idx.read_text())
-    moved = dict(
-        good,
-        weight_map={
-            **good["weight_map"],
-            "fc.weight": shards[-1] if good["weight_map"]["fc.weight"] != shards[-1] else shards[0],
-        },
-    )
-    for broken, why in (
-        (moved, "does not place there"),
-        (
-            dict(good, weight_map={**good["weight_map"], "extra.weight": shards[0]}),
-            "no shard holds",
-        ),
-        (
-            {
-                "weight_map": {
-                    **good["weight_map"],
-                    "extra.weight": "model-00009-of-00009.safetensors",
-                }
-            },
-            "model-00009-of-00009.safetensors",
-        ),
-    ):  # a missing shard
-        idx.write_text(json.dumps(broken))
+    where = good["weight_map"]
+    elsewhere = shards[0] if where["fc.weight"] == shards[-1] else shards[-1]
+    for changed, why in (
+        ({"fc.weight": elsewhere}, "does not place there"),
+        ({"extra.weight": shards[0]}, "no shard holds"),
+        ({"extra.weight": "model-00009-of-00009.safetensors"}, "model-00009-of-00009"),  # missing
+    ):
+        idx.write_text(json.dumps(dict(good, weight_map={**where, **changed})))
         with pytest.raises(UsageError, match=why):
             export.load_any(str(tmp_path / "b"))
     idx.write_text(json.dumps(good))
@@ -4897,14 +4714,10 @@ def test_sharded_checkpoint_round_trip_and_broken_indexes(tmp_path):
 @pytest.mark.parametrize(
     "kind,draft_kw",
     [
-        # a bf16 draft beside the fp32 target (--draft-dtype)
-        ("llama", dict(dtype=torch.bfloat16)),
-        # the target's weights packed (--target-gemm onednn)
-        ("qwen3", dict(layout="onednn")),
-        # MKL packs per row count (--target-gemm mkl)
-        pytest.param("qwen3", dict(layout="mkl"), marks=needs_mkl),
-        # int8 draft weights (--draft-dtype int8)
-        pytest.param("qwen3", dict(int8=True), marks=needs_int8),
+        ("llama", dict(dtype=torch.bfloat16)),  # a bf16 draft beside the fp32 target
+        ("qwen3", dict(layout="onednn")),  # the target's weights packed (--target-gemm onednn)
+        pytest.param("qwen3", dict(layout="mkl"), marks=needs_mkl),  # packed per row count
+        pytest.param("qwen3", dict(int8=True), marks=needs_int8),  # int8 draft weights
     ],
 )
 def test_greedy_is_lossless_in_each_precision_and_cpu_layout(kind, draft_kw):
@@ -4920,19 +4733,15 @@ def test_greedy_is_lossless_in_each_precision_and_cpu_layout(kind, draft_kw):
 
 
 def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
-    """--bench: every prompt is decoded plainly in each layout and then in each speculative row
-    before the next prompt starts, so a drift in the machine's speed cannot fall on one way's whole
-    run; a greedy row's answers all equal plain decoding's."""
+    """--bench decodes every prompt every way before the next prompt, so a drift in the machine's
+    speed cannot fall on one way's whole run; a greedy row's answers all equal plain decoding's."""
     import argparse
 
     target, draft = tiny_target("llama"), tiny_draft(4)
     prompts = {f"q{i}": prompt(seed=i) for i in range(3)}
     monkeypatch.setattr(bench, "eval_prompts", lambda name: list(prompts))
-    monkeypatch.setattr(
-        bench,
-        "encode",
-        lambda tok, messages, dev, kwargs: prompts.get(messages[0]["content"], prompt(seed=9)),
-    )
+    warm_up = prompt(seed=9)  # what a message not among the prompts encodes to
+    monkeypatch.setattr(bench, "encode", lambda t, m, *a: prompts.get(m[0]["content"], warm_up))
     calls, plain_gen, spec_gen = [], bench.target_generate, bench.speculate
 
     def plain(target, ids, max_new_tokens, **kw):
@@ -4945,47 +4754,28 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
 
     monkeypatch.setattr(bench, "target_generate", plain)
     monkeypatch.setattr(bench, "speculate", spec)
-    args = argparse.Namespace(
-        verify_tokens=[1, 3],
-        tree_budget=None,
-        draft="d",
-        bench=["gsm8k"],
-        bench_limit=None,
-        max_new_tokens=12,
-        temperature=0.0,
-        chat_template_kwargs={},
-    )
+    args = argparse.Namespace(verify_tokens=[1, 3], tree_budget=None, draft="d", bench=["gsm8k"])
+    vars(args).update(bench_limit=None, max_new_tokens=12, temperature=0.0, chat_template_kwargs={})
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock")
     shapes, gen = [("path", 1), ("path", 3)], torch.Generator().manual_seed(0)
     bench.bench(target, draft, None, None, args, gen, set(), layouts, shapes)
-    ways = lambda f: (
-        [("plain", "onednn", f), ("plain", "stock", f)]
-        + [(m, k, f) for m in ("selector", "unary") for k in (1, 3)]
-    )
-    # warm-ups
-    assert calls[:6] == ways(int(prompt(seed=9)[0, 0]))
-    assert calls[6:] == [c for i in range(3) for c in ways(int(prompt(seed=i)[0, 0]))]
+    ways = [("plain", "onednn"), ("plain", "stock")]
+    ways += [(m, k) for m in ("selector", "unary") for k in (1, 3)]
+    firsts = [int(p[0, 0]) for p in [warm_up, *prompts.values()]]
+    assert calls == [(*way, f) for f in firsts for way in ways]
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [r[1:4] for r in rows[:4]] == [
-        ["selector", "path", "of"],
-        ["selector", "path", "of"],
-        ["unary", "path", "of"],
-        ["unary", "path", "of"],
+    assert [(r[1], r[2], r[4]) for r in rows[:4]] == [
+        (m, "path", k) for m in ("selector", "unary") for k in "13"
     ]
-    assert [r[4] for r in rows[:4]] == ["1", "3", "1", "3"] and all(
-        r[-1] == "3/3" for r in rows[:4]
-    )
+    assert all(r[-1] == "3/3" for r in rows[:4])  # every answer equal to plain decoding's
     assert [r[1:3] for r in rows[4:]] == [["plain", "onednn"], ["plain", "stock"]]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monkeypatch, device):
-    """generate.py as a user runs it (fp32 target, a bf16 draft) on each device, against
-    transformers' own greedy generate: an independent reference, where target_generate shares the
-    loop's cache calls (a target forward that ignored the cache, as transformers 5.17 ignores
-    `cache=`, was equally wrong in both)."""
-    if device == "cpu":
-        # generate.py: CUDA wherever it is
+    """generate.py as a user runs it against transformers' own greedy generate: independent, where
+    target_generate shares the loop's cache calls (a forward that ignored the cache fooled both)."""
+    if device == "cpu":  # generate.py: CUDA wherever it is
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     export.save_draft(tiny_draft(4), str(tmp_path / "draft"))
     runs, report = [], show.Answer.report
@@ -4996,38 +4786,23 @@ def test_generate_cli_greedy_equals_transformers_generate(setup, tmp_path, monke
 
     monkeypatch.setattr(show.Answer, "report", recording)
     text = "tell me about the cat ."
-    generate.main(
-        [
-            "--target",
-            str(setup / "target"),
-            "--draft",
-            str(tmp_path / "draft"),
-            "--prompt",
-            text,
-            *"--max-new-tokens 24 --target-dtype fp32 --draft-dtype bf16".split(),
-        ]
-    )
+    argv = ["--target", str(setup / "target"), "--draft", str(tmp_path / "draft"), "--prompt", text]
+    generate.main(argv + "--max-new-tokens 24 --target-dtype fp32 --draft-dtype bf16".split())
     ((out, stats),) = runs
     target, tok = load_target(str(setup / "target"))
     target = target.to(device)
     p = encode(tok, [{"role": "user", "content": text}], device)
     stop = sorted(stop_token_ids(target, tok))
-    ref = target.generate(
-        p,
-        attention_mask=torch.ones_like(p),
-        max_new_tokens=24,
-        do_sample=False,
-        eos_token_id=stop,
-        pad_token_id=stop[0],
-    )
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=stop, pad_token_id=stop[0])
+    ref = target.generate(p, attention_mask=torch.ones_like(p), **kw)
     assert out.device.type == device and torch.equal(out, ref), (out, ref)
     assert stats.new_tokens == ref.shape[1] - p.shape[1] > 1
 
 
 def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
-    """--compare at the first token where plain and speculative greedy output part: a tie when the
-    two tokens' logits are closer than a one-token step and a block verify differ there (the
-    largest difference, on either side) plus one rounding in the target's dtype; else a bug."""
+    """--compare where plain and speculative greedy output part: a tie when the two tokens' logits
+    are closer than a step and a block verify differ there plus one rounding in the target's dtype;
+    else a bug."""
     step, block = torch.tensor([10.0, 9.9, 3.0, 0.0]), torch.tensor([9.95, 10.0, 3.0, 0.0])
     # noise 0.1: 0.1 apart <= 2 * 0.1 + 2^-7 * 10 in bf16; 7 apart is not
     assert show.numerics_tie(step, block, 0, 1, "bf16") == (True, 10.0, pytest.approx(9.9))
@@ -5040,20 +4815,12 @@ def test_compare_tells_a_numerics_tie_from_a_bug(monkeypatch):
     assert show.numerics_tie(apart, apart, 0, 1, "bf16")[0]
     bf16_target = torch.nn.Linear(1, 1).to(torch.bfloat16)
     monkeypatch.setattr(show, "logits_two_ways", lambda target, prefix, m: (step, block))
-    plain, tie, bug = (
-        torch.tensor([[7, 7, 0, 5]]),
-        torch.tensor([[7, 7, 1, 5]]),
-        torch.tensor([[7, 7, 2]]),
-    )
-    assert show.compare(bf16_target, 2, plain, plain[:, :3], 0.0, 4).endswith("cut short)")
-    assert show.compare(bf16_target, 2, plain, plain, 0.0, 4) == "identical"
-    assert show.compare(bf16_target, 2, plain, tie, 1.0, 4).endswith("at temperature > 0)")
-    assert show.compare(bf16_target, 2, plain, tie, 0.0, 4) == (
-        "different at token 1: a numerics tie (top-2 logits 10, 9.9 within bf16 rounding)"
-    )
-    assert show.compare(bf16_target, 2, plain, bug, 0.0, 4).startswith(
-        "different at token 1: NOT a tie: a bug"
-    )
+    plain = torch.tensor([[7, 7, 0, 5]])
+    tie, bug = torch.tensor([[7, 7, 1, 5]]), torch.tensor([[7, 7, 2]])
+    said = lambda spec, t=0.0: show.compare(bf16_target, 2, plain, spec, t, 4)  # noqa: E731
+    assert said(plain) == "identical" and "NOT a tie" in said(plain[:, :3])  # cut short: a bug
+    assert "tie" not in said(tie, 1.0)  # at temperature > 0 the outputs may part
+    assert "a numerics tie" in said(tie) and "NOT a tie" in said(bug)
 
 
 def test_generate_defaults_run_the_reading_path_and_fast_opts_in():
@@ -5071,31 +4838,35 @@ def test_generate_defaults_run_the_reading_path_and_fast_opts_in():
 
 
 # --------------------------------------------------------------------- sampling: the rejection rule
-def test_speculative_sampling_matches_target_distribution():
-    """End to end at temperature 1 with the selector's q: the second new token (the first one a
-    draft proposes) must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1), computed
-    exactly. Bound as above with V = 6 bins, N = 1200, eps = 0.07: P(TV >= eps) <= 62 exp(-11.8) <
-    1e-3."""
-    V, N = 6, 1200
+def second_tokens(V=6, N=1200, **kw):
+    """Two new tokens, N times, at temperature 1 on tiny_vocab_pair(V); -> (how often each token
+    came second, the target's exact marginal p(t2) = sum_t1 p(t1) p(t2 | t1), every cycle's tau)."""
     target, draft = tiny_vocab_pair(V)
     p = torch.tensor([[1, 4, 2]])
     with torch.no_grad():
         p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)  # [V]
         both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)  # [V, 4]
         p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)  # [V]
-    g, counts, proposed, taus = torch.Generator().manual_seed(0), torch.zeros(V), torch.zeros(V), []
+    g, counts, taus = torch.Generator().manual_seed(0), torch.zeros(V), []
+    for _ in range(N):
+        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, **kw)
+        counts[out[0, 4]] += 1
+        taus += st.taus
+    return counts, p2, taus
 
-    real = decoding.draft_proposal
+
+def test_speculative_sampling_matches_target_distribution():
+    """End to end with the selector's q: the second new token (the first one a draft proposes)
+    follows the target's marginal. Bound as above with V = 6 bins, N = 1200, eps = 0.07:
+    P(TV >= eps) <= 62 exp(-11.8) < 1e-3."""
+    proposed, real = torch.zeros(6), decoding.draft_proposal
 
     def recording(draft, h, u, ids, *rest):
         d, q = real(draft, h, u, ids, *rest)
         proposed[d[0, 0]] += 1
         return d, q
 
-    for _ in range(N):
-        out, st = speculate(target, draft, p, 2, temperature=1.0, generator=g, proposer=recording)
-        counts[out[0, 4]] += 1
-        taus += st.taus
+    counts, p2, taus = second_tokens(proposer=recording)
     assert tv(counts, p2) < 0.07
     assert tv(proposed, p2) > 0.15  # the drafts alone are off: the check has power
     assert 1 in taus and max(taus) > 1  # both rejections and acceptances happened
@@ -5106,7 +4877,7 @@ def test_speculative_sampling_matches_target_distribution():
 MARK = re.compile(r"([\[{(<])(\d+)([\]})>])(\*?)")
 
 
-def test_show_formats_a_block_by_hand():
+def test_show_formats_a_block_and_a_tree_by_hand():
     text = lambda t: f"t{t}"
     # 2 of 4 drafts accepted, slot 3 rejected, slot 4 never checked; slot 2 is not the unary argmax
     assert show.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text) == "[t5] [t6]* {t7} (t8) <t3>"
@@ -5115,6 +4886,14 @@ def test_show_formats_a_block_by_hand():
     assert show.format_block([5, 6], [1, 6], 0, 4, text) == "{t5}* (t6) <t4>"
     coloured = show.format_block([5, 6, 7, 8], [5, 9, 7, 8], 2, 3, text, color=True)
     assert "\x1b[" in coloured and re.sub(r"\x1b\[[0-9;]*m", "", coloured) == "t5 t6* t7 t8 t3"
+    # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
+    t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
+    # accepted 2 (not the anchor's best child 1, rejected: *) then 4 (2's best child; its sibling 5
+    # rejected); 4's only child 6 rejected; 3, below the rejected 1, never checked; bonus 8
+    by_depth = "   6 nodes, by depth 2 3 1"
+    assert show.format_tree(t, [2, 4], 8, text) == "{t1}[t2]* [t4]{t5} {t6} <t8>" + by_depth
+    assert show.format_tree(t, [], 8, text) == "{t1|t2} <t8>" + by_depth
+    assert show.format_tree(t, [1, 3], 8, text) == "[t1]{t2} [t3] <t8>" + by_depth
 
 
 def watch(target, draft, p, n, proposer):
@@ -5148,42 +4927,24 @@ def test_show_marks_always_right_and_wrong_at_k_drafts(B):
         for (drafts, unary, a, bonus), line in zip(cycles, lines):
             k = B - 1 if wrong_at(L) is None else wrong_at(L)
             marks = MARK.findall(line)
-            assert (
-                "".join(m[0] for m in marks)
-                == "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
-            )
+            kinds = "[" * k + "{" * (k < B - 1) + "(" * max(0, B - 2 - k) + "<"
+            assert "".join(m[0] for m in marks) == kinds
             assert [int(m[1]) for m in marks] == drafts + [bonus]
             assert [m[3] == "*" for m in marks[:-1]] == [d != u for d, u in zip(drafts, unary)]
-            # the target's token
+            # the target's token; the rejected one is not
             assert drafts[:k] == ref[0, L : L + k].tolist() and bonus == int(ref[0, L + k])
-            if k < B - 1:
-                # the rejected one
-                assert drafts[k] != int(ref[0, L + k])
+            assert k == B - 1 or drafts[k] != int(ref[0, L + k])
             L += k + 1
 
 
 def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
     target, p = tiny_target("llama"), prompt()
-    # Bs = 0: the unary path
-    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()
-    # random codebooks
-    trained = tiny_draft(4)
+    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()  # Bs = 0
+    trained = tiny_draft(4)  # random codebooks
     _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.draft_proposal)
     assert not any("*" in line for line in lines)
     _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.draft_proposal)
     assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
-
-
-def test_show_formats_a_tree_by_hand():
-    text = lambda t: f"t{t}"
-    # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4
-    t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
-    # accepted 2 (not the anchor's best child 1, rejected: *) then 4 (2's best child; its sibling 5
-    # rejected); 4's only child 6 rejected; 3, below the rejected 1, never checked; bonus 8
-    by_depth = "   6 nodes, by depth 2 3 1"
-    assert show.format_tree(t, [2, 4], 8, text) == "{t1}[t2]* [t4]{t5} {t6} <t8>" + by_depth
-    assert show.format_tree(t, [], 8, text) == "{t1|t2} <t8>" + by_depth
-    assert show.format_tree(t, [1, 3], 8, text) == "[t1]{t2} [t3] <t8>" + by_depth
 
 
 def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
@@ -5205,11 +4966,10 @@ def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, 
         block = line.split("tau", 1)[1].split("  ", 1)[1]
         printed = re.findall(r"([\[{(<])(.*?)[\]})>](\*?)(?= |$)", block)
         assert shown == [(kinds[k], text, star == "*") for k, text, star in printed]
-    no_folder = tmp_path / "no" / "such" / "decode.svg"
     with pytest.raises(SystemExit) as stop:  # a bad path: one line, as support/common.run says
-        common.run(lambda: generate.main(argv + ["--show-svg", str(no_folder)]))
-    says = f"error: --show-svg {no_folder}: no folder {no_folder.parent}"
-    assert stop.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [says]
+        common.run(lambda: generate.main(argv + ["--show-svg", str(tmp_path / "no" / "x.svg")]))
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and line.startswith("error: --show-svg ")
 
 
 # ------------------------------------------------------------ trees: --tree-budget, --verify-tokens
@@ -5221,26 +4981,16 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
     """A budget of B-1 where each node opens only its best child is today's path, cycle for cycle:
     the same drafts each cycle, the same taus, the same output (the target's own greedy output)."""
     B = 5
-    dkw = dict(draft_kw)
-    dtype = dkw.pop("dtype", torch.float32)
-    draft = tiny_draft(B, **dkw).to(dtype)
+    draft = tiny_draft(B, draft_kw.get("plain", False)).to(draft_kw.get("dtype", torch.float32))
     target, p = tiny_target("llama"), prompt()
     runs, grow = [], tree.draft_tree
     for kw in (dict(), dict(tree_budget=B - 1, grower=lambda *a: grow(*a, branch=False))):
         cycles = []
-        out, st = speculate(
-            target,
-            draft,
-            p,
-            30,
-            use_selector=use_selector,
-            watch=lambda c: cycles.append((c.drafts, c.unary, c.accepted, c.bonus)),
-            **kw,
-        )
+        watch = lambda c: cycles.append((c.drafts, c.unary, c.accepted, c.bonus))  # noqa: E731
+        out, st = speculate(target, draft, p, 30, use_selector=use_selector, watch=watch, **kw)
         runs.append((out, st.taus, cycles))
-    assert (
-        torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:] and len(runs[0][2]) > 3
-    )
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+    assert len(runs[0][2]) > 3
     assert torch.equal(runs[0][0], decoding.target_generate(target, p, 30)[0])
     # ties: unary scores equal at tokens 5 and 3 of slot 1 -> argmax takes 3, and so does the tree
     u = torch.zeros(1, B - 1, 64)
@@ -5266,11 +5016,8 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
             return d, q
 
         out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=recording)
-        assert (
-            torch.equal(out, ref[:, : p.shape[1] + 30])
-            and st.taus == [k + 1] * len(st.taus)
-            and set(sent) == {k}
-        )
+        assert torch.equal(out, ref[:, : p.shape[1] + 30]) and set(sent) == {k}
+        assert st.taus == [k + 1] * len(st.taus)
         out, _ = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
         assert torch.equal(out, ref[:, : p.shape[1] + 30])
     default, taus0 = decoding.speculative_generate(target, draft, p, 30)
@@ -5279,19 +5026,13 @@ def test_verify_tokens_sends_the_first_k_drafts(B):
 
 
 def test_a_cycle_scores_only_the_slots_it_can_send():
-    """The head over the vocabulary is most of a draft's cost, so a cycle scores only the slots it
-    can send: a path of k drafts slots 1..k, a tree of N nodes min(N, B-1). The walk goes slot by
-    slot, so the proposal over k slots is the first k of the whole block's walk, greedy and sampled
-    alike."""
+    """A cycle scores only the slots it can send (k for a path of k, min(N, B-1) for a tree of N);
+    the walk over k slots is the first k of the whole block's walk, greedy and sampled alike."""
     B = 5
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    for kw, depth in [
-        (dict(verify_tokens=1), 1),
-        (dict(verify_tokens=3), 3),
-        ({}, B - 1),
-        (dict(tree_budget=2), 2),
-        (dict(tree_budget=9), B - 1),
-    ]:
+    _, head = decoding.embed_and_head(target, draft)
+    cases = [(dict(verify_tokens=1), 1), (dict(verify_tokens=3), 3), ({}, B - 1)]
+    for kw, depth in cases + [(dict(tree_budget=2), 2), (dict(tree_budget=9), B - 1)]:
         seen = []
 
         def record(fn):
@@ -5299,32 +5040,15 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
                 seen.append((h.shape[1], u.shape[1])) or fn(d_, h, u, *rest)
             )
 
-        out, _ = speculate(
-            target,
-            draft,
-            p,
-            6,
-            proposer=record(decoding.draft_proposal),
-            grower=record(tree.draft_tree),
-            **kw,
-        )
+        kw |= dict(proposer=record(decoding.draft_proposal), grower=record(tree.draft_tree))
+        out, _ = speculate(target, draft, p, 6, **kw)
         assert set(seen) == {(depth, depth)}
         # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores
-        # all B
-        # rows, zeros past the real ones) changes nothing
-        _, head = decoding.embed_and_head(target, draft)
+        # all B rows, zeros past the real ones) changes nothing
         wide, _ = speculate(
-            target,
-            draft,
-            p,
-            6,
-            proposer=record(decoding.draft_proposal),
-            grower=record(tree.draft_tree),
-            head=cost.FastestRows(head, {d: B for d in range(1, B)}),
-            **kw,
+            target, draft, p, 6, head=cost.FastestRows(head, dict.fromkeys(range(1, B), B)), **kw
         )
         assert torch.equal(out, wide) and set(seen) == {(depth, depth)}
-    _, head = decoding.embed_and_head(target, draft)
     h = torch.randn(1, B - 1, draft.config.hidden_size, generator=torch.Generator().manual_seed(3))
     u = draft.unary_logits(h, head)
     full = decoding.draft_proposal(draft, h, u, p)[0]
@@ -5341,87 +5065,61 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
 
 
 def test_tree_sampling_matches_target_distribution():
-    """End to end at temperature 1 with a tree of 4 nodes, built deterministically from the draft:
-    the second new token must follow the target's marginal p(t2) = sum_t1 p(t1) p(t2 | t1). Bound as
-    in test_speculative_sampling_matches_target_distribution (V = 6, N = 1200, eps = 0.07: <
-    1e-3)."""
-    V, N = 6, 1200
-    target, draft = tiny_vocab_pair(V)
-    p = torch.tensor([[1, 4, 2]])
-    with torch.no_grad():
-        p1 = torch.softmax(target(input_ids=p).logits[0, -1], -1)
-        both = torch.cat([p.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p2 = p1 @ torch.softmax(target(input_ids=both).logits[:, -1], -1)
-    g, counts, taus, trees = torch.Generator().manual_seed(0), torch.zeros(V), [], []
-
-    grow = tree.draft_tree
-
-    def recording(*a):
-        trees.append(grow(*a))
-        return trees[-1]
-
-    for _ in range(N):
-        out, st = speculate(
-            target, draft, p, 2, temperature=1.0, generator=g, tree_budget=4, grower=recording
-        )
-        counts[out[0, 4]] += 1
-        taus += st.taus
+    """As test_speculative_sampling_matches_target_distribution, with a tree of 4 nodes."""
+    trees, grow = [], tree.draft_tree
+    recording = lambda *a: trees.append(grow(*a)) or trees[-1]  # noqa: E731
+    counts, p2, taus = second_tokens(tree_budget=4, grower=recording)
     assert tv(counts, p2) < 0.07
     # branching, rejections and acceptances
     assert not trees[0].is_chain() and 1 in taus and max(taus) > 1
 
 
 # ============================================================================ command lines
+BEFORE = {  # what each script needs before the flag a case gets wrong
+    "generate": "--draft d",
+    "train": "--data d",
+    "prepare": "--data d --out-dir o --regenerate",
+    "export": "c.pt --out-dir o",
+}
+
+
 @pytest.mark.parametrize(
     "script, argv, flag",
     [
-        # would prefer the least likely tokens
-        ("generate", ["--draft", "d", "--temperature", "-1"], "--temperature"),
-        ("generate", ["--draft", "d", "--max-new-tokens", "0"], "--max-new-tokens"),
-        ("generate", ["--draft", "d", "--bench", "gsm8k", "--bench-limit", "0"], "--bench-limit"),
-        ("generate", ["--draft", "d", "--bench", "gsm8k", "--show"], "--show"),
-        # several: only with --bench
-        ("generate", ["--draft", "d", "--tree-budget", "8", "16"], "--tree-budget"),
-        ("generate", ["--draft", "d", "--tree-budget", "many"], "--tree-budget"),
-        ("generate", ["--draft", "d", "--verify-tokens", "0"], "--verify-tokens"),
-        ("train", ["--data", "d", "--num-anchors", "-4"], "--num-anchors"),
-        ("train", ["--data", "d", "--lr", "-1e-3"], "--lr"),
-        ("train", ["--data", "d", "--lr", "nan"], "--lr"),
-        ("train", ["--data", "d", "--epochs", "0"], "--epochs"),
-        ("train", ["--data", "d", "--peak-tflops", "0"], "--peak-tflops"),
-        (
-            "prepare",
-            ["--data", "d", "--out-dir", "o", "--regenerate", "--max-new-tokens", "0"],
-            "--max-new-tokens",
-        ),
+        ("generate", "--temperature -1", "--temperature"),  # would prefer the least likely tokens
+        ("generate", "--max-new-tokens 0", "--max-new-tokens"),
+        ("generate", "--bench gsm8k --bench-limit 0", "--bench-limit"),
+        ("generate", "--bench gsm8k --show", "--show"),
+        ("generate", "--tree-budget 8 16", "--tree-budget"),  # several: only with --bench
+        ("generate", "--tree-budget many", "--tree-budget"),
+        ("generate", "--verify-tokens 0", "--verify-tokens"),
+        ("train", "--num-anchors -4", "--num-anchors"),
+        ("train", "--lr -1e-3", "--lr"),
+        ("train", "--lr nan", "--lr"),
+        ("train", "--epochs 0", "--epochs"),
+        ("train", "--peak-tflops 0", "--peak-tflops"),
+        ("prepare", "--max-new-tokens 0", "--max-new-tokens"),
+        ("export", "--format speculators", "--verifier"),  # the format names its target
     ],
 )
 def test_senseless_flag_values_are_refused(script, argv, flag, capsys):
     with pytest.raises(SystemExit) as stop:
-        importlib.import_module(script).main(argv)
+        importlib.import_module(script).main(f"{BEFORE[script]} {argv}".split())
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and "error: " in last and flag in last, last
 
 
-@pytest.mark.parametrize(
-    "script, argv",
-    [
-        ("prepare", ["--data", "d", "--out-dir", "o", "--regenerate"]),
-        ("train", ["--data", "d"]),
-        ("generate", ["--draft", "d"]),
-    ],
-)
-def test_every_script_reads_chat_template_kwargs_alike(script, argv, capsys):
-    script, flag = importlib.import_module(script), "--chat-template-kwargs"
-    assert script.parse_args(argv + [flag, '{"enable_thinking": false}']).chat_template_kwargs == {
-        "enable_thinking": False
-    }
-    assert script.parse_args(argv).chat_template_kwargs == {}
+@pytest.mark.parametrize("script", ["prepare", "train", "generate"])
+def test_every_script_reads_chat_template_kwargs_alike(script, capsys):
+    argv, flag = BEFORE[script].split(), "--chat-template-kwargs"
+    script = importlib.import_module(script)
+    kwargs = script.parse_args(argv + [flag, '{"enable_thinking": false}']).chat_template_kwargs
+    assert kwargs == NO_THINKING and script.parse_args(argv).chat_template_kwargs == {}
     for bad in ("[1]", "{bad", '{"tokenize": true}'):
         with pytest.raises(SystemExit) as stop:
             script.parse_args(argv + [flag, bad])
         last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert stop.value.code == 2 and f"error: argument {flag}: " in last, last
+        assert stop.value.code == 2 and "error: " in last and flag in last, last
 
 
 @pytest.mark.parametrize("case", ["train --online", "prepare --features", "train offline"])
@@ -5449,31 +5147,23 @@ def test_data_made_with_other_template_kwargs_is_refused(tmp_path, capsys, case)
         assert manifest["chat_template_kwargs"] == NO_THINKING
         assert len(data.load_samples(out, False, None, 512, NO_THINKING)) == len(PROMPTS)
         named = os.path.join(out, "manifest.json")
-    else:
-        named += ", line 1"
     with pytest.raises(SystemExit) as stop:
         common.run(lambda: script.main(base + argv))
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 2 and last.startswith(f"error: {named}: made with "), last
-    assert """--chat-template-kwargs '{"enable_thinking": false}', this run asks for '{}'""" in last
-
-
-def bad_jsonl(tmp_path):
-    return write_lines(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
+    assert stop.value.code == 2 and last.startswith(f"error: {named}"), last
 
 
 def test_train_defaults_to_run_sh_data(tmp_path, monkeypatch, capsys):
-    """No --data: bash run.sh's prepared data. Not made yet: one line `error: ...` naming it and
-    how to make it, exit status 2, before any work. Made: its held-out set is the default
-    --eval-data where that is made too; an explicit --eval-data, another --data or --online keeps
-    its own."""
+    """No --data: bash run.sh's prepared data. Not made yet: one line `error: ...` naming it, exit
+    status 2, before any work. Made: its held-out set is the default --eval-data where that is made
+    too; an explicit --eval-data, another --data or --online keeps its own."""
     monkeypatch.chdir(tmp_path)  # the default is relative, as run.sh makes it
     with pytest.raises(SystemExit) as stop:
         common.run(lambda: train.main(["--selector-top-k", "16"]))
     said = capsys.readouterr()
     assert stop.value.code == 2 and said.out == "", said.out
     [line] = said.err.splitlines()
-    assert line.startswith("error: ") and train.RUN_SH_DATA in line and "bash run.sh" in line
+    assert line.startswith("error: ") and train.RUN_SH_DATA in line
 
     def eval_data(*flags):
         args = train.parse_args(list(flags))
@@ -5505,26 +5195,27 @@ def run_sh(tmp_path, *flags):
     fake.chmod(0o755)
     path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
     env = {**os.environ, "PATH": path, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        ["bash", os.path.join(HERE, "run.sh"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    argv = ["bash", os.path.join(HERE, "run.sh"), *flags]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     return run, [json.loads(line) for line in log.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("toy", [["--toy"], []])
 def test_run_sh_refuses_a_wrong_flag_before_any_work(tmp_path, toy):
-    """bash run.sh [--toy] checks train.py's flags with train.py's parser first: an unknown one
-    ends in one line `error: ...` naming it, exit status 2, and nothing else ran (the main job
-    would otherwise fail at training, after its data)."""
+    """bash run.sh [--toy] checks train.py's flags first: an unknown one ends in one `error:` line,
+    exit status 2, before any work (not at training, after its data)."""
     run, commands = run_sh(tmp_path, *toy, "--no-such-flag")
     assert run.returncode == 2 and run.stdout == "", run.stdout
     [line] = run.stderr.splitlines()
     assert line.startswith("error: ") and "--no-such-flag" in line, line
     assert [argv[0] for argv in commands] == ["-c"]
+
+
+def python(*argv) -> subprocess.CompletedProcess:
+    """python ARGV run here as a user runs it, in its own process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *argv]
+    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("case", ["export", "generate", "train", "prepare"])
@@ -5535,35 +5226,19 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],,}')
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
-    argv, named = {  # (paths without spaces: pytest's tmp_path)
-        "export": (f"export.py {tmp_path}/no.pt --out-dir {tmp_path}/out", "no.pt"),
-        "generate": (
-            f"generate.py --target {target_dir} --draft {tmp_path}/broken --prompt hi",
-            "broken/config.json: not valid JSON (line 1)",
-        ),
-        "train": (  # block size 4 has no default gamma: train.py would say that first
-            f"train.py --target {target_dir} --draft-config {cfg} --data {tmp_path} --gamma 2",
-            f"{tmp_path} is not a feature directory",
-        ),
-        "prepare": (
-            f"prepare.py --target {target_dir} --data {bad_jsonl(tmp_path)} --out-dir "
-            f"{tmp_path}/out --regenerate",
-            "bad.jsonl, line 3",
-        ),
+    bad = write_lines(tmp_path / "b.jsonl", [{"messages": CONVERSATION}, "", '{"text": "hi"}'])
+    d, t = tmp_path, f"--target {target_dir}"  # (paths without spaces: pytest's tmp_path)
+    argv, named = {
+        "export": (f"export.py {d}/no.pt --out-dir {d}/out", "no.pt"),
+        "generate": (f"generate.py {t} --draft {d}/broken --prompt hi", "broken/config.json"),
+        # block size 4 has no default gamma: train.py would say that first
+        "train": (f"train.py {t} --draft-config {cfg} --data {d} --gamma 2", str(d)),
+        "prepare": (f"prepare.py {t} --data {bad} --out-dir {d}/o --regenerate", "b.jsonl, line 3"),
     }[case]
-    run = subprocess.run(
-        [sys.executable, *argv.split()],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    run = python(*argv.split())
     last = run.stderr.strip().splitlines()[-1]  # after any progress bars of transformers
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert last.startswith("error: ") and named in last, run.stderr
-    if case == "train":
-        assert "python prepare.py" in last  # and which command makes one
 
 
 def test_a_bug_keeps_its_traceback(setup, tmp_path):
@@ -5579,14 +5254,7 @@ def test_a_bug_keeps_its_traceback(setup, tmp_path):
     )
     argv = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
     argv += ["--data", str(setup / "feats"), "--out-dir", str(tmp_path), "--gamma", "2"]
-    run = subprocess.run(
-        [sys.executable, "-c", bug, *argv, "--max-steps", "1", "--quiet"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    run = python("-c", bug, *argv, "--max-steps", "1", "--quiet")
     assert run.returncode == 1 and "Traceback" in run.stderr, run.stderr
     assert not any(line.startswith("error:") for line in run.stderr.splitlines()), run.stderr
     # the last frame in loss.py: its file, line and code
@@ -5595,40 +5263,32 @@ def test_a_bug_keeps_its_traceback(setup, tmp_path):
     assert (file, function) == (os.path.join(HERE, "loss.py"), "objective")
     assert code.startswith("labels, prev, w0 = block_labels(")
     assert open(file).read().splitlines()[int(line) - 1].strip() == code
-    last = run.stderr.strip().splitlines()[-1]
-    assert last == "ValueError: not enough values to unpack (expected 3, got 2)"
+    assert run.stderr.strip().splitlines()[-1].startswith("ValueError: ")
 
 
 # ======================================================================= the toy run (run.sh --toy)
 def test_toy_run_reduced(tmp_path, capsys):
-    """A REDUCED toy run (bash run.sh --toy's steps at a much smaller size; the full toy run is not
-    in CI): the toy target (tools/toy_target.py) trained on 16 problems learns them, its greedy
-    answers being the worked ones; prepare -> train -> export then run as run.sh runs them, and the
-    exported draft decodes a held-out problem greedily into exactly the target's own greedy output,
-    as transformers' generate() computes it."""
+    """bash run.sh --toy's steps, much smaller: the toy target learns its 16 problems, and the
+    exported draft decodes a held-out one into exactly the target's greedy output."""
     from tools import toy_target
 
     pairs, held_out = toy_split()
     tgt = str(tmp_path / "target")
     target, tok = toy_target.build(tgt, num_problems=16, steps=150, batch_size=16, lr=1e-2)
-    assert toy_target.greedy_answers(target, tok, [q for q, _ in pairs[:4]]) == [
-        a for _, a in pairs[:4]
-    ]
+    answers = toy_target.greedy_answers(target, tok, [q for q, _ in pairs[:4]])
+    assert answers == [a for _, a in pairs[:4]]
     cfg = os.path.join(HERE, "configs", "toy-dflash2.json")
     prep = ["--target", tgt, "--target-dtype", "fp32", "--target-gemm", "stock", "--regenerate"]
     prep += ["--max-new-tokens", "60", "--features", "--draft-config", cfg, "--save-target-hidden"]
-    for name, n in (("train", 16), ("eval", 2)):
+    for name, prompts, n in (("train", "toy", 16), ("eval", "toy-eval", 2)):
         prepare.main(
-            ["--prompts", "toy" if name == "train" else "toy-eval", "--num-samples", str(n)]
-            + prep
-            + ["--out-dir", str(tmp_path / name)]
+            prep
+            + ["--prompts", prompts, "--num-samples", str(n), "--out-dir", str(tmp_path / name)]
         )
     out = str(tmp_path / "draft")
-    train.main(
-        ["--draft-config", cfg, "--target", tgt, "--data", str(tmp_path / "train"), "--quiet"]
-        + ["--eval-data", str(tmp_path / "eval"), "--out-dir", out, "--max-steps", "8"]
-        + ["--num-anchors", "8", "--dtype", "fp32"]
-    )
+    argv = ["--draft-config", cfg, "--target", tgt, "--data", str(tmp_path / "train"), "--quiet"]
+    argv += ["--eval-data", str(tmp_path / "eval"), "--out-dir", out, "--max-steps", "8"]
+    train.main(argv + ["--num-anchors", "8", "--dtype", "fp32"])
     export.main([out, "--out-dir", out + "/export"])
     capsys.readouterr()
     question = held_out[-1][0]
