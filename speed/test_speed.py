@@ -188,28 +188,22 @@ def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layo
     table = {k: {n: a + b * n for n in sizes} for k, (a, b) in ab.items()}
     measured = []
     monkeypatch.setattr(cost, "decode_table", lambda t, sizes: measured.append(sizes) or table)
-    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 /
-    # 88 / 86
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
-    assert layouts["why"].endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
+
+    def chosen():  # -> (speculation's layout, plain decoding's, the target's now, why)
+        layouts = cost.decoding_layouts(target, draft, "auto")
+        return layouts["speculate"], layouts["plain"], layout_of(target), layouts["why"]
+
+    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock, 182 onednn, 184 mkl; a step 80 / 88 / 86
+    *layouts, why = chosen()
+    assert layouts == ["stock"] * 3
+    assert why.endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
     table["stock"][3] = 100.0  # now 185 ms stock: onednn
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"], layout_of(target)) == (
-        "onednn",
-        "stock",
-        "onednn",
-    )
+    assert chosen()[:3] == ("onednn", "stock", "onednn")
     table["mkl"][3] = 80.0  # now 170 ms mkl
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"], layout_of(target)) == ("mkl", "stock", "mkl")
+    assert chosen()[:3] == ("mkl", "stock", "mkl")
     assert measured == [[1, 2, 3]] * 3  # a plain step and every path's verify, 1..B tokens
     asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")  # nothing measured
-    assert (asked["table"], asked["speculate"], asked["why"]) == (
-        None,
-        "stock",
-        "stock GEMMs (asked)",
-    )
+    assert asked["table"] is None and asked["why"] == "stock GEMMs (asked)"
 
 
 def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
@@ -250,16 +244,11 @@ def inputs(*shapes) -> list:
     return [torch.randn(s) for s in shapes] + [torch.randn(24, 5).T]
 
 
+needs_packed_bf16 = pytest.mark.skipif(not machine.packed_bf16_runs(), reason="no oneDNN bf16")
+
+
 @pytest.mark.parametrize(
-    "dtype,tol",
-    [
-        (FP32, 1e-5),
-        pytest.param(
-            BF16,
-            2e-2,
-            marks=pytest.mark.skipif(not machine.packed_bf16_runs(), reason="no oneDNN bf16 GEMM"),
-        ),
-    ],
+    "dtype,tol", [(FP32, 1e-5), pytest.param(BF16, 2e-2, marks=needs_packed_bf16)]
 )
 def test_packed_linear_equals_linear(dtype, tol):
     torch.manual_seed(0)

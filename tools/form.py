@@ -284,7 +284,7 @@ FILE_ENDINGS = set("py md json jsonl safetensors pt svg txt gguf sh toml".split(
 OUTSIDE = re.compile(
     r"(?<![\w.~}$:/-])/(?!(?:proc|dev|sys|usr|bin|etc|v1)/)[A-Za-z][\w.-]*/[\w.-]+"
 )
-TEXT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
+FSTRING_MIDDLE = getattr(tokenize, "FSTRING_MIDDLE", -1)  # Python 3.12+: an f-string's pieces
 
 
 def cited_texts(root=HERE):
@@ -295,9 +295,11 @@ def cited_texts(root=HERE):
             text = tok.string
             if tok.type == tokenize.STRING and re.match(r"[rbRB]?[fF]", text):
                 text = re.sub(r"\{[^{}]*\}", "{}", text)
+            elif tok.type == FSTRING_MIDDLE:  # a piece, perhaps after an {expression}
+                text = "{}" + text
             if tok.type == tokenize.STRING and re.fullmatch(r"([\'\"])[\w.]+\1", text):
                 continue  # a key such as "model.norm.weight" names a tensor, not a module's name
-            if tok.type in TEXT_TOKENS:
+            if tok.type in (tokenize.COMMENT, tokenize.STRING, FSTRING_MIDDLE):
                 yield os.path.relpath(path, root), tok.start[0], text
     for path in ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=root)):
         for i, line in enumerate(open(os.path.join(root, path)), 1):
