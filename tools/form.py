@@ -154,22 +154,14 @@ def rebindings(source: str) -> list:
             bound[a.asname or a.name.split(".")[0]] = a.name if full else a.name.split(".")[0]
 
     def reading(e) -> bool:  # e names a reading-path module
-        if isinstance(e, ast.Name):
-            return bound.get(e.id) in READING_PATH
-        return (
-            isinstance(e, ast.Attribute)
-            and e.attr in READING_PATH
-            and isinstance(e.value, ast.Name)
-            and e.value.id in bound
-        )
+        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name):  # t.loss
+            return e.attr in READING_PATH and e.value.id in bound
+        return isinstance(e, ast.Name) and bound.get(e.id) in READING_PATH
 
     found, imports_reading = [], any(m in READING_PATH for m in bound.values())
     for node in nodes:
-        targets = []
-        if isinstance(node, (ast.Assign, ast.Delete)):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
+        # what an assignment, del, augmented assignment or for loop binds
+        targets = getattr(node, "targets", [getattr(node, "target", None)])
         targets = [t for e in targets for t in (e.elts if isinstance(e, ast.Tuple) else [e])]
         hit = any(isinstance(t, ast.Attribute) and reading(t.value) for t in targets)
         if isinstance(node, ast.Call) and node.args:
