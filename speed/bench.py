@@ -3,14 +3,11 @@
     python generate.py --draft out/smollm2-math-dflash2/export --bench gsm8k --bench-limit 16 \\
         --max-new-tokens 128 --verify-tokens 7 --tree-budget 8 16 24 32
 
-Rows: every mode (selector, unary) times every verify shape asked (a path of k drafts or a tree of N
-nodes: tune.choose), then plain decoding. Where `--target-gemm auto` measured the GEMM layouts,
-plain decoding runs in each and the speedups divide by the fastest: the fastest plain decoding this
-machine has, not the layout speculation happens to use. "same" counts answers equal to
-plain decoding's, token for token. Mean tau is pooled over all cycles of a set; tok/s counts new
-tokens over the wall time of each call (prefill included). Each prompt is decoded every way back to
-back before the next one starts, so a shared machine that speeds up or slows down meanwhile does so
-for every row.
+Rows: every mode (selector, unary) times every verify shape asked (tune.choose), then plain
+decoding, in each GEMM layout where `--target-gemm auto` measured them: speedups divide by the
+fastest plain decoding. "same" counts answers equal to plain decoding's, token for token. Mean tau
+is pooled over a set's cycles; tok/s counts new tokens over each call's wall time (prefill
+included).
 """
 
 import torch
@@ -25,12 +22,7 @@ from support.target import encode
 
 def add_flags(a):
     """generate.py's flags for the bench; a: its ArgumentParser's add_argument."""
-    a(
-        "--bench",
-        nargs="+",
-        choices=list(EVAL_SETS),
-        help="decode these prompt sets every way and compare",
-    )
+    a("--bench", nargs="+", choices=list(EVAL_SETS), help="decode these prompt sets every way")
     a("--bench-limit", type=count, help="only the first N prompts of each set")
 
 
@@ -39,9 +31,8 @@ def tok_per_s(stats) -> float:
 
 
 def bench(target, draft, head, tok, args, gen, stop, layouts, shapes):
-    """Print the table: args.bench's sets (the first args.bench_limit prompts of each), each row
-    one way of decoding them. head: what speculation scores the draft's rows with (tune.decoding's;
-    None: the target's); layouts: tune.decoding's; shapes: the verify shapes (tune.choose's)."""
+    """Print the table of args.bench's sets, a row per way of decoding them. head and layouts:
+    tune.decoding's; shapes: tune.choose's."""
     dev, kwargs = next(target.parameters()).device, args.chat_template_kwargs
     modes = ["selector", "unary"] if draft.candidate_selector else ["unary"]
     rows = [(m, shape) for m in modes for shape in shapes]
@@ -66,12 +57,11 @@ def bench(target, draft, head, tok, args, gen, stop, layouts, shapes):
 
 
 def decode_every_way(target, draft, head, prompts, warm, new, kw, layouts, rows) -> list:
-    """Each prompt ([1, P] ids) decoded for at most `new` tokens plainly in each layout (layouts:
-    tune.decoding's) and speculatively each way of rows ((mode, verify shape)), after one untimed
-    warm-up of each on the prompt warm. kw: the loops' temperature, generator, stop_ids. -> one
-    {"mode", "verify", "tau", "tok_s", "speedup", "same"} a way, the rows then plain decoding in
-    each layout: speedup over the fastest plain layout; same: the answers equal to plain decoding's
-    (the first layout's) token for token (None for plain decoding)."""
+    """Each prompt ([1, P] ids) decoded for `new` tokens plainly in each layout and speculatively
+    each way of rows ((mode, verify shape)), after an untimed warm-up of each on warm. kw: the
+    loops' temperature, generator, stop_ids. -> a {"mode", "verify", "tau", "tok_s", "speedup",
+    "same"} per way, the rows then plain decoding: same counts answers equal to the first plain
+    layout's (None for plain decoding)."""
     plains = list(layouts["table"]) if layouts["table"] else [layouts["plain"]]
     for layout in plains:  # warm-ups
         set_layout(target, layout)
@@ -79,23 +69,21 @@ def decode_every_way(target, draft, head, prompts, warm, new, kw, layouts, rows)
     set_layout(target, layouts["speculate"])
     for r in rows:
         speculate(target, draft, warm, 8, r[1], use_selector=r[0] == "selector", head=head)
-    # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes,
-    # and a drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs
-    # of one VM).
+    # Prompt by prompt, every way back to back: a shared machine's speed drifts over minutes, and a
+    # drift must not fall on one way's whole run (plain 22.0 then 23.9 tok/s on two runs of a VM).
     runs, outs = {key: [] for key in ["plain " + layout for layout in plains] + rows}, {}
     for ids in prompts:
         for layout in plains:
             set_layout(target, layout)
             out, stats = timed(lambda: target_generate(target, ids, new, **kw), ids)
             runs["plain " + layout].append(stats)
-            # the first layout's: the reference
-            if layout == plains[0]:
+            if layout == plains[0]:  # the reference
                 outs.setdefault("plain", []).append(out)
         set_layout(target, layouts["speculate"])
         for r in rows:
-            use_selector = r[0] == "selector"
+            selector = r[0] == "selector"
             out, stats = speculate(
-                target, draft, ids, new, r[1], use_selector=use_selector, head=head, **kw
+                target, draft, ids, new, r[1], use_selector=selector, head=head, **kw
             )
             runs[r].append(stats)
             outs.setdefault(r, []).append(out)

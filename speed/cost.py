@@ -1,12 +1,6 @@
-"""Timings on this machine: which GEMM layout runs the target fastest, and how many rows the
-draft's head should score.
-
-Which GEMMs make a verify of n tokens cost about one plain step differs by CPU (docs/cpu.md, "GEMM
-layout"), so the functions below are the short measurement behind `--target-gemm auto`
-(machine.choose_layout), cached per machine: the decode table of 1..B tokens for generate.py, the
-batched shapes for prepare.py. The draft's head is timed over every row count (head_rows), for the
-head a given --draft-dtype scores with (FastestRows).
-"""
+"""Timings on this machine: which GEMM layout runs the target fastest (behind `--target-gemm auto`:
+which GEMMs make a verify of n tokens cost about one step differs by CPU, docs/cpu.md), and how
+many rows the draft's head should score. Cached per machine (machine.cached)."""
 
 import time
 
@@ -36,7 +30,7 @@ def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
 
 @torch.no_grad()
 def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) -> float:
-    """Median ms of one target forward of `tokens` new tokens after `context` cached ones, `rows`
+    """Median ms of a target forward of `tokens` new tokens after `context` cached ones, `rows`
     rows."""
     gen, dev = torch.Generator().manual_seed(0), next(target.parameters()).device
     vocab = target.config.vocab_size
@@ -50,12 +44,10 @@ def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) ->
 
     def step():
         target(input_ids=block, **with_cache(target, cache))
-        # back to the same context every time
-        crop(cache, context)
+        crop(cache, context)  # back to the same context every time
 
     ms = median_ms(step, repeats, dev)
-    # MKL's packs for this many rows: a copy of the weights each
-    drop_packs(target)
+    drop_packs(target)  # MKL's packs for this many rows: a copy of the weights each
     return ms
 
 
@@ -67,10 +59,9 @@ def fastest_rows(ms: dict, B: int) -> dict:
 
 @torch.no_grad()
 def head_rows(draft, head, repeats: int = 3) -> dict:
-    """{L: r}: the block rows `head` should score to cover the draft's slots 1..L. Its GEMM [r, H] x
-    [H, V] does not cost in proportion to r, and not alike on every CPU: with fp32 MKL 3 rows cost a
-    third of 8 on one machine; in bf16 on an AMX Xeon 8 rows cost a seventh of 2..7. So every r in
-    2..B is timed here."""
+    """{L: r}: the block rows `head` should score to cover the draft's slots 1..L. The GEMM's cost
+    is not in proportion to r and differs by CPU (bf16 on an AMX Xeon: 8 rows a seventh of 2..7's),
+    so every r in 2..B is timed."""
     c, p = draft.config, next(draft.parameters())
     h = torch.randn(1, c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
     ms = {
@@ -81,18 +72,16 @@ def head_rows(draft, head, repeats: int = 3) -> dict:
 
 
 def fastest_head(draft, target, head=None):
-    """The head that scores the draft's rows fastest here, for the decoding loops' `head`: head
-    (int8.py's), else the target's in the draft's precision (decoding.embed_and_head), over
-    head_rows' row counts -> a FastestRows."""
+    """-> a FastestRows of head (int8.py's) or else the target's in the draft's precision, for the
+    decoding loops' `head`."""
     head = head or embed_and_head(target, draft)[1]
     return FastestRows(head, head_rows(draft, head))
 
 
 class FastestRows(torch.nn.Module):
-    """The head over a block's first n rows [1, n, H] -> [1, n, V], computed as a GEMM of rows[n -
-    1] rows (zeros past the n real ones) where that many cost less here. In a float GEMM output row
-    i depends on input row i alone; the int8 head (int8.py) quantizes its input per call, over the
-    real rows and the zeros."""
+    """The head over a block's first n rows [1, n, H] -> [1, n, V], computed over rows[n - 1] rows
+    (zeros past the n real ones) where that many cost less. A float GEMM's row i depends on input
+    row i alone; the int8 head quantizes its input per call, the zeros included."""
 
     def __init__(self, head, rows: dict):
         super().__init__()
@@ -107,8 +96,7 @@ class FastestRows(torch.nn.Module):
 
 
 def each_layout(target, measure) -> dict:
-    """{layout: measure()} over the layouts this target can run in here (machine.layouts_here),
-    which start with "stock"; the target is left stock."""
+    """{layout: measure()} over machine.layouts_here; the target is left stock."""
     param, out = next(target.parameters()), {}
     layouts = machine.layouts_here(param.dtype, param.device)
     # minutes on a slow CPU, once per machine (the result is cached): a bar, not silence
@@ -124,29 +112,21 @@ def each_layout(target, measure) -> dict:
 
 
 def target_key(target) -> str:
+    """The target in the machine's cache keys."""
     c, dtype = target.config, next(target.parameters()).dtype
     return f"{c._name_or_path} {c.model_type} {c.hidden_size}x{c.num_hidden_layers} {dtype}"
-
-
-def decode_key(target, sizes, context: int = 200) -> str:
-    """decode_table's key in the machine's cache (v1: stock, onednn)."""
-    return machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")
-
-
-def data_key(target) -> str:
-    """data_costs' key in the machine's cache."""
-    return machine.machine_key("data", target_key(target), "layouts v2")
 
 
 def decode_table(target, sizes, context: int = 200, repeats: int = 7) -> dict:
     """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per
     machine."""
-    table = machine.cached(
-        decode_key(target, sizes, context),
-        lambda: each_layout(
-            target, lambda: {str(n): target_ms(target, context, n, repeats) for n in sizes}
-        ),
-    )
+
+    def measure():
+        return {str(n): target_ms(target, context, n, repeats) for n in sizes}
+
+    # v1 held stock and onednn only
+    key = machine.machine_key("decode", target_key(target), context, sizes, "layouts v2")
+    table = machine.cached(key, lambda: each_layout(target, measure))
     return {layout: {int(n): ms for n, ms in row.items()} for layout, row in table.items()}
 
 
@@ -157,41 +137,26 @@ def data_costs(target, repeats: int = 3) -> dict:
     def measure():
         return target_ms(target, 128, 1, repeats, rows=64) + target_ms(target, 0, 256, repeats)
 
-    return machine.cached(data_key(target), lambda: each_layout(target, measure))
-
-
-def fastest(row: dict, n: int) -> str:
-    """The layout with the faster n-token forward in a decode table."""
-    return min(row, key=lambda layout: row[layout][n])
-
-
-def verify_sums(table: dict, B: int) -> dict:
-    """{layout: ms of its verify forwards of 2..B tokens, summed}: how speculation's layout is
-    judged (every path priced alike: one size alone was too noisy a judge)."""
-    return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
+    key = machine.machine_key("data", target_key(target), "layouts v2")
+    return machine.cached(key, lambda: each_layout(target, measure))
 
 
 def decoding_layouts(target, draft, wanted) -> dict:
-    """The target's GEMM layout for speculation and for plain decoding (1 token):
-    machine.choose_layout, from the decode table of 1..B tokens (B: the draft's block size) where it
-    must measure. Speculation's layout is the one with the smallest verify_sums. The target is left
-    in the speculation's layout. -> {"speculate", "plain": layout names, "why", "table" (or
-    None)}."""
+    """The target's GEMM layout for speculation and for plain decoding (1 token), from the decode
+    table of 1..B tokens where machine.choose_layout must measure; the target is left in
+    speculation's. -> {"speculate", "plain", "why", "table" (or None)}."""
     B, table = draft.config.block_size, {}
 
-    def measure():
+    def measure():  # {layout: its verifies of 2..B tokens, summed}: one size alone was too noisy
         table.update(decode_table(target, sizes=list(range(1, B + 1))))
-        return verify_sums(table, B)
+        return {layout: sum(row[n] for n in range(2, B + 1)) for layout, row in table.items()}
 
     layout, why = machine.choose_layout(
         next(target.parameters()).dtype, target.device, wanted, measure
     )
-    plain = fastest(table, 1) if table else layout
+    plain = min(table, key=lambda k: table[k][1]) if table else layout
     set_layout(target, layout)
     if table:
-        why += (
-            f"; plain decoding {plain} ("
-            + ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items())
-            + " ms)"
-        )
+        ms = ", ".join(f"{k} {row[1]:.1f}" for k, row in table.items())
+        why += f"; plain decoding {plain} ({ms} ms)"
     return {"speculate": layout, "plain": plain, "why": why, "table": table or None}

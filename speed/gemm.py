@@ -1,6 +1,5 @@
 """GEMM layouts for the target on a CPU: stock nn.Linear, oneDNN's packed weights, MKL's packed
-GEMM.
-"""
+GEMM."""
 
 import torch
 
@@ -9,14 +8,10 @@ from support.common import UsageError
 
 # ----------------------------------------------------------------------------- CPU decoding
 class PackedLinear(torch.nn.Module):
-    """nn.Linear with its weight also held in oneDNN's own layout, converted once: for CPU decoding.
-
-    Why: with a stock fp32 CPU GEMM (MKL) an input of more than one row streams the weights far
-    slower than the 1-row path does, so on a 2-core CPU verifying 8 tokens cost about 1.7 decoding
-    steps although both read every weight once (docs/cpu.md). oneDNN with the weight in its own
-    layout streams them at about the same speed for 1 and 8 rows: verifying 8 tokens cost 1.2-1.4
-    decoding steps, and the decoding step itself got faster too. Speculation lives on that ratio.
-    """
+    """nn.Linear with its weight also held in oneDNN's own layout, converted once. Why: a stock fp32
+    GEMM streams the weights far slower for 8 rows than for 1 (verifying 8 tokens cost 1.7 decoding
+    steps on a 2-core CPU); oneDNN's layout streams them alike (1.2-1.4 steps, docs/cpu.md), and
+    speculation lives on that ratio."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -32,16 +27,11 @@ class PackedLinear(torch.nn.Module):
 
 
 class MklLinear(torch.nn.Module):
-    """nn.Linear through MKL's packed GEMM (cblas_sgemm_compute) for inputs of 1..MAX_ROWS rows:
-    fp32, x86.
-
-    Why: MKL's stock GEMM repacks the whole weight on every call, and with a few rows that
-    repacking, not the product, is what an fp32 verify waits for. Packed once, the weight streams at
-    about the 1-row speed: on an AVX-512 Xeon capped to AVX2 kernels, every linear of the target
-    took 44.6 ms stock and 31.4 packed at 3 rows, 57.2 and 34.9 at 8 (docs/cpu.md). MKL
-    packs for one row count, so there is a pack per count, made the first time that many rows come;
-    larger inputs (prefill) keep the stock GEMM.
-    """
+    """nn.Linear through MKL's packed GEMM for inputs of 1..MAX_ROWS rows: fp32, x86. Why: MKL's
+    stock GEMM repacks the whole weight every call, and with a few rows that, not the product, is
+    what a verify waits for (44.6 ms stock, 31.4 packed at 3 rows on a Xeon: docs/cpu.md). A pack
+    holds for one row count: one per count, made when that many rows first come; prefill stays
+    stock."""
 
     MAX_ROWS = 64
 
@@ -79,32 +69,33 @@ def check_packable(layout: str, dtype, device):
         )
 
 
+def slots(target, kinds) -> list:
+    """(module, name) of each child of the target that is an instance of kinds."""
+    return [
+        (m, name)
+        for m in target.modules()
+        for name, c in m.named_children()
+        if isinstance(c, kinds)
+    ]
+
+
 def pack_linears(target, layout: str = "onednn"):
-    """Swap every nn.Linear of a CPU target for a PackedLinear ("onednn") or an MklLinear ("mkl"),
-    in place; returns the target. machine.choose_layout decides which (and refuses what this CPU
-    cannot run)."""
+    """Swap every nn.Linear of a CPU target for LAYOUTS[layout]'s, in place; returns the target."""
     param = next(target.parameters())
     check_packable(layout, param.dtype, param.device)
-    for module in list(target.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, name, LAYOUTS[layout](child))
+    for m, name in slots(target, torch.nn.Linear):
+        setattr(m, name, LAYOUTS[layout](getattr(m, name)))
     return target
 
 
 def unpack_linears(target):
     """Undo pack_linears: every packed linear back to an nn.Linear with the same (dense) weight."""
-    for module in list(target.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, tuple(LAYOUTS.values())):
-                linear = torch.nn.Linear(
-                    child.weight.shape[1],
-                    child.weight.shape[0],
-                    bias=child.bias is not None,
-                    device="meta",
-                )
-                linear.weight, linear.bias = child.weight, child.bias
-                setattr(module, name, linear)
+    for m, name in slots(target, tuple(LAYOUTS.values())):
+        child = getattr(m, name)
+        out, inp = child.weight.shape
+        linear = torch.nn.Linear(inp, out, bias=child.bias is not None, device="meta")
+        linear.weight, linear.bias = child.weight, child.bias
+        setattr(m, name, linear)
     return target
 
 
@@ -124,15 +115,10 @@ def set_layout(target, layout: str):
     if now != layout:
         # {layout: its modules}, not registered
         kept = target.__dict__.setdefault("kept_layouts", {})
-        slots = [
-            (m, name)
-            for m in target.modules()
-            for name, c in m.named_children()
-            if isinstance(c, (torch.nn.Linear, *LAYOUTS.values()))
-        ]
-        kept[now] = [getattr(m, name) for m, name in slots]
+        places = slots(target, (torch.nn.Linear, *LAYOUTS.values()))
+        kept[now] = [getattr(m, name) for m, name in places]
         if layout in kept:
-            for (m, name), module in zip(slots, kept[layout]):
+            for (m, name), module in zip(places, kept[layout]):
                 setattr(m, name, module)
         else:
             unpack_linears(target)
@@ -142,8 +128,7 @@ def set_layout(target, layout: str):
 
 
 def drop_packs(target):
-    """Free the MKL packs made so far (each is a copy of its weight); the next forward makes what it
-    needs."""
+    """Free the MKL packs made so far (each a copy of its weight); a forward makes what it needs."""
     for m in target.modules():
         if isinstance(m, MklLinear):
             m.packs.clear()

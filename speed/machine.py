@@ -1,18 +1,15 @@
 """What this machine runs fast: one rule for the precision and the GEMM layout of every phase
-(docs/cpu.md, "The rule": the choice per CPU, and why). Every `auto` flag asks this file, for one of
-four phases:
+(docs/cpu.md, "The rule"). Every `auto` flag asks it, for one of four phases:
 
     data    the target in prepare.py and in online training: batched forwards of many rows
-    decode  the target in generate.py, batch 1: fp32 on every device (bf16 verification is not
+    decode  the target in generate.py, batch 1: fp32 everywhere (bf16 verification is not
             lossless: docs/speculation.md, "Greedy equality and the target's precision")
     train   the draft's autocast in train.py
     draft   the draft in generate.py: it only proposes, so its precision cannot change the output
 
-Precision: bf16 on CUDA, and on a CPU where bf16 is native (x86 running AVX-512 kernels with
-avx512_bf16 or AMX tiles), else fp32; the draft on x86 int8 weights (int8.py). GEMM layout (CPU
-only, gemm.py): bf16 onednn; fp32 whichever a short measurement found fastest (cost.py, cached per
-machine); stock on a CPU the rule does not know. Each script prints one line of what it chose and
-why (`choice_line`).
+Precision: bf16 on CUDA and on a CPU with native bf16 (AVX-512 kernels with avx512_bf16 or AMX),
+else fp32; the draft on x86 int8 weights (int8.py). GEMM layout (CPU only, gemm.py): bf16 onednn;
+fp32 whichever a short measurement found fastest (cost.py); stock on a CPU the rule does not know.
 """
 
 import json
@@ -28,57 +25,40 @@ from support.common import DTYPES, UsageError, atomic_write, cpu_name, dtype_nam
 
 # ----------------------------------------------------------------------------- what the CPU has
 def cpu_info() -> dict:
-    """What torch reports about this CPU (the tests replace the torch calls to play other CPUs).
-    DFLASH2_CPU=generic makes every CPU look unknown to the rule: fp32 and stock GEMMs on any
-    machine, so that runs (and the test suite) compute the same thing everywhere."""
-    if os.environ.get("DFLASH2_CPU") == "generic":
-        return {
-            "arch": "generic",
-            "capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": False,
-            "amx": False,
-            "onednn_isa": "",
-        }
+    """What torch reports about this CPU. DFLASH2_CPU=generic makes every CPU unknown to the rule
+    (fp32, stock GEMMs), so that runs and the tests compute the same thing everywhere."""
+    generic = os.environ.get("DFLASH2_CPU") == "generic"
     return {
-        "arch": platform.machine().lower(),
-        # "AVX512", "AVX2", "DEFAULT", "SVE256", ...
+        "arch": "generic" if generic else platform.machine().lower(),
+        # "AVX512", "AVX2", "DEFAULT", "SVE256", ...: the kernels torch runs
         "capability": torch.backends.cpu.get_cpu_capability(),
-        # reads the hardware, not the kernels
-        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
-        "amx": torch.cpu._is_amx_tile_supported(),
+        # these two read the hardware, not the kernels
+        "avx512_bf16": not generic and torch.cpu._is_avx512_bf16_supported(),
+        "amx": not generic and torch.cpu._is_amx_tile_supported(),
         # a cap on oneDNN's instructions, if set
-        "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "onednn_isa": "" if generic else os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
     }
 
 
 def known(info) -> bool:
-    """The rule knows x86 CPUs running AVX2 or AVX-512 kernels; anything else (ARM, an old x86)
-    falls back."""
+    """The rule knows x86 CPUs running AVX2 or AVX-512 kernels; anything else falls back."""
     return info["arch"] in ("x86_64", "amd64") and info["capability"] in ("AVX2", "AVX512")
 
 
 def native_bf16(info) -> tuple:
     """(True if bf16 GEMMs run on bf16 instructions here, why in words)."""
-    name = f"cpu {info['arch']} {info['capability']}"
     if not known(info):
+        name = f"cpu {info['arch']} {info['capability']}"
         return False, f"{name}, unknown to the rule: fp32 with stock GEMMs"
-    has = [f for f in ("avx512_bf16", "amx") if info[f]]
+    has = " + ".join(f for f in ("avx512_bf16", "amx") if info[f])
     if not has:
         return False, f"cpu {info['capability']}, no native bf16"
     # ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 keep the hardware's bf16 units idle
-    lowered = (
-        info["capability"] != "AVX512"
-        or info["onednn_isa"]
-        and "AVX512" not in info["onednn_isa"].upper()
-        and "AMX" not in info["onednn_isa"].upper()
-    )
-    if lowered:
-        return (
-            False,
-            f"cpu {info['capability']} kernels (capped; the hardware has {' + '.join(has)}), no "
-            "native bf16",
-        )
-    return True, f"cpu AVX512 with {' + '.join(has)}"
+    isa = info["onednn_isa"].upper()
+    if info["capability"] != "AVX512" or isa and "AVX512" not in isa and "AMX" not in isa:
+        why = f"cpu {info['capability']} kernels (capped; the hardware has {has}), no native bf16"
+        return False, why
+    return True, f"cpu AVX512 with {has}"
 
 
 # ----------------------------------------------------------------------------- precision
@@ -96,8 +76,7 @@ def resolve_dtype(name: str, device, phase: str) -> torch.dtype:
 
 def train_precision(draft: str, target: str, online: bool, device, compiled=False) -> tuple:
     """train.py's --dtype and --target-dtype -> (bf16 autocast for the draft?, the target's dtype,
-    the lines that say the choice: choice_line, then any slow_bf16_note). compiled: whether the
-    training step compiles (compile_training), said in the same line."""
+    the lines that say the choice); compiled: whether the training step compiles, said too."""
     use_bf16 = resolve_dtype(draft, device, "train") == torch.bfloat16
     target_dtype = resolve_dtype(target, device, "data")
     parts = {"draft": ("bf16 autocast" if use_bf16 else "fp32") + (", compiled" * compiled)}
@@ -109,17 +88,16 @@ def train_precision(draft: str, target: str, online: bool, device, compiled=Fals
 
 
 def compile_training(flag, dtype: str, device) -> bool:
-    """train.py's --compile (None: off, "on", or "auto") -> whether the training step compiles.
-    auto: where the draft trains in bf16 (a GPU, or a CPU with native bf16), the kind where
-    compiling paid; in fp32 on a CPU it did not (docs/cpu.md, "torch.compile: where it pays")."""
+    """train.py's --compile (None, "on" or "auto") -> whether the training step compiles. auto:
+    where the draft trains in bf16, where compiling paid (docs/cpu.md, "torch.compile: where it
+    pays")."""
     if flag != "auto":
         return flag == "on"
     return resolve_dtype(dtype, device, "train") == torch.bfloat16
 
 
 def draft_precision(name: str, device) -> str:
-    """generate.py's --draft-dtype (auto, int8 or a DTYPES name) -> the draft's precision name on
-    this device."""
+    """generate.py's --draft-dtype (auto, int8 or a DTYPES name) -> the draft's precision here."""
     if name == "int8":
         if torch.device(device).type != "cpu":
             raise UsageError(
@@ -137,9 +115,8 @@ def draft_precision(name: str, device) -> str:
 
 
 def draft_in(precision: str, draft, target, device) -> tuple:
-    """The draft on the device in draft_precision's choice: a DTYPES name, or int8 weights on fp32.
-    -> (draft, head): head the target's head in int8 for an int8 draft (int8.quantize), else None
-    (the target's own, in the draft's precision: decoding.embed_and_head)."""
+    """The draft on the device in draft_precision's choice -> (draft, head): head the target's head
+    in int8 for an int8 draft, else None (the target's own)."""
     draft = draft.to(device=device, dtype=DTYPES.get(precision, torch.float32))
     if precision == "int8":
         return draft, int8.quantize(draft, target.get_output_embeddings().weight)
@@ -147,8 +124,7 @@ def draft_in(precision: str, draft, target, device) -> tuple:
 
 
 def slow_bf16_note(dtype, device) -> str:
-    """A line for an explicit bf16 on a CPU without native bf16: it runs, but slowly (measured
-    4-16x)."""
+    """A line for an explicit bf16 on a CPU without native bf16: it runs, but slowly."""
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         native, why = native_bf16(cpu_info())
         if not native:
@@ -158,8 +134,7 @@ def slow_bf16_note(dtype, device) -> str:
 
 # ----------------------------------------------------------------------------- GEMM layout
 def packed_bf16_runs() -> bool:
-    """oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert: ask it with a 1 x 1
-    product."""
+    """Whether oneDNN's packed bf16 GEMM runs here (it needs avx512bw/vl/dq or avx_ne_convert)."""
     try:
         w = torch.ones(1, 1, dtype=torch.bfloat16)
         torch._C._nn.mkldnn_linear(w.to_mkldnn(), w.to_mkldnn(), None)
@@ -169,8 +144,7 @@ def packed_bf16_runs() -> bool:
 
 
 def mkl_packs_run() -> bool:
-    """MKL's packed fp32 GEMM exists where torch was built with MKL (x86): ask it with a 1 x 1
-    product."""
+    """Whether MKL's packed fp32 GEMM runs here (torch built with MKL: x86)."""
     try:
         w = torch.ones(1, 1)
         torch.ops.mkl._mkl_linear(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w, None, 1)
@@ -187,30 +161,14 @@ def layouts_here(dtype, device) -> list:
     ]
 
 
-def check_layout(layout: str, dtype, device):
-    """--target-gemm asked for: refuse, in one line, what this machine cannot run."""
-    if layout == "stock" or layout in layouts_here(dtype, device):
-        return
-    check_packable(layout, dtype, device)
-    if layout == "onednn":
-        raise UsageError(
-            "--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
-            f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) "
-            "lacks; use --target-gemm stock or --target-dtype fp32"
-        )
-    raise UsageError(
-        f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock"
-    )
-
-
 def choose_layout(dtype, device, wanted, measure=None) -> tuple:
-    """--target-gemm {auto, stock, onednn, mkl} or None (generate.py's default: stock, nothing asked
-    or measured) -> (layout, why). measure() -> {layout: ms} of the phase's own shape in every
-    layout of layouts_here(); it is called only where the rule cannot tell."""
+    """--target-gemm {auto, stock, onednn, mkl} or None (stock, nothing asked) -> (layout, why).
+    measure() -> {layout: ms} over layouts_here(), called only where the rule cannot tell."""
     if wanted is None:
         return "stock", "stock GEMMs"
     if wanted != "auto":
-        check_layout(wanted, dtype, device)
+        if wanted != "stock" and wanted not in layouts_here(dtype, device):
+            refuse_layout(wanted, dtype, device)
         return wanted, f"{wanted} GEMMs (asked)"
     here = layouts_here(dtype, device)
     if len(here) == 1:
@@ -224,9 +182,22 @@ def choose_layout(dtype, device, wanted, measure=None) -> tuple:
         return "stock", "stock GEMMs (no oneDNN bf16 here)"
     ms = measure()
     best = min(ms, key=ms.get)
-    return best, f"{best} GEMMs (measured " + ", ".join(
-        f"{layout} {t:.1f}" for layout, t in ms.items()
-    ) + " ms)"
+    times = ", ".join(f"{layout} {t:.1f}" for layout, t in ms.items())
+    return best, f"{best} GEMMs (measured {times} ms)"
+
+
+def refuse_layout(layout: str, dtype, device):
+    """--target-gemm asked for a layout this machine cannot run: say in one line what is missing."""
+    check_packable(layout, dtype, device)
+    if layout == "onednn":
+        raise UsageError(
+            "--target-gemm onednn with a bf16 target: oneDNN's bf16 GEMM needs AVX-512 (avx512bw, "
+            f"avx512vl, avx512dq) or AVX-NE-CONVERT, which this CPU ({cpu_info()['capability']}) "
+            "lacks; use --target-gemm stock or --target-dtype fp32"
+        )
+    raise UsageError(
+        f"--target-gemm mkl: this torch has no MKL ({platform.machine()}); use --target-gemm stock"
+    )
 
 
 def choice_line(info_why: str, **parts) -> str:
@@ -247,22 +218,12 @@ def cache_path() -> str:
 
 
 def machine_key(*extra) -> str:
-    """This CPU, its kernels, torch and the threads, plus what was measured: a new machine measures
-    anew."""
-    info = cpu_info()
-    # ISA caps
-    caps = [
-        os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
-    ]
-    parts = [
-        cpu_name(),
-        info["capability"],
-        info["onednn_isa"],
-        *caps,
-        f"torch {torch.__version__}",
-        f"{torch.get_num_threads()} threads",
-        *map(str, extra),
-    ]
+    """This CPU, its kernels and ISA caps, torch and the threads, plus what was measured: a new
+    machine measures anew."""
+    info, caps = cpu_info(), ("MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
+    parts = [cpu_name(), info["capability"], info["onednn_isa"]]
+    parts += [os.environ.get(v, "") for v in caps]
+    parts += [f"torch {torch.__version__}", f"{torch.get_num_threads()} threads", *map(str, extra)]
     return " | ".join(parts)
 
 

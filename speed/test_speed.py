@@ -1,15 +1,12 @@
 """The tests of speed/: machinery a learner can skip. Shared helpers come from test_all.py;
 python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
 
-The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
-holds it equal to the banners):
-    speed/machine.py: the rule per CPU
-                                    other CPUs played by monkeypatch: dtypes, layouts, refusals,
-                                    the per-machine cache
-    speed/gemm.py: packed weights   packed and MKL linears == nn.Linear, layouts switch
-    speed/cost.py                   the GEMM layouts' tables
-    speed/int8.py                   int8 weights by hand and within their rounding bound
-    speed/tune.py                   the head's row counts, the verify shapes asked
+The map: each "# ====" banner (a test holds it equal to the banners):
+    speed/machine.py: the rule per CPU      other CPUs played by monkeypatch; the cache
+    speed/gemm.py: packed weights           packed and MKL linears == nn.Linear, layouts switch
+    speed/cost.py                           the GEMM layouts' tables
+    speed/int8.py                           int8 weights by hand and within their rounding bound
+    speed/tune.py                           the head's row counts, the verify shapes asked
 """
 
 import json
@@ -22,11 +19,11 @@ import prepare
 import train
 from speed import cost, int8, machine, tune
 from speed.gemm import (
+    LAYOUTS,
     MklLinear,
     PackedLinear,
     layout_of,
     pack_linears,
-    packable,
     set_layout,
     unpack_linears,
 )
@@ -34,44 +31,30 @@ from support import target as frozen
 from support.common import UsageError
 from test_all import needs_int8, needs_mkl, tiny_draft, tiny_target
 
-
 # =============================================================== speed/machine.py: the rule per CPU
-class Loaded(Exception):
-    """Stops a script right after it asked load_target for a dtype."""
+BF16, FP32 = torch.bfloat16, torch.float32
 
-
-# what torch reports on a few CPUs -> (data / train / draft dtype, why, packed bf16 allowed by the
-# rule)
+# what torch reports on a few CPUs (arch, kernels, avx512_bf16, amx, oneDNN's cap) -> (data / train
+# / draft dtype, why)
 CPUS = {
-    "avx512-bf16": (
-        ("x86_64", "AVX512", True, False, ""),
-        torch.bfloat16,
-        "cpu AVX512 with avx512_bf16",
-    ),
-    "sapphire-rapids": (
-        ("x86_64", "AVX512", True, True, ""),
-        torch.bfloat16,
-        "cpu AVX512 with avx512_bf16 + amx",
-    ),
-    "avx512-no-bf16": (
-        ("x86_64", "AVX512", False, False, ""),
-        torch.float32,
-        "cpu AVX512, no native bf16",
-    ),
-    "avx2": (("x86_64", "AVX2", False, False, ""), torch.float32, "cpu AVX2, no native bf16"),
-    "avx2-capped": (("x86_64", "AVX2", True, False, ""), torch.float32, "cpu AVX2 kernels (capped"),
+    "avx512-bf16": (("x86_64", "AVX512", True, False, ""), BF16, "cpu AVX512 with avx512_bf16"),
+    "amx": (("x86_64", "AVX512", True, True, ""), BF16, "cpu AVX512 with avx512_bf16 + amx"),
+    "avx512-no-bf16": (("x86_64", "AVX512", False, False, ""), FP32, "cpu AVX512, no native bf16"),
+    "avx2": (("x86_64", "AVX2", False, False, ""), FP32, "cpu AVX2, no native bf16"),
+    "avx2-capped": (("x86_64", "AVX2", True, False, ""), FP32, "cpu AVX2 kernels (capped"),
     "onednn-capped": (
         ("x86_64", "AVX512", True, False, "AVX2"),
-        torch.float32,
+        FP32,
         "cpu AVX512 kernels (capped",
     ),
-    "graviton": (("aarch64", "SVE256", False, False, ""), torch.float32, "unknown to the rule"),
-    "apple": (("arm64", "DEFAULT", False, False, ""), torch.float32, "unknown to the rule"),
+    "graviton": (("aarch64", "SVE256", False, False, ""), FP32, "unknown to the rule"),
+    "apple": (("arm64", "DEFAULT", False, False, ""), FP32, "unknown to the rule"),
 }
 
 
-def play_cpu(monkeypatch, arch, capability, avx512_bf16, amx, onednn_isa):
-    """Make torch (and so machine.cpu_info) report another CPU."""
+def play_cpu(monkeypatch, cpu):
+    """Make torch (and so machine.cpu_info) report CPUS[cpu]."""
+    arch, capability, avx512_bf16, amx, onednn_isa = CPUS[cpu][0]
     monkeypatch.delenv("DFLASH2_CPU", raising=False)
     monkeypatch.setattr(machine.platform, "machine", lambda: arch)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -82,75 +65,50 @@ def play_cpu(monkeypatch, arch, capability, avx512_bf16, amx, onednn_isa):
 
 @pytest.mark.parametrize("cpu", CPUS)
 def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch, cpu):
-    reported, dtype, why = CPUS[cpu]
-    play_cpu(monkeypatch, *reported)
+    """auto: bf16 where the CPU has native bf16 (or on a GPU), fp32 else; decoding's target fp32
+    everywhere (lossless); a named dtype is kept. --compile auto compiles where the draft trains in
+    bf16; an explicit bf16 on a CPU without it gets a note."""
+    _, dtype, why = CPUS[cpu]
+    play_cpu(monkeypatch, cpu)
     assert why in machine.native_bf16(machine.cpu_info())[1]
-    for phase in ("data", "train", "draft"):
-        assert machine.resolve_dtype("auto", "cpu", phase) == dtype, phase
-    # lossless decoding, every CPU
-    assert machine.resolve_dtype("auto", "cpu", "decode") == torch.float32
-    # a device name needs no GPU; decoding's target stays fp32 there too (lossless)
     for phase in ("data", "decode", "train", "draft"):
-        gpu = torch.float32 if phase == "decode" else torch.bfloat16
-        assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == gpu
-        # an explicit name is kept
+        cpu_want = FP32 if phase == "decode" else dtype
+        assert machine.resolve_dtype("auto", "cpu", phase) == cpu_want, phase
+        gpu_want = FP32 if phase == "decode" else BF16  # a device name needs no GPU
+        assert machine.resolve_dtype("auto", torch.device("cuda:1"), phase) == gpu_want
         assert machine.resolve_dtype("fp16", "cpu", phase) == torch.float16
-    note = machine.slow_bf16_note(torch.bfloat16, "cpu")
-    assert (
-        bool(note) == (dtype == torch.float32)
-        and machine.slow_bf16_note(torch.float32, "cpu") == ""
-    )
-    # the generic override: any CPU looks unknown
-    monkeypatch.setenv("DFLASH2_CPU", "generic")
-    assert machine.resolve_dtype("auto", "cpu", "train") == torch.float32
-
-
-@pytest.mark.parametrize("cpu", CPUS)
-def test_compile_auto_compiles_where_the_draft_trains_in_bf16(monkeypatch, cpu):
-    """train.py --compile auto: compiled where the draft trains in bf16 (native bf16 on the CPU, or
-    a GPU), eager in fp32 on a CPU; no flag is off and --compile is on, on every CPU."""
-    reported, dtype, _ = CPUS[cpu]
-    play_cpu(monkeypatch, *reported)
-    assert machine.compile_training("auto", "auto", "cpu") == (dtype == torch.bfloat16)
+    assert bool(machine.slow_bf16_note(BF16, "cpu")) == (dtype == FP32)
+    assert machine.slow_bf16_note(FP32, "cpu") == ""
+    assert machine.compile_training("auto", "auto", "cpu") == (dtype == BF16)
     assert machine.compile_training("auto", "auto", torch.device("cuda:0"))
-    assert machine.compile_training("auto", "fp32", torch.device("cuda:0")) is False
+    assert not machine.compile_training("auto", "fp32", torch.device("cuda:0"))
     assert machine.compile_training("auto", "bf16", "cpu")  # a dtype named, not the CPU's
-    assert machine.compile_training(None, "auto", "cpu") is False
-    assert machine.compile_training("on", "fp32", "cpu") is True
+    assert not machine.compile_training(None, "auto", "cpu")
+    assert machine.compile_training("on", "fp32", "cpu")
     line = machine.train_precision("auto", "auto", False, "cpu", compiled=True)[2][0]
     assert line.endswith(", compiled")
+    monkeypatch.setenv("DFLASH2_CPU", "generic")  # any CPU looks unknown
+    assert machine.resolve_dtype("auto", "cpu", "train") == FP32
 
 
 def test_machine_rule_picks_the_drafts_precision(monkeypatch):
     """generate.py's draft: int8 weights on the x86 CPUs the rule knows, else bf16 where native,
-    else fp32."""
+    else fp32; int8 asked for where it cannot run is refused."""
     monkeypatch.setattr(machine.int8, "runs", lambda: True)
-    for cpu, want in (
-        ("avx512-bf16", "int8"),
-        ("avx2", "int8"),
-        ("avx2-capped", "int8"),
-        ("graviton", "fp32"),
-    ):
-        play_cpu(monkeypatch, *CPUS[cpu][0])
+    for cpu, want in (("avx512-bf16", "int8"), ("avx2", "int8"), ("graviton", "fp32")):
+        play_cpu(monkeypatch, cpu)
         assert machine.draft_precision("auto", "cpu") == want, cpu
-        assert (
-            machine.draft_precision("fp32", "cpu") == "fp32"
-            and machine.draft_precision("int8", "cpu") == "int8"
-        )
+        assert machine.draft_precision("fp32", "cpu") == "fp32"
+        assert machine.draft_precision("int8", "cpu") == "int8"
     assert machine.draft_precision("auto", torch.device("cuda:0")) == "bf16"
-    with pytest.raises(UsageError, match="--draft-dtype int8: the int8 kernels are CPU kernels"):
+    with pytest.raises(UsageError, match="--draft-dtype int8: .* CPU kernels"):
         machine.draft_precision("int8", torch.device("cuda:0"))
-    # no quantized engine: bf16 where native
-    monkeypatch.setattr(machine.int8, "runs", lambda: False)
-    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
+    monkeypatch.setattr(machine.int8, "runs", lambda: False)  # no quantized engine
+    play_cpu(monkeypatch, "avx512-bf16")
     assert machine.draft_precision("auto", "cpu") == "bf16"
-    # else fp32; asked for, refused
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    play_cpu(monkeypatch, "avx2")
     assert machine.draft_precision("auto", "cpu") == "fp32"
-    with pytest.raises(
-        UsageError,
-        match=r"quantized kernels do not run on this CPU \(AVX2; fbgemm needs x86 with AVX2\)",
-    ):
+    with pytest.raises(UsageError, match=r"--draft-dtype int8: .*\(AVX2; "):
         machine.draft_precision("int8", "cpu")
 
 
@@ -158,64 +116,49 @@ def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
     def never():
         raise AssertionError("measured where the rule can tell")
 
+    choose = machine.choose_layout
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
-    # unknown: stock, nothing measured
-    play_cpu(monkeypatch, *CPUS["graviton"][0])
-    assert machine.choose_layout(torch.float32, "cpu", "auto", never) == (
-        "stock",
-        "stock GEMMs (unknown CPU)",
-    )
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
-    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn", "mkl"]
+    play_cpu(monkeypatch, "graviton")  # unknown: stock, nothing measured
+    assert choose(FP32, "cpu", "auto", never) == ("stock", "stock GEMMs (unknown CPU)")
+    play_cpu(monkeypatch, "avx2")
+    assert machine.layouts_here(FP32, "cpu") == ["stock", "onednn", "mkl"]
     for ms, best in (
         ({"stock": 75.0, "onednn": 86.0, "mkl": 80.0}, "stock"),
         ({"stock": 40.0, "onednn": 32.0, "mkl": 35.0}, "onednn"),
         ({"stock": 95.0, "onednn": 120.0, "mkl": 61.0}, "mkl"),
     ):
-        assert machine.choose_layout(torch.float32, "cpu", "auto", lambda: ms) == (
-            best,
-            f"{best} GEMMs (measured stock {ms['stock']:.1f}, onednn {ms['onednn']:.1f}, "
-            f"mkl {ms['mkl']:.1f} ms)",
-        )
-    assert machine.choose_layout(torch.float16, "cpu", "auto", never) == ("stock", "stock GEMMs")
-    assert machine.choose_layout(torch.float32, "cuda", "auto", never) == ("stock", "stock GEMMs")
-    assert machine.choose_layout(torch.float32, "cpu", "stock", never) == (
-        "stock",
-        "stock GEMMs (asked)",
-    )
-    assert machine.choose_layout(torch.float32, "cpu", "mkl", never) == ("mkl", "mkl GEMMs (asked)")
+        layout, why = choose(FP32, "cpu", "auto", lambda: ms)
+        assert layout == best and f"stock {ms['stock']:.1f}, onednn" in why
+    for dtype, device, wanted in ((torch.float16, "cpu", "auto"), (FP32, "cuda", "auto")):
+        assert choose(dtype, device, wanted, never)[0] == "stock"
+    assert choose(FP32, "cpu", None, never) == ("stock", "stock GEMMs")
+    assert choose(FP32, "cpu", "stock", never) == ("stock", "stock GEMMs (asked)")
+    assert choose(FP32, "cpu", "mkl", never) == ("mkl", "mkl GEMMs (asked)")
     # bf16: oneDNN where it runs and bf16 is native, never measured; MKL packs fp32 only
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: True)
-    assert machine.layouts_here(torch.bfloat16, "cpu") == ["stock", "onednn"]
-    # AVX2: no native bf16
-    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "stock"
-    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
-    assert machine.choose_layout(torch.bfloat16, "cpu", "auto", never)[0] == "onednn"
+    assert machine.layouts_here(BF16, "cpu") == ["stock", "onednn"]
+    assert choose(BF16, "cpu", "auto", never)[0] == "stock"  # AVX2: no native bf16
+    play_cpu(monkeypatch, "avx512-bf16")
+    assert choose(BF16, "cpu", "auto", never)[0] == "onednn"
     # asked for what this machine cannot run: one line naming what is missing
     monkeypatch.setattr(machine, "packed_bf16_runs", lambda: False)
-    with pytest.raises(
-        UsageError, match="needs AVX-512 \\(avx512bw, avx512vl, avx512dq\\) or AVX-NE-CONVERT"
+    for dtype, layout, missing in (
+        (BF16, "onednn", "needs AVX-512"),
+        (torch.float16, "onednn", "only for fp32 or bf16 targets on the CPU"),
+        (BF16, "mkl", "only for fp32 targets on the CPU"),
     ):
-        machine.choose_layout(torch.bfloat16, "cpu", "onednn", never)
-    with pytest.raises(
-        UsageError, match="onednn: only for fp32 or bf16 targets on the CPU, not torch.float16"
-    ):
-        machine.choose_layout(torch.float16, "cpu", "onednn", never)
-    with pytest.raises(
-        UsageError, match="mkl: only for fp32 targets on the CPU, not torch.bfloat16 on cpu"
-    ):
-        machine.choose_layout(torch.bfloat16, "cpu", "mkl", never)
-    # a torch without MKL (ARM)
-    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)
-    assert machine.layouts_here(torch.float32, "cpu") == ["stock", "onednn"]
+        with pytest.raises(UsageError, match=f"--target-gemm {layout}.*{missing}"):
+            choose(dtype, "cpu", layout, never)
+    monkeypatch.setattr(machine, "mkl_packs_run", lambda: False)  # a torch without MKL (ARM)
+    assert machine.layouts_here(FP32, "cpu") == ["stock", "onednn"]
     with pytest.raises(UsageError, match="--target-gemm mkl: this torch has no MKL"):
-        machine.choose_layout(torch.float32, "cpu", "mkl", never)
+        choose(FP32, "cpu", "mkl", never)
 
 
 def test_packed_bf16_probe_agrees_with_the_kernel():
     """packed_bf16_runs asks oneDNN itself: true exactly where a packed bf16 linear runs."""
     try:
-        PackedLinear(torch.nn.Linear(4, 3).bfloat16())(torch.randn(2, 4, dtype=torch.bfloat16))
+        PackedLinear(torch.nn.Linear(4, 3).bfloat16())(torch.randn(2, 4, dtype=BF16))
         runs = True
     except RuntimeError:
         runs = False
@@ -223,63 +166,52 @@ def test_packed_bf16_probe_agrees_with_the_kernel():
 
 
 def test_machine_cache_measures_once_per_machine_and_what(monkeypatch, tmp_path):
-    monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "c" / "machine.json"))
-    calls = []
-    measure = lambda: calls.append(1) or {"stock": {"1": 2.0}}
-    key = machine.machine_key("decode", "t")
-    assert key != machine.machine_key("decode", "u") and "threads" in key
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 1  # read back
-    machine.cached(machine.machine_key("decode", "u"), measure)
-    assert len(calls) == 2 and len(json.loads((tmp_path / "c" / "machine.json").read_text())) == 2
-    # measured again
-    (tmp_path / "c" / "machine.json").write_text("{broken")
-    assert machine.cached(key, measure) == {"stock": {"1": 2.0}} and len(calls) == 3
+    path = tmp_path / "c" / "machine.json"
+    monkeypatch.setattr(machine, "cache_path", lambda: str(path))
+    calls, want = [], {"stock": {"1": 2.0}}
+    measure = lambda: calls.append(1) or want
+    key, other = machine.machine_key("decode", "t"), machine.machine_key("decode", "u")
+    assert key != other and "threads" in key
+    assert machine.cached(key, measure) == want and machine.cached(key, measure) == want
+    assert len(calls) == 1  # the second read back
+    machine.cached(other, measure)
+    assert len(calls) == 2 and len(json.loads(path.read_text())) == 2
+    path.write_text("{broken")  # measured again
+    assert machine.cached(key, measure) == want and len(calls) == 3
 
 
 def test_decoding_layouts_speculate_and_decode_plainly_each_in_their_faster_layout(monkeypatch):
-    play_cpu(monkeypatch, *CPUS["avx2"][0])
+    play_cpu(monkeypatch, "avx2")
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
     target, draft, sizes = tiny_target("llama"), tiny_draft(3), [1, 2, 3]
-    stock, onednn, mkl = (
-        {n: a + b * n for n in sizes} for a, b in ((75.0, 5), (86.0, 2), (82.0, 4))
-    )
+    ab = {"stock": (75.0, 5), "onednn": (86.0, 2), "mkl": (82.0, 4)}
+    table = {k: {n: a + b * n for n in sizes} for k, (a, b) in ab.items()}
     measured = []
-    monkeypatch.setattr(
-        cost,
-        "decode_table",
-        lambda t, sizes: measured.append(sizes) or {"stock": stock, "onednn": onednn, "mkl": mkl},
-    )
-    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock against 182 onednn and 184 mkl; a step 80 /
-    # 88 / 86
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("stock", "stock")
-    assert layouts["why"].endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
-    # now 185 ms stock: onednn
-    stock.update({3: 100.0})
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("onednn", "stock") and layout_of(
-        target
-    ) == "onednn"
-    mkl.update({3: 80.0})  # now 170 ms mkl
-    layouts = cost.decoding_layouts(target, draft, "auto")
-    assert (layouts["speculate"], layouts["plain"]) == ("mkl", "stock")
-    # left in the speculation's layout
-    assert layout_of(target) == "mkl"
-    # the table measured: a plain step and every path's verify, 1..B tokens
-    assert measured == [[1, 2, 3]] * 3
-    # asked: nothing measured
-    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")
-    assert (
-        asked["table"] is None
-        and asked["speculate"] == "stock"
-        and asked["why"] == "stock GEMMs (asked)"
-    )
+    monkeypatch.setattr(cost, "decode_table", lambda t, sizes: measured.append(sizes) or table)
+
+    def chosen():  # -> (speculation's layout, plain decoding's, the target's now, why)
+        layouts = cost.decoding_layouts(target, draft, "auto")
+        return layouts["speculate"], layouts["plain"], layout_of(target), layouts["why"]
+
+    # verifies of 2 and 3 tokens: 85 + 90 = 175 ms stock, 182 onednn, 184 mkl; a step 80 / 88 / 86
+    *layouts, why = chosen()
+    assert layouts == ["stock"] * 3
+    assert why.endswith("; plain decoding stock (stock 80.0, onednn 88.0, mkl 86.0 ms)")
+    table["stock"][3] = 100.0  # now 185 ms stock: onednn
+    assert chosen()[:3] == ("onednn", "stock", "onednn")
+    table["mkl"][3] = 80.0  # now 170 ms mkl
+    assert chosen()[:3] == ("mkl", "stock", "mkl")
+    assert measured == [[1, 2, 3]] * 3  # a plain step and every path's verify, 1..B tokens
+    asked = cost.decoding_layouts(tiny_target("llama"), draft, "stock")  # nothing measured
+    assert asked["table"] is None and asked["why"] == "stock GEMMs (asked)"
 
 
 def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path):
-    play_cpu(monkeypatch, *CPUS["avx512-bf16"][0])
+    play_cpu(monkeypatch, "avx512-bf16")
     asked = []
+
+    class Loaded(Exception):
+        """Stops a script right after it asked load_target for a dtype."""
 
     def fake_load_target(name, dtype, layers=True):
         asked.append(dtype)
@@ -298,25 +230,25 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
         with pytest.raises(Loaded):
             script.main(argv)
     # a CPU with native bf16: the target's data phase in bf16, decoding in fp32
-    data_dtype = torch.bfloat16
-    decode = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    assert asked == [data_dtype, decode, data_dtype, torch.float16]
+    decode = BF16 if torch.cuda.is_available() else FP32
+    assert asked == [BF16, decode, BF16, torch.float16]
 
 
 # ==================================================================== speed/gemm.py: packed weights
+KINDS = (torch.nn.Linear, *LAYOUTS.values())
+
+
+def inputs(*shapes) -> list:
+    """Inputs of 1, 8, 2 x 3 rows and shapes', then a non-contiguous one of 5 rows."""
+    shapes = ((1, 1, 24), (1, 8, 24), (2, 3, 24), *shapes)
+    return [torch.randn(s) for s in shapes] + [torch.randn(24, 5).T]
+
+
+needs_packed_bf16 = pytest.mark.skipif(not machine.packed_bf16_runs(), reason="no oneDNN bf16")
+
+
 @pytest.mark.parametrize(
-    "dtype,tol",
-    [
-        (torch.float32, 1e-5),
-        pytest.param(
-            torch.bfloat16,
-            2e-2,
-            marks=pytest.mark.skipif(
-                not machine.packed_bf16_runs(),
-                reason="oneDNN's packed bf16 GEMM needs avx512bw/vl/dq or avx_ne_convert",
-            ),
-        ),
-    ],
+    "dtype,tol", [(FP32, 1e-5), pytest.param(BF16, 2e-2, marks=needs_packed_bf16)]
 )
 def test_packed_linear_equals_linear(dtype, tol):
     torch.manual_seed(0)
@@ -324,46 +256,33 @@ def test_packed_linear_equals_linear(dtype, tol):
         lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
         packed = PackedLinear(lin)
         assert packed.weight is lin.weight  # the dense weight stays readable
-        for x in (
-            torch.randn(1, 1, 24),
-            torch.randn(1, 8, 24),
-            torch.randn(2, 3, 24),
-            torch.randn(24, 5).T,
-        ):
-            x = x.to(dtype)  # the last one is not contiguous
+        for x in inputs():
+            x = x.to(dtype)
             want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
             got = packed(x)
             assert got.dtype == dtype and got.shape == want.shape
             assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_pack_linears_swaps_every_linear_and_keeps_the_logits():
+def test_pack_linears_swaps_every_linear_and_unpack_linears_undoes_it():
     target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    n_linear = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
-    head = target.get_output_embeddings().weight
+    weights, head = dict(target.state_dict()), target.get_output_embeddings().weight
     with torch.no_grad():
         want = target(input_ids=ids).logits
-        pack_linears(target)
+        # onednn, and mkl where it runs
+        for layout in machine.layouts_here(FP32, "cpu")[1:]:
+            pack_linears(target, layout)
+            kinds = [type(m) for m in target.modules() if isinstance(m, KINDS)]
+            assert kinds == [LAYOUTS[layout]] * (4 * 7 + 1) and layout_of(target) == layout
+            assert target.get_output_embeddings().weight is head  # the draft reads it
+            assert torch.allclose(target(input_ids=ids).logits, want, atol=1e-5)
+            unpack_linears(target)
         got = target(input_ids=ids).logits
-    assert (
-        n_linear == 4 * 7 + 1
-        and sum(isinstance(m, PackedLinear) for m in target.modules()) == n_linear
-    )
-    assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
-    assert target.get_output_embeddings().weight is head
-    assert torch.allclose(got, want, atol=1e-5)
-    assert not packable("onednn", torch.float16, "cpu") and not packable(
-        "mkl", torch.bfloat16, "cpu"
-    )
-    assert packable("onednn", torch.bfloat16, "cpu") and not packable("mkl", torch.float32, "cuda")
-    with pytest.raises(
-        UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets on the CPU"
-    ):
+    assert {type(m) for m in target.modules() if isinstance(m, KINDS)} == {torch.nn.Linear}
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in weights.items())
+    assert torch.equal(got, want)
+    with pytest.raises(UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets"):
         pack_linears(tiny_target("llama").half())
-    with pytest.raises(
-        UsageError, match="--target-gemm mkl: only for fp32 targets on the CPU, not torch.bfloat16"
-    ):
-        pack_linears(tiny_target("llama").bfloat16(), "mkl")
 
 
 @needs_mkl
@@ -376,22 +295,13 @@ def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
         lin = torch.nn.Linear(24, 40, bias=bias)
         mkl = MklLinear(lin)
         assert mkl.weight is lin.weight and mkl.packs == {}
-        for x in (
-            torch.randn(1, 1, 24),
-            torch.randn(1, 8, 24),
-            torch.randn(2, 3, 24),
-            torch.randn(24, 5).T,
-            torch.randn(1, MklLinear.MAX_ROWS + 1, 24),
-        ):
-            want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
-            scale = x.double().abs() @ lin.weight.double().abs().T + (
-                lin.bias.double().abs() if bias else 0
-            )
+        for x in inputs((1, MklLinear.MAX_ROWS + 1, 24)):
+            b = lin.bias.double() if bias else 0
+            want = x.double() @ lin.weight.double().T + b
+            scale = x.double().abs() @ lin.weight.double().abs().T + abs(b)
             got = mkl(x)
-            assert got.dtype == torch.float32 and got.shape == want.shape
-            assert (
-                (got.double() - want).abs() <= 24 * torch.finfo(torch.float32).eps * scale
-            ).all()
+            assert got.dtype == FP32 and got.shape == want.shape
+            assert ((got.double() - want).abs() <= 24 * torch.finfo(FP32).eps * scale).all()
         assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
         pack = mkl.packs[6]
         mkl(torch.randn(6, 24))
@@ -410,8 +320,7 @@ def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
         want = target(input_ids=ids).logits
         for layout in ("mkl", "onednn", "stock", "mkl"):
             set_layout(target, layout)
-            # back: the same modules, packed for 5 rows already
-            if first is not None and layout == "mkl":
+            if first is not None and layout == "mkl":  # back: the same modules, packed for 5 rows
                 assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
             got = target(input_ids=ids[:, :5]).logits
             assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
@@ -421,44 +330,21 @@ def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
     assert not any(isinstance(m, (MklLinear, PackedLinear)) for m in target.modules())
 
 
-def test_unpack_linears_undoes_pack_linears():
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    weights = {k: v for k, v in target.state_dict().items()}
-    with torch.no_grad():
-        want = target(input_ids=ids).logits
-        # onednn, and mkl where it runs
-        for layout in machine.layouts_here(torch.float32, "cpu")[1:]:
-            unpack_linears(pack_linears(target, layout))
-        got = target(input_ids=ids).logits
-    assert not any(isinstance(m, (PackedLinear, MklLinear)) for m in target.modules())
-    assert all(
-        target.state_dict()[k] is v or torch.equal(target.state_dict()[k], v)
-        for k, v in weights.items()
-    )
-    assert torch.equal(got, want)
-
-
 # ============================================================================ speed/cost.py
 def test_cost_tables_measure_every_layout_and_leave_the_target_stock(monkeypatch, tmp_path):
     monkeypatch.setattr(machine, "cache_path", lambda: str(tmp_path / "machine.json"))
     monkeypatch.setattr(machine, "mkl_packs_run", lambda: True)
     target, seen, extra = tiny_target("llama"), [], {"stock": 0.0, "onednn": 5.0, "mkl": 2.0}
-    monkeypatch.setattr(
-        cost,
-        "target_ms",
-        lambda t, context, n, repeats, rows=1: (
-            seen.append((layout_of(t), n, rows)) or 10.0 + n + extra[seen[-1][0]]
-        ),
-    )
+
+    def target_ms(t, context, n, repeats, rows=1):
+        seen.append((layout_of(t), n, rows))
+        return 10.0 + n + extra[layout_of(t)]
+
+    monkeypatch.setattr(cost, "target_ms", target_ms)
     table = cost.decode_table(target, (1, 8))
-    assert table == {
-        "stock": {1: 11.0, 8: 18.0},
-        "onednn": {1: 16.0, 8: 23.0},
-        "mkl": {1: 13.0, 8: 20.0},
-    }
-    assert seen == [(layout, n, 1) for layout in ("stock", "onednn", "mkl") for n in (1, 8)]
+    assert table == {k: {1: 11.0 + v, 8: 18.0 + v} for k, v in extra.items()}
+    assert seen == [(layout, n, 1) for layout in extra for n in (1, 8)]
     assert cost.decode_table(target, (1, 8)) == table and len(seen) == 6  # cached
-    assert cost.fastest(table, 1) == "stock"
     assert cost.data_costs(target) == {k: 10.0 + 1 + 10.0 + 256 + 2 * v for k, v in extra.items()}
     # the packed copies freed
     assert layout_of(target) == "stock" and "kept_layouts" not in target.__dict__
@@ -482,14 +368,12 @@ def test_int8_linear_stays_within_its_rounding_bound():
     y = int8.Int8Linear(w)(x)
     q, s = int8.quantize_weight(w)
     flat = x.reshape(-1, 64)
-    # one step per call, over all of x
-    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127
+    a = (x.clamp_min(0).max() - x.clamp_max(0).min()) / 127  # one step per call, over all of x
     # [6, 40]
     bound = s / 2 * flat.abs().sum(1, keepdim=True) + a / 2 * (q.float() * s[:, None]).abs().sum(1)
     err = (y.reshape(-1, 40) - flat @ w.T).abs()
-    assert y.shape == (2, 3, 40) and y.dtype == torch.float32
-    # within the bound, and really int8
-    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4
+    assert y.shape == (2, 3, 40) and y.dtype == FP32
+    assert (err <= bound * 1.001 + 1e-5).all() and err.max() > 1e-4  # within, and really int8
 
 
 @needs_int8
@@ -497,26 +381,14 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
     target, draft = tiny_target("qwen3"), tiny_draft(4)
     ref = draft.state_dict()
     head = int8.quantize(draft, target.get_output_embeddings().weight)
-    linears = {
-        n: type(m)
-        for n, m in draft.named_modules()
-        if isinstance(m, (torch.nn.Linear, int8.Int8Linear))
-    }
+    kinds = (torch.nn.Linear, int8.Int8Linear)
+    linears = {n: type(m) for n, m in draft.named_modules() if isinstance(m, kinds)}
     assert linears.pop("fc") is torch.nn.Linear and set(linears.values()) == {int8.Int8Linear}
     assert torch.equal(draft.fc.weight, ref["fc.weight"]) and isinstance(head, int8.Int8Linear)
     # every layer's projections, the convolutions' kernel projections and the selector's P are int8
     names = {n.rsplit(".", 1)[-1] for n in linears}
-    assert {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        "kernel_projection",
-        "hidden_projection",
-    } <= names
+    projections = "q k v o gate up down kernel hidden".split()
+    assert {f"{p}_proj" if len(p) < 5 else f"{p}_projection" for p in projections} <= names
 
 
 # ============================================================================ speed/tune.py
@@ -530,18 +402,17 @@ def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
 
 
 def test_verify_shapes_are_the_shapes_asked_and_a_path_fits_the_block():
-    """--verify-tokens k: a path of k drafts, k at most B-1 (the drafts a cycle proposes); more is
-    refused in one line. --tree-budget n: a tree of n nodes. Paths first, each in the order
-    given."""
-    flags = ["--tree-budget", "8", "--verify-tokens", "2", "7", "--bench", "gsm8k"]
-    args = generate.parse_args(["--draft", "d", *flags])
+    """--verify-tokens k: a path of k drafts, k at most B-1 (the drafts a cycle proposes), more
+    refused; --tree-budget n: a tree of n nodes. Paths first, each in the order given."""
+    parse = lambda *flags: generate.parse_args(["--draft", "d", *flags])
+    args = parse("--tree-budget", "8", "--verify-tokens", "2", "7", "--bench", "gsm8k")
     assert tune.choose(args, 8)[2] == [("path", 2), ("path", 7), ("tree", 8)]
     with pytest.raises(UsageError, match=r"--verify-tokens: at most 2, .*\(block size 3\)"):
         tune.choose(args, 3)
     with pytest.raises(UsageError, match="at most 7"):  # B drafts: one more than a cycle proposes
-        tune.choose(generate.parse_args(["--draft", "d", "--verify-tokens", "8"]), 8)
+        tune.choose(parse("--verify-tokens", "8"), 8)
     # the default: the path of B-1; --fast's: a tree of FAST_TREE nodes
-    for flags, shape in (([], ("path", 7)), (["--fast"], ("tree", tune.FAST_TREE))):
-        assert tune.choose(generate.parse_args(["--draft", "d", *flags]), 8)[2] == [shape]
+    assert tune.choose(parse(), 8)[2] == [("path", 7)]
+    assert tune.choose(parse("--fast"), 8)[2] == [("tree", tune.FAST_TREE)]
     with pytest.raises(SystemExit):  # auto is no value any more
-        generate.parse_args(["--draft", "d", "--tree-budget", "auto"])
+        parse("--tree-budget", "auto")

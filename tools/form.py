@@ -1,22 +1,16 @@
-"""The repository's form, checked: how it is laid out and whether its docs name what exists, not
-what the code computes (test_all.py and the packages' test_*.py check that).
+"""The repository's form, checked: how it is laid out and whether its docs name what exists (what
+the code computes is test_all.py's and the packages' test_*.py's).
 
     python -m pytest -q tools/form.py
 
 Its name is not test_*.py, so `python -m pytest -q` leaves it out: a learner's edit to the method
-(a line added above a rule, a flag for an experiment) fails a behaviour test or none. These checks
-are the developers' step: .ci/run runs it right after the test suite, and of them only the line
-budget speaks when a file grows (LINE_BUDGET keeps a margin for a variant or two).
+fails a behaviour test or none. .ci/run runs it right after the test suite.
 
 The map: each "# ====" banner (a check holds it equal to the banners):
-    imports                         they flow one way, nothing rebinds a reading-path function,
-                                    every module of the packages is imported or run
-    the reading path                the top level is README.md's reading order; the method runs
-                                    without the pipeline
+    imports                         one way, no reading-path function rebound, none idle
+    the reading path                README.md's reading order; the method without the pipeline
     cited names and paths           each cited module.name is defined there; no absolute folder
-    the docs against the code       .ci/run starts with the README's commands; the walkthrough's
-                                    exercises quote their functions; the flags table names real
-                                    flags; the committed figures are today's
+    the docs against the code       .ci/run, the walkthrough's exercises, the flags, the figures
     maps and budgets                the test files' maps, the packages' maps, the line budgets
 """
 
@@ -40,8 +34,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ============================================================================ imports
 def project_files(root=HERE) -> dict:
-    """{module, named as imported ("model", "speed.cost", "tools.plot"): its path}: the .py files of
-    the top level, speed/, tools/, prompts/, compat/ and support/, and speed/__init__.py."""
+    """{module as imported ("model", "speed.cost"): its path}: the project's .py files."""
     files = {}
     for folder in ("", "speed", "tools", "prompts", "compat", "support"):
         for name in sorted(os.listdir(os.path.join(root, folder))):
@@ -52,13 +45,24 @@ def project_files(root=HERE) -> dict:
     return files
 
 
+def imports(path) -> list:
+    """[(line, names, indented)] of each import in the file: `import a.b` names a.b, `from m import
+    x` m and m.x; indented: inside a function or a block."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found.append((node.lineno, [a.name for a in node.names], node.col_offset > 0))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found.append((node.lineno, names, node.col_offset > 0))
+    return found
+
+
 def project_imports(root=HERE) -> tuple:
-    """-> ({module: the project modules it imports}, [function-level imports of project modules])
-    over project_files."""
+    """-> ({module: the project modules it imports}, [project imports inside a function])."""
     files = project_files(root)
 
-    def resolve(name, here):
-        """The project module an import names, seen from module `here` (None: not the project's)."""
+    def resolve(name, here):  # the project module an import names, seen from `here`, or None
         for candidate in (name, f"{here.rpartition('.')[0]}.{name}".lstrip(".")):
             if candidate in files:
                 return candidate
@@ -66,18 +70,12 @@ def project_imports(root=HERE) -> tuple:
 
     graph, inside_functions = {}, []
     for module, path in files.items():
-        tree_ = ast.parse(open(path).read())
         found = set()
-        for node in ast.walk(tree_):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for line, names, indented in imports(path):
             hits = {m for m in (resolve(n, module) for n in names) if m}
             found |= hits
-            if hits and node.col_offset > 0 and not module.rpartition(".")[2].startswith("test_"):
-                inside_functions.append(f"{module}:{node.lineno}")
+            if hits and indented and not module.rpartition(".")[2].startswith("test_"):
+                inside_functions.append(f"{module}:{line}")
         graph[module] = found - {module}
     return graph, inside_functions
 
@@ -112,18 +110,14 @@ def reachable(graph: dict, start: str) -> set:
 
 
 def test_imports_flow_one_way():
-    """No import cycle, no project import hidden inside a function, train.py reaches neither
-    decoding nor speed/'s timings (tools/served.py does, and runs after it), the data path stands
-    without prepare.py, and the CPU machinery (speed/) is reached only through its two doors,
-    machine.py and tune.py (and bench.py, which is generate.py --bench)."""
+    """No import cycle, no project import inside a function; train.py reaches neither decoding nor
+    speed/'s timings (tools/served.py does); data.py stands without prepare.py; speed/ is reached
+    through machine.py, tune.py and bench.py only; the mechanism imports torch and itself."""
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     graph, inside_functions = project_imports()
     assert {"decoding", "speed.cost", "tools.served", "prompts.word_problems"} <= set(graph)
-    assert import_cycle(graph) is None
-    assert inside_functions == []
-    # training reaches no decoding: the served evaluation is tools/served.py's, which imports
-    # train.py
+    assert import_cycle(graph) is None and inside_functions == []
     assert "train" in graph["tools.served"] and "decoding" in reachable(graph, "tools.served")
     training = reachable(graph, "train")
     assert {"model", "loss", "support.metrics", "data", "speed.machine"} <= training
@@ -135,32 +129,23 @@ def test_imports_flow_one_way():
     assert {
         m: graph[m] - doors for m in core if {n for n in graph[m] if n.startswith("speed")} - doors
     } == {}
-    # the mechanism is the ground floor: its files import torch, the standard library and one
-    # another, nothing of support/, compat/, speed/ or tools/. transformers only for the target's
-    # own KV cache (decoding.new_cache); a scaled RoPE's frequencies come with the config
-    # (compat/config_json.py computes them where it reads one)
     mechanism = ("conv", "selector", "attention", "model", "loss", "decoding", "tree")
     for m in mechanism:
-        names = set()
-        for node in ast.parse(open(os.path.join(HERE, f"{m}.py")).read()).body:
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                names |= {f"{node.module}.{a.name}" for a in node.names}
-        allowed = {"transformers.DynamicCache"} if m == "decoding" else set()
+        names = {n for _, names, _ in imports(os.path.join(HERE, f"{m}.py")) for n in names}
+        # transformers only for the target's own KV cache (decoding.new_cache)
+        allowed = {"transformers", "transformers.DynamicCache"} if m == "decoding" else set()
         roots = {n.split(".")[0] for n in names - allowed}
         assert roots <= {"torch", *mechanism} | sys.stdlib_module_names, (m, roots)
 
 
-# What a learner edits is what runs (issue 64): nothing outside the tests rebinds a name of these.
+# What a learner edits is what runs: nothing outside the tests rebinds a name of these.
 READING_PATH = ("conv", "selector", "attention", "model", "loss", "decoding", "tree", "data")
 READING_PATH += ("train", "prepare", "export", "generate")
 
 
 def rebindings(source: str) -> list:
-    """Where source assigns to or deletes an attribute of a reading-path module, or sets one with
-    setattr / delattr (monkeypatch's too) -> ["line: code"]. The module is a name an import bound to
-    it (`import model as m`: m) or an attribute of such a name (`t.loss`, t the imported train)."""
+    """Where source assigns, deletes or setattr's (monkeypatch's too) an attribute of a reading-path
+    module, named as an import bound it (`m`, `t.loss`) -> ["line: code"]."""
     nodes = list(ast.walk(ast.parse(source)))
     bound = {}  # every name an import binds -> what it names (import a.b: a)
     for node in nodes:
@@ -169,22 +154,14 @@ def rebindings(source: str) -> list:
             bound[a.asname or a.name.split(".")[0]] = a.name if full else a.name.split(".")[0]
 
     def reading(e) -> bool:  # e names a reading-path module
-        if isinstance(e, ast.Name):
-            return bound.get(e.id) in READING_PATH
-        return (
-            isinstance(e, ast.Attribute)
-            and e.attr in READING_PATH
-            and isinstance(e.value, ast.Name)
-            and e.value.id in bound
-        )
+        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name):  # t.loss
+            return e.attr in READING_PATH and e.value.id in bound
+        return isinstance(e, ast.Name) and bound.get(e.id) in READING_PATH
 
     found, imports_reading = [], any(m in READING_PATH for m in bound.values())
     for node in nodes:
-        targets = []
-        if isinstance(node, (ast.Assign, ast.Delete)):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
+        # what an assignment, del, augmented assignment or for loop binds
+        targets = getattr(node, "targets", [getattr(node, "target", None)])
         targets = [t for e in targets for t in (e.elts if isinstance(e, ast.Tuple) else [e])]
         hit = any(isinstance(t, ast.Attribute) and reading(t.value) for t in targets)
         if isinstance(node, ast.Call) and node.args:
@@ -200,9 +177,8 @@ def rebindings(source: str) -> list:
 
 
 def test_nothing_rebinds_a_reading_path_function():
-    """No module outside the tests assigns to an attribute of a reading-path module (conv.py ..
-    generate.py): the function a learner edits is the one generate.py, --show and the tools run,
-    never one put in its place at run time. The scan catches each kind of rebinding, planted."""
+    """The function a learner edits is the one generate.py, --show and the tools run, never one put
+    in its place at run time. The scan catches each kind of rebinding, planted."""
     planted = (
         "import decoding\nimport model as m\nimport train as t\nimport tree\nimport show\n"
         "decoding.draft_proposal = print\n"
@@ -223,9 +199,8 @@ def test_nothing_rebinds_a_reading_path_function():
 
 
 def test_every_package_module_is_imported_or_run():
-    """Nothing is imported by nothing and tested by nothing: each module of the packages is
-    imported by another project file (a test file counts), run by run.sh or .ci/run, or started by
-    another module (`-m package.name`, or its file name in a subprocess's command)."""
+    """Each module of the packages is imported by another project file (a test counts), run by
+    run.sh or .ci/run, or started by another module (`-m package.name`, or "name.py")."""
     graph, _ = project_imports()
     files = project_files()
     imported = set().union(*graph.values())
@@ -239,12 +214,13 @@ def test_every_package_module_is_imported_or_run():
         started = f"-m {module}" in scripts + code or f'"{name}.py"' in code
         if module not in imported and not started and os.path.relpath(path, HERE) not in scripts:
             idle.append(module)
+    assert idle == []
 
 
 # ============================================================================ the reading path
 def test_the_top_level_is_the_reading_path():
-    """Every top-level .py file is one README.md's reading order names, and every file it names is
-    there: the mechanism, the pipeline, the walkthrough and test_all.py, in that order."""
+    """README.md's reading order names every top-level .py file and no other: the mechanism, the
+    pipeline, the walkthrough and test_all.py, in that order."""
     readme = open(os.path.join(HERE, "README.md")).read()
     order = readme[readme.index("### Reading order") : readme.index("What a learner can skip")]
     named = list(dict.fromkeys(re.findall(r"`(\w+\.py)`", order)))
@@ -253,32 +229,25 @@ def test_the_top_level_is_the_reading_path():
     assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
 
 
+# a pytest plugin, first on the import path: refuses NAMES and their modules, says which it met
 UNIMPORTABLE = """
 import sys
-
 NAMES = {"data", "train", "prepare", "export", "generate", "support", "compat", "speed", "tools"}
 refused = set()
-
-
-class Unimportable:  # first on the import path: refuses NAMES and their modules
+class Unimportable:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in NAMES:
             refused.add(name)
             raise ModuleNotFoundError(f"{name}: made unimportable")
-
-
 sys.meta_path.insert(0, Unimportable())
-
-
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line("refused: " + " ".join(sorted(refused)))
 """
 
 
 def test_the_method_runs_without_the_pipeline(tmp_path):
-    """python -m pytest -m method -q test_all.py collects and passes with data, train, prepare,
-    export, generate, support/, compat/, speed/ and tools/ made unimportable (a plugin refuses
-    them): Part 1 needs only the mechanism, and no method test is skipped for want of the rest."""
+    """test_all.py -m method passes, none skipped for an import, with the pipeline and the packages
+    made unimportable (a plugin refuses them): Part 1 needs only the mechanism."""
     (tmp_path / "unimportable.py").write_text(UNIMPORTABLE)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     run = subprocess.run(
@@ -301,36 +270,39 @@ def test_the_method_runs_without_the_pipeline(tmp_path):
 # A cited name: a project module, dotted or by its last part as the code imports it ("machine" for
 # speed/machine.py), "." or "/" between the parts, then the name; one letter is a placeholder.
 CITED = re.compile(r"(?<![\w./-])(?:[a-z_][a-z0-9_]*[./])+[A-Za-z_][A-Za-z0-9_]+(?!\w)")
-
-
 FILE_ENDINGS = set("py md json jsonl safetensors pt svg txt gguf sh toml".split())
-
-
-TEXT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1)}
+# an absolute path of two parts or more, not the system's (/proc/cpuinfo, /dev/shm, /usr/bin/env) or
+# a server's (/v1/models); ~/.cache/dflash2, the documented cache, is not one
+OUTSIDE = re.compile(
+    r"(?<![\w.~}$:/-])/(?!(?:proc|dev|sys|usr|bin|etc|v1)/)[A-Za-z][\w.-]*/[\w.-]+"
+)
+FSTRING_MIDDLE = getattr(tokenize, "FSTRING_MIDDLE", -1)  # Python 3.12+: an f-string's pieces
 
 
 def cited_texts(root=HERE):
-    """(file, line, text): every comment and string of the project's .py files (an f-string without
-    its {expressions}, which are code), and every line of README.md and docs/*.md."""
+    """(file, line, text): every comment and string of the project's .py files (an f-string's
+    {expressions}, which are code, as {}), and every line of README.md and docs/*.md."""
     for path in project_files(root).values():
         for tok in tokenize.generate_tokens(io.StringIO(open(path).read()).readline):
             text = tok.string
             if tok.type == tokenize.STRING and re.match(r"[rbRB]?[fF]", text):
-                text = re.sub(r"\{[^{}]*\}", "", text)
+                text = re.sub(r"\{[^{}]*\}", "{}", text)
+            elif tok.type == FSTRING_MIDDLE:  # a piece, perhaps after an {expression}
+                text = "{}" + text
             if tok.type == tokenize.STRING and re.fullmatch(r"([\'\"])[\w.]+\1", text):
                 continue  # a key such as "model.norm.weight" names a tensor, not a module's name
-            if tok.type in TEXT_TOKENS:
+            if tok.type in (tokenize.COMMENT, tokenize.STRING, FSTRING_MIDDLE):
                 yield os.path.relpath(path, root), tok.start[0], text
     for path in ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=root)):
         for i, line in enumerate(open(os.path.join(root, path)), 1):
             yield path, i, line
 
 
-def test_every_cited_module_name_resolves():
-    """Each `module.name` that the docstrings, comments, messages, README.md and docs/*.md cite is
-    defined at that module's top level: an import does not count (a citation names the name's
-    home), and an attribute every tensor or nn.Module has (`loss.item`) is a variable's. A stale
-    citation sends a reader to a name that moved or never was."""
+def test_every_cited_name_and_path_resolves():
+    """Each `module.name` the comments, strings, README.md and docs/*.md cite is defined at that
+    module's top level (not imported there; an attribute every tensor or nn.Module has is a
+    variable's), and none names a folder outside the repository by its absolute path (one
+    machine's /work or /tmp means nothing on another)."""
     defined = {}  # module, as imported -> the names its top level binds
     for module, path in project_files().items():
         body = ast.parse(open(path).read()).body
@@ -340,57 +312,29 @@ def test_every_cited_module_name_resolves():
         }
     last = [m.rpartition(".")[2] for m in defined]
     short = {name: m for name, m in zip(last, defined) if last.count(name) == 1}
+
+    def unresolved(cited: str) -> bool:
+        parts, seps = re.split(r"[./]", cited), re.findall(r"[./]", cited)
+        k = next((k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in defined), 0)
+        module, at = ".".join(parts[:k]) if k else short.get(parts[0]), max(k, 1)
+        if not module or at == len(parts) or "/" in seps[at - 1 :]:
+            return False  # not a project module, the module itself, or a file's path
+        name = parts[at]
+        if name in FILE_ENDINGS or name in defined[module] or "__mutmut_" in name:
+            return False  # a file, a name defined there, a mutant (docs/mutants.md)
+        return not hasattr(torch.Tensor, name) and not hasattr(torch.nn.Module, name)
+
     stale = []
     for file, line, text in cited_texts():
-        for found in CITED.finditer(text):
-            parts, seps = re.split(r"[./]", found.group(0)), re.findall(r"[./]", found.group(0))
-            k = next((k for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in defined), 0)
-            module, at = ".".join(parts[:k]) if k else short.get(parts[0]), max(k, 1)
-            if not module or at == len(parts) or "/" in seps[at - 1 :]:
-                continue  # not a project module, the module itself, or a file's path
-            name = parts[at]
-            if name in FILE_ENDINGS or name in defined[module] or "__mutmut_" in name:
-                continue  # a file, a name defined there, a mutant (docs/mutants.md)
-            if hasattr(torch.Tensor, name) or hasattr(torch.nn.Module, name):
-                continue
-            where = line + text[: found.start()].count("\n")
-            stale.append(f"{file}:{where}: {found.group(0)}")
+        found = [*OUTSIDE.finditer(text), *(m for m in CITED.finditer(text) if unresolved(m[0]))]
+        stale += [f"{file}:{line + text[: m.start()].count(chr(10))}: {m[0]}" for m in found]
     assert stale == []
-
-
-# an absolute path of two parts or more, not the system's (/proc/cpuinfo, /dev/shm, /usr/bin/env) or
-# a server's (/v1/models)
-OUTSIDE = re.compile(
-    r"(?<![\w.~}$:/-])/(?!(?:proc|dev|sys|usr|bin|etc|v1)/)[A-Za-z][\w.-]*/[\w.-]+"
-)
-
-
-def test_no_doc_names_a_folder_outside_the_repository():
-    """README.md, docs/*.md and the docstrings and comments of the .py files name no folder outside
-    the repository by its absolute path (one machine's /work or /tmp folder): it means nothing on
-    another machine, and a command shown writing there is that machine's. Paths are relative to
-    the repository's root; ~/.cache/dflash2 is the documented cache, not an absolute path."""
-    texts = []
-    for path in ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=HERE)):
-        texts += [(path, i, line) for i, line in enumerate(open(os.path.join(HERE, path)), 1)]
-    for path in project_files().values():
-        source, file = open(path).read(), os.path.relpath(path, HERE)
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT:
-                texts.append((file, tok.start[0], tok.string))
-        for node in ast.walk(ast.parse(source)):
-            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-            if isinstance(node, kinds) and ast.get_docstring(node):
-                texts.append((file, node.body[0].lineno, ast.get_docstring(node)))
-    found = [f"{f}:{n}: {m.group(0)}" for f, n, text in texts for m in OUTSIDE.finditer(text)]
-    assert found == []
 
 
 # ======================================================================== the docs against the code
 def test_ci_runs_the_readme_commands_first():
-    """.ci/run starts with the README's set-up command, test command and form command (this file)
-    as written there, before it installs anything else: CI then fails where a fresh machine that
-    follows the README would."""
+    """.ci/run starts with the README's set-up, test and form commands as written there: CI fails
+    where a fresh machine that follows the README would."""
     readme = open(os.path.join(HERE, "README.md")).read()
     setup = re.search(r"\n    (python3 -m venv .*)\n", readme).group(1)
     tests = re.search(r"\n    (python -m pytest -q)\n", readme).group(1)
@@ -402,37 +346,25 @@ def test_ci_runs_the_readme_commands_first():
 
 def test_walkthrough_exercises_name_the_code_they_change():
     """Each of docs/walkthrough.md's twelve exercises names a file and a function and quotes the
-    code to change (Replace `X` / Delete `X`): X occurs once in that function, wherever the
-    function's lines move."""
+    code to change (Replace `X` / Delete `X`): X occurs once in that function."""
     text = open(os.path.join(HERE, "docs", "walkthrough.md")).read()
     pattern = r"\*\*(\d+)\. [^*]+\*\* \((\w+\.py),\s+`([\w.]+)`\).*?(?:Replace|Delete)\s+`([^`]+)`"
     found = re.findall(pattern, text, re.S)
     assert [int(n) for n, *_ in found] == list(range(1, 13))
     for n, file, function, code in found:
         source = open(os.path.join(HERE, file)).read()
-        bodies = [ast.get_source_segment(source, d) for d in definitions(source).get(function, [])]
+        nodes = [ast.parse(source)]
+        for name in function.split("."):  # "Tree.ancestors": the class, then its method
+            nodes = [
+                c for p in nodes for c in ast.iter_child_nodes(p) if getattr(c, "name", 0) == name
+            ]
+        bodies = [ast.get_source_segment(source, d) for d in nodes]
         assert [b.count(code) for b in bodies] == [1], f"exercise {n}: {file}, {function}: {code!r}"
 
 
-def definitions(source: str) -> dict:
-    """{qualified name ("Tree.ancestors", "grow"): [its def or class nodes]} of a module."""
-    found = {}
-
-    def visit(node, prefix):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                found.setdefault(prefix + child.name, []).append(child)
-                visit(child, f"{prefix}{child.name}.")
-            else:
-                visit(child, prefix)
-
-    visit(ast.parse(source), "")
-    return found
-
-
 def test_the_training_docs_name_only_real_flags(capsys):
-    """Each flag in the first column of docs/training.md's flags table is one train.py --help
-    prints. The other way is not asked: a flag added for an experiment needs no row."""
+    """Each flag of docs/training.md's flags table is one train.py --help prints (a flag added for
+    an experiment needs no row)."""
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     flags = set(re.findall(r"^ +(--[a-z][\w-]*)", capsys.readouterr().out, re.M))
@@ -445,20 +377,16 @@ def test_the_training_docs_name_only_real_flags(capsys):
 
 
 def test_the_committed_figures_are_todays(tmp_path):
-    """docs/figures holds, byte for byte, what python -m tools.figures draws today (its toy-*.svg
-    are a toy run's, docs/walkthrough.md section 5)."""
+    """docs/figures holds, byte for byte, what python -m tools.figures draws today."""
     for f in figures.pictures(str(tmp_path)):
-        with (
-            open(f) as new,
-            open(os.path.join(HERE, "docs", "figures", os.path.basename(f))) as old,
-        ):
-            assert new.read() == old.read(), "stale: python -m tools.figures docs/figures"
+        old = os.path.join(HERE, "docs", "figures", os.path.basename(f))
+        assert open(f).read() == open(old).read(), "stale: python -m tools.figures docs/figures"
 
 
 # ============================================================================ maps and budgets
 def banners_and_map(path) -> tuple:
-    """-> (the map in path's module docstring, the banners in path), each a list of
-    (level, title): level 1 for a "# ====" banner, 2 for a "# ----" one."""
+    """-> (the map in path's module docstring, the banners in path), each a list of (level, title):
+    level 1 for a "# ====" banner (4 spaces in the map), 2 for a "# ----" one (8 spaces)."""
     text = open(path).read()
     doc = text.split('"""')[1]
     listed = []
@@ -473,29 +401,33 @@ def banners_and_map(path) -> tuple:
 
 
 def test_the_docstrings_map_the_banners():
-    """Each test file's docstring maps its banners in the file's order: a "# ====" banner at 4
-    spaces, its "# ----" subsections at 8 under it. test_all.py starts with its helpers and then the
-    method; the machinery's tests are beside their packages, one file each; this file too."""
-    machinery = [
-        os.path.join(folder, name)
-        for folder in ("support", "compat", "speed", "tools")
-        for name in sorted(os.listdir(os.path.join(HERE, folder)))
-        if name.startswith("test_") and name.endswith(".py")
-    ]
-    assert len(machinery) == 4
+    """Each test file's docstring maps its banners in order; test_all.py starts with its helpers,
+    then the method; the machinery's tests are beside their packages, one file each."""
+    machinery = glob.glob("*/test_*.py", root_dir=HERE)
+    assert sorted(p.split("/")[0] for p in machinery) == ["compat", "speed", "support", "tools"]
     for path in ["test_all.py", "tools/form.py"] + machinery:
         listed, found = banners_and_map(os.path.join(HERE, path))
-        assert listed == found, path
-        assert found, path
+        assert found and listed == found, path
     listed, _ = banners_and_map(os.path.join(HERE, "test_all.py"))
     assert listed[:3] == [(1, "helpers"), (1, "the method, by hand"), (2, "conv.py")]
 
 
-# The weight is a decision, not a drift: each part's non-test Python (this file is a test), in
-# lines, stays under its budget, set to what is left (issue 71). A change that needs more raises the
-# budget in the same commit and says why. The top level holds the scaled RoPE (from compat/), the
-# default-data check and the one objective; support/ the loader (from data.py), run_logged and
-# --report-to; tools/ lost the study's runner and mutants' catalogue (now tools/mutants.toml).
+@pytest.mark.parametrize("package", ["support", "compat", "speed", "tools"])
+def test_each_package_map_names_exactly_its_modules(package):
+    """A package's __init__.py maps it, a line per module, the name at 4 spaces: every module and
+    no other (tests and fixtures aside)."""
+    folder = os.path.join(HERE, package)
+    doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
+    mapped = set(re.findall(r"^ {4}(\w+)\.py ", doc, re.M))
+    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
+    aside = lambda names: {
+        m for m in names if m.startswith("test_") or m in ("conftest", "__init__")
+    }
+    assert mapped - aside(mapped) == modules - aside(modules)
+
+
+# The weight is a decision, not a drift: each part's non-test Python, in lines, stays under its
+# budget (issue 71). A change that needs more raises the budget in the same commit and says why.
 LINE_BUDGET = {
     ".": 3600,
     "prompts": 310,
@@ -517,16 +449,3 @@ def test_each_part_keeps_its_line_budget():
     lines = {part: non_test_lines(part) for part in LINE_BUDGET}
     assert {p: (n, LINE_BUDGET[p]) for p, n in lines.items() if n > LINE_BUDGET[p]} == {}
     assert sum(lines.values()) <= sum(LINE_BUDGET.values())
-
-
-@pytest.mark.parametrize("package", ["support", "compat", "speed", "tools"])
-def test_each_package_map_names_exactly_its_modules(package):
-    """A package's __init__.py maps it: a line per module, its name at 4 spaces, then what it is
-    for. Every module is on the map and the map names no other (tests and fixtures aside)."""
-    folder = os.path.join(HERE, package)
-    doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
-    mapped = set(re.findall(r"^ {4}(\w+)\.py ", doc, re.M)) - {"conftest"}
-    mapped = {m for m in mapped if not m.startswith("test_")}
-    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
-    modules -= {"__init__", "conftest"} | {m for m in modules if m.startswith("test_")}
-    assert mapped == modules
