@@ -2399,13 +2399,16 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
         assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
     # default system prompt, unmasked
     assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
+    # the same turns as preformatted text (SpecForge's {"text"}): the very ids and mask
+    text = tok.apply_chat_template(conv, tokenize=False)
+    ids_text, mask_text = conversations.tokenize_conversation(tok, {"text": text}, 512)
+    assert torch.equal(ids_text, ids) and torch.equal(mask_text, mask)
 
 
 # ---------------------------------------------------------------------------- chat template kwargs
 def test_chat_template_kwargs_reach_every_rendering(tmp_path):
-    """conversations.render (regeneration prompts), target.encode (generate.py) and the online
-    tokenisation (data.load_samples -> tokenize_conversation) render exactly what
-    apply_chat_template renders with the kwargs, which is not what it renders without them."""
+    """Regeneration prompts, generate.py's encode and the online tokenisation render what
+    apply_chat_template renders with the kwargs (not what it renders without them)."""
     tok = tiny_tokenizer()
     tok.chat_template = THINKING_CHATML
     prompt = CONVERSATION[:2]
@@ -2515,9 +2518,8 @@ def test_format_conversations_are_read_alike(tmp_path, record):
 
 
 def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
-    """SpecForge's {"id", "text"}: the text as the target's template rendered it is supervised
-    exactly as the same conversation given as turns, with and without template kwargs; an answer
-    cut short runs to the end; a text from another template is refused, naming line and header."""
+    """SpecForge's {"id", "text"}: supervised as the same turns, with and without template kwargs;
+    an answer cut short runs to the end; another template's text is refused."""
     tok = tiny_tokenizer()
     text = tok.apply_chat_template(CONVERSATION, tokenize=False)
     conv = read_one(tmp_path, {"id": 3, "text": text})
@@ -2541,18 +2543,6 @@ def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
         conversations.tokenize_conversation(tok, other, 512)
 
 
-@needs_smollm2
-def test_format_preformatted_text_on_smollm2(smollm2):
-    """The embedded target's own template (a default system prompt): preformatted text gives the
-    very ids and mask of the same turns."""
-    tok = smollm2["tokenizer"]
-    conv = CONVERSATION[1:]
-    text = tok.apply_chat_template(conv, tokenize=False)
-    a = conversations.tokenize_conversation(tok, {"text": text}, 512)
-    b = conversations.tokenize_conversation(tok, conv, 512)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and len(masked_runs(a[1])) == 2
-
-
 def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
     tok = tiny_tokenizer()
     record = {"input_ids": [1, 5, 6, 2, 7, 8, 2], "loss_mask": [0, 0, 0, 0, 1, 1, 1]}
@@ -2571,9 +2561,8 @@ def test_format_pretokenized_ids_are_taken_as_given(tmp_path):
 
 
 def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
-    """An answer carrying the target's token_ids (prepare.py --regenerate keeps them) is
-    supervised as exactly those ids, even where re-tokenizing its text would split it otherwise
-    (retokenized_differs says so); ids that do not spell the content are refused."""
+    """prepare.py --regenerate keeps the target's token_ids: supervised as generated, even where
+    re-tokenizing the text would split it otherwise; ids that do not spell the content refused."""
     tok = tiny_tokenizer()
     tok.add_tokens(["thecat"])  # "the" + "cat" decode to "thecat", which re-tokenizes as one token
     prompt = CONVERSATION[:2]
@@ -2745,25 +2734,17 @@ def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
     assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
 
 
-def test_num_samples_takes_the_first_sequences_and_throughput_is_logged(setup, tmp_path):
+def test_num_samples_takes_the_first_sequences(setup, tmp_path):
     # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8
     # steps
     argv = ["--num-samples", "4", "--eval-fraction", "0.3", "--epochs", "2", "--log-interval", "1"]
     run(setup, tmp_path, *argv)
-    records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in records] == list(range(1, 9))
-    # every step sees one whole sequence: tokens and anchors seen / the interval's seconds
-    assert all(r["target_tok_per_s"] > 0 and r["anchors_per_s"] > 0 for r in records)
-    samples = data.load_samples(str(setup / "feats"), False, None, 512)
+    assert [r["step"] for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"] == [
+        *range(1, 9)
+    ]
     flags = train.parse_args(["--data", "x", "--num-samples", "4", "--seed", "3"])
     order = [data.step_micro_batches(s, 4, 4, flags, 0, 1)[1][0][0] for s in range(8)]
     assert sorted(set(order)) == [0, 1, 2, 3]  # only the first 4 sequences are ever drawn
-    # the rates are each logging interval's (here one step: one sequence), and share its time
-    for r, i in zip(records, order):
-        tokens = len(samples[i]["input_ids"])
-        anchors = min(8, int((samples[i]["loss_mask"][:-1] * samples[i]["loss_mask"][1:]).sum()))
-        ratio = r["target_tok_per_s"] / r["anchors_per_s"]
-        assert ratio == pytest.approx(tokens / anchors, rel=1e-3), r["step"]
 
 
 def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path, capsys):
@@ -2800,10 +2781,8 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path, capsys):
 
 
 def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(setup, tmp_path):
-    """train.py's final held-out evaluation writes acceptance.json (B-1 = 3 slots) beside ckpt.pt,
-    consistent with its logged accepted lengths (and again, alone, when a finished run resumes);
-    export.py copies it, generate.py reads it back; an export of a draft without statistics leaves
-    none behind; a broken file is refused by name."""
+    """acceptance.json (B-1 = 3 rates) agrees with the final evaluation's logged accepted lengths,
+    is made again alike when a finished run resumes, and travels with export.py."""
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
     stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
     final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
@@ -2834,11 +2813,8 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
 
 
 def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
-    """Offline, train.py loads the target without its decoder layers (only the embedding and the
-    head are read): none is built, its config still counts the checkpoint's 4 for the layer-id
-    check, and the embedding and head equal the whole model's, for a Llama and a Qwen3 (whose
-    per-layer layer_types shrink with the count). Online, the target is whole."""
-
+    """Offline only the embedding and the head are read: no decoder layer is built, the config
+    still counts 4 (the layer-id check), for a Llama and a Qwen3 (its layer_types shrink)."""
     loaded = []
 
     def recording(*a, **kw):
@@ -2915,10 +2891,8 @@ def test_chunked_equals_unchunked(loss, weighting, miss):
 
 
 def test_objective_casts_the_frozen_head_once_under_autocast():
-    """Under bf16 autocast the objective casts the frozen head [V, H] once per call, not in every
-    chunk and every chunk's recompute (autocast keeps no cast of a tensor that needs no grad): one
-    copy of it in all, counted at the dispatcher, here over 5 anchors in chunks of 2 with kl (two
-    matmuls a chunk) and a backward. The sums are those of the head cast by autocast itself."""
+    """autocast keeps no cast of a tensor that needs no grad, so the objective casts the frozen head
+    once itself, not in each of the 3 chunks (kl: two matmuls a chunk) and their recomputes."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(1)
@@ -2951,9 +2925,8 @@ def test_objective_casts_the_frozen_head_once_under_autocast():
 
 # --------------------------------------------------------------------------- gradient checkpointing
 def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer():
-    """train.py --gradient-checkpointing: the same loss and the same gradient for every parameter,
-    bit for bit on the CPU (the recomputation runs the same kernels on the same inputs), and every
-    layer runs twice per step, so a flag that were silently ignored would fail here."""
+    """Bit for bit on the CPU (the same kernels on the same inputs); every layer runs twice a step,
+    so a flag silently ignored fails here."""
     layer_types = ["sliding_attention", "full_attention", "sliding_attention"]  # both masks
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(
         num_hidden_layers=3, layer_types=layer_types, sliding_window=6
@@ -3004,9 +2977,8 @@ def test_coverage_by_hand():
 
 
 def test_per_document_anchor_budget():
-    """--anchors-per document: each document of a packed row draws up to --num-anchors of its own
-    anchor positions; per row, the long document takes most of them. Either way an anchor and its
-    first label share a document."""
+    """--anchors-per document: each document of a packed row draws up to --num-anchors; per row,
+    the long one takes most. Either way an anchor and its first label share a document."""
     long_doc = {"input_ids": torch.arange(40), "loss_mask": torch.ones(40, dtype=torch.long)}
     short = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.long)}
     row = data.join([long_doc, short, short])
@@ -3097,12 +3069,9 @@ def on_a_clock(monkeypatch, start: float):
 
 
 def test_max_seconds_is_the_steps_that_fit_and_resume_goes_on(setup, tmp_path, monkeypatch):
-    """--max-seconds: progress = max(step / steps, elapsed / S), the schedule at progress. On a
-    clock of a second a step, --max-seconds 10 with --max-steps 100 is --max-steps 10: the same
-    records (lr, losses, the final one) and weights, the time's end before the steps'. With 100
-    seconds, --max-steps 6 ends first. --max-seconds alone runs past the data's one epoch. Killed
-    at step 5 of 10 and resumed with 5 seconds, or without --max-seconds (the schedule's length
-    kept), it ends as the straight run."""
+    """progress = max(step / steps, elapsed / S), the schedule at progress: on a clock of a second
+    a step, --max-seconds 10 is --max-steps 10 (records and weights), whichever ends first; killed
+    at step 5 and resumed, with 5 seconds or none, it ends as the straight run."""
     steps = run(setup, tmp_path / "steps", "--max-steps", "10", "--log-interval", "1")
     want = timeless(log_records(tmp_path / "steps" / "log.jsonl"))
     on_a_clock(monkeypatch, 1000.0)
@@ -3176,9 +3145,8 @@ def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
 
 
 def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsys):
-    """--freeze-conv, the selector-only arm: every convolution keeps its identity init (tap 0 = 1,
-    the rest and the projection 0: plain DFlash's sublayers) through steps with weight decay, out
-    of the optimizer, while the selector trains. With nothing of DFlash2 left to train, refused."""
+    """The selector-only arm: every convolution keeps its identity init (tap 0 = 1, the rest and the
+    projection 0) through weight decay while the selector trains."""
     ck = run(setup, tmp_path, "--max-steps", "2", "--freeze-conv", "--weight-decay", "0.1")
     torch.manual_seed(3)  # run()'s --seed: the draft's initial values
     init = model.DraftModel(tiny_config()).state_dict()
@@ -3220,10 +3188,8 @@ def timeless(records) -> list:
 
 
 def test_train_data_workers_log_the_same_records(setup, tmp_path):
-    """--data-workers 2 (loader.data_loader's worker processes make the micro-batches ahead)
-    trains as the batches made in the loop do: every log.jsonl record (losses, gradient norms,
-    evaluations, the final metrics) equal, over accumulated micro-batches of 2 rows, offline and
-    packed."""
+    """Worker processes making the micro-batches ahead train as the loop's own batches: every
+    record equal, over accumulated micro-batches of 2 packed rows."""
     extra = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2", "--eval-samples"]
     extra += ["2", "--batch-size", "2", "--grad-accum", "2", "--pack", "--max-length", "80"]
     logs = []
@@ -3239,13 +3205,9 @@ def test_train_data_workers_log_the_same_records(setup, tmp_path):
 def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     setup, tmp_path, monkeypatch
 ):
-    """train.py --compile pads every batch, training and held-out, to loader.static_shapes: packed
-    rows of 34 to 78 tokens make more shapes than the two length buckets (64, 128) of each mode
-    (training, evaluation), and dynamo's counters show at most 2 x 2 graphs, whose losses are the
-    eager run's. The log's compile_s (the seconds of the steps that compiled, left out of the
-    rates) grows at the first step of each bucket and never after: no recompile past the warm-up.
-    With a recompile limit of 1, the evaluation's graph (a second one) ends the run in a ValueError
-    that says what to do meanwhile (a bug: its traceback), not in a silent eager fallback."""
+    """Packed rows of 34 to 78 tokens padded to two length buckets (64, 128): at most 2 x 2 graphs
+    (training, evaluation), the eager run's losses, compile_s growing at each bucket's first step
+    and never after; a recompile limit of 1 is a ValueError (a bug), never an eager fallback."""
     from torch._dynamo.utils import counters
 
     argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
@@ -3313,9 +3275,8 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
 
 # ---------------------------------------------------------- FSDP (train.py --fsdp, support/fsdp.py)
 def two_rank_job(rank, runs, ports, target_dir, out):
-    """Rank `rank` of 2 (gloo), started as torchrun starts train.py: train.main for each argv in
-    turn, each with its own process group on its own port; then the target's features, whole and
-    sharded, for a batch of this rank's own."""
+    """Rank `rank` of 2 (gloo), as torchrun starts train.py: train.main for each argv on its own
+    port; then the target's features, whole and sharded, for a batch of this rank's own."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     for argv, port in zip(runs, ports):
@@ -3335,9 +3296,8 @@ def two_rank_job(rank, runs, ports, target_dir, out):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(setup, tmp_path_factory):
-    """train.py --fsdp runs on 2 ranks (one torch.multiprocessing job for all, so the two processes
-    start once) and the runs on 1 process that they must equal: 2 ranks x 1 micro-batch == 1 process
-    x 2."""
+    """train.py --fsdp runs on 2 ranks (one job, so the processes start once) and the runs on 1
+    process they must equal: 2 ranks x 1 micro-batch == 1 process x 2."""
     d = tmp_path_factory.mktemp("fsdp")
     base = train_argv(
         setup,
@@ -3417,9 +3377,8 @@ def test_fsdp_equals_its_reference_run(fsdp_runs, two, one):
 
 
 def counting_reduce_scatters_job(rank, runs, ports, out):
-    """Rank `rank` of 2 (gloo): train.main for each (name, argv), counting the reduce-scatters FSDP
-    makes (dist.reduce_scatter_single, FSDP2's collective; reduce_scatter_tensor as well); "every":
-    with fsdp.no_sync a no-op, so that every micro-batch reduce-scatters, as before it existed."""
+    """Rank `rank` of 2 (gloo): train.main for each (name, argv), counting FSDP's reduce-scatters;
+    "every" with fsdp.no_sync a no-op, so that every micro-batch reduce-scatters."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     counts, real_no_sync = {}, fsdp.no_sync
@@ -3442,11 +3401,9 @@ def counting_reduce_scatters_job(rank, runs, ports, out):
 
 
 def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
-    """train.py --fsdp --grad-accum 3 on 2 gloo ranks: the step's first two backwards keep their
-    gradients unsharded (fsdp.no_sync), and the last one reduce-scatters their sum: 5 a step (a
-    layer's forward and its registered context_kv each end in one, 2 layers, and the root's), so 2
-    steps x 5 = 10 reduce-scatters, against 30 when every micro-batch reduce-scatters; the weights
-    after the 2 steps and the losses are the same."""
+    """--grad-accum 3: the first two backwards keep their gradients unsharded (fsdp.no_sync), the
+    last reduce-scatters their sum: 5 a step (2 layers x (forward, context_kv) and the root), so
+    2 steps make 10, against 30 when every micro-batch does; the same weights and losses."""
     base = train_argv(
         setup,
         "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --seed 3 --eval-samples 0 "
@@ -3562,12 +3519,9 @@ def test_cuda_compiled_flex_equals_sdpa(kw, packed, no_eager_fallback):
 
 @needs_cuda
 def test_cuda_sdpa_keeps_no_scores_at_training_scale():
-    """--attention sdpa on a GPU (kernels.memory_safe_sdpa: k/v heads repeated, memory-safe kernels
-    only) at a training shape, bf16, GQA 32 / 8 heads of 128, 512 anchors of 8 over S = 8192
-    context rows: forward and backward allocate less than a quarter of the fp32 scores the math
-    kernel would make (6.4 GiB a layer; its bf16 scores alone would be half), and the output equals
-    the grouped-query math kernel's on a slice. An H200 (torch 2.11) allocated 672 MB, of which the
-    repeated k/v are 201 MB."""
+    """kernels.memory_safe_sdpa at a training shape (bf16, GQA 32 / 8 heads of 128, 512 anchors of 8
+    over 8192 rows) allocates under a quarter of the math kernel's fp32 scores (6.4 GiB; an H200
+    allocated 672 MB), and equals the grouped-query math kernel on a slice."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -3610,23 +3564,14 @@ def cuda_setup(setup):
 def test_cuda_online_step_in_bf16_matches_cpu_fp32_and_compile_matches_eager(
     setup, cuda_setup, tmp_path, monkeypatch, capsys, no_eager_fallback
 ):
-    """train.py's first step, online, as a GPU runs it by default (bf16 target, bf16 autocast, flex
-    attention) against the same step on the CPU in fp32 (sdpa), and with --compile against eager.
-    Compared: the logged loss and the gradients train.py clips. Tolerance: bf16 keeps 8 bits, so
-    each rounding errs by up to 2^-9; over the step the same comparison on this CPU (bf16 autocast
-    and target vs fp32) came within 0.04% on the loss and 2.0% on each gradient tensor (norm of the
-    difference / norm); held here to 1% and 5%. A wrong mask, cast or dtype moves them by tens of
-    percent. The selector is frozen (alpha 0): bf16 may swap near-tied top-K candidates, which
-    changes its loss by a jump, not by a rounding."""
-    flags = [
-        "--online",
-        "--data",
-        str(setup / "convs.jsonl"),
-        "--target",
-        str(cuda_setup / "target"),
-    ]
-    flags += ["--draft-config", str(cuda_setup / "draft.json"), "--max-steps", "1"]
-    flags += ["--log-interval", "1", "--selector-loss-alpha", "0"]
+    """The first online step as a GPU runs it (bf16 target and autocast, flex) against the CPU's
+    fp32 sdpa step, and --compile against eager: the loss and the clipped gradients. bf16 errs by
+    2^-9 a rounding; on a CPU bf16 vs fp32 came within 0.04% (loss) and 2.0% (each gradient's
+    norm), held here to 1% and 5%; a wrong mask, cast or dtype moves them by tens of percent. The
+    selector is frozen: bf16 may swap near-tied top-K candidates, a jump in its loss."""
+    flags = ["--online", "--data", str(setup / "convs.jsonl"), "--selector-loss-alpha", "0"]
+    flags += ["--target", str(cuda_setup / "target"), "--max-steps", "1", "--log-interval", "1"]
+    flags += ["--draft-config", str(cuda_setup / "draft.json")]
     real_clip, real_capture = torch.nn.utils.clip_grad_norm_, model.capture_features
 
     def step(name, *extra):
@@ -3670,10 +3615,8 @@ runpy.run_path({train!r}, run_name="__main__")
 
 @needs_cuda
 def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_path):
-    """torchrun --nproc_per_node=1 on one GPU: train.py makes an nccl process group (any torchrun
-    launch does), and 3 steps + 3 after --resume equal 6 straight at a constant lr, bit for bit.
-    Deterministic algorithms on (a wrapper script), so that the comparison sees resuming, not the
-    order of atomic adds. Each logged step has an MFU between 0 and 1."""
+    """torchrun on one GPU (nccl): 3 steps + 3 after --resume equal 6 straight, bit for bit, with
+    deterministic algorithms (the comparison sees resuming, not atomic adds); MFU in (0, 1)."""
     script = tmp_path / "train_deterministic.py"
     script.write_text(DETERMINISTIC_TRAIN.format(here=HERE, train=os.path.join(HERE, "train.py")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
