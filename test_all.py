@@ -3302,9 +3302,7 @@ def fsdp_runs(setup, tmp_path_factory):
         "--eval-interval 1000 --log-interval 1 --fsdp",
     )
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
-    one = lambda out, *extra: train.main(
-        base + ["--out-dir", str(d / out), "--grad-accum", "2", *extra]
-    )
+    one = lambda out, *extra: train.main(two(out, "--grad-accum", "2", *extra))
     # at a constant lr, 2 steps and a resume to 4 are the 4 steps
     constant = ["--lr-schedule", "constant"]
     half, rest = ["--max-steps", "2", *constant], ["--max-steps", "4", "--resume", *constant]
@@ -3457,14 +3455,12 @@ def test_mfu_is_logged_as_model_flops_per_second_over_the_peak(setup, tmp_path, 
     # a CPU has no peak; given one, train.py logs MFU = its step_flops summed / elapsed / peak
     counted, real = [], flops.step_flops
     monkeypatch.setattr(flops, "peak_flops", lambda device, peak_tflops: 1e5)
-    monkeypatch.setattr(
-        flops,
-        "step_flops",
-        lambda cfg, batch, w=0: (
-            counted.append((real(cfg, batch, w), int(batch["attention_mask"].sum())))
-            or counted[-1][0]
-        ),
-    )
+
+    def counting(cfg, batch, w=0):
+        counted.append((real(cfg, batch, w), int(batch["attention_mask"].sum())))
+        return counted[-1][0]
+
+    monkeypatch.setattr(flops, "step_flops", counting)
     run(setup, tmp_path, "--max-steps", "3", "--log-interval", "1")
     records = [r for r in log_records(tmp_path / "log.jsonl") if r["kind"] == "train"]
     assert len(counted) == 3 and all(f > 0 for f, _ in counted)
