@@ -1,13 +1,10 @@
 """Training data: the batch a training step reads, its anchors drawn by loss.py's rule
 (docs/semantics.md, section 4).
 
-    conversations -> token ids and loss masks (support/conversations.py) or prepared features
-                                                                    load_samples, load_split
-    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, schedule,
-                                                                           collate
-    -> the run's order: the rows of each rank's micro-batches       step_micro_batches,
-                                                                    micro_batch_plan
-    online: the target's features of a batch, document by document  add_target_features
+    conversations or prepared features -> samples      load_samples, load_split
+    -> rows (--pack: several a row), anchors, padding  plan_rows, schedule, collate
+    -> each rank's micro-batches, in the run's order   step_micro_batches, micro_batch_plan
+    online: the target's features, document by document  add_target_features
 
 prepare.py makes the data; support/loader.py makes train.py's batches ahead in worker processes
 and, for compiled steps, pads them to a few static shapes: neither changes what a step trains on.

@@ -11,15 +11,12 @@ speculative_generate is that cycle for a path of k drafts (k = B-1 by default); 
 same steps on a tree of N nodes. Neither holds a clock or prints: they return the ids and each
 cycle's tau, and call watch(phase, **made) as each phase ends (generate.py --show prints them):
 
-    phase     fires after                                   made
-    prefill   the prompt's forward and its first token      ids [1, P+1]: the committed tokens
-    draft     step 1, the draft's block forward             u [1, L, V]: unary scores, slots 1..L
-    proposal  step 2: the selector's walk, the unary        drafts [1, k]; tree.py: tree (a Tree)
-              argmax or a sample; tree.py: the tree grown
-    verify    steps 3-5: target forward, accept, crop       accepted (drafts kept), bonus (the
-                                                            target's token); tree.py: path (the
-                                                            accepted nodes), bonus
-    commit    step 6, the tokens committed                  ids [1, P+n]: all committed so far
+    phase     fires after                              made
+    prefill   the prompt's forward and first token     ids [1, P+1]: the committed tokens
+    draft     step 1, the draft's block forward        u [1, L, V]: unary scores of slots 1..L
+    proposal  step 2, the walk (tree.py: the tree)     drafts [1, k]; tree.py: tree (a Tree)
+    verify    steps 3-5: target forward, accept, crop  accepted, bonus; tree.py: path (nodes), bonus
+    commit    step 6, the tokens committed             ids [1, P+n]: all committed so far
 """
 
 import inspect

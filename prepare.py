@@ -13,14 +13,11 @@
         --server http://gpu1:8000 --server http://gpu2:8000 --concurrency 64  # regen_server
 
 What OUT holds (support/regen.py describes the answers' files, support/features.py the shards):
-    regenerated.rank*.jsonl    the answers as they come, with the settings that made them; what a
-                               rerun finds here it does not ask for again
-    conversations.jsonl        every answer after --regenerate, in prompt order (usable as --data);
-                               each keeps the token ids the target generated, supervised as those
-    shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden
-                               (--save-target-hidden)
-    manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards,
-                               skip counts, chat_template_kwargs
+    regenerated.rank*.jsonl  the answers as they come, with their settings (a rerun skips them)
+    conversations.jsonl      every answer after --regenerate, in prompt order (usable as --data),
+                             with the token ids the target generated, supervised as those
+    shard-00000.safetensors  per sample: input_ids, loss_mask, features (+ target_hidden)
+    manifest.json            target, layer ids, hidden size, dtype, shards, skip counts, kwargs
 
 Conversations are read by support/conversations.py, the prompt sets are support/promptsets.py's,
 the regeneration's bookkeeping (resume, servers, rank merge, fidelity) support/regen.py's.

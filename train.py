@@ -191,7 +191,8 @@ class DraftObjective(torch.nn.Module):
         (support/metrics.py)}. acceptance: the per-slot statistics of acceptance.json too."""
         b, embed = batch, lambda ids: F.embedding(ids, self.embed_weight)
         ids, anchors, valid, docs = b["input_ids"], b["anchors"], b["anchor_valid"], b["docs"]
-        if self.cfg.loss == "kl" and b.get("target_hidden") is None:
+        hidden = b.get("target_hidden")  # the target's final normed states: --loss kl reads them
+        if self.cfg.loss == "kl" and hidden is None:
             raise UsageError(
                 "--loss kl needs the target's hidden states: features made with prepare.py "
                 "--save-target-hidden, or --online"
@@ -199,19 +200,9 @@ class DraftObjective(torch.nn.Module):
         h = model.forward_training(
             self.draft, embed, ids, b["features"], anchors, b["positions"], docs, self.attention
         )
+        kw = dict(alpha_t=alpha_t, target_hidden=hidden, docs=docs, sel_scale=sel_scale)
         out = loss.objective(
-            self.draft,
-            self.head_weight,
-            h,
-            ids,
-            b["loss_mask"],
-            anchors,
-            valid,
-            self.cfg,
-            alpha_t=alpha_t,
-            target_hidden=b.get("target_hidden"),
-            docs=docs,
-            sel_scale=sel_scale,
+            self.draft, self.head_weight, h, ids, b["loss_mask"], anchors, valid, self.cfg, **kw
         )
         selector = self.draft.candidate_selector
         metrics = measure(selector, out, b["loss_mask"], anchors, valid, acceptance)
