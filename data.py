@@ -88,8 +88,7 @@ def lengths(samples) -> list:
 
 
 def schedule(samples, args, world) -> tuple:
-    """-> (rows, rows per step, steps per epoch, total steps). A row (sample indices) is one
-    sequence, or with train.py --pack the sequences plan_rows puts together."""
+    """-> (rows of sample indices (--pack: plan_rows'), rows per step, steps per epoch, total)."""
     rows = [[i] for i in range(len(samples))]
     if args.pack:
         rows = plan_rows(lengths(samples), args.max_length)
@@ -104,8 +103,7 @@ def schedule(samples, args, world) -> tuple:
 
 def join(docs) -> dict:
     """One row from a list of samples: their tensors concatenated, plus positions (restarting per
-    document) and docs (the document's number), each [S]. A row of one document keeps its tensors
-    (no copy: collate copies them once, into the batch)."""
+    document) and docs (the document's number), each [S]; one document's row copies nothing."""
     row = dict(docs[0]) if len(docs) == 1 else {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
     row["positions"] = torch.cat([torch.arange(len(d["input_ids"])) for d in docs])
     row["docs"] = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(docs)])
@@ -152,10 +150,9 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
 
 # --------------------------------------------------------------------------------- the run's order
 def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
-    """This rank's micro-batches of optimizer step `step`: (epoch, [row indices] per micro-batch).
-    Each epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size
-    entries, micro-batch m of rank r at slot m * world + r, so every split into ranks x accumulation
-    sees the same rows."""
+    """This rank's micro-batches of step `step`: (epoch, [row indices] per micro-batch). Micro-batch
+    m of rank r takes slot m * world + r of the epoch's seeded order, so every split into ranks x
+    accumulation sees the same rows."""
     epoch, within = divmod(step, steps_per_epoch)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + epoch))
     firsts = [

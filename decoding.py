@@ -89,8 +89,7 @@ def speculative_generate(
 def target_generate(
     target, prompt_ids, max_new_tokens, temperature=0.0, generator=None, stop_ids=()
 ):
-    """Plain decoding, one target forward per token, same cache and sampling: the baseline.
-    -> (ids [1, P + n], taus: 1 per step, the token each target forward commits)."""
+    """Plain decoding, one target forward per token, same cache and sampling: the baseline."""
     P, cache = prompt_ids.shape[1], new_cache(target)
     logits = target(input_ids=prompt_ids, logits_to_keep=1, **with_cache(target, cache)).logits
     token = sample(logits[0, -1], temperature, generator)
@@ -164,8 +163,7 @@ def target_forward(target, cache, layer_ids, ids, **kw):
 
 
 def accept(logits, drafts, q, temperature: float, generator=None):
-    """The verify's logits [k+1, V], the drafts [k], their q [k, V] (None: greedy) -> (a, the token
-    after the a accepted drafts)."""
+    """The verify's logits [k+1, V], drafts [k], their q [k, V] or None -> (a, the next token)."""
     if q is not None:  # sampled drafts: accept d_j with probability min(1, p_j(d_j) / q_j(d_j))
         return rejection_sample(probs(logits, temperature), q[0], drafts, generator)
     best = logits.argmax(-1).tolist()  # [k+1]

@@ -31,8 +31,7 @@ from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistic
 
 # ------------------------------------------------------------------- draft directories: save / load
 def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, cfg=None):
-    """config.json (cfg, by default the contract's) + exactly the contract's tensors in one
-    model.safetensors (compat/shards.py)."""
+    """config.json (cfg, by default the contract's) + exactly the contract's tensors."""
     os.makedirs(out_dir, exist_ok=True)
     sd = {
         k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
@@ -114,8 +113,7 @@ def read_checkpoint(file: str) -> tuple:
 
 
 def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
-    """A draft from an exported directory (either format), a training checkpoint, or a run directory
-    with ckpt.pt."""
+    """A draft from an exported directory (either format), a ckpt.pt, or a run directory with it."""
     cfg_file = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(cfg_file):
         d = read_json(cfg_file)

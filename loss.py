@@ -30,9 +30,8 @@ from selector import TOP_K, top_k_candidates
 
 # ----------------------------------------------------------------------------- anchors
 def anchor_positions(loss_mask):
-    """Where a training block may start (docs/semantics.md, section 4): positions p with
-    loss_mask[p] = loss_mask[p+1] = 1, so both the anchor and the first label are supervised.
-    loss_mask [S] -> positions [n] long."""
+    """loss_mask [S] -> positions p [n] where a block may start: the anchor p and its first label
+    p+1 are both supervised."""
     return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
 
 

@@ -43,8 +43,7 @@ class DraftConfig:
     vocab_size: int
     target_layer_ids: list
     mask_token_id: int
-    # the target's layer count; None when the format does not say
-    num_target_layers: int = None
+    num_target_layers: int = None  # the target's layer count; None when the format does not say
     block_size: int = 8
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
@@ -53,8 +52,7 @@ class DraftConfig:
     max_position_embeddings: int = 40960
     layer_types: list = None  # per layer "full_attention" | "sliding_attention"
     sliding_window: int = None
-    # True / False: every layer causal / bidirectional in the block; None: unset
-    is_causal: bool = None
+    is_causal: bool = None  # True / False: causal / bidirectional in the block; None: unset
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # DFlash2 only; all None means plain DFlash
@@ -146,8 +144,7 @@ def forward_training(
     draft, embed, input_ids, features, anchors, positions=None, docs=None, attention=None
 ):
     """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
-    positions, docs [N, S]: packed rows (train.py --pack, data.py); None for rows of one
-    conversation each. attention: how attention runs (DraftModel.forward)."""
+    positions, docs [N, S]: packed rows (train.py --pack); None for one conversation a row."""
     c = draft.config
     N, S = input_ids.shape
     if positions is None:
@@ -192,8 +189,7 @@ class ContextCache:
 
 
 def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos, attention=None):
-    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H].
-    attention: how attention runs (DraftModel.forward)."""
+    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H]."""
     c = draft.config
     N, B = anchor_ids.shape[0], c.block_size
     block_ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
@@ -323,8 +319,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
         q = rope(q, pos, self.inv_freq, self.rope_scale)  # [N, heads, Q, hd]
         k, v = self.kv(x, pos)
-        # [N, kv_heads, C + Q, hd]
-        k = torch.cat([ctx_kv[0], k], dim=2)
+        k = torch.cat([ctx_kv[0], k], dim=2)  # [N, kv_heads, C + Q, hd]
         v = torch.cat([ctx_kv[1], v], dim=2)
         y = attend(q, k, v, mask, self.nh != self.nkv)
         return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))

@@ -86,8 +86,7 @@ def tiny_draft():
 
 
 def target_io(target):
-    """The target's frozen embedding (ids -> [.., H]) and head (h -> h @ W_lm^T), which the draft
-    borrows and never saves."""
+    """The target's frozen embedding and head (h @ W_lm^T), which the draft borrows, never saves."""
     w = target.get_output_embeddings().weight  # [V, H]
     return target.get_input_embeddings(), lambda h: h @ w.t()
 
@@ -110,8 +109,7 @@ def row(values, width=3) -> str:
 
 
 def grid(allowed, row_names, splits=()) -> list:
-    """A boolean [R, C] tensor as lines of '#' (may read) and '.' (may not), a '|' before each
-    column index in splits."""
+    """A boolean [R, C] tensor as lines of '#' (may read) and '.', a '|' before columns splits."""
     lines = []
     for name, r in zip(row_names, allowed.tolist()):
         cells = "".join(("| " if j in splits else "") + "#."[not v] + " " for j, v in enumerate(r))
