@@ -4,14 +4,11 @@
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
-Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each cycle,
---tree-budget N a tree of N nodes (tree.py). What it prints, --show's blocks and --compare's
-speed-up included, is support/show.py's; --bench decodes prompt sets every way (speed/bench.py).
-
-By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
-target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
-three (the int8 draft on x86, packed target GEMMs, a tree of tune.FAST_TREE nodes) and says what it
-replaced.
+Without --prompt it is a chat. What it prints is support/show.py's; --bench decodes prompt sets
+every way (speed/bench.py). By default it runs what decoding.py and model.py show: the draft as
+trained (fp32), the stock fp32 target, the path of B-1 drafts; --fast puts speed/'s choices for
+this machine in their place (the int8 draft on x86, packed target GEMMs, a tree of
+tune.FAST_TREE nodes) and says what it replaced.
 """
 
 import argparse

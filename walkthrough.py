@@ -423,10 +423,6 @@ def main() -> str:
     return "\n".join(lines)
 
 
-def cli():
+if __name__ == "__main__":
     argparse.ArgumentParser(description="One DFlash2 block's life, printed.").parse_args()
     main()
-
-
-if __name__ == "__main__":
-    cli()
