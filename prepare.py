@@ -39,19 +39,8 @@ from compat.config_json import load_config
 from loss import anchor_positions
 from model import capture_features
 from speed import machine, tune
-from support import distributed, features, regen, regen_server
-from support.common import (
-    DTYPES,
-    HelpTable,
-    UsageError,
-    add_chat_template_kwargs,
-    add_target_flags,
-    bounded,
-    count,
-    nonneg,
-    positive,
-    run,
-)
+from support import common, distributed, features, regen, regen_server
+from support.common import DTYPES, UsageError, bounded, count, nonneg, positive
 from support.conversations import read_conversations, render, tokenize_conversation
 from support.features import COUNTS, save_shard, shard_done, shard_path, shard_settings
 from support.promptsets import PROMPT_SETS
@@ -197,9 +186,9 @@ def barrier():
 
 def parse_args(argv=None):
     """One line a flag, in groups; the prompt sets: docs/data.md."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpTable)
     a = p.add_argument_group("the target").add_argument
-    add_target_flags(a)
+    common.add_target_flags(a)
     gemms = ["auto", "stock", "onednn", "mkl"]
     a("--target-gemm", choices=gemms, default="auto", help="CPU matmul layout; auto: the fastest")
     src = p.add_argument_group("what to read")
@@ -210,7 +199,7 @@ def parse_args(argv=None):
     a("--num-samples", type=count, help="use only the first N conversations / prompts")
     a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence at most")
     a("--seed", type=int, default=0, help="seeds the prompt set's draw and the sampled answers")
-    add_chat_template_kwargs(a)
+    common.add_chat_template_kwargs(a)
     a = p.add_argument_group("regeneration (support/regen.py)").add_argument
     a("--regenerate", action="store_true", help="replace the first answer by the target's own")
     a("--temperature", type=nonneg, default=0.0, help="0: greedy; best: the temperature served at")
@@ -326,4 +315,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run(main)
+    common.run(main)

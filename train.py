@@ -32,18 +32,7 @@ from compat.config_json import config_to_dict, load_config, replace_config
 from export import read_training_checkpoint
 from speed import machine
 from support import common, compiling, distributed, flops, fsdp, kernels, loader, tracking
-from support.common import (
-    HelpTable,
-    UsageError,
-    atomic_write,
-    bounded,
-    count,
-    nonneg,
-    positive,
-    ratio,
-    run,
-    whole,
-)
+from support.common import UsageError, bounded, count, nonneg, positive, ratio, whole
 from support.metrics import add_into, all_sum, measure, reduce_metrics
 from support.target import frozen_target
 
@@ -53,7 +42,7 @@ RUN_SH_DATA, RUN_SH_EVAL = "data/smollm2-math/train", "data/smollm2-math/eval"
 
 def parse_args(argv=None):
     """One line a flag, in groups; what each one means and why its default: docs/training.md."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpTable)
     a = p.add_argument_group("data").add_argument
     a("--data", default=RUN_SH_DATA, help="prepare.py's features (default: bash run.sh's)")
     a("--eval-data", help="held-out data; default: run.sh's with its --data, else a share of it")
@@ -343,7 +332,7 @@ def save_checkpoint(path, draft, opt, cfg, step, total, args, master, sharded):
             "total": total,  # the schedule's length (--max-seconds: at the pace so far)
             "args": vars(args),
         }
-        with atomic_write(path) as tmp:
+        with common.atomic_write(path) as tmp:
             torch.save(ckpt, tmp)
 
 
@@ -481,4 +470,4 @@ def train(args):
 
 
 if __name__ == "__main__":
-    run(main)
+    common.run(main)
