@@ -143,7 +143,7 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
     else:  # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
         by_id, perm = cand_ids.sort(dim=-1)  # in vocabulary order
         scores = cand_scores.gather(-1, perm).float()
-        cand_ids = by_id.gather(-1, scores.sort(-1, descending=True, stable=True).indices)
+        cand_ids = by_id.gather(-1, scores.sort(dim=-1, descending=True, stable=True).indices)
         s = u[0].float().gather(-1, cand_ids[0])[:, None]  # [L, 1, K]: any parent
         logp = torch.log_softmax(u[0].float(), dim=-1).gather(-1, cand_ids[0])[:, None]
     order = s.sort(dim=-1, descending=True, stable=True).indices  # best first, ties in order
