@@ -177,9 +177,8 @@ def per_document(batch):
     spans = []  # (row, start, length) per document
     for row, docs in enumerate(batch["docs"].tolist()):
         spans += [(row, docs.index(d), docs.count(d)) for d in range(max(docs) + 1)]
-    ids = torch.zeros(
-        len(spans), max(n for _, _, n in spans), dtype=torch.long, device=batch["input_ids"].device
-    )
+    L, device = max(n for _, _, n in spans), batch["input_ids"].device
+    ids = torch.zeros(len(spans), L, dtype=torch.long, device=device)  # [D, L]
     mask = torch.zeros_like(ids)
     for d, (row, start, n) in enumerate(spans):
         ids[d, :n], mask[d, :n] = batch["input_ids"][row, start : start + n], 1

@@ -38,10 +38,8 @@ def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, cfg=None):
         for k, v in draft.state_dict().items()
     }
     save_tensors(sd, out_dir)
-    cfg = dict(
-        cfg or config_to_dict(draft.config),
-        dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""),
-    )
+    stored = str(next(iter(sd.values())).dtype).replace("torch.", "")  # e.g. "bfloat16"
+    cfg = dict(cfg or config_to_dict(draft.config), dtype=stored)
     # last: a directory with a config.json is complete
     write_json(os.path.join(out_dir, "config.json"), cfg)
 

@@ -445,10 +445,8 @@ class DraftModel(nn.Module):
         make_mask, attend = attention or (block_attention_mask, sdpa)
         if q_doc is None:
             q_doc, ctx_doc = torch.zeros_like(q_pos), torch.zeros_like(ctx_pos)
-        queries, keys = (
-            (q_anchor, q_pos, q_block, q_doc),
-            attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc),
-        )
+        queries = (q_anchor, q_pos, q_block, q_doc)
+        keys = attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc)
         # only the kinds of layer the draft has (both shipped 8B configs are all sliding)
         full = slide = None
         if "full_attention" in c.layer_types:
