@@ -1,18 +1,13 @@
 """Training data: the batch a training step reads, its anchors drawn by loss.py's rule
 (docs/semantics.md, section 4).
 
-    conversations -> token ids and loss masks (support/conversations.py) or prepared features
-                                                                    load_samples, load_split
-    -> rows (one conversation, or with --pack several), anchors, padding   plan_rows, schedule,
-                                                                           collate
-    -> the run's order: the rows of each rank's micro-batches       step_micro_batches,
-                                                                    micro_batch_plan
-    online: the target's features of a batch, document by document  add_target_features
+    conversations or prepared features -> samples      load_samples, load_split
+    -> rows (--pack: several a row), anchors, padding  plan_rows, schedule, collate
+    -> each rank's micro-batches, in the run's order   step_micro_batches, micro_batch_plan
+    online: the target's features, document by document  add_target_features
 
-prepare.py makes the data (on-policy answers, offline features: support/features.py); train.py reads
-it back with load_split and turns rows into batches with collate, in step_micro_batches' order.
-support/loader.py makes those batches ahead in worker processes and, for compiled steps, pads them
-to a few static shapes; neither changes what a step trains on.
+prepare.py makes the data; support/loader.py makes train.py's batches ahead in worker processes
+and, for compiled steps, pads them to a few static shapes: neither changes what a step trains on.
 
 A row is one conversation, or with `train.py --pack` several of them (documents) filled greedily up
 to --max-length tokens, so that a batch of conversations of mixed lengths is not mostly padding. A
@@ -40,22 +35,13 @@ from support.features import load_features, read_manifest
 
 # ----------------------------------------------------------------------------- what train.py reads
 def load_samples(path: str, online: bool, tokenizer, max_length: int, chat_template_kwargs=None):
-    """train.py's sequences: a conversations JSONL tokenised here with the chat template's
-    chat_template_kwargs (online: the target computes features as it trains), or a feature
-    directory (offline: streamed, features.FeatureSamples; tokenised by prepare.py, its manifest
-    says with which kwargs). Dicts as load_features() gives, without the sequences that have no
-    anchor (no two consecutive supervised tokens)."""
+    """train.py's sequences, those with an anchor: a conversations JSONL tokenised here (online),
+    or prepare.py's feature directory, streamed (offline; its manifest names the kwargs)."""
     if online:
         kw = chat_template_kwargs or {}
-        pairs = [
-            tokenize_conversation(tokenizer, m, max_length, kw)
-            for m in read_conversations(path, chat_template_kwargs=kw)[0]
-        ]
-        return [
-            {"input_ids": ids, "loss_mask": mask}
-            for ids, mask in pairs
-            if len(anchor_positions(mask))
-        ]
+        conversations, _ = read_conversations(path, chat_template_kwargs=kw)
+        pairs = [tokenize_conversation(tokenizer, m, max_length, kw) for m in conversations]
+        return [{"input_ids": i, "loss_mask": m} for i, m in pairs if len(anchor_positions(m))]
     samples = load_features(path)
     # manifests from before prepare.py recorded the kwargs: rendered without any
     made = read_manifest(path).get("chat_template_kwargs", {})
@@ -84,9 +70,7 @@ def load_split(args, tokenizer) -> tuple:
 # ----------------------------------------------------------------------------- rows and batches
 def plan_rows(lengths, max_length: int) -> list:
     """Sample indices per row, filled next-fit in the given order: a sample joins the open row if
-    the row stays within max_length tokens, else it opens the next row. A sample longer than
-    max_length gets a row of its own. Deterministic and independent of the seed and of the rank
-    layout."""
+    it stays within max_length tokens, else opens the next. Independent of the seed and ranks."""
     rows, used = [], 0
     for i, n in enumerate(lengths):
         if not rows or used + n > max_length:
@@ -98,15 +82,13 @@ def plan_rows(lengths, max_length: int) -> list:
 
 
 def lengths(samples) -> list:
-    """Token counts of samples; of a streamed feature directory (features.FeatureSamples) only the
-    input_ids are read, not the features."""
+    """Token counts of samples; of a streamed feature directory only the input_ids are read."""
     read = samples.read if hasattr(samples, "read") else lambda i, keys: samples[i]
     return [len(read(i, ["input_ids"])["input_ids"]) for i in range(len(samples))]
 
 
 def schedule(samples, args, world) -> tuple:
-    """-> (rows, rows per step, steps per epoch, total steps). A row (sample indices) is one
-    sequence, or with train.py --pack the sequences plan_rows puts together."""
+    """-> (rows of sample indices (--pack: plan_rows'), rows per step, steps per epoch, total)."""
     rows = [[i] for i in range(len(samples))]
     if args.pack:
         rows = plan_rows(lengths(samples), args.max_length)
@@ -121,8 +103,7 @@ def schedule(samples, args, world) -> tuple:
 
 def join(docs) -> dict:
     """One row from a list of samples: their tensors concatenated, plus positions (restarting per
-    document) and docs (the document's number), each [S]. A row of one document keeps its tensors
-    (no copy: collate copies them once, into the batch)."""
+    document) and docs (the document's number), each [S]; one document's row copies nothing."""
     row = dict(docs[0]) if len(docs) == 1 else {k: torch.cat([d[k] for d in docs]) for k in docs[0]}
     row["positions"] = torch.cat([torch.arange(len(d["input_ids"])) for d in docs])
     row["docs"] = torch.cat([torch.full((len(d["input_ids"]),), i) for i, d in enumerate(docs)])
@@ -130,12 +111,9 @@ def join(docs) -> dict:
 
 
 def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=None):
-    """Right-pad rows (each a list of samples, its documents) into a batch on device; anchors are
-    seeded per (seed, key) so that every rank / accumulation layout draws the same anchors for the
-    same row (per_document: sample_anchors), or given: anchors[i] the positions of row i (the
-    anchors serving visited, tools/served.py's evaluation). Padding has position 0 and document -1,
-    no anchor and no label. features keep their stored dtype (the draft casts them,
-    model.DraftModel.context_kv); target_hidden is fp32, as the objective reads it."""
+    """Right-pad rows (each a list of samples, its documents) into a batch on device. Anchors are
+    seeded per (seed, key), so every rank / accumulation layout draws the same for the same row,
+    or given (anchors[i]: row i's, tools/served.py). Padding: position 0, document -1, no anchor."""
     rows = [join(docs) for docs in rows]
     N, S = len(rows), max(len(r["input_ids"]) for r in rows)
     batch = {
@@ -172,10 +150,9 @@ def collate(rows, keys, num_anchors, seed, device, per_document=False, anchors=N
 
 # --------------------------------------------------------------------------------- the run's order
 def step_micro_batches(step, steps_per_epoch, num_rows, args, rank, world):
-    """This rank's micro-batches of optimizer step `step`: (epoch, [row indices] per micro-batch).
-    Each epoch is a seeded permutation; a step takes its next world * grad_accum * batch_size
-    entries, micro-batch m of rank r at slot m * world + r, so every split into ranks x accumulation
-    sees the same rows."""
+    """This rank's micro-batches of step `step`: (epoch, [row indices] per micro-batch). Micro-batch
+    m of rank r takes slot m * world + r of the epoch's seeded order, so every split into ranks x
+    accumulation sees the same rows."""
     epoch, within = divmod(step, steps_per_epoch)
     order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(args.seed + epoch))
     firsts = [
@@ -195,16 +172,13 @@ def micro_batch_plan(start, stop, steps_per_epoch, num_rows, args, rank, world):
 
 # ------------------------------------------------------------------ online: the target per document
 def per_document(batch):
-    """The documents of packed rows as rows of their own, for the target, whose causal attention
-    would cross documents in a packed row: -> input_ids, attention_mask [D, L] (right-padded), and
-    back(), which puts the target's outputs [D, L, F] where their tokens sit in the rows: [N, S, F],
-    padding 0."""
+    """The documents of packed rows as rows of their own, so the target's attention stays inside
+    each -> input_ids, attention_mask [D, L], and back(): outputs [D, L, F] -> rows [N, S, F]."""
     spans = []  # (row, start, length) per document
     for row, docs in enumerate(batch["docs"].tolist()):
         spans += [(row, docs.index(d), docs.count(d)) for d in range(max(docs) + 1)]
-    ids = torch.zeros(
-        len(spans), max(n for _, _, n in spans), dtype=torch.long, device=batch["input_ids"].device
-    )
+    L, device = max(n for _, _, n in spans), batch["input_ids"].device
+    ids = torch.zeros(len(spans), L, dtype=torch.long, device=device)  # [D, L]
     mask = torch.zeros_like(ids)
     for d, (row, start, n) in enumerate(spans):
         ids[d, :n], mask[d, :n] = batch["input_ids"][row, start : start + n], 1
@@ -219,8 +193,7 @@ def per_document(batch):
 
 
 def add_target_features(batch, target, cfg, need_final: bool, packed: bool):
-    """Online (train.py --online): the live target's features of a batch, and for kl its final
-    hidden state, into the batch; the documents of packed rows read one by one (per_document)."""
+    """Online: the live target's features of a batch (and for kl its final hidden state)."""
     whole = batch["input_ids"], batch["attention_mask"], None
     ids, mask, back = per_document(batch) if packed else whole
     kw = dict(final_hidden=need_final, use_cache=False, logits_to_keep=1)

@@ -1,5 +1,4 @@
-"""Lossless speculative decoding with a DFlash / DFlash2 draft: the cycle.
-(docs/semantics.md, section 5)
+"""Lossless speculative decoding with a DFlash / DFlash2 draft: the cycle (docs/semantics.md, 5).
 
 One cycle: the draft proposes B-1 tokens in ONE forward from the last committed token (the anchor),
 the selector walks its top-K lattice, ONE target forward verifies [anchor, d_1..d_{B-1}], the
@@ -10,21 +9,14 @@ against the proposal distribution q keeps the output distributed exactly as the 
 
 speculative_generate is that cycle for a path of k drafts (k = B-1 by default); tree.py runs the
 same steps on a tree of N nodes. Neither holds a clock or prints: they return the ids and each
-cycle's tau, and tell whoever wants more (generate.py --show: support/show.py) what each phase
-of a cycle made, through their one `watch` callback. generate.py is the command line.
+cycle's tau, and call watch(phase, **made) as each phase ends (generate.py --show prints them):
 
-The watch: a cycle calls watch(phase, **made) as each phase ends, prefill once and then draft,
-proposal, verify and commit each cycle, with these keys (tree.py's where they differ):
-
-    phase     fires after                                   made
-    prefill   the prompt's forward and its first token      ids [1, P+1]: the committed tokens
-    draft     step 1, the draft's block forward             u [1, L, V]: unary scores, slots 1..L
-    proposal  step 2: the selector's walk, the unary        drafts [1, k]; tree.py: tree (a Tree)
-              argmax or a sample; tree.py: the tree grown
-    verify    steps 3-5: target forward, accept, crop       accepted (drafts kept), bonus (the
-                                                            target's token); tree.py: path (the
-                                                            accepted nodes), bonus
-    commit    step 6, the tokens committed                  ids [1, P+n]: all committed so far
+    phase     fires after                              made
+    prefill   the prompt's forward and first token     ids [1, P+1]: the committed tokens
+    draft     step 1, the draft's block forward        u [1, L, V]: unary scores of slots 1..L
+    proposal  step 2, the walk (tree.py: the tree)     drafts [1, k]; tree.py: tree (a Tree)
+    verify    steps 3-5: target forward, accept, crop  accepted, bonus; tree.py: path (nodes), bonus
+    commit    step 6, the tokens committed             ids [1, P+n]: all committed so far
 """
 
 import inspect
@@ -53,12 +45,10 @@ def speculative_generate(
     propose=None,
     watch=None,
 ):
-    """prompt_ids [1, P] -> (ids [1, P + n], taus); n = max_new_tokens unless a stop token came
-    first, taus: accepted drafts + 1 per cycle. Each cycle verifies the first k = verify_tokens of
-    the B-1 drafts (default all). head: what scores the draft's rows (default: the target's head,
-    embed_and_head); speed/ may pass one that runs faster here. propose: step 2 in place of
-    draft_proposal (the tests script the drafts with it). watch(phase, **made): called as the
-    prefill and each phase of a cycle ends, with what it made (the module's docstring)."""
+    """prompt_ids [1, P] -> (ids [1, P + n], taus: accepted drafts + 1 per cycle); n =
+    max_new_tokens unless a stop token came first. Each cycle verifies the first verify_tokens of
+    the B-1 drafts (default all). head: what scores the draft's rows (default: the target's);
+    propose: step 2 in place of draft_proposal; watch: the module docstring's."""
     c, P = draft.config, prompt_ids.shape[1]
     k = verify_tokens or c.block_size - 1
     embed, target_head = embed_and_head(target, draft)
@@ -75,8 +65,7 @@ def speculative_generate(
         # 1. Draft: ONE forward of [anchor, MASK x (B-1)] at positions s..s+B-1; slots 1..k scored.
         h, u = draft_scores(draft, embed, head, ctx, ids, k)
         watch("draft", u=u)
-        # 2. Walk: the selector's path through its lattice (or the unary argmax; at T > 0 a sample
-        #    from q): k drafts.
+        # 2. Walk: the selector's path through its lattice, or the unary argmax (T > 0: a sample).
         d, q = propose(draft, h, u, ids, temperature, use_selector, generator)
         watch("proposal", drafts=d)
         # 3. Verify: ONE target forward over [anchor, d_1..d_k]; row j is the target after d_1..d_j.
@@ -85,8 +74,7 @@ def speculative_generate(
         # 4. Accept the longest prefix the target agrees with, plus a token of its own (the bonus);
         #    at T > 0 by rejection sampling against q.
         a, bonus = accept(logits, d[0], q, temperature, generator)
-        # 5. Crop the cache to the anchor and the accepted drafts: the bonus enters with the next
-        #    block.
+        # 5. Crop the cache to the anchor and the accepted drafts (the bonus comes with the next).
         crop(cache, s + a + 1)
         watch("verify", accepted=a, bonus=bonus)
         # 6. The verify computed their features already: they become draft context.
@@ -101,8 +89,7 @@ def speculative_generate(
 def target_generate(
     target, prompt_ids, max_new_tokens, temperature=0.0, generator=None, stop_ids=()
 ):
-    """Plain decoding, one target forward per token, same cache and sampling: the baseline.
-    -> (ids [1, P + n], taus: 1 per step, the token each target forward commits)."""
+    """Plain decoding, one target forward per token, same cache and sampling: the baseline."""
     P, cache = prompt_ids.shape[1], new_cache(target)
     logits = target(input_ids=prompt_ids, logits_to_keep=1, **with_cache(target, cache)).logits
     token = sample(logits[0, -1], temperature, generator)
@@ -119,9 +106,8 @@ def target_generate(
 
 # --------------------------------------------------------------------------- the steps of a cycle
 def embed_and_head(target, draft):
-    """The target's frozen embedding (a function of ids) and head (a function of hidden states,
-    h @ W^T), in the draft's precision: a bf16 draft beside an fp32 target is still lossless, since
-    only the target's verify commits tokens."""
+    """The target's frozen embedding and head (h @ W^T) in the draft's precision: lossless all the
+    same, since only the target's verify commits tokens."""
     dt = next(draft.parameters()).dtype
     embed = lambda ids: target.get_input_embeddings()(ids).to(dt)  # noqa: E731
     w = target.get_output_embeddings().weight.to(dt)  # [V, H]
@@ -141,10 +127,8 @@ def prefill(target, draft, prompt_ids):
 
 
 def draft_scores(draft, embed, head, ctx, ids, L: int):
-    """The draft's block after the committed ids [1, s+1] (ids[:, -1] is the anchor, at position s),
-    reading ctx -> (h [1, L, H], u [1, L, V]): the final hidden states and unary scores of slots
-    1..L. The head over the vocabulary is most of a draft's cost, so only the L slots the cycle can
-    send are scored."""
+    """The draft's block after the committed ids [1, s+1] -> (h [1, L, H], u [1, L, V]) at slots
+    1..L: only the slots the cycle can send are scored (the vocabulary head is most of the cost)."""
     s = torch.tensor([ids.shape[1] - 1], device=ids.device)
     h = model.forward_inference(draft, embed, ctx, ids[:, -1], s)  # [1, B, H]
     u = draft.unary_logits(h[:, : L + 1], head)[:, 1:]
@@ -154,13 +138,8 @@ def draft_scores(draft, embed, head, ctx, ids, L: int):
 def draft_proposal(
     draft, h, u, ids, temperature=0.0, use_selector=True, generator=None, walk="sequential"
 ):
-    """The block's proposal -> (drafts [1, L], q [1, L, V] or None).
-    h [1, L, H]: final draft hidden states of slots 1..L (L <= B-1); u [1, L, V]: their unary
-    scores; ids [1, P]: the committed tokens (ids[:, -1] is the anchor).
-
-    q is the distribution each draft token was sampled from; only rejection sampling needs it.
-    walk: how the selector walks its lattice, a name in selector.WALKS (generate.py --walk).
-    """
+    """draft_scores' h, u of slots 1..L -> (drafts [1, L], q [1, L, V]: the distribution they were
+    sampled from, for rejection sampling; None when greedy). walk: a name in selector.WALKS."""
     selector = draft.candidate_selector
     if use_selector and selector is not None:
         d, q_k, cand = selector.propose(h, u, ids[:, -1], temperature, generator, walk)  # [1, L, K]
@@ -176,8 +155,7 @@ def draft_proposal(
 
 
 def target_forward(target, cache, layer_ids, ids, **kw):
-    """The target over ids [1, n] after the cached rows, which it extends by n -> (logits [n', V],
-    features [1, n, k*H] at the draft's layer ids); n' = n unless kw keeps fewer logits."""
+    """The target over ids [1, n] after the cached rows -> (logits [n, V], features [1, n, k*H])."""
     out, feats = capture_features(
         target, layer_ids, input_ids=ids, **with_cache(target, cache), **kw
     )
@@ -185,9 +163,7 @@ def target_forward(target, cache, layer_ids, ids, **kw):
 
 
 def accept(logits, drafts, q, temperature: float, generator=None):
-    """The verify's logits [k+1, V], the drafts [k], their q [k, V] (None when greedy) -> (a, the
-    token after the a accepted drafts). Greedy: the target's argmax, as long as it is the draft's
-    token."""
+    """The verify's logits [k+1, V], drafts [k], their q [k, V] or None -> (a, the next token)."""
     if q is not None:  # sampled drafts: accept d_j with probability min(1, p_j(d_j) / q_j(d_j))
         return rejection_sample(probs(logits, temperature), q[0], drafts, generator)
     best = logits.argmax(-1).tolist()  # [k+1]
@@ -196,14 +172,12 @@ def accept(logits, drafts, q, temperature: float, generator=None):
 
 
 def extend_context(draft, ctx, feats, start: int):
-    """The target's features [1, n, k*H] of the tokens at positions start..start+n-1 become draft
-    context."""
+    """The target's features [1, n, k*H] at positions start..start+n-1 become draft context."""
     ctx.append(draft, feats, torch.arange(start, start + feats.shape[1], device=feats.device)[None])
 
 
 def commit(ids, new: list, prompt_len: int, max_new_tokens: int, stop_ids):
-    """Append new tokens to ids [1, L], cut at max_new_tokens or just after a stop token -> (ids,
-    done)."""
+    """Append new tokens to ids, cut at max_new_tokens or just after a stop token -> (ids, done)."""
     room = max_new_tokens - (ids.shape[1] - prompt_len)
     new = new[:room]
     stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
@@ -260,16 +234,11 @@ def residual(p, q):
 
 
 def rejection_sample(p, q, drafts, generator=None):
-    """Target probabilities p [B, V], proposal q [B-1, V], drafts [B-1] -> (a, next token).
-
-    Accept d_j while a uniform draw is below min(1, p_j(d_j) / q_j(d_j)); at the first rejection
-    take the token from residual(p_j, q_j); if every draft is accepted the bonus comes from the last
-    row. Each committed token is then distributed exactly as p (Leviathan et al. 2023; Chen et al.
-    2023).
-    """
+    """Target probabilities p [B, V], proposal q [B-1, V], drafts [B-1] -> (a, next token): accept
+    d_j while a uniform draw is below min(1, p_j(d_j) / q_j(d_j)), then a token from the residual,
+    or the last row's bonus; each is distributed exactly as p (Leviathan et al. 2023)."""
     for j, d in enumerate(drafts.tolist()):
-        if float(torch.rand((), generator=generator, device=p.device)) >= accept_probability(
-            p[j], q[j], d
-        ):
+        draw = float(torch.rand((), generator=generator, device=p.device))
+        if draw >= accept_probability(p[j], q[j], d):
             return j, int(torch.multinomial(residual(p[j], q[j]), 1, generator=generator))
     return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))

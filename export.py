@@ -31,25 +31,21 @@ from support.metrics import ACCEPTANCE, acceptance_file  # the draft's statistic
 
 # ------------------------------------------------------------------- draft directories: save / load
 def save_draft(draft: model.DraftModel, out_dir: str, dtype=None, cfg=None):
-    """config.json (cfg, by default the contract's) + exactly the contract's tensors in one
-    model.safetensors (compat/shards.py)."""
+    """config.json (cfg, by default the contract's) + exactly the contract's tensors."""
     os.makedirs(out_dir, exist_ok=True)
     sd = {
         k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
         for k, v in draft.state_dict().items()
     }
     save_tensors(sd, out_dir)
-    cfg = dict(
-        cfg or config_to_dict(draft.config),
-        dtype=str(next(iter(sd.values())).dtype).replace("torch.", ""),
-    )
+    stored = str(next(iter(sd.values())).dtype).replace("torch.", "")  # e.g. "bfloat16"
+    cfg = dict(cfg or config_to_dict(draft.config), dtype=stored)
     # last: a directory with a config.json is complete
     write_json(os.path.join(out_dir, "config.json"), cfg)
 
 
 def load_draft(path: str, dtype=torch.float32) -> model.DraftModel:
-    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel; refuses
-    mismatched tensors."""
+    """A draft directory (config.json + model.safetensors or its shards) -> DraftModel."""
     return draft_from_state_dict(load_config(path), load_tensors(path), source=path, dtype=dtype)
 
 
@@ -83,10 +79,8 @@ WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
 def read_training_checkpoint(file: str, mmap=False) -> dict:
-    """train.py's ckpt.pt -> its dict, read as data only (torch.load weights_only: tensors, numbers,
-    strings, lists, dicts): loading a checkpoint must never run pickled code. So --resume and
-    export.py refuse alike, in one line, a file torch.save did not write, and a checkpoint holding
-    an object of another class (a dataclass, say), named."""
+    """train.py's ckpt.pt -> its dict, read as data only (weights_only): loading a checkpoint never
+    runs pickled code, and --resume and export.py refuse alike a file holding anything else."""
     if not zipfile.is_zipfile(file):  # torch.save writes a zip archive
         raise UsageError(f"{file}: not a training checkpoint (truncated, or not from torch.save)")
     try:
@@ -117,8 +111,7 @@ def read_checkpoint(file: str) -> tuple:
 
 
 def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
-    """A draft from an exported directory (either format), a training checkpoint, or a run directory
-    with ckpt.pt."""
+    """A draft from an exported directory (either format), a ckpt.pt, or a run directory with it."""
     cfg_file = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(cfg_file):
         d = read_json(cfg_file)
@@ -139,20 +132,12 @@ def load_any(path: str, dtype=torch.float32) -> model.DraftModel:
 
 
 # ----------------------------------------------------------------------------- export
-def export(
-    checkpoint_path_or_dir: str,
-    out_dir: str,
-    dtype=torch.bfloat16,
-    fmt="zlab",
-    verifier=None,
-) -> str:
-    """Write out_dir/config.json + the draft's tensors (contract names only, in dtype), in format
-    fmt."""
-    draft = load_any(checkpoint_path_or_dir)  # fp32: no rounding before the one cast below
-    # refusals before writing
-    cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None
+def export(source: str, out_dir: str, dtype=torch.bfloat16, fmt="zlab", verifier=None) -> str:
+    """load_any(source) -> out_dir/config.json + the contract's tensors in dtype, format fmt."""
+    draft = load_any(source)  # fp32: no rounding before the one cast below
+    cfg = speculators_config(draft.config, verifier) if fmt == "speculators" else None  # refusals
     save_draft(draft, out_dir, dtype=dtype, cfg=cfg)
-    src, dst = acceptance_file(checkpoint_path_or_dir), os.path.join(out_dir, ACCEPTANCE)
+    src, dst = acceptance_file(source), os.path.join(out_dir, ACCEPTANCE)
     if os.path.isfile(src) and not os.path.samefile(os.path.dirname(src), out_dir):
         shutil.copyfile(src, dst)
     elif not os.path.isfile(src) and os.path.isfile(dst):

@@ -4,14 +4,11 @@
     python generate.py --draft drafts/smollm2-dflash2 --prompt "Why is the sky blue?" --show
     python generate.py --draft runs/smollm2/ckpt.pt --bench gsm8k humaneval --bench-limit 20
 
-Without --prompt it is a chat. --verify-tokens k sends the first k drafts of each cycle,
---tree-budget N a tree of N nodes (tree.py). What it prints, --show's blocks and --compare's
-speed-up included, is support/show.py's; --bench decodes prompt sets every way (speed/bench.py).
-
-By default it runs what decoding.py and model.py show: the draft as trained (fp32), the stock fp32
-target, the path of B-1 drafts. --fast puts speed/'s choices for this machine in place of those
-three (the int8 draft on x86, packed target GEMMs, a tree of tune.FAST_TREE nodes) and says what it
-replaced.
+Without --prompt it is a chat. What it prints is support/show.py's; --bench decodes prompt sets
+every way (speed/bench.py). By default it runs what decoding.py and model.py show: the draft as
+trained (fp32), the stock fp32 target, the path of B-1 drafts; --fast puts speed/'s choices for
+this machine in their place (the int8 draft on x86, packed target GEMMs, a tree of
+tune.FAST_TREE nodes) and says what it replaced.
 """
 
 import argparse
@@ -25,16 +22,15 @@ from export import load_any
 from selector import WALKS
 from speed import bench, machine, tune
 from support import distributed, show
-from support.common import DTYPES, add_chat_template_kwargs, count, nonneg, run
+from support.common import add_chat_template_kwargs, add_target_flags, count, nonneg, run
 from support.target import check_draft_fits, encode, load_target, stop_token_ids
 from tree import tree_generate
 
 
 def reply(target, draft, tok, messages, args, gen, stop, *, mode, shape, head) -> str:
-    """One answer: the cycle decodes it, streamed as it commits (--show: each cycle's block), then
-    its statistics; --compare then times plain decoding against it. support/show.py prints.
-    mode: "selector" or "unary"; shape: ("path", k drafts) or ("tree", N nodes), what one target
-    forward verifies; head: what scores the draft's rows (the target's head, or speed/'s)."""
+    """One answer, streamed as it commits (support/show.py prints), then its statistics; --compare
+    times plain decoding against it. mode: "selector" or "unary"; shape: ("path", k drafts) or
+    ("tree", N nodes); head: what scores the draft's rows (the target's head, or speed/'s)."""
     ids = encode(tok, messages, next(target.parameters()).device, args.chat_template_kwargs)
     n, (kind, size), B = args.max_new_tokens, shape, draft.config.block_size
     # decoding.py's cycle with a path of `size` drafts, or tree.py's with a tree of `size` nodes
@@ -61,15 +57,8 @@ def reply(target, draft, tok, messages, args, gen, stop, *, mode, shape, head) -
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Speculative decoding with a DFlash / DFlash2 draft.")
     a = ap.add_argument
-    a("--target", default=None, help="target model name or path (default: the embedded target)")
+    add_target_flags(a, auto="fp32, where greedy is exact")
     a("--draft", required=True, help="exported draft directory or training checkpoint ckpt.pt")
-    dtypes = ["auto", *DTYPES]
-    a(
-        "--target-dtype",
-        choices=dtypes,
-        default="auto",
-        help="the target's dtype (auto: fp32, where greedy is exact)",
-    )
     tune.add_flags(a)  # --fast, --draft-dtype, --target-gemm: speed/'s choices
     a("--prompt", default=None, help="one prompt; without it, an interactive chat")
     add_chat_template_kwargs(a)
@@ -85,9 +74,7 @@ def parse_args(argv=None):
     bench.add_flags(a)  # --bench, --bench-limit: prompt sets decoded every way
     args = ap.parse_args(argv)
     if args.walk != "sequential" and (args.tree_budget or args.fast or args.bench or args.unary):
-        ap.error(
-            "--walk: a path of the selector's drafts (no --tree-budget, --fast, --bench, --unary)"
-        )
+        ap.error("--walk: a path of selector drafts (no --tree-budget, --fast, --bench, --unary)")
     show.check_flags(args, ap.error)
     if not args.bench and len((args.verify_tokens or []) + (args.tree_budget or [])) > 1:
         ap.error("--verify-tokens / --tree-budget: several values (a row each) only with --bench")

@@ -12,11 +12,9 @@ ce trains the unary logits u = transform(lm_head(h)); the selector term is a K-w
 over the unary top-K with the previous *sequence* token as predecessor (teacher forcing), counted
 only where the label is among the K ("covered").
 
-`objective` computes exactly this, top to bottom, and train.py runs it. It leaves one thing to a
-helper: the logits are vocabulary-sized (anchors x B x V), so `head_at_slots` makes them a chunk of
-anchors at a time, under activation checkpointing, and keeps only a few numbers per slot (`Slots`),
-which the objective and the metrics read. The variants the public trainers offer are
-under the last banner, each one function that its flag picks.
+`objective` computes exactly this, top to bottom. The vocabulary-sized logits are made a chunk of
+anchors at a time by `head_at_slots`, which keeps a few numbers per slot (`Slots`). The public
+trainers' variants are under the last banner, each one function that its flag picks.
 """
 
 import dataclasses
@@ -32,18 +30,15 @@ from selector import TOP_K, top_k_candidates
 
 # ----------------------------------------------------------------------------- anchors
 def anchor_positions(loss_mask):
-    """Where a training block may start (docs/semantics.md, section 4): positions p with
-    loss_mask[p] = loss_mask[p+1] = 1, so both the anchor and the first label are supervised.
-    loss_mask [S] -> positions [n] long."""
+    """loss_mask [S] -> positions p [n] where a block may start: the anchor p and its first label
+    p+1 are both supervised."""
     return ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(-1)
 
 
 def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_document=False):
-    """Up to num_anchors of the anchor positions (anchor_positions), drawn uniformly without
-    replacement, sorted (docs/semantics.md, section 4). docs [S]: an anchor and its first label
-    share a document. per_document: each document of the row draws up to num_anchors of its own
-    (the public trainers' contract: one conversation, num_anchors), so a long document cannot take
-    the anchors of the short ones beside it; else the row draws num_anchors among all of them."""
+    """Up to num_anchors of anchor_positions, drawn uniformly without replacement, sorted. docs [S]:
+    an anchor and its first label share a document. per_document: each document draws its own
+    num_anchors (the public trainers' contract), so a long one cannot take its neighbours'."""
     cand = anchor_positions(loss_mask)
     if docs is not None:
         cand = cand[docs[cand] == docs[cand + 1]]
@@ -56,13 +51,9 @@ def sample_anchors(loss_mask, num_anchors: int, generator, docs=None, per_docume
 
 # ----------------------------------------------------------------------------- labels and weights
 def block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size: int, docs=None):
-    """Labels and base weights of slots 1..B-1 of every block.
-
-    input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels, prev, w0, each [N, A, B-1]
-    where prev is the teacher-forced predecessor x[a+j-1] (the anchor itself for slot 1).
-    docs [N, S] numbers the documents of packed rows: a block's labels end where its anchor's
-    document ends.
-    """
+    """input_ids, loss_mask [N, S]; anchors, anchor_valid [N, A] -> labels x[a+j], prev x[a+j-1]
+    (the teacher-forced predecessor), w0, each [N, A, B-1] for slots 1..B-1. docs [N, S]: a
+    block's labels end where its anchor's document ends."""
     S = input_ids.shape[1]
     pos = anchors[..., None] + torch.arange(block_size, device=anchors.device)  # [N, A, B]
     inside = pos < S
@@ -154,24 +145,17 @@ def objective(
     docs=None,
     sel_scale=None,
 ) -> Objective:
-    """The objective of one micro-batch, as the module docstring writes it.
-
-    h [N, A, B, H] the draft's hidden states (model.forward_training); input_ids, loss_mask [N, S];
-    anchors, anchor_valid [N, A]; cfg: a LossConfig (None: the default objective). alpha_t: the
-    selector's weight this step, None while the selector is frozen. target_hidden [N, S, H]: the
-    target's final normed hidden states, read by kl, tv and lk (never by ce). docs [N, S]: the
-    documents of packed rows, or None. sel_scale: only for uniform selector weights (below).
-    """
+    """The objective of one micro-batch, as the module docstring writes it. h [N, A, B, H] the
+    draft's hidden states; alpha_t: the selector's weight, None while it is frozen; target_hidden
+    [N, S, H]: the target's final normed states (kl, tv, lk); sel_scale: uniform's (below)."""
     cfg = cfg or LossConfig()
     B = h.shape[2]
     if cfg.weighting == "exp":
         cfg = dataclasses.replace(cfg, gamma=cfg.decay(B))
     labels, prev, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, B, docs)
     h = h[:, :, 1:]  # [N, A, L, H], L = B-1: slot 0 holds the anchor, it proposes nothing
-    if target_hidden is not None and cfg.loss != "ce":  # ce reads only the labels
-        target_hidden = at_slots(target_hidden, anchors, B - 1)  # [N, A, L, H]
-    else:
-        target_hidden = None
+    read = target_hidden is not None and cfg.loss != "ce"  # ce reads only the labels
+    target_hidden = at_slots(target_hidden, anchors, B - 1) if read else None  # [N, A, L, H]
     s = head_at_slots(draft, lm_head_weight, h, labels, target_hidden, cfg.chunk_blocks)
 
     # the base loss: ce = -log q(label) by default
@@ -227,12 +211,9 @@ class Slots:
 
 
 def head_at_slots(draft, lm_head_weight, h, labels, target_hidden=None, chunk_blocks=None):
-    """Slots of h [N, A, L, H] with labels [N, A, L] (target_hidden [N, A, L, H] or None).
-
-    The logits [N, A, L, V] are the largest tensors of a training step (Qwen3-8B: 512 anchors x 15
-    slots x 151,936 x 4 bytes = 4.7 GB a row), so they are made for chunk_blocks anchors at a time
-    and reduced to Slots' numbers; under gradient each chunk runs under activation checkpointing,
-    which recomputes its logits in backward instead of keeping them. Peak memory: one chunk's."""
+    """Slots of h [N, A, L, H] with labels [N, A, L] (target_hidden [N, A, L, H] or None). The
+    logits [N, A, L, V] are a step's largest tensors (Qwen3-8B: 4.7 GB a row), so they are made
+    chunk_blocks anchors at a time, each recomputed in backward (checkpoint), not kept."""
     A = h.shape[1]
     # the frozen head [V, H] in the dtype its matmuls run in, cast once here: autocast would cast it
     # in every chunk and again in every recompute (1.24 GB each for Qwen3-8B), to the same values
@@ -283,15 +264,13 @@ def slot_numbers(draft, lm_head_weight, K: int, h, labels, target_hidden) -> tup
 
 
 def top_k(c) -> int:
-    """K of the unary top-K: the draft's selector_top_k, or selector.TOP_K for a plain draft (its
-    metrics), at most the vocabulary."""
+    """K of the unary top-K: selector_top_k, or selector.TOP_K for a plain draft's metrics."""
     return min(c.selector_top_k or TOP_K, c.vocab_size)
 
 
 def head_logits(x, lm_head_weight):
-    """x [..., H] -> x @ W_lm^T [..., V], as one 2-D GEMM. A chunk's x is a strided view
-    (h[:, :, 1:]), and a strided 3-D x goes to a batched matmul: about 3x slower on a CPU,
-    forward and backward, for the same sums."""
+    """x [..., H] -> x @ W_lm^T [..., V], as one 2-D GEMM: a strided 3-D x (h[:, :, 1:]) would go
+    to a batched matmul, about 3x slower on a CPU."""
     return (x.reshape(-1, x.shape[-1]) @ lm_head_weight.t()).view(*x.shape[:-1], -1)
 
 
@@ -360,11 +339,9 @@ POSITION_WEIGHTS = {"exp": exp_position_weights, "dpace": dpace_position_weights
 
 @torch.no_grad()
 def dpace_weights(q, w0, alpha: float):
-    """D-PACE: weight slot j by the expected future credit it unlocks, d_j = sum_{t>=j} P_t w0_t.
-
-    q [..., L] draft probability of each label; s_j = (1-alpha) q_j + alpha on valid slots, else 1;
-    P_j = prod_{i<=j} s_i is the chance the block survives to j. Computed without gradient.
-    """
+    """D-PACE: weight slot j by the expected future credit it unlocks, d_j = sum_{t>=j} P_t w0_t,
+    q [..., L] the draft's probability of each label; s_j = (1-alpha) q_j + alpha on valid slots,
+    else 1; P_j = prod_{i<=j} s_i the chance the block survives to j."""
     s = torch.where(w0 > 0, (1 - alpha) * q + alpha, torch.ones_like(q))
     P = s.cumprod(-1)
     d = (P * w0).flip(-1).cumsum(-1).flip(-1)
@@ -385,10 +362,7 @@ def replace_weakest(cand_ids, cand_scores, labels, label_score, hit, label_at, v
 
 
 def uniform_denominators(cfg, block_size: int, input_ids, loss_mask, anchors, anchor_valid, docs):
-    """uniform's two denominators of a micro-batch from its data alone, [sum w, D_sel]: D_sel
-    counts the selector's slots (w0 > 0; under strict a miss counts with CE 0, as under exp).
-    train.py sums them over the step's micro-batches and ranks before the first backward: the
-    selector's gradient goes into .grad scaled by D / D_sel, so the ratio must be known then. exp
-    weights only: D-PACE's sum w is known only after the forward."""
+    """uniform's [sum w, D_sel] of a micro-batch from its data alone (D_sel: slots with w0 > 0), so
+    that train.py knows the step's D / D_sel before the first backward. exp weights only."""
     _, _, w0 = block_labels(input_ids, loss_mask, anchors, anchor_valid, block_size, docs)
     return torch.stack([exp_weights(w0, cfg.decay(block_size)).sum(), (w0 > 0).float().sum()])

@@ -12,10 +12,6 @@ hidden states at `target_layer_ids`, which enter every layer only as extra keys 
 The block's final hidden states go through the target's lm_head (also frozen, never saved).
 With `conv_kernel_size` etc. set (DFlash2) every sublayer runs inside conv.py's convolution and a
 selector.py head reranks the unary top-K; without them the same code is the plain DFlash baseline.
-
-In order: the config, the features the draft reads, the training path (all anchored blocks in one
-pass), the inference path (one block against a cache of context K/V), the backbone both run, and
-last the plumbing (autocast's dtype).
 """
 
 import dataclasses
@@ -47,8 +43,7 @@ class DraftConfig:
     vocab_size: int
     target_layer_ids: list
     mask_token_id: int
-    # the target's layer count; None when the format does not say
-    num_target_layers: int = None
+    num_target_layers: int = None  # the target's layer count; None when the format does not say
     block_size: int = 8
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
@@ -57,8 +52,7 @@ class DraftConfig:
     max_position_embeddings: int = 40960
     layer_types: list = None  # per layer "full_attention" | "sliding_attention"
     sliding_window: int = None
-    # True / False: every layer causal / bidirectional in the block; None: unset
-    is_causal: bool = None
+    is_causal: bool = None  # True / False: causal / bidirectional in the block; None: unset
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # DFlash2 only; all None means plain DFlash
@@ -98,21 +92,15 @@ def plain_dflash(c: DraftConfig) -> DraftConfig:
 
 
 # ------------------------------------------------------------- the draft's input: target features
-# The draft never sees the target's weights, only its hidden states: the outputs of decoder layers
-# target_layer_ids (Hugging Face hidden_states[id + 1]), concatenated in list order,
+# The draft never sees the target's weights, only its hidden states (and, for its own use, the
+# target's frozen input embedding and lm_head):
 #
 #     features = [h_l1 ; ... ; h_lk]                                 # [N, S, k*H]
-#
-# plus, for the draft's own use, the target's (frozen) input embedding and lm_head.
 @torch.no_grad()
 def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
-    """Run the target once; return (its outputs, features [N, S, n_t*H]).
-
-    The features are the outputs of decoder layers `layer_ids` (HF hidden_states[id + 1]),
-    concatenated in list order. Forward hooks keep only those layers, not all of them. With
-    final_hidden=True also return the final normed hidden state [N, S, H] (target logits =
-    final @ lm_head^T), which the `kl` loss needs: (outputs, features, final).
-    """
+    """Run the target once -> (its outputs, features [N, S, n_t*H]): the outputs of decoder layers
+    layer_ids (HF hidden_states[id + 1]) in list order, kept by forward hooks rather than keeping
+    every layer. final_hidden: also the final normed hidden state [N, S, H], which kl needs."""
     layers, grabbed = target.model.layers, {}  # a Hugging Face causal LM's decoder layers
 
     def hook(key):
@@ -135,13 +123,9 @@ def capture_features(target, layer_ids, final_hidden=False, **forward_kwargs):
 
 # ------------------------------------------------------------ training: all anchored blocks at once
 def anchored_blocks(input_ids, anchors, block_size: int, mask_token_id: int, positions, docs):
-    """Training blocks: input_ids [N, S], sorted anchors [N, A] (row indices) -> flattened block
-    inputs.
-
-    positions, docs [N, S]: each token's position in its document and the document's number (arange
-    and zeros for a row that is one conversation). Block a is [x[a], MASK x (B-1)] at positions
-    p..p+B-1, p = positions[a]. Returns block_ids, q_pos, q_anchor, q_block, q_doc, each [N, A*B].
-    """
+    """input_ids [N, S], sorted anchors [N, A] -> block_ids, q_pos, q_anchor, q_block, q_doc, each
+    [N, A*B]: block a is [x[a], MASK x (B-1)] at positions p..p+B-1, p = positions[a].
+    positions, docs [N, S]: each token's position in its document and the document's number."""
     N, A = anchors.shape
     j = torch.arange(block_size, device=anchors.device)  # [B]
     anchor_pos = positions.gather(1, anchors)  # [N, A]
@@ -160,8 +144,7 @@ def forward_training(
     draft, embed, input_ids, features, anchors, positions=None, docs=None, attention=None
 ):
     """All anchored blocks of each sequence in one pass -> hidden states [N, A, B, H].
-    positions, docs [N, S]: packed rows (train.py --pack, data.py); None for rows of one
-    conversation each. attention: how attention runs (DraftModel.forward)."""
+    positions, docs [N, S]: packed rows (train.py --pack); None for one conversation a row."""
     c = draft.config
     N, S = input_ids.shape
     if positions is None:
@@ -186,11 +169,8 @@ def forward_training(
 
 # ------------------------------------------------------------- inference: one block, cached context
 class ContextCache:
-    """Inference cache: the projected K/V of every context row seen so far, and their positions.
-
-    Only context is cached. Block K/V are recomputed each cycle, because the block's MASK rows
-    change meaning once tokens are verified (docs/semantics.md, section 5).
-    """
+    """The projected K/V of every context row seen so far, and their positions. Only context is
+    cached: the block's MASK rows change meaning once tokens are verified (docs/semantics.md, 5)."""
 
     def __init__(self):
         self.kv, self.pos = None, None
@@ -209,8 +189,7 @@ class ContextCache:
 
 
 def forward_inference(draft, embed, cache: ContextCache, anchor_ids, anchor_pos, attention=None):
-    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H].
-    attention: how attention runs (DraftModel.forward)."""
+    """One block from the last verified token: anchor_ids, anchor_pos [N] -> hidden [N, B, H]."""
     c = draft.config
     N, B = anchor_ids.shape[0], c.block_size
     block_ids = torch.full((N, B), c.mask_token_id, dtype=torch.long, device=anchor_ids.device)
@@ -244,10 +223,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(c: DraftConfig) -> tuple:
-    """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin), computed
-    from the config's fields wherever a layer is built (a config holds nothing derived from them).
-    A scaled RoPE (c.rope_scaling) is computed as transformers' own functions compute it, bit for
-    bit (compat/test_compat.py holds them equal): what Z Lab and speculators load."""
+    """The draft's RoPE: (inverse frequencies [head_dim / 2] fp32, factor on cos and sin). A scaled
+    RoPE is transformers' own, bit for bit (compat/test_compat.py), as Z Lab and vLLM load it."""
     D, s = c.head_dim, c.rope_scaling or {"rope_type": "default"}
     # on the CPU: the same bits wherever the draft is built (`with torch.device("meta")`, a GPU)
     with torch.device("cpu"):
@@ -301,8 +278,7 @@ def yarn_frequencies(wavelength, s: dict, max_positions: int, theta: float, D: i
 
 
 def rope(x, pos, inv_freq, scale=1.0):
-    """Rotary embedding over the full head dim: x [N, heads, L, D], pos [N, L] absolute
-    positions."""
+    """Rotary embedding over the full head dim: x [N, heads, L, D], positions pos [N, L]."""
     # [N, 1, L, D/2]; inv_freq on x's device already (a buffer of Attention), so no copy here
     ang = pos[:, None, :, None].float() * inv_freq
     emb = torch.cat([ang, ang], -1)
@@ -312,8 +288,7 @@ def rope(x, pos, inv_freq, scale=1.0):
 
 
 def sdpa(q, k, v, mask, gqa: bool):
-    """The reference kernel: torch's SDPA over a dense boolean mask (attention.py). q [N, heads, Q,
-    hd], k, v [N, kv_heads, K, hd], mask [N, 1, Q, K] -> [N, heads, Q, hd]."""
+    """The reference kernel: torch's SDPA over attention.py's dense boolean mask [N, 1, Q, K]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -328,9 +303,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, c.rms_norm_eps)
         inv_freq, self.rope_scale = rope_frequencies(c)
-        # A buffer, so that draft.to(device) moves it and rope() copies nothing per call; not
-        # persistent, so state_dict and the exports hold exactly the contract's tensors. It starts
-        # where the weights are (a `with torch.device(...)` build puts them there).
+        # a buffer: draft.to(device) moves it; not persistent: the exports hold only the contract's
         self.register_buffer("inv_freq", inv_freq.to(self.q_proj.weight.device), persistent=False)
 
     def kv(self, x, pos):
@@ -341,22 +314,19 @@ class Attention(nn.Module):
         return rope(k, pos, self.inv_freq, self.rope_scale), v
 
     def forward(self, x, pos, ctx_kv, mask, attend):
-        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v), each
-        [N, kv_heads, C, hd]; attend(q, k, v, mask, gqa): the kernel that reads the mask (sdpa)."""
+        """x [N, Q, H] block rows; ctx_kv: this layer's context (k, v) [N, kv_heads, C, hd]."""
         N, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, Q, self.nh, self.hd)).transpose(1, 2)
         q = rope(q, pos, self.inv_freq, self.rope_scale)  # [N, heads, Q, hd]
         k, v = self.kv(x, pos)
-        # [N, kv_heads, C + Q, hd]
-        k = torch.cat([ctx_kv[0], k], dim=2)
+        k = torch.cat([ctx_kv[0], k], dim=2)  # [N, kv_heads, C + Q, hd]
         v = torch.cat([ctx_kv[1], v], dim=2)
         y = attend(q, k, v, mask, self.nh != self.nkv)
         return self.o_proj(y.transpose(1, 2).reshape(N, Q, self.nh * self.hd))
 
     def _apply(self, fn, recurse=True):
-        # dtype plumbing: draft.to(bf16) casts every floating tensor, but rope() computes in fp32
-        # and must not see rounded frequencies: inv_freq follows the module's device and keeps its
-        # fp32 values.
+        # draft.to(bf16) casts every floating tensor, but rope() computes in fp32: inv_freq follows
+        # the module's device and keeps its fp32 values
         inv_freq = self.inv_freq
         super()._apply(fn, recurse)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
@@ -375,17 +345,14 @@ class MLP(nn.Module):
 
 
 class PassThrough(nn.Module):
-    """Plain DFlash's stand-in for the convolution around a sublayer: forward(a, f, ...) =
-    f(a, ...), no parameters, so a DFlash layer and a DFlash2 layer read the same and plain DFlash
-    saves no extra tensors."""
+    """Plain DFlash's stand-in for the convolution: f(a, ...), no parameters, no extra tensors."""
 
     def forward(self, a, sublayer, *args):
         return sublayer(a, *args)
 
 
 def conv_around_sublayer(c: DraftConfig) -> nn.Module:
-    """What runs around each sublayer: DFlash2's grouped dynamic causal convolution (conv.py),
-    conv(a, f, ...) = post(f(pre(a), ...)); plain DFlash's PassThrough, f(a, ...)."""
+    """What runs around a sublayer f: conv.py's post(f(pre(a), ...)) or plain f(a, ...)."""
     if not c.dflash2:
         return PassThrough()
     return GroupedDynamicCausalConv(
@@ -404,9 +371,7 @@ class Layer(nn.Module):
         self.attention_conv, self.mlp_conv = conv_around_sublayer(c), conv_around_sublayer(c)
 
     def context_kv(self, ctx, pos):
-        """This layer's keys and values of the context rows; a method of the layer, not of its
-        attention, so that train.py --fsdp can gather the layer's shard for it as for forward
-        (support/fsdp.py)."""
+        """The context rows' K/V: the layer's, so --fsdp gathers its shard (support/fsdp.py)."""
         return self.self_attn.kv(ctx, pos)
 
     def forward(self, h, pos, ctx_kv, mask, attend):
@@ -449,10 +414,8 @@ class DraftModel(nn.Module):
                 m.reset_parameters()
 
     def context_kv(self, features, pos):
-        """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v).
-        The features come in their stored dtype (data.collate) and are cast once, here: under
-        autocast to its dtype (bf16 features: no copy; autocast would cast an fp32 copy again), else
-        to the draft's (a bf16 draft may read an fp32 target, an fp32 one bf16 features)."""
+        """Target features [N, C, n_t*H] at positions pos [N, C] -> per-layer context (k, v). They
+        come in their stored dtype and are cast once, here: to autocast's dtype or the draft's."""
         dtype = autocast_dtype(features.device.type) or self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(features.to(dtype)))  # [N, C, H]
         return [layer.context_kv(ctx, pos) for layer in self.layers]
@@ -472,24 +435,18 @@ class DraftModel(nn.Module):
     ):
         """Block rows x [N, Q, H] (embedded) -> final normed hidden states [N, Q, H].
 
-        The queries: positions q_pos, their blocks' anchor positions q_anchor and block numbers
-        q_block, each [N, Q]. The context: ctx_kv, one (k, v) per layer (context_kv), at positions
-        ctx_pos [N, C]. One path for training (many blocks flattened, q_block telling them apart)
-        and inference (one block, context K/V from the cache): only the inputs differ. q_doc [N, Q]
-        and ctx_doc [N, C] tell packed documents apart (None: one document per row). attention:
-        (how to build the mask of attention.py's rule, the kernel that reads it); None: the dense
-        mask and torch's SDPA (sdpa), the reference, which train.py --attention sdpa runs too.
-        support/kernels.py has the pairs train.py passes otherwise: compiled flex_attention
-        (--attention flex), and on CUDA this sdpa on memory-safe kernels only.
-        """
+        One path for training (many blocks flattened, q_block telling them apart) and inference
+        (one block, context K/V from the cache): only the inputs differ. Queries: positions q_pos,
+        their anchors' positions q_anchor, block numbers q_block, documents q_doc, each [N, Q].
+        Context: ctx_kv, one (k, v) per layer, at ctx_pos, of documents ctx_doc [N, C]. attention:
+        (mask builder, kernel); None: attention.py's dense mask and sdpa, the reference
+        (support/kernels.py has train.py's others)."""
         c = self.config
         make_mask, attend = attention or (block_attention_mask, sdpa)
         if q_doc is None:
             q_doc, ctx_doc = torch.zeros_like(q_pos), torch.zeros_like(ctx_pos)
-        queries, keys = (
-            (q_anchor, q_pos, q_block, q_doc),
-            attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc),
-        )
+        queries = (q_anchor, q_pos, q_block, q_doc)
+        keys = attention_keys(q_pos, q_block, q_doc, ctx_pos, ctx_doc)
         # only the kinds of layer the draft has (both shipped 8B configs are all sliding)
         full = slide = None
         if "full_attention" in c.layer_types:

@@ -12,20 +12,15 @@
     python prepare.py --data convs.jsonl --target Qwen/Qwen3-8B --out-dir data/q8 --regenerate \\
         --server http://gpu1:8000 --server http://gpu2:8000 --concurrency 64  # regen_server
 
-Conversations are read and tokenised by support/conversations.py. What OUT holds (support/regen.py
-describes the answers' files, support/features.py the shards):
-    regenerated.rank*.jsonl    the answers as they come, with the settings that made them; what a
-                               rerun finds here it does not ask for again
-    conversations.jsonl        every answer after --regenerate, in prompt order (usable as --data);
-                               each keeps the token ids the target generated, supervised as those
-    shard-00000.safetensors    per sample: input_ids, loss_mask, features, target_hidden
-                               (--save-target-hidden)
-    manifest.json              target, target_layer_ids, hidden_size, feature_dtype, shards,
-                               skip counts, chat_template_kwargs
+What OUT holds (support/regen.py describes the answers' files, support/features.py the shards):
+    regenerated.rank*.jsonl  the answers as they come, with their settings (a rerun skips them)
+    conversations.jsonl      every answer after --regenerate, in prompt order (usable as --data),
+                             with the token ids the target generated, supervised as those
+    shard-00000.safetensors  per sample: input_ids, loss_mask, features (+ target_hidden)
+    manifest.json            target, layer ids, hidden size, dtype, shards, skip counts, kwargs
 
-The built-in prompt sets (--prompts default / eval ...) live in support/promptsets.py, the target in
-support/target.py, the regeneration's bookkeeping (resume, servers, rank merge, fidelity) in
-support/regen.py.
+Conversations are read by support/conversations.py, the prompt sets are support/promptsets.py's,
+the regeneration's bookkeeping (resume, servers, rank merge, fidelity) support/regen.py's.
 """
 
 import argparse
@@ -44,18 +39,8 @@ from compat.config_json import load_config
 from loss import anchor_positions
 from model import capture_features
 from speed import machine, tune
-from support import distributed, features, regen, regen_server
-from support.common import (
-    DTYPES,
-    HelpTable,
-    UsageError,
-    add_chat_template_kwargs,
-    bounded,
-    count,
-    nonneg,
-    positive,
-    run,
-)
+from support import common, distributed, features, regen, regen_server
+from support.common import DTYPES, UsageError, bounded, count, nonneg, positive
 from support.conversations import read_conversations, render, tokenize_conversation
 from support.features import COUNTS, save_shard, shard_done, shard_path, shard_settings
 from support.promptsets import PROMPT_SETS
@@ -70,10 +55,9 @@ def prompt_part(messages):
 
 
 def sampling(temperature: float, seed: int, batch: list) -> dict:
-    """generate()'s arguments: greedy at temperature 0, else plain sampling from softmax(logits / T)
-    (the target's own generation config may set top_k / top_p, Qwen3's 20 / 0.95: off), seeded by
-    the batch's first prompt so that a rerun, or a run resumed after whole batches (the rest sorts
-    into the same batches), samples the same answers."""
+    """generate()'s arguments: greedy at temperature 0, else plain softmax(logits / T) sampling (no
+    top_k / top_p of the target's generation config), seeded by the batch's first prompt so that a
+    rerun or a resumed run samples the same answers."""
     if temperature == 0:
         return {"do_sample": False}
     torch.manual_seed(seed * 1_000_003 + batch[0])
@@ -84,11 +68,9 @@ def sampling(temperature: float, seed: int, batch: list) -> dict:
 def regenerate(
     target, tokenizer, prompts, out_dir, max_new_tokens=256, batch_size=16, rank=0, world=1, **made
 ):
-    """The target's answers to prompts[i] for i % world == rank (greedy at temperature 0), appended
-    as each batch ends to OUT/regenerated.rank{rank}.jsonl ({"index", "messages", "finished"}, the
-    settings that made them, made: regen.settings' chat_template_kwargs, temperature, seed, and
-    whether re-tokenizing the answer's text would change its tokens); the answer keeps its
-    token_ids. Reruns skip done indices (support/regen.py)."""
+    """The target's answers to prompts[i] for i % world == rank, appended as each batch ends to
+    OUT/regenerated.rank{rank}.jsonl with the settings `made` (regen.settings) and their token_ids;
+    reruns skip done indices (support/regen.py)."""
     made = regen.settings(**made)
     todo, own = regen.pending(out_dir, len(prompts), rank, world, made)
     texts = {i: render(tokenizer, prompts[i], True, made["chat_template_kwargs"]) for i in todo}
@@ -126,10 +108,8 @@ def regenerate(
 # ----------------------------------------------------------------------------- features
 @torch.no_grad()
 def batch_features(target, layer_ids, seqs, with_hidden: bool):
-    """Sequences seqs (list of [S_i] ids) in one right-padded forward -> per sequence features
-    [S_i, n_t*H] and the target's final normed hidden state [S_i, H] (or None). Right padding leaves
-    every real position's causal view unchanged; the hidden state gives kl its target logits without
-    storing [S, V]."""
+    """Sequences seqs ([S_i] ids) in one right-padded forward (no real position's view changes) ->
+    per sequence features [S_i, n_t*H] and the final normed hidden state [S_i, H] or None."""
     lengths = [len(x) for x in seqs]
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for i, x in enumerate(seqs):
@@ -157,10 +137,8 @@ def write_features(
     chat_template_kwargs=None,
 ):
     """Write this rank's shards: shard k holds conversations [k*shard_size, (k+1)*shard_size) and
-    belongs to rank k % world, rendered with chat_template_kwargs. Each shard is self-describing
-    (safetensors metadata: the settings, the kwargs among them) and written atomically, so a rerun
-    skips shards that exist and any rank can build the manifest. Within a shard the target runs
-    batch_size sequences per forward, sorted by length so little is padding."""
+    belongs to rank k % world. Each is self-describing (its settings in the metadata) and written
+    atomically: a rerun skips those done, and any rank can build the manifest."""
     kw, dtype = chat_template_kwargs or {}, DTYPES[feature_dtype]
     settings = shard_settings(
         layer_ids, feature_dtype, max_length, save_target_hidden, shard_size, kw
@@ -208,11 +186,10 @@ def barrier():
 
 def parse_args(argv=None):
     """One line a flag, in groups; the prompt sets: docs/data.md."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpTable)
     a = p.add_argument_group("the target").add_argument
-    a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
-    dtypes, gemms = ["auto", *DTYPES], ["auto", "stock", "onednn", "mkl"]
-    a("--target-dtype", choices=dtypes, default="auto", help="auto: bf16 where native, else fp32")
+    common.add_target_flags(a)
+    gemms = ["auto", "stock", "onednn", "mkl"]
     a("--target-gemm", choices=gemms, default="auto", help="CPU matmul layout; auto: the fastest")
     src = p.add_argument_group("what to read")
     g = src.add_mutually_exclusive_group(required=True).add_argument
@@ -222,7 +199,7 @@ def parse_args(argv=None):
     a("--num-samples", type=count, help="use only the first N conversations / prompts")
     a("--max-length", type=bounded(int, low=2), default=512, help="tokens per sequence at most")
     a("--seed", type=int, default=0, help="seeds the prompt set's draw and the sampled answers")
-    add_chat_template_kwargs(a)
+    common.add_chat_template_kwargs(a)
     a = p.add_argument_group("regeneration (support/regen.py)").add_argument
     a("--regenerate", action="store_true", help="replace the first answer by the target's own")
     a("--temperature", type=nonneg, default=0.0, help="0: greedy; best: the temperature served at")
@@ -238,11 +215,7 @@ def parse_args(argv=None):
     a("--feature-batch-size", type=count, default=1, help="sequences per forward; keep 1 on a CPU")
     a = p.add_argument_group("running").add_argument
     a("--out-dir", required=True, help="where the answers, shards and manifest.json go")
-    a(
-        "--max-seconds",
-        type=positive,
-        help="end by this many seconds, in whole --shard-size windows",
-    )
+    a("--max-seconds", type=positive, help="end by this many seconds, in whole shard windows")
     args = p.parse_args(argv)
     if args.prompts and not args.regenerate:
         p.error("--prompts has no answers to train on; add --regenerate")
@@ -342,4 +315,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run(main)
+    common.run(main)

@@ -32,19 +32,7 @@ from compat.config_json import config_to_dict, load_config, replace_config
 from export import read_training_checkpoint
 from speed import machine
 from support import common, compiling, distributed, flops, fsdp, kernels, loader, tracking
-from support.common import (
-    DTYPES,
-    HelpTable,
-    UsageError,
-    atomic_write,
-    bounded,
-    count,
-    nonneg,
-    positive,
-    ratio,
-    run,
-    whole,
-)
+from support.common import UsageError, bounded, count, nonneg, positive, ratio, whole
 from support.metrics import add_into, all_sum, measure, reduce_metrics
 from support.target import frozen_target
 
@@ -54,16 +42,14 @@ RUN_SH_DATA, RUN_SH_EVAL = "data/smollm2-math/train", "data/smollm2-math/eval"
 
 def parse_args(argv=None):
     """One line a flag, in groups; what each one means and why its default: docs/training.md."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
-    dtypes = ["auto", *DTYPES]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpTable)
     a = p.add_argument_group("data").add_argument
     a("--data", default=RUN_SH_DATA, help="prepare.py's features (default: bash run.sh's)")
     a("--eval-data", help="held-out data; default: run.sh's with its --data, else a share of it")
     a("--eval-fraction", type=ratio, default=0.05, help="share of --data held out (no --eval-data)")
     a("--num-samples", type=count, help="train on the first N sequences only")
     a("--online", action="store_true", help="the target runs here and gives features every step")
-    a("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
-    a("--target-dtype", choices=dtypes, default="auto", help="auto: bf16 where native, else fp32")
+    common.add_target_flags(a)
     a("--max-length", type=bounded(int, low=2), default=512, help="tokens a sequence or row holds")
     a("--pack", action="store_true", help="pack several conversations into each row")
     a("--data-workers", type=whole, default=0, help="processes that make batches ahead; 0: none")
@@ -194,7 +180,8 @@ class DraftObjective(torch.nn.Module):
         (support/metrics.py)}. acceptance: the per-slot statistics of acceptance.json too."""
         b, embed = batch, lambda ids: F.embedding(ids, self.embed_weight)
         ids, anchors, valid, docs = b["input_ids"], b["anchors"], b["anchor_valid"], b["docs"]
-        if self.cfg.loss == "kl" and b.get("target_hidden") is None:
+        hidden = b.get("target_hidden")  # the target's final normed states: --loss kl reads them
+        if self.cfg.loss == "kl" and hidden is None:
             raise UsageError(
                 "--loss kl needs the target's hidden states: features made with prepare.py "
                 "--save-target-hidden, or --online"
@@ -202,19 +189,9 @@ class DraftObjective(torch.nn.Module):
         h = model.forward_training(
             self.draft, embed, ids, b["features"], anchors, b["positions"], docs, self.attention
         )
+        kw = dict(alpha_t=alpha_t, target_hidden=hidden, docs=docs, sel_scale=sel_scale)
         out = loss.objective(
-            self.draft,
-            self.head_weight,
-            h,
-            ids,
-            b["loss_mask"],
-            anchors,
-            valid,
-            self.cfg,
-            alpha_t=alpha_t,
-            target_hidden=b.get("target_hidden"),
-            docs=docs,
-            sel_scale=sel_scale,
+            self.draft, self.head_weight, h, ids, b["loss_mask"], anchors, valid, self.cfg, **kw
         )
         selector = self.draft.candidate_selector
         metrics = measure(selector, out, b["loss_mask"], anchors, valid, acceptance)
@@ -272,9 +249,8 @@ def get_lr(step, total, args) -> float:
 @torch.no_grad()
 def evaluate(objective, samples, args, target, device, rank, world, autocast, acceptance=False):
     """Teacher-forced held-out metrics over the first --eval-samples sequences, at random anchors.
-    A --compile draft evaluates uncompiled, with flex attention compiled on its own
-    (support/kernels.py): inductor could not compile the whole draft's no-grad forward with flex
-    attention inside it, on a GPU (docs/training-at-scale.md, "The second run")."""
+    A --compile draft evaluates uncompiled: inductor could not compile its no-grad forward with
+    flex attention inside, on a GPU (docs/training-at-scale.md, "The second run")."""
     n = min(len(samples), args.eval_samples)
     if n == 0:
         return {}
@@ -341,10 +317,8 @@ def train_step(objective, opt, params, batches, alpha_t, args, world, no_sync, a
 
 
 def save_checkpoint(path, draft, opt, cfg, step, total, args, master, sharded):
-    """ckpt.pt: what --resume needs, and the draft export.py exports: the draft's and AdamW's state
-    dicts, as torch gives them. Every rank calls it: under --fsdp each holds slices, which
-    support/fsdp.py gathers into whole tensors; rank 0 writes one file, atomically: a crash leaves
-    no broken one."""
+    """ckpt.pt: what --resume needs and export.py exports. Every rank calls it (--fsdp gathers the
+    slices into whole tensors); rank 0 writes one file, atomically."""
     model_state, opt_state = (
         fsdp.full_state(draft, opt) if sharded else (draft.state_dict(), opt.state_dict())
     )
@@ -358,14 +332,13 @@ def save_checkpoint(path, draft, opt, cfg, step, total, args, master, sharded):
             "total": total,  # the schedule's length (--max-seconds: at the pace so far)
             "args": vars(args),
         }
-        with atomic_write(path) as tmp:
+        with common.atomic_write(path) as tmp:
             torch.save(ckpt, tmp)
 
 
 def load_checkpoint(path, draft, opt, sharded, total) -> tuple:
-    """--resume: the draft and AdamW as they were (each rank its own slices) -> (step, the
-    schedule's length: a time-boxed run's own, else total). The lr is a function of the step, and
-    each draw after the draft's init (order, anchors) has its own seeded generator: nothing else."""
+    """--resume: the draft and AdamW as they were -> (step, the schedule's length: a time-boxed
+    run's own, else total). The lr and every seeded draw are functions of the step: nothing else."""
     if not os.path.exists(path):
         raise UsageError(f"--resume: no checkpoint at {path}")
     ck = read_training_checkpoint(path, mmap=True)  # mapped: ranks share its pages
@@ -465,13 +438,9 @@ def train(args):
         step += 1
         bar.update(1)
         if args.max_seconds:
-            # p: the run's progress by the clock, p0 plus the rest of the run in proportion to
-            # the part of this invocation's seconds spent. At this pace the run takes step / p
-            # steps: that is the new total, re-estimated every step, so the length of the lr
-            # schedule (and of the selector's alpha ramp) changes every step too. It is at least
-            # the steps taken (time is up: the loop ends) and at most `steps` (--max-steps or
-            # --epochs), so the progress step / total is about max(step / steps, p). All ranks
-            # take rank 0's.
+            # p: the run's progress by the clock. At this pace the run takes step / p steps: the
+            # new total (and so the lr schedule's and alpha ramp's length), re-estimated every
+            # step, at least the steps taken and at most `steps`. All ranks take rank 0's.
             left = max(started + args.max_seconds - t0, 1e-9)  # the budget's seconds left at t0
             p = p0 + (1 - p0) * (time.time() - t0) / left
             total = distributed.agreed(min(steps, max(step, round(step / p))), device, ranked)
@@ -501,4 +470,4 @@ def train(args):
 
 
 if __name__ == "__main__":
-    run(main)
+    common.run(main)

@@ -15,18 +15,13 @@ the log-probabilities along its path, one per edge:
 
 The target sees node i at position anchor + depth_i, attending to the committed context and to i's
 own ancestors only (one 4-D mask), so row i of its logits is exactly what it would say after i's
-path. The walk then follows, from the anchor, the child that holds the target's own token (greedy:
-its argmax; T > 0: a sample from p) until no child holds it; that token is the bonus. Every
+path. The walk then follows, from the anchor, the child that holds the target's own token (its
+argmax, or at T > 0 a sample from p) until no child holds it; that token is the bonus. Every
 committed token is the target's own choice given the committed prefix, and the tree is a function of
-that prefix alone (the draft is deterministic given it), so the output is the target's: token for
-token at T = 0, and exactly in distribution at T > 0.
+that prefix alone: the output is the target's, token for token at T = 0, in distribution at T > 0.
 
-Each node opens only its best child when branching is off: a tree of budget k is then the path of k
-drafts, so --verify-tokens k and --tree-budget N are one mechanism. Which one is fastest depends on
-the machine and the draft: generate.py --bench measures several side by side.
-
-tree_generate is decoding.py's cycle with a tree in place of the path, made of the same steps
-(generate.py calls either; so do speed/bench.py and tools/served.py, through support/show.py).
+Without branching a tree of budget k is the path of k drafts: --verify-tokens k and --tree-budget N
+are one mechanism, and tree_generate is decoding.py's cycle with a tree in place of the path.
 """
 
 import heapq
@@ -87,8 +82,7 @@ class Tree:
 # ----------------------------------------------------------------------------- build
 @dataclass(order=True)
 class Opening:
-    """A node that may join the tree next: its score's negative and the order it was pushed in are
-    what the heap orders by (best score first, ties to the earlier); the rest says where it goes."""
+    """A node that may join the tree next, ordered best score first, ties to the earlier pushed."""
 
     neg_score: float
     order: int
@@ -103,13 +97,11 @@ def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1)
     """The best-first tree of `budget` nodes (fewer if the lattice has fewer).
 
     cand_ids [L][K]: the candidate tokens of slots 1..L. children[d][p]: the candidates of slot d+1
-    after candidate p of slot d (after the anchor when d = 0: p = 0), as (log-probability, candidate
-    index) pairs, best first; children[d] has one row when they do not depend on the parent (unary).
-    A node's score is its path's summed log-probability. Popping the best open node and then opening
-    its best child and its next sibling visits the nodes in order of score, since a child never
-    scores above its parent nor a sibling above the one before it: the tree of budget n is the first
-    n of any larger budget's. Without branching only the best child opens: the path of best
-    children.
+    after candidate p of slot d (the anchor's: p = 0), as (log-probability, candidate index) pairs,
+    best first; one row when they do not depend on the parent (unary). A child never scores above
+    its parent nor a sibling above the one before it, so popping the best open node and opening its
+    best child and next sibling visits the nodes in order of score. Without branching only the best
+    child opens: the path of best children.
     """
     L, tree = len(cand_ids), Tree([anchor], [-1], [0])
     heap, order = [], itertools.count()
@@ -139,35 +131,22 @@ def grow(cand_ids, children, budget: int, branch: bool = True, anchor: int = -1)
 
 @torch.no_grad()
 def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) -> Tree:
-    """The cycle's tree: h [1, L, H] final draft hidden states, u [1, L, V] unary scores of slots
-    1..L, ids [1, P] committed tokens (ids[:, -1] is the anchor) -> the best-first Tree of `budget`
-    nodes.
-
-    The children of a node are ordered by the raw scores and ties keep the candidates' order, so
-    that without branching the tree is exactly the selector's greedy walk (or the unary argmax
-    path)."""
+    """The cycle's best-first Tree of `budget` nodes from draft_scores' h, u of slots 1..L. Children
+    are ordered by raw score, ties in the candidates' order, so that without branching the tree is
+    exactly the selector's greedy walk (or the unary argmax path)."""
     sel = draft.candidate_selector if use_selector else None
     K = min(sel.top_k if sel is not None else draft.config.selector_top_k or TOP_K, u.shape[-1])
-    # [1, L, K], best first
-    cand_scores, cand_ids = top_k_candidates(u, K)
+    cand_scores, cand_ids = top_k_candidates(u, K)  # [1, L, K], best first
     if sel is not None:
-        # [L, K, K]: [d, p] after cand p
-        s = sel.lattice(h, ids[:, -1], cand_ids, cand_scores)[0].float()
-        # the selector's K-way q
-        logp = torch.log_softmax(s, dim=-1)
+        s = sel.lattice(h, ids[:, -1], cand_ids, cand_scores)[0].float()  # [L, K, K]: [d, p]
+        logp = torch.log_softmax(s, dim=-1)  # the selector's K-way q
     else:  # equal scores in vocabulary order, as argmax breaks ties: the path is its argmax
-        # in vocabulary order
-        by_id, perm = cand_ids.sort(dim=-1)
-        best = (
-            cand_scores.gather(-1, perm).float().sort(dim=-1, descending=True, stable=True).indices
-        )
-        # by score, then by id
-        cand_ids = by_id.gather(-1, best)
-        # [L, 1, K]: any parent
-        s = u[0].float().gather(-1, cand_ids[0])[:, None]
+        by_id, perm = cand_ids.sort(dim=-1)  # in vocabulary order
+        scores = cand_scores.gather(-1, perm).float()
+        cand_ids = by_id.gather(-1, scores.sort(dim=-1, descending=True, stable=True).indices)
+        s = u[0].float().gather(-1, cand_ids[0])[:, None]  # [L, 1, K]: any parent
         logp = torch.log_softmax(u[0].float(), dim=-1).gather(-1, cand_ids[0])[:, None]
-    # best first, ties in order
-    order = s.sort(dim=-1, descending=True, stable=True).indices
+    order = s.sort(dim=-1, descending=True, stable=True).indices  # best first, ties in order
     children = [
         [list(zip(lp, o)) for lp, o in zip(a, b)]
         for a, b in zip(logp.gather(-1, order).tolist(), order.tolist())
@@ -177,14 +156,10 @@ def draft_tree(draft, h, u, ids, budget: int, use_selector=True, branch=True) ->
 
 # ---------------------------------------------------------------------------- verify in one forward
 def attention_masks(tree: Tree, cache, dtype):
-    """The additive 4-D masks [1, 1, n, kv] for the tree's n block tokens after the cached context:
-    each node sees every cached row (inside the sliding window on sliding layers) and its own
-    ancestors.
-
-    The key columns are, per layer kind, what the cache will hand the attention: its kept context
-    rows (positions kv_offset..) and then the n new rows. Returns {layer kind: mask} for a cache
-    with sliding and full layers (Qwen3, Gemma: their forward takes that mapping), else the one
-    mask."""
+    """The additive 4-D masks [1, 1, n, kv] for the tree's n nodes after the cached context: each
+    node sees every cached row (inside the window on sliding layers) and its own ancestors. The
+    columns are what the cache hands the attention: its kept rows, then the n new ones. -> {layer
+    kind: mask} for a cache with both kinds (Qwen3, Gemma take that mapping), else the one mask."""
     n, s = len(tree.tokens), cache.get_seq_length()
     anc, depth = tree.ancestors(), torch.tensor(tree.depths)
     masks = {}
@@ -193,10 +168,8 @@ def attention_masks(tree: Tree, cache, dtype):
         if kind in masks:
             continue
         kv_length, kv_offset = cache.get_mask_sizes(n, i)
-        # the committed context
-        seen = torch.ones(n, kv_length - n, dtype=torch.bool)
-        # query pos - key pos < window
-        if layer.is_sliding:
+        seen = torch.ones(n, kv_length - n, dtype=torch.bool)  # the committed context
+        if layer.is_sliding:  # query pos - key pos < window
             W, past = layer.sliding_window, kv_offset + torch.arange(kv_length - n)
             seen &= (s + depth[:, None]) - past[None] < W
             ok = anc & (depth[:, None] - depth[None] < W)
@@ -210,8 +183,7 @@ def attention_masks(tree: Tree, cache, dtype):
 
 def follow_target(tree: Tree, logits, pick):
     """Follow the target through the tree: logits [n, V] (row i: the target after node i's path),
-    pick(row) -> the target's token there (its argmax, or a sample from p, exactly as plain
-    decoding picks) -> (accepted nodes, the token after the last of them: the bonus)."""
+    pick(row) its token there, as plain decoding picks -> (accepted nodes, the bonus)."""
     # (node, token) -> the child of node that holds token
     child = {(p, tree.tokens[c]): c for p, kids in enumerate(tree.children()) for c in kids}
     node, path = 0, []
@@ -224,16 +196,13 @@ def follow_target(tree: Tree, logits, pick):
 
 
 def keep_rows(cache, n: int, rows: list):
-    """After a forward of n block tokens, move the KV rows of the kept block nodes `rows`
-    (ascending) to the front of the block's rows, in every layer; crop() then drops the rest. The
-    block's rows are the last n of every layer, sliding ones included (their cache keeps its past
-    until crop: decoding.new_cache)."""
+    """After a forward of n block tokens (the last n rows of every layer, sliding ones too), move
+    the KV rows of the kept nodes `rows` (ascending) to the front of them; crop() drops the rest."""
     if rows == list(range(len(rows))):  # already in front: a path's accepted prefix
         return
     idx = torch.tensor(rows, device=cache.layers[0].keys.device)  # one copy for every layer
     for layer in cache.layers:
-        # [1, heads, rows, head_dim]
-        for t in (layer.keys, layer.values):
+        for t in (layer.keys, layer.values):  # [1, heads, rows, head_dim]
             start = t.shape[2] - n
             t[:, :, start : start + len(rows)] = t[:, :, start + idx]
 
@@ -256,9 +225,8 @@ def tree_generate(
     watch=None,
 ):
     """decoding.speculative_generate's cycle with a tree of `budget` nodes verified in place of the
-    path: the same steps, but for the proposal (draft_tree), the verify's positions and mask, the
-    walk, and the KV rows kept. -> (ids [1, P + n], taus). head, watch: as speculative_generate's;
-    propose: step 2 in place of draft_tree."""
+    path: the same steps but the proposal, the verify's positions and mask, the walk and the KV
+    rows kept. -> (ids [1, P + n], taus); propose: step 2 in place of draft_tree."""
     c, P, dev = draft.config, prompt_ids.shape[1], prompt_ids.device
     L = min(budget, c.block_size - 1)  # the deepest slot a tree of `budget` nodes reaches
     embed, target_head = embed_and_head(target, draft)

@@ -37,41 +37,36 @@ NEXT_TURN = [5, 17]  # x8 x9: the start of a next user turn, not supervised
 ANCHORS = [2, 5]
 GAMMA = 2.0  # the position weights' decay (loss.DEFAULT_GAMMA has none for B = 4)
 WORDS = ["New", "York", "Jersey", "City", "Devils", "Times"]  # the selector story's vocabulary
+# the target's and the draft's layer shapes
+SHAPE = dict(
+    hidden_size=H,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
 # ----------------------------------------------------------------------------- the tiny models
 def tiny_target():
     torch.manual_seed(0)
-    c = Qwen3Config(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        initializer_range=0.5,  # wide enough that its greedy answer does not just repeat a token
-    )
+    # initializer_range wide enough that its greedy answer does not just repeat a token
+    c = Qwen3Config(vocab_size=V, num_hidden_layers=4, initializer_range=0.5, **SHAPE)
     return Qwen3ForCausalLM(c).eval()
 
 
 def tiny_draft():
     torch.manual_seed(1)
     c = DraftConfig(
-        hidden_size=H,
-        intermediate_size=48,
+        **SHAPE,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
         vocab_size=V,
         num_target_layers=4,
         target_layer_ids=LAYER_IDS,
         mask_token_id=MASK,
         block_size=B,
         rope_theta=10000.0,
-        max_position_embeddings=64,
         initializer_range=0.2,
         conv_kernel_size=2,
         conv_group_size=8,
@@ -91,8 +86,7 @@ def tiny_draft():
 
 
 def target_io(target):
-    """The target's frozen embedding (ids -> [.., H]) and head (h -> h @ W_lm^T), which the draft
-    borrows and never saves."""
+    """The target's frozen embedding and head (h @ W_lm^T), which the draft borrows, never saves."""
     w = target.get_output_embeddings().weight  # [V, H]
     return target.get_input_embeddings(), lambda h: h @ w.t()
 
@@ -115,8 +109,7 @@ def row(values, width=3) -> str:
 
 
 def grid(allowed, row_names, splits=()) -> list:
-    """A boolean [R, C] tensor as lines of '#' (may read) and '.' (may not), a '|' before each
-    column index in splits."""
+    """A boolean [R, C] tensor as lines of '#' (may read) and '.', a '|' before columns splits."""
     lines = []
     for name, r in zip(row_names, allowed.tolist()):
         cells = "".join(("| " if j in splits else "") + "#."[not v] + " " for j, v in enumerate(r))
@@ -430,10 +423,6 @@ def main() -> str:
     return "\n".join(lines)
 
 
-def cli():
+if __name__ == "__main__":
     argparse.ArgumentParser(description="One DFlash2 block's life, printed.").parse_args()
     main()
-
-
-if __name__ == "__main__":
-    cli()

@@ -1,8 +1,8 @@
 """What several scripts share and no mechanism owns, kept here so that each exists once (as in
 nanochat's common.py): dtype names, atomic writes, JSON files, the CPU's name, a command run with
 its output logged, the recipes in configs/*.flags, and the command line's rules: a user's mistake
-(UsageError) ends in one line, bounded flag values, the --help table, the one
---chat-template-kwargs flag, a shell script's flags checked up front. Nothing else belongs here.
+(UsageError) ends in one line, bounded flag values, the --help table, the flags several scripts
+share, a shell script's flags checked up front. Nothing else belongs here.
 """
 
 import argparse
@@ -185,6 +185,12 @@ def add_chat_template_kwargs(add):
         help="keyword arguments for the target's chat template, e.g. "
         "'{\"enable_thinking\": false}' (Qwen3); the same when regenerating, training and serving",
     )
+
+
+def add_target_flags(add, auto="bf16 where native, else fp32"):
+    """--target and --target-dtype, one definition for prepare.py, train.py and generate.py."""
+    add("--target", help="HF directory or hub name; default: the embedded SmolLM2-135M-Instruct")
+    add("--target-dtype", choices=["auto", *DTYPES], default="auto", help=f"auto: {auto}")
 
 
 def flags_checked(parse_args, argv, script: str):
