@@ -177,10 +177,9 @@ def test_flex_attention_is_refused_for_cpu_training():
 
 
 def lift_flex_cpu_guard(monkeypatch):
-    """torch (2.13) refuses FlexAttention with gradients on CPU by a device check; underneath, its
-    eager implementation (dense, the reference of the compiled kernels) is device-independent.
-    Lifting the check (and running both flex pieces eager) lets a CPU test compare the flex path's
-    gradients; the compiled backward kernels run on GPUs only."""
+    """torch 2.13 refuses FlexAttention with gradients on CPU by a device check; its eager
+    implementation underneath is device-independent, so a CPU test lifts the check to compare the
+    flex path's gradients (the compiled backward kernels run on GPUs only)."""
     import torch.nn.attention.flex_attention as fa
 
     monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
@@ -190,8 +189,7 @@ def lift_flex_cpu_guard(monkeypatch):
 @pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
 def test_flex_equals_sdpa(kw, packed, monkeypatch):
     # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch
-    # 2.13's CPU
-    # kernel fails to compile once a change of shape has made the compiled flex_attention dynamic
+    # 2.13's CPU kernel fails to compile once a change of shape has made flex_attention dynamic
     c, draft, b, attend = flex_case(kw, packed)
     assert b["anchors"].shape == (2, 64) and b["input_ids"].shape == (2, 256)
     # the compiled block-sparse kernel, forward
@@ -319,11 +317,8 @@ def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup)
             for g, w in zip(got, want):
                 assert g.keys() == w.keys()
                 for k in w:
-                    assert g[k].dtype == w[k].dtype and torch.equal(g[k], w[k]), (
-                        static,
-                        workers,
-                        k,
-                    )
+                    same = g[k].dtype == w[k].dtype and torch.equal(g[k], w[k])
+                    assert same, (static, workers, k)
     copied = pickle.loads(pickle.dumps(samples))
     assert samples.shard is not None and copied.shard is None
     assert torch.equal(copied[5]["features"], samples[5]["features"])
@@ -440,18 +435,18 @@ def test_flops_per_step_against_a_hand_count():
 
 
 def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
+    """The longest known name in the GPU's wins; --peak-tflops overrides; a CPU has no peak, and
+    --peak-tflops there is refused."""
     gpu = torch.device("cuda:0")
-    for name, peak in (
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA H100 PCIe", 756e12),
-        ("NVIDIA H100 NVL", 835e12),  # the longest name found wins, not "H100"'s 989
-        ("NVIDIA H200", 989e12),
-        ("NVIDIA A100-SXM4-80GB", 312e12),
-        ("Tesla T4", None),
-    ):
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert flops.peak_flops(gpu) == peak
-    assert flops.peak_flops(gpu, peak_tflops=500.0) == 500e12  # --peak-tflops wins
+
+    def peak(name, tflops=None):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+        return flops.peak_flops(gpu, tflops)
+
+    assert peak("NVIDIA H100 NVL") == 835e12 and peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert (
+        peak("Tesla T4") is None and peak("Tesla T4", 500.0) == peak("NVIDIA H200", 500.0) == 500e12
+    )
     assert flops.peak_flops(torch.device("cpu")) is None
     with pytest.raises(UsageError, match="--peak-tflops"):
         flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
@@ -684,41 +679,24 @@ def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
     """draw.decoding on a real decoding's cycles (random tiny models, the selector departing from
     the unary argmax at places): per cycle, as many accepted boxes as the cycle accepted, then one
     rejected (none when all were), the rest never checked, the bonus; a star exactly where the draft
-    is not its slot's unary argmax. A tree: its accepted branch is the cycle's path, the rejected
-    nodes are the other children of the anchor and of accepted nodes, the rest never checked."""
-    target, draft, p = tiny_target("llama"), tiny_draft(4), prompt()
-    for shape in (("path", 3), ("tree", 6)):
-        cycles = []
-        ids, stats = show.speculate(target, draft, p, 24, shape, watch=cycles.append)
-        file = tmp_path / f"{shape[0]}.svg"
-        draw.decoding(cycles, str, "test").save(str(file))
-        drawn = cycle_boxes(file)
-        steps = [c for c in cycles if c.drafts is not None]
-        assert [tau for tau, _ in drawn] == stats.taus == [c.accepted + 1 for c in steps]
-        for (tau, shown), c in zip(drawn, steps):
-            kinds = [k for k, *_ in shown]
-            if c.tree is None:
-                a, later = c.accepted, max(0, len(c.drafts) - c.accepted - 1)
-                rejected = ["rejected"] * (a < len(c.drafts))
-                assert kinds == ["accepted"] * a + rejected + ["unchecked"] * later + ["bonus"]
-                assert [t for _, t, _ in shown] == [str(x) for x in c.drafts + [c.bonus]]
-                assert [s for *_, s in shown[:-1]] == [d != u for d, u in zip(c.drafts, c.unary)]
-            else:
-                t = c.tree
-                by_kind = lambda k: [text for kind, text, _ in shown if kind == k]
-                assert by_kind("accepted") == [str(t.tokens[i]) for i in c.path]
-                assert by_kind("bonus") == [str(c.bonus)]
-                assert by_kind("anchor") == [str(t.tokens[0])]
-                checked = {0, *c.path}
-                rejected = [
-                    i
-                    for i in range(1, len(t.tokens))
-                    if t.parents[i] in checked and i not in c.path
-                ]
-                assert sorted(by_kind("rejected")) == sorted(str(t.tokens[i]) for i in rejected)
-                assert len(by_kind("unchecked")) == len(t.tokens) - 1 - len(c.path) - len(rejected)
-        if shape[0] == "path":  # the selector departs somewhere
-            assert any(s for _, shown in drawn for *_, s in shown)
+    is not its slot's unary argmax. A tree cycle: test_show_and_show_svg_mark_a_tree_cycle_alike."""
+    cycles = []
+    _, stats = show.speculate(
+        tiny_target("llama"), tiny_draft(4), prompt(), 24, ("path", 3), watch=cycles.append
+    )
+    draw.decoding(cycles, str, "test").save(str(tmp_path / "path.svg"))
+    drawn = cycle_boxes(tmp_path / "path.svg")
+    steps = [c for c in cycles if c.drafts is not None]
+    assert [tau for tau, _ in drawn] == stats.taus == [c.accepted + 1 for c in steps]
+    for (tau, shown), c in zip(drawn, steps):
+        a, later = c.accepted, max(0, len(c.drafts) - c.accepted - 1)
+        rejected = ["rejected"] * (a < len(c.drafts))
+        assert [k for k, *_ in shown] == ["accepted"] * a + rejected + ["unchecked"] * later + [
+            "bonus"
+        ]
+        assert [t for _, t, _ in shown] == [str(x) for x in c.drafts + [c.bonus]]
+        assert [s for *_, s in shown[:-1]] == [d != u for d, u in zip(c.drafts, c.unary)]
+    assert any(s for _, shown in drawn for *_, s in shown)  # the selector departs somewhere
 
 
 def test_show_and_show_svg_mark_a_tree_cycle_alike(tmp_path):
@@ -744,6 +722,7 @@ def test_show_and_show_svg_mark_a_tree_cycle_alike(tmp_path):
             for word in words.split("|")
         ]
         assert sorted(printed) == sorted(box for box in drawn if box[0] in kinds.values())
+        assert len(drawn) == len(c.tree.tokens) + 1  # every node, and the bonus
 
 
 # ============================================================================ support/tracking.py
