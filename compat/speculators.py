@@ -70,21 +70,15 @@ def config_from_speculators(d: dict, source: str):
             f"{source}: transformer_layer_config.is_causal / dflash_config are not read by "
             "speculators; sliding_window_non_causal decides"
         )
-    # slot 0 never proposes (docs/semantics.md, section 1)
+    methods = (d["speculators_config"] or {}).get("proposal_methods") or [{}]
+    hidden = layer.get("hidden_size")
     checks = {
+        # slot 0 never proposes (docs/semantics.md, section 1)
         "sample_from_anchor": (d.get("sample_from_anchor", False), False),
         # DFlash2 needs the full vocab
         "draft_vocab_size": (d["draft_vocab_size"], layer.get("vocab_size")),
-        "target_hidden_size": (
-            d.get("target_hidden_size") or layer.get("hidden_size"),
-            layer.get("hidden_size"),
-        ),
-        "speculative_tokens": (
-            ((d["speculators_config"] or {}).get("proposal_methods") or [{}])[0].get(
-                "speculative_tokens"
-            ),
-            d["block_size"] - 1,
-        ),
+        "target_hidden_size": (d.get("target_hidden_size") or hidden, hidden),
+        "speculative_tokens": (methods[0].get("speculative_tokens"), d["block_size"] - 1),
     }
     for name, (value, implemented) in checks.items():
         if value != implemented:
