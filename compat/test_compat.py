@@ -3,8 +3,7 @@ python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
 
 The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
 holds it equal to the banners):
-    helpers                         tiny configs, models, targets and tokenizers, the hypothesis
-                                    profiles, skip marks
+    helpers                         the published config layouts, the block written out by hand
     compat/config_json.py           validation rules, save / load, the shipped configs
     checkpoint formats              the published config layouts and the speculators format
         the zlab and SpecForge layouts
@@ -21,6 +20,7 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import export
 import model
@@ -43,9 +43,8 @@ from test_all import (
 
 # ============================================================================ helpers
 # Fixture configs are written here in the published field layouts (Z Lab's
-# tests/fixtures/dflash2-config.json,
-# SpecForge's configs/qwen3.6-27b-dflash2.json, what speculators 0.9.0's save_pretrained writes), at
-# tiny sizes.
+# tests/fixtures/dflash2-config.json, SpecForge's configs/qwen3.6-27b-dflash2.json, what
+# speculators 0.9.0's save_pretrained writes), at tiny sizes.
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -166,9 +165,8 @@ def both_paths(draft, embed_w, feats, ids, a):
     cache = model.ContextCache()
     cache.append(draft, feats[None, :a], torch.arange(a)[None])
     h_inf = model.forward_inference(draft, embed, cache, ids[a].view(1), torch.tensor([a]))[0]
-    h_train = model.forward_training(draft, embed, ids[None], feats[None], torch.tensor([[2, a]]))[
-        0, 1
-    ]
+    anchors = torch.tensor([[2, a]])  # the block at a, beside another
+    h_train = model.forward_training(draft, embed, ids[None], feats[None], anchors)[0, 1]
     return h_inf, h_train
 
 
@@ -179,6 +177,18 @@ def fixture_inputs(c, seed=1):
         torch.randn(16, len(c.target_layer_ids) * c.hidden_size, generator=g),
         torch.randint(0, c.vocab_size - 1, (16,), generator=g),
     )
+
+
+def block_follows_the_rule(d, causal, scale=1.0, draft=None):
+    """Both paths of a draft of config.json d (random unless given) give the block at anchor 9
+    written out by the rule. -> (draft, its inputs, that block)."""
+    draft = draft or randomize(DraftModel(config.config_from_dict(d)), std=0.1)
+    embed_w, feats, ids = inputs = fixture_inputs(draft.config)
+    with torch.no_grad():
+        ref = reference_block(draft, d, embed_w, feats, ids, 9, causal, scale)
+        for h in both_paths(draft, embed_w, feats, ids, 9):
+            assert (h - ref).abs().max() <= 1e-5
+    return draft, inputs, ref
 
 
 YARN = {
@@ -366,36 +376,21 @@ def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
     """Unset: sliding layers causal in the block, full layers bidirectional (Z Lab, SGLang, vLLM);
     an explicit value applies to every layer."""
     d = zlab_fixture() if is_causal == "absent" else zlab_fixture(is_causal=is_causal)
-    c = config.config_from_dict(d)
-    assert c.is_causal == (None if is_causal == "absent" else is_causal)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
+    assert config.config_from_dict(d).is_causal == (None if is_causal == "absent" else is_causal)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, causal)
     with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, causal)
-        for h in both_paths(draft, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
         other = reference_block(draft, d, embed_w, feats, ids, 9, [not x for x in causal])
-        # the check can tell them apart
-        assert (ref - other).abs().max() > 1e-3
+    assert (ref - other).abs().max() > 1e-3  # the check can tell them apart
 
 
 def test_input_embedding_scale_in_both_paths():
     d = zlab_fixture(dflash={"input_embedding_scale": 0.5})
-    c = config.config_from_dict(d)
-    assert c.input_embedding_scale == 0.5
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False], scale=0.5)
     plain = DraftModel(config.config_from_dict(zlab_fixture()))
     plain.load_state_dict(draft.state_dict())
-    with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False], scale=0.5)
-        for h, h_plain in zip(
-            both_paths(draft, embed_w, feats, ids, 9),
-            # by hand: the table halved
-            both_paths(plain, embed_w * 0.5, feats, ids, 9),
-        ):
-            assert (h - ref).abs().max() <= 1e-5
-            assert torch.equal(h, h_plain)
+    with torch.no_grad():  # by hand: the table halved
+        halved = both_paths(plain, embed_w * 0.5, feats, ids, 9)
+        assert all(map(torch.equal, both_paths(draft, embed_w, feats, ids, 9), halved))
         assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
 
 
@@ -405,10 +400,6 @@ def test_specforge_27b_layout_reads_as_the_shipped_config():
     docs/semantics.md, section 3."""
     d = zlab_fixture(
         bos_token_id=None,
-        eos_token_id=248044,
-        pad_token_id=248044,
-        use_cache=True,
-        transformers_version="5.8.1",
         dflash_config={
             "block_size": 8,
             "conv_group_size": 16,
@@ -444,15 +435,10 @@ def test_yarn_rope_parameters_forward():
     d = zlab_fixture(rope_parameters=YARN)
     c = config.config_from_dict(d)
     assert c.rope_theta == 10000.0 and c.rope_scaling == YARN_SCALING
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False])
     with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False])
-        for h in both_paths(draft, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
-        assert (
-            ref - reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
-        ).abs().max() > 1e-3
+        plain = reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
+    assert (ref - plain).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -688,24 +674,14 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
     (tmp_path / "config.json").write_text(json.dumps(d))
     zl = config.config_from_dict(zlab_fixture(num_target_layers=None))
     draft = randomize(DraftModel(zl), std=0.1)
-    embed_w, feats, ids = fixture_inputs(zl)
-    copies = {
-        "embed_tokens.weight": embed_w,
-        "lm_head.weight": embed_w.clone(),
-        "verifier_lm_head.weight": embed_w.clone(),
-        "verifier_norm.weight": torch.ones(32),
-    }
-    from safetensors.torch import save_file
-
+    names = ["embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm"]
+    copies = {f"{k}.weight": torch.randn(64, 32) for k in names}
     save_file({**draft.state_dict(), **copies}, str(tmp_path / "model.safetensors"))
     back = export.load_any(str(tmp_path))
     assert back.config.is_causal is (False if non_causal else None)
     # the verifier copies dropped
     assert set(back.state_dict()) == set(draft.state_dict())
-    with torch.no_grad():
-        ref = reference_block(back, d["transformer_layer_config"], embed_w, feats, ids, 9, causal)
-        for h in both_paths(back, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
+    block_follows_the_rule(d["transformer_layer_config"], causal, draft=back)
     # not misread as the Z Lab form
     with pytest.raises(UsageError, match="speculators-format"):
         config.load_config(str(tmp_path))
