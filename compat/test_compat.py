@@ -490,30 +490,21 @@ def transformers_frequencies(c: DraftConfig) -> tuple:
     return inv_freq, scale
 
 
-def test_a_scaled_rope_is_computed_from_the_configs_fields():
-    """A config holds no frequencies: a draft computes them from its config's fields, so a RoPE
-    field changed by dataclasses.replace changes them (a cache copied along would keep the old)."""
-    c = config.config_from_dict(zlab_fixture(rope_parameters=dict(YARN)))
-    assert torch.equal(DraftModel(c).layers[0].self_attn.inv_freq, transformers_frequencies(c)[0])
-    for change in ({"rope_scaling": dict(c.rope_scaling, factor=8.0)}, {"rope_theta": 1e6}):
+def test_rope_frequencies_follow_the_draft_and_stay_fp32():
+    """inv_freq is a non-persistent buffer of each Attention, computed from the config's fields: a
+    RoPE field changed by dataclasses.replace changes it (a cache copied along would keep the old).
+    draft.to(device) moves it, so rope() copies nothing from the host per call on a GPU;
+    draft.to(bf16) leaves it fp32, since rope() computes in fp32; state_dict, and so every export,
+    holds the same tensors as before, in order."""
+    c = tiny_config(rope_scaling=YARN_SCALING)
+    fp32 = transformers_frequencies(c)[0]
+    for change in ({"rope_scaling": dict(YARN_SCALING, factor=8.0)}, {"rope_theta": 1e6}):
         changed = dataclasses.replace(c, **change)
         want = transformers_frequencies(changed)[0]
-        assert not torch.equal(want, transformers_frequencies(c)[0]), change
+        assert not torch.equal(want, fp32), change
         assert torch.equal(DraftModel(changed).layers[0].self_attn.inv_freq, want), change
-    for theta in (1e4, 1e6):  # plain RoPE: 1 / theta^(2i/D)
-        freqs = DraftModel(dataclasses.replace(c, rope_scaling=None, rope_theta=theta)).layers[1]
-        want = [theta ** -(i / c.head_dim) for i in range(0, c.head_dim, 2)]
-        assert freqs.self_attn.inv_freq.tolist() == pytest.approx(want, rel=1e-6)
-
-
-def test_rope_frequencies_follow_the_draft_and_stay_fp32():
-    """inv_freq is a non-persistent buffer of each Attention: draft.to(device) moves it, so rope()
-    copies nothing from the host per call on a GPU; draft.to(bf16) leaves it fp32, since rope()
-    computes in fp32; state_dict, and so every export, holds the same tensors as before, in
-    order."""
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    c = tiny_config(rope_scaling=yarn)
-    fp32 = model.rope_frequencies(c)[0]
+    plain = DraftModel(dataclasses.replace(c, rope_scaling=None)).layers[1].self_attn.inv_freq
+    assert plain.tolist() == pytest.approx([1e4 ** -(i / 8) for i in range(0, 8, 2)], rel=1e-6)
     keys = list(spec_tensor_shapes(c))
     draft = DraftModel(c)
     attns = [layer.self_attn for layer in draft.layers]
