@@ -19,6 +19,7 @@ holds it equal to the banners):
                                     traceback
 """
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -55,7 +56,6 @@ from test_all import (
     prompt,
     randomize,
     run,
-    run_objective,
     selector_case,
     selector_draft,
     svg_root,
@@ -113,24 +113,6 @@ def test_acceptance_statistics_by_hand():
     assert m["accepted_at_unary"][0].tolist() == [2, 1, 0]
     # the accepted length: 1 + the runs' sum, per block
     assert m["accept_unary"][0] == 2 + m["accepted_at_unary"][0].sum()
-    # a fresh selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same
-    # statistics
-    d2, _ = twin_drafts()
-    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
-    with torch.no_grad():
-        m = run_objective(
-            d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None, acceptance=True
-        )
-        plain = run_objective(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)[
-            "metrics"
-        ]
-    m = m["metrics"]
-    assert all(torch.equal(a, b) for a, b in zip(m["accepted_at_selector"], m["accepted_at_unary"]))
-    num, den = m["accepted_at_selector"]
-    assert (1 + (num / den).sum()).item() == pytest.approx(
-        (m["accept_selector"][0] / m["accept_selector"][1]).item()
-    )
-    assert not any(k.startswith("accepted_at") for k in plain)
 
 
 # pins docs/semantics.md section 4 (selector loss)
@@ -150,8 +132,8 @@ def test_self_conditioned_path_feeds_back_its_own_choice():
 
 def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_path():
     """support/metrics.py measures from what the objective made: every metric is the same in chunks
-    of 2 anchors as in one, and a fresh DFlash2 draft's teacher-forced selector path is its unary
-    argmax path."""
+    of 2 anchors as in one (acceptance=True adds the per-slot runs), and a fresh DFlash2 draft's
+    selector (Bs = 0) ranks as the unary scores do and walks their argmax: the same statistics."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
     fresh, _ = twin_drafts()
     with torch.no_grad():
@@ -160,14 +142,19 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
             h = model.forward_training(d, embed, ids, feats, anchors)
             cfg = L.LossConfig(gamma=3.0, chunk_blocks=chunk)
             made = L.objective(d, head, h, ids, loss_mask, anchors, valid, cfg, alpha_t=0.5)
-            sel = d.candidate_selector
-            out[name] = metrics.measure(sel, made, loss_mask, anchors, valid)
+            sel, runs = d.candidate_selector, name != "one"
+            out[name] = metrics.measure(sel, made, loss_mask, anchors, valid, acceptance=runs)
     assert out["one"]["sel_loss"][0] > 0
+    assert set(out["parts"]) - set(out["one"]) == {"accepted_at_unary", "accepted_at_selector"}
     for name, (n, d) in out["one"].items():
         pn, pd = out["parts"][name]
         assert torch.allclose(torch.as_tensor(n), pn, rtol=1e-5, atol=1e-6), name
         assert torch.allclose(torch.as_tensor(d), pd), name
-    assert torch.equal(out["fresh"]["accept_selector"][0], out["fresh"]["accept_unary"][0])
+    for kind in ("accept", "accepted_at"):
+        walked, unary = out["fresh"][f"{kind}_selector"], out["fresh"][f"{kind}_unary"]
+        assert all(
+            torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(walked, unary)
+        )
 
 
 # ================================================================= support/kernels.py: flex == sdpa
@@ -370,17 +357,15 @@ def test_flops_per_step_against_a_hand_count():
 
     cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over
-    # 32/8 = 4
-    # groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded anchor is
-    # not counted).
-    # 6144 + 9216 + 2048
+    # 32/8 = 4 groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded
+    # anchor is not counted). Per slot and layer: 6144 + 9216 + 2048
     per_slot_layer = 2 * 32 * (2 * 4 * 8 + 2 * 2 * 8) + 6 * 32 * 48 + 8 * 32 * 2 * 4
     # slots, context k/v, fc
     backbone = 12 * 2 * per_slot_layer + 12 * 2 * (4 * 32 * 2 * 8) + 12 * 2 * 2 * 32 * 32
     # keys read. Full layer (bidirectional): the anchor's a context rows + the 4 block slots, for
-    # each of 4 slots:
-    # (0 + 4) * 4 + (5 + 4) * 4 + (9 + 4) * 4 = 104. Sliding layer (causal, window 5): slot j reads
-    # min(a, 4 - j) context rows and j + 1 slots: 0 + 10, (4 + 3 + 2 + 1) + 10, 10 + 10 = 50.
+    # each of 4 slots: (0 + 4) * 4 + (5 + 4) * 4 + (9 + 4) * 4 = 104. Sliding layer (causal,
+    # window 5): slot j reads min(a, 4 - j) context rows and j + 1 slots: 0 + 10,
+    # (4 + 3 + 2 + 1) + 10, 10 + 10 = 50.
     scores = 4 * 4 * 8 * (104 + 50)
     # 3 x 3 labelled slots
     head_and_selector = 9 * 2 * 32 * 64 + 9 * (2 * 32 * 8 + 2 * 5 * 8)
@@ -400,38 +385,25 @@ def test_flops_per_step_against_a_hand_count():
         ids, torch.tensor([[0, 5, 9]]), 4, 63, ctx_pos, torch.zeros_like(ctx_pos)
     )
     keys = attention.attention_keys(q_pos, q_block, q_doc, ctx_pos, torch.zeros_like(ctx_pos))
+    blocks, anchors = (q_anchor, q_pos, q_block, q_doc), torch.tensor([0, 5, 9])
     for is_causal in (None, True, False):
-        c = tiny_config(
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=5,
-            is_causal=is_causal,
-        )
+        c = dataclasses.replace(cfg, is_causal=is_causal)
         for sliding in (True, False):
-            mask = attention.block_attention_mask(
-                (q_anchor, q_pos, q_block, q_doc),
-                keys,
-                c.causal_in_block(sliding),
-                c.sliding_window if sliding else None,
-            )
-            assert flops.keys_per_slot(c, torch.tensor([0, 5, 9]), sliding).sum() == mask.sum()
-    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward (attention
-    # apart)
-    draft = model.DraftModel(cfg)
+            W = c.sliding_window if sliding else None
+            mask = attention.block_attention_mask(blocks, keys, c.causal_in_block(sliding), W)
+            assert flops.keys_per_slot(c, anchors, sliding).sum() == mask.sum()
+    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward
+    # (attention apart)
+    embed = lambda x: torch.zeros(*x.shape, 32)
     with FlopCounterMode(display=False) as counter:
         model.forward_training(
-            draft,
-            lambda x: torch.zeros(*x.shape, 32),
-            ids,
-            torch.zeros(1, 12, 64),
-            torch.tensor([[0, 5, 9]]),
+            model.DraftModel(cfg), embed, ids, torch.zeros(1, 12, 64), anchors[None]
         )
     assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
     # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) +
     # lm_head
-    assert (
-        flops.linear_weights(tiny_target("llama"))
-        == 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
-    )
+    weights = 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
+    assert flops.linear_weights(tiny_target("llama")) == weights
 
 
 def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
