@@ -94,7 +94,6 @@ def test_cached_conversion_matches_gguf(smollm2):
     with torch.no_grad():
         assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
     assert not target.training and not any(p.requires_grad for p in target.parameters())
-    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
 
 
 # ============================================================================ support/metrics.py
@@ -487,11 +486,6 @@ def test_missing_wheel_names_the_pip_command():
         promptsets.wheel_file("no-such-wheel", "no_such_module_dflash2", "data.json")
 
 
-@pytest.fixture(scope="module")
-def training():
-    return promptsets.training_prompts()
-
-
 @needs_data
 def test_eval_prompt_counts():
     counts = {name: len(promptsets.eval_prompts(name)) for name in promptsets.EVAL_SETS}
@@ -503,7 +497,8 @@ def test_eval_prompt_counts():
 
 
 @needs_data
-def test_training_prompts_hold_no_eval_prompt(training):
+def test_training_prompts_hold_no_eval_prompt():
+    training = promptsets.training_prompts()
     evals = {
         promptsets.normalize(p)
         for name in promptsets.EVAL_SETS
@@ -540,6 +535,8 @@ def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
         for q in word_problems(72)
     }
     assert kinds == set(range(len(TEMPLATES)))  # every kind of problem is represented
+    a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
+    assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
 
 
 @needs_data
@@ -556,12 +553,6 @@ def test_decontaminate_drops_exact_and_13_gram_overlaps():
         [gsm, he],
     )
     assert kept == ["A clean prompt."]  # the last one is a duplicate
-
-
-@needs_data
-def test_math_prompts_are_deterministic():
-    a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
-    assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
 
 
 # ======================================================================== support/draw.py: pictures
@@ -582,11 +573,8 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
     ] == [2, 5, 3, 4, 5, 6, 7, 8]
     for name, causal in (("a full-attention layer", False), ("a causal layer", True)):
         cells = [r for r in marks(root, "rect") if r.get("data-grid") == name]
-        seen = {
-            (int(r.get("data-row")), int(r.get("data-col")))
-            for r in cells
-            if r.get("class") == "seen"
-        }
+        seen = [r for r in cells if r.get("class") == "seen"]
+        seen = {(int(r.get("data-row")), int(r.get("data-col"))) for r in seen}
         hand = set()
         for i in range(8):
             a, b, s = [2, 5][i // 4], i // 4, i % 4
