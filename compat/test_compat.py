@@ -394,42 +394,6 @@ def test_input_embedding_scale_in_both_paths():
         assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
 
 
-def test_specforge_27b_layout_reads_as_the_shipped_config():
-    """SpecForge's published Qwen3.6-27B DFlash2 config layout (integer rope_theta inside
-    rope_parameters, null bos_token_id, explicit is_causal false) with the 27B sizes of
-    docs/semantics.md, section 3."""
-    d = zlab_fixture(
-        bos_token_id=None,
-        dflash_config={
-            "block_size": 8,
-            "conv_group_size": 16,
-            "conv_kernel_size": 2,
-            "mask_token_id": 248070,
-            "selector_rank": 256,
-            "selector_top_k": 16,
-            "target_layer_ids": [5, 19, 33, 47, 61],
-        },
-        head_dim=128,
-        hidden_size=5120,
-        intermediate_size=17408,
-        is_causal=False,
-        layer_types=[SLIDING] * 5,
-        max_position_embeddings=262144,
-        max_window_layers=5,
-        num_attention_heads=32,
-        num_hidden_layers=5,
-        num_key_value_heads=8,
-        num_target_layers=64,
-        rms_norm_eps=1e-06,
-        sliding_window=2048,
-        vocab_size=248320,
-        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
-    )
-    assert config.config_from_dict(d) == config.load_config(
-        os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json")
-    )
-
-
 # ---------------------------------------------------------------------------- scaled RoPE
 def test_yarn_rope_parameters_forward():
     d = zlab_fixture(rope_parameters=YARN)
@@ -536,8 +500,12 @@ def test_harmless_fields_accepted_and_old_names_read():
         tie_word_embeddings=True,
     )
     assert config.config_from_dict(quiet) == dataclasses.replace(base, tie_word_embeddings=True)
+    # SpecForge writes an integer rope_theta
+    integer = zlab_fixture(rope_parameters={"rope_theta": 10000, "rope_type": "default"})
+    assert config.config_from_dict(integer) == base
+    # the shipped configs' names; with sliding layers an absent use_sliding_window reads as true
     old = zlab_fixture(torch_dtype="bfloat16", rope_theta=10000.0)
-    del old["dtype"], old["rope_parameters"]
+    del old["dtype"], old["rope_parameters"], old["use_sliding_window"]
     assert config.config_from_dict(old) == base
     legacy = zlab_fixture(
         rope_theta=10000.0,
