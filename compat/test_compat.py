@@ -518,11 +518,9 @@ def test_harmless_fields_accepted_and_old_names_read():
     # the shipped configs use the old names; what this code writes uses the current ones
     c = config.load_config(os.path.join(HERE, "configs", "qwen3-8b-dflash2.json"))
     written = config.config_to_dict(c)
-    assert (
-        written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
-        and "rope_theta" not in written
-    )
-    assert written["is_causal"] is False and config.config_from_dict(written) == c
+    assert written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+    assert "rope_theta" not in written and written["is_causal"] is False
+    assert config.config_from_dict(written) == c
 
 
 @pytest.mark.parametrize("is_causal", [None, False])
@@ -546,19 +544,16 @@ def speculators_fixture(non_causal=False, **kw) -> dict:
     """A config.json as speculators 0.9.0's DFlash2DraftModel.save_pretrained writes it."""
     drop = ("architectures", "dflash_config", "dtype", "num_target_layers", "transformers_version")
     layer = {k: v for k, v in zlab_fixture().items() if k not in drop}
+    # block_size, mask_token_id and the DFlash2 fields sit at the top level
+    dflash = {k: v for k, v in zlab_fixture()["dflash_config"].items() if k != "target_layer_ids"}
     d = {
         "architectures": ["DFlash2DraftModel"],
         "auto_map": {"": "config.DFlash2SpeculatorConfig"},
         "aux_hidden_state_layer_ids": [1, 3],
-        "block_size": 4,
-        "conv_group_size": 8,
-        "conv_kernel_size": 2,
+        **dflash,
         "draft_vocab_size": 64,
         "dtype": "float32",
-        "mask_token_id": 63,
         "sample_from_anchor": False,
-        "selector_rank": 8,
-        "selector_top_k": 5,
         "sliding_window_non_causal": non_causal,
         "speculators_config": {
             "algorithm": "dflash2",
@@ -609,18 +604,17 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
     assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
     assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     layer = d["transformer_layer_config"]
-    assert (layer["model_type"], layer["hidden_size"], layer["num_hidden_layers"]) == (
+    assert [layer[k] for k in ("model_type", "hidden_size", "num_hidden_layers")] == [
         "qwen3",
         32,
         2,
-    )
+    ]
     assert layer["layer_types"] == layer_types and "is_causal" not in layer
     assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     assert layer.get("use_sliding_window", False) is (SLIDING in layer_types)
     back = export.load_any(str(tmp_path / "spec"))
-    assert back.config == c and all(
-        torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items()
-    )
+    assert back.config == c
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
     assert torch.equal(block_hidden(back), block_hidden(draft))
     # and back to the Z Lab form
     export.export(str(tmp_path / "spec"), str(tmp_path / "zlab"), torch.float32)
