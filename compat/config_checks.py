@@ -1,13 +1,7 @@
-"""The contract a draft's config.json must keep (docs/semantics.md, section 3): every validation
-rule, the refusals of fields this code does not implement, and the RoPE rules. Whoever reads a
-config.json calls them (compat/config_json.py; train.py's overrides through replace_config), not
-model.py, so the mechanism stands without them.
-
-Every rule raises UsageError naming the field and value. Nothing in a config.json is skipped
-unread. Each key is read into DraftConfig, or is known not to change what the draft computes (token
-ids, versions, the storage dtype: HARMLESS), or must hold the one value this code implements
-(`attention_bias: false`, `hidden_act: silu`, ...: FIXED). Any other key, or another value, is
-refused by name: a field the code does not know might change the computation.
+"""The contract a draft's config.json keeps (docs/semantics.md, section 3): every validation rule,
+the refusals of fields this code does not implement, and the RoPE rules, each a UsageError naming
+the field. Every key is read into DraftConfig, or known not to change the computation (HARMLESS),
+or must hold the one value implemented (FIXED); any other is refused by name.
 """
 
 import math
@@ -37,6 +31,8 @@ ROPE_KEYS = {
         },
     ),
 }
+# The optional scalars a draft's dflash_config may set.
+SCALARS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 
 
 # ----------------------------------------------------------------------------- a DraftConfig
@@ -82,9 +78,7 @@ def _check_rope_scaling(s):
 
 
 def validate(c):
-    """Every rule of docs/semantics.md, section 3, on a DraftConfig c (whose DFlash2 fields
-    DraftConfig itself holds to be set together or not at all); each failure names the field and
-    the bad value."""
+    """Every rule of docs/semantics.md, section 3, on a DraftConfig c."""
     for name in (
         "hidden_size",
         "intermediate_size",
@@ -137,11 +131,9 @@ def validate(c):
             )
         _check_int("selector_rank", c.selector_rank, low=1)
         _check_int("selector_top_k", c.selector_top_k, low=1, high=c.vocab_size)
-    for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
+    for name in SCALARS:
         if getattr(c, name) is not None:
-            _check_number(name, getattr(c, name))
-    if c.final_logit_softcapping is not None and c.final_logit_softcapping <= 0:
-        raise UsageError(f"final_logit_softcapping must be > 0, got {c.final_logit_softcapping}")
+            _check_number(name, getattr(c, name), positive=name == "final_logit_softcapping")
 
 
 # ----------------------------------------------------------------------------- a config.json dict
@@ -173,9 +165,8 @@ READ = {"architectures", "dflash_config", "rope_parameters", "use_sliding_window
 
 
 def refuse_unread(d: dict, source: str, fields, nested):
-    """Refuse a config.json dict d that is not a draft's, or holds a key that is neither read (a
-    DraftConfig field in `fields`, READ; under dflash_config one of `nested`) nor HARMLESS, or a
-    FIXED key with another value, or a sliding window transformers would read otherwise."""
+    """Refuse a config.json dict d that is not a draft's, holds a key neither read (`fields`, READ;
+    `nested` under dflash_config) nor HARMLESS, or a FIXED key with another value."""
     if "speculators_model_type" in d:
         raise UsageError(
             f"{source}: a speculators-format config; read the directory with export.load_any, "
@@ -249,9 +240,8 @@ def read_rope(d: dict, source: str) -> tuple:
 
 
 def refuse_incomplete(flat: dict, arch: list, source: str, required, dflash2_fields: tuple):
-    """Refuse the fields read from a config.json (flat) when they lack a `required` DraftConfig
-    field, or do not match the declared architecture: DFlash2DraftModel needs every one of
-    dflash2_fields, DFlashDraftModel sets none."""
+    """Refuse the fields read (flat) that lack a `required` one, or do not match the architecture:
+    DFlash2DraftModel needs all of dflash2_fields, DFlashDraftModel sets none."""
     if "DFlash2DraftModel" in arch:
         missing = [f for f in dflash2_fields if flat.get(f) is None]
         if missing:

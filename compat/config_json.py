@@ -1,20 +1,13 @@
-"""config.json <-> DraftConfig: what config.json of a DFlash / DFlash2 draft holds
-(docs/semantics.md, section 3), read into model.py's DraftConfig and written from it.
-
-A draft config must declare DFlash2DraftModel (or DFlashDraftModel for the plain baseline): it is
-never derived from a target model's config. The DFlash fields sit under `dflash_config`; the rest
-are Qwen3-style fields at the top level.
-
-Nothing in a config.json is skipped unread, and every rule raises UsageError naming the field and
-value. Those rules, and the refusals of fields this code does not implement, are the contract with
-the public implementations: they live in compat/config_checks.py, which this file calls on every
-config it reads or changes (model.py does not).
+"""config.json <-> DraftConfig: a DFlash / DFlash2 draft's config.json (docs/semantics.md,
+section 3) read into model.py's DraftConfig and written from it: the DFlash fields under
+`dflash_config`, the rest Qwen3-style at the top level. Every config read or changed here is held
+to compat/config_checks.py's rules (model.py does not call them).
 """
 
 import dataclasses
 import os
 
-from compat.config_checks import read_rope, refuse_incomplete, refuse_unread, validate
+from compat.config_checks import SCALARS, read_rope, refuse_incomplete, refuse_unread, validate
 from model import DFLASH2_FIELDS, DraftConfig
 from support.common import UsageError, read_json
 
@@ -22,16 +15,11 @@ from support.common import UsageError, read_json
 FIELDS = {f.name for f in dataclasses.fields(DraftConfig)}
 REQUIRED = [f.name for f in dataclasses.fields(DraftConfig) if f.default is dataclasses.MISSING]
 # the fields config.json holds under dflash_config
-NESTED = (
-    ("block_size", "target_layer_ids", "mask_token_id")
-    + DFLASH2_FIELDS
-    + ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
-)
+NESTED = ("block_size", "target_layer_ids", "mask_token_id") + DFLASH2_FIELDS + SCALARS
 
 
 def config_from_dict(d: dict, source: str = "config") -> DraftConfig:
-    """A DraftConfig from a config.json dict. Never derives DFlash2 from a target's config: a dict
-    that is not a draft's, or holds a field this code does not implement, is refused by name."""
+    """A DraftConfig from a config.json dict; never from a target's config."""
     refuse_unread(d, source, FIELDS, NESTED)
     flat = {k: v for k, v in d.items() if k in FIELDS}
     flat.update(d.get("dflash_config") or {})  # nested values win over legacy top-level ones
@@ -59,9 +47,8 @@ def replace_config(c: DraftConfig, **changes) -> DraftConfig:
 
 
 def config_to_dict(c: DraftConfig) -> dict:
-    """The public config.json contract (docs/semantics.md, section 3), in transformers' current
-    names. An unset is_causal stays absent, so a re-export never states a value its source did not
-    have."""
+    """The public config.json, in transformers' current names; an unset is_causal stays absent, so
+    a re-export never states a value its source did not have."""
     d = {
         "architectures": ["DFlash2DraftModel" if c.dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",

@@ -1,18 +1,13 @@
-"""What the serving engines ask of an exported draft, said when it is exported, not when an engine
-refuses it or, worse, runs it wrong.
+"""What the serving engines ask of an exported draft, said when it is exported rather than when an
+engine refuses it or, worse, runs it wrong.
 
-llama.cpp's DFlash2 loader (src/models/dflash.cpp at b11434, src/models/dflash2.cpp after the
-loaders were split) refuses a draft whose hidden size H
-    is not divisible by conv_group_size G  ("DFlash2 hidden size must be divisible by
-                                            conv_group_size")
-    is below K (K + 1), K = selector_top_k  ("DFlash2 hidden size is too small for the selector
-                                            lattice")
-export.py warns (SGLang, vLLM and Z Lab's loader read the draft), tools/llamacpp.py refuses.
+llama.cpp's DFlash2 loader (src/models/dflash.cpp at b11434) refuses a draft whose hidden size H is
+not divisible by conv_group_size G, or is below K (K + 1), K = selector_top_k (the selector
+lattice). export.py warns, tools/llamacpp.py refuses.
 
-SGLang and vLLM verify a block as long as they are told: SGLang's --speculative-num-draft-tokens
-must be the draft's block size B, and vLLM's num_speculative_tokens B - 1 (slot 0 is the anchor:
-docs/compatibility.md, section 1); a public DFlash2 model card reports that a mismatch "runs
-silently wrong" (SGLang 0.5.23). export.py prints both.
+SGLang's --speculative-num-draft-tokens must be the draft's block size B, vLLM's
+num_speculative_tokens B - 1 (slot 0 is the anchor); a mismatch "runs silently wrong" (a public
+DFlash2 model card, SGLang 0.5.23). export.py prints both.
 """
 
 

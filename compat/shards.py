@@ -1,9 +1,7 @@
-"""A draft directory's tensor files, laid out as transformers lays them out. export.py writes one
-model.safetensors; reading also takes the sharded form public checkpoints ship in:
-
-    model-00001-of-0000N.safetensors ...  shards, split in order, and the index naming the shard of
-    model.safetensors.index.json          each tensor: {"metadata": {"total_size"},
-                                          "weight_map": {name: file}}
+"""A draft directory's tensor files, as transformers lays them out: export.py writes one
+model.safetensors; reading also takes public checkpoints' shards, model-0000i-of-0000N.safetensors,
+and their index, model.safetensors.index.json: {"metadata": {"total_size"}, "weight_map":
+{name: file}}.
 """
 
 import json

@@ -1,15 +1,13 @@
-"""The speculators checkpoint format: what vllm-project/speculators trains and writes, and vLLM
-serves (`export.py --format speculators`; test_speculators_library_computes_the_same_block in
-compat/test_compat.py cross-checks it against the library itself, where that is installed).
-
-It holds the same tensors as the zlab format, with the draft's Qwen3 layer config nested under
-`transformer_layer_config` and the DFlash fields at the top level. Read here into a DraftConfig
-with the meaning speculators' DFlash2DraftModel gives it, and written from one; what the format
-cannot say, or what speculators would read otherwise, is refused with a message naming the field.
+"""The speculators checkpoint format, which vllm-project/speculators trains and writes and vLLM
+serves (`export.py --format speculators`): the zlab format's tensors, the draft's Qwen3 layer config
+nested under `transformer_layer_config`, the DFlash fields at the top level. Read with the meaning
+speculators' DFlash2DraftModel gives it; what the format cannot say, or speculators would read
+otherwise, is refused naming the field.
 """
 
 import os
 
+from compat.config_checks import SCALARS
 from compat.config_json import config_from_dict, config_to_dict
 from compat.shards import load_tensors
 from model import DFLASH2_FIELDS
@@ -23,56 +21,42 @@ VERIFIER_COPIES = (
     "verifier_lm_head.weight",
     "verifier_norm.weight",
 )
-# every key of a speculators config.json this code reads
-SPECULATORS_KEYS = {
+# the keys of a speculators config.json this code needs, and every key it reads
+REQUIRED = {
+    "transformer_layer_config",
+    "aux_hidden_state_layer_ids",
+    "draft_vocab_size",
+    "block_size",
+    "mask_token_id",
+    "sliding_window_non_causal",
+    "speculators_config",
+    *DFLASH2_FIELDS,
+}
+SPECULATORS_KEYS = REQUIRED | {
     "architectures",
     "auto_map",
     "speculators_model_type",
     "speculators_version",
-    "speculators_config",
-    "transformer_layer_config",
-    "draft_vocab_size",
     "target_hidden_size",
-    "aux_hidden_state_layer_ids",
-    "mask_token_id",
-    "block_size",
-    "sliding_window_non_causal",
     "sample_from_anchor",
     "dtype",
     "torch_dtype",
     "transformers_version",
     "tie_word_embeddings",
-    *DFLASH2_FIELDS,
 }
 
 
 def config_from_speculators(d: dict, source: str):
-    """A speculators config.json -> DraftConfig, with the meaning speculators' DFlash2DraftModel
-    gives it.
-
-    aux_hidden_state_layer_ids count HF hidden_states (0 = the embeddings), so target_layer_ids are
-    one less. Full-attention layers are always bidirectional there, and sliding ones are
-    bidirectional iff sliding_window_non_causal: so true is an explicit is_causal false, false an
-    unset is_causal.
-    """
+    """A speculators config.json -> DraftConfig. aux_hidden_state_layer_ids count HF hidden_states
+    (0 = the embeddings), so target_layer_ids are one less. Full-attention layers are always
+    bidirectional there, sliding ones iff sliding_window_non_causal: so true is an explicit
+    is_causal false, false an unset is_causal."""
     if d.get("speculators_model_type") != "dflash2":
         raise UsageError(
             f"{source}: speculators_model_type {d.get('speculators_model_type')!r}; only dflash2 "
             "is read"
         )
-    missing = sorted(
-        {
-            "transformer_layer_config",
-            "aux_hidden_state_layer_ids",
-            "draft_vocab_size",
-            "block_size",
-            "mask_token_id",
-            "sliding_window_non_causal",
-            "speculators_config",
-            *DFLASH2_FIELDS,
-        }
-        - set(d)
-    )
+    missing = sorted(REQUIRED - set(d))
     unknown = sorted(set(d) - SPECULATORS_KEYS)
     if missing or unknown:
         raise UsageError(
@@ -86,21 +70,15 @@ def config_from_speculators(d: dict, source: str):
             f"{source}: transformer_layer_config.is_causal / dflash_config are not read by "
             "speculators; sliding_window_non_causal decides"
         )
-    # slot 0 never proposes (docs/semantics.md, section 1)
+    methods = (d["speculators_config"] or {}).get("proposal_methods") or [{}]
+    hidden = layer.get("hidden_size")
     checks = {
+        # slot 0 never proposes (docs/semantics.md, section 1)
         "sample_from_anchor": (d.get("sample_from_anchor", False), False),
         # DFlash2 needs the full vocab
         "draft_vocab_size": (d["draft_vocab_size"], layer.get("vocab_size")),
-        "target_hidden_size": (
-            d.get("target_hidden_size") or layer.get("hidden_size"),
-            layer.get("hidden_size"),
-        ),
-        "speculative_tokens": (
-            ((d["speculators_config"] or {}).get("proposal_methods") or [{}])[0].get(
-                "speculative_tokens"
-            ),
-            d["block_size"] - 1,
-        ),
+        "target_hidden_size": (d.get("target_hidden_size") or hidden, hidden),
+        "speculative_tokens": (methods[0].get("speculative_tokens"), d["block_size"] - 1),
     }
     for name, (value, implemented) in checks.items():
         if value != implemented:
@@ -140,7 +118,7 @@ def speculators_config(c, verifier: str) -> dict:
     read otherwise."""
     if not c.dflash2:
         raise UsageError("--format speculators writes DFlash2 drafts (its dflash2 model type) only")
-    for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
+    for name in SCALARS:
         if getattr(c, name) is not None:
             raise UsageError(
                 f"{name} is set, but speculators' DFlash2 has no such field and would drop it; "

@@ -3,8 +3,7 @@ python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
 
 The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
 holds it equal to the banners):
-    helpers                         tiny configs, models, targets and tokenizers, the hypothesis
-                                    profiles, skip marks
+    helpers                         the published config layouts, the block written out by hand
     compat/config_json.py           validation rules, save / load, the shipped configs
     checkpoint formats              the published config layouts and the speculators format
         the zlab and SpecForge layouts
@@ -17,11 +16,11 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import export
 import model
@@ -44,9 +43,8 @@ from test_all import (
 
 # ============================================================================ helpers
 # Fixture configs are written here in the published field layouts (Z Lab's
-# tests/fixtures/dflash2-config.json,
-# SpecForge's configs/qwen3.6-27b-dflash2.json, what speculators 0.9.0's save_pretrained writes), at
-# tiny sizes.
+# tests/fixtures/dflash2-config.json, SpecForge's configs/qwen3.6-27b-dflash2.json, what
+# speculators 0.9.0's save_pretrained writes), at tiny sizes.
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -167,9 +165,8 @@ def both_paths(draft, embed_w, feats, ids, a):
     cache = model.ContextCache()
     cache.append(draft, feats[None, :a], torch.arange(a)[None])
     h_inf = model.forward_inference(draft, embed, cache, ids[a].view(1), torch.tensor([a]))[0]
-    h_train = model.forward_training(draft, embed, ids[None], feats[None], torch.tensor([[2, a]]))[
-        0, 1
-    ]
+    anchors = torch.tensor([[2, a]])  # the block at a, beside another
+    h_train = model.forward_training(draft, embed, ids[None], feats[None], anchors)[0, 1]
     return h_inf, h_train
 
 
@@ -182,77 +179,104 @@ def fixture_inputs(c, seed=1):
     )
 
 
+def block_follows_the_rule(d, causal, scale=1.0, draft=None):
+    """Both paths of a draft of config.json d (random unless given) give the block at anchor 9
+    written out by the rule. -> (draft, its inputs, that block)."""
+    draft = draft or randomize(DraftModel(config.config_from_dict(d)), std=0.1)
+    embed_w, feats, ids = inputs = fixture_inputs(draft.config)
+    with torch.no_grad():
+        ref = reference_block(draft, d, embed_w, feats, ids, 9, causal, scale)
+        for h in both_paths(draft, embed_w, feats, ids, 9):
+            assert (h - ref).abs().max() <= 1e-5
+    return draft, inputs, ref
+
+
 YARN = {
     "rope_theta": 10000.0,
     "rope_type": "yarn",
     "factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+YARN_SCALING = {k: v for k, v in YARN.items() if k != "rope_theta"}
 
 
 DELETE = object()
 
 
 # ============================================================================ compat/config_json.py
-def valid_dict():
-    return config.config_to_dict(tiny_config())
+def rope(**p) -> dict:
+    return {"rope_theta": 1e4, **p}
 
 
 @pytest.mark.parametrize(
-    "path,value,field",
+    "key,value,named",
     [
-        (("dflash_config", "conv_kernel_size"), 0, "conv_kernel_size"),
-        (("dflash_config", "conv_kernel_size"), 5, "conv_kernel_size"),  # > block_size 4
-        (("dflash_config", "conv_group_size"), 0, "conv_group_size"),
-        (("dflash_config", "conv_group_size"), 5, "conv_group_size"),  # does not divide 32
-        (("dflash_config", "selector_rank"), 0, "selector_rank"),
-        (("dflash_config", "selector_top_k"), 0, "selector_top_k"),
-        (("dflash_config", "selector_top_k"), 65, "selector_top_k"),  # > vocab 64
-        (("dflash_config", "block_size"), 1, "block_size"),
-        (("dflash_config", "target_layer_ids"), [], "target_layer_ids"),
-        (("dflash_config", "target_layer_ids"), [0, 4], "target_layer_ids"),  # target has 4 layers
-        (("dflash_config", "target_layer_ids"), [-1], "target_layer_ids"),
-        (("dflash_config", "mask_token_id"), 64, "mask_token_id"),
-        (("dflash_config", "mask_token_id"), -1, "mask_token_id"),
-        (("dflash_config", "final_logit_softcapping"), 0.0, "final_logit_softcapping"),
-        (("dflash_config", "final_logit_softcapping"), -2.0, "final_logit_softcapping"),
-        # a bool is not an integer
-        (("dflash_config", "selector_rank"), True, "selector_rank"),
-        (("dflash_config", "conv_kernel_size"), 2.0, "conv_kernel_size"),  # nor is a float
-        (("hidden_size",), "32", "hidden_size"),
-        (("num_key_value_heads",), 3, "num_key_value_heads"),
-        (("layer_types",), ["full_attention"], "layer_types"),
-        (("layer_types",), ["sliding_attention", "full_attention"], "sliding_window"),
+        # never derived from a target's config
+        ("architectures", ["LlamaForCausalLM"], "DFlash2DraftModel"),
+        ("dflash_config.selector_rank", DELETE, "selector_rank"),
+        ("dflash_config.conv_kernel_size", 0, "conv_kernel_size"),
+        ("dflash_config.conv_kernel_size", 5, "conv_kernel_size"),  # > block_size 4
+        ("dflash_config.conv_kernel_size", 2.0, "conv_kernel_size"),  # a float is not an integer
+        ("dflash_config.conv_group_size", 0, "conv_group_size"),
+        ("dflash_config.conv_group_size", 5, "conv_group_size"),  # does not divide 32
+        ("dflash_config.selector_rank", 0, "selector_rank"),
+        ("dflash_config.selector_rank", True, "selector_rank"),  # nor is a bool
+        ("dflash_config.selector_top_k", 0, "selector_top_k"),
+        ("dflash_config.selector_top_k", 65, "selector_top_k"),  # > vocab 64
+        ("dflash_config.block_size", 1, "block_size"),
+        ("dflash_config.target_layer_ids", [], "target_layer_ids"),
+        ("dflash_config.target_layer_ids", [0, 4], "target_layer_ids"),  # the target has 4 layers
+        ("dflash_config.target_layer_ids", [-1], "target_layer_ids"),
+        ("dflash_config.mask_token_id", 64, "mask_token_id"),
+        ("dflash_config.mask_token_id", -1, "mask_token_id"),
+        ("dflash_config.final_logit_softcapping", 0.0, "final_logit_softcapping"),
+        ("dflash_config.final_logit_softcapping", -2.0, "final_logit_softcapping"),
+        ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
+        ("hidden_size", "32", "hidden_size"),
+        ("num_key_value_heads", 3, "num_key_value_heads"),
+        ("layer_types", [FULL], "layer_types"),
+        ("layer_types", DELETE, "layer_types"),  # derived from max_window_layers
+        ("sliding_window", None, "sliding_window"),  # beside a sliding layer
+        ("sliding_window", 3, "sliding_window"),  # narrower than the block
+        ("is_causal", "yes", "is_causal"),
+        # the one value implemented
+        ("attention_bias", True, "attention_bias"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("model_type", "llama", "model_type"),
+        ("attention_dropout", 0.1, "attention_dropout"),
+        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
+        # fields the code does not know; vLLM reads dflash_config.causal, Z Lab does not
+        ("mlp_bias", False, "mlp_bias"),
+        ("dflash_config.causal", False, "dflash_config.causal"),
+        ("dflash_config.use_swa", True, "dflash_config.use_swa"),
+        ("rope_parameters", rope(rope_type="dynamic", factor=2.0), "dynamic"),
+        ("rope_parameters", rope(rope_type="longrope", long_factor=[2.0]), "longrope"),
+        ("rope_parameters", dict(YARN, beta_fastest=3), "beta_fastest"),
+        ("rope_parameters", rope(rope_type="llama3", factor=8.0), "high_freq_factor"),
+        ("rope_parameters", rope(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        ("rope_parameters", {FULL: rope(), SLIDING: rope()}, "per layer type"),
+        ("rope_parameters", DELETE, "rope_theta"),  # loaders default it differently
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),  # beside the new name
+        ("rope_theta", 5e5, "rope_theta"),  # disagrees with rope_parameters
+        ("use_sliding_window", False, "use_sliding_window"),  # transformers drops the window
     ],
 )
-def test_each_validation_rule_raises(path, value, field):
-    d = valid_dict()
-    target = d
-    for k in path[:-1]:
-        target = target[k]
-    target[path[-1]] = value
-    with pytest.raises(UsageError, match=field):
-        config.config_from_dict(d)
-
-
-def test_dflash2_is_never_derived_from_a_target_config(tmp_path):
-    d = valid_dict()
-    d["architectures"] = ["LlamaForCausalLM"]
-    with pytest.raises(UsageError, match="DFlash2DraftModel"):
-        config.config_from_dict(d)
-    d = valid_dict()
-    del d["dflash_config"]["selector_rank"]
-    with pytest.raises(UsageError, match="selector_rank"):
-        config.config_from_dict(d)
-    (tmp_path / "bad.json").write_text(
-        '{"architectures": ["DFlash2DraftModel"],\n "hidden_size": 32,,}'
-    )
-    with pytest.raises(UsageError, match="line 2"):
-        config.load_config(str(tmp_path / "bad.json"))
+def test_each_validation_rule_raises(key, value, named):
+    """Each rule of a config.json (docs/semantics.md, section 3), broken in Z Lab's layout, is
+    refused naming the field."""
+    d = zlab_fixture()
+    target, k = (d["dflash_config"], key[14:]) if key.startswith("dflash_config.") else (d, key)
+    if value is DELETE:
+        del target[k]
+    else:
+        target[k] = value
+    with pytest.raises(UsageError, match=named):
+        config.config_from_dict(d, source="draft/config.json")
 
 
 def spec_tensor_shapes(c: DraftConfig):
-    """docs/semantics.md, section 3: the tensor list, written out independently of model.py."""
+    """docs/semantics.md, section 3: the tensor list in state_dict order, written out independently
+    of model.py."""
     H, FF, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
     q, kv, T, G, V, r = (
         c.num_attention_heads * c.head_dim,
@@ -262,26 +286,19 @@ def spec_tensor_shapes(c: DraftConfig):
         c.vocab_size,
         c.selector_rank,
     )
-    s = {
-        "fc.weight": (H, nt * H),
-        "hidden_norm.weight": (H,),
-        "norm.weight": (H,),
-        "candidate_selector.predecessor_codebook": (V, r),
-        "candidate_selector.successor_codebook": (V, r),
-        "candidate_selector.hidden_projection.weight": (r, H),
-    }
+    s = {"fc.weight": (H, nt * H), "hidden_norm.weight": (H,)}
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
         s.update(
             {
                 p + "input_layernorm.weight": (H,),
-                p + "post_attention_layernorm.weight": (H,),
                 p + "self_attn.q_proj.weight": (q, H),
                 p + "self_attn.k_proj.weight": (kv, H),
                 p + "self_attn.v_proj.weight": (kv, H),
                 p + "self_attn.o_proj.weight": (H, q),
                 p + "self_attn.q_norm.weight": (c.head_dim,),
                 p + "self_attn.k_norm.weight": (c.head_dim,),
+                p + "post_attention_layernorm.weight": (H,),
                 p + "mlp.gate_proj.weight": (FF, H),
                 p + "mlp.up_proj.weight": (FF, H),
                 p + "mlp.down_proj.weight": (H, FF),
@@ -290,6 +307,10 @@ def spec_tensor_shapes(c: DraftConfig):
         for conv in ("attention_conv", "mlp_conv"):
             s[p + conv + ".base_kernel"] = (2, T, H)
             s[p + conv + ".kernel_projection.weight"] = (2 * T * H // G, H)
+    s["norm.weight"] = (H,)
+    s["candidate_selector.predecessor_codebook"] = (V, r)
+    s["candidate_selector.successor_codebook"] = (V, r)
+    s["candidate_selector.hidden_projection.weight"] = (r, H)
     return s
 
 
@@ -297,8 +318,6 @@ def test_save_load_round_trip_and_contract(tmp_path):
     c = tiny_config(output_multiplier=0.5, final_logit_softcapping=20.0)
     draft = randomize(DraftModel(c))
     export.save_draft(draft, str(tmp_path))
-    from safetensors import safe_open
-
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert shapes == spec_tensor_shapes(c)
@@ -322,12 +341,15 @@ def test_save_load_round_trip_and_contract(tmp_path):
 
 
 def test_load_refuses_mismatched_tensors(tmp_path):
-    draft = DraftModel(tiny_config())
-    export.save_draft(draft, str(tmp_path))
+    export.save_draft(DraftModel(tiny_config()), str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["dflash_config"]["selector_rank"] = 4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UsageError, match="predecessor_codebook"):
+        export.load_draft(str(tmp_path))
+    # a config.json that is not JSON: refused naming the line
+    (tmp_path / "config.json").write_text('{"architectures": ["DFlash2DraftModel"],\n "x": 1,,}')
+    with pytest.raises(UsageError, match="line 2"):
         export.load_draft(str(tmp_path))
 
 
@@ -341,10 +363,8 @@ def test_published_27b_layout_parameter_count():
 
 def test_shipped_configs_load():
     for name in os.listdir(os.path.join(HERE, "configs")):
-        if not name.endswith(".json"):  # *.flags: recipes, not drafts
-            continue
-        c = config.load_config(os.path.join(HERE, "configs", name))
-        assert c.dflash2
+        if name.endswith(".json"):  # *.flags: recipes, not drafts
+            assert config.load_config(os.path.join(HERE, "configs", name)).dflash2
 
 
 # ============================================================================ checkpoint formats
@@ -356,95 +376,33 @@ def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
     """Unset: sliding layers causal in the block, full layers bidirectional (Z Lab, SGLang, vLLM);
     an explicit value applies to every layer."""
     d = zlab_fixture() if is_causal == "absent" else zlab_fixture(is_causal=is_causal)
-    c = config.config_from_dict(d)
-    assert c.is_causal == (None if is_causal == "absent" else is_causal)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
+    assert config.config_from_dict(d).is_causal == (None if is_causal == "absent" else is_causal)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, causal)
     with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, causal)
-        for h in both_paths(draft, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
         other = reference_block(draft, d, embed_w, feats, ids, 9, [not x for x in causal])
-        # the check can tell them apart
-        assert (ref - other).abs().max() > 1e-3
+    assert (ref - other).abs().max() > 1e-3  # the check can tell them apart
 
 
 def test_input_embedding_scale_in_both_paths():
     d = zlab_fixture(dflash={"input_embedding_scale": 0.5})
-    c = config.config_from_dict(d)
-    assert c.input_embedding_scale == 0.5
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False], scale=0.5)
     plain = DraftModel(config.config_from_dict(zlab_fixture()))
     plain.load_state_dict(draft.state_dict())
-    with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False], scale=0.5)
-        for h, h_plain in zip(
-            both_paths(draft, embed_w, feats, ids, 9),
-            # by hand: the table halved
-            both_paths(plain, embed_w * 0.5, feats, ids, 9),
-        ):
-            assert (h - ref).abs().max() <= 1e-5
-            assert torch.equal(h, h_plain)
+    with torch.no_grad():  # by hand: the table halved
+        halved = both_paths(plain, embed_w * 0.5, feats, ids, 9)
+        assert all(map(torch.equal, both_paths(draft, embed_w, feats, ids, 9), halved))
         assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
-
-
-def test_specforge_27b_layout_reads_as_the_shipped_config():
-    """SpecForge's published Qwen3.6-27B DFlash2 config layout (integer rope_theta inside
-    rope_parameters, null bos_token_id, explicit is_causal false) with the 27B sizes of
-    docs/semantics.md, section 3."""
-    d = zlab_fixture(
-        bos_token_id=None,
-        eos_token_id=248044,
-        pad_token_id=248044,
-        use_cache=True,
-        transformers_version="5.8.1",
-        dflash_config={
-            "block_size": 8,
-            "conv_group_size": 16,
-            "conv_kernel_size": 2,
-            "mask_token_id": 248070,
-            "selector_rank": 256,
-            "selector_top_k": 16,
-            "target_layer_ids": [5, 19, 33, 47, 61],
-        },
-        head_dim=128,
-        hidden_size=5120,
-        intermediate_size=17408,
-        is_causal=False,
-        layer_types=[SLIDING] * 5,
-        max_position_embeddings=262144,
-        max_window_layers=5,
-        num_attention_heads=32,
-        num_hidden_layers=5,
-        num_key_value_heads=8,
-        num_target_layers=64,
-        rms_norm_eps=1e-06,
-        sliding_window=2048,
-        vocab_size=248320,
-        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
-    )
-    assert config.config_from_dict(d) == config.load_config(
-        os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json")
-    )
 
 
 # ---------------------------------------------------------------------------- scaled RoPE
 def test_yarn_rope_parameters_forward():
     d = zlab_fixture(rope_parameters=YARN)
     c = config.config_from_dict(d)
-    assert c.rope_theta == 10000.0 and c.rope_scaling == {
-        k: v for k, v in YARN.items() if k != "rope_theta"
-    }
-    draft = randomize(DraftModel(c), std=0.1)
-    embed_w, feats, ids = fixture_inputs(c)
+    assert c.rope_theta == 10000.0 and c.rope_scaling == YARN_SCALING
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False])
     with torch.no_grad():
-        ref = reference_block(draft, d, embed_w, feats, ids, 9, [True, False])
-        for h in both_paths(draft, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
-        assert (
-            ref - reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
-        ).abs().max() > 1e-3
+        plain = reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
+    assert (ref - plain).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -496,54 +454,22 @@ def transformers_frequencies(c: DraftConfig) -> tuple:
     return inv_freq, scale
 
 
-def test_a_scaled_rope_is_computed_from_the_configs_fields(tmp_path):
-    """A config holds no frequencies: `import model` alone builds a scaled-RoPE draft from a config,
-    compat/ never imported, and a RoPE field changed by dataclasses.replace changes the draft's
-    frequencies (a cache copied along would keep the old ones)."""
-    c = config.config_from_dict(zlab_fixture(rope_parameters=dict(YARN)))
-    torch.save(c, tmp_path / "config.pt")
-    code = (
-        "import sys, torch, model\n"
-        "c = torch.load(sys.argv[1], weights_only=False)\n"
-        "inv_freq = model.DraftModel(c).layers[0].self_attn.inv_freq\n"
-        "print([m for m in sys.modules if m.startswith('compat')], inv_freq.tolist())"
-    )
-    argv = [sys.executable, "-c", code, str(tmp_path / "config.pt")]
-    out = subprocess.run(argv, cwd=HERE, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == f"[] {transformers_frequencies(c)[0].tolist()}"
-    for change in ({"rope_scaling": dict(c.rope_scaling, factor=8.0)}, {"rope_theta": 1e6}):
+def test_rope_frequencies_follow_the_draft_and_stay_fp32():
+    """inv_freq is a non-persistent buffer of each Attention, computed from the config's fields: a
+    RoPE field changed by dataclasses.replace changes it (a cache copied along would keep the old).
+    draft.to(device) moves it, so rope() copies nothing from the host per call on a GPU;
+    draft.to(bf16) leaves it fp32, since rope() computes in fp32; state_dict, and so every export,
+    holds the same tensors as before, in order."""
+    c = tiny_config(rope_scaling=YARN_SCALING)
+    fp32 = transformers_frequencies(c)[0]
+    for change in ({"rope_scaling": dict(YARN_SCALING, factor=8.0)}, {"rope_theta": 1e6}):
         changed = dataclasses.replace(c, **change)
         want = transformers_frequencies(changed)[0]
-        assert not torch.equal(want, transformers_frequencies(c)[0]), change
+        assert not torch.equal(want, fp32), change
         assert torch.equal(DraftModel(changed).layers[0].self_attn.inv_freq, want), change
-    for theta in (1e4, 1e6):  # plain RoPE: 1 / theta^(2i/D)
-        freqs = DraftModel(dataclasses.replace(c, rope_scaling=None, rope_theta=theta)).layers[1]
-        want = [theta ** -(i / c.head_dim) for i in range(0, c.head_dim, 2)]
-        assert freqs.self_attn.inv_freq.tolist() == pytest.approx(want, rel=1e-6)
-
-
-def test_rope_frequencies_follow_the_draft_and_stay_fp32():
-    """inv_freq is a non-persistent buffer of each Attention: draft.to(device) moves it, so rope()
-    copies nothing from the host per call on a GPU; draft.to(bf16) leaves it fp32, since rope()
-    computes in fp32; state_dict, and so every export, holds the same tensors as before, in
-    order."""
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    c = tiny_config(rope_scaling=yarn)
-    fp32 = model.rope_frequencies(c)[0]
-    sub = ["input_layernorm.weight"]
-    sub += [f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    sub += ["self_attn.q_norm.weight", "self_attn.k_norm.weight", "post_attention_layernorm.weight"]
-    sub += [f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
-    sub += [
-        f"{w}_conv.{p}"
-        for w in ("attention", "mlp")
-        for p in ("base_kernel", "kernel_projection.weight")
-    ]
-    keys = ["fc.weight", "hidden_norm.weight", *(f"layers.{i}.{k}" for i in range(2) for k in sub)]
-    keys += ["norm.weight"] + [
-        f"candidate_selector.{k}"
-        for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
-    ]
+    plain = DraftModel(dataclasses.replace(c, rope_scaling=None)).layers[1].self_attn.inv_freq
+    assert plain.tolist() == pytest.approx([1e4 ** -(i / 8) for i in range(0, 8, 2)], rel=1e-6)
+    keys = list(spec_tensor_shapes(c))
     draft = DraftModel(c)
     attns = [layer.self_attn for layer in draft.layers]
     assert list(draft.state_dict()) == keys
@@ -559,75 +485,6 @@ def test_rope_frequencies_follow_the_draft_and_stay_fp32():
 
 
 # --------------------------------------------------------------------------- fields refused or read
-@pytest.mark.parametrize(
-    "key,value,named",
-    [
-        ("attention_bias", True, "attention_bias"),
-        ("hidden_act", "gelu", "hidden_act"),
-        ("model_type", "llama", "model_type"),
-        ("attention_dropout", 0.1, "attention_dropout"),
-        ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
-        # a field the code does not know
-        ("mlp_bias", False, "mlp_bias"),
-        # vLLM reads it, Z Lab does not
-        ("dflash_config.causal", False, "dflash_config.causal"),
-        ("dflash_config.use_swa", True, "dflash_config.use_swa"),
-        ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
-        ("rope_parameters", {"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}, "dynamic"),
-        (
-            "rope_parameters",
-            {
-                "rope_theta": 1e4,
-                "rope_type": "longrope",
-                "short_factor": [1.0],
-                "long_factor": [2.0],
-            },
-            "longrope",
-        ),
-        ("rope_parameters", dict(YARN, beta_fastest=3), "beta_fastest"),
-        (
-            "rope_parameters",
-            {"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0},
-            "high_freq_factor",
-        ),
-        (
-            "rope_parameters",
-            {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.5},
-            "partial_rotary_factor",
-        ),
-        (
-            "rope_parameters",
-            {FULL: {"rope_theta": 1e4}, SLIDING: {"rope_theta": 1e4}},
-            "per layer type",
-        ),
-        # loaders default it differently
-        ("rope_parameters", DELETE, "rope_theta"),
-        # beside rope_parameters
-        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
-        # disagrees with rope_parameters
-        ("rope_theta", 5e5, "rope_theta"),
-        # transformers drops the window
-        ("use_sliding_window", False, "use_sliding_window"),
-        # derived from max_window_layers
-        ("layer_types", DELETE, "layer_types"),
-        ("is_causal", "yes", "is_causal"),
-        # narrower than the block
-        ("sliding_window", 3, "sliding_window"),
-    ],
-)
-def test_unimplemented_fields_are_refused_by_name(key, value, named):
-    d = zlab_fixture()
-    target, k = (
-        (d["dflash_config"], key.split(".")[1]) if key.startswith("dflash_config.") else (d, key)
-    )
-    if value is DELETE:
-        del target[k]
-    else:
-        target[k] = value
-    with pytest.raises(UsageError, match=named):
-        config.config_from_dict(d, source="draft/config.json")
-
-
 def test_harmless_fields_accepted_and_old_names_read():
     base = config.config_from_dict(zlab_fixture())
     quiet = zlab_fixture(
@@ -643,8 +500,12 @@ def test_harmless_fields_accepted_and_old_names_read():
         tie_word_embeddings=True,
     )
     assert config.config_from_dict(quiet) == dataclasses.replace(base, tie_word_embeddings=True)
+    # SpecForge writes an integer rope_theta
+    integer = zlab_fixture(rope_parameters={"rope_theta": 10000, "rope_type": "default"})
+    assert config.config_from_dict(integer) == base
+    # the shipped configs' names; with sliding layers an absent use_sliding_window reads as true
     old = zlab_fixture(torch_dtype="bfloat16", rope_theta=10000.0)
-    del old["dtype"], old["rope_parameters"]
+    del old["dtype"], old["rope_parameters"], old["use_sliding_window"]
     assert config.config_from_dict(old) == base
     legacy = zlab_fixture(
         rope_theta=10000.0,
@@ -657,70 +518,42 @@ def test_harmless_fields_accepted_and_old_names_read():
     # the shipped configs use the old names; what this code writes uses the current ones
     c = config.load_config(os.path.join(HERE, "configs", "qwen3-8b-dflash2.json"))
     written = config.config_to_dict(c)
-    assert (
-        written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
-        and "rope_theta" not in written
+    assert written["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+    assert "rope_theta" not in written and written["is_causal"] is False
+    assert config.config_from_dict(written) == c
+
+
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_unset_is_causal_survives_training_and_export(setup, tmp_path, is_causal):
+    d = zlab_fixture() if is_causal is None else zlab_fixture(is_causal=is_causal)
+    (tmp_path / "draft.json").write_text(json.dumps(d))
+    ck = run(
+        setup, tmp_path / "ck", "--max-steps", "1", "--draft-config", str(tmp_path / "draft.json")
     )
-    assert written["is_causal"] is False and config.config_from_dict(written) == c
-
-
-def test_unset_is_causal_survives_training_and_export(setup, tmp_path):
-    for name, d in (("unset", zlab_fixture()), ("false", zlab_fixture(is_causal=False))):
-        (tmp_path / f"{name}.json").write_text(json.dumps(d))
-        ck = run(
-            setup,
-            tmp_path / name,
-            "--max-steps",
-            "1",
-            "--draft-config",
-            str(tmp_path / f"{name}.json"),
-        )
-        export.export(str(tmp_path / name), str(tmp_path / f"{name}-out"), torch.float32)
-        written = json.loads((tmp_path / f"{name}-out" / "config.json").read_text())
-        back = export.load_any(str(tmp_path / f"{name}-out")).config
-        if name == "unset":
-            assert (
-                "is_causal" not in ck["config"]
-                and "is_causal" not in written
-                and back.is_causal is None
-            )
-        else:
-            assert (
-                ck["config"]["is_causal"] is False
-                and written["is_causal"] is False
-                and back.is_causal is False
-            )
-        assert "dtype" in written and "torch_dtype" not in written and "rope_parameters" in written
+    export.export(str(tmp_path / "ck"), str(tmp_path / "out"), torch.float32)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert export.load_any(str(tmp_path / "out")).config.is_causal is is_causal
+    # an unset is_causal stays absent in the checkpoint and the export
+    assert ck["config"].get("is_causal", "absent") == written.get("is_causal", "absent")
+    assert ("is_causal" in written) is (is_causal is not None)
+    assert "dtype" in written and "torch_dtype" not in written and "rope_parameters" in written
 
 
 # --------------------------------------------------------------------------- the speculators format
 def speculators_fixture(non_causal=False, **kw) -> dict:
     """A config.json as speculators 0.9.0's DFlash2DraftModel.save_pretrained writes it."""
-    layer = {
-        k: v
-        for k, v in zlab_fixture().items()
-        if k
-        not in (
-            "architectures",
-            "dflash_config",
-            "dtype",
-            "num_target_layers",
-            "transformers_version",
-        )
-    }
+    drop = ("architectures", "dflash_config", "dtype", "num_target_layers", "transformers_version")
+    layer = {k: v for k, v in zlab_fixture().items() if k not in drop}
+    # block_size, mask_token_id and the DFlash2 fields sit at the top level
+    dflash = {k: v for k, v in zlab_fixture()["dflash_config"].items() if k != "target_layer_ids"}
     d = {
         "architectures": ["DFlash2DraftModel"],
         "auto_map": {"": "config.DFlash2SpeculatorConfig"},
         "aux_hidden_state_layer_ids": [1, 3],
-        "block_size": 4,
-        "conv_group_size": 8,
-        "conv_kernel_size": 2,
+        **dflash,
         "draft_vocab_size": 64,
         "dtype": "float32",
-        "mask_token_id": 63,
         "sample_from_anchor": False,
-        "selector_rank": 8,
-        "selector_top_k": 5,
         "sliding_window_non_causal": non_causal,
         "speculators_config": {
             "algorithm": "dflash2",
@@ -756,13 +589,8 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
         4, is_causal=is_causal, layer_types=layer_types, sliding_window=6, num_target_layers=None
     )
     write_ckpt(tmp_path / "ckpt.pt", draft)
-    argv = [
-        str(tmp_path / "ckpt.pt"),
-        "--out-dir",
-        str(tmp_path / "spec"),
-        *"--dtype fp32 --format speculators --verifier Org/Target-4L".split(),
-    ]
-    export.main(argv)
+    argv = [str(tmp_path / "ckpt.pt"), "--out-dir", str(tmp_path / "spec"), "--dtype", "fp32"]
+    export.main(argv + "--format speculators --verifier Org/Target-4L".split())
     if sharded:  # as a public sharded checkpoint: shards + index
         shard_by_hand(tmp_path / "spec")
     d = json.loads((tmp_path / "spec" / "config.json").read_text())
@@ -776,21 +604,17 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
     assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
     assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     layer = d["transformer_layer_config"]
-    assert (
-        layer["model_type"],
-        layer["hidden_size"],
-        layer["num_hidden_layers"],
-        layer["layer_types"],
-    ) == ("qwen3", 32, 2, layer_types)
+    assert [layer[k] for k in ("model_type", "hidden_size", "num_hidden_layers")] == [
+        "qwen3",
+        32,
+        2,
+    ]
+    assert layer["layer_types"] == layer_types and "is_causal" not in layer
     assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
-    assert (
-        layer.get("use_sliding_window", False) is (SLIDING in layer_types)
-        and "is_causal" not in layer
-    )
+    assert layer.get("use_sliding_window", False) is (SLIDING in layer_types)
     back = export.load_any(str(tmp_path / "spec"))
-    assert back.config == c and all(
-        torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items()
-    )
+    assert back.config == c
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
     assert torch.equal(block_hidden(back), block_hidden(draft))
     # and back to the Z Lab form
     export.export(str(tmp_path / "spec"), str(tmp_path / "zlab"), torch.float32)
@@ -803,27 +627,21 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
     (tmp_path / "config.json").write_text(json.dumps(d))
     zl = config.config_from_dict(zlab_fixture(num_target_layers=None))
     draft = randomize(DraftModel(zl), std=0.1)
-    embed_w, feats, ids = fixture_inputs(zl)
-    copies = {
-        "embed_tokens.weight": embed_w,
-        "lm_head.weight": embed_w.clone(),
-        "verifier_lm_head.weight": embed_w.clone(),
-        "verifier_norm.weight": torch.ones(32),
-    }
-    from safetensors.torch import save_file
-
+    names = ["embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm"]
+    copies = {f"{k}.weight": torch.randn(64, 32) for k in names}
     save_file({**draft.state_dict(), **copies}, str(tmp_path / "model.safetensors"))
     back = export.load_any(str(tmp_path))
     assert back.config.is_causal is (False if non_causal else None)
     # the verifier copies dropped
     assert set(back.state_dict()) == set(draft.state_dict())
-    with torch.no_grad():
-        ref = reference_block(back, d["transformer_layer_config"], embed_w, feats, ids, 9, causal)
-        for h in both_paths(back, embed_w, feats, ids, 9):
-            assert (h - ref).abs().max() <= 1e-5
+    block_follows_the_rule(d["transformer_layer_config"], causal, draft=back)
     # not misread as the Z Lab form
     with pytest.raises(UsageError, match="speculators-format"):
         config.load_config(str(tmp_path))
+
+
+def spec_layer(**kw) -> dict:
+    return dict(speculators_fixture()["transformer_layer_config"], **kw)
 
 
 @pytest.mark.parametrize(
@@ -837,22 +655,8 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
         (dict(markov_rank=256), "markov_rank"),
         (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
         (dict(block_size=8), "speculative_tokens"),
-        (
-            dict(
-                transformer_layer_config=dict(
-                    speculators_fixture()["transformer_layer_config"], attention_bias=True
-                )
-            ),
-            "attention_bias",
-        ),
-        (
-            dict(
-                transformer_layer_config=dict(
-                    speculators_fixture()["transformer_layer_config"], is_causal=False
-                )
-            ),
-            "is_causal",
-        ),
+        (dict(transformer_layer_config=spec_layer(attention_bias=True)), "attention_bias"),
+        (dict(transformer_layer_config=spec_layer(is_causal=False)), "is_causal"),
     ],
 )
 def test_speculators_fields_refused_by_name(tmp_path, change, named):
@@ -889,13 +693,7 @@ def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
     [
         (dict(layer_types=[SLIDING, FULL], sliding_window=64, is_causal=False), False),
         (dict(layer_types=[SLIDING, SLIDING], sliding_window=64), False),  # is_causal unset
-        (
-            dict(
-                layer_types=[FULL, FULL],
-                rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"},
-            ),
-            False,
-        ),
+        (dict(layer_types=[FULL, FULL], rope_scaling=YARN_SCALING), False),
         # a window shorter than the context: speculators counts it from the anchor, this project
         # from each query (docs/training-at-scale.md)
         (dict(layer_types=[SLIDING, SLIDING], sliding_window=8), True),
@@ -903,13 +701,10 @@ def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
 )
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # CPU: unfused
 def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
-    """The real speculators 0.9.0: its DFlash2DraftModel.from_pretrained loads this project's
-    `--format speculators` export (fp32) and its training forward up to the logits
-    (_backbone_forward, the loss mask admitting one anchor) gives the block that both of this
-    project's paths give at anchor 13 of 24 tokens: the same final hidden states and unary logits.
-    The verifier is a tiny random Qwen3 on disk, from which speculators reloads embed_tokens and
-    lm_head as from a hub model. Skipped without speculators, which pins transformers<=5.19, so it
-    runs in a venv of its own:
+    """The real speculators 0.9.0 loads this project's fp32 `--format speculators` export, and its
+    training forward (_backbone_forward, one anchor) gives the block both of this project's paths
+    give at anchor 13 of 24 tokens: the same final hidden states and unary logits. Skipped without
+    speculators, which pins transformers<=5.19, so it runs in a venv of its own:
 
         python3 -m venv .venv-spec && . .venv-spec/bin/activate
         grep -v '^transformers' requirements.txt > .venv-spec/requirements.txt
@@ -930,25 +725,18 @@ def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
     draft = randomize(DraftModel(c), seed=1).eval()  # tiny_draft(8, seed=1), its RoPE computed
     feats = torch.cat([hidden[i + 1] for i in draft.config.target_layer_ids], -1)
     write_ckpt(tmp_path / "ckpt.pt", draft)
+    out, verifier = str(tmp_path / "spec"), str(tmp_path / "target")
     export.export(
-        str(tmp_path / "ckpt.pt"),
-        str(tmp_path / "spec"),
-        torch.float32,
-        fmt="speculators",
-        verifier=str(tmp_path / "target"),
+        str(tmp_path / "ckpt.pt"), out, torch.float32, fmt="speculators", verifier=verifier
     )
-    spec = DFlash2DraftModel.from_pretrained(str(tmp_path / "spec")).eval()
+    spec = DFlash2DraftModel.from_pretrained(out).eval()
     loss_mask = torch.zeros(1, S, dtype=torch.long)
     loss_mask[0, a] = 1
+    # verifier_last_hidden_states feeds only its loss's targets, which are not compared
+    kw = dict(verifier_last_hidden_states=torch.zeros(1, S, c.hidden_size), max_anchors=1)
     with torch.no_grad():
         h_spec, u_spec, *_ = spec._backbone_forward(
-            feats,
-            ids,
-            loss_mask,
-            # feeds only its loss's targets, which are not compared
-            verifier_last_hidden_states=torch.zeros(1, S, draft.config.hidden_size),
-            document_ids=torch.zeros(1, S, dtype=torch.long),
-            max_anchors=1,
+            feats, ids, loss_mask, **kw, document_ids=0 * ids
         )
         embed_w = target.get_input_embeddings().weight
         paths = both_paths(draft, embed_w, feats[0], ids[0], a)
