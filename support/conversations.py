@@ -289,6 +289,12 @@ def tokenize_conversation(tokenizer, conversation, max_length: int, chat_templat
     return ids[:max_length], mask[:max_length]
 
 
+def generated_answer(tokenizer, ids: list) -> dict:
+    """The answer turn of a regeneration: the ids the target generated, and their text."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return {"role": "assistant", "content": text, "token_ids": ids}
+
+
 def retokenized_differs(tokenizer, messages, chat_template_kwargs=None):
     """Whether re-tokenizing a regenerated answer's text gives other ids than the target generated
     (its last turn's token_ids): the answer's span in the rendered conversation, tokenized, must
