@@ -16,13 +16,7 @@ from support.common import UsageError
 #   {"text": "..."}                 SpecForge's preformatted: already through the chat template
 #   {"input_ids", "loss_mask"}      pre-tokenized, supervised where loss_mask is 1
 # A turn is {"role", "content"} or {"from", "value"}; its role one of ROLES, never guessed.
-ROLES = {
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "system": "system",
-}
+ROLES = dict(user="user", human="user", assistant="assistant", gpt="assistant", system="system")
 FORMATS = ("messages", "conversations", "text", "input_ids")
 TURN_KEYS = (("role", "content"), ("from", "value"))
 

@@ -104,12 +104,10 @@ def regenerate_on_servers(
     answers = regen_server.regenerate(
         {i: prompts[i] for i in todo}, tokenizer, servers, made, max_new_tokens, **client
     )
-    path, kept = os.path.join(out_dir, own), 0
+    path, kept, desc = os.path.join(out_dir, own), 0, f"regenerate on {len(servers)} server(s)"
     with (
         open(path, "a", encoding="utf-8") as f,
-        tqdm(
-            total=len(todo), desc=f"regenerate on {len(servers)} server(s)", disable=not todo
-        ) as bar,
+        tqdm(total=len(todo), desc=desc, disable=not todo) as bar,
     ):
         try:
             for record in answers:

