@@ -105,15 +105,12 @@ def to_record(index: int, prompt: list, reply: dict, tokenizer, settings: dict, 
     except (KeyError, IndexError, TypeError):
         raise Transient(f"a reply without choices[0].message: {str(reply)[:100]}") from None
     ids, usage = generated_ids(choice), reply.get("usage") or {}
-    eos = tokenizer.eos_token_id
+    eos, kw = tokenizer.eos_token_id, settings["chat_template_kwargs"]
     if ids is not None:
-        if finished and (not ids or ids[-1] != eos):
-            ids = ids + [eos]  # a server that leaves out the token it stopped at (llama-server
-            # keeps it), so that the answer ends as in-process
+        if finished and (not ids or ids[-1] != eos):  # a server that leaves out its stop token:
+            ids = ids + [eos]  # the answer ends as in-process (and as llama-server's)
         answer = generated_answer(tokenizer, ids)
-        differs = retokenized_differs(
-            tokenizer, prompt + [answer], settings["chat_template_kwargs"]
-        )
+        differs = retokenized_differs(tokenizer, prompt + [answer], kw)
     else:
         if message.get("reasoning_content") or message.get("reasoning"):
             raise ServerError(
@@ -127,7 +124,6 @@ def to_record(index: int, prompt: list, reply: dict, tokenizer, settings: dict, 
         n = len(tokenizer(answer["content"], add_special_tokens=False)["input_ids"]) + finished
         count = usage.get("completion_tokens")
         differs = None if count is None else n != count
-    kw = settings["chat_template_kwargs"]
     prompt_ids = tokenizer(render(tokenizer, prompt, True, kw), add_special_tokens=False)
     counted = usage.get("prompt_tokens")
     return {

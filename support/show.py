@@ -262,32 +262,21 @@ class Answer(Watcher):
 REPEATS = 5  # --compare's speed-up: the median of this many decodings each way
 
 
-def median_speedup(speculative, plain, repeats: int = REPEATS) -> str:
-    """The ratio of median tok/s, speculative() against plain() (each -> Stats), run in turn so
-    that a shared machine's drift hits both: one decoding scatters by tens of percent."""
-    spec, base = [], []
-    for _ in range(repeats):
-        spec.append(speculative().tok_per_s)
-        base.append(plain().tok_per_s)
-    s, b = sorted(spec)[repeats // 2], sorted(base)[repeats // 2]
-    return (
-        f"speedup {s / b:.2f}x (median of {repeats} runs each way: {s:.1f} against {b:.1f} tok/s)"
-    )
-
-
 def versus_plain(target, prompt_ids, out, speculative, plain, gen, state, temperature, B) -> str:
-    """--compare after the speculative answer `out`: plain decoding from gen, then both ways
-    REPEATS times from their first generator state (speculative's: state) -> plain's statistics,
-    the speed-up and the verdict (compare)."""
+    """--compare after the speculative answer `out`: plain decoding from gen, then both ways in turn
+    REPEATS times, each from its first generator state (speculative's: state), so that a shared
+    machine's drift hits both -> plain's statistics, the median speed-up and the verdict."""
     plain_state = gen.get_state()
     base, base_stats = timed(lambda: plain(generator=gen), prompt_ids)
 
     def again(decode, at, block_size=None):  # once more, its generator back where it began
         g = torch.Generator(device=gen.device).set_state(at)
-        return timed(lambda: decode(generator=g), prompt_ids, block_size)[1]
+        return timed(lambda: decode(generator=g), prompt_ids, block_size)[1].tok_per_s
 
-    speedup = median_speedup(
-        lambda: again(speculative, state, B), lambda: again(plain, plain_state)
+    runs = [(again(speculative, state, B), again(plain, plain_state)) for _ in range(REPEATS)]
+    s, b = (sorted(way)[REPEATS // 2] for way in zip(*runs))  # one decoding scatters by tens of %
+    speedup = (
+        f"speedup {s / b:.2f}x (median of {REPEATS} runs each way: {s:.1f} against {b:.1f} tok/s)"
     )
     verdict = compare(target, prompt_ids.shape[1], base, out, temperature, B)
     return f"[plain] {base_stats.summary()}\n  {speedup}, output {verdict}"
