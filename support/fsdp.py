@@ -27,16 +27,10 @@ def shard_draft(objective, layers, bf16: bool):
     """Shard the draft in place: one unit a layer (context_kv, run before the layers, gathers its
     weights too), then the root `objective` for the rest. bf16: bf16 compute copies of the fp32
     slices, fp32 gradient reduction; inputs left to autocast, as under DDP."""
-    mp = (
-        MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
-        if bf16
-        else MixedPrecisionPolicy()
-    )
+    half = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(**(half if bf16 else {}))
     # context_kv returns transposed views; FSDP warns that an in-place write into one would skip its
-    # hook, but nothing writes into them (model.Attention.forward concatenates them into new
-    # tensors)
+    # hook, but nothing writes into them (model.Attention.forward concatenates them)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for layer in layers:
         fully_shard(layer, mp_policy=mp)

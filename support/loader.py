@@ -45,13 +45,9 @@ class MicroBatches(torch.utils.data.Dataset):
     collate's batch on the CPU (collate: data.collate, passed in so that imports flow one way)."""
 
     def __init__(self, collate, samples, rows, num_anchors, seed, per_document=False, static=False):
-        self.collate, self.samples, self.rows, self.num_anchors = (
-            collate,
-            samples,
-            rows,
-            num_anchors,
-        )
-        self.seed, self.per_document, self.static = seed, per_document, static
+        self.collate, self.samples, self.rows = collate, samples, rows
+        self.num_anchors, self.seed = num_anchors, seed
+        self.per_document, self.static = per_document, static
 
     def __getitem__(self, item):
         epoch, batch_rows = item
