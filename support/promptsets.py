@@ -157,10 +157,8 @@ PROMPT_SETS = {  # name -> seed -> prompts; the held-out sets never depend on th
     "default": lambda seed: training_prompts(seed=seed),
     "eval": lambda seed: held_out_prompts(),
     "math": lambda seed: math_training_prompts(seed),
-    # GSM8K test, from its first question
-    "math-eval": lambda seed: eval_prompts("gsm8k"),
-    # the same, from its last: for recipe studies
-    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],
+    "math-eval": lambda seed: eval_prompts("gsm8k"),  # GSM8K test, from its first question
+    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],  # from its last: for recipe studies
     # the TOY run's word problems (bash run.sh --toy; prompts/toy_problems.py) and its held-out ones
     "toy": lambda seed: [q for q, _ in toy_split()[0]],
     "toy-eval": lambda seed: [q for q, _ in toy_split()[1]],

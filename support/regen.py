@@ -20,11 +20,7 @@ from support.conversations import generated_answer, retokenized_differs
 # ----------------------------------------------------------------------------- settings
 def settings(chat_template_kwargs=None, temperature=0.0, seed=0) -> dict:
     """What shapes a regenerated answer's text, as each record and conversations.jsonl keep it."""
-    return {
-        "chat_template_kwargs": chat_template_kwargs or {},
-        "temperature": temperature,
-        "seed": seed,
-    }
+    return dict(chat_template_kwargs=chat_template_kwargs or {}, temperature=temperature, seed=seed)
 
 
 def settings_of(record) -> dict:

@@ -52,10 +52,8 @@ def label(shape) -> str:
 class Stats:
     new_tokens: int = 0
     seconds: float = 0.0  # wall clock of the whole call, prefill included
-    # acceptance length per cycle: accepted drafts + 1, in 1..B
-    taus: list = field(default_factory=list)
-    # [j-1]: in how many cycles draft slot j was accepted
-    accepted_at: list = None
+    taus: list = field(default_factory=list)  # per cycle: accepted drafts + 1, in 1..B
+    accepted_at: list = None  # [j-1]: in how many cycles draft slot j was accepted
 
     @property
     def mean_tau(self):

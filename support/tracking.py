@@ -30,11 +30,14 @@ class RunLog:
             self.track(record)
 
     def end(self, final: dict, cfg, step, elapsed_s):
-        """final: the held-out metrics of a finished run ({}: none)."""
-        if self.on and final:
-            record = final_report(self.out_dir, self.path, final, cfg, step, elapsed_s)
-            if self.track:
-                self.track(record)
+        """A finished run's end on rank 0 (final: its held-out metrics; {}: none): acceptance.json,
+        the "final" record, the summary."""
+        if not (self.on and final):
+            return
+        save_acceptance(self.out_dir, final, cfg, step)  # before the record: it pops what it keeps
+        self(**{"kind": "final", "step": step, "elapsed_s": elapsed_s, **final})
+        print_summary(final, cfg)
+        print(f"\nserved tau (the real decoding loop): python -m tools.served {self.out_dir}")
 
 
 def start_tracker(args):
@@ -70,16 +73,6 @@ def numbers(record: dict) -> dict:
 def append_log(path, record: dict):
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def final_report(out_dir, log_path, final: dict, cfg, step, elapsed_s) -> dict:
-    """A finished run's end: acceptance.json, the "final" record (returned), the summary."""
-    save_acceptance(out_dir, final, cfg, step)  # before the record: it pops what it keeps
-    record = {"kind": "final", "step": step, "elapsed_s": elapsed_s, **final}
-    append_log(log_path, record)
-    print_summary(final, cfg)
-    print(f"\nserved tau (the real decoding loop): python -m tools.served {out_dir}")
-    return record
 
 
 def print_summary(m, cfg):
