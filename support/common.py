@@ -60,13 +60,8 @@ def cpu_name() -> str:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = fields.get("flags", "").split()
-    kind = "AVX2 only"
-    for flag, name in (
-        ("avx512f", "AVX-512"),
-        ("avx512_bf16", "AVX-512 with bf16"),
-        ("amx_tile", "AMX"),
-    ):
-        kind = name if flag in flags else kind
+    widest = {"amx_tile": "AMX", "avx512_bf16": "AVX-512 with bf16", "avx512f": "AVX-512"}
+    kind = next((name for flag, name in widest.items() if flag in flags), "AVX2 only")
     model = fields.get("model name", platform.processor())
     numbers = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
     return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"

@@ -147,15 +147,12 @@ def fidelity(records) -> str:
     lines = []
     if with_ids:
         d = sum(bool(r.get("retokenized_differs")) for r in with_ids)
-        unknown = sum(r.get("retokenized_differs") is None for r in with_ids)
+        n = sum(r.get("retokenized_differs") is None for r in with_ids)
+        unknown = f"; {n} could not be compared (the template splits no turns)" if n else ""
         lines.append(
             f"{len(with_ids)} answers keep the target's generated token ids and are supervised as "
             f"those; re-tokenizing their text would change {d} ({100 * d / len(with_ids):.1f}%)"
-            + (
-                f"; {unknown} could not be compared (the template splits no turns)"
-                if unknown
-                else ""
-            )
+            + unknown
         )
     plain = [r for r in records if "token_ids" not in r["messages"][-1]]
     counted = [r for r in plain if r.get("retokenized_differs") is not None]
