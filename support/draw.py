@@ -300,9 +300,11 @@ BRANCHES = (
 )
 
 
-def path_kinds(n: int, accepted: int) -> list:
-    """The kinds of a path's n drafts: `accepted` accepted, one rejected, the rest unchecked."""
-    return (["accepted"] * accepted + ["rejected"] + ["unchecked"] * n)[:n]
+def path_slots(drafts, unary, accepted: int, bonus) -> list:
+    """A path cycle's slots (token, kind, departs): `accepted` drafts accepted, one rejected, the
+    rest unchecked, each departing where it is not its slot's unary argmax; then the bonus."""
+    kinds = (["accepted"] * accepted + ["rejected"] + ["unchecked"] * len(drafts))[: len(drafts)]
+    return [(d, k, d != u) for d, u, k in zip(drafts, unary, kinds)] + [(bonus, "bonus", False)]
 
 
 def tree_kinds(t, path) -> list:
@@ -362,12 +364,9 @@ def decoding(cycles, text, title: str) -> Svg:
 
 def path_row(svg, x, y, c, text) -> float:
     """One path cycle's drafts and bonus as boxes on one row -> the y below it."""
-    kinds = path_kinds(len(c.drafts), c.accepted)
-    slots = list(zip(c.drafts, c.unary, kinds)) + [(c.bonus, c.bonus, "bonus")]
-    for j, (d, u, kind) in enumerate(slots):
+    for j, (d, kind, departs) in enumerate(path_slots(c.drafts, c.unary, c.accepted, c.bonus)):
         label = text(d)
         w = max(28, CHAR * len(label) + 10)
-        departs = kind != "bonus" and d != u
         svg.box(x, y - 5, w, 22, kind, label, departs, f"slot {j + 1}: {kind}", data_slot=j + 1)
         x += w + 10
     return y + 22

@@ -6,10 +6,8 @@ step trains on.
 import torch
 
 # ----------------------------------------------------------------------------- static shapes
-# A compiled step (train.py --compile, flex attention) specialises on its shapes: each new one
-# compiles again. Rows are padded to LENGTH_UNIT tokens times a power of two and the anchors to
-# --num-anchors times one, so that a run meets a handful of shapes (log2(longest / 64) + 1 lengths)
-# instead of one per step.
+# A compiled step compiles again for each new shape: rows padded to LENGTH_UNIT tokens times a power
+# of two, anchors to --num-anchors times one, meet a handful of shapes instead of one a step.
 LENGTH_UNIT = 64
 
 

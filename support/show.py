@@ -2,15 +2,11 @@
 (--show: every cycle's block as one line; else the text streamed; --show-svg; --compare).
 
     [accepted] [accepted]* {first rejected} (never checked) (never checked) <bonus>
-
-A `*` marks a draft that is not its slot's unary argmax (the selector's path departed from plain
-DFlash). A tree (--tree-budget) shows, depth by depth, the nodes the target checked, best first:
-
     [accepted]{rejected} {rejected}[accepted]* {rejected|rejected} <bonus>   7 nodes, by depth 2 3 2
 
-where `*` marks an accepted node that is not its parent's best child. On a terminal colours
-replace the brackets. The cycle (decoding.py, tree.py) holds no clock and prints nothing: it calls
-its `watch(phase, **made)` as each phase ends, and a Watcher here rebuilds each cycle from that.
+A path, then a tree (--tree-budget) depth by depth, best first; `*`: a draft that is not its slot's
+unary argmax, a tree's accepted node that is not its parent's best child. The cycle (decoding.py,
+tree.py) prints nothing: a Watcher rebuilds each cycle from its `watch(phase, **made)` calls.
 """
 
 import itertools
@@ -25,7 +21,7 @@ import decoding
 import tree
 from support import draw
 from support.common import DTYPES, UsageError, dtype_name
-from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds, tree_kinds
+from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_slots, tree_kinds
 
 
 # ------------------------------------------------------------------------------- run a decoding
@@ -35,11 +31,8 @@ def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, *
     kind, n = shape
     loop = decoding.speculative_generate if kind == "path" else tree.tree_generate
     see = Watcher(watch, prompt_ids.shape[1]) if watch else None
-    return timed(
-        lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=see, **kw),
-        prompt_ids,
-        draft.config.block_size,
-    )
+    run = lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=see, **kw)
+    return timed(run, prompt_ids, draft.config.block_size)
 
 
 def label(shape) -> str:
@@ -140,9 +133,8 @@ def mark(text: str, kind: str, color=False, departs=False) -> str:
 
 def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) -> str:
     """One path cycle as one line: drafts [B-1] marked against unary [B-1], then the bonus."""
-    kinds = path_kinds(len(drafts), accepted)
-    slots = [mark(text(d), kind, color, d != u) for d, u, kind in zip(drafts, unary, kinds)]
-    return " ".join(slots + [mark(text(bonus), "bonus", color)])
+    slots = path_slots(drafts, unary, accepted, bonus)
+    return " ".join(mark(text(d), kind, color, departs) for d, kind, departs in slots)
 
 
 def format_tree(t, path, bonus: int, text, color=False) -> str:
