@@ -139,22 +139,17 @@ nonneg, positive = bounded(float, low=0.0), bounded(float, above=0.0)
 ratio = bounded(float, low=0.0, high=1.0)
 
 
-def json_object(text):
-    """An argparse type: a JSON object -> dict."""
+def template_kwargs(text):
+    """--chat-template-kwargs' argparse type: a JSON object, without what conversations.render sets
+    itself."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}), got {text}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text}")
-    return value
-
-
-def template_kwargs(text):
-    """--chat-template-kwargs: a JSON object, without what conversations.render sets itself."""
-    value, taken = json_object(text), {"tokenize", "add_generation_prompt"}
-    if taken & set(value):
-        named = ", ".join(sorted(taken & set(value)))
+    named = ", ".join(sorted({"tokenize", "add_generation_prompt"} & set(value)))
+    if named:
         raise argparse.ArgumentTypeError(f"{named}: set by conversations.render itself, got {text}")
     return value
 

@@ -69,9 +69,7 @@ def flex(q, k, v, block_mask, gqa: bool):
     )
 
 
-@functools.cache
-def compiled_once(fn):
-    return torch.compile(fn)
+compiled_once = functools.cache(torch.compile)
 
 
 def compiled(fn):

@@ -22,11 +22,6 @@ class Transient(Exception):
 
 
 # ----------------------------------------------------------------------------- HTTP
-def base_url(url: str) -> str:
-    """The server's root: "http://host:8000", "http://host:8000/" and ".../v1" are one server."""
-    return url.rstrip("/").removesuffix("/v1")
-
-
 def call(url: str, body=None, timeout: float = 600.0) -> dict:
     """GET (body None) or POST body as JSON -> the JSON reply. Raises Transient for what may pass,
     ServerError for a refusal."""
@@ -155,7 +150,7 @@ def regenerate(
     not cure is raised (ServerError) and the prompts not yet sent are dropped."""
     if not prompts:  # all done: no server is asked anything, nor needs to be up
         return
-    servers = [base_url(s) for s in servers]
+    servers = [s.rstrip("/").removesuffix("/v1") for s in servers]  # ".../v1/" names the same one
     models = {
         s: model
         or with_retries([s], 0, "GET /v1/models", lambda s: model_name(s, timeout), retries, wait)
