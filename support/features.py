@@ -101,8 +101,7 @@ class FeatureSamples:
 
     def __init__(self, out_dir: str, files: list, index: torch.Tensor, keys: tuple):
         self.out_dir, self.files, self.keys = out_dir, files, keys
-        # [n, 2] long: (shard number, sample number in that shard)
-        self.index = index
+        self.index = index  # [n, 2] long: (shard number, sample number in that shard)
         self.shard = None  # (shard number, open safe_open handle): at most one
 
     def __len__(self) -> int:

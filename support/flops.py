@@ -12,9 +12,8 @@ import torch
 
 from support.common import UsageError
 
-# Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, with
-# sparsity; H100 NVL: 1,671 sparse). The longest name found in torch.cuda.get_device_name() wins
-# ("H100 NVL" over "H100"); --peak-tflops overrides.
+# Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, sparse).
+# The longest key in the device's name wins ("H100 NVL" over "H100"); --peak-tflops overrides.
 PEAK_TFLOPS = {"H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 

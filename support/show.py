@@ -81,8 +81,7 @@ def statistics(new_tokens: int, seconds: float, taus, block_size=None) -> Stats:
     """The Stats of a decoding that committed new_tokens in seconds; the rest as timed's."""
     if block_size is None:
         return Stats(new_tokens=new_tokens, seconds=seconds)
-    # slot j accepted iff tau > j
-    accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]
+    accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]  # j accepted: tau > j
     return Stats(new_tokens, seconds, taus, accepted_at)
 
 
@@ -192,8 +191,7 @@ class Printer:
     def __call__(self, cycle):
         self.ids += cycle.new
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        # else half a multi-byte character: wait for the rest
-        if not text.endswith("\ufffd"):
+        if not text.endswith("\ufffd"):  # else half a multi-byte character: wait for the rest
             print(text[self.shown :], end="", flush=True)
             self.shown = len(text)
 
