@@ -4,6 +4,7 @@ serving engine", says how the answers are made as the in-process ones are.
 """
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -157,8 +158,12 @@ def regenerate(
         for s in servers
     }
 
+    stopped = threading.Event()
+
     def answer(k: int, i: int) -> dict:
         def ask(server):
+            if stopped.is_set():  # a failure elsewhere ended the run: no more tries
+                raise ServerError(f"{server}: prompt {i}: stopped")
             body = request_body(prompts[i], models[server], settings, max_new_tokens, i)
             reply = call(f"{server}/v1/chat/completions", body, timeout)
             return to_record(i, prompts[i], reply, tokenizer, settings, server)
@@ -170,6 +175,7 @@ def regenerate(
         for job in as_completed([pool.submit(answer, k, i) for k, i in enumerate(prompts)]):
             yield job.result()
     finally:  # a failure or an early stop: no new request, none waited for
+        stopped.set()
         pool.shutdown(wait=False, cancel_futures=True)
 
 
