@@ -495,14 +495,15 @@ def test_the_docstrings_map_the_banners():
 # lines, stays under its budget, set to what is left (issue 71). A change that needs more raises the
 # budget in the same commit and says why. The top level holds the scaled RoPE (from compat/), the
 # default-data check and the one objective; support/ the loader (from data.py), run_logged and
-# --report-to; tools/ lost the study's runner and mutants' catalogue (now tools/mutants.toml).
+# --report-to; tools/ lost the study's runner and mutants' catalogue (now tools/mutants.toml), and
+# took plot.py's charts (ticks, chart) from support/draw.py.
 LINE_BUDGET = {
     ".": 3600,
     "prompts": 310,
-    "support": 3200,
+    "support": 2850,
     "compat": 680,
     "speed": 960,
-    "tools": 2200,
+    "tools": 2250,
 }
 
 
