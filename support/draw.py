@@ -118,9 +118,8 @@ def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
     svg, S, Q = Svg(), len(row), len(q_pos)
     x0 = 110
     svg.text(10, 14, f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}", "title")
-    svg.text(10, 40, "position")
-    svg.text(10, 58, "row x")
-    svg.text(10, 76, "loss_mask")
+    for y, name in ((40, "position"), (58, "row x"), (76, "loss_mask")):
+        svg.text(10, y, name)
     for p in range(S):
         x = x0 + p * 2 * CELL
         svg.text(x + CELL, 40, str(p), anchor="middle")
