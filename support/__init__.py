@@ -8,7 +8,7 @@ the method and the pipeline (README.md, "Reading order"); these files serve them
     loader.py         data.py's batches made ahead (DataLoader workers, pinned), static shapes
     metrics.py        acceptance statistics beside the loss; acceptance.json
     show.py           the cycle's watch: --show, --show-svg, --compare, the statistics and clock
-    draw.py           hand-written SVG: the walkthrough's figures, --show-svg, training charts
+    draw.py           hand-written SVG: the walkthrough's figures, --show-svg (tools/plot.py too)
     promptsets.py     the built-in prompt sets, read from files inside PyPI wheels
     regen.py          prepare.py --regenerate's records: resume, rank merge, fidelity report
     regen_server.py   regeneration through OpenAI-compatible servers (prepare.py --server)

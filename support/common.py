@@ -1,8 +1,5 @@
-"""What several scripts share and no mechanism owns, kept here so that each exists once (as in
-nanochat's common.py): dtype names, atomic writes, JSON files, the CPU's name, a command run with
-its output logged, the recipes in configs/*.flags, and the command line's rules: a user's mistake
-(UsageError) ends in one line, bounded flag values, the --help table, the flags several scripts
-share, a shell script's flags checked up front. Nothing else belongs here.
+"""What several scripts share and no mechanism owns, each once (as nanochat's common.py): dtypes,
+files, commands, recipes, and the command line's rules (a user's mistake ends in one line).
 """
 
 import argparse
@@ -19,9 +16,7 @@ import torch
 
 
 class UsageError(Exception):
-    """A mistake the user can fix, named in its message: a missing file, a bad config field, a
-    malformed JSONL line, a flag value no parser could refuse, a server that does not answer. The
-    project's deliberate checks raise this and nothing else; run() prints it as one line."""
+    """A mistake the user can fix, named in its message; run() prints it as one line."""
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -34,8 +29,8 @@ def dtype_name(dtype) -> str:
 
 @contextmanager
 def atomic_write(path: str):
-    """`with atomic_write(path) as tmp:` write tmp; on success it replaces path in one rename, so a
-    crash mid-write never leaves a half-written file at path (a rerun sees it or does not)."""
+    """`with atomic_write(path) as tmp:` write tmp, which then replaces path in one rename: a crash
+    never leaves half a file."""
     tmp = path + ".tmp"
     yield tmp
     os.replace(tmp, path)
@@ -65,22 +60,16 @@ def cpu_name() -> str:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = fields.get("flags", "").split()
-    kind = "AVX2 only"
-    for flag, name in (
-        ("avx512f", "AVX-512"),
-        ("avx512_bf16", "AVX-512 with bf16"),
-        ("amx_tile", "AMX"),
-    ):
-        kind = name if flag in flags else kind
+    widest = {"amx_tile": "AMX", "avx512_bf16": "AVX-512 with bf16", "avx512f": "AVX-512"}
+    kind = next((name for flag, name in widest.items() if flag in flags), "AVX2 only")
     model = fields.get("model name", platform.processor())
     numbers = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
     return f"{model} ({numbers}), {kind}, {os.cpu_count()} cores"
 
 
 def run_logged(cmd, log: str, what=None, env=None, cwd=None):
-    """Run cmd, its command line (env's extra variables first) and then its output, both streams as
-    they come, appended to the file log. A failure ends the caller in one line: a UsageError naming
-    what (default: cmd's program), its exit status, its output's last line and the log."""
+    """Run cmd, its command line and output appended to the file log; a failure is a UsageError
+    naming what (default: cmd's program), its exit status, its last line and the log."""
     cmd, env = [str(c) for c in cmd], env or {}
     with open(log, "a") as out:
         out.write(f"$ {''.join(f'{k}={v} ' for k, v in env.items())}{' '.join(cmd)}\n")
@@ -103,8 +92,7 @@ def last_line(text: str) -> str:
 
 
 def recipe(name: str, script: str) -> list:
-    """configs/NAME.flags's flags for script (prepare or train): a recipe's one home, which run.sh
-    reads too (its flags function)."""
+    """configs/NAME.flags's flags for script (prepare or train), as run.sh reads them too."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
     with open(os.path.join(path, f"{name}.flags")) as f:
         return next(line.split()[1:] for line in f if line.startswith(script + ":"))
@@ -126,8 +114,7 @@ class HelpTable(argparse.RawDescriptionHelpFormatter):
 
 
 def bounded(kind, low=None, high=None, above=None):
-    """An argparse type: kind(text) with low <= value <= high and value > above. argparse turns a
-    refusal into `prog: error: argument --flag: must be ..., got ...` and exit status 2."""
+    """An argparse type: kind(text) with low <= value <= high and value > above."""
 
     def parse(text):
         value = kind(text)  # a ValueError here: argparse says "invalid int value"
@@ -152,31 +139,23 @@ nonneg, positive = bounded(float, low=0.0), bounded(float, above=0.0)
 ratio = bounded(float, low=0.0, high=1.0)
 
 
-def json_object(text):
-    """An argparse type: a JSON object -> dict. argparse turns a refusal into `prog: error: argument
-    --flag: ...` and exit status 2."""
+def template_kwargs(text):
+    """--chat-template-kwargs' argparse type: a JSON object, without what conversations.render sets
+    itself."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}), got {text}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text}")
-    return value
-
-
-def template_kwargs(text):
-    """--chat-template-kwargs: a JSON object, without the arguments conversations.render sets
-    itself."""
-    value, taken = json_object(text), {"tokenize", "add_generation_prompt"}
-    if taken & set(value):
-        named = ", ".join(sorted(taken & set(value)))
+    named = ", ".join(sorted({"tokenize", "add_generation_prompt"} & set(value)))
+    if named:
         raise argparse.ArgumentTypeError(f"{named}: set by conversations.render itself, got {text}")
     return value
 
 
 def add_chat_template_kwargs(add):
-    """The one --chat-template-kwargs flag of prepare.py, train.py and generate.py: the same
-    template settings must render the data a draft trains on and the prompts it serves."""
+    """The one --chat-template-kwargs flag of prepare.py, train.py and generate.py."""
     add(
         "--chat-template-kwargs",
         type=template_kwargs,
@@ -194,9 +173,8 @@ def add_target_flags(add, auto="bf16 where native, else fp32"):
 
 
 def flags_checked(parse_args, argv, script: str):
-    """parse_args(argv), for a shell script that passes argv on to script later (run.sh, to
-    train.py) and checks them before any work: argparse's refusal (its usage, then `PROG: error:
-    ...`) as a UsageError naming script, one line."""
+    """parse_args(argv), for a shell script that checks script's flags before any work: argparse's
+    refusal as a one-line UsageError naming script."""
     said = io.StringIO()
     try:
         with redirect_stderr(said):
@@ -208,9 +186,8 @@ def flags_checked(parse_args, argv, script: str):
 
 
 def run(main):
-    """Run a script's main(): a UsageError ends in one line `error: ...` and exit status 2. Any
-    other exception is a bug (an OSError too: the paths a user names are checked where they are
-    read) and keeps its traceback."""
+    """Run a script's main(): a UsageError ends in one line `error: ...` and exit status 2; any
+    other exception is a bug and keeps its traceback."""
     try:
         main()
     except UsageError as e:

@@ -1,9 +1,6 @@
-"""What compiles in train.py, and the guard around it.
-
-A compiled draft (--compile; flex attention's kernels) specialises on its shapes, and a new one
-compiles again: batches are padded to loader.static_shapes, a handful of buckets, each compiled once
-(no dynamic shapes: dynamic flex recompiles anyway). Past the limit dynamo would silently run eager,
-and eager flex is dense ([N, H, Q, K] scores, tens of GB): that ends the run instead.
+"""What compiles in train.py, and the guard around it: batches padded to loader.static_shapes
+compile once a bucket; past the limit dynamo would silently run flex eager and dense (tens of GB),
+so that ends the run instead.
 """
 
 import contextlib
@@ -35,15 +32,13 @@ def anything_compiles(args) -> bool:
 
 
 def graphs() -> int:
-    """The graphs dynamo has compiled in this process so far, recompiles included: a training step
-    after which there are more compiled (train.py logs its seconds as compile_s, apart)."""
+    """The graphs dynamo has compiled so far: a step after which there are more compiled."""
     return counters["stats"]["unique_graphs"]
 
 
 @contextlib.contextmanager
 def guard(on: bool):
-    """COMPILE's dynamo settings while on (an eager run leaves torch as it is); a compiled function
-    past the recompile limit ends the run in a ValueError: a bug, reported with its traceback."""
+    """COMPILE's dynamo settings while on; past the recompile limit a ValueError (a bug)."""
     try:
         with torch._dynamo.config.patch(**COMPILE) if on else contextlib.nullcontext():
             yield

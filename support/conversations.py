@@ -1,9 +1,6 @@
-"""Conversations: JSONL lines in four formats -> chat-template text -> token ids with a loss
-mask on the assistant's tokens (docs/training.md, "Data formats"). data.py reads them this way;
-prepare.py regenerates their answers; regen_server.py and target.py render prompts with `render`.
-
-    JSONL lines: turns, preformatted text or token ids (4 formats)  ->  read_conversations
-    -> the target's chat template; loss_mask = 1 on assistant tokens    tokenize_conversation
+"""Conversations: JSONL lines in four formats (read_conversations) -> chat-template text -> token
+ids with a loss mask on the assistant's tokens (tokenize_conversation). docs/training.md, "Data
+formats"; `render` is the one place a chat template is applied.
 """
 
 import json
@@ -19,20 +16,13 @@ from support.common import UsageError
 #   {"text": "..."}                 SpecForge's preformatted: already through the chat template
 #   {"input_ids", "loss_mask"}      pre-tokenized, supervised where loss_mask is 1
 # A turn is {"role", "content"} or {"from", "value"}; its role one of ROLES, never guessed.
-ROLES = {
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "system": "system",
-}
+ROLES = dict(user="user", human="user", assistant="assistant", gpt="assistant", system="system")
 FORMATS = ("messages", "conversations", "text", "input_ids")
 TURN_KEYS = (("role", "content"), ("from", "value"))
 
 
 def to_turn(t) -> dict:
-    """One turn -> {"role", "content"}, plus "token_ids" where given (the ids the target generated
-    for an answer: prepare.py --regenerate keeps them). Raises UsageError saying what is wrong."""
+    """One turn -> {"role", "content"}, plus the "token_ids" a regenerated answer keeps."""
     keys = [k for k in TURN_KEYS if isinstance(t, dict) and (k[0] in t or k[1] in t)]
     if len(keys) != 1 or not all(isinstance(t.get(k), str) for k in keys[0]):
         raise UsageError(
@@ -55,8 +45,7 @@ def int_list(values, name: str) -> list:
 
 
 def to_messages(record) -> list:
-    """A "messages" or "conversations" record -> [{"role", "content"}]. Raises UsageError saying
-    what is wrong."""
+    """A "messages" or "conversations" record -> [{"role", "content"}]."""
     turns = record.get("messages", record.get("conversations"))
     if not isinstance(turns, list):
         raise UsageError("the conversation must be a list of turns")
@@ -68,9 +57,8 @@ def to_messages(record) -> list:
 
 
 def to_conversation(record):
-    """One JSONL record -> a conversation: turns (to_messages), or for the two formats that are
-    already rendered {"text"} (preformatted) or {"input_ids", "loss_mask"} (long tensors [S]).
-    A record in none of the formats, or in two of them, is refused: nothing is guessed."""
+    """One JSONL record -> turns (to_messages), {"text"} or {"input_ids", "loss_mask"} (long [S]);
+    a record in none of the formats, or in two, is refused: nothing is guessed."""
     found = [k for k in FORMATS if isinstance(record, dict) and k in record]
     if len(found) != 1:
         raise UsageError(
@@ -96,9 +84,8 @@ def to_conversation(record):
 
 
 def check_template_kwargs(made, wanted):
-    """Data that says which chat template kwargs rendered it (`made`: prepare.py records them)
-    must be read with the same: the draft learns the text it is trained on, and a Qwen3 answer with
-    and without thinking are different texts. None: not recorded / not rendered here."""
+    """Data rendered with chat template kwargs `made` must be read with the same: a Qwen3 answer
+    with and without thinking are different texts. None: not recorded / not rendered here."""
     if made is not None and wanted is not None and made != wanted:
         raise UsageError(
             f"made with --chat-template-kwargs '{json.dumps(made)}', this run asks for "
@@ -118,13 +105,9 @@ def nothing_to_learn(conv, require_assistant: bool) -> bool:
 def read_conversations(
     path: str, require_assistant: bool = True, chat_template_kwargs=None, need_turns=False
 ):
-    """JSONL -> (conversations, skipped), each as to_conversation gives it. A malformed line raises
-    UsageError naming file and line; empty conversations, and when require_assistant those with
-    nothing supervised (no assistant turn, a loss_mask of zeros), are skipped and counted.
-    need_turns (--regenerate: the prompts are needed as turns) refuses the two rendered formats.
-    With chat_template_kwargs (the answers will be rendered with them), a line regenerated with
-    other kwargs is refused too (check_template_kwargs). A rendered line keeps where it came from
-    ("where": file and line), for the errors found when it is tokenized."""
+    """JSONL -> (conversations, skipped): a malformed line is a UsageError naming file and line;
+    those with nothing to learn are skipped and counted; need_turns (--regenerate) refuses the
+    rendered formats. A rendered line keeps "where" it came from, for the tokenizer's errors."""
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file (a conversations JSONL)")
     conversations, skipped = [], 0
@@ -154,9 +137,7 @@ def read_conversations(
 
 # ----------------------------------------------------------------------------- tokenisation
 def render(tokenizer, messages, generation_prompt=False, chat_template_kwargs=None) -> str:
-    """The one place a chat template is applied (regeneration prompts, loss masks, online
-    training, generate.py's prompts), so that its keyword arguments (Qwen3's enable_thinking)
-    reach every one of them."""
+    """The one place a chat template is applied, so that its kwargs reach every use."""
     return tokenizer.apply_chat_template(
         [{k: v for k, v in m.items() if k != "token_ids"} for m in messages],
         tokenize=False,
@@ -166,12 +147,9 @@ def render(tokenizer, messages, generation_prompt=False, chat_template_kwargs=No
 
 
 def assistant_spans(tokenizer, messages, chat_template_kwargs=None):
-    """(text, [(start, end)]): the rendered conversation and the character span of each answer.
-
-    An answer's span is what rendering it adds after the generation prompt (the role header):
-    its content and end-of-turn marker. Whitespace after the marker (ChatML's newline) belongs to
-    no turn. Templates that render a prefix differently from the whole conversation (e.g.
-    Qwen3 dropping earlier thinking) cannot be split this way and raise.
+    """(text, [(start, end)]): the rendered conversation and each answer's character span, what
+    rendering it adds after the generation prompt (content and end-of-turn marker, no trailing
+    whitespace). A template that renders a prefix otherwise (Qwen3 drops earlier thinking) raises.
     """
     kw = chat_template_kwargs
     text, spans = render(tokenizer, messages, chat_template_kwargs=kw), []
@@ -193,9 +171,8 @@ PROBE = "PROBE-ANSWER"  # an answer's content, to find what a chat template writ
 
 
 def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
-    """(header, end): what the chat template writes before an answer (its generation prompt, the
-    role header) and after the answer's content (the end-of-turn marker), found by rendering a
-    one-question probe. The same split as assistant_spans: header unsupervised, end supervised."""
+    """(header, end): what the chat template writes before an answer's content (the generation
+    prompt) and after it (the end-of-turn marker), found by rendering a probe answer."""
     kw, user = chat_template_kwargs, [{"role": "user", "content": "PROBE-QUESTION"}]
     before, prompt = render(tokenizer, user, False, kw), render(tokenizer, user, True, kw)
     whole = render(tokenizer, user + [{"role": "assistant", "content": PROBE}], False, kw)
@@ -210,10 +187,8 @@ def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
 
 
 def preformatted_spans(tokenizer, conversation, chat_template_kwargs=None):
-    """(text, [(start, end)]) of a preformatted {"text"}: each answer runs from the end of an
-    assistant header to the end of the next end-of-turn marker (or of the text: an answer cut
-    short), as assistant_spans splits a conversation it renders itself. A text without the
-    header was not rendered with this target's template (or holds no answer) and is refused."""
+    """(text, [(start, end)]) of a preformatted {"text"}: each answer from the end of an assistant
+    header to the end of the next end-of-turn marker (or of the text), as assistant_spans."""
     header, end = assistant_markers(tokenizer, chat_template_kwargs)
     text, spans = conversation["text"], []
     at = text.find(header)
@@ -232,8 +207,7 @@ def preformatted_spans(tokenizer, conversation, chat_template_kwargs=None):
 
 def spans_to_tokens(tokenizer, text, spans):
     """Rendered text and its answers' character spans -> input_ids [S], loss_mask [S] (long)."""
-    # The template already wrote any BOS; add_special_tokens=False is what apply_chat_template does
-    # too.
+    # no BOS added: the template wrote any, and apply_chat_template tokenizes so too
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.long)
@@ -244,10 +218,8 @@ def spans_to_tokens(tokenizer, text, spans):
 
 
 def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
-    """A regenerated answer as the target generated it: the prompt turns with the generation
-    prompt, rendered and tokenized, then the answer's token_ids (its end-of-turn token too when it
-    stopped), supervised. Re-tokenizing the answer's text could give other ids (a word split
-    otherwise, retokenized_differs); these are the ones the target produced."""
+    """A regenerated answer as the target generated it: the rendered prompt, then the answer's
+    token_ids, supervised (re-tokenizing its text could split a word otherwise)."""
     *prompt, answer = messages
     if tokenizer.decode(answer["token_ids"], skip_special_tokens=True) != answer["content"]:
         raise UsageError(
@@ -272,11 +244,8 @@ def pretokenized(tokenizer, conversation):
 
 
 def tokenize_conversation(tokenizer, conversation, max_length: int, chat_template_kwargs=None):
-    """A conversation as read_conversations gives it -> input_ids [S] long, loss_mask [S] long (1
-    on assistant tokens incl. end-of-turn), S <= max_length. Turns are rendered with the chat
-    template (assistant_spans), or where the answer carries the target's token_ids, taken as
-    generated (generated_tokens); preformatted text is split at the template's own markers
-    (preformatted_spans); pre-tokenized ids are taken as they are."""
+    """A conversation from read_conversations -> input_ids [S], loss_mask [S] long (1 on assistant
+    tokens incl. end-of-turn), S <= max_length."""
     kw = chat_template_kwargs
     if isinstance(conversation, dict) and "input_ids" in conversation:
         ids, mask = pretokenized(tokenizer, conversation)
@@ -289,11 +258,15 @@ def tokenize_conversation(tokenizer, conversation, max_length: int, chat_templat
     return ids[:max_length], mask[:max_length]
 
 
+def generated_answer(tokenizer, ids: list) -> dict:
+    """The answer turn of a regeneration: the ids the target generated, and their text."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return {"role": "assistant", "content": text, "token_ids": ids}
+
+
 def retokenized_differs(tokenizer, messages, chat_template_kwargs=None):
-    """Whether re-tokenizing a regenerated answer's text gives other ids than the target generated
-    (its last turn's token_ids): the answer's span in the rendered conversation, tokenized, must
-    begin with them (an answer cut at --max-new-tokens has no end-of-turn token of its own).
-    None where the template cannot be split into turns (assistant_spans): not known."""
+    """Whether re-tokenizing a regenerated answer's text gives other ids than its token_ids (a
+    prefix of the span's: a cut answer has no end-of-turn); None where no turn can be split."""
     *prompt, answer = messages
     plain = [*prompt, {"role": "assistant", "content": answer["content"]}]
     try:

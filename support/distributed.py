@@ -1,11 +1,5 @@
 """The ranks of a torchrun job: start them, end them, agree on a number. One process without
-torchrun is rank 0 of 1 and none of this communicates. train.py wraps its module itself (DDP, or
---fsdp: support/fsdp.py).
-
-    rank_device   the device every script runs on: this rank's GPU, or the CPU
-    start_ranks   this rank's device (its GPU bound first), rank, world; the process group
-    end_ranks     the process group's orderly end
-    agreed        rank 0's number on every rank
+torchrun is rank 0 of 1 and none of this communicates.
 """
 
 import gc
@@ -16,17 +10,15 @@ import torch.distributed as dist
 
 
 def rank_device() -> torch.device:
-    """This rank's GPU (torchrun's LOCAL_RANK; one process without torchrun: GPU 0), or the CPU.
-    The one device choice: train.py, prepare.py, generate.py and the tools all take it."""
+    """This rank's GPU (torchrun's LOCAL_RANK, else 0), or the CPU: every script's device."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
 
 
 def start_ranks(timeout, backend=None) -> tuple:
-    """-> (device, rank, world, distributed). Under torchrun (one process too: the same path as
-    many) the process group starts here, on this rank's GPU, with `timeout` (a timedelta) for its
-    collectives; backend None: nccl on a GPU, gloo on the CPU."""
+    """-> (device, rank, world, distributed); under torchrun the process group starts here, its
+    collectives' timeout a timedelta; backend None: nccl on a GPU, gloo on the CPU."""
     distributed = "RANK" in os.environ
     device = rank_device()
     if device.type == "cuda":

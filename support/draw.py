@@ -1,20 +1,16 @@
 """Pictures, written as plain SVG from what the project's own functions return: the mechanism
-(python -m tools.figures DIR), a decoding (generate.py --show-svg FILE) and training runs
-(tools/plot.py). This file only lays out and writes; it computes nothing about the method.
+(python -m tools.figures DIR), a decoding (generate.py --show-svg FILE); tools/plot.py draws its
+charts with Svg. This file only lays out and writes; it computes nothing about the method.
 
-Why SVG by hand: every picture here is boxes, lines, text and polylines, which a 30-line writer
-covers. The file is text, the same bytes on every machine (so a committed picture diffs, and a
-test compares it to a fresh one), a browser and GitHub show it as is, and it needs no dependency.
-Each mark carries a class saying what it shows ("seen", "accepted", "walk", "series"), which gives
-it its colour through the style sheet below and lets a test read the picture back (xml.etree).
+SVG by hand: boxes, lines and text need a 30-line writer, no dependency, and give the same bytes on
+every machine. Each mark's class says what it shows ("seen", "accepted", "walk"): its colour in
+the style sheet below, and what a test reads back (xml.etree).
 """
 
-import math
 from xml.sax.saxutils import escape, quoteattr
 
 CHAR = 7.3  # px: a character of the 12 px monospace font is about 0.6 of it wide
 CELL = 16  # a grid cell, px
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]  # one per run
 STYLE = """
 text { font-family: DejaVu Sans Mono, Menlo, Consolas, monospace; font-size: 12px; fill: #222; }
 text.title { font-size: 14px; font-weight: bold; }
@@ -50,8 +46,8 @@ class Svg:
         self.items, self.width, self.height = [], 0.0, 0.0
 
     def add(self, tag, right, bottom, text=None, tip=None, **attrs):
-        """One element reaching to (right, bottom); attrs: its SVG attributes (class_ -> class,
-        data_run -> data-run); tip: a tooltip a browser shows on hover."""
+        """One element reaching to (right, bottom); attrs: SVG attributes (class_ -> class,
+        data_run -> data-run); tip: a tooltip."""
         self.width, self.height = max(self.width, right), max(self.height, bottom)
         names = {k.rstrip("_").replace("_", "-"): v for k, v in attrs.items() if v is not None}
         values = " ".join(
@@ -64,8 +60,7 @@ class Svg:
         self.add("rect", x + w, y + h, tip=tip, x=x, y=y, width=w, height=h, class_=cls, **attrs)
 
     def text(self, x, y, s, cls=None, anchor=None, **attrs):
-        """Text centred vertically on y (its baseline 4 px below); anchor: middle or end to centre
-        or right-align it on x."""
+        """Text centred vertically on y; anchor: middle or end to centre or right-align it on x."""
         w = CHAR * len(s) * (1.25 if cls == "title" else 1.0)  # a title is larger, bold
         left = x - {"middle": w / 2, "end": w}.get(anchor, 0)
         self.width = max(self.width, left + w)
@@ -89,8 +84,7 @@ class Svg:
         self.add("circle", x + r, y + r, cx=x, cy=y, r=r, class_=cls, **attrs)
 
     def box(self, x, y, w, h, kind, label, star=False, tip=None, **attrs):
-        """A token in a box of this kind, `*` after it when star: one group of class "box KIND"
-        holding the rect, the text and the star (a test reads the three back)."""
+        """A token in a box of this kind, `*` after it when star: one group, class "box KIND"."""
         self.group(f"box {kind}", **attrs)
         self.rect(x, y, w, h, kind, tip=tip)
         self.text(x + w / 2, y + h / 2, label, anchor="middle")
@@ -99,7 +93,6 @@ class Svg:
         self.end_group()
 
     def group(self, cls, **attrs):
-        """Open a group (<g>): the marks until end_group() belong to it."""
         names = "".join(f" {k.replace('_', '-')}={quoteattr(str(v))}" for k, v in attrs.items())
         self.items.append(f"<g class={quoteattr(cls)}{names}>")
 
@@ -120,17 +113,13 @@ class Svg:
 
 # ----------------------------------------------------------------------------- the mechanism
 def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
-    """The anchored blocks under the training row, then each attention mask as a grid of cells.
-
-    row, loss_mask [S]: the training row; q_pos, q_block [Q]: each block query's position and
-    block (model.anchored_blocks); masks {name: [Q][S + Q] bool} (attention.block_attention_mask):
-    query i may read key j. Cells: class seen / unseen, data-row i, data-col j."""
+    """The anchored blocks under the training row [S] (q_pos, q_block [Q]: model.anchored_blocks'),
+    then each mask {name: [Q][S + Q] bool} (attention.block_attention_mask) as a grid of cells."""
     svg, S, Q = Svg(), len(row), len(q_pos)
     x0 = 110
     svg.text(10, 14, f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}", "title")
-    svg.text(10, 40, "position")
-    svg.text(10, 58, "row x")
-    svg.text(10, 76, "loss_mask")
+    for y, name in ((40, "position"), (58, "row x"), (76, "loss_mask")):
+        svg.text(10, y, name)
     for p in range(S):
         x = x0 + p * 2 * CELL
         svg.text(x + CELL, 40, str(p), anchor="middle")
@@ -160,8 +149,8 @@ def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
 
 
 def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
-    """cells [R][C] bool as squares (class seen / unseen), row and column names, a line before each
-    column in splits -> the y below it."""
+    """cells [R][C] bool as squares (class seen / unseen), a gap before each column in splits -> the
+    y below it."""
     gap = lambda j: 6 * sum(s <= j for s in splits)  # a gap before each split column
     for j, c in enumerate(cols):
         svg.text(x0 + j * CELL + gap(j) + CELL / 2, y0 + 6, c[:2], "note", "middle")
@@ -175,9 +164,8 @@ def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
 
 
 def conv_taps(reads, B: int, T: int) -> Svg:
-    """Which input rows each output row of the convolution reads: reads [S][S] bool (output row i,
-    input row r), measured by walkthrough.py with pulses. A line (class tap, data-out, data-in)
-    from input box r (bottom) to output box i (top); a gap and a bar between blocks."""
+    """Which input rows r each output row i of the convolution reads (reads [S][S] bool, measured
+    by walkthrough.py with pulses): a line of class tap from input box r up to output box i."""
     svg, S, w = Svg(), len(reads), 44
     svg.text(10, 14, f"The convolution's taps: T = {T}, B = {B}: no tap crosses a block", "title")
     x_of = lambda r: 100 + r * w + 24 * (r // B)
@@ -199,11 +187,9 @@ def conv_taps(reads, B: int, T: int) -> Svg:
 
 
 def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
-    """One block's selector lattice (selector.CandidateSelector.lattice): the anchor, then slot
-    j's K candidates (cands [L][K] texts, unary [L][K] their unary scores, best first); an edge
-    per (candidate p of slot j-1, candidate c of slot j) with its score scores[j][p][c] (slot 1:
-    the anchor's row, p = 0). walk and unary_path [L]: the indices into K each path picks. Edges
-    carry class walk / unary when on a path, data-slot, data-from, data-to."""
+    """One block's selector lattice (selector.CandidateSelector.lattice): slot j's K candidates
+    (cands, unary [L][K]), an edge p -> c scored scores[j][p][c] (slot 1: from the anchor, p = 0);
+    walk and unary_path [L]: each path's picks, their edges of class walk / unary."""
     svg, L, K = Svg(), len(cands), len(cands[0])
     col, rowh, bw = 250, 56, 120
     svg.text(10, 14, title, "title")
@@ -244,10 +230,9 @@ def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
 
 
 def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> float:
-    """A draft tree (a tree.Tree t) drawn left to right by depth, from node 0 (the anchor): texts
-    [n] its nodes' texts, path the accepted nodes, bonus the target's token after them (text);
-    labels [n] optional edge labels. Node classes: tree_kinds', then the bonus. departs: nodes to
-    mark with `*`. -> the y below it."""
+    """A draft tree t (texts [n] its nodes') left to right by depth, each node a box of its
+    tree_kinds kind, then the bonus after the accepted path; labels [n]: edge labels; departs: the
+    nodes starred -> the y below it."""
     n, colw, rowh, bw = len(t.tokens), 170, 26, 110
     parents, depth, children = t.parents, t.depths, t.children()
     order, stack = [], [0]  # depth-first, best child first: siblings stay together
@@ -288,8 +273,7 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
 
 
 def story_tree(t, texts, path, bonus, probs, title) -> Svg:
-    """walkthrough.py's tree t (tree.grow; texts [n] its nodes' texts) after a target's walk
-    (tree.follow_target): edge labels are the edge probabilities softmax_K(s(parent -> .))."""
+    """walkthrough.py's tree t after a target's walk, each edge labelled with its probability."""
     svg = Svg()
     svg.text(10, 14, title, "title")
     labels = [""] + [f"{p:.3f}" for p in probs[1:]]
@@ -315,17 +299,17 @@ BRANCHES = (
 )
 
 
-def path_kinds(n: int, accepted: int) -> list:
-    """The kinds of a path's n drafts, the first `accepted` of them accepted: accepted, then the
-    first rejected one, then those never checked (--show and --show-svg alike)."""
-    return (["accepted"] * accepted + ["rejected"] + ["unchecked"] * n)[:n]
+def path_slots(drafts, unary, accepted: int, bonus) -> list:
+    """A path cycle's slots (token, kind, departs): `accepted` drafts accepted, one rejected, the
+    rest unchecked, each departing where it is not its slot's unary argmax; then the bonus."""
+    kinds = (["accepted"] * accepted + ["rejected"] + ["unchecked"] * len(drafts))[: len(drafts)]
+    return [(d, k, d != u) for d, u, k in zip(drafts, unary, kinds)] + [(bonus, "bonus", False)]
 
 
 def tree_kinds(t, path) -> list:
-    """The kind of each node of a tree t whose accepted nodes are `path` (--show and --show-svg
-    alike): node 0 the anchor; accepted; rejected, a child of the anchor or of an accepted node that
-    does not hold the target's token there (the walk looked it up and passed it by); unchecked, the
-    rest, below a rejected node."""
+    """The kind of each node of a tree t whose accepted nodes are `path`: node 0 the anchor;
+    accepted; rejected, a child of the anchor or of an accepted node (the walk read it and passed
+    it by); unchecked, the rest, below a rejected node."""
     checked = {0, *path}  # the nodes whose row of logits the walk read
     return ["anchor"] + [
         "accepted" if i in path else "rejected" if t.parents[i] in checked else "unchecked"
@@ -334,8 +318,7 @@ def tree_kinds(t, path) -> list:
 
 
 def branches(t, path) -> list:
-    """The nodes of a tree t's accepted path that are not their parent's best child (its first in
-    best-first order): where a path would have stopped and the tree went on, --show's `*`."""
+    """The accepted nodes that are not their parent's best child: where a path would stop."""
     children = t.children()
     return [i for i in path if children[t.parents[i]][0] != i]
 
@@ -353,11 +336,8 @@ def legend(svg, x, y, tree: bool, departs=True) -> float:
 
 
 def decoding(cycles, text, title: str) -> Svg:
-    """generate.py --show-svg: each cycle (show.Cycle) as a row of its drafts, as --show prints
-    them (show.format_block, show.format_tree): accepted, first rejected, never checked, the bonus;
-    `*` where a path's draft is not its slot's unary argmax (a tree: an accepted node that is not
-    its parent's best child). text(id) -> the token's text. Each cycle is a group of class cycle
-    with data-tau; each slot a rect of its kind."""
+    """generate.py --show-svg: each cycle (show.Cycle) as a row of its drafts, marked as --show
+    marks them; text(id) -> the token's text. A cycle is a group of class cycle, with data-tau."""
     svg = Svg()
     svg.text(10, 14, title, "title")
     is_tree = any(c.tree is not None for c in cycles)
@@ -383,65 +363,9 @@ def decoding(cycles, text, title: str) -> Svg:
 
 def path_row(svg, x, y, c, text) -> float:
     """One path cycle's drafts and bonus as boxes on one row -> the y below it."""
-    kinds = path_kinds(len(c.drafts), c.accepted)
-    slots = list(zip(c.drafts, c.unary, kinds)) + [(c.bonus, c.bonus, "bonus")]
-    for j, (d, u, kind) in enumerate(slots):
+    for j, (d, kind, departs) in enumerate(path_slots(c.drafts, c.unary, c.accepted, c.bonus)):
         label = text(d)
         w = max(28, CHAR * len(label) + 10)
-        departs = kind != "bonus" and d != u
         svg.box(x, y - 5, w, 22, kind, label, departs, f"slot {j + 1}: {kind}", data_slot=j + 1)
         x += w + 10
     return y + 22
-
-
-# ----------------------------------------------------------------------------- charts
-def ticks(lo: float, hi: float, n=5) -> list:
-    """Round values from at or below lo to at or above hi, about n steps of 1, 2 or 5 times a power
-    of ten: a chart's axis runs from the first to the last."""
-    span = max(hi - lo, 1e-9)
-    step = 10.0 ** math.floor(math.log10(span / n))
-    step *= next(m for m in (1, 2, 5, 10) if span / (step * m) <= n)
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    return [float(f"{k * step:.10g}") for k in range(first, last + 1)]
-
-
-def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
-    """A panel of lines inside a w x h frame at (x0, y0): series [dict(points=[(x, y)], color,
-    run, name, dashed, dots)]. The axes run between round ticks around the data (xticks: given
-    ones), each tick a text of class tick with data-axis, data-value and data-px (its pixel), from
-    which a test reads the picture's values back. A series is a polyline of class series (data-run,
-    data-name) and, with dots or a single point, a circle per point."""
-    svg.group("chart", data_title=title)
-    svg.text(x0, y0 - 12, title, "title")
-    pts = [p for s in series for p in s["points"]]
-    if not pts:
-        svg.text(x0 + 10, y0 + h / 2, "(nothing recorded)", "note")
-        svg.width, svg.height = max(svg.width, x0 + w), max(svg.height, y0 + h)
-        svg.end_group()
-        return
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    flat = 0.5 if max(ys) == min(ys) else 0.0
-    xt = xticks or ticks(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1)
-    yt = ticks(min(ys) - flat, max(ys) + flat)
-    X = lambda v: x0 + (v - xt[0]) / (xt[-1] - xt[0]) * w
-    Y = lambda v: y0 + h - (v - yt[0]) / (yt[-1] - yt[0]) * h
-    for v in yt:
-        tick, y = f"{v:g}", Y(v)
-        svg.line(x0, y, x0 + w, y, "grid")
-        svg.text(x0 - 4, y, tick, "tick", "end", data_axis="y", data_value=tick, data_px=y)
-    for v in xt:
-        tick, x = f"{v:g}", X(v)
-        svg.line(x, y0 + h, x, y0 + h + 4, "axis")
-        svg.text(x, y0 + h + 14, tick, "tick", "middle", data_axis="x", data_value=tick, data_px=x)
-    svg.line(x0, y0 + h, x0 + w, y0 + h, "axis")
-    svg.line(x0, y0, x0, y0 + h, "axis")
-    svg.text(x0 + w / 2, y0 + h + 32, xlabel, "note", "middle")
-    for s in series:
-        p = [(X(x), Y(y)) for x, y in s["points"]]
-        kw = dict(stroke=s["color"], data_run=s["run"], data_name=s["name"])
-        if len(p) > 1:
-            svg.polyline(p, "series dashed" if s.get("dashed") else "series", **kw)
-        if s.get("dots") or len(p) == 1:
-            for x, y in p:
-                svg.circle(x, y, s.get("radius", 3), "point", fill=s["color"], **kw)
-    svg.end_group()

@@ -1,20 +1,13 @@
-"""Offline feature shards: their layout on disk, the manifest, and the reader that streams them.
+"""Offline feature shards: prepare.py --features writes them, train.py (offline) streams them.
 
-prepare.py --features writes them, train.py (offline) reads them back:
+    OUT/shard-00000.safetensors   per sample j: input_ids.j [S], loss_mask.j [S], features.j
+                                  [S, n_t*H], target_hidden.j [S, H] (--save-target-hidden);
+                                  metadata: the settings that made the shard and its counts
+    OUT/manifest.json             the target, its layers, the shards, the skip counts
 
-    OUT/shard-00000.safetensors   per sample j: input_ids.j [S] int64, loss_mask.j [S] int64,
-                                  features.j [S, n_t*H], target_hidden.j [S, H]
-                                  (--save-target-hidden); metadata: the settings that made the shard
-                                  and its counts
-    OUT/manifest.json             target, target_layer_ids, hidden_size, feature_dtype, shards,
-                                  skip counts, chat_template_kwargs (what rendered the text)
-
-Features are large: a Qwen3-8B target gives 5 x 4096 values per token (40 KB in bf16), so 100K
-conversations of 1K tokens are 4 TB. FeatureSamples is a read-only sequence of sample dicts whose
-tensors are read from disk when a sample is indexed, through at most one open shard (safetensors
-maps the file; only the tensors asked for are read, and a sample's pages go when the sample does).
-What stays in memory is an index of (shard, sample) pairs, 16 bytes per sample, whatever the number
-of shards. Samples are addressed by position, like a list, so train.py's seeded order is unchanged.
+Features are large (a Qwen3-8B target: 40 KB a token in bf16, 4 TB for 100K conversations of 1K
+tokens), so FeatureSamples reads a sample's tensors from disk when it is indexed, through one open
+shard; what stays in memory is a (shard, sample) index, 16 bytes a sample.
 """
 
 import json
@@ -39,8 +32,7 @@ def shard_path(out_dir: str, k: int) -> str:
 
 
 def shard_settings(layer_ids, feature_dtype, max_length, target_hidden, shard_size, kwargs) -> dict:
-    """The settings that make a shard, as its metadata stores them (strings): shard_done refuses a
-    rerun that asks for others, write_manifest reads them back. kwargs: the chat template's."""
+    """The settings that make a shard, as strings in its metadata. kwargs: the chat template's."""
     return {
         "target_layer_ids": json.dumps(layer_ids),
         "feature_dtype": feature_dtype,
@@ -52,24 +44,21 @@ def shard_settings(layer_ids, feature_dtype, max_length, target_hidden, shard_si
 
 
 def shard_metadata(path: str) -> dict:
-    """A shard's metadata (its header only; no tensor is read). Shards from before prepare.py
-    recorded the chat template kwargs were rendered without any."""
+    """A shard's metadata, from its header (older shards: rendered without template kwargs)."""
     with safe_open(path, "pt") as f:
         return {"chat_template_kwargs": "{}", **f.metadata()}
 
 
 def save_shard(path: str, samples: list, metadata: dict):
-    """Sample dicts -> one shard, written atomically (a crash never leaves half a shard): sample j's
-    tensor `key` is stored as `key.j`; metadata values are stored as strings."""
+    """Sample dicts -> one shard, written atomically: sample j's tensor `key` as `key.j`."""
     tensors = {f"{key}.{j}": t.contiguous() for j, s in enumerate(samples) for key, t in s.items()}
     with atomic_write(path) as tmp:
         save_file(tensors, tmp, metadata={key: str(v) for key, v in metadata.items()})
 
 
 def shard_done(path: str, settings: dict, n: int) -> bool:
-    """Whether a rerun may skip shard `path`: it exists, was made with these settings, and holds
-    its n conversations. One made otherwise is refused; the last, partial shard of a run over fewer
-    conversations (--num-samples grew) is not done and is rebuilt."""
+    """Whether a rerun may skip shard `path`: made with these settings (else refused) and holding
+    its n conversations (a partial last one is rebuilt)."""
     if not os.path.exists(path):
         return False
     meta = shard_metadata(path)
@@ -107,15 +96,12 @@ def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_s
 
 # ----------------------------------------------------------------------------- reading
 class FeatureSamples:
-    """The samples of a feature directory as a sequence: samples[i] is a dict like the one written
-    (input_ids [S] long, loss_mask [S] long, features [S, n_t*H], target_hidden [S, H] if saved),
-    read on demand. A slice or a list of positions gives another FeatureSamples over those
-    samples."""
+    """A feature directory's samples as a sequence of dicts read on demand, addressed like a list
+    (a slice or a list of positions: another FeatureSamples)."""
 
     def __init__(self, out_dir: str, files: list, index: torch.Tensor, keys: tuple):
         self.out_dir, self.files, self.keys = out_dir, files, keys
-        # [n, 2] long: (shard number, sample number in that shard)
-        self.index = index
+        self.index = index  # [n, 2] long: (shard number, sample number in that shard)
         self.shard = None  # (shard number, open safe_open handle): at most one
 
     def __len__(self) -> int:
@@ -155,8 +141,7 @@ def read_manifest(out_dir: str) -> dict:
 
 
 def load_features(out_dir: str) -> FeatureSamples:
-    """A feature directory -> its samples, in manifest order (shard by shard), streamed from
-    disk."""
+    """A feature directory -> its samples in manifest order, streamed from disk."""
     manifest = read_manifest(out_dir)
     files = [shard["file"] for shard in manifest["shards"]]
     index = torch.tensor(

@@ -1,10 +1,8 @@
 """How much arithmetic a training step does, and what fraction of the GPU's peak that is (MFU).
 
-Model FLOPs, as MFU is usually defined: the matmuls the step needs, counted once, with the backward
-pass at twice the forward (x3 in all), no activation recomputation, no padding and no masked-out
-attention score. The count, term by term, is docs/training-at-scale.md's "Throughput and MFU";
-forward_flops writes it out. Left out: norms, RoPE, softmax, top-K, the no-gradient metrics and,
-for kl, the target's logits at the labelled slots.
+Model FLOPs, as MFU is usually defined: the matmuls the step needs, once, the backward at twice the
+forward, no recomputation, padding or masked-out score (docs/training-at-scale.md, "Throughput and
+MFU", term by term). Left out: norms, RoPE, softmax, top-K, the metrics, kl's target logits.
 """
 
 import contextlib
@@ -14,15 +12,13 @@ import torch
 
 from support.common import UsageError
 
-# Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, with
-# sparsity; H100 NVL: 1,671 sparse). The longest name found in torch.cuda.get_device_name() wins
-# ("H100 NVL" over "H100"); --peak-tflops overrides.
+# Dense bf16 tensor-core peak, TFLOP/s, from NVIDIA's data sheets (which quote twice these, sparse).
+# The longest key in the device's name wins ("H100 NVL" over "H100"); --peak-tflops overrides.
 PEAK_TFLOPS = {"H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
-    """Keys read by slot j of each block: context [n] rows before each anchor -> [n, B], following
-    attention.attention_rule (a sliding window counts the query itself)."""
+    """Keys read by slot j of each block (attention.attention_rule): context [n] -> [n, B]."""
     B, W = cfg.block_size, cfg.sliding_window if sliding else None
     j = torch.arange(B)
     if cfg.causal_in_block(sliding):
@@ -38,8 +34,8 @@ def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
 
 
 def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
-    """Matmul FLOPs of the draft's forward for blocks whose anchors have context [n] rows before
-    them, in sequences of `tokens` tokens in all (each one a context row)."""
+    """Matmul FLOPs of the draft's forward: anchors with context [n] rows before them, `tokens`
+    context rows in all."""
     H, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     n, B, V = len(context), cfg.block_size, cfg.vocab_size
     slot = 2 * H * (2 * nh * d + 2 * nkv * d) + 6 * H * cfg.intermediate_size  # q k v o, MLP
@@ -58,8 +54,8 @@ def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
 
 
 def step_flops(cfg, batch: dict, target_weights: int = 0) -> int:
-    """Model FLOPs of one micro-batch (data.collate's dict): x3 the draft's forward, plus the online
-    target's forward (target_weights = linear_weights(target); 0 offline)."""
+    """Model FLOPs of one micro-batch: x3 the draft's forward, plus the online target's forward
+    (target_weights: linear_weights(target); 0 offline)."""
     tokens = int(batch["attention_mask"].sum())
     # an anchor at position a of its document reads a context rows
     context = batch["positions"].gather(1, batch["anchors"])[batch["anchor_valid"]].cpu()
@@ -72,9 +68,7 @@ def linear_weights(model: torch.nn.Module) -> int:
 
 
 def peak_flops(device: torch.device, peak_tflops=None):
-    """The device's peak FLOP/s for MFU, or None where none is known: a GPU not in PEAK_TFLOPS
-    without --peak-tflops. A CPU has no MFU here (its peak depends on cores, clocks and vector
-    units)."""
+    """The device's peak FLOP/s for MFU, or None where none is known (a CPU: no MFU here)."""
     if device.type != "cuda":
         if peak_tflops is not None:
             raise UsageError(
@@ -88,11 +82,9 @@ def peak_flops(device: torch.device, peak_tflops=None):
 
 
 class Meter:
-    """train.py's throughput: what this rank has done (target tokens, anchors, model FLOPs) and its
-    rates over each logging interval, with MFU = model FLOP/s / the device's peak where that is
-    known (peak_flops). It counts the host's copy of a batch, before the batch moves: counting a
-    device batch would wait for the GPU (.item(), a boolean mask) on every micro-batch. compiles:
-    the steps that compiled are left out of the rates, their seconds summed apart (compile_s)."""
+    """train.py's throughput: this rank's target tokens, anchors and model FLOPs a second over each
+    logging interval, and MFU. It counts the host's copy of a batch (a device batch would wait for
+    the GPU). compiles: the steps that compiled are left out, their seconds summed in compile_s."""
 
     def __init__(self, device: torch.device, peak_tflops=None, compiles=False):
         self.peak = peak_flops(device, peak_tflops)  # FLOP/s; None (a CPU): no MFU, no counting
@@ -108,8 +100,7 @@ class Meter:
         self.start = time.time()
 
     def count(self, cfg, batch: dict, target=None):
-        """Add one micro-batch, on the host; target: the online target (None offline), whose
-        forward counts."""
+        """Add one micro-batch, on the host; target: the online target (None offline)."""
         weights = linear_weights(target) if target is not None and self.peak else 0
         flop = step_flops(cfg, batch, weights) if self.peak else 0
         counts = [batch["attention_mask"].sum().item(), batch["anchor_valid"].sum().item(), flop]
@@ -120,8 +111,7 @@ class Meter:
         return self.seen.clone(), time.time()
 
     def leave_out(self, mark: tuple, compiled=False):
-        """What was counted and timed since mark out of the rates; compiled: a step that compiled,
-        whose seconds go to compile_s."""
+        """Leave what came since mark out of the rates (compiled: its seconds to compile_s)."""
         seen, t = mark
         seconds = time.time() - t
         self.seen, self.start = seen, self.start + seconds
@@ -136,9 +126,8 @@ class Meter:
         self.leave_out(mark)
 
     def rates(self) -> dict:
-        """Per second since the last call (or the start), as train.py logs them, then counting
-        starts again: a logging interval's rates, not the run's. MFU to 4 digits (a tiny model's is
-        not 0); with compiles, the run's compile_s so far."""
+        """The rates since the last call, as train.py logs them (MFU to 4 digits: a tiny model's is
+        not 0); counting starts again."""
         tok_s, anchor_s, flop_s = (self.seen / max(time.time() - self.start, 1e-9)).tolist()
         self.restart()
         out = {"target_tok_per_s": round(tok_s, 1), "anchors_per_s": round(anchor_s, 1)}

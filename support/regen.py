@@ -1,14 +1,10 @@
 """prepare.py --regenerate's bookkeeping: the settings that shape an answer, the results files and
 their resume, the answers from servers, the rank merge and the token-fidelity report.
 
-    OUT/regenerated.rank{r}.jsonl   rank r's answers as they come, one record per line:
-                                    {"index", "messages", "finished", "chat_template_kwargs",
-                                    "temperature", "seed", "retokenized_differs"} (and "server",
-                                    "prompt_tokens_differ" from --server)
+    OUT/regenerated.rank{r}.jsonl   rank r's answers as they come, one record (answer_record) a line
     OUT/conversations.jsonl         every rank's answers in prompt order, usable as --data
 
-A rerun reads every rank's file (the world size may change between runs) and asks only for the
-prompts with no answer yet; it refuses to mix answers made with other settings.
+A rerun asks only for the prompts with no answer yet, and refuses other settings than the done ones.
 """
 
 import json
@@ -18,22 +14,17 @@ from tqdm import tqdm
 
 from support import regen_server
 from support.common import UsageError, atomic_write
-from support.conversations import retokenized_differs
+from support.conversations import generated_answer, retokenized_differs
 
 
 # ----------------------------------------------------------------------------- settings
 def settings(chat_template_kwargs=None, temperature=0.0, seed=0) -> dict:
     """What shapes a regenerated answer's text, as each record and conversations.jsonl keep it."""
-    return {
-        "chat_template_kwargs": chat_template_kwargs or {},
-        "temperature": temperature,
-        "seed": seed,
-    }
+    return dict(chat_template_kwargs=chat_template_kwargs or {}, temperature=temperature, seed=seed)
 
 
 def settings_of(record) -> dict:
-    """The settings a record was made with, as compared on resume: the seed counts only above
-    temperature 0. Records from before these were kept are greedy, without kwargs."""
+    """The settings a record was made with, as a resume compares them (older records: greedy)."""
     temperature = record.get("temperature", 0.0)
     return {
         "chat_template_kwargs": record.get("chat_template_kwargs", {}),
@@ -43,15 +34,9 @@ def settings_of(record) -> dict:
 
 
 def answer_record(index: int, prompt: list, ids: list, finished: bool, tokenizer, made: dict):
-    """One line of a results file for the target's answer ids to prompt (finished: it ended its
-    turn, else it was cut at --max-new-tokens). The answer keeps the ids it was generated as and is
-    supervised as those (support.conversations.generated_tokens); its text is their decoding."""
-    answer = {
-        "role": "assistant",
-        "content": tokenizer.decode(ids, skip_special_tokens=True),
-        "token_ids": ids,
-    }
-    messages = prompt + [answer]
+    """One line of a results file: the target's answer ids to prompt (finished: it ended its turn,
+    else it was cut at --max-new-tokens), supervised as generated."""
+    messages = prompt + [generated_answer(tokenizer, ids)]
     return {
         "index": index,
         "messages": messages,
@@ -66,8 +51,7 @@ def answer_record(index: int, prompt: list, ids: list, finished: bool, tokenizer
 # ----------------------------------------------------------------------------- resume
 def read_regenerated(out_dir: str, own: str = None) -> dict:
     """{index: record} from every rank's results file (the world size may change between runs).
-    A last line cut short by a crash is ignored; in the file `own` it is also cut off, so that
-    appending can go on (only the owner may do that: the other ranks may be writing theirs)."""
+    A last line cut short by a crash is ignored, and cut off in this rank's own file."""
     done = {}
     for name in sorted(os.listdir(out_dir)):
         if name.startswith("regenerated.rank") and name.endswith(".jsonl"):
@@ -80,9 +64,11 @@ def read_regenerated(out_dir: str, own: str = None) -> dict:
     return done
 
 
-def check_resumable(done: dict, out_dir: str, made: dict):
-    """A resumed regeneration must make its answers as the done ones were, or the data would mix
-    two distributions."""
+def pending(out_dir: str, n: int, rank: int, world: int, made: dict):
+    """(this rank's prompt indices with no answer yet, its results file's name). The done answers
+    must have been made with made's settings, or the data would mix two distributions."""
+    own = f"regenerated.rank{rank}.jsonl"
+    done = read_regenerated(out_dir, own)
     for record in done.values():
         if settings_of(record) != settings_of(made):
             raise UsageError(
@@ -90,14 +76,6 @@ def check_resumable(done: dict, out_dir: str, made: dict):
                 f"{settings_of(record)}, this run asks for "
                 f"{settings_of(made)}; use a new --out-dir or the same flags"
             )
-
-
-def pending(out_dir: str, n: int, rank: int, world: int, made: dict):
-    """(this rank's prompt indices with no answer yet, its results file's name): what a rerun
-    still asks for, in-process or from a server. Done answers must have been made alike."""
-    own = f"regenerated.rank{rank}.jsonl"
-    done = read_regenerated(out_dir, own)
-    check_resumable(done, out_dir, made)
     return [i for i in range(rank, n, world) if i not in done], own
 
 
@@ -115,21 +93,17 @@ def regenerate_on_servers(
     seed=0,
     **client,
 ):
-    """prepare.regenerate(), with the answers from OpenAI-compatible servers
-    (support/regen_server.py; client: concurrency, retries, wait, timeout, model): the same
-    prompts, settings, records and resume, each answer appended as it arrives. A server that fails
-    past its retries ends the run in one error naming it; what was written is kept."""
+    """prepare.regenerate(), the answers from servers (client: regen_server.regenerate's
+    arguments), each appended as it arrives; a failure keeps what was written."""
     made = settings(chat_template_kwargs, temperature, seed)
     todo, own = pending(out_dir, len(prompts), rank, world, made)
     answers = regen_server.regenerate(
         {i: prompts[i] for i in todo}, tokenizer, servers, made, max_new_tokens, **client
     )
-    path, kept = os.path.join(out_dir, own), 0
+    path, kept, desc = os.path.join(out_dir, own), 0, f"regenerate on {len(servers)} server(s)"
     with (
         open(path, "a", encoding="utf-8") as f,
-        tqdm(
-            total=len(todo), desc=f"regenerate on {len(servers)} server(s)", disable=not todo
-        ) as bar,
+        tqdm(total=len(todo), desc=desc, disable=not todo) as bar,
     ):
         try:
             for record in answers:
@@ -167,24 +141,18 @@ def write_conversations(out_dir: str, conversations: list, made: dict):
 
 
 def fidelity(records) -> str:
-    """How far the supervised tokens are the target's own, over regenerated records: answers with
-    their generated ids (supervised as those; the share re-tokenizing would have changed), answers
-    re-tokenized (the share whose token count differs from the server's), prompts a server
-    counted otherwise than this tokenizer renders them (a chat template other than the target's)."""
+    """How far the supervised tokens of regenerated records are the target's own, as lines."""
     records = list(records)
     with_ids = [r for r in records if "token_ids" in r["messages"][-1]]
     lines = []
     if with_ids:
         d = sum(bool(r.get("retokenized_differs")) for r in with_ids)
-        unknown = sum(r.get("retokenized_differs") is None for r in with_ids)
+        n = sum(r.get("retokenized_differs") is None for r in with_ids)
+        unknown = f"; {n} could not be compared (the template splits no turns)" if n else ""
         lines.append(
             f"{len(with_ids)} answers keep the target's generated token ids and are supervised as "
             f"those; re-tokenizing their text would change {d} ({100 * d / len(with_ids):.1f}%)"
-            + (
-                f"; {unknown} could not be compared (the template splits no turns)"
-                if unknown
-                else ""
-            )
+            + unknown
         )
     plain = [r for r in records if "token_ids" not in r["messages"][-1]]
     counted = [r for r in plain if r.get("retokenized_differs") is not None]

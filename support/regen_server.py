@@ -1,20 +1,17 @@
-"""Regeneration through a serving engine: `prepare.py --regenerate --server URL` asks any
-OpenAI-compatible server (vLLM, SGLang, llama.cpp's llama-server) for each answer, one chat
-completion per prompt (POST URL/v1/chat/completions), from a pool of threads, with the standard
-library's HTTP client. docs/data.md, "Regeneration on a serving engine", says how the answers are
-made as the in-process ones are (the chat template kwargs, plain sampling from softmax(logits / T),
-a seed per prompt), how the generated token ids are kept, and which failures are tried again.
+"""prepare.py --regenerate --server URL: each answer one chat completion from an OpenAI-compatible
+server (vLLM, SGLang, llama-server), from a pool of threads; docs/data.md, "Regeneration on a
+serving engine", says how the answers are made as the in-process ones are.
 """
 
 import json
-import queue
 import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from support.common import UsageError, count, nonneg, positive, whole
-from support.conversations import render, retokenized_differs
+from support.conversations import generated_answer, render, retokenized_differs
 
 
 class ServerError(UsageError):
@@ -26,12 +23,6 @@ class Transient(Exception):
 
 
 # ----------------------------------------------------------------------------- HTTP
-def base_url(url: str) -> str:
-    """The server's root: "http://host:8000", "http://host:8000/" and ".../v1" are one server."""
-    url = url.rstrip("/")
-    return url.removesuffix("/v1")
-
-
 def call(url: str, body=None, timeout: float = 600.0) -> dict:
     """GET (body None) or POST body as JSON -> the JSON reply. Raises Transient for what may pass,
     ServerError for a refusal."""
@@ -103,27 +94,19 @@ def generated_ids(choice: dict):
 
 
 def to_record(index: int, prompt: list, reply: dict, tokenizer, settings: dict, server: str):
-    """A server's reply -> the record prepare.py's regeneration writes: {"index", "messages",
-    "finished", the settings, "server", "retokenized_differs", "prompt_tokens_differ"}."""
+    """A server's reply -> regen.answer_record's record, plus server and prompt_tokens_differ."""
     try:
         choice = reply["choices"][0]
         message, finished = choice["message"], choice["finish_reason"] == "stop"
     except (KeyError, IndexError, TypeError):
         raise Transient(f"a reply without choices[0].message: {str(reply)[:100]}") from None
     ids, usage = generated_ids(choice), reply.get("usage") or {}
-    eos = tokenizer.eos_token_id
+    eos, kw = tokenizer.eos_token_id, settings["chat_template_kwargs"]
     if ids is not None:
-        if finished and (not ids or ids[-1] != eos):
-            ids = ids + [eos]  # a server that leaves out the token it stopped at (llama-server
-            # keeps it), so that the answer ends as in-process
-        answer = {
-            "role": "assistant",
-            "content": tokenizer.decode(ids, skip_special_tokens=True),
-            "token_ids": ids,
-        }
-        differs = retokenized_differs(
-            tokenizer, prompt + [answer], settings["chat_template_kwargs"]
-        )
+        if finished and (not ids or ids[-1] != eos):  # a server that leaves out its stop token:
+            ids = ids + [eos]  # the answer ends as in-process (and as llama-server's)
+        answer = generated_answer(tokenizer, ids)
+        differs = retokenized_differs(tokenizer, prompt + [answer], kw)
     else:
         if message.get("reasoning_content") or message.get("reasoning"):
             raise ServerError(
@@ -137,7 +120,6 @@ def to_record(index: int, prompt: list, reply: dict, tokenizer, settings: dict, 
         n = len(tokenizer(answer["content"], add_special_tokens=False)["input_ids"]) + finished
         count = usage.get("completion_tokens")
         differs = None if count is None else n != count
-    kw = settings["chat_template_kwargs"]
     prompt_ids = tokenizer(render(tokenizer, prompt, True, kw), add_special_tokens=False)
     counted = usage.get("prompt_tokens")
     return {
@@ -164,48 +146,37 @@ def regenerate(
     timeout: float = 600.0,
     model: str = None,
 ):
-    """prompts {index: turns} -> their records (to_record), as each answer arrives (in any
-    order), from `concurrency` threads; thread k starts on servers[k % len(servers)]. The first
-    failure that retries do not cure stops the threads and is raised (ServerError)."""
+    """prompts {index: turns} -> their records (to_record) as they arrive, from `concurrency`
+    threads, the k-th prompt first on servers[k % len(servers)]. The first failure that retries do
+    not cure is raised (ServerError) and the prompts not yet sent are dropped."""
     if not prompts:  # all done: no server is asked anything, nor needs to be up
         return
-    servers = [base_url(s) for s in servers]
+    servers = [s.rstrip("/").removesuffix("/v1") for s in servers]  # ".../v1/" names the same one
     models = {
         s: model
         or with_retries([s], 0, "GET /v1/models", lambda s: model_name(s, timeout), retries, wait)
         for s in servers
     }
-    jobs, results, stop = queue.Queue(), queue.Queue(), threading.Event()
-    for i in prompts:
-        jobs.put(i)
 
-    def answer(i: int, server: str) -> dict:
-        body = request_body(prompts[i], models[server], settings, max_new_tokens, i)
-        reply = call(f"{server}/v1/chat/completions", body, timeout)
-        return to_record(i, prompts[i], reply, tokenizer, settings, server)
+    stopped = threading.Event()
 
-    def worker(k: int):
-        while not stop.is_set():
-            try:
-                i = jobs.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                what = f"the answer to prompt {i}"
-                rec = with_retries(servers, k, what, lambda s: answer(i, s), retries, wait)
-                results.put(rec)
-            except Exception as e:  # ServerError, or a bug: raised in the caller's thread
-                results.put(e)
-                return
+    def answer(k: int, i: int) -> dict:
+        def ask(server):
+            if stopped.is_set():  # a failure elsewhere ended the run: no more tries
+                raise ServerError(f"{server}: prompt {i}: stopped")
+            body = request_body(prompts[i], models[server], settings, max_new_tokens, i)
+            reply = call(f"{server}/v1/chat/completions", body, timeout)
+            return to_record(i, prompts[i], reply, tokenizer, settings, server)
 
-    for k in range(min(concurrency, len(prompts))):
-        threading.Thread(target=worker, args=(k,), daemon=True).start()
-    for _ in range(len(prompts)):
-        got = results.get()
-        if isinstance(got, Exception):
-            stop.set()
-            raise got
-        yield got
+        return with_retries(servers, k, f"the answer to prompt {i}", ask, retries, wait)
+
+    pool = ThreadPoolExecutor(min(concurrency, len(prompts)))
+    try:
+        for job in as_completed([pool.submit(answer, k, i) for k, i in enumerate(prompts)]):
+            yield job.result()
+    finally:  # a failure or an early stop: no new request, none waited for
+        stopped.set()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- command line

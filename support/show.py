@@ -2,23 +2,11 @@
 (--show: every cycle's block as one line; else the text streamed; --show-svg; --compare).
 
     [accepted] [accepted]* {first rejected} (never checked) (never checked) <bonus>
-
-The draft proposed d_1..d_{B-1}; the target accepted the first a of them, rejected d_{a+1} (the
-later ones were never compared), and added its own bonus token. A `*` marks a slot where the
-proposal is not the unary argmax: there the selector's path (or sampling) departed from the plain
-DFlash choice. A tree (--tree-budget) shows, depth by depth, the nodes the target checked, best
-first: the one it accepted and, in braces, those it rejected (draw.tree_kinds):
-
     [accepted]{rejected} {rejected}[accepted]* {rejected|rejected} <bonus>   7 nodes, by depth 2 3 2
 
-where `*` marks an accepted node that is not its parent's best child: a path would have stopped
-there, the tree went on. On a terminal colours replace the brackets.
-
-The cycle itself (decoding.py, tree.py) holds no clock and prints nothing: it returns the ids and
-each cycle's tau, and calls its `watch(phase, **made)` as each phase ends, with what that phase made
-(the phases and what each carries: decoding.py's docstring). The watches here: a Watcher rebuilds
-each cycle (a Cycle) and hands it on as it commits, to ShowBlocks (--show) or a Printer (the
-streamed text); an Answer is the Watcher that prints generate.py's answer.
+A path, then a tree (--tree-budget) depth by depth, best first; `*`: a draft that is not its slot's
+unary argmax, a tree's accepted node that is not its parent's best child. The cycle (decoding.py,
+tree.py) prints nothing: a Watcher rebuilds each cycle from its `watch(phase, **made)` calls.
 """
 
 import itertools
@@ -33,24 +21,18 @@ import decoding
 import tree
 from support import draw
 from support.common import DTYPES, UsageError, dtype_name
-from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_kinds, tree_kinds
+from support.draw import BRANCHES, DEPARTS, SHOW_KINDS, branches, path_slots, tree_kinds
 
 
 # ------------------------------------------------------------------------------- run a decoding
 def speculate(target, draft, prompt_ids, max_new_tokens, shape, *, watch=None, **kw):
-    """Speculative decoding as speed/bench.py, tools/served.py and the tests run it: a verify shape,
-    ("path", k) or ("tree", n) -> (ids [1, P + n], Stats). watch(Cycle) sees each cycle as it
-    commits. kw: the cycle's (use_selector, temperature, generator, stop_ids, head, propose). head:
-    what scores the draft's rows, the target's head when None; a caller that ran the draft through
-    speed/ passes the one speed/ chose (speed.tune.decoding's)."""
+    """Speculative decoding in a verify shape, ("path", k) or ("tree", n) -> (ids [1, P + n],
+    Stats); watch(Cycle) sees each cycle as it commits; kw: the cycle's own arguments."""
     kind, n = shape
     loop = decoding.speculative_generate if kind == "path" else tree.tree_generate
     see = Watcher(watch, prompt_ids.shape[1]) if watch else None
-    return timed(
-        lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=see, **kw),
-        prompt_ids,
-        draft.config.block_size,
-    )
+    run = lambda: loop(target, draft, prompt_ids, max_new_tokens, n, watch=see, **kw)
+    return timed(run, prompt_ids, draft.config.block_size)
 
 
 def label(shape) -> str:
@@ -63,10 +45,8 @@ def label(shape) -> str:
 class Stats:
     new_tokens: int = 0
     seconds: float = 0.0  # wall clock of the whole call, prefill included
-    # acceptance length per cycle: accepted drafts + 1, in 1..B
-    taus: list = field(default_factory=list)
-    # [j-1]: in how many cycles draft slot j was accepted
-    accepted_at: list = None
+    taus: list = field(default_factory=list)  # per cycle: accepted drafts + 1, in 1..B
+    accepted_at: list = None  # [j-1]: in how many cycles draft slot j was accepted
 
     @property
     def mean_tau(self):
@@ -89,10 +69,8 @@ class Stats:
 
 
 def timed(decode, prompt_ids, block_size=None):
-    """Run decode() -> (ids [1, P + n], taus) -> (ids, Stats). block_size: the draft's B for a
-    speculative decoding (acceptance by slot); None for plain decoding, whose Stats hold its tokens
-    and time only. Nothing is synchronized: every cycle reads its tokens back (.tolist()), which
-    waits for the device."""
+    """Run decode() -> (ids [1, P + n], taus) -> (ids, Stats); block_size None: plain decoding. No
+    synchronize: every cycle reads its tokens back (.tolist()), which waits for the device."""
     start = time.perf_counter()
     ids, taus = decode()
     seconds = time.perf_counter() - start
@@ -103,18 +81,15 @@ def statistics(new_tokens: int, seconds: float, taus, block_size=None) -> Stats:
     """The Stats of a decoding that committed new_tokens in seconds; the rest as timed's."""
     if block_size is None:
         return Stats(new_tokens=new_tokens, seconds=seconds)
-    # slot j accepted iff tau > j
-    accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]
+    accepted_at = [sum(t > j for t in taus) for j in range(1, block_size)]  # j accepted: tau > j
     return Stats(new_tokens, seconds, taus, accepted_at)
 
 
 # ----------------------------------------------------------------------------- watching each cycle
 @dataclass
 class Cycle:
-    """What a watcher sees of one cycle: the tokens it committed (`new`, cut at a stop token or at
-    max_new_tokens); the drafts it sent (a path's d_1..d_k, or a tree's nodes), the unary argmax of
-    each one's slot, how many the target accepted, its bonus token; for a tree, the tree and its
-    accepted nodes. The prefill's token comes as a Cycle with `new` only."""
+    """One cycle as a watcher sees it: the tokens it committed, the drafts it sent (a tree's nodes),
+    each one's slot's unary argmax, how many were accepted, the bonus; the prefill: `new` only."""
 
     new: list
     drafts: list = None
@@ -125,15 +100,8 @@ class Cycle:
     path: list = None
 
 
-def unary_best(u) -> list:
-    """The unary argmax of each scored slot, u [1, L, V] -> [L]: a plain DFlash path's drafts."""
-    return u[0].argmax(-1).tolist()
-
-
 class Watcher:
-    """The cycle's watch that keeps what each phase made (decoding.py's docstring: the phases and
-    their keys) and, at every commit, hands see(cycle) the cycle it makes up (a Cycle). P: the
-    prompt's length."""
+    """The cycle's watch: keeps what each phase made and hands see(Cycle) each commit."""
 
     def __init__(self, see, P: int):
         self.see, self.length, self.made = see, P, {}
@@ -146,7 +114,7 @@ class Watcher:
         new, self.length = got["ids"][0, self.length :].tolist(), got["ids"].shape[1]
         if phase == "prefill":  # the prefill's token
             return self.see(Cycle(new))
-        best = unary_best(got["u"])
+        best = got["u"][0].argmax(-1).tolist()  # [L] each slot's unary argmax
         if "tree" in got:
             t, path = got["tree"], got["path"]
             unary = [best[d - 1] for d in t.depths[1:]]  # the unary argmax of each node's slot
@@ -156,35 +124,21 @@ class Watcher:
 
 # -------------------------------------------------------------------- --show: every cycle's block
 def mark(text: str, kind: str, color=False, departs=False) -> str:
-    """text as a token of this kind: in its brackets, or in its ANSI colour on a terminal; `*` after
-    it when the draft departs from the unary argmax."""
+    """text as a token of this kind, in its brackets or ANSI colour; `*` after it if it departs."""
     left, right, sgr, _ = SHOW_KINDS[kind]
     star = ("\x1b[33m*\x1b[0m" if color else "*") if departs else ""
     return (f"\x1b[{sgr}m{text}\x1b[0m" if color else f"{left}{text}{right}") + star
 
 
-def show_legend(color=False, tree=False) -> str:
-    return (
-        "  ".join(mark(meaning, kind, color) for kind, (*_, meaning) in SHOW_KINDS.items())
-        + "  "
-        + (BRANCHES if tree else DEPARTS)
-    )
-
-
 def format_block(drafts, unary, accepted: int, bonus: int, text, color=False) -> str:
-    """One cycle as one line: drafts d_1..d_{B-1} [B-1], the first `accepted` of them accepted, the
-    next one rejected, the rest never checked, then the target's bonus token; a `*` marks a draft
-    that is not the unary argmax of its slot (unary [B-1]). text(id) -> the token's text."""
-    kinds = path_kinds(len(drafts), accepted)
-    slots = [mark(text(d), kind, color, d != u) for d, u, kind in zip(drafts, unary, kinds)]
-    return " ".join(slots + [mark(text(bonus), "bonus", color)])
+    """One path cycle as one line: drafts [B-1] marked against unary [B-1], then the bonus."""
+    slots = path_slots(drafts, unary, accepted, bonus)
+    return " ".join(mark(text(d), kind, color, departs) for d, kind, departs in slots)
 
 
 def format_tree(t, path, bonus: int, text, color=False) -> str:
-    """One tree cycle as one line: a tree.Tree t (node 0 the anchor, best child first), its accepted
-    nodes `path`, the target's bonus token; then its size and width by depth. Depth by depth, the
-    nodes the target checked, best first: the one it accepted and, in braces, those it rejected
-    (draw.tree_kinds)."""
+    """One tree cycle as one line: depth by depth the checked nodes (draw.tree_kinds), the bonus,
+    then the tree's size and width by depth."""
     kinds, departs, slots = tree_kinds(t, path), branches(t, path), []
     for d in range(1, len(path) + 2):  # the walk checks one depth past its last accepted node
         checked = [
@@ -211,7 +165,8 @@ class ShowBlocks:
 
     def __init__(self, tok, color: bool, tree=False):
         self.tok, self.color, self.cycles = tok, color, 0
-        print(show_legend(color, tree))
+        legend = (mark(meaning, kind, color) for kind, (*_, meaning) in SHOW_KINDS.items())
+        print("  ".join([*legend, BRANCHES if tree else DEPARTS]))
 
     def __call__(self, cycle):
         if cycle.drafts is None:  # the prefill's token: no block
@@ -228,8 +183,7 @@ class ShowBlocks:
 
 
 class Printer:
-    """The watcher that streams the text: decode everything committed so far, print only the new
-    characters."""
+    """The watcher that streams the text: decode all committed so far, print what is new."""
 
     def __init__(self, tok):
         self.tok, self.ids, self.shown = tok, [], 0
@@ -237,8 +191,7 @@ class Printer:
     def __call__(self, cycle):
         self.ids += cycle.new
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        # else half a multi-byte character: wait for the rest
-        if not text.endswith("\ufffd"):
+        if not text.endswith("\ufffd"):  # else half a multi-byte character: wait for the rest
             print(text[self.shown :], end="", flush=True)
             self.shown = len(text)
 
@@ -246,26 +199,13 @@ class Printer:
 # ------------------------------------------------------------------------ generate.py's answer
 def add_flags(a):
     """generate.py's flags for what it prints of an answer; a: its ArgumentParser's add_argument."""
-    a(
-        "--show",
-        action="store_true",
-        help="print each cycle's drafts, marked as the target judged them",
-    )
-    a(
-        "--show-svg",
-        metavar="FILE",
-        help="draw each cycle's drafts, marked as --show marks them, as SVG",
-    )
-    a(
-        "--compare",
-        action="store_true",
-        help="also decode plainly and say the speed-up and any difference",
-    )
+    a("--show", action="store_true", help="print each cycle's drafts as the target judged them")
+    a("--show-svg", metavar="FILE", help="draw each cycle's drafts, marked as --show marks them")
+    a("--compare", action="store_true", help="also decode plainly: the speed-up, any difference")
 
 
 def check_flags(args, error):
-    """Refuse what add_flags' flags do not go with: error(message) ends the run (generate.py's
-    ArgumentParser.error); a --show-svg FILE in no folder is the user's one-line UsageError."""
+    """Refuse what add_flags' flags do not go with; error: the ArgumentParser's."""
     if args.show and args.bench:
         error("--show prints the blocks of single answers; it does not go with --bench")
     if args.show_svg and (args.bench or args.prompt is None):
@@ -276,11 +216,8 @@ def check_flags(args, error):
 
 
 class Answer(Watcher):
-    """What generate.py prints of one speculative answer to prompt_ids [1, P], as the cycle's watch:
-    the text streamed as it commits or, with blocks (--show), each cycle's block. Then
-    report(ids, taus, messages) prints its statistics (--show: the text first) and, given svg
-    (--show-svg's file), its picture. mode ("selector" or "unary") and shape (a verify shape, as
-    speculate's) name the run in the report."""
+    """generate.py's answer to prompt_ids [1, P] as the cycle's watch: the text streamed, or each
+    block (--show); report() then prints its statistics and draws it (--show-svg)."""
 
     def __init__(self, tok, prompt_ids, block_size: int, mode, shape, blocks=False, svg=None):
         self.tok, self.P, self.B = tok, prompt_ids.shape[1], block_size
@@ -313,36 +250,21 @@ class Answer(Watcher):
 REPEATS = 5  # --compare's speed-up: the median of this many decodings each way
 
 
-def median_speedup(speculative, plain, repeats: int = REPEATS) -> str:
-    """speculative(), plain() -> the Stats of one decoding each. Both run `repeats` times in turn
-    (a shared machine that speeds up or slows down meanwhile does so for both) -> the line saying
-    the ratio of their median tok/s, and that it is one: one decoding of a few dozen tokens
-    scatters by tens of percent."""
-    spec, base = [], []
-    for _ in range(repeats):
-        spec.append(speculative().tok_per_s)
-        base.append(plain().tok_per_s)
-    s, b = sorted(spec)[repeats // 2], sorted(base)[repeats // 2]
-    return (
-        f"speedup {s / b:.2f}x (median of {repeats} runs each way: {s:.1f} against {b:.1f} tok/s)"
-    )
-
-
 def versus_plain(target, prompt_ids, out, speculative, plain, gen, state, temperature, B) -> str:
-    """--compare, after the speculative answer `out` to prompt_ids [1, P] (a draft of block size B):
-    plain decoding once from gen, then each way REPEATS times more, each from where its first run's
-    generator began (the speculative one's: state) -> the lines giving plain decoding's statistics,
-    the speed-up, and whether the outputs are the same. speculative(generator=g), plain(generator=g)
-    -> (ids, taus): one decoding each way."""
+    """--compare after the speculative answer `out`: plain decoding from gen, then both ways in turn
+    REPEATS times, each from its first generator state (speculative's: state), so that a shared
+    machine's drift hits both -> plain's statistics, the median speed-up and the verdict."""
     plain_state = gen.get_state()
     base, base_stats = timed(lambda: plain(generator=gen), prompt_ids)
 
     def again(decode, at, block_size=None):  # once more, its generator back where it began
         g = torch.Generator(device=gen.device).set_state(at)
-        return timed(lambda: decode(generator=g), prompt_ids, block_size)[1]
+        return timed(lambda: decode(generator=g), prompt_ids, block_size)[1].tok_per_s
 
-    speedup = median_speedup(
-        lambda: again(speculative, state, B), lambda: again(plain, plain_state)
+    runs = [(again(speculative, state, B), again(plain, plain_state)) for _ in range(REPEATS)]
+    s, b = (sorted(way)[REPEATS // 2] for way in zip(*runs))  # one decoding scatters by tens of %
+    speedup = (
+        f"speedup {s / b:.2f}x (median of {REPEATS} runs each way: {s:.1f} against {b:.1f} tok/s)"
     )
     verdict = compare(target, prompt_ids.shape[1], base, out, temperature, B)
     return f"[plain] {base_stats.summary()}\n  {speedup}, output {verdict}"
@@ -353,8 +275,7 @@ def versus_plain(target, prompt_ids, out, speculative, plain, gen, state, temper
 # differently (the SmolLM2 target, the same positions both ways: logits up to 5e-5 apart in fp32,
 # 0.7 in bf16). Where its top two tokens are closer than that, either side may win.
 def compare(target, P: int, plain, spec, temperature: float, block_size: int) -> str:
-    """--compare's verdict on two decodings of one prompt [1, P]: identical, or where they part
-    and whether that is a numerics tie or a bug."""
+    """Two decodings of one prompt [1, P]: identical, or where they part, on a tie or a bug."""
     if torch.equal(plain, spec):
         return "identical"
     if temperature > 0:
@@ -374,9 +295,8 @@ def compare(target, P: int, plain, spec, temperature: float, block_size: int) ->
 
 @torch.no_grad()
 def logits_two_ways(target, prefix, m: int):
-    """The target's logits [V] after prefix [1, L], computed twice: as a one-token step after
-    L - 1 cached tokens (as plain decoding does) and as the last row of an m-token block after
-    L - m (as a verify does) -> (step, block), fp32."""
+    """The target's logits [V] after prefix [1, L] as a one-token step (plain decoding) and as the
+    last row of an m-token verify -> (step, block), fp32."""
     rows = []
     for n in (1, min(m, prefix.shape[1] - 1)):
         cache = decoding.new_cache(target)
@@ -387,12 +307,9 @@ def logits_two_ways(target, prefix, m: int):
 
 
 def numerics_tie(step, block, plain_token: int, spec_token: int, dtype: str):
-    """Whether two greedy decodings that part here, plain at plain_token and speculation at
-    spec_token, part on a numerics tie -> (tie, a, b), a and b the step's logits of the two tokens.
-
-    step, block [V]: the target's logits at this position as a one-token step and as a verify's
-    row (logits_two_ways). Each token's logit may move by up to the largest difference between
-    the two, and by one rounding of itself in the target's dtype; a tie is two logits that close."""
+    """Whether greedy decodings that part at plain_token / spec_token part on a tie -> (tie, a, b),
+    a and b their step logits. Each may move by the largest step-block difference (logits_two_ways)
+    and one rounding in the target's dtype; a tie is two logits that close."""
     a, b = float(step[plain_token]), float(step[spec_token])
     noise = float((step - block).abs().max())
     rounding = torch.finfo(DTYPES[dtype]).eps * max(abs(a), abs(b))

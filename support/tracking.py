@@ -12,9 +12,8 @@ from support.metrics import save_acceptance
 
 
 class RunLog:
-    """train.py's log.jsonl, on rank 0 (on): record(kind=..., step=..., ...) appends a record, and
-    sends it to track (start_tracker's, or None); a fresh run starts a fresh log, --resume appends
-    to it; end() writes a finished run's final report. On the other ranks nothing."""
+    """train.py's log.jsonl on rank 0 (on): record(kind=..., step=..., ...) appends a record and
+    sends it to track (start_tracker's); --resume appends to the old log."""
 
     def __init__(self, args, on: bool, track=None):
         self.out_dir, self.on = args.out_dir, on
@@ -31,17 +30,19 @@ class RunLog:
             self.track(record)
 
     def end(self, final: dict, cfg, step, elapsed_s):
-        """final: the held-out metrics of a finished run ({}: none)."""
-        if self.on and final:
-            record = final_report(self.out_dir, self.path, final, cfg, step, elapsed_s)
-            if self.track:
-                self.track(record)
+        """A finished run's end on rank 0 (final: its held-out metrics; {}: none): acceptance.json,
+        the "final" record, the summary."""
+        if not (self.on and final):
+            return
+        save_acceptance(self.out_dir, final, cfg, step)  # before the record: it pops what it keeps
+        self(**{"kind": "final", "step": step, "elapsed_s": elapsed_s, **final})
+        print_summary(final, cfg)
+        print(f"\nserved tau (the real decoding loop): python -m tools.served {self.out_dir}")
 
 
 def start_tracker(args):
-    """--report-to's tracker, as nanoGPT's wandb_log: a function that gets each log.jsonl record
-    and sends its numbers, named kind/key (train/loss, eval/loss), at its step. wandb: project
-    dflash2, the run named after --out-dir, the flags as its config; tensorboard: OUT_DIR/tb."""
+    """--report-to's tracker, as nanoGPT's wandb_log: record -> its numbers sent as kind/key at its
+    step (wandb: project dflash2; tensorboard: OUT_DIR/tb)."""
     name = args.report_to  # the package's name too
     try:  # here, not at the top: an optional package, imported only when asked for
         if name == "wandb":
@@ -70,20 +71,8 @@ def numbers(record: dict) -> dict:
 
 
 def append_log(path, record: dict):
-    """One log.jsonl record."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def final_report(out_dir, log_path, final: dict, cfg, step, elapsed_s) -> dict:
-    """The end of a finished run, on rank 0: acceptance.json, the "final" record, the held-out
-    summary and how to measure served tau. -> the final record."""
-    save_acceptance(out_dir, final, cfg, step)  # before the record: it pops what it keeps
-    record = {"kind": "final", "step": step, "elapsed_s": elapsed_s, **final}
-    append_log(log_path, record)
-    print_summary(final, cfg)
-    print(f"\nserved tau (the real decoding loop): python -m tools.served {out_dir}")
-    return record
 
 
 def print_summary(m, cfg):
@@ -104,8 +93,8 @@ def print_summary(m, cfg):
 
 
 def read_log(path: str) -> tuple:
-    """A run (its folder, or its log.jsonl) -> (its folder, its records). A line that is not a JSON
-    object with a kind and a step is the user's to fix: UsageError naming the file and line."""
+    """A run (its folder, or its log.jsonl) -> (its folder, its records); a bad line is a
+    UsageError naming the file and line."""
     file = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise UsageError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")

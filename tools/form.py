@@ -426,15 +426,16 @@ def test_each_package_map_names_exactly_its_modules(package):
     assert mapped - aside(mapped) == modules - aside(modules)
 
 
-# The weight is a decision, not a drift: each part's non-test Python, in lines, stays under its
-# budget (issue 71). A change that needs more raises the budget in the same commit and says why.
+# The weight is a decision, not a drift: each part's non-test Python (this file is a test), in
+# lines, stays under its budget, set to what is left (issue 71). A change that needs more raises the
+# budget in the same commit and says why.
 LINE_BUDGET = {
     ".": 3600,
     "prompts": 310,
-    "support": 3200,
+    "support": 2850,
     "compat": 680,
     "speed": 960,
-    "tools": 2200,
+    "tools": 2250,
 }
 
 

@@ -16,6 +16,7 @@ later record wins. The picture is support/draw.py's SVG: plain text, no plotting
 """
 
 import argparse
+import math
 import os
 
 from support import draw
@@ -34,6 +35,7 @@ LINES = [
     ("tau", "served", ("served",), "served_path_tau", False),
 ]
 
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]  # one per run
 KEY = [
     "solid: the training loss (its base term); held-out tau on the selector's path (DFlash2); the",
     "    share of held-out blocks accepted up to each position (acceptance.json)",
@@ -72,40 +74,92 @@ def by_position(folder: str):
     return {mode: s["accepted"] for mode, s in stats.items()}
 
 
+def ticks(lo: float, hi: float, n=5) -> list:
+    """Round values from at or below lo to at or above hi, about n steps of 1, 2 or 5 times a power
+    of ten: a chart's axis runs from the first to the last."""
+    span = max(hi - lo, 1e-9)
+    step = 10.0 ** math.floor(math.log10(span / n))
+    step *= next(m for m in (1, 2, 5, 10) if span / (step * m) <= n)
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [float(f"{k * step:.10g}") for k in range(first, last + 1)]
+
+
+def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
+    """A panel of lines inside a w x h frame at (x0, y0): series [dict(points=[(x, y)], color,
+    run, name, dashed, dots)]. The axes run between round ticks around the data (xticks: given
+    ones), each tick a text of class tick with data-axis, data-value and data-px (its pixel), from
+    which a test reads the picture's values back. A series is a polyline of class series (data-run,
+    data-name) and, with dots or a single point, a circle per point."""
+    svg.group("chart", data_title=title)
+    svg.text(x0, y0 - 12, title, "title")
+    pts = [p for s in series for p in s["points"]]
+    if not pts:
+        svg.text(x0 + 10, y0 + h / 2, "(nothing recorded)", "note")
+        svg.width, svg.height = max(svg.width, x0 + w), max(svg.height, y0 + h)
+        svg.end_group()
+        return
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    flat = 0.5 if max(ys) == min(ys) else 0.0
+    xt = xticks or ticks(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1)
+    yt = ticks(min(ys) - flat, max(ys) + flat)
+    X = lambda v: x0 + (v - xt[0]) / (xt[-1] - xt[0]) * w
+    Y = lambda v: y0 + h - (v - yt[0]) / (yt[-1] - yt[0]) * h
+    for v in yt:
+        tick, y = f"{v:g}", Y(v)
+        svg.line(x0, y, x0 + w, y, "grid")
+        svg.text(x0 - 4, y, tick, "tick", "end", data_axis="y", data_value=tick, data_px=y)
+    for v in xt:
+        tick, x = f"{v:g}", X(v)
+        svg.line(x, y0 + h, x, y0 + h + 4, "axis")
+        svg.text(x, y0 + h + 14, tick, "tick", "middle", data_axis="x", data_value=tick, data_px=x)
+    svg.line(x0, y0 + h, x0 + w, y0 + h, "axis")
+    svg.line(x0, y0, x0, y0 + h, "axis")
+    svg.text(x0 + w / 2, y0 + h + 32, xlabel, "note", "middle")
+    for s in series:
+        p = [(X(x), Y(y)) for x, y in s["points"]]
+        kw = dict(stroke=s["color"], data_run=s["run"], data_name=s["name"])
+        if len(p) > 1:
+            svg.polyline(p, "series dashed" if s.get("dashed") else "series", **kw)
+        if s.get("dots") or len(p) == 1:
+            for x, y in p:
+                svg.circle(x, y, s.get("radius", 3), "point", fill=s["color"], **kw)
+    svg.end_group()
+
+
 def picture(runs: list, title: str) -> draw.Svg:
     """runs [(label, records, {mode: acceptance by position})] -> the three panels and a legend."""
     svg, w, h = draw.Svg(), 300, 210
     svg.text(10, 14, title, "title")
     panels = {"loss": (70, "loss", "step"), "tau": (70 + w + 80, "held-out tau", "step")}
     steps = [r["step"] for _, records, _ in runs for r in records]
-    xticks = draw.ticks(min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1)
+    xticks = ticks(min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1)
     for panel, (x, name, xlabel) in panels.items():  # both against the same steps
         series = []
         for k, (label, records, _) in enumerate(runs):
             for p, line, kinds, key, dashed in LINES:
                 pts = points(records, kinds, key)
                 if p == panel and pts:
-                    color = draw.COLORS[k % len(draw.COLORS)]
+                    color = COLORS[k % len(COLORS)]
                     dots = kinds != ("train",)
                     radius = 6 if key == "served_path_tau" else 3
                     s = dict(points=pts, color=color, run=label, name=line, dashed=dashed)
                     series.append(dict(s, dots=dots, radius=radius))
-        draw.chart(svg, x, 60, w, h, series, name, xlabel, xticks)
+        chart(svg, x, 60, w, h, series, name, xlabel, xticks)
     series, L = [], 0
     for k, (label, _, accepted) in enumerate(runs):
         for mode, shares in accepted.items():
             L = max(L, len(shares))
             pts = list(enumerate(shares, 1))
-            color = draw.COLORS[k % len(draw.COLORS)]
+            color = COLORS[k % len(COLORS)]
             series.append(
                 dict(points=pts, color=color, run=label, name=mode, dashed=mode == "unary", dots=1)
             )
     x = 70 + 2 * (w + 80)
     name = "accepted up to block position"
-    draw.chart(svg, x, 60, w, h, series, name, "block position j", list(range(1, L + 1)) or None)
+    chart(svg, x, 60, w, h, series, name, "block position j", list(range(1, L + 1)) or None)
     y = 60 + h + 60
     for k, (label, *_) in enumerate(runs):
-        color = draw.COLORS[k % len(draw.COLORS)]
+        color = COLORS[k % len(COLORS)]
         svg.line(70 + 200 * k, y, 110 + 200 * k, y, style=f"stroke: {color}; stroke-width: 3")
         svg.text(118 + 200 * k, y, label)
     for i, line in enumerate(KEY):
