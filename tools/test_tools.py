@@ -6,14 +6,13 @@ holds it equal to the banners):
     tools/study.py                  seeds pooled per arm by hand
     tools/served.py: served acceptance
                                     teacher-forced at served anchors == the served cycle
-    tools/gpu_check.py              --dry-run, prepare.py's shards, out of memory, interrupted
-                                    runs
+    tools/gpu_check.py              --dry-run, prepare.py's shards, train.py's commands and
+                                    log, rows written as they end, interrupted runs
     tools/llamacpp.py               the converter reads every key it needs from an export;
                                     convert's command; parity's comparison
     tools/plot.py                   the charts draw the logged values; a bad run is one error
                                     line
     tools/mutants.py                the breaks load; a bad one is named, exit status 2
-    the machinery elsewhere         tests that name this package and no other home
 """
 
 import contextlib
@@ -98,8 +97,9 @@ def test_study_pools_seeds_per_arm_by_hand(tmp_path):
         "- b: +0.100 against dflash2 (twice the spread: 0.283), within noise",
         "- dflash: -1.000 against dflash2 (twice the spread: 0.283), below",
     ]
-    args = study.parse_args(["--toy", "--num-samples", "300", "--seeds", "2", "--lr", "1e-3"])
-    assert (args.toy, args.seeds, args.train) == (True, 2, ["--num-samples", "300", "--lr", "1e-3"])
+    argv = ["--toy", "--num-samples", "300", "--seeds", "2", "--lr", "1e-3"]
+    args, train = study.PARSER.parse_known_args(argv)
+    assert (args.toy, args.seeds, train) == (True, 2, ["--num-samples", "300", "--lr", "1e-3"])
 
 
 # =============================================================== tools/served.py: served acceptance
@@ -222,46 +222,37 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
 
 # ============================================================================ tools/gpu_check.py
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the plan's items a-d in order, printed, and the same plumbing
-    on the CPU at toy widths: train.py under torchrun runs every step offline on random bf16
-    feature shards and its log gives a steady step time, the decode item (generate.py --bench's
-    code) decodes the selector's path and tree equal to plain decoding, item b says why it is
-    skipped, and every CUDA test skips with needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run: the plan's items in order, on the CPU at toy widths: train.py
+    under torchrun runs every step offline on random bf16 feature shards and its log gives a steady
+    step time, the decode item (generate.py --bench's code) decodes the selector's path and tree
+    equal to plain decoding, item b says why it is skipped, and every CUDA test skips with
+    needs_cuda's reason."""
     out = tmp_path / "gpu"
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", str(out), "--dry-run"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    cmd = [sys.executable, "-m", "tools.gpu_check", str(out), "--dry-run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "a. train" in done.stdout and "d. tests" in done.stdout, done.stdout
     results = json.loads((out / "results.json").read_text())
-    names = ["train", "compile", "decode", "tests"]
-    assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
+    assert list(results["items"]) == ["train", "compile", "decode", "tests"]
     t = results["items"]["train"]
     assert t["status"] == "measured" and t["steps_done"] == 6 and t["error_line"] is None, t
     assert t["steady_steps"] == 6 - gpu_check.WARM_STEPS and t["step_s"] > 0 and t["tokens_per_s"]
-    assert "torch.distributed.run" in t["command"] or "--nproc_per_node=1" in t["command"]
-    assert "skipped" == results["items"]["compile"]["status"]
+    assert "torch.distributed.run" in t["command"]
+    assert results["items"]["compile"]["status"] == "skipped"
     d, B = results["items"]["decode"], results["items"]["decode"]["block_size"]
     assert d["status"] == "measured" and d["device"] == "cpu", d
-    ways = [(w["mode"], w["verify"], w["same"]) for w in d["ways"]]
-    assert ways == [
+    assert [(w["mode"], w["verify"], w["same"]) for w in d["ways"]] == [
         ("selector", f"path of {B - 1} drafts", d["prompts"]),
         ("selector", f"tree of {B - 1} nodes", d["prompts"]),
         ("plain stock", "", None),
     ]
     tests = results["items"]["tests"]
-    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
+    assert tests["status"] == "measured" and tests["counts"].get("skipped", 0) >= 5, tests
     assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
-    log = (out / "tests.log").read_text()
-    skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
-    assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
+    skips = [s for s in (out / "tests.log").read_text().splitlines() if s.startswith("SKIPPED")]
+    assert skips and all("needs a CUDA GPU" in line for line in skips), skips
     summary = (out / "summary.txt").read_text()
-    assert tests["summary"] in summary and f"steady {t['step_s']} s a step" in summary
+    assert tests["summary"] in summary and f"step_s {t['step_s']};" in summary
     assert "DRY RUN" in summary and "selector tree of" in summary
 
 
@@ -271,94 +262,137 @@ def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypa
     and load_features streams its rows back, the first tenth of each unsupervised."""
     draft = os.path.join(HERE, "configs", "qwen3-8b-dflash2.json")
     draft = gpu_check.toy_config(draft, str(tmp_path / "toy.json"))
-    rows, (low, high) = gpu_check.SIZES["dry"]["rows"], gpu_check.SIZES["dry"]["lengths"]
+    rows, (low, high) = 6, (40, 64)
     _, feat_dir = gpu_check.make_train_data(draft, str(tmp_path / "data"), (low, high), rows)
-    c = config.load_config(draft)
+    layers = config.load_config(draft).target_layer_ids
     asked = []  # the settings prepare.py's rerun checks its shard against (it stops there)
     monkeypatch.setattr(prepare, "shard_done", lambda path, made, n: asked.append(made) or True)
-    prepare.write_features(  # N rows in one shard: prepare.py --max-length HIGH --shard-size N
-        None, None, [[]] * rows, str(tmp_path), c.target_layer_ids, high, shard_size=rows
-    )
+    # N rows in one shard: prepare.py --max-length HIGH --shard-size N
+    prepare.write_features(None, None, [[]] * rows, str(tmp_path), layers, high, shard_size=rows)
     assert features.shard_done(features.shard_path(feat_dir, 0), asked[0], rows)
     manifest = features.read_manifest(feat_dir)
-    assert manifest["target_layer_ids"] == c.target_layer_ids and manifest["max_length"] == high
+    assert (manifest["target_layer_ids"], manifest["max_length"]) == (layers, high)
     assert manifest["num_samples"] == rows and manifest["chat_template_kwargs"] == {}
     samples = features.load_features(feat_dir)
     assert len(samples) == rows and "target_hidden" not in samples[0]
     for r in samples:
         n = len(r["input_ids"])
-        assert low <= n <= high and r["features"].shape == (n, len(c.target_layer_ids) * 64)
+        assert low <= n <= high and r["features"].shape == (n, len(layers) * 64)
         assert r["loss_mask"].tolist() == [0] * (n // 10) + [1] * (n - n // 10)
+
+
+def test_gpu_check_items_a_and_b_are_train_py_commands_of_one_static_shape():
+    """Items a and b run train.py with flags its parser takes (item a under torchrun), and item b's
+    rows of LOW..HIGH tokens pad to one static shape: its compiled step never recompiles."""
+    args = gpu_check.parse_args(["OUT"])
+    for item in ("train", "compile"):
+        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
+        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
+        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
+    low, high = args.sizes["main_lengths"]
+    assert loader.static_size(low, loader.LENGTH_UNIT) == loader.static_size(
+        high, loader.LENGTH_UNIT
+    )
+
+
+def test_gpu_check_reads_the_steady_step_per_interval():
+    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
+    from the loop's start), per interval too; train.py's per-interval rates, their median."""
+    compile_s, step_s, tokens = 60.0, 0.2, 3500
+    records = [
+        dict(kind="train", step=i, elapsed_s=round(compile_s + step_s * i, 1), mfu=0.3)
+        | dict(target_tok_per_s=tokens / step_s if i > 1 else tokens / (compile_s + step_s))
+        for i in range(1, 33)
+    ]
+    got = gpu_check.steady(records)
+    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
+    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
+    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
+    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
+    for bad, says in (
+        (records[::2], "one a step"),
+        ([{"kind": "eval"}], "no train records"),
+        ([r | {"elapsed_s": compile_s} for r in records], "below the log's resolution"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            gpu_check.steady(bad)
 
 
 def test_gpu_check_reads_train_logs_a_killed_run_left_or_never_wrote(tmp_path, monkeypatch):
     """Items a and b read train.py's log.jsonl with support.tracking.read_log: a run its share cut
-    off before its first step left none and is reported as timed out with 0 steps; one that ended
-    well but left no log fails with read_log's reason; a killed run's records count its steps."""
+    off is reported as timed out with the steps its log counts; one that ended well but left no
+    log fails with read_log's reason."""
     args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
-    args.configs = {"train": os.path.join(HERE, "configs", "smollm2-135m-dflash2.json")}
-    monkeypatch.setattr(gpu_check, "make_train_data", lambda *a: None)  # the data is not read
-    ended = {}
-    monkeypatch.setattr(gpu_check, "run_bounded", lambda *a: ended["as"])
-    ended["as"] = (None, 50.0, "compiling")
-    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
-    assert (row["status"], row["steps_done"]) == ("timed out", 0)
-    ended["as"] = (0, 50.0, "done")
-    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
-    assert row["status"] == "failed" and "no log.jsonl there" in row["reason"]
-
-    def killed(*a):
-        os.makedirs(tmp_path / "train")
-        log = [{"kind": "train", "step": i, "elapsed_s": 9.0 + i} for i in (1, 2, 3)]
-        (tmp_path / "train" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-        return None, 50.0, "step 4"
-
-    monkeypatch.setattr(gpu_check, "run_bounded", killed)
-    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
-    assert (row["status"], row["steps_done"]) == ("timed out", 3)
+    toy = os.path.join(HERE, "configs", "toy-dflash2.json")
+    args.configs = {"train": gpu_check.toy_config(toy, str(tmp_path / "toy.json"))}
+    lines = "".join(
+        json.dumps({"kind": "train", "step": i, "elapsed_s": 9.0 + i}) + "\n" for i in (1, 2, 3)
+    )
+    # a stand-in for train.py: it logs 3 steps then is cut off, or logs nothing
+    writes = f"import os, time\nos.makedirs('{tmp_path}/cut/train')\n"
+    writes += f"open('{tmp_path}/cut/train/log.jsonl', 'w').write({lines!r})\ntime.sleep(60)"
+    for tmp, child, state, steps in (("cut", writes, "timed out", 3), ("none", "", "failed", 0)):
+        monkeypatch.setattr(gpu_check, "train_command", lambda *a: [sys.executable, "-c", child])
+        share = gpu_check.INTERRUPT_S + 4  # a bound of 4 s, less the data's time
+        row = gpu_check.train_row(args, "train", str(tmp_path / tmp), share, io.StringIO())
+        assert (row["status"], row["steps_done"]) == (state, steps), row
+    assert "no log.jsonl there" in row["reason"]
 
 
-def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
+def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
     tmp_path, monkeypatch
 ):
-    """tools/gpu_check.py: a row that ran out of memory is reported as such and does not fail the
-    check, one its share cut off does; a check stopped halfway (Ctrl-C in the second item) still
-    writes results.json and summary.txt with what it did and what stopped it."""
+    """Each item's row is on disk (results.json, summary.txt) before the next item starts, so a
+    device lent for minutes keeps what ran; a row that ran out of memory is reported as such and
+    does not fail the check, one its share cut off does; a check stopped halfway (Ctrl-C in an
+    item) still writes what it did and what stopped it."""
     oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
     state, reason = gpu_check.outcome(1, oom, 60)
     assert state == "out of memory" and "17.00 GiB" in reason
-    assert not gpu_check.failed({"status": state})
     assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
     assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
-    assert gpu_check.failed({"status": "timed out"}) and gpu_check.failed({"exit_status": 1})
-    calls = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
+    seen = {}
 
-    def item(name, *rest):
-        calls.append(name)
-        if name == "compile":
+    def item(name, args, *rest):
+        done = os.path.join(args.out_dir, "results.json")
+        seen[name] = list(json.load(open(done))["items"]) if os.path.exists(done) else None
+        if ends[name] is None:
             raise KeyboardInterrupt
-        return {"status": "out of memory", "reason": "CUDA out of memory"}
+        return {"status": ends[name], "reason": None}
 
     monkeypatch.setattr(gpu_check, "run_item", item)
+    codes = []
+    for last in ("measured", "timed out"):
+        ends = {"train": "out of memory", "compile": "skipped", "decode": "measured", "tests": last}
+        with pytest.raises(SystemExit) as stop:
+            gpu_check.main([str(tmp_path / last), "--dry-run"])
+        codes.append(stop.value.code)
+    assert codes == [0, 1]
+    before = {"train": None, "compile": ["train"], "decode": ["train", "compile"]}
+    assert seen == before | {"tests": ["train", "compile", "decode"]}
+    ends["decode"] = None
     with pytest.raises(KeyboardInterrupt):
-        gpu_check.main([str(tmp_path), "--dry-run"])
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert calls == ["train", "compile"] and list(results["items"]) == ["train"]
+        gpu_check.main([str(tmp_path / "cut"), "--dry-run"])
+    results = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert list(results["items"]) == ["train", "compile"]
     assert results["stopped"] == "KeyboardInterrupt: "
-    summary = (tmp_path / "summary.txt").read_text()
-    assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
+    summary = (tmp_path / "cut" / "summary.txt").read_text()
+    assert "STOPPED: KeyboardInterrupt" in summary and "train: status out of memory" in summary
 
 
 def test_gpu_check_interrupts_a_run_past_its_bound_so_it_can_say_why(monkeypatch):
     """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
     failures and their reasons), then is killed; the bound is still reported as a timeout."""
     said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
-    # a bound of 4 s: the child is in its sleep by then, also on a loaded machine
-    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", said], 4)
+    # a bound of 4 s (its share, less INTERRUPT_S): the child is in its sleep by then
+    status, seconds, out, _ = gpu_check.run_bounded(
+        [sys.executable, "-c", said], 4 + gpu_check.INTERRUPT_S
+    )
     assert status is None and out.strip() == "why" and seconds < 14
     monkeypatch.setattr(gpu_check, "INTERRUPT_S", 2)  # one that ignores Ctrl-C is killed after it
     stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
-    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", stubborn], 1)
+    status, seconds, out, _ = gpu_check.run_bounded([sys.executable, "-c", stubborn], 3)
     assert status is None and 3 <= seconds < 8
 
 
@@ -675,68 +709,3 @@ def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, cap
     assert mutants.main([]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == len(problems)
-
-
-# ========================================================================== the machinery elsewhere
-def test_gpu_check_items_a_and_b_are_train_py_commands_of_one_static_shape():
-    """Items a and b run train.py with flags its parser takes (item a under torchrun), and item b's
-    rows of LOW..HIGH tokens pad to one static shape: its compiled step never recompiles."""
-    args = gpu_check.parse_args(["OUT"])
-    for item in ("train", "compile"):
-        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
-        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
-        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
-    low, high = args.sizes["main_lengths"]
-    unit = loader.LENGTH_UNIT
-    assert loader.static_size(low, unit) == loader.static_size(high, unit)
-
-
-def test_gpu_check_reads_the_steady_step_per_interval():
-    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
-    from the loop's start), per interval too; train.py's per-interval rates, their median."""
-    compile_s, step_s, tokens = 60.0, 0.2, 3500
-    records = []
-    for i in range(1, 33):
-        elapsed = compile_s + step_s * i
-        rate = tokens / step_s if i > 1 else tokens / elapsed  # per interval: the step's own
-        records.append(dict(kind="train", step=i, elapsed_s=round(elapsed, 1), mfu=0.3))
-        records[-1]["target_tok_per_s"] = rate
-    got = gpu_check.steady(records)
-    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
-    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
-    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
-    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
-    with pytest.raises(ValueError, match="one a step"):
-        gpu_check.steady(records[::2])
-    with pytest.raises(ValueError, match="no train records"):
-        gpu_check.steady([{"kind": "eval"}])
-    for r in records:  # steps faster than the log's resolution: no step time, not a zero
-        r["elapsed_s"] = compile_s
-    with pytest.raises(ValueError, match="below the log's resolution"):
-        gpu_check.steady(records)
-
-
-def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
-    """An item's row is on disk (results.json, summary.txt) before the next item starts: a
-    device lent for minutes keeps what ran even if the call is cut."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
-    seen = {}
-
-    def item(name, args, tmp, limit, log):
-        done = tmp_path / "results.json"
-        seen[name] = list(json.loads(done.read_text())["items"]) if done.exists() else None
-        return {"status": "measured", "reason": None, "ways": [], "device": "cpu"} | (
-            {"block_size": 8} if name == "decode" else {}
-        )
-
-    monkeypatch.setattr(gpu_check, "run_item", item)
-    with pytest.raises(SystemExit):
-        gpu_check.main([str(tmp_path), "--dry-run"])
-    assert seen == {
-        "train": None,
-        "compile": ["train"],
-        "decode": ["train", "compile"],
-        "tests": ["train", "compile", "decode"],
-    }
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert list(results["items"]) == ["train", "compile", "decode", "tests"]
