@@ -281,20 +281,6 @@ def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypa
         assert r["loss_mask"].tolist() == [0] * (n // 10) + [1] * (n - n // 10)
 
 
-def test_gpu_check_items_a_and_b_are_train_py_commands_of_one_static_shape():
-    """Items a and b run train.py with flags its parser takes (item a under torchrun), and item b's
-    rows of LOW..HIGH tokens pad to one static shape: its compiled step never recompiles."""
-    args = gpu_check.parse_args(["OUT"])
-    for item in ("train", "compile"):
-        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
-        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
-        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
-    low, high = args.sizes["main_lengths"]
-    assert loader.static_size(low, loader.LENGTH_UNIT) == loader.static_size(
-        high, loader.LENGTH_UNIT
-    )
-
-
 def test_gpu_check_reads_the_steady_step_per_interval():
     """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
     from the loop's start), per interval too; train.py's per-interval rates, their median."""
@@ -318,20 +304,32 @@ def test_gpu_check_reads_the_steady_step_per_interval():
             gpu_check.steady(bad)
 
 
-def test_gpu_check_reads_train_logs_a_killed_run_left_or_never_wrote(tmp_path, monkeypatch):
-    """Items a and b read train.py's log.jsonl with support.tracking.read_log: a run its share cut
-    off is reported as timed out with the steps its log counts; one that ended well but left no
-    log fails with read_log's reason."""
+def test_gpu_check_items_a_and_b_run_train_py_and_read_the_log_it_left(tmp_path, monkeypatch):
+    """Items a and b run train.py with flags its parser takes (item a under torchrun), item b's rows
+    pad to one static shape (its compiled step never recompiles), and they read train.py's
+    log.jsonl: a run its share cut off is timed out with the steps its log counts; one that ended
+    well but left no log fails with read_log's reason."""
     args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
+    for item in ("train", "compile"):
+        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
+        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
+        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
+    sizes = [
+        loader.static_size(n, loader.LENGTH_UNIT) for n in gpu_check.SIZES["gpu"]["main_lengths"]
+    ]
+    assert sizes[0] == sizes[1]
     toy = os.path.join(HERE, "configs", "toy-dflash2.json")
     args.configs = {"train": gpu_check.toy_config(toy, str(tmp_path / "toy.json"))}
-    lines = "".join(
+    log = "".join(
         json.dumps({"kind": "train", "step": i, "elapsed_s": 9.0 + i}) + "\n" for i in (1, 2, 3)
     )
     # a stand-in for train.py: it logs 3 steps then is cut off, or logs nothing
     writes = f"import os, time\nos.makedirs('{tmp_path}/cut/train')\n"
-    writes += f"open('{tmp_path}/cut/train/log.jsonl', 'w').write({lines!r})\ntime.sleep(60)"
-    for tmp, child, state, steps in (("cut", writes, "timed out", 3), ("none", "", "failed", 0)):
+    writes += f"open('{tmp_path}/cut/train/log.jsonl', 'w').write({log!r})\n"
+    for tmp, child, state, steps in (
+        ("cut", writes + "time.sleep(60)", "timed out", 3),
+        ("none", "", "failed", 0),
+    ):
         monkeypatch.setattr(gpu_check, "train_command", lambda *a: [sys.executable, "-c", child])
         share = gpu_check.INTERRUPT_S + 4  # a bound of 4 s, less the data's time
         row = gpu_check.train_row(args, "train", str(tmp_path / tmp), share, io.StringIO())
@@ -346,11 +344,6 @@ def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
     device lent for minutes keeps what ran; a row that ran out of memory is reported as such and
     does not fail the check, one its share cut off does; a check stopped halfway (Ctrl-C in an
     item) still writes what it did and what stopped it."""
-    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
-    state, reason = gpu_check.outcome(1, oom, 60)
-    assert state == "out of memory" and "17.00 GiB" in reason
-    assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
-    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
     seen = {}
 
@@ -376,20 +369,24 @@ def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
         gpu_check.main([str(tmp_path / "cut"), "--dry-run"])
     results = json.loads((tmp_path / "cut" / "results.json").read_text())
     assert list(results["items"]) == ["train", "compile"]
-    assert results["stopped"] == "KeyboardInterrupt: "
+    assert results["stopped"] == "KeyboardInterrupt: "  # and the summary says so
     summary = (tmp_path / "cut" / "summary.txt").read_text()
     assert "STOPPED: KeyboardInterrupt" in summary and "train: status out of memory" in summary
 
 
-def test_gpu_check_interrupts_a_run_past_its_bound_so_it_can_say_why(monkeypatch):
+def test_gpu_check_bounds_a_run_and_says_how_it_ended(monkeypatch):
     """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
-    failures and their reasons), then is killed; the bound is still reported as a timeout."""
+    failures and their reasons), then is killed: timed out. One that ran out of memory says so (not
+    a failure); one that failed gives its last line."""
     said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
     # a bound of 4 s (its share, less INTERRUPT_S): the child is in its sleep by then
-    status, seconds, out, _ = gpu_check.run_bounded(
-        [sys.executable, "-c", said], 4 + gpu_check.INTERRUPT_S
-    )
-    assert status is None and out.strip() == "why" and seconds < 14
+    cmd, share = [sys.executable, "-c", said], 4 + gpu_check.INTERRUPT_S
+    status, seconds, out, peak = gpu_check.run_bounded(cmd, share)
+    assert (status, out.strip(), peak) == (None, "why", None) and seconds < 14
+    assert gpu_check.outcome(status, out, 60) == ("timed out", "its share of 60 s ran out")
+    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
+    assert gpu_check.outcome(1, oom, 60) == ("out of memory", oom.splitlines()[1])
+    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
     monkeypatch.setattr(gpu_check, "INTERRUPT_S", 2)  # one that ignores Ctrl-C is killed after it
     stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
     status, seconds, out, _ = gpu_check.run_bounded([sys.executable, "-c", stubborn], 3)
@@ -469,15 +466,9 @@ def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path
     export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
     export.save_draft(tiny_draft(4), str(fits))
     cache = tmp_path / "cache"
-    run = subprocess.run(
-        [sys.executable, "-m", "tools.llamacpp", "convert", "--draft", str(small)]
-        + ["--cache", str(cache)],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    cmd = [sys.executable, "-m", "tools.llamacpp", "convert", "--draft", str(small), "--cache"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*cmd, cache], cwd=HERE, capture_output=True, text=True, env=env)
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [
         f"error: --draft {small}: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 "
         "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
@@ -498,30 +489,28 @@ def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, mo
     PYTHONPATH and the hub offline; a draft names its target's folder (--target-model-dir, where
     its tokenizer is), the target does not. The GGUF is written under a temporary name and renamed
     into place, so an interrupted run leaves no half file, and one already there is kept."""
-    calls = []
-
-    def run_logged(cmd, log, what=None, env=None):
-        calls.append((cmd, env))
-        with open(cmd[cmd.index("--outfile") + 1], "w") as f:
-            f.write("gguf")
-
-    monkeypatch.setattr(llamacpp, "run_logged", run_logged)
-    monkeypatch.setattr(llamacpp, "need_sentencepiece", lambda: None)
+    src, out, log = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf", str(tmp_path / "log")
+    src.mkdir()
+    (tmp_path / "sentencepiece.py").write_text("")  # what the converter imports
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # a stand-in converter: its GGUF is its arguments and the variables it was given
+    (src / "convert_hf_to_gguf.py").write_text(
+        "import json, os, sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "env = [os.environ[k] for k in ('PYTHONPATH', 'HF_HUB_OFFLINE')]\n"
+        "json.dump([sys.argv[1:], env], open(out, 'w'))\n"
+    )
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    src, out = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf"
-    assert llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", "log", "HF") == str(out)
+    assert llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", log, "HF") == str(out)
     tmp = f"{out}.{os.getpid()}.tmp"
-    cmd, env = calls[0]
-    assert cmd == [sys.executable, f"{src}/convert_hf_to_gguf.py", "EXPORT"] + [
-        *("--outtype", "q8_0", "--outfile", tmp, "--target-model-dir", "HF")
-    ]
-    assert env["PYTHONPATH"] == f"{src}/gguf-py{os.pathsep}/elsewhere"
-    assert env["HF_HUB_OFFLINE"] == "1"
-    assert out.read_text() == "gguf" and not os.path.exists(tmp)
-    llamacpp.to_gguf(str(src), "HF", str(tmp_path / "target-f32.gguf"), "f32", "log")
-    assert calls[1][0][2:] == ["HF", "--outtype", "f32", "--outfile", calls[1][0][-1]]
-    llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", "log", "HF")
-    assert len(calls) == 2
+    argv, env = json.loads(out.read_text())
+    assert argv == ["EXPORT", "--outtype", "q8_0", "--outfile", tmp, "--target-model-dir", "HF"]
+    assert env == [f"{src}/gguf-py{os.pathsep}/elsewhere", "1"] and not os.path.exists(tmp)
+    llamacpp.to_gguf(str(src), "HF", str(tmp_path / "target-f32.gguf"), "f32", log)
+    argv, _ = json.loads((tmp_path / "target-f32.gguf").read_text())
+    assert argv[:3] == ["HF", "--outtype", "f32"] and "--target-model-dir" not in argv
+    out.write_text("kept")
+    llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", log, "HF")
+    assert out.read_text() == "kept"
 
 
 def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_from_its_log(
