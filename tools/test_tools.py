@@ -56,10 +56,8 @@ from tools import gpu_check, llamacpp, mutants, plot, served, study
 
 # ============================================================================ tools/study.py
 def test_study_pools_seeds_per_arm_by_hand(tmp_path):
-    """tools/study.py: a run's numbers are its log.jsonl's final and served records' (none before
-    it has served); an arm's row is the mean +- sample sd of its seeds (lift: selector tau over
-    unary tau, per run); each arm against the default: the means' difference beside twice the
-    larger sd; a flag the study does not know is train.py's, for every arm."""
+    """tools/study.py: a run's numbers (none before it served), an arm's mean +- sample sd over its
+    seeds, each arm against the default beside twice the larger sd; unknown flags go to train.py."""
 
     def logged(name, final, served=None):
         (tmp_path / name).mkdir()
@@ -179,11 +177,9 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
 def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     setup, tmp_path, monkeypatch, capsys
 ):
-    """tools/served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop
-    (the path of B-1 drafts and --fast's tree of tune.FAST_TREE nodes, under the key "auto"),
-    scores the path's anchors teacher-forced, and puts both in the log, in acceptance.json (which
-    export.py carries) and in the summary. Without --fast: the path alone, the draft as stored. A
-    user's mistake: one line."""
+    """tools/served.py after train.py: served tau (the path; --fast adds its tree as "auto") beside
+    teacher-forced tau at the served anchors, in the log, acceptance.json (export.py carries it)
+    and the summary; --max-seconds stops early; a user's mistake is one line."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
     served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
@@ -222,11 +218,9 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
 
 # ============================================================================ tools/gpu_check.py
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the plan's items in order, on the CPU at toy widths: train.py
-    under torchrun runs every step offline on random bf16 feature shards and its log gives a steady
-    step time, the decode item (generate.py --bench's code) decodes the selector's path and tree
-    equal to plain decoding, item b says why it is skipped, and every CUDA test skips with
-    needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run on the CPU at toy widths: train.py under torchrun gives a steady
+    step time, decoding's path and tree equal plain decoding, item b says why it is skipped, and
+    every CUDA test skips with needs_cuda's reason."""
     out = tmp_path / "gpu"
     cmd = [sys.executable, "-m", "tools.gpu_check", str(out), "--dry-run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -305,10 +299,8 @@ def test_gpu_check_reads_the_steady_step_per_interval():
 
 
 def test_gpu_check_items_a_and_b_run_train_py_and_read_the_log_it_left(tmp_path, monkeypatch):
-    """Items a and b run train.py with flags its parser takes (item a under torchrun), item b's rows
-    pad to one static shape (its compiled step never recompiles), and they read train.py's
-    log.jsonl: a run its share cut off is timed out with the steps its log counts; one that ended
-    well but left no log fails with read_log's reason."""
+    """Items a and b run train.py with flags it takes, item b at one static shape; a run cut off is
+    timed out with the steps its log counts, one that left no log fails with read_log's reason."""
     args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
     for item in ("train", "compile"):
         cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
@@ -340,10 +332,8 @@ def test_gpu_check_items_a_and_b_run_train_py_and_read_the_log_it_left(tmp_path,
 def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
     tmp_path, monkeypatch
 ):
-    """Each item's row is on disk (results.json, summary.txt) before the next item starts, so a
-    device lent for minutes keeps what ran; a row that ran out of memory is reported as such and
-    does not fail the check, one its share cut off does; a check stopped halfway (Ctrl-C in an
-    item) still writes what it did and what stopped it."""
+    """Each row is on disk before the next item starts; out of memory does not fail the check, a
+    timeout does; a check stopped by Ctrl-C still writes what it did and what stopped it."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
     seen = {}
 
@@ -458,10 +448,9 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
 
 
 def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path):
-    """llama.cpp's DFlash2 loader refuses hidden_size % conv_group_size != 0 and hidden_size <
-    K (K + 1), K = selector_top_k (src/models/dflash.cpp). tools/llamacpp.py says so before it
-    builds or converts anything: one line `error: ...`, exit status 2, and nothing in the cache.
-    A draft that meets both passes; a plain DFlash draft has no selector and no such rule."""
+    """What llama.cpp's DFlash2 loader refuses (src/models/dflash.cpp: hidden_size %
+    conv_group_size, hidden_size < K (K + 1)) is one `error: ...` line before anything is built;
+    plain DFlash passes."""
     small, fits = tmp_path / "small", tmp_path / "fits"
     export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
     export.save_draft(tiny_draft(4), str(fits))
@@ -485,10 +474,8 @@ def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path
 
 
 def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, monkeypatch):
-    """convert runs the source tree's convert_hf_to_gguf.py with that tree's gguf-py first on
-    PYTHONPATH and the hub offline; a draft names its target's folder (--target-model-dir, where
-    its tokenizer is), the target does not. The GGUF is written under a temporary name and renamed
-    into place, so an interrupted run leaves no half file, and one already there is kept."""
+    """convert runs the tree's own convert_hf_to_gguf.py, its gguf-py first on PYTHONPATH, the hub
+    offline, a draft with its target's folder; the GGUF is renamed into place, kept once made."""
     src, out, log = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf", str(tmp_path / "log")
     src.mkdir()
     (tmp_path / "sentencepiece.py").write_text("")  # what the converter imports
@@ -516,11 +503,9 @@ def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, mo
 def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_from_its_log(
     tmp_path, monkeypatch
 ):
-    """Parity compares generate.py's tokens with what llama.cpp printed, as bytes: GPT-2's byte
-    alphabet ("Ġ" a space, "Ċ" a newline; a token outside it as its own text), the count of
-    tokens that lead the text. Its debug log gives each cycle's (accepted, drafted, last token).
-    The commands are greedy, with -bf (the prompt's last newline kept) and, with the draft,
-    draft-dflash at the n-max asked."""
+    """Parity compares generate.py's tokens with llama.cpp's printed text as bytes (GPT-2's byte
+    alphabet; a token outside it as its own text) and reads each cycle from llama.cpp's debug log;
+    the commands are greedy, -bf (the prompt's last newline kept), draft-dflash at the n-max."""
     table = llamacpp.byte_decoder()
     assert sorted(table.values()) == list(range(256))
     assert (table["Ġ"], table["Ċ"], table["a"]) == (ord(" "), ord("\n"), ord("a"))
@@ -617,30 +602,30 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
     out = tmp_path / "runs.svg"
     plot.main([str(tmp_path / "real"), str(hand), "--labels", "real", "hand", "--out", str(out)])
     drawn = chart_points(out)
+    # the hand-written run by hand: a step logged twice draws its later record; base_loss where
+    # it is logged, else loss
+    expect = {
+        ("loss", "hand", "train loss"): [(10, 4.0), (20, 2.5), (25, 2.25)],
+        ("loss", "hand", "held-out loss"): [(20, 3.5), (30, 2.0)],
+        ("held-out tau", "hand", "selector path"): [(20, 1.75), (30, 2.5)],
+        ("held-out tau", "hand", "unary path"): [(20, 1.5), (30, 2.0)],
+        ("held-out tau", "hand", "served"): [(30, 2.25)],
+        ("accepted up to block position", "hand", "selector"): [(1, 0.75), (2, 0.5), (3, 0.25)],
+        ("accepted up to block position", "hand", "unary"): [(1, 0.5), (2, 0.25), (3, 0.0)],
+    }
+    # the real run: its training loss and held-out tau at every step it logged them
     real = log_records(tmp_path / "real" / "log.jsonl")
-    expect = {}
-    for label, recs in (("real", real), ("hand", records)):
-        for panel, name, kinds, key, _ in plot.LINES:
-            values = [(r["step"], plot.value(r, key)) for r in recs if r["kind"] in kinds]
-            pts = dict((step, v) for step, v in values if v is not None)
-            title = {"loss": "loss", "tau": "held-out tau"}[panel]
-            if pts:
-                expect[(title, label, name)] = sorted(pts.items())
-    real_acc = json.loads((tmp_path / "real" / "acceptance.json").read_text())
-    for label, acc in (("real", real_acc), ("hand", accepted)):
-        for mode in ("selector", "unary"):
-            if mode in acc:
-                shares = list(enumerate(acc[mode]["accepted"], 1))
-                expect[("accepted up to block position", label, mode)] = shares
-    assert set(drawn) == set(expect)
-    assert ("held-out tau", "hand", "served") in drawn
-    assert ("loss", "real", "held-out loss") in drawn
+    losses = {r["step"]: r["base_loss"] for r in real if r["kind"] == "train"}
+    taus = {r["step"]: r["accept_selector"] for r in real if r["kind"] in ("eval", "final")}
+    expect[("loss", "real", "train loss")] = sorted(losses.items())
+    expect[("held-out tau", "real", "selector path")] = sorted(taus.items())
+    series = lambda run: {(title, name) for title, r, name in drawn if r == run}
+    assert {(title, name) for title, r, name in expect if r == "hand"} == series("hand")
+    assert series("real") == series("hand") - {("held-out tau", "served")}  # it never served
     for key, pts in expect.items():
         got = drawn[key]
-        assert len(got) == len(pts), key
-        for (x, y), (gx, gy) in zip(pts, got):
-            assert gx == pytest.approx(x, abs=0.02), key
-            assert gy == pytest.approx(y, abs=0.01), key
+        assert [x for x, _ in got] == pytest.approx([x for x, _ in pts], abs=0.02), key
+        assert [y for _, y in got] == pytest.approx([y for _, y in pts], abs=0.01), key
 
 
 def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
@@ -674,10 +659,8 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
 
 # ================================================================================= tools/mutants.py
 def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
-    """tools/mutants.toml loads with no problem (every snippet occurs once in its file). In a
-    catalogue of five breaks, the four bad ones (a misspelt field, a missing one, a snippet not in
-    its file, one in it many times) are each named by number and field, the good one loads, and the
-    run stops before any test with exit status 2."""
+    """tools/mutants.toml loads clean; in a catalogue of five breaks the four bad ones are each
+    named by number and field, and the run stops before any test with exit status 2."""
     rules, breaks, problems = mutants.load(mutants.DATA)
     assert problems == [] and breaks and {b.rule for b in breaks} <= set(rules)
     good = {k: getattr(breaks[0], k) for k in ("file", "old", "new", "rule", "tests", "why")}
