@@ -65,10 +65,8 @@ OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|out of memory", re.IGNORE
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    a = p.add_argument
+    p = argparse.ArgumentParser(description=__doc__)
+    p.formatter_class, a = argparse.RawDescriptionHelpFormatter, p.add_argument
     a("out_dir", help="folder for results.json, summary.txt, tests.log and rows.log")
     a("--dry-run", action="store_true", help="on the CPU (also where a GPU is) at toy widths")
     a("--decode-run", metavar="CONFIG", help=argparse.SUPPRESS)  # item c's own process
@@ -403,7 +401,7 @@ def main(argv=None):
         if args.dry_run:
             for n, path in args.configs.items():
                 args.configs[n] = toy_config(path, os.path.join(tmp, f"toy-{n}.json"))
-        print(summary(results), flush=True)
+        print(summary(results), end="", flush=True)
         try:
             with open(os.path.join(args.out_dir, "rows.log"), "w") as log:
                 for name, share in PLAN:

@@ -1,13 +1,10 @@
 """Served acceptance: held-out prompts decoded greedily by the real loop (decoding.py), so that a
-trained draft reports the tau a user will see beside the teacher-forced one. After train.py:
+trained draft reports the tau a user will see beside the teacher-forced one (docs/acceptance.md).
 
-    python -m tools.served OUT_DIR         # the draft as stored (fp32), the stock target, a path
-                                           # of B-1 drafts: what decoding.py and model.py say
+    python -m tools.served OUT_DIR         # the draft as stored, the stock target, a path of B-1
     python -m tools.served OUT_DIR --fast  # speed/tune.py's precision, GEMMs and tree (run.sh's)
 
-It reads OUT_DIR/ckpt.pt (the draft and the training run's flags) and adds its numbers to
-OUT_DIR/acceptance.json ("served") and log.jsonl (a "served" record). Which anchors serving visits,
-and why teacher-forced tau there equals served tau: docs/acceptance.md.
+It reads OUT_DIR/ckpt.pt and adds its numbers to OUT_DIR/acceptance.json and log.jsonl ("served").
 """
 
 import argparse

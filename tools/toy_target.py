@@ -1,20 +1,12 @@
 """The TOY target of `bash run.sh --toy`: a tiny Llama-style causal LM with a word-level vocabulary,
-trained here in a minute or two on the project's toy word problems with worked answers
-(prompts/toy_problems.py). Nothing is downloaded. It is a toy: it only knows these problems; the
-main job's target stays the embedded SmolLM2-135M-Instruct.
+trained here in a minute or two on the toy word problems with worked answers
+(prompts/toy_problems.py); nothing is downloaded. The main job's target stays SmolLM2-135M.
 
     python -m tools.toy_target OUT_DIR        # writes a Hugging Face directory: --target OUT_DIR
 
-The directory is what every script loads with --target (target.load_target): config.json and
-model.safetensors (LlamaForCausalLM), and a PreTrainedTokenizerFast with a chat template
-
-    <|user|>QUESTION<|assistant|>ANSWER<|end|>
-
-so prepare.py renders, regenerates and masks its conversations as for any chat model. Token ids 0-5
-are <|pad|> <|end|> <|user|> <|assistant|> <|mask|> <|unk|>; <|mask|> is in no training text, so
-the target never emits it: configs/toy-dflash2.json takes it as the draft's mask_token_id. The
-model's vocabulary is VOCAB rows (the tokenizer's words, then unused rows), fixed so that the draft
-config can name it.
+Its chat template is <|user|>QUESTION<|assistant|>ANSWER<|end|>. Token ids 0-5 are <|pad|> <|end|>
+<|user|> <|assistant|> <|mask|> <|unk|>; <|mask|> is in no training text, so the target never emits
+it: configs/toy-dflash2.json takes it as mask_token_id, and VOCAB rows as vocab_size.
 """
 
 import argparse
