@@ -215,17 +215,16 @@ def read_run(out_dir) -> tuple:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("out_dir", metavar="OUT_DIR", help="train.py's --out-dir (ckpt.pt, log.jsonl)")
-    p.add_argument("--samples", type=count, default=16, help="held-out prompts")
-    p.add_argument("--max-new-tokens", type=count, default=None, help="default: the answer's")
-    p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
-    p.add_argument(
+    p = argparse.ArgumentParser(description=__doc__)
+    p.formatter_class, a = argparse.RawDescriptionHelpFormatter, p.add_argument
+    a("out_dir", metavar="OUT_DIR", help="train.py's --out-dir (ckpt.pt, log.jsonl)")
+    a("--samples", type=count, default=16, help="held-out prompts")
+    a("--max-new-tokens", type=count, default=None, help="default: the answer's")
+    a("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
+    a(
         "--max-seconds",
         type=positive,
-        help="decode the prompts that fit this many seconds, loading included",
+        help="decode the prompts that fit this long, loading included",
     )
     return p.parse_args(argv)
 

@@ -391,9 +391,8 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     from the anchor), so every key it needs must be in the export, with this project's meaning.
     No build: the converter's reading is written out below and compared with the draft's."""
     layers = ["full_attention", "sliding_attention", "full_attention"]
-    draft = tiny_draft(
-        4, num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False
-    )
+    kw = dict(num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False)
+    draft = tiny_draft(4, **kw)
     c, ck = draft.config, tmp_path / "ck.pt"
     torch.save({"model": draft.state_dict(), "config": config.config_to_dict(c)}, ck)
     export.export(str(ck), str(tmp_path / "out"), torch.float32)
@@ -405,6 +404,7 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     sizes = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     causal = d.get("is_causal", dc.get("causal"))  # :812-816; None: the key is not written
     swa = d.get("use_sliding_window") and (dc.get("swa_window_size") or d.get("sliding_window"))
+    pattern = [t == "sliding_attention" for t in d.get("layer_types") or []]
     read = {
         "dflash.block_size": dc.get("block_size", d.get("block_size", 16)),  # :767
         "dflash.target_layers": [i + 1 for i in dc.get("target_layer_ids", [])],  # :798-801
@@ -413,11 +413,7 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
         # absent, the draft runs every layer non-causal (common/speculative.cpp:1013, :1122)
         "dflash.attention.causal": False if causal is None else bool(causal),
         "dflash.attention.sliding_window": swa or None,  # :803-810
-        "dflash.attention.sliding_window_pattern": [
-            t == "sliding_attention" for t in d.get("layer_types") or []
-        ]
-        if swa
-        else None,
+        "dflash.attention.sliding_window_pattern": pattern if swa else None,
         # DSparkModel's reading (qwen.py:942-944); DFlashModel does not write the key, and the
         # loader assumes true where it is absent (src/models/dflash.cpp:317-318)
         "dflash.sample_from_anchor": d.get("sample_from_anchor", True),
