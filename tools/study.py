@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from support.common import count, cpu_name, run, run_logged
+from support.common import UsageError, count, cpu_name, run, run_logged
 from support.tracking import read_log
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -57,8 +57,10 @@ def train_once(args, name: str, seed: int, flags: list, home: str) -> dict:
 
 def numbers(draft: str):
     """A run's log.jsonl -> its final and served records' numbers, or None before it has served."""
-    logged = os.path.isfile(os.path.join(draft, "log.jsonl"))
-    last = {r["kind"]: r for r in read_log(draft)[1]} if logged else {}  # each kind's last
+    try:
+        last = {r["kind"]: r for r in read_log(draft)[1]}  # the last record of each kind
+    except UsageError:  # no log yet, or one cut off mid-line
+        return None
     if not {"final", "served"} <= last.keys():
         return None
     f, s = last["final"], last["served"]
