@@ -56,8 +56,7 @@ SIZES["gpu"].update(decode_prompts=4, decode_tokens=128)
 SIZES["dry"].update(decode_prompts=2, decode_tokens=24)
 WARM_STEPS = 2  # steps left out of the steady time: step 1 compiles, step 2 may still tune
 INTERVAL = 10  # steps per interval of the steady time
-# every CUDA test has "cuda" in its name or parameter id; -v shows each as it ends, so a timeout
-# still says where
+# every CUDA test has "cuda" in its name or id; -v shows each as it ends: a timeout says where
 TESTS = [sys.executable, "-m", "pytest", "-v", "-rfs", "--durations=10", "-p", "no:cacheprovider"]
 TESTS += ["-k", "cuda"]  # every test file (pyproject.toml's testpaths)
 INTERRUPT_S = 15  # a run past its bound: Ctrl-C, then this long to say so before it is killed
@@ -163,10 +162,8 @@ def target_config(c) -> LlamaConfig:
 
 
 def make_train_data(cfg_path: str, out: str, lengths: tuple, rows: int) -> tuple:
-    """A random bf16 target of the draft config's shape, its embedding, final norm and head only
-    (offline training builds no decoder layer), with a one-token tokenizer, and one feature shard
-    as prepare.py --features writes it: `rows` random rows of LOW..HIGH tokens, the first tenth of
-    each unsupervised. -> (target dir, feature dir)."""
+    """A random bf16 target of the draft's shape (embedding, norm and head: offline training builds
+    no decoder layer) and one feature shard as prepare.py writes it -> (target dir, feature dir)."""
     c = config.load_config(cfg_path)
     target_dir, feat_dir = os.path.join(out, "target"), os.path.join(out, "features")
     target_config(c).save_pretrained(target_dir)
@@ -198,9 +195,8 @@ def make_train_data(cfg_path: str, out: str, lengths: tuple, rows: int) -> tuple
 
 
 def train_command(name: str, args, cfg_path, target_dir, feat_dir, out_dir) -> list:
-    """Item a: the README's GPU command at one rank (torchrun; flex, bf16 by default; no --compile),
-    no evaluation. Item b: run.sh's train.py command, its recipe flags, --compile auto (compiled on
-    a GPU) and a final evaluation. Both log every step and save only at the end."""
+    """Item a: the README's GPU command at one rank (torchrun; no --compile, no evaluation). Item b:
+    run.sh's, its recipe flags and --compile auto. Both log every step and save only at the end."""
     if name == "train":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         cmd += ["train.py", "--num-anchors", str(args.sizes["anchors"]), "--eval-samples", "0"]
@@ -216,10 +212,9 @@ def train_command(name: str, args, cfg_path, target_dir, feat_dir, out_dir) -> l
 
 
 def steady(records: list) -> dict:
-    """log.jsonl's train records (one a step) -> step 1's seconds (it compiles), the steady step
-    time over the steps after WARM_STEPS (that span's seconds / its steps: never from the loop's
-    start) and per INTERVAL steps, and train.py's tokens/s and MFU (per logging interval, here a
-    step: their median over the span). Raises ValueError naming what is missing."""
+    """log.jsonl's train records, one a step -> step 1's seconds (it compiles), the step time over
+    the steps after the warm-up (never from the loop's start) and per INTERVAL, and the median of
+    train.py's per-step tokens/s and MFU over them; a ValueError names what is missing."""
     steps = [r for r in records if r.get("kind") == "train"]
     if not steps or any("step" not in r or "elapsed_s" not in r for r in steps):
         raise ValueError("log.jsonl: no train records with step and elapsed_s")
@@ -276,9 +271,8 @@ def train_row(args, name: str, tmp: str, share: float, log) -> dict:
 
 # ----------------------------------------------------------------------------- item c
 def decode_run(args):
-    """Item c in its own process (--decode-run CONFIG; out_dir is the JSON to write): random
-    prompts decoded by generate.py --bench's code on a random target and draft, plainly and on the
-    selector's path and tree of B-1, each timed after one warm-up."""
+    """Item c in its own process (--decode-run CONFIG; out_dir: the JSON it writes): generate.py
+    --bench's decoding on random weights, plainly and on the selector's path and tree of B-1."""
     device = distributed.rank_device()
     c = config.load_config(args.decode_run)
     torch.manual_seed(0)

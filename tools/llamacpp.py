@@ -151,8 +151,7 @@ def need_sentencepiece():
 
 
 def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
-    """llama.cpp's own converter, with its own gguf-py; a draft takes its tokenizer from
-    --target-model-dir. Done once: an existing out is kept."""
+    """llama.cpp's own converter and gguf-py (a draft's tokenizer: --target-model-dir), once."""
     if os.path.isfile(out):
         return out
     need_sentencepiece()
@@ -253,8 +252,7 @@ def token_bytes(tok, ids, table) -> list:
 
 
 def tokens_matched(text: bytes, pieces: list) -> int:
-    """How many of the tokens (as bytes) lead text. llama.cpp prints text, not ids, so a token
-    split otherwise would pass here."""
+    """How many of the tokens (as bytes) lead text: llama.cpp prints text, not ids."""
     pos = 0
     for j, p in enumerate(pieces):
         if text[pos : pos + len(p)] != p:
@@ -265,8 +263,7 @@ def tokens_matched(text: bytes, pieces: list) -> int:
 
 # ----------------------------------------------------------------------------- parity
 def parity(bins, ggufs, draft_dir, args) -> dict:
-    """At T=0 with the f32 target: llama.cpp plain, llama.cpp with the draft and generate.py write
-    the same tokens."""
+    """At T=0 with the f32 target: llama.cpp plain and with the draft write generate.py's tokens."""
     target, tok = load_target(None, torch.float32)
     draft = load_any(draft_dir)  # fp32, from the export's values
     table, stop = byte_decoder(), {tok.eos_token_id}
