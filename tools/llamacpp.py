@@ -48,7 +48,7 @@ def fetch_source(dl: str) -> str:
     and checked by its sha256. Not `pip download`: to read a source package's metadata pip builds
     it, compiling CMake itself for minutes."""
     name, version = SOURCE.split("==")
-    page = f"{os.environ.get('PIP_INDEX_URL') or PyPI.simple_url.rstrip('/')}/{name}/"
+    page = f"{(os.environ.get('PIP_INDEX_URL') or PyPI.simple_url).rstrip('/')}/{name}/"
     want = f"{name.replace('-', '_')}-{version}.tar.gz"
     try:  # the index's HTML page (PEP 503): <a href="URL#sha256=HEX">FILENAME</a>
         with urllib.request.urlopen(page, timeout=60) as r:
@@ -59,13 +59,14 @@ def fetch_source(dl: str) -> str:
     if not link:
         raise UsageError(f"{page} lists no {want}")
     path = os.path.join(dl, want)
+    tmp = f"{path}.{os.getpid()}.tmp"  # two runs fetching at once never share a file
     if not os.path.isfile(path):
         print(f"fetching {want}", file=sys.stderr)
         try:
-            urllib.request.urlretrieve(urllib.parse.urljoin(page, link.group(1)), f"{path}.tmp")
+            urllib.request.urlretrieve(urllib.parse.urljoin(page, link.group(1)), tmp)
         except OSError as e:
             raise UsageError(f"cannot fetch {want}: {e}") from None
-        os.replace(f"{path}.tmp", path)
+        os.replace(tmp, path)
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     if link.group(2) and digest != link.group(2):
@@ -100,9 +101,10 @@ def build(cache: str) -> dict:
     bins = {b: os.path.join(out, "bin", b) for b in BINARIES}
     if all(os.access(p, os.X_OK) for p in bins.values()):
         return bins
-    for tools, fix in ((["cmake"], "cmake"), (["ninja"], "ninja-build"), (["c++", "g++"], "g++")):
+    needs = {"cmake": ["cmake"], "ninja-build": ["ninja"], "g++": ["c++", "g++", "clang++"]}
+    for package, tools in needs.items():  # an apt package, and the commands any of which will do
         if not any(map(shutil.which, tools)):
-            raise UsageError(f"building llama.cpp needs {tools[0]}: apt-get install {fix}")
+            raise UsageError(f"building llama.cpp needs {tools[0]}: apt-get install {package}")
     src, log = source_dir(cache), os.path.join(cache, "build.log")
     print(f"building llama.cpp b11434 in {out} (minutes; log: {log})", file=sys.stderr)
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a shared machine's other jobs
@@ -110,8 +112,10 @@ def build(cache: str) -> dict:
     # no tests, no web UI: minutes less of compiling
     flags = "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF"
     flags += " -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF"
-    run_logged([*nice, "cmake", "-S", src, "-B", out, "-G", "Ninja", *flags.split()], log)
-    run_logged([*nice, "cmake", "--build", out, "--target", *bins, "-j", str(os.cpu_count())], log)
+    configure = [*nice, "cmake", "-S", src, "-B", out, "-G", "Ninja", *flags.split()]
+    run_logged(configure, log, what="cmake (configure)")
+    build = [*nice, "cmake", "--build", out, "--target", *bins, "-j", str(os.cpu_count() or 2)]
+    run_logged(build, log, what="cmake --build")
     return bins
 
 
@@ -309,8 +313,9 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
                 "generate_accepted": sum(t - 1 for t in taus),
             }
         out["prompts"].append(row)
-        same = [row["plain_same"]] + [row[f"k{k}"]["same_as_generate"] for k in args.parity_k]
-        print(f"prompt {i}: P={P}, plain and each n-max the same: {same}", file=sys.stderr)
+        k0, plain = row[f"k{args.parity_k[0]}"], "same" if row["plain_same"] else "DIFFERS"
+        spec = "same" if k0["same_as_generate"] else f"DIFFERS at token {k0['matched']}"
+        print(f"prompt {i}: P={P} new={len(new)} plain {plain}, with draft {spec}", file=sys.stderr)
     shutil.rmtree(tmp)
     return out
 
