@@ -313,9 +313,9 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
                 "generate_accepted": sum(t - 1 for t in taus),
             }
         out["prompts"].append(row)
-        k0, plain = row[f"k{args.parity_k[0]}"], "same" if row["plain_same"] else "DIFFERS"
+        k0, alone = row[f"k{args.parity_k[0]}"], "same" if row["plain_same"] else "DIFFERS"
         spec = "same" if k0["same_as_generate"] else f"DIFFERS at token {k0['matched']}"
-        print(f"prompt {i}: P={P} new={len(new)} plain {plain}, with draft {spec}", file=sys.stderr)
+        print(f"prompt {i}: P={P} new={len(new)} plain {alone}, with draft {spec}", file=sys.stderr)
     shutil.rmtree(tmp)
     return out
 
