@@ -10,6 +10,7 @@ item ends and whatever ends the check; rows.log and tests.log keep the output.
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 
 import torch
 import transformers
@@ -314,6 +316,7 @@ def environment() -> dict:
     env = dict(date=now, python=sys.version.split()[0], torch=torch.__version__)
     env.update(cuda=torch.version.cuda, transformers=transformers.__version__, device="cpu")
     env["cpu"] = cpu_name()  # with its core count
+    env["triton"] = version("triton") if importlib.util.find_spec("triton") else None
     if torch.cuda.is_available():
         props, peak = torch.cuda.get_device_properties(0), flops.peak_flops(torch.device("cuda"))
         env.update(device=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
