@@ -56,12 +56,10 @@ def serve(
     until=None,
     head=None,
 ):
-    """Decode each sample's prompt greedily for as many tokens as its answer has (at most
-    max_new_tokens), verifying shape, ("path", k) or ("tree", n) -> {"tau": accepted drafts + 1 per
-    cycle, over all cycles of all prompts; "cycles"; "tokens": committed; "anchors": [the anchors
-    of each sample]}. After the time `until` (time.time()'s) no prompt but the first is begun. A
-    progress bar over the prompts shows the tokens a second. head: what scores the draft's rows
-    (--fast: speed/tune.decoding's; None: the target's head)."""
+    """Each sample's prompt decoded greedily for its answer's length (at most max_new_tokens),
+    verifying shape ("path", k) or ("tree", n) -> {"tau" over all cycles, "cycles", "tokens",
+    "anchors" of each sample}. After time.time() `until` no prompt but the first is begun. head:
+    what scores the draft's rows (--fast: speed/tune.decoding's; None: the target's head)."""
     device = next(target.parameters()).device
     taus, anchors, tokens, t0 = [], [], 0, time.time()
     bar = tqdm(samples, desc=f"served, {label(shape)}", unit="prompt", dynamic_ncols=True)
@@ -85,12 +83,10 @@ def serve(
 def served_evaluation(
     args, draft, target, tokenizer, samples, fast, max_new_tokens=None, until=None
 ):
-    """The samples' prompts decoded greedily by the real loop with the path of B-1 drafts (and,
-    fast, with the tree of tune.FAST_TREE nodes), and the path's anchors scored teacher-forced where
-    the data has a block's first label: served tau beside teacher-forced tau at the same anchors
-    (equal when the answers are the target's own greedy ones). args: the training run's flags;
-    draft: as stored, on the target's device; until: each shape decodes the prompts that its equal
-    share of the time left fits. -> the numbers acceptance.json keeps under "served"."""
+    """The prompts decoded on the path of B-1 drafts (fast: and the tree of tune.FAST_TREE nodes),
+    the path's anchors scored teacher-forced (equal when the answers are the target's own greedy
+    ones) -> acceptance.json's "served". args: the run's flags; draft: as stored, on the target's
+    device; until: each shape gets an equal share of the time left."""
     device = next(target.parameters()).device
     # teacher-forced as train.py scores: its precision, and the target's embedding and head in the
     # dtype training loaded the target in (taken before --fast may pack the target's weights)

@@ -34,14 +34,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # The layout configs/toy-dflash2.json is sized for: 4 layers of width 64 (0.22 M parameters).
-LAYOUT = dict(
-    hidden_size=64,
-    intermediate_size=192,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+LAYOUT = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, head_dim=16)
+LAYOUT.update(num_attention_heads=4, num_key_value_heads=2)
 
 
 def build_tokenizer(texts) -> PreTrainedTokenizerFast:
@@ -113,13 +107,8 @@ def greedy_answers(target, tok, questions, max_new_tokens=80) -> list:
         for q in questions
     ]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = target.generate(
-        **enc,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, **ids)
     return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -132,17 +121,9 @@ def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=1e-2, seed=0
     words = [q + " " + a for q, a in pairs + held_out] + [" ".join(map(str, range(201)))]
     tok = build_tokenizer(words)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        **LAYOUT,
-    )
-    target = LlamaForCausalLM(cfg)
+    kw = dict(max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
+    kw.update(pad_token_id=0, eos_token_id=1, bos_token_id=None)  # <|pad|>, <|end|>, none
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **kw, **LAYOUT))
     seqs = [tokenize_conversation(tok, conversation(q, a), 256) for q, a in pairs]
     log(
         f"toy target: {sum(p.numel() for p in target.parameters()):,} parameters, "
