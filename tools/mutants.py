@@ -4,13 +4,9 @@
     python -m tools.mutants                  # every break: caught / survived / equivalent, per file
     python -m tools.mutants --ci             # the CI subset (a few minutes on 2 cores)
 
-The breaks are data, tools/mutants.toml: each replaces a snippet that occurs exactly once in a
-mechanism file, and names the rule of docs/semantics.md it breaks and the tests that pin that rule;
-a malformed or stale entry is a usage error naming it. Exit status 1 if a
-non-equivalent break survives, or is caught only by tests other than the ones it names; 2 on a
-usage error. The tests run in forked children of one process that has imported torch and
-transformers once, so a break costs its tests, not a fresh interpreter; the property tests draw the
-examples of -m method without shrinking a failing one (test_all.py's "mutants" profile).
+The breaks are data, tools/mutants.toml. Exit status 1 if a non-equivalent break survives or is
+caught only by tests other than the ones it names; 2 on a malformed or stale entry. The tests run in
+forked children of one process that imported torch and transformers once.
 """
 
 import argparse

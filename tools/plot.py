@@ -1,18 +1,11 @@
-"""Training, drawn: one or more runs' log.jsonl and acceptance.json as one SVG picture.
+"""Training, drawn: one or more runs' log.jsonl and acceptance.json as one SVG (support/draw.py).
 
     python -m tools.plot out/smollm2-math-dflash2     # writes out/smollm2-math-dflash2/training.svg
     python -m tools.plot out/toy/dflash out/toy/dflash2 --labels DFlash DFlash2 --out toy.svg
 
-Three panels, one colour per run, from what train.py and tools/served.py record:
-  loss            the training loss (train records) and the held-out loss (eval and final records)
-  held-out tau    accepted length teacher-forced at random held-out anchors, on the selector's path
-                  (accept_selector) and on the unary argmax path (accept_unary), from the eval and
-                  final records; and served tau, the real decoding loop's (served records:
-                  served_path_tau, a large dot at the step it was measured)
-  by position     acceptance.json's share of held-out blocks accepted up to each block position,
-                  selector and unary
-against step (the last panel against block position). A resumed run logs some steps twice: the
-later record wins. The picture is support/draw.py's SVG: plain text, no plotting library.
+Three panels, one colour per run: the training and held-out loss; held-out tau teacher-forced on
+the selector's and the unary path, and served tau (tools/served.py, a large dot); acceptance.json's
+share of blocks accepted up to each position. A step logged twice draws its later record.
 """
 
 import argparse

@@ -1,13 +1,10 @@
 """Served acceptance: held-out prompts decoded greedily by the real loop (decoding.py), so that a
-trained draft reports the tau a user will see beside the teacher-forced one. After train.py:
+trained draft reports the tau a user will see beside the teacher-forced one (docs/acceptance.md).
 
-    python -m tools.served OUT_DIR         # the draft as stored (fp32), the stock target, a path
-                                           # of B-1 drafts: what decoding.py and model.py say
+    python -m tools.served OUT_DIR         # the draft as stored, the stock target, a path of B-1
     python -m tools.served OUT_DIR --fast  # speed/tune.py's precision, GEMMs and tree (run.sh's)
 
-It reads OUT_DIR/ckpt.pt (the draft and the training run's flags) and adds its numbers to
-OUT_DIR/acceptance.json ("served") and log.jsonl (a "served" record). Which anchors serving visits,
-and why teacher-forced tau there equals served tau: docs/acceptance.md.
+It reads OUT_DIR/ckpt.pt and adds its numbers to OUT_DIR/acceptance.json and log.jsonl ("served").
 """
 
 import argparse
@@ -59,12 +56,10 @@ def serve(
     until=None,
     head=None,
 ):
-    """Decode each sample's prompt greedily for as many tokens as its answer has (at most
-    max_new_tokens), verifying shape, ("path", k) or ("tree", n) -> {"tau": accepted drafts + 1 per
-    cycle, over all cycles of all prompts; "cycles"; "tokens": committed; "anchors": [the anchors
-    of each sample]}. After the time `until` (time.time()'s) no prompt but the first is begun. A
-    progress bar over the prompts shows the tokens a second. head: what scores the draft's rows
-    (--fast: speed/tune.decoding's; None: the target's head)."""
+    """Each sample's prompt decoded greedily for its answer's length (at most max_new_tokens),
+    verifying shape ("path", k) or ("tree", n) -> {"tau" over all cycles, "cycles", "tokens",
+    "anchors" of each sample}. After time.time() `until` no prompt but the first is begun. head:
+    what scores the draft's rows (--fast: speed/tune.decoding's; None: the target's head)."""
     device = next(target.parameters()).device
     taus, anchors, tokens, t0 = [], [], 0, time.time()
     bar = tqdm(samples, desc=f"served, {label(shape)}", unit="prompt", dynamic_ncols=True)
@@ -88,12 +83,10 @@ def serve(
 def served_evaluation(
     args, draft, target, tokenizer, samples, fast, max_new_tokens=None, until=None
 ):
-    """The samples' prompts decoded greedily by the real loop with the path of B-1 drafts (and,
-    fast, with the tree of tune.FAST_TREE nodes), and the path's anchors scored teacher-forced where
-    the data has a block's first label: served tau beside teacher-forced tau at the same anchors
-    (equal when the answers are the target's own greedy ones). args: the training run's flags;
-    draft: as stored, on the target's device; until: each shape decodes the prompts that its equal
-    share of the time left fits. -> the numbers acceptance.json keeps under "served"."""
+    """The prompts decoded on the path of B-1 drafts (fast: and the tree of tune.FAST_TREE nodes),
+    the path's anchors scored teacher-forced (equal when the answers are the target's own greedy
+    ones) -> acceptance.json's "served". args: the run's flags; draft: as stored, on the target's
+    device; until: each shape gets an equal share of the time left."""
     device = next(target.parameters()).device
     # teacher-forced as train.py scores: its precision, and the target's embedding and head in the
     # dtype training loaded the target in (taken before --fast may pack the target's weights)
@@ -218,17 +211,16 @@ def read_run(out_dir) -> tuple:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("out_dir", metavar="OUT_DIR", help="train.py's --out-dir (ckpt.pt, log.jsonl)")
-    p.add_argument("--samples", type=count, default=16, help="held-out prompts")
-    p.add_argument("--max-new-tokens", type=count, default=None, help="default: the answer's")
-    p.add_argument("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
-    p.add_argument(
+    p = argparse.ArgumentParser(description=__doc__)
+    p.formatter_class, a = argparse.RawDescriptionHelpFormatter, p.add_argument
+    a("out_dir", metavar="OUT_DIR", help="train.py's --out-dir (ckpt.pt, log.jsonl)")
+    a("--samples", type=count, default=16, help="held-out prompts")
+    a("--max-new-tokens", type=count, default=None, help="default: the answer's")
+    a("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
+    a(
         "--max-seconds",
         type=positive,
-        help="decode the prompts that fit this many seconds, loading included",
+        help="decode the prompts that fit this long, loading included",
     )
     return p.parse_args(argv)
 

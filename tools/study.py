@@ -1,15 +1,5 @@
-"""The study: what DFlash2's pieces buy (docs/study.md). Each arm is run.sh with train.py flags, and
-every arm trains on the same data for the same epochs, several seeds each.
-
-    python -m tools.study --toy      # bash run.sh --toy --epochs 2 --seed N FLAGS (study-quick.md)
-    python -m tools.study            # bash run.sh --epochs 1 --seed N FLAGS, the main job's data
-    python -m tools.study --toy --arms dflash2 kl --seeds 1 --sizes 150 300 --num-samples 300
-
-Other flags are train.py's, for every arm. Each run is OUT=OUT/ARM/seedN (run.log there), run.sh's
-other variables as set (DATA, N_TRAIN, BUDGET_MIN); the first goes alone: it makes the data (the
-toy's, which the others link to, or run.sh's DATA). A run that served is not run again: a stopped
-study goes on. Writes OUT/study.md: the table (mean +- sd), each arm against the default.
-"""
+"""The study (docs/study.md): what DFlash2's pieces buy. Each arm and seed is one `bash run.sh
+[--toy] --epochs E --seed N FLAGS` (the arm's train.py flags, then the others given here)."""
 
 import argparse
 import os
@@ -37,13 +27,21 @@ ARMS = {
 }
 DS = ("dflash", "dflash2")  # the arms of the data-size curve (--sizes)
 COLUMNS = ["tau_selector", "tau_unary", "lift", "recall", "served_path", "served_fast"]
+# allow_abbrev: no train.py flag (--seed) is taken for a study flag it begins (--seeds)
+PARSER = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+PARSER.add_argument("--toy", action="store_true", help="run.sh --toy's target and data, 2 epochs")
+PARSER.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+PARSER.add_argument("--seeds", type=count, default=3, help="runs per arm")
+PARSER.add_argument("--sizes", type=count, nargs="+", default=[], help="dflash(2) on N answers")
+PARSER.add_argument("--jobs", type=count, default=2, help="runs at a time, one thread each")
+PARSER.add_argument("--out", help="for the runs and study.md (default out/study-toy, out/study)")
 
 
 def train_once(args, name: str, seed: int, flags: list, home: str) -> dict:
-    """One arm and seed by run.sh, unless it has served already -> its numbers."""
+    """One arm and seed by run.sh in OUT/ARM/seedN, unless it has served already -> its numbers."""
     out = os.path.join(args.out, name, f"seed{seed}")
-    toy_draft = os.path.join(out, "draft-dflash" if "--dflash" in flags else "draft")
-    draft = toy_draft if args.toy else out  # where run.sh trains it
+    toy = os.path.join(out, "draft-dflash" if "--dflash" in flags else "draft")
+    draft = toy if args.toy else out  # where run.sh trains it
     if done := numbers(draft):
         return done
     os.makedirs(out, exist_ok=True)
@@ -60,30 +58,24 @@ def train_once(args, name: str, seed: int, flags: list, home: str) -> dict:
 def numbers(draft: str):
     """A run's log.jsonl -> its final and served records' numbers, or None before it has served."""
     try:
-        records = read_log(draft)[1]
-    except UsageError:
+        last = {r["kind"]: r for r in read_log(draft)[1]}  # the last record of each kind
+    except UsageError:  # no log yet, or one cut off mid-line
         return None
-    last = {r["kind"]: r for r in records}  # the last record of each kind
     if not {"final", "served"} <= last.keys():
         return None
     f, s = last["final"], last["served"]
-    sel, unary = f.get("accept_selector"), f["accept_unary"]
-    lift = sel / unary if sel is not None else None
-    m = dict(tau_selector=sel, tau_unary=unary, lift=lift, recall=f.get("topk_recall"))
-    return m | dict(served_path=s["served_path_tau"], served_fast=s.get("served_auto_tau"))
-
-
-def mean_sd(values) -> str:
-    values = [v for v in values if v is not None]
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} +- {sd:.3f}" if values else "-"
+    sel, unary = f.get("accept_selector"), f["accept_unary"]  # lift: the selector's over unary
+    got = [sel, unary, sel and sel / unary, f.get("topk_recall"), s["served_path_tau"]]
+    return dict(zip(COLUMNS, got + [s.get("served_auto_tau")]))
 
 
 def table(results: dict, names: list) -> list:
-    """results {arm: [numbers of each seed]} -> markdown rows, one per arm, its seeds pooled."""
+    """results {arm: [numbers of each seed]} -> markdown rows, one per arm: mean +- sample sd."""
     rows = ["| arm | seeds | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0
     for arm in names:
-        cells = [mean_sd(m[c] for m in results[arm]) for c in COLUMNS]
+        got = [[m[c] for m in results[arm] if m[c] is not None] for c in COLUMNS]
+        cells = [f"{statistics.mean(v):.3f} +- {sd(v):.3f}" if v else "-" for v in got]
         rows.append(f"| {arm} | {len(results[arm])} | " + " | ".join(cells) + " |")
     return rows
 
@@ -92,38 +84,21 @@ def verdicts(results: dict, arms: list, default: str = "dflash2") -> list:
     """Each arm against the default on the held-out tau of the path it serves (the selector's, or
     the unary one): the means' difference, and whether it passes twice the larger seed sd."""
     taus = lambda arm: [m["tau_selector"] or m["tau_unary"] for m in results[arm]]
-    base, lines = taus(default) if default in results else [], []
+    base, out = taus(default) if default in results else [], []
     for arm in [a for a in arms if a != default and min(len(results[a]), len(base)) > 1]:
         diff = statistics.mean(taus(arm)) - statistics.mean(base)
         noise = 2 * max(statistics.stdev(taus(arm)), statistics.stdev(base))
         word = "within noise" if abs(diff) <= noise else ("above" if diff > 0 else "below")
-        lines.append(
-            f"- {arm}: {diff:+.3f} against {default} (twice the spread: {noise:.3f}), {word}"
-        )
-    return lines
-
-
-def parse_args(argv=None):
-    # allow_abbrev: no train.py flag (--seed) is taken for a study flag it begins (--seeds)
-    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
-    p.formatter_class, a = argparse.RawDescriptionHelpFormatter, p.add_argument
-    a("--toy", action="store_true", help="run.sh --toy's target and data, 2 epochs")
-    a("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    a("--seeds", type=count, default=3, help="runs per arm")
-    a("--sizes", type=count, nargs="+", default=[], help="dflash(2) on N answers")
-    a("--jobs", type=count, default=2, help="runs at a time, one thread each")
-    a("--out", help="the study's folder (default: out/study-toy or out/study)")
-    args, args.train = p.parse_known_args(argv)
-    args.out = args.out or ("out/study-toy" if args.toy else "out/study")
-    return args
+        out += [f"- {arm}: {diff:+.3f} against {default} (twice the spread: {noise:.3f}), {word}"]
+    return out
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args, args.train = PARSER.parse_known_args(argv)
+    args.out = args.out or ("out/study-toy" if args.toy else "out/study")
     arms = {arm: ARMS[arm] for arm in args.arms}
-    curve = {  # the data-size curve: dflash and dflash2 on the first N training answers
-        f"{a}-{n}": [*ARMS[a], "--num-samples", str(n)] for n in args.sizes for a in DS
-    }
+    # the data-size curve: dflash and dflash2 on the first N training answers
+    curve = {f"{a}-{n}": [*ARMS[a], "--num-samples", str(n)] for n in args.sizes for a in DS}
     # seed-major: a study cut short has as many seeds of each arm
     runs = [(name, s, flags) for s in range(args.seeds) for name, flags in (arms | curve).items()]
     home = os.path.join(args.out, runs[0][0], "seed0")  # the toy's target and data: its run's

@@ -6,14 +6,13 @@ holds it equal to the banners):
     tools/study.py                  seeds pooled per arm by hand
     tools/served.py: served acceptance
                                     teacher-forced at served anchors == the served cycle
-    tools/gpu_check.py              --dry-run, prepare.py's shards, out of memory, interrupted
-                                    runs
+    tools/gpu_check.py              --dry-run, prepare.py's shards, train.py's commands and
+                                    log, rows written as they end, interrupted runs
     tools/llamacpp.py               the converter reads every key it needs from an export;
                                     convert's command; parity's comparison
     tools/plot.py                   the charts draw the logged values; a bad run is one error
                                     line
     tools/mutants.py                the breaks load; a bad one is named, exit status 2
-    the machinery elsewhere         tests that name this package and no other home
 """
 
 import contextlib
@@ -57,10 +56,8 @@ from tools import gpu_check, llamacpp, mutants, plot, served, study
 
 # ============================================================================ tools/study.py
 def test_study_pools_seeds_per_arm_by_hand(tmp_path):
-    """tools/study.py: a run's numbers are its log.jsonl's final and served records' (none before
-    it has served); an arm's row is the mean +- sample sd of its seeds (lift: selector tau over
-    unary tau, per run); each arm against the default: the means' difference beside twice the
-    larger sd; a flag the study does not know is train.py's, for every arm."""
+    """tools/study.py: a run's numbers (none before it served), an arm's mean +- sample sd over its
+    seeds, each arm against the default beside twice the larger sd; unknown flags go to train.py."""
 
     def logged(name, final, served=None):
         (tmp_path / name).mkdir()
@@ -98,8 +95,9 @@ def test_study_pools_seeds_per_arm_by_hand(tmp_path):
         "- b: +0.100 against dflash2 (twice the spread: 0.283), within noise",
         "- dflash: -1.000 against dflash2 (twice the spread: 0.283), below",
     ]
-    args = study.parse_args(["--toy", "--num-samples", "300", "--seeds", "2", "--lr", "1e-3"])
-    assert (args.toy, args.seeds, args.train) == (True, 2, ["--num-samples", "300", "--lr", "1e-3"])
+    argv = ["--toy", "--num-samples", "300", "--seeds", "2", "--lr", "1e-3"]
+    args, train = study.PARSER.parse_known_args(argv)
+    assert (args.toy, args.seeds, train) == (True, 2, ["--num-samples", "300", "--lr", "1e-3"])
 
 
 # =============================================================== tools/served.py: served acceptance
@@ -179,11 +177,9 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
 def test_final_evaluation_reports_served_tau_beside_teacher_forced(
     setup, tmp_path, monkeypatch, capsys
 ):
-    """tools/served.py OUT_DIR --fast after train.py decodes held-out prompts with the real loop
-    (the path of B-1 drafts and --fast's tree of tune.FAST_TREE nodes, under the key "auto"),
-    scores the path's anchors teacher-forced, and puts both in the log, in acceptance.json (which
-    export.py carries) and in the summary. Without --fast: the path alone, the draft as stored. A
-    user's mistake: one line."""
+    """tools/served.py after train.py: served tau (the path; --fast adds its tree as "auto") beside
+    teacher-forced tau at the served anchors, in the log, acceptance.json (export.py carries it)
+    and the summary; --max-seconds stops early; a user's mistake is one line."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
     served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
@@ -222,46 +218,35 @@ def test_final_evaluation_reports_served_tau_beside_teacher_forced(
 
 # ============================================================================ tools/gpu_check.py
 def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
-    """tools/gpu_check.py --dry-run: the plan's items a-d in order, printed, and the same plumbing
-    on the CPU at toy widths: train.py under torchrun runs every step offline on random bf16
-    feature shards and its log gives a steady step time, the decode item (generate.py --bench's
-    code) decodes the selector's path and tree equal to plain decoding, item b says why it is
-    skipped, and every CUDA test skips with needs_cuda's reason."""
+    """tools/gpu_check.py --dry-run on the CPU at toy widths: train.py under torchrun gives a steady
+    step time, decoding's path and tree equal plain decoding, item b says why it is skipped, and
+    every CUDA test skips with needs_cuda's reason."""
     out = tmp_path / "gpu"
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.gpu_check", str(out), "--dry-run"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    cmd = [sys.executable, "-m", "tools.gpu_check", str(out), "--dry-run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "a. train" in done.stdout and "d. tests" in done.stdout, done.stdout
     results = json.loads((out / "results.json").read_text())
-    names = ["train", "compile", "decode", "tests"]
-    assert [n for n, _ in results["plan"]] == names and list(results["items"]) == names
+    assert list(results["items"]) == ["train", "compile", "decode", "tests"]
     t = results["items"]["train"]
     assert t["status"] == "measured" and t["steps_done"] == 6 and t["error_line"] is None, t
     assert t["steady_steps"] == 6 - gpu_check.WARM_STEPS and t["step_s"] > 0 and t["tokens_per_s"]
-    assert "torch.distributed.run" in t["command"] or "--nproc_per_node=1" in t["command"]
-    assert "skipped" == results["items"]["compile"]["status"]
+    assert "torch.distributed.run" in t["command"]
+    assert results["items"]["compile"]["status"] == "skipped"
     d, B = results["items"]["decode"], results["items"]["decode"]["block_size"]
     assert d["status"] == "measured" and d["device"] == "cpu", d
-    ways = [(w["mode"], w["verify"], w["same"]) for w in d["ways"]]
-    assert ways == [
+    assert [(w["mode"], w["verify"], w["same"]) for w in d["ways"]] == [
         ("selector", f"path of {B - 1} drafts", d["prompts"]),
         ("selector", f"tree of {B - 1} nodes", d["prompts"]),
         ("plain stock", "", None),
     ]
     tests = results["items"]["tests"]
-    assert tests["exit_status"] == 0 and tests["counts"].get("skipped", 0) >= 5
+    assert tests["status"] == "measured" and tests["counts"].get("skipped", 0) >= 5, tests
     assert "failed" not in tests["counts"] and "passed" not in tests["counts"]
-    log = (out / "tests.log").read_text()
-    skips = [line for line in log.splitlines() if line.startswith("SKIPPED")]
-    assert len(skips) >= 1 and all("needs a CUDA GPU" in line for line in skips), log
+    skips = [s for s in (out / "tests.log").read_text().splitlines() if s.startswith("SKIPPED")]
+    assert skips and all("needs a CUDA GPU" in line for line in skips), skips
     summary = (out / "summary.txt").read_text()
-    assert tests["summary"] in summary and f"steady {t['step_s']} s a step" in summary
+    assert tests["summary"] in summary and f"step_s {t['step_s']};" in summary
     assert "DRY RUN" in summary and "selector tree of" in summary
 
 
@@ -271,94 +256,130 @@ def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypa
     and load_features streams its rows back, the first tenth of each unsupervised."""
     draft = os.path.join(HERE, "configs", "qwen3-8b-dflash2.json")
     draft = gpu_check.toy_config(draft, str(tmp_path / "toy.json"))
-    rows, (low, high) = gpu_check.SIZES["dry"]["rows"], gpu_check.SIZES["dry"]["lengths"]
+    rows, (low, high) = 6, (40, 64)
     _, feat_dir = gpu_check.make_train_data(draft, str(tmp_path / "data"), (low, high), rows)
-    c = config.load_config(draft)
+    layers = config.load_config(draft).target_layer_ids
     asked = []  # the settings prepare.py's rerun checks its shard against (it stops there)
     monkeypatch.setattr(prepare, "shard_done", lambda path, made, n: asked.append(made) or True)
-    prepare.write_features(  # N rows in one shard: prepare.py --max-length HIGH --shard-size N
-        None, None, [[]] * rows, str(tmp_path), c.target_layer_ids, high, shard_size=rows
-    )
+    # N rows in one shard: prepare.py --max-length HIGH --shard-size N
+    prepare.write_features(None, None, [[]] * rows, str(tmp_path), layers, high, shard_size=rows)
     assert features.shard_done(features.shard_path(feat_dir, 0), asked[0], rows)
     manifest = features.read_manifest(feat_dir)
-    assert manifest["target_layer_ids"] == c.target_layer_ids and manifest["max_length"] == high
+    assert (manifest["target_layer_ids"], manifest["max_length"]) == (layers, high)
     assert manifest["num_samples"] == rows and manifest["chat_template_kwargs"] == {}
     samples = features.load_features(feat_dir)
     assert len(samples) == rows and "target_hidden" not in samples[0]
     for r in samples:
         n = len(r["input_ids"])
-        assert low <= n <= high and r["features"].shape == (n, len(c.target_layer_ids) * 64)
+        assert low <= n <= high and r["features"].shape == (n, len(layers) * 64)
         assert r["loss_mask"].tolist() == [0] * (n // 10) + [1] * (n - n // 10)
 
 
-def test_gpu_check_reads_train_logs_a_killed_run_left_or_never_wrote(tmp_path, monkeypatch):
-    """Items a and b read train.py's log.jsonl with support.tracking.read_log: a run its share cut
-    off before its first step left none and is reported as timed out with 0 steps; one that ended
-    well but left no log fails with read_log's reason; a killed run's records count its steps."""
+def test_gpu_check_reads_the_steady_step_per_interval():
+    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
+    from the loop's start), per interval too; train.py's per-interval rates, their median."""
+    compile_s, step_s, tokens = 60.0, 0.2, 3500
+    records = [
+        dict(kind="train", step=i, elapsed_s=round(compile_s + step_s * i, 1), mfu=0.3)
+        | dict(target_tok_per_s=tokens / step_s if i > 1 else tokens / (compile_s + step_s))
+        for i in range(1, 33)
+    ]
+    got = gpu_check.steady(records)
+    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
+    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
+    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
+    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
+    for bad, says in (
+        (records[::2], "one a step"),
+        ([{"kind": "eval"}], "no train records"),
+        ([r | {"elapsed_s": compile_s} for r in records], "below the log's resolution"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            gpu_check.steady(bad)
+
+
+def test_gpu_check_items_a_and_b_run_train_py_and_read_the_log_it_left(tmp_path, monkeypatch):
+    """Items a and b run train.py with flags it takes, item b at one static shape; a run cut off is
+    timed out with the steps its log counts, one that left no log fails with read_log's reason."""
     args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
-    args.configs = {"train": os.path.join(HERE, "configs", "smollm2-135m-dflash2.json")}
-    monkeypatch.setattr(gpu_check, "make_train_data", lambda *a: None)  # the data is not read
-    ended = {}
-    monkeypatch.setattr(gpu_check, "run_bounded", lambda *a: ended["as"])
-    ended["as"] = (None, 50.0, "compiling")
-    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
-    assert (row["status"], row["steps_done"]) == ("timed out", 0)
-    ended["as"] = (0, 50.0, "done")
-    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
-    assert row["status"] == "failed" and "no log.jsonl there" in row["reason"]
+    for item in ("train", "compile"):
+        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
+        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
+        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
+    sizes = [
+        loader.static_size(n, loader.LENGTH_UNIT) for n in gpu_check.SIZES["gpu"]["main_lengths"]
+    ]
+    assert sizes[0] == sizes[1]
+    toy = os.path.join(HERE, "configs", "toy-dflash2.json")
+    args.configs = {"train": gpu_check.toy_config(toy, str(tmp_path / "toy.json"))}
+    log = "".join(
+        json.dumps({"kind": "train", "step": i, "elapsed_s": 9.0 + i}) + "\n" for i in (1, 2, 3)
+    )
+    # a stand-in for train.py: it logs 3 steps then is cut off, or logs nothing
+    writes = f"import os, time\nos.makedirs('{tmp_path}/cut/train')\n"
+    writes += f"open('{tmp_path}/cut/train/log.jsonl', 'w').write({log!r})\n"
+    for tmp, child, state, steps in (
+        ("cut", writes + "time.sleep(60)", "timed out", 3),
+        ("none", "", "failed", 0),
+    ):
+        monkeypatch.setattr(gpu_check, "train_command", lambda *a: [sys.executable, "-c", child])
+        share = gpu_check.INTERRUPT_S + 4  # a bound of 4 s, less the data's time
+        row = gpu_check.train_row(args, "train", str(tmp_path / tmp), share, io.StringIO())
+        assert (row["status"], row["steps_done"]) == (state, steps), row
+    assert "no log.jsonl there" in row["reason"]
 
-    def killed(*a):
-        os.makedirs(tmp_path / "train")
-        log = [{"kind": "train", "step": i, "elapsed_s": 9.0 + i} for i in (1, 2, 3)]
-        (tmp_path / "train" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-        return None, 50.0, "step 4"
 
-    monkeypatch.setattr(gpu_check, "run_bounded", killed)
-    row = gpu_check.train_row(args, "train", str(tmp_path), 60, io.StringIO())
-    assert (row["status"], row["steps_done"]) == ("timed out", 3)
-
-
-def test_gpu_check_reports_out_of_memory_and_writes_its_summary_whatever_ends_it(
+def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
     tmp_path, monkeypatch
 ):
-    """tools/gpu_check.py: a row that ran out of memory is reported as such and does not fail the
-    check, one its share cut off does; a check stopped halfway (Ctrl-C in the second item) still
-    writes results.json and summary.txt with what it did and what stopped it."""
-    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
-    state, reason = gpu_check.outcome(1, oom, 60)
-    assert state == "out of memory" and "17.00 GiB" in reason
-    assert not gpu_check.failed({"status": state})
-    assert gpu_check.outcome(None, "compiling", 60) == ("timed out", "its share of 60 s ran out")
-    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
-    assert gpu_check.failed({"status": "timed out"}) and gpu_check.failed({"exit_status": 1})
-    calls = []
+    """Each row is on disk before the next item starts; out of memory does not fail the check, a
+    timeout does; a check stopped by Ctrl-C still writes what it did and what stopped it."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
+    seen = {}
 
-    def item(name, *rest):
-        calls.append(name)
-        if name == "compile":
+    def item(name, args, *rest):
+        done = os.path.join(args.out_dir, "results.json")
+        seen[name] = list(json.load(open(done))["items"]) if os.path.exists(done) else None
+        if ends[name] is None:
             raise KeyboardInterrupt
-        return {"status": "out of memory", "reason": "CUDA out of memory"}
+        return {"status": ends[name], "reason": None}
 
     monkeypatch.setattr(gpu_check, "run_item", item)
+    codes = []
+    for last in ("measured", "timed out"):
+        ends = {"train": "out of memory", "compile": "skipped", "decode": "measured", "tests": last}
+        with pytest.raises(SystemExit) as stop:
+            gpu_check.main([str(tmp_path / last), "--dry-run"])
+        codes.append(stop.value.code)
+    assert codes == [0, 1]
+    before = {"train": None, "compile": ["train"], "decode": ["train", "compile"]}
+    assert seen == before | {"tests": ["train", "compile", "decode"]}
+    ends["decode"] = None
     with pytest.raises(KeyboardInterrupt):
-        gpu_check.main([str(tmp_path), "--dry-run"])
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert calls == ["train", "compile"] and list(results["items"]) == ["train"]
-    assert results["stopped"] == "KeyboardInterrupt: "
-    summary = (tmp_path / "summary.txt").read_text()
-    assert "STOPPED: KeyboardInterrupt" in summary and "out of memory" in summary
+        gpu_check.main([str(tmp_path / "cut"), "--dry-run"])
+    results = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert list(results["items"]) == ["train", "compile"]
+    assert results["stopped"] == "KeyboardInterrupt: "  # and the summary says so
+    summary = (tmp_path / "cut" / "summary.txt").read_text()
+    assert "STOPPED: KeyboardInterrupt" in summary and "train: status out of memory" in summary
 
 
-def test_gpu_check_interrupts_a_run_past_its_bound_so_it_can_say_why(monkeypatch):
+def test_gpu_check_bounds_a_run_and_says_how_it_ended(monkeypatch):
     """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
-    failures and their reasons), then is killed; the bound is still reported as a timeout."""
+    failures and their reasons), then is killed: timed out. One that ran out of memory says so (not
+    a failure); one that failed gives its last line."""
     said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
-    # a bound of 4 s: the child is in its sleep by then, also on a loaded machine
-    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", said], 4)
-    assert status is None and out.strip() == "why" and seconds < 14
+    # a bound of 4 s (its share, less INTERRUPT_S): the child is in its sleep by then
+    cmd, share = [sys.executable, "-c", said], 4 + gpu_check.INTERRUPT_S
+    status, seconds, out, peak = gpu_check.run_bounded(cmd, share)
+    assert (status, out.strip(), peak) == (None, "why", None) and seconds < 14
+    assert gpu_check.outcome(status, out, 60) == ("timed out", "its share of 60 s ran out")
+    oom = "step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 17.00 GiB\n  x"
+    assert gpu_check.outcome(1, oom, 60) == ("out of memory", oom.splitlines()[1])
+    assert gpu_check.outcome(1, "x\nerror: bad\n", 60) == ("failed", "exit status 1: error: bad")
     monkeypatch.setattr(gpu_check, "INTERRUPT_S", 2)  # one that ignores Ctrl-C is killed after it
     stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
-    status, seconds, out = gpu_check.run_bounded([sys.executable, "-c", stubborn], 1)
+    status, seconds, out, _ = gpu_check.run_bounded([sys.executable, "-c", stubborn], 3)
     assert status is None and 3 <= seconds < 8
 
 
@@ -370,9 +391,8 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     from the anchor), so every key it needs must be in the export, with this project's meaning.
     No build: the converter's reading is written out below and compared with the draft's."""
     layers = ["full_attention", "sliding_attention", "full_attention"]
-    draft = tiny_draft(
-        4, num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False
-    )
+    kw = dict(num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False)
+    draft = tiny_draft(4, **kw)
     c, ck = draft.config, tmp_path / "ck.pt"
     torch.save({"model": draft.state_dict(), "config": config.config_to_dict(c)}, ck)
     export.export(str(ck), str(tmp_path / "out"), torch.float32)
@@ -384,6 +404,7 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
     sizes = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     causal = d.get("is_causal", dc.get("causal"))  # :812-816; None: the key is not written
     swa = d.get("use_sliding_window") and (dc.get("swa_window_size") or d.get("sliding_window"))
+    pattern = [t == "sliding_attention" for t in d.get("layer_types") or []]
     read = {
         "dflash.block_size": dc.get("block_size", d.get("block_size", 16)),  # :767
         "dflash.target_layers": [i + 1 for i in dc.get("target_layer_ids", [])],  # :798-801
@@ -392,11 +413,7 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
         # absent, the draft runs every layer non-causal (common/speculative.cpp:1013, :1122)
         "dflash.attention.causal": False if causal is None else bool(causal),
         "dflash.attention.sliding_window": swa or None,  # :803-810
-        "dflash.attention.sliding_window_pattern": [
-            t == "sliding_attention" for t in d.get("layer_types") or []
-        ]
-        if swa
-        else None,
+        "dflash.attention.sliding_window_pattern": pattern if swa else None,
         # DSparkModel's reading (qwen.py:942-944); DFlashModel does not write the key, and the
         # loader assumes true where it is absent (src/models/dflash.cpp:317-318)
         "dflash.sample_from_anchor": d.get("sample_from_anchor", True),
@@ -427,23 +444,16 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
 
 
 def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path):
-    """llama.cpp's DFlash2 loader refuses hidden_size % conv_group_size != 0 and hidden_size <
-    K (K + 1), K = selector_top_k (src/models/dflash.cpp). tools/llamacpp.py says so before it
-    builds or converts anything: one line `error: ...`, exit status 2, and nothing in the cache.
-    A draft that meets both passes; a plain DFlash draft has no selector and no such rule."""
+    """What llama.cpp's DFlash2 loader refuses (src/models/dflash.cpp: hidden_size %
+    conv_group_size, hidden_size < K (K + 1)) is one `error: ...` line before anything is built;
+    plain DFlash passes."""
     small, fits = tmp_path / "small", tmp_path / "fits"
     export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
     export.save_draft(tiny_draft(4), str(fits))
     cache = tmp_path / "cache"
-    run = subprocess.run(
-        [sys.executable, "-m", "tools.llamacpp", "convert", "--draft", str(small)]
-        + ["--cache", str(cache)],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    cmd = [sys.executable, "-m", "tools.llamacpp", "convert", "--draft", str(small), "--cache"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*cmd, cache], cwd=HERE, capture_output=True, text=True, env=env)
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [
         f"error: --draft {small}: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 "
         "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
@@ -460,44 +470,38 @@ def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path
 
 
 def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, monkeypatch):
-    """convert runs the source tree's convert_hf_to_gguf.py with that tree's gguf-py first on
-    PYTHONPATH and the hub offline; a draft names its target's folder (--target-model-dir, where
-    its tokenizer is), the target does not. The GGUF is written under a temporary name and renamed
-    into place, so an interrupted run leaves no half file, and one already there is kept."""
-    calls = []
-
-    def run_logged(cmd, log, what=None, env=None):
-        calls.append((cmd, env))
-        with open(cmd[cmd.index("--outfile") + 1], "w") as f:
-            f.write("gguf")
-
-    monkeypatch.setattr(llamacpp, "run_logged", run_logged)
-    monkeypatch.setattr(llamacpp, "need_sentencepiece", lambda: None)
+    """convert runs the tree's own convert_hf_to_gguf.py, its gguf-py first on PYTHONPATH, the hub
+    offline, a draft with its target's folder; the GGUF is renamed into place, kept once made."""
+    src, out, log = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf", str(tmp_path / "log")
+    src.mkdir()
+    (tmp_path / "sentencepiece.py").write_text("")  # what the converter imports
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # a stand-in converter: its GGUF is its arguments and the variables it was given
+    (src / "convert_hf_to_gguf.py").write_text(
+        "import json, os, sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "env = [os.environ[k] for k in ('PYTHONPATH', 'HF_HUB_OFFLINE')]\n"
+        "json.dump([sys.argv[1:], env], open(out, 'w'))\n"
+    )
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    src, out = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf"
-    assert llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", "log", "HF") == str(out)
+    assert llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", log, "HF") == str(out)
     tmp = f"{out}.{os.getpid()}.tmp"
-    cmd, env = calls[0]
-    assert cmd == [sys.executable, f"{src}/convert_hf_to_gguf.py", "EXPORT"] + [
-        *("--outtype", "q8_0", "--outfile", tmp, "--target-model-dir", "HF")
-    ]
-    assert env["PYTHONPATH"] == f"{src}/gguf-py{os.pathsep}/elsewhere"
-    assert env["HF_HUB_OFFLINE"] == "1"
-    assert out.read_text() == "gguf" and not os.path.exists(tmp)
-    llamacpp.to_gguf(str(src), "HF", str(tmp_path / "target-f32.gguf"), "f32", "log")
-    assert calls[1][0][2:] == ["HF", "--outtype", "f32", "--outfile", calls[1][0][-1]]
-    llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", "log", "HF")
-    assert len(calls) == 2
+    argv, env = json.loads(out.read_text())
+    assert argv == ["EXPORT", "--outtype", "q8_0", "--outfile", tmp, "--target-model-dir", "HF"]
+    assert env == [f"{src}/gguf-py{os.pathsep}/elsewhere", "1"] and not os.path.exists(tmp)
+    llamacpp.to_gguf(str(src), "HF", str(tmp_path / "target-f32.gguf"), "f32", log)
+    argv, _ = json.loads((tmp_path / "target-f32.gguf").read_text())
+    assert argv[:3] == ["HF", "--outtype", "f32"] and "--target-model-dir" not in argv
+    out.write_text("kept")
+    llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", log, "HF")
+    assert out.read_text() == "kept"
 
 
 def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_from_its_log(
     tmp_path, monkeypatch
 ):
-    """Parity compares generate.py's tokens with what llama.cpp printed, as bytes: GPT-2's byte
-    alphabet ("Ġ" a space, "Ċ" a newline; a token outside it as its own text), the count of
-    tokens that lead the text. Its debug log gives each cycle's (accepted, drafted, last token).
-    The commands are greedy, with -bf (the prompt's last newline kept) and, with the draft,
-    draft-dflash at the n-max asked."""
+    """Parity compares generate.py's tokens with llama.cpp's printed text as bytes (GPT-2's byte
+    alphabet; a token outside it as its own text) and reads each cycle from llama.cpp's debug log;
+    the commands are greedy, -bf (the prompt's last newline kept), draft-dflash at the n-max."""
     table = llamacpp.byte_decoder()
     assert sorted(table.values()) == list(range(256))
     assert (table["Ġ"], table["Ċ"], table["a"]) == (ord(" "), ord("\n"), ord("a"))
@@ -594,30 +598,30 @@ def test_plot_draws_the_logged_values(setup, tmp_path):
     out = tmp_path / "runs.svg"
     plot.main([str(tmp_path / "real"), str(hand), "--labels", "real", "hand", "--out", str(out)])
     drawn = chart_points(out)
+    # the hand-written run by hand: a step logged twice draws its later record; base_loss where
+    # it is logged, else loss
+    expect = {
+        ("loss", "hand", "train loss"): [(10, 4.0), (20, 2.5), (25, 2.25)],
+        ("loss", "hand", "held-out loss"): [(20, 3.5), (30, 2.0)],
+        ("held-out tau", "hand", "selector path"): [(20, 1.75), (30, 2.5)],
+        ("held-out tau", "hand", "unary path"): [(20, 1.5), (30, 2.0)],
+        ("held-out tau", "hand", "served"): [(30, 2.25)],
+        ("accepted up to block position", "hand", "selector"): [(1, 0.75), (2, 0.5), (3, 0.25)],
+        ("accepted up to block position", "hand", "unary"): [(1, 0.5), (2, 0.25), (3, 0.0)],
+    }
+    # the real run: its training loss and held-out tau at every step it logged them
     real = log_records(tmp_path / "real" / "log.jsonl")
-    expect = {}
-    for label, recs in (("real", real), ("hand", records)):
-        for panel, name, kinds, key, _ in plot.LINES:
-            values = [(r["step"], plot.value(r, key)) for r in recs if r["kind"] in kinds]
-            pts = dict((step, v) for step, v in values if v is not None)
-            title = {"loss": "loss", "tau": "held-out tau"}[panel]
-            if pts:
-                expect[(title, label, name)] = sorted(pts.items())
-    real_acc = json.loads((tmp_path / "real" / "acceptance.json").read_text())
-    for label, acc in (("real", real_acc), ("hand", accepted)):
-        for mode in ("selector", "unary"):
-            if mode in acc:
-                shares = list(enumerate(acc[mode]["accepted"], 1))
-                expect[("accepted up to block position", label, mode)] = shares
-    assert set(drawn) == set(expect)
-    assert ("held-out tau", "hand", "served") in drawn
-    assert ("loss", "real", "held-out loss") in drawn
+    losses = {r["step"]: r["base_loss"] for r in real if r["kind"] == "train"}
+    taus = {r["step"]: r["accept_selector"] for r in real if r["kind"] in ("eval", "final")}
+    expect[("loss", "real", "train loss")] = sorted(losses.items())
+    expect[("held-out tau", "real", "selector path")] = sorted(taus.items())
+    series = lambda run: {(title, name) for title, r, name in drawn if r == run}
+    assert {(title, name) for title, r, name in expect if r == "hand"} == series("hand")
+    assert series("real") == series("hand") - {("held-out tau", "served")}  # it never served
     for key, pts in expect.items():
         got = drawn[key]
-        assert len(got) == len(pts), key
-        for (x, y), (gx, gy) in zip(pts, got):
-            assert gx == pytest.approx(x, abs=0.02), key
-            assert gy == pytest.approx(y, abs=0.01), key
+        assert [x for x, _ in got] == pytest.approx([x for x, _ in pts], abs=0.02), key
+        assert [y for _, y in got] == pytest.approx([y for _, y in pts], abs=0.01), key
 
 
 def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
@@ -651,10 +655,8 @@ def test_plot_refuses_a_bad_run_in_one_line(tmp_path, capsys):
 
 # ================================================================================= tools/mutants.py
 def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, capsys):
-    """tools/mutants.toml loads with no problem (every snippet occurs once in its file). In a
-    catalogue of five breaks, the four bad ones (a misspelt field, a missing one, a snippet not in
-    its file, one in it many times) are each named by number and field, the good one loads, and the
-    run stops before any test with exit status 2."""
+    """tools/mutants.toml loads clean; in a catalogue of five breaks the four bad ones are each
+    named by number and field, and the run stops before any test with exit status 2."""
     rules, breaks, problems = mutants.load(mutants.DATA)
     assert problems == [] and breaks and {b.rule for b in breaks} <= set(rules)
     good = {k: getattr(breaks[0], k) for k in ("file", "old", "new", "rule", "tests", "why")}
@@ -675,68 +677,3 @@ def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, cap
     assert mutants.main([]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == len(problems)
-
-
-# ========================================================================== the machinery elsewhere
-def test_gpu_check_items_a_and_b_are_train_py_commands_of_one_static_shape():
-    """Items a and b run train.py with flags its parser takes (item a under torchrun), and item b's
-    rows of LOW..HIGH tokens pad to one static shape: its compiled step never recompiles."""
-    args = gpu_check.parse_args(["OUT"])
-    for item in ("train", "compile"):
-        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
-        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
-        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
-    low, high = args.sizes["main_lengths"]
-    unit = loader.LENGTH_UNIT
-    assert loader.static_size(low, unit) == loader.static_size(high, unit)
-
-
-def test_gpu_check_reads_the_steady_step_per_interval():
-    """steady(): step 1's compile apart, the step time over the steps after the warm-up (never
-    from the loop's start), per interval too; train.py's per-interval rates, their median."""
-    compile_s, step_s, tokens = 60.0, 0.2, 3500
-    records = []
-    for i in range(1, 33):
-        elapsed = compile_s + step_s * i
-        rate = tokens / step_s if i > 1 else tokens / elapsed  # per interval: the step's own
-        records.append(dict(kind="train", step=i, elapsed_s=round(elapsed, 1), mfu=0.3))
-        records[-1]["target_tok_per_s"] = rate
-    got = gpu_check.steady(records)
-    assert got["step_s"] == pytest.approx(step_s, abs=0.005) and got["steady_steps"] == 30
-    assert got["compile_s"] == pytest.approx(compile_s, abs=0.2)
-    assert got["interval_step_s"] == pytest.approx([step_s] * 3, abs=0.011)
-    assert got["tokens_per_s"] == tokens / step_s and got["mfu"] == 0.3
-    with pytest.raises(ValueError, match="one a step"):
-        gpu_check.steady(records[::2])
-    with pytest.raises(ValueError, match="no train records"):
-        gpu_check.steady([{"kind": "eval"}])
-    for r in records:  # steps faster than the log's resolution: no step time, not a zero
-        r["elapsed_s"] = compile_s
-    with pytest.raises(ValueError, match="below the log's resolution"):
-        gpu_check.steady(records)
-
-
-def test_gpu_check_writes_each_row_as_its_item_ends(tmp_path, monkeypatch):
-    """An item's row is on disk (results.json, summary.txt) before the next item starts: a
-    device lent for minutes keeps what ran even if the call is cut."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # --dry-run sets it: undone after the test
-    seen = {}
-
-    def item(name, args, tmp, limit, log):
-        done = tmp_path / "results.json"
-        seen[name] = list(json.loads(done.read_text())["items"]) if done.exists() else None
-        return {"status": "measured", "reason": None, "ways": [], "device": "cpu"} | (
-            {"block_size": 8} if name == "decode" else {}
-        )
-
-    monkeypatch.setattr(gpu_check, "run_item", item)
-    with pytest.raises(SystemExit):
-        gpu_check.main([str(tmp_path), "--dry-run"])
-    assert seen == {
-        "train": None,
-        "compile": ["train"],
-        "decode": ["train", "compile"],
-        "tests": ["train", "compile", "decode"],
-    }
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert list(results["items"]) == ["train", "compile", "decode", "tests"]

@@ -1,20 +1,12 @@
 """The TOY target of `bash run.sh --toy`: a tiny Llama-style causal LM with a word-level vocabulary,
-trained here in a minute or two on the project's toy word problems with worked answers
-(prompts/toy_problems.py). Nothing is downloaded. It is a toy: it only knows these problems; the
-main job's target stays the embedded SmolLM2-135M-Instruct.
+trained here in a minute or two on the toy word problems with worked answers
+(prompts/toy_problems.py); nothing is downloaded. The main job's target stays SmolLM2-135M.
 
     python -m tools.toy_target OUT_DIR        # writes a Hugging Face directory: --target OUT_DIR
 
-The directory is what every script loads with --target (target.load_target): config.json and
-model.safetensors (LlamaForCausalLM), and a PreTrainedTokenizerFast with a chat template
-
-    <|user|>QUESTION<|assistant|>ANSWER<|end|>
-
-so prepare.py renders, regenerates and masks its conversations as for any chat model. Token ids 0-5
-are <|pad|> <|end|> <|user|> <|assistant|> <|mask|> <|unk|>; <|mask|> is in no training text, so
-the target never emits it: configs/toy-dflash2.json takes it as the draft's mask_token_id. The
-model's vocabulary is VOCAB rows (the tokenizer's words, then unused rows), fixed so that the draft
-config can name it.
+Its chat template is <|user|>QUESTION<|assistant|>ANSWER<|end|>. Token ids 0-5 are <|pad|> <|end|>
+<|user|> <|assistant|> <|mask|> <|unk|>; <|mask|> is in no training text, so the target never emits
+it: configs/toy-dflash2.json takes it as mask_token_id, and VOCAB rows as vocab_size.
 """
 
 import argparse
@@ -42,14 +34,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # The layout configs/toy-dflash2.json is sized for: 4 layers of width 64 (0.22 M parameters).
-LAYOUT = dict(
-    hidden_size=64,
-    intermediate_size=192,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+LAYOUT = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, head_dim=16)
+LAYOUT.update(num_attention_heads=4, num_key_value_heads=2)
 
 
 def build_tokenizer(texts) -> PreTrainedTokenizerFast:
@@ -121,13 +107,8 @@ def greedy_answers(target, tok, questions, max_new_tokens=80) -> list:
         for q in questions
     ]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = target.generate(
-        **enc,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, **ids)
     return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -140,17 +121,9 @@ def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=1e-2, seed=0
     words = [q + " " + a for q, a in pairs + held_out] + [" ".join(map(str, range(201)))]
     tok = build_tokenizer(words)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        **LAYOUT,
-    )
-    target = LlamaForCausalLM(cfg)
+    kw = dict(max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=True)
+    kw.update(pad_token_id=0, eos_token_id=1, bos_token_id=None)  # <|pad|>, <|end|>, none
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, **kw, **LAYOUT))
     seqs = [tokenize_conversation(tok, conversation(q, a), 256) for q, a in pairs]
     log(
         f"toy target: {sum(p.numel() for p in target.parameters()):,} parameters, "
