@@ -44,21 +44,9 @@ def int_list(values, name: str) -> list:
     return values
 
 
-def to_messages(record) -> list:
-    """A "messages" or "conversations" record -> [{"role", "content"}]."""
-    turns = record.get("messages", record.get("conversations"))
-    if not isinstance(turns, list):
-        raise UsageError("the conversation must be a list of turns")
-    out = [to_turn(t) for t in turns]
-    with_ids = [i for i, m in enumerate(out) if "token_ids" in m]
-    if with_ids and (with_ids != [len(out) - 1] or out[-1]["role"] != "assistant"):
-        raise UsageError("'token_ids' belong to the last turn, an answer, only")
-    return out
-
-
 def to_conversation(record):
-    """One JSONL record -> turns (to_messages), {"text"} or {"input_ids", "loss_mask"} (long [S]);
-    a record in none of the formats, or in two, is refused: nothing is guessed."""
+    """One JSONL record -> turns, {"text"} or {"input_ids", "loss_mask"} (long [S]); a record in
+    none of the formats, or in two, is refused: nothing is guessed."""
     found = [k for k in FORMATS if isinstance(record, dict) and k in record]
     if len(found) != 1:
         raise UsageError(
@@ -80,12 +68,19 @@ def to_conversation(record):
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "loss_mask": torch.tensor(mask, dtype=torch.long),
         }
-    return to_messages(record)
+    turns = record[found[0]]
+    if not isinstance(turns, list):
+        raise UsageError("the conversation must be a list of turns")
+    out = [to_turn(t) for t in turns]
+    with_ids = [i for i, m in enumerate(out) if "token_ids" in m]
+    if with_ids and (with_ids != [len(out) - 1] or out[-1]["role"] != "assistant"):
+        raise UsageError("'token_ids' belong to the last turn, an answer, only")
+    return out
 
 
 def check_template_kwargs(made, wanted):
-    """Data rendered with chat template kwargs `made` must be read with the same: a Qwen3 answer
-    with and without thinking are different texts. None: not recorded / not rendered here."""
+    """Data rendered with template kwargs `made` is read with the same (None: not recorded): a
+    Qwen3 answer with and without thinking are different texts."""
     if made is not None and wanted is not None and made != wanted:
         raise UsageError(
             f"made with --chat-template-kwargs '{json.dumps(made)}', this run asks for "
@@ -94,7 +89,6 @@ def check_template_kwargs(made, wanted):
 
 
 def nothing_to_learn(conv, require_assistant: bool) -> bool:
-    """An empty conversation or, with require_assistant, one in which nothing is supervised."""
     if isinstance(conv, list):
         return not conv or (require_assistant and all(m["role"] != "assistant" for m in conv))
     if "text" in conv:
@@ -105,9 +99,8 @@ def nothing_to_learn(conv, require_assistant: bool) -> bool:
 def read_conversations(
     path: str, require_assistant: bool = True, chat_template_kwargs=None, need_turns=False
 ):
-    """JSONL -> (conversations, skipped): a malformed line is a UsageError naming file and line;
-    those with nothing to learn are skipped and counted; need_turns (--regenerate) refuses the
-    rendered formats. A rendered line keeps "where" it came from, for the tokenizer's errors."""
+    """JSONL -> (conversations, how many had nothing to learn); need_turns (--regenerate) refuses
+    rendered lines, which keep "where" they came from for the tokenizer's errors."""
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file (a conversations JSONL)")
     conversations, skipped = [], 0
@@ -147,10 +140,9 @@ def render(tokenizer, messages, generation_prompt=False, chat_template_kwargs=No
 
 
 def assistant_spans(tokenizer, messages, chat_template_kwargs=None):
-    """(text, [(start, end)]): the rendered conversation and each answer's character span, what
-    rendering it adds after the generation prompt (content and end-of-turn marker, no trailing
-    whitespace). A template that renders a prefix otherwise (Qwen3 drops earlier thinking) raises.
-    """
+    """(text, [(start, end)]): each answer's span is what rendering it adds after the generation
+    prompt, trailing whitespace left out; a template that renders a prefix otherwise (Qwen3 drops
+    earlier thinking) cannot be split."""
     kw = chat_template_kwargs
     text, spans = render(tokenizer, messages, chat_template_kwargs=kw), []
     for i, m in enumerate(messages):
@@ -171,8 +163,7 @@ PROBE = "PROBE-ANSWER"  # an answer's content, to find what a chat template writ
 
 
 def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
-    """(header, end): what the chat template writes before an answer's content (the generation
-    prompt) and after it (the end-of-turn marker), found by rendering a probe answer."""
+    """(header, end): what the chat template writes around an answer, from a probe answer."""
     kw, user = chat_template_kwargs, [{"role": "user", "content": "PROBE-QUESTION"}]
     before, prompt = render(tokenizer, user, False, kw), render(tokenizer, user, True, kw)
     whole = render(tokenizer, user + [{"role": "assistant", "content": PROBE}], False, kw)
@@ -187,8 +178,8 @@ def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
 
 
 def preformatted_spans(tokenizer, conversation, chat_template_kwargs=None):
-    """(text, [(start, end)]) of a preformatted {"text"}: each answer from the end of an assistant
-    header to the end of the next end-of-turn marker (or of the text), as assistant_spans."""
+    """assistant_spans for a preformatted {"text"}: from each assistant header to the end of the
+    next end-of-turn marker (or of the text)."""
     header, end = assistant_markers(tokenizer, chat_template_kwargs)
     text, spans = conversation["text"], []
     at = text.find(header)
@@ -218,8 +209,8 @@ def spans_to_tokens(tokenizer, text, spans):
 
 
 def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
-    """A regenerated answer as the target generated it: the rendered prompt, then the answer's
-    token_ids, supervised (re-tokenizing its text could split a word otherwise)."""
+    """The rendered prompt, then the answer's token_ids, supervised: re-tokenizing its text could
+    split a word otherwise."""
     *prompt, answer = messages
     if tokenizer.decode(answer["token_ids"], skip_special_tokens=True) != answer["content"]:
         raise UsageError(
@@ -232,23 +223,18 @@ def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
     return ids, (torch.arange(len(ids)) >= len(head_ids)).long()
 
 
-def pretokenized(tokenizer, conversation):
-    """Pre-tokenized {"input_ids", "loss_mask"}, checked against the target's vocabulary."""
-    ids = conversation["input_ids"]
-    if len(ids) and int(ids.max()) >= len(tokenizer):
-        raise UsageError(
-            f"{conversation.get('where', 'pre-tokenized sample')}: token id {int(ids.max())} is "
-            f"outside this target's vocabulary ({len(tokenizer)} ids): tokenized for another model?"
-        )
-    return ids, conversation["loss_mask"]
-
-
 def tokenize_conversation(tokenizer, conversation, max_length: int, chat_template_kwargs=None):
     """A conversation from read_conversations -> input_ids [S], loss_mask [S] long (1 on assistant
     tokens incl. end-of-turn), S <= max_length."""
     kw = chat_template_kwargs
     if isinstance(conversation, dict) and "input_ids" in conversation:
-        ids, mask = pretokenized(tokenizer, conversation)
+        ids, mask = conversation["input_ids"], conversation["loss_mask"]
+        if len(ids) and int(ids.max()) >= len(tokenizer):
+            raise UsageError(
+                f"{conversation.get('where', 'pre-tokenized sample')}: token id {int(ids.max())} "
+                f"is outside this target's vocabulary ({len(tokenizer)} ids): tokenized for "
+                "another model?"
+            )
     elif isinstance(conversation, dict):
         ids, mask = spans_to_tokens(tokenizer, *preformatted_spans(tokenizer, conversation, kw))
     elif "token_ids" in conversation[-1]:
@@ -259,14 +245,13 @@ def tokenize_conversation(tokenizer, conversation, max_length: int, chat_templat
 
 
 def generated_answer(tokenizer, ids: list) -> dict:
-    """The answer turn of a regeneration: the ids the target generated, and their text."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     return {"role": "assistant", "content": text, "token_ids": ids}
 
 
 def retokenized_differs(tokenizer, messages, chat_template_kwargs=None):
-    """Whether re-tokenizing a regenerated answer's text gives other ids than its token_ids (a
-    prefix of the span's: a cut answer has no end-of-turn); None where no turn can be split."""
+    """Whether re-tokenizing an answer's text changes its token_ids (compared as a prefix: a cut
+    answer has no end-of-turn); None where the template splits no turn."""
     *prompt, answer = messages
     plain = [*prompt, {"role": "assistant", "content": answer["content"]}]
     try:
