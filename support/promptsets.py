@@ -94,8 +94,8 @@ def chitchat_prompts() -> list:
 
 
 def math_prompts(n: int = 1000, seed: int = 0) -> list:
-    """n mathematics-dataset questions, made in a child process with a fixed hash seed (the same
-    list for every run and rank)."""
+    """n mathematics-dataset questions, made in a child process with a fixed hash seed: the same
+    list for every run and rank."""
     wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")
     run = subprocess.run(
         [sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
@@ -133,23 +133,21 @@ def decontaminate(prompts, eval_texts, n: int = 13) -> list:
     return out
 
 
-def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
-    """The maths demo's training set: word problems and mathematics-dataset questions, 3 to 1,
-    decontaminated and shuffled; a fixed pool, so that a larger run extends a smaller one."""
-    prompts = decontaminate(
-        word_problems(n - n // 4, seed) + math_prompts(n // 4, seed),
-        [p for name in EVAL_SETS for p in eval_prompts(name)],
-    )
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
-def training_prompts(num_math: int = 1000, seed: int = 0) -> list:
-    """Project, chitchat and maths prompts, decontaminated and shuffled with seed."""
-    prompts = project_prompts() + chitchat_prompts() + math_prompts(num_math, seed)
+def training_set(prompts: list, seed: int) -> list:
+    """prompts decontaminated against every eval set, then shuffled with seed."""
     prompts = decontaminate(prompts, [p for name in EVAL_SETS for p in eval_prompts(name)])
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
+    """The maths demo's word problems and mathematics-dataset questions, 3 to 1: a fixed pool, so
+    that a larger run extends a smaller one."""
+    return training_set(word_problems(n - n // 4, seed) + math_prompts(n // 4, seed), seed)
+
+
+def training_prompts(num_math: int = 1000, seed: int = 0) -> list:
+    return training_set(project_prompts() + chitchat_prompts() + math_prompts(num_math, seed), seed)
 
 
 # ----------------------------------------------------------------------------- prepare.py --prompts
