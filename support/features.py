@@ -32,7 +32,7 @@ def shard_path(out_dir: str, k: int) -> str:
 
 
 def shard_settings(layer_ids, feature_dtype, max_length, target_hidden, shard_size, kwargs) -> dict:
-    """The settings that make a shard, as strings in its metadata. kwargs: the chat template's."""
+    """The settings that make a shard (kwargs: the chat template's), as metadata strings."""
     return {
         "target_layer_ids": json.dumps(layer_ids),
         "feature_dtype": feature_dtype,
@@ -57,8 +57,8 @@ def save_shard(path: str, samples: list, metadata: dict):
 
 
 def shard_done(path: str, settings: dict, n: int) -> bool:
-    """Whether a rerun may skip shard `path`: made with these settings (else refused) and holding
-    its n conversations (a partial last one is rebuilt)."""
+    """Whether a rerun may skip shard `path`: it holds its n conversations (a partial last one is
+    rebuilt); made with other settings, it is refused."""
     if not os.path.exists(path):
         return False
     meta = shard_metadata(path)
@@ -112,9 +112,6 @@ class FeatureSamples:
             return FeatureSamples(self.out_dir, self.files, self.index[i], self.keys)
         return self.read(i, self.keys)
 
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
     def __getstate__(self):
         # a copy for another process (a DataLoader worker) opens its own shard: no handle travels
         return {**self.__dict__, "shard": None}
@@ -122,8 +119,7 @@ class FeatureSamples:
     def read(self, i: int, keys) -> dict:
         """Only the tensors `keys` of sample i (e.g. its loss_mask alone, without the features)."""
         k, j = self.index[i].tolist()
-        # the previous shard's handle (and map) goes
-        if self.shard is None or self.shard[0] != k:
+        if self.shard is None or self.shard[0] != k:  # the previous shard's handle (and map) goes
             self.shard = (k, safe_open(os.path.join(self.out_dir, self.files[k]), "pt"))
         return {key: self.shard[1].get_tensor(f"{key}.{j}") for key in keys}
 

@@ -128,9 +128,8 @@ def encode(tok, messages, device, chat_template_kwargs=None):
         text = render(tok, messages, True, chat_template_kwargs)
     else:
         text = "\n".join(m["content"] for m in messages)
-    return tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids.to(
-        device
-    )
+    ids = tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).input_ids
+    return ids.to(device)
 
 
 def stop_token_ids(target, tok) -> set:
