@@ -19,17 +19,14 @@ PEAK_TFLOPS = {"H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989
 
 def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
     """Keys read by slot j of each block (attention.attention_rule): context [n] -> [n, B]."""
-    B, W = cfg.block_size, cfg.sliding_window if sliding else None
+    B, W, causal = cfg.block_size, cfg.sliding_window, cfg.causal_in_block(sliding)
     j = torch.arange(B)
-    if cfg.causal_in_block(sliding):
-        own = j + 1 if W is None else (j + 1).clamp(max=W)  # slots 0..j
-    else:
-        own = torch.full((B,), B) if W is None else B - (j - W + 1).clamp(min=0)
-    seen = (
-        context[:, None].expand(-1, B)
-        if W is None
-        else torch.minimum(context[:, None], (W - 1 - j).clamp(min=0))
-    )
+    if not sliding or W is None:  # own: the block's slots it reads (causal: slots 0..j)
+        own = j + 1 if causal else torch.full((B,), B)
+        seen = context[:, None].expand(-1, B)
+    else:  # the window reaches W - 1 - j rows back before the block
+        own = (j + 1).clamp(max=W) if causal else B - (j - W + 1).clamp(min=0)
+        seen = torch.minimum(context[:, None], (W - 1 - j).clamp(min=0))
     return seen + own  # [n, B]
 
 
@@ -136,7 +133,5 @@ class Meter:
 
     def brief(self, rates: dict) -> dict:
         """rates (none yet: {}) for a progress bar."""
-        if not rates:
-            return {}
         kept = {k: rates[k] for k in ("mfu", "compile_s") if k in rates}
-        return {"tok_s": f"{rates['target_tok_per_s']:.0f}", **kept}
+        return {"tok_s": f"{rates['target_tok_per_s']:.0f}", **kept} if rates else {}

@@ -67,14 +67,14 @@ def read_regenerated(out_dir: str, own: str = None) -> dict:
 def pending(out_dir: str, n: int, rank: int, world: int, made: dict):
     """(this rank's prompt indices with no answer yet, its results file's name). The done answers
     must have been made with made's settings, or the data would mix two distributions."""
-    own = f"regenerated.rank{rank}.jsonl"
+    own, wanted = f"regenerated.rank{rank}.jsonl", settings_of(made)
     done = read_regenerated(out_dir, own)
     for record in done.values():
-        if settings_of(record) != settings_of(made):
+        if settings_of(record) != wanted:
             raise UsageError(
                 f"{out_dir}: its regenerated.rank*.jsonl answers were made with "
-                f"{settings_of(record)}, this run asks for "
-                f"{settings_of(made)}; use a new --out-dir or the same flags"
+                f"{settings_of(record)}, this run asks for {wanted}; use a new --out-dir or the "
+                "same flags"
             )
     return [i for i in range(rank, n, world) if i not in done], own
 
