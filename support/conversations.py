@@ -45,8 +45,7 @@ def int_list(values, name: str) -> list:
 
 
 def to_conversation(record):
-    """One JSONL record -> turns, {"text"} or {"input_ids", "loss_mask"} (long [S]); a record in
-    none of the formats, or in two, is refused: nothing is guessed."""
+    """One JSONL record -> turns, {"text"} or {"input_ids", "loss_mask"}; nothing is guessed."""
     found = [k for k in FORMATS if isinstance(record, dict) and k in record]
     if len(found) != 1:
         raise UsageError(
@@ -99,8 +98,7 @@ def nothing_to_learn(conv, require_assistant: bool) -> bool:
 def read_conversations(
     path: str, require_assistant: bool = True, chat_template_kwargs=None, need_turns=False
 ):
-    """JSONL -> (conversations, how many had nothing to learn); need_turns (--regenerate) refuses
-    rendered lines, which keep "where" they came from for the tokenizer's errors."""
+    """JSONL -> (conversations, how many had nothing to learn); rendered lines keep "where"."""
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file (a conversations JSONL)")
     conversations, skipped = [], 0
@@ -178,8 +176,7 @@ def assistant_markers(tokenizer, chat_template_kwargs=None) -> tuple:
 
 
 def preformatted_spans(tokenizer, conversation, chat_template_kwargs=None):
-    """assistant_spans for a preformatted {"text"}: from each assistant header to the end of the
-    next end-of-turn marker (or of the text)."""
+    """assistant_spans of a {"text"}: each header to the next end-of-turn marker (or the end)."""
     header, end = assistant_markers(tokenizer, chat_template_kwargs)
     text, spans = conversation["text"], []
     at = text.find(header)
@@ -209,8 +206,7 @@ def spans_to_tokens(tokenizer, text, spans):
 
 
 def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
-    """The rendered prompt, then the answer's token_ids, supervised: re-tokenizing its text could
-    split a word otherwise."""
+    """The prompt, then the answer's token_ids: re-tokenizing its text could split a word."""
     *prompt, answer = messages
     if tokenizer.decode(answer["token_ids"], skip_special_tokens=True) != answer["content"]:
         raise UsageError(
@@ -224,8 +220,7 @@ def generated_tokens(tokenizer, messages, chat_template_kwargs=None):
 
 
 def tokenize_conversation(tokenizer, conversation, max_length: int, chat_template_kwargs=None):
-    """A conversation from read_conversations -> input_ids [S], loss_mask [S] long (1 on assistant
-    tokens incl. end-of-turn), S <= max_length."""
+    """A read_conversations item -> input_ids [S], loss_mask [S] (long), S <= max_length."""
     kw = chat_template_kwargs
     if isinstance(conversation, dict) and "input_ids" in conversation:
         ids, mask = conversation["input_ids"], conversation["loss_mask"]

@@ -57,8 +57,7 @@ def save_shard(path: str, samples: list, metadata: dict):
 
 
 def shard_done(path: str, settings: dict, n: int) -> bool:
-    """Whether a rerun may skip shard `path`: it holds its n conversations (a partial last one is
-    rebuilt); made with other settings, it is refused."""
+    """Whether a rerun may skip a shard: complete (n samples), made with these settings."""
     if not os.path.exists(path):
         return False
     meta = shard_metadata(path)
@@ -96,8 +95,7 @@ def write_manifest(out_dir, num_conversations, shard_size, target_name, hidden_s
 
 # ----------------------------------------------------------------------------- reading
 class FeatureSamples:
-    """A feature directory's samples as a sequence of dicts read on demand, addressed like a list
-    (a slice or a list of positions: another FeatureSamples)."""
+    """A feature directory's samples, read on demand; a slice or list of positions: another."""
 
     def __init__(self, out_dir: str, files: list, index: torch.Tensor, keys: tuple):
         self.out_dir, self.files, self.keys = out_dir, files, keys

@@ -31,8 +31,7 @@ def keys_per_slot(cfg, context: torch.Tensor, sliding: bool) -> torch.Tensor:
 
 
 def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
-    """Matmul FLOPs of the draft's forward: anchors with context [n] rows before them, `tokens`
-    context rows in all."""
+    """Matmul FLOPs of the draft's forward: anchors after context [n] rows, `tokens` rows."""
     H, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     n, B, V = len(context), cfg.block_size, cfg.vocab_size
     slot = 2 * H * (2 * nh * d + 2 * nkv * d) + 6 * H * cfg.intermediate_size  # q k v o, MLP
@@ -51,8 +50,8 @@ def forward_flops(cfg, context: torch.Tensor, tokens: int) -> int:
 
 
 def step_flops(cfg, batch: dict, target_weights: int = 0) -> int:
-    """Model FLOPs of one micro-batch: x3 the draft's forward, plus the online target's forward
-    (target_weights: linear_weights(target); 0 offline)."""
+    """One micro-batch: 3x the draft's forward, plus the online target's (target_weights: its
+    linear_weights; 0 offline)."""
     tokens = int(batch["attention_mask"].sum())
     # an anchor at position a of its document reads a context rows
     context = batch["positions"].gather(1, batch["anchors"])[batch["anchor_valid"]].cpu()
@@ -123,8 +122,7 @@ class Meter:
         self.leave_out(mark)
 
     def rates(self) -> dict:
-        """The rates since the last call, as train.py logs them (MFU to 4 digits: a tiny model's is
-        not 0); counting starts again."""
+        """The rates since the last call (MFU to 4 digits: a tiny model's is not 0); restarts."""
         tok_s, anchor_s, flop_s = (self.seen / max(time.time() - self.start, 1e-9)).tolist()
         self.restart()
         out = {"target_tok_per_s": round(tok_s, 1), "anchors_per_s": round(anchor_s, 1)}

@@ -94,8 +94,7 @@ def chitchat_prompts() -> list:
 
 
 def math_prompts(n: int = 1000, seed: int = 0) -> list:
-    """n mathematics-dataset questions, made in a child process with a fixed hash seed: the same
-    list for every run and rank."""
+    """n mathematics-dataset questions; a fixed hash seed makes them the same on every rank."""
     wheel_file("mathematics-dataset", "mathematics_dataset", "__init__.py")
     run = subprocess.run(
         [sys.executable, os.path.join(HERE, "prompts", "math_questions.py"), str(n), str(seed)],
@@ -141,8 +140,7 @@ def training_set(prompts: list, seed: int) -> list:
 
 
 def math_training_prompts(seed: int = 0, n: int = 8000) -> list:
-    """The maths demo's word problems and mathematics-dataset questions, 3 to 1: a fixed pool, so
-    that a larger run extends a smaller one."""
+    """Word problems and maths questions, 3 to 1; a larger n extends a smaller one's pool."""
     return training_set(word_problems(n - n // 4, seed) + math_prompts(n // 4, seed), seed)
 
 

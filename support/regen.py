@@ -34,8 +34,7 @@ def settings_of(record) -> dict:
 
 
 def answer_record(index: int, prompt: list, ids: list, finished: bool, tokenizer, made: dict):
-    """One line of a results file: the target's answer ids to prompt (finished: it ended its turn,
-    else it was cut at --max-new-tokens), supervised as generated."""
+    """One results line: the target's answer ids (finished: it ended its turn, else cut)."""
     messages = prompt + [generated_answer(tokenizer, ids)]
     return {
         "index": index,
@@ -50,13 +49,13 @@ def answer_record(index: int, prompt: list, ids: list, finished: bool, tokenizer
 
 # ----------------------------------------------------------------------------- resume
 def read_regenerated(out_dir: str, own: str = None) -> dict:
-    """{index: record} from every rank's results file (the world size may change between runs).
-    A last line cut short by a crash is ignored, and cut off in this rank's own file."""
+    """{index: record} from every rank's file (the world size may change between runs)."""
     done = {}
     for name in sorted(os.listdir(out_dir)):
         if name.startswith("regenerated.rank") and name.endswith(".jsonl"):
             with open(os.path.join(out_dir, name), "rb") as f:
                 data = f.read()
+            # a last line cut short by a crash is left out, and cut off this rank's own file
             complete = data[: data.rfind(b"\n") + 1]
             if name == own and len(complete) < len(data):
                 os.truncate(os.path.join(out_dir, name), len(complete))
@@ -65,12 +64,11 @@ def read_regenerated(out_dir: str, own: str = None) -> dict:
 
 
 def pending(out_dir: str, n: int, rank: int, world: int, made: dict):
-    """(this rank's prompt indices with no answer yet, its results file's name). The done answers
-    must have been made with made's settings, or the data would mix two distributions."""
+    """(this rank's unanswered prompt indices, its file); done ones must share made's settings."""
     own, wanted = f"regenerated.rank{rank}.jsonl", settings_of(made)
     done = read_regenerated(out_dir, own)
     for record in done.values():
-        if settings_of(record) != wanted:
+        if settings_of(record) != wanted:  # the data would mix two distributions
             raise UsageError(
                 f"{out_dir}: its regenerated.rank*.jsonl answers were made with "
                 f"{settings_of(record)}, this run asks for {wanted}; use a new --out-dir or the "
@@ -93,8 +91,7 @@ def regenerate_on_servers(
     seed=0,
     **client,
 ):
-    """prepare.regenerate(), the answers from servers (client: regen_server.regenerate's
-    arguments), each appended as it arrives; a failure keeps what was written."""
+    """prepare.regenerate() on servers; a failure keeps the answers already written."""
     made = settings(chat_template_kwargs, temperature, seed)
     todo, own = pending(out_dir, len(prompts), rank, world, made)
     answers = regen_server.regenerate(

@@ -24,8 +24,7 @@ class Transient(Exception):
 
 # ----------------------------------------------------------------------------- HTTP
 def call(url: str, body=None, timeout: float = 600.0) -> dict:
-    """GET (body None) or POST body as JSON -> the JSON reply. Raises Transient for what may pass,
-    ServerError for a refusal."""
+    """GET (body None) or POST JSON -> JSON; Transient for what may pass, else ServerError."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     try:
@@ -41,8 +40,7 @@ def call(url: str, body=None, timeout: float = 600.0) -> dict:
 
 
 def with_retries(servers: list, first: int, what: str, ask, retries: int, wait: float):
-    """ask(server) on servers[first], then on the next ones, retries times more with waits of
-    wait, 2 wait, 4 wait... seconds; ServerError naming the last server and error after that."""
+    """ask(server), retried on the next servers with doubling waits; then ServerError."""
     for k in range(retries + 1):
         server = servers[(first + k) % len(servers)]
         try:

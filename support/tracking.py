@@ -12,8 +12,7 @@ from support.metrics import save_acceptance
 
 
 class RunLog:
-    """train.py's log.jsonl on rank 0 (on): record(kind=..., step=..., ...) appends a record and
-    sends it to track (start_tracker's); --resume appends to the old log."""
+    """train.py's log.jsonl on rank 0 (on), each record also sent to track; --resume appends."""
 
     def __init__(self, args, on: bool, track=None):
         self.out_dir, self.on = args.out_dir, on
@@ -30,8 +29,7 @@ class RunLog:
             self.track(record)
 
     def end(self, final: dict, cfg, step, elapsed_s):
-        """A finished run's end on rank 0 (final: its held-out metrics; {}: none): acceptance.json,
-        the "final" record, the summary."""
+        """A finished run on rank 0 (final: held-out metrics): acceptance.json, record, summary."""
         if not (self.on and final):
             return
         save_acceptance(self.out_dir, final, cfg, step)  # before the record: it pops what it keeps
@@ -93,8 +91,7 @@ def print_summary(m, cfg):
 
 
 def read_log(path: str) -> tuple:
-    """A run (its folder, or its log.jsonl) -> (its folder, its records); a bad line is a
-    UsageError naming the file and line."""
+    """A run folder or its log.jsonl -> (its folder, its records); a bad line names file, line."""
     file = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise UsageError(f"{path}: no log.jsonl there (a train.py --out-dir, or its log.jsonl)")
