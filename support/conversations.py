@@ -1,6 +1,5 @@
-"""Conversations: JSONL lines in four formats (read_conversations) -> chat-template text -> token
-ids with a loss mask on the assistant's tokens (tokenize_conversation). docs/training.md, "Data
-formats"; `render` is the one place a chat template is applied.
+"""Conversations: JSONL lines in four formats (read_conversations) -> chat-template text (render)
+-> token ids with a loss mask on the assistant's tokens (tokenize_conversation).
 """
 
 import json

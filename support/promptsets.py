@@ -82,9 +82,8 @@ def project_prompts() -> list:
 
 def chitchat_prompts() -> list:
     """The first question of at least 7 words in each chitchat-dataset conversation."""
-    with open(
-        wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json"), encoding="utf-8"
-    ) as f:
+    path = wheel_file("chitchat-dataset", "chitchat_dataset", "dataset.json")
+    with open(path, encoding="utf-8") as f:
         chats = json.load(f)
     out = []
     for chat in chats.values():

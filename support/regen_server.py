@@ -110,8 +110,8 @@ def to_record(index: int, prompt: list, reply: dict, tokenizer, settings: dict, 
             raise ServerError(f"{server}: an answer without text: {str(message)[:100]}")
         answer = {"role": "assistant", "content": message["content"]}
         n = len(tokenizer(answer["content"], add_special_tokens=False)["input_ids"]) + finished
-        count = usage.get("completion_tokens")
-        differs = None if count is None else n != count
+        generated = usage.get("completion_tokens")
+        differs = None if generated is None else n != generated
     prompt_ids = tokenizer(render(tokenizer, prompt, True, kw), add_special_tokens=False)
     counted = usage.get("prompt_tokens")
     return {
