@@ -64,11 +64,10 @@ def model_name(server: str, timeout: float) -> str:
 # ----------------------------------------------------------------------------- one answer
 def request_body(messages, model: str, settings: dict, max_new_tokens: int, index: int) -> dict:
     body = dict(model=model, messages=messages, max_tokens=max_new_tokens)
-    # the in-process sampling: one seed a prompt, the whole distribution
+    # sampled as in-process: one seed a prompt, the whole distribution (no top-p, top-k, min-p)
     body.update(temperature=settings["temperature"], seed=settings["seed"] * 1_000_003 + index)
-    body.update(
-        top_p=1.0, top_k=-1, min_p=0.0, chat_template_kwargs=settings["chat_template_kwargs"]
-    )
+    body.update(top_p=1.0, top_k=-1, min_p=0.0)
+    body["chat_template_kwargs"] = settings["chat_template_kwargs"]
     # the answer's token ids, asked for in each engine's way (generated_ids reads them)
     return body | dict(logprobs=True, top_logprobs=1, return_token_ids=True)
 
