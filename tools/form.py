@@ -8,10 +8,11 @@ fails a behaviour test or none. .ci/run runs it right after the test suite.
 
 The map: each "# ====" banner (a check holds it equal to the banners):
     imports                         one way, no reading-path function rebound, none idle
-    the reading path                README.md's reading order; the method without the pipeline
+    the reading path                the method runs without the pipeline
     cited names and paths           each cited module.name is defined there; no absolute folder
     the docs against the code       .ci/run, the walkthrough's exercises, the flags, the figures
-    maps and budgets                the test files' maps, the packages' maps, the line budgets
+    maps and budgets                the reading order, the test files' and packages' maps, the
+                                    line budgets
 """
 
 import ast
@@ -47,33 +48,24 @@ def project_files(root=HERE) -> dict:
 
 
 def imports(path) -> list:
-    """[(line, names, indented)] of each import in the file: `import a.b` names a.b, `from m import
-    x` m and m.x; indented: inside a function or a block."""
+    """[(line, names, indented: inside a block)] of each import: `from m import x` names m, m.x."""
     found = []
     for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Import):
-            found.append((node.lineno, [a.name for a in node.names], node.col_offset > 0))
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            m = getattr(node, "module", None)
+            names = [m] * bool(m) + [f"{m}.{a.name}" if m else a.name for a in node.names]
             found.append((node.lineno, names, node.col_offset > 0))
     return found
 
 
 def project_imports(root=HERE) -> tuple:
     """-> ({module: the project modules it imports}, [project imports inside a function])."""
-    files = project_files(root)
-
-    def resolve(name, here):  # the project module an import names, seen from `here`, or None
-        for candidate in (name, f"{here.rpartition('.')[0]}.{name}".lstrip(".")):
-            if candidate in files:
-                return candidate
-        return None
-
-    graph, inside_functions = {}, []
+    files, graph, inside_functions = project_files(root), {}, []
     for module, path in files.items():
-        found = set()
+        found, package = set(), module.rpartition(".")[0]
         for line, names, indented in imports(path):
-            hits = {m for m in (resolve(n, module) for n in names) if m}
+            # a project module by its full name, or by its name within the importer's package
+            hits = {m for n in names for m in (n, f"{package}.{n}".lstrip(".")) if m in files}
             found |= hits
             if hits and indented and not module.rpartition(".")[2].startswith("test_"):
                 inside_functions.append(f"{module}:{line}")
@@ -91,12 +83,9 @@ def import_cycle(graph: dict):
 
 
 def reachable(graph: dict, start: str) -> set:
-    seen, todo = set(), [start]
-    while todo:
-        for n in graph.get(todo.pop(), ()):
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
+    seen = set(graph[start])
+    while more := set().union(*(graph[m] for m in seen)) - seen:
+        seen |= more
     return seen
 
 
@@ -201,17 +190,6 @@ def test_nothing_rebinds_a_reading_path_function():
 
 
 # ============================================================================ the reading path
-def test_the_top_level_is_the_reading_path():
-    """README.md's reading order names every top-level .py file and no other: the mechanism, the
-    pipeline, the walkthrough and test_all.py, in that order."""
-    readme = open(os.path.join(HERE, "README.md")).read()
-    order = readme[readme.index("### Reading order") : readme.index("What a learner can skip")]
-    named = list(dict.fromkeys(re.findall(r"`(\w+\.py)`", order)))
-    assert sorted(named) == sorted(f for f in os.listdir(HERE) if f.endswith(".py"))
-    mechanism = ["conv.py", "selector.py", "attention.py", "model.py", "loss.py", "decoding.py"]
-    assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
-
-
 # a pytest plugin, first on the import path: refuses NAMES and their modules, says which it met
 UNIMPORTABLE = """
 import sys
@@ -276,10 +254,8 @@ def cited_texts(root=HERE):
 
 
 def test_every_cited_name_and_path_resolves():
-    """Each `module.name` the comments, strings, README.md and docs/*.md cite is defined at that
-    module's top level (not imported there; an attribute every tensor or nn.Module has is a
-    variable's), and none names a folder outside the repository by its absolute path (one
-    machine's /work or /tmp means nothing on another)."""
+    """Each `module.name` the comments, strings and docs cite is defined at that module's top level
+    (not imported there), and none names a folder outside the repository by its absolute path."""
     defined = {}  # module, as imported -> the names its top level binds
     for module, path in project_files().items():
         body = ast.parse(open(path).read()).body
@@ -346,9 +322,8 @@ def test_the_training_docs_name_only_real_flags(capsys):
     flags = set(re.findall(r"^ +(--[a-z][\w-]*)", capsys.readouterr().out, re.M))
     doc = open(os.path.join(HERE, "docs", "training.md")).read()
     table = doc[doc.index("| flag | default | meaning |") :].split("\n\n")[0]
-    named = {
-        f for row in table.splitlines() for f in re.findall(r"`(--[a-z][\w-]*)", row.split("|")[1])
-    }
+    first_column = "".join(row.split("|")[1] for row in table.splitlines())
+    named = set(re.findall(r"`(--[a-z][\w-]*)", first_column))
     assert "--data" in named and named - flags == set()
 
 
@@ -371,8 +346,16 @@ def banners_and_map(path) -> tuple:
 
 
 def test_the_maps_name_what_is_there():
-    """Each test file's docstring maps its banners in order (test_all.py: its helpers, then the
-    method); each package's __init__.py maps its modules, a line each at 4 spaces, and no other."""
+    """README.md's reading order names every top-level .py file and no other, the mechanism first,
+    the walkthrough and test_all.py last; each test file's docstring maps its banners in order
+    (test_all.py: its helpers, then the method); each package's __init__.py maps its modules, a
+    line each at 4 spaces, and no other."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    order = readme[readme.index("### Reading order") : readme.index("What a learner can skip")]
+    named = list(dict.fromkeys(re.findall(r"`(\w+\.py)`", order)))
+    assert sorted(named) == sorted(glob.glob("*.py", root_dir=HERE))
+    mechanism = ["conv.py", "selector.py", "attention.py", "model.py", "loss.py", "decoding.py"]
+    assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
     machinery = glob.glob("*/test_*.py", root_dir=HERE)
     assert sorted(p.split("/")[0] for p in machinery) == ["compat", "speed", "support", "tools"]
     for path in ["test_all.py", "tools/form.py"] + machinery:
@@ -402,14 +385,13 @@ LINE_BUDGET = {
 }
 
 
-def non_test_lines(part: str) -> int:
-    folder = os.path.join(HERE, part)
-    names = [f for f in os.listdir(folder) if f.endswith(".py")]
-    names = [f for f in names if not f.startswith("test_") and f not in ("conftest.py", "form.py")]
-    return sum(len(open(os.path.join(folder, f)).read().splitlines()) for f in names)
-
-
 def test_each_part_keeps_its_line_budget():
-    lines = {part: non_test_lines(part) for part in LINE_BUDGET}
+    lines = {}
+    for part in LINE_BUDGET:
+        names = glob.glob("*.py", root_dir=os.path.join(HERE, part))
+        names = [
+            f for f in names if not f.startswith("test_") and f not in ("conftest.py", "form.py")
+        ]
+        lines[part] = sum(len(open(os.path.join(HERE, part, f)).read().splitlines()) for f in names)
     assert {p: (n, LINE_BUDGET[p]) for p, n in lines.items() if n > LINE_BUDGET[p]} == {}
     assert sum(lines.values()) <= sum(LINE_BUDGET.values())
