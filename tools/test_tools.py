@@ -230,9 +230,15 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     assert "DRY RUN" in summary and "selector tree of" in summary
 
 
-def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypatch):
-    """Item a's random feature shard is prepare.py --features' own: prepare.py's rerun with the
-    same layers, length and shard size takes it as done; load_features reads its rows back."""
+def test_gpu_check_gives_train_py_prepare_pys_shard_and_flags_it_takes(tmp_path, monkeypatch):
+    """Items a and b run train.py with flags it takes (item b's only here: --dry-run skips it), on a
+    random shard that is prepare.py --features' own: prepare.py's rerun with the same layers,
+    length and shard size takes it as done; load_features reads its rows back."""
+    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
+    for item in ("train", "compile"):
+        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
+        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
+        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
     draft = os.path.join(HERE, "configs", "qwen3-8b-dflash2.json")
     draft = gpu_check.toy_config(draft, str(tmp_path / "toy.json"))
     rows, (low, high) = 6, (40, 64)
@@ -275,15 +281,6 @@ def test_gpu_check_reads_the_steady_step_per_interval():
     ):
         with pytest.raises(ValueError, match=says):
             gpu_check.steady(bad)
-
-
-def test_gpu_check_items_a_and_b_run_train_py_and_read_the_log_it_left(tmp_path):
-    """Items a and b run train.py with flags it takes (item b's only here: --dry-run skips it)."""
-    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
-    for item in ("train", "compile"):
-        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
-        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
-        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
 
 
 def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
@@ -417,8 +414,6 @@ def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_from_it
     """Parity compares generate.py's tokens with llama.cpp's printed text as bytes (GPT-2's byte
     alphabet; a token outside it as its own text) and reads each cycle from its debug log."""
     table = llamacpp.byte_decoder()
-    assert sorted(table.values()) == list(range(256))
-    assert (table["Ġ"], table["Ċ"], table["a"]) == (ord(" "), ord("\n"), ord("a"))
     vocab = ["Tom", "Ġhas", "Ċ", "✓"]
     tok = types.SimpleNamespace(convert_ids_to_tokens=lambda ids: [vocab[i] for i in ids])
     pieces = llamacpp.token_bytes(tok, [0, 1, 2, 3], table)
@@ -569,11 +564,9 @@ def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, cap
     (tmp_path / "m.toml").write_text(text)
     rules, breaks, problems = mutants.load(str(tmp_path / "m.toml"))
     assert [b.old for b in breaks] == [good["old"], "no such snippet", "\n"]
-    assert [p.split(": ")[1].split(" (")[0] for p in problems] == [
-        f"break {n}" for n in (2, 3, 4, 5)
-    ]
-    assert "'od'" in problems[0] and "'why'" in problems[1]
-    assert "'no such snippet'" in problems[2] and "'\\n'" in problems[3]
+    assert len(problems) == 4  # breaks 2 to 5, each named by number and what is wrong
+    for n, says in zip((2, 3, 4, 5), ("'od'", "'why'", "'no such snippet'", "'\\n'")):
+        assert f": break {n} (" in problems[n - 2] and says in problems[n - 2], problems
     monkeypatch.setattr(mutants, "DATA", str(tmp_path / "m.toml"))
     assert mutants.main([]) == 2
     err = capsys.readouterr().err
