@@ -8,14 +8,16 @@ fails a behaviour test or none. .ci/run runs it right after the test suite.
 
 The map: each "# ====" banner (a check holds it equal to the banners):
     imports                         one way, no reading-path function rebound, none idle
-    the reading path                README.md's reading order; the method without the pipeline
+    the reading path                the method runs without the pipeline
     cited names and paths           each cited module.name is defined there; no absolute folder
     the docs against the code       .ci/run, the walkthrough's exercises, the flags, the figures
-    maps and budgets                the test files' maps, the packages' maps, the line budgets
+    maps and budgets                the reading order, the test files' and packages' maps, the
+                                    line budgets
 """
 
 import ast
 import glob
+import graphlib
 import io
 import os
 import re
@@ -46,33 +48,24 @@ def project_files(root=HERE) -> dict:
 
 
 def imports(path) -> list:
-    """[(line, names, indented)] of each import in the file: `import a.b` names a.b, `from m import
-    x` m and m.x; indented: inside a function or a block."""
+    """[(line, names, indented: inside a block)] of each import: `from m import x` names m, m.x."""
     found = []
     for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Import):
-            found.append((node.lineno, [a.name for a in node.names], node.col_offset > 0))
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            m = getattr(node, "module", None)
+            names = [m] * bool(m) + [f"{m}.{a.name}" if m else a.name for a in node.names]
             found.append((node.lineno, names, node.col_offset > 0))
     return found
 
 
 def project_imports(root=HERE) -> tuple:
     """-> ({module: the project modules it imports}, [project imports inside a function])."""
-    files = project_files(root)
-
-    def resolve(name, here):  # the project module an import names, seen from `here`, or None
-        for candidate in (name, f"{here.rpartition('.')[0]}.{name}".lstrip(".")):
-            if candidate in files:
-                return candidate
-        return None
-
-    graph, inside_functions = {}, []
+    files, graph, inside_functions = project_files(root), {}, []
     for module, path in files.items():
-        found = set()
+        found, package = set(), module.rpartition(".")[0]
         for line, names, indented in imports(path):
-            hits = {m for m in (resolve(n, module) for n in names) if m}
+            # a project module by its full name, or by its name within the importer's package
+            hits = {m for n in names for m in (n, f"{package}.{n}".lstrip(".")) if m in files}
             found |= hits
             if hits and indented and not module.rpartition(".")[2].startswith("test_"):
                 inside_functions.append(f"{module}:{line}")
@@ -80,55 +73,32 @@ def project_imports(root=HERE) -> tuple:
     return graph, inside_functions
 
 
-def import_cycle(graph: dict):
-    """A cycle of the import graph as a list of modules, or None: depth-first search."""
-    state, stack = {}, []
-
-    def visit(m):
-        state[m] = "open"
-        stack.append(m)
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == "open":
-                return stack[stack.index(n) :] + [n]
-            if n not in state and (cycle := visit(n)):
-                return cycle
-        state[m] = "done"
-        stack.pop()
-        return None
-
-    return next((c for m in sorted(graph) if m not in state and (c := visit(m))), None)
-
-
 def reachable(graph: dict, start: str) -> set:
-    seen, todo = set(), [start]
-    while todo:
-        for n in graph.get(todo.pop(), ()):
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
+    seen = set(graph[start])
+    while more := set().union(*(graph[m] for m in seen)) - seen:
+        seen |= more
     return seen
 
 
-def test_imports_flow_one_way():
+def test_imports_flow_one_way_and_none_is_idle():
     """No import cycle, no project import inside a function; train.py reaches neither decoding nor
     speed/'s timings (tools/served.py does); data.py stands without prepare.py; speed/ is reached
-    through machine.py, tune.py and bench.py only; the mechanism imports torch and itself."""
-    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert import_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    through machine.py, tune.py and bench.py only; the mechanism imports torch and itself. Each
+    package module is imported by another file (a test counts), run by run.sh or .ci/run, or
+    started by another module (`-m package.name`, or "name.py")."""
     graph, inside_functions = project_imports()
     assert {"decoding", "speed.cost", "tools.served", "prompts.word_problems"} <= set(graph)
-    assert import_cycle(graph) is None and inside_functions == []
+    graphlib.TopologicalSorter(graph).prepare()  # a cycle: CycleError, naming it
+    assert inside_functions == []
     assert "train" in graph["tools.served"] and "decoding" in reachable(graph, "tools.served")
     training = reachable(graph, "train")
     assert {"model", "loss", "support.metrics", "data", "speed.machine"} <= training
     no = {"tools.served", "decoding", "tree", "generate", "prepare", "speed.cost", "speed.tune"}
     assert not training & no
     assert "prepare" not in reachable(graph, "data") and "decoding" not in reachable(graph, "data")
-    core = [m for m in graph if "." not in m and m not in ("test_all", "speed")]
     doors = {"speed", "speed.machine", "speed.tune", "speed.bench"}
-    assert {
-        m: graph[m] - doors for m in core if {n for n in graph[m] if n.startswith("speed")} - doors
-    } == {}
+    top = [m for m in graph if "." not in m and m not in ("test_all", "speed")]
+    assert [(m, n) for m in top for n in graph[m] - doors if n.startswith("speed")] == []
     mechanism = ("conv", "selector", "attention", "model", "loss", "decoding", "tree")
     for m in mechanism:
         names = {n for _, names, _ in imports(os.path.join(HERE, f"{m}.py")) for n in names}
@@ -136,6 +106,18 @@ def test_imports_flow_one_way():
         allowed = {"transformers", "transformers.DynamicCache"} if m == "decoding" else set()
         roots = {n.split(".")[0] for n in names - allowed}
         assert roots <= {"torch", *mechanism} | sys.stdlib_module_names, (m, roots)
+    files, imported = project_files(), set().union(*graph.values())
+    scripts = "".join(open(os.path.join(HERE, f)).read() for f in ("run.sh", ".ci/run"))
+    idle = []
+    for module, path in files.items():
+        name = module.rpartition(".")[2]
+        if "." not in module or name.startswith("test_") or name == "conftest":
+            continue  # the reading path, the tests
+        code = "".join(open(p).read() for m, p in files.items() if m != module)
+        started = f"-m {module}" in scripts + code or f'"{name}.py"' in code
+        if module not in imported and not started and os.path.relpath(path, HERE) not in scripts:
+            idle.append(module)
+    assert idle == []
 
 
 # What a learner edits is what runs: nothing outside the tests rebinds a name of these.
@@ -198,37 +180,7 @@ def test_nothing_rebinds_a_reading_path_function():
     assert found == []
 
 
-def test_every_package_module_is_imported_or_run():
-    """Each module of the packages is imported by another project file (a test counts), run by
-    run.sh or .ci/run, or started by another module (`-m package.name`, or "name.py")."""
-    graph, _ = project_imports()
-    files = project_files()
-    imported = set().union(*graph.values())
-    scripts = "".join(open(os.path.join(HERE, f)).read() for f in ("run.sh", ".ci/run"))
-    idle = []
-    for module, path in files.items():
-        name = module.rpartition(".")[2]
-        if "." not in module or name.startswith("test_") or name == "conftest":
-            continue  # the reading path, the tests
-        code = "".join(open(p).read() for m, p in files.items() if m != module)
-        started = f"-m {module}" in scripts + code or f'"{name}.py"' in code
-        if module not in imported and not started and os.path.relpath(path, HERE) not in scripts:
-            idle.append(module)
-    assert idle == []
-
-
 # ============================================================================ the reading path
-def test_the_top_level_is_the_reading_path():
-    """README.md's reading order names every top-level .py file and no other: the mechanism, the
-    pipeline, the walkthrough and test_all.py, in that order."""
-    readme = open(os.path.join(HERE, "README.md")).read()
-    order = readme[readme.index("### Reading order") : readme.index("What a learner can skip")]
-    named = list(dict.fromkeys(re.findall(r"`(\w+\.py)`", order)))
-    assert sorted(named) == sorted(f for f in os.listdir(HERE) if f.endswith(".py"))
-    mechanism = ["conv.py", "selector.py", "attention.py", "model.py", "loss.py", "decoding.py"]
-    assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
-
-
 # a pytest plugin, first on the import path: refuses NAMES and their modules, says which it met
 UNIMPORTABLE = """
 import sys
@@ -250,15 +202,9 @@ def test_the_method_runs_without_the_pipeline(tmp_path):
     made unimportable (a plugin refuses them): Part 1 needs only the mechanism."""
     (tmp_path / "unimportable.py").write_text(UNIMPORTABLE)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "unimportable", "-p", "no:cacheprovider"]
-        + ["-m", "method", "-q", "-rs", "test_all.py"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
-    )
+    cmd = "-m pytest -p unimportable -p no:cacheprovider -m method -q -rs test_all.py".split()
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, *cmd], cwd=HERE, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "refused: data" in run.stdout  # the guarded block met the plugin
     skipped = re.findall(r"^SKIPPED \[\d+\] test_all.py:\d+: (.*)$", run.stdout, re.M)
@@ -299,10 +245,8 @@ def cited_texts(root=HERE):
 
 
 def test_every_cited_name_and_path_resolves():
-    """Each `module.name` the comments, strings, README.md and docs/*.md cite is defined at that
-    module's top level (not imported there; an attribute every tensor or nn.Module has is a
-    variable's), and none names a folder outside the repository by its absolute path (one
-    machine's /work or /tmp means nothing on another)."""
+    """Each `module.name` the comments, strings and docs cite is defined at that module's top level
+    (not imported there), and none names a folder outside the repository by its absolute path."""
     defined = {}  # module, as imported -> the names its top level binds
     for module, path in project_files().items():
         body = ast.parse(open(path).read()).body
@@ -336,12 +280,11 @@ def test_ci_runs_the_readme_commands_first():
     """.ci/run starts with the README's set-up, test and form commands as written there: CI fails
     where a fresh machine that follows the README would."""
     readme = open(os.path.join(HERE, "README.md")).read()
-    setup = re.search(r"\n    (python3 -m venv .*)\n", readme).group(1)
-    tests = re.search(r"\n    (python -m pytest -q)\n", readme).group(1)
-    form = re.search(r"\n    (python -m pytest -q tools/form.py)\n", readme).group(1)
-    run = [line.rstrip("\n") for line in open(os.path.join(HERE, ".ci", "run"))]
+    wanted = (r"python3 -m venv .*", r"python -m pytest -q", r"python -m pytest -q tools/form.py")
+    written = [re.search(rf"\n    ({w})\n", readme).group(1) for w in wanted]
+    run = open(os.path.join(HERE, ".ci", "run")).read().splitlines()
     commands = [line for line in run if line and not line.startswith(("#", "set ", "cd "))]
-    assert commands[:3] == [setup, tests, form]
+    assert commands[:3] == written
 
 
 def test_walkthrough_exercises_name_the_code_they_change():
@@ -370,9 +313,8 @@ def test_the_training_docs_name_only_real_flags(capsys):
     flags = set(re.findall(r"^ +(--[a-z][\w-]*)", capsys.readouterr().out, re.M))
     doc = open(os.path.join(HERE, "docs", "training.md")).read()
     table = doc[doc.index("| flag | default | meaning |") :].split("\n\n")[0]
-    named = {
-        f for row in table.splitlines() for f in re.findall(r"`(--[a-z][\w-]*)", row.split("|")[1])
-    }
+    first_column = "".join(row.split("|")[1] for row in table.splitlines())
+    named = set(re.findall(r"`(--[a-z][\w-]*)", first_column))
     assert "--data" in named and named - flags == set()
 
 
@@ -385,24 +327,26 @@ def test_the_committed_figures_are_todays(tmp_path):
 
 # ============================================================================ maps and budgets
 def banners_and_map(path) -> tuple:
-    """-> (the map in path's module docstring, the banners in path), each a list of (level, title):
-    level 1 for a "# ====" banner (4 spaces in the map), 2 for a "# ----" one (8 spaces)."""
+    """-> (the map in path's docstring, its banners), each [(level, title)]: level 1 for "# ===="
+    (4 spaces in the map), 2 for "# ----" (8 spaces)."""
     text = open(path).read()
     doc = text.split('"""')[1]
-    listed = []
-    for line in doc[doc.index("The map:") :].split("\n"):
-        if m := re.match(r"( {4}| {8})(\S.*?)(  |$)", line):
-            listed.append((len(m.group(1)) // 4, m.group(2)))
-    found = [
-        (1 if m.group(1)[0] == "=" else 2, m.group(2))
-        for m in re.finditer(r"^# (={4,}|-{4,}) (.+)$", text, re.M)
-    ]
-    return listed, found
+    mapped = re.finditer(r"^( {4}| {8})(\S.*?)(?:  |$)", doc[doc.index("The map:") :], re.M)
+    banners = re.finditer(r"^# (={4,}|-{4,}) (.+)$", text, re.M)
+    return [(len(m[1]) // 4, m[2]) for m in mapped], [(1 + (m[1][0] == "-"), m[2]) for m in banners]
 
 
-def test_the_docstrings_map_the_banners():
-    """Each test file's docstring maps its banners in order; test_all.py starts with its helpers,
-    then the method; the machinery's tests are beside their packages, one file each."""
+def test_the_maps_name_what_is_there():
+    """README.md's reading order names every top-level .py file and no other, the mechanism first,
+    the walkthrough and test_all.py last; each test file's docstring maps its banners in order
+    (test_all.py: its helpers, then the method); each package's __init__.py maps its modules, a
+    line each at 4 spaces, and no other."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    order = readme[readme.index("### Reading order") : readme.index("What a learner can skip")]
+    named = list(dict.fromkeys(re.findall(r"`(\w+\.py)`", order)))
+    assert sorted(named) == sorted(glob.glob("*.py", root_dir=HERE))
+    mechanism = ["conv.py", "selector.py", "attention.py", "model.py", "loss.py", "decoding.py"]
+    assert named[:7] == mechanism + ["tree.py"] and named[-2:] == ["walkthrough.py", "test_all.py"]
     machinery = glob.glob("*/test_*.py", root_dir=HERE)
     assert sorted(p.split("/")[0] for p in machinery) == ["compat", "speed", "support", "tools"]
     for path in ["test_all.py", "tools/form.py"] + machinery:
@@ -410,20 +354,13 @@ def test_the_docstrings_map_the_banners():
         assert found and listed == found, path
     listed, _ = banners_and_map(os.path.join(HERE, "test_all.py"))
     assert listed[:3] == [(1, "helpers"), (1, "the method, by hand"), (2, "conv.py")]
-
-
-@pytest.mark.parametrize("package", ["support", "compat", "speed", "tools"])
-def test_each_package_map_names_exactly_its_modules(package):
-    """A package's __init__.py maps it, a line per module, the name at 4 spaces: every module and
-    no other (tests and fixtures aside)."""
-    folder = os.path.join(HERE, package)
-    doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
-    mapped = set(re.findall(r"^ {4}(\w+)\.py ", doc, re.M))
-    modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")}
-    aside = lambda names: {
-        m for m in names if m.startswith("test_") or m in ("conftest", "__init__")
-    }
-    assert mapped - aside(mapped) == modules - aside(modules)
+    modules_of = lambda names: {m for m in names if not m.startswith("test_") and m != "conftest"}
+    for package in ("support", "compat", "speed", "tools"):
+        folder = os.path.join(HERE, package)
+        doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
+        mapped = set(re.findall(r"^ {4}(\w+)\.py ", doc, re.M)) - {"__init__"}
+        modules = {f[:-3] for f in os.listdir(folder) if f.endswith(".py")} - {"__init__"}
+        assert modules_of(mapped) == modules_of(modules), package
 
 
 # The weight is a decision, not a drift: each part's non-test Python (this file is a test), in
@@ -439,14 +376,13 @@ LINE_BUDGET = {
 }
 
 
-def non_test_lines(part: str) -> int:
-    folder = os.path.join(HERE, part)
-    names = [f for f in os.listdir(folder) if f.endswith(".py")]
-    names = [f for f in names if not f.startswith("test_") and f not in ("conftest.py", "form.py")]
-    return sum(len(open(os.path.join(folder, f)).read().splitlines()) for f in names)
-
-
 def test_each_part_keeps_its_line_budget():
-    lines = {part: non_test_lines(part) for part in LINE_BUDGET}
+    lines = {}
+    for part in LINE_BUDGET:
+        names = glob.glob("*.py", root_dir=os.path.join(HERE, part))
+        names = [
+            f for f in names if not f.startswith("test_") and f not in ("conftest.py", "form.py")
+        ]
+        lines[part] = sum(len(open(os.path.join(HERE, part, f)).read().splitlines()) for f in names)
     assert {p: (n, LINE_BUDGET[p]) for p, n in lines.items() if n > LINE_BUDGET[p]} == {}
     assert sum(lines.values()) <= sum(LINE_BUDGET.values())

@@ -147,18 +147,14 @@ def target_hf_dir() -> str:
     return embedded_dir()
 
 
-def need_sentencepiece():
-    if importlib.util.find_spec("sentencepiece") is None:
-        raise UsageError(
-            "llama.cpp's convert_hf_to_gguf.py imports sentencepiece: pip install sentencepiece"
-        )
-
-
 def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
     """llama.cpp's own converter and gguf-py (a draft's tokenizer: --target-model-dir), once."""
     if os.path.isfile(out):
         return out
-    need_sentencepiece()
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise UsageError(
+            "llama.cpp's convert_hf_to_gguf.py imports sentencepiece: pip install sentencepiece"
+        )
     tmp = f"{out}.{os.getpid()}.tmp"  # two runs converting at once never share a file
     cmd = [sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), model_dir]
     cmd += ["--outtype", outtype, "--outfile", tmp]

@@ -36,14 +36,6 @@ def prompt_length(loss_mask) -> int:
     return int(loss_mask.nonzero()[0, 0])
 
 
-def served_anchors(P: int, taus: list) -> list:
-    """The anchors a decoding visited: s_0 = P, s_{i+1} = s_i + tau_i (one per cycle)."""
-    anchors = [P]
-    for t in taus[:-1]:
-        anchors.append(anchors[-1] + t)
-    return anchors
-
-
 @torch.no_grad()
 def serve(
     target,
@@ -74,7 +66,8 @@ def serve(
         )
         taus += stats.taus
         tokens += stats.new_tokens
-        anchors.append(served_anchors(P, stats.taus))
+        # the anchors it visited, one a cycle: s_0 = P, s_{i+1} = s_i + tau_i
+        anchors.append([P + sum(stats.taus[:i]) for i in range(len(stats.taus))])
         bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.1f}")
     tau = sum(taus) / len(taus) if taus else float("nan")
     return {"tau": tau, "cycles": len(taus), "tokens": tokens, "anchors": anchors}
@@ -168,8 +161,7 @@ def held_out(args, tokenizer) -> list:
 
 
 def print_served(s, final, cfg):
-    """The served block beside training's teacher-forced tau at random anchors (its final
-    record)."""
+    """The served numbers beside the teacher-forced tau at random anchors of the final record."""
     mode = "selector" if cfg.dflash2 else "unary"
     path = f"path of {cfg.block_size - 1} drafts"
     print(
@@ -217,11 +209,7 @@ def parse_args(argv=None):
     a("--samples", type=count, default=16, help="held-out prompts")
     a("--max-new-tokens", type=count, default=None, help="default: the answer's")
     a("--fast", action="store_true", help="speed/tune.py's precision, GEMMs and tree")
-    a(
-        "--max-seconds",
-        type=positive,
-        help="decode the prompts that fit this long, loading included",
-    )
+    a("--max-seconds", type=positive, help="decode the prompts that fit this long, loading too")
     return p.parse_args(argv)
 
 

@@ -6,17 +6,15 @@ holds it equal to the banners):
     tools/study.py                  seeds pooled per arm by hand
     tools/served.py: served acceptance
                                     teacher-forced at served anchors == the served cycle
-    tools/gpu_check.py              --dry-run, prepare.py's shards, train.py's commands and
-                                    log, rows written as they end, interrupted runs
-    tools/llamacpp.py               the converter reads every key it needs from an export;
-                                    convert's command; parity's comparison
+    tools/gpu_check.py              --dry-run, prepare.py's shards, train.py's commands,
+                                    rows written as they end, interrupted runs
+    tools/llamacpp.py               the converter's keys; its refusals; parity's comparison
     tools/plot.py                   the charts draw the logged values; a bad run is one error
                                     line
     tools/mutants.py                the breaks load; a bad one is named, exit status 2
 """
 
 import contextlib
-import io
 import json
 import os
 import subprocess
@@ -38,7 +36,7 @@ from compat import config_json as config
 from compat import serving
 from model import capture_features
 from speed import tune
-from support import common, features, loader, metrics, show
+from support import common, features, metrics, show
 from support.common import UsageError
 from test_all import (
     HERE,
@@ -56,8 +54,8 @@ from tools import gpu_check, llamacpp, mutants, plot, served, study
 
 # ============================================================================ tools/study.py
 def test_study_pools_seeds_per_arm_by_hand(tmp_path):
-    """tools/study.py: a run's numbers (none before it served), an arm's mean +- sample sd over its
-    seeds, each arm against the default beside twice the larger sd; unknown flags go to train.py."""
+    """A run's numbers (none before it served), an arm's mean +- sample sd over its seeds, each arm
+    against the default beside twice the larger sd; unknown flags go to train.py."""
 
     def logged(name, final, served=None):
         (tmp_path / name).mkdir()
@@ -75,13 +73,11 @@ def test_study_pools_seeds_per_arm_by_hand(tmp_path):
     assert (one["lift"], plain["tau_selector"], plain["lift"]) == (1.25, None, None)
     rows = study.table({"a": [one, two], "dflash": [plain]}, ["a", "dflash"])
     # mean 2.2, sd sqrt(((2.0-2.2)^2 + (2.4-2.2)^2) / 1) = 0.283; lifts 1.25 and 1.2
-    assert rows[2] == (
+    assert rows[2:] == [
         "| a | 2 | 2.200 +- 0.283 | 1.800 +- 0.283 | 1.225 +- 0.035 | 0.600 +- 0.141 "
-        "| 1.900 +- 0.141 | 2.200 +- 0.000 |"
-    )
-    assert (
-        rows[3] == "| dflash | 1 | - | 1.500 +- 0.000 | - | 0.600 +- 0.000 | 1.400 +- 0.000 | - |"
-    )
+        "| 1.900 +- 0.141 | 2.200 +- 0.000 |",
+        "| dflash | 1 | - | 1.500 +- 0.000 | - | 0.600 +- 0.000 | 1.400 +- 0.000 | - |",
+    ]
     runs = {  # held-out tau of the path each serves: the selector's, or the unary one
         "dflash2": [dict(tau_selector=2.0, tau_unary=1.9), dict(tau_selector=2.2, tau_unary=2.1)],
         "a": [dict(tau_selector=2.5, tau_unary=2.0), dict(tau_selector=2.7, tau_unary=2.0)],
@@ -95,35 +91,23 @@ def test_study_pools_seeds_per_arm_by_hand(tmp_path):
         "- b: +0.100 against dflash2 (twice the spread: 0.283), within noise",
         "- dflash: -1.000 against dflash2 (twice the spread: 0.283), below",
     ]
-    argv = ["--toy", "--num-samples", "300", "--seeds", "2", "--lr", "1e-3"]
-    args, train = study.PARSER.parse_known_args(argv)
-    assert (args.toy, args.seeds, train) == (True, 2, ["--num-samples", "300", "--lr", "1e-3"])
+    args, train = study.PARSER.parse_known_args(["--toy", "--seeds", "2", "--lr", "1e-3"])
+    assert (args.toy, args.seeds, train) == (True, 2, ["--lr", "1e-3"])
 
 
 # =============================================================== tools/served.py: served acceptance
-def greedy_sample(target, draft, n: int, extra: int):
-    """A held-out sequence whose answer is the target's own greedy answer: a 6-token prompt
-    (loss_mask 0), then n + extra greedy tokens (loss_mask 1), with the target's features."""
-    p = prompt()
-    full, _ = decoding.target_generate(target, p, n + extra)
-    mask = torch.zeros_like(full[0])
-    mask[p.shape[1] :] = 1
-    feats = capture_features(target, draft.config.target_layer_ids, input_ids=full)[1][0]
-    return {"input_ids": full[0], "loss_mask": mask, "features": feats}
-
-
 def fit(draft, target, sample, steps: int):
-    """A few Adam steps of the training objective on the sample at every anchor: a draft that
-    accepts some drafts and misses others (random drafts accept almost nothing)."""
+    """A few Adam steps of the objective at every anchor: a draft that accepts some drafts and
+    misses others (a random one accepts almost nothing)."""
     embed_w, head_w = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
     anchors = L.anchor_positions(sample["loss_mask"])[None]
     opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    embed = lambda x: F.embedding(x, embed_w.detach())
+    cfg = L.LossConfig(gamma=2.0)
     draft.train()
     for _ in range(steps):
-        embed = lambda x: F.embedding(x, embed_w.detach())
         h = model.forward_training(draft, embed, ids, sample["features"][None], anchors)
-        cfg = L.LossConfig(gamma=2.0)
         out = L.objective(
             draft, head_w.detach(), h, ids, mask, anchors, anchors >= 0, cfg, alpha_t=1.0
         )
@@ -135,22 +119,24 @@ def fit(draft, target, sample, steps: int):
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
-    """The identity behind tools/served.py's evaluation: the answer being the target's own greedy
-    answer, the block teacher-forced at each anchor serving visited (s_0 = P, s_{i+1} = s_i +
-    tau_i) accepts exactly what that cycle accepted. The sequence runs B tokens past what is
-    served, so that every served block has all its labels."""
+    """The answer being the target's own greedy one, the block teacher-forced at each anchor
+    serving visited (s_0 = P, s_{i+1} = s_i + tau_i) accepts exactly what that cycle accepted.
+    The sequence runs B tokens past what is served: every served block has all its labels."""
     torch.manual_seed(0)
     target, B, n = tiny_target("llama", initializer_range=0.3), 4, 40
-    draft = tiny_draft(B, plain=plain)
-    sample = greedy_sample(target, draft, n, extra=B)
+    draft, p = tiny_draft(B, plain=plain), prompt()
+    full, _ = decoding.target_generate(target, p, n + B)  # the answer: the target's greedy one
+    P, mask = p.shape[1], torch.zeros_like(full[0])
+    mask[P:] = 1
+    feats = capture_features(target, draft.config.target_layer_ids, input_ids=full)[1][0]
+    sample = {"input_ids": full[0], "loss_mask": mask, "features": feats}
     fit(draft, target, sample, steps=8)
-    P = int(served.prompt_length(sample["loss_mask"]))
+    assert served.prompt_length(mask) == P
     shown = {k: v[: P + n] for k, v in sample.items()}  # served: the prompt and n answer tokens
     result = served.serve(target, draft, [shown], ("path", B - 1), use_selector=not plain)
     _, stats = show.speculate(target, draft, sample["input_ids"][None, :P], n, ("path", B - 1))
     anchors = result["anchors"][0]
-    assert anchors == served.served_anchors(P, stats.taus) and anchors[0] == P
-    assert anchors[1:] == [a + t for a, t in zip(anchors, stats.taus)][:-1]
+    assert anchors == [P + sum(stats.taus[:i]) for i in range(len(stats.taus))]
     assert result["tau"] == pytest.approx(stats.mean_tau) and result["tokens"] == n
     # out of time (--max-seconds): the first prompt is decoded, no other is begun
     late = served.serve(target, draft, [shown] * 3, ("path", B - 1), until=time.time() - 1)
@@ -161,41 +147,35 @@ def test_teacher_forced_at_served_anchors_equals_served_cycle_for_cycle(plain):
     # the anchors through train.py's objective (data.collate with given anchors): one at a time,
     # each block accepts what its cycle did; all together, their mean
     args = train.parse_args(["--data", "d", "--gamma", "2", "--attention", "sdpa"])
-    weights = embed_w.detach(), head_w.detach()
-    cpu = torch.device("cpu")
-    taught = [
-        served.taught_at(draft, *weights, [sample], [[a]], args, None, cpu, contextlib.nullcontext)
-        for a in anchors
-    ]
-    assert [m[mode] for m in taught] == [float(t) for t in stats.taus]
-    metrics = served.taught_at(
-        draft, *weights, [sample], [anchors], args, None, cpu, contextlib.nullcontext
-    )
-    assert metrics[mode] == pytest.approx(stats.mean_tau, abs=1e-6)
+    weights, cpu = (embed_w.detach(), head_w.detach()), torch.device("cpu")
+    cpu_autocast = contextlib.nullcontext
+
+    def taught(given):
+        return served.taught_at(draft, *weights, [sample], given, args, None, cpu, cpu_autocast)[
+            mode
+        ]
+
+    assert [taught([[a]]) for a in anchors] == [float(t) for t in stats.taus]
+    assert taught([anchors]) == pytest.approx(stats.mean_tau, abs=1e-6)
 
 
-def test_final_evaluation_reports_served_tau_beside_teacher_forced(
-    setup, tmp_path, monkeypatch, capsys
-):
+def test_final_evaluation_reports_served_tau_beside_teacher_forced(setup, tmp_path, monkeypatch):
     """tools/served.py after train.py: served tau (the path; --fast adds its tree as "auto") beside
-    teacher-forced tau at the served anchors, in the log, acceptance.json (export.py carries it)
-    and the summary; --max-seconds stops early; a user's mistake is one line."""
+    teacher-forced tau at the served anchors, in the log and acceptance.json (export.py carries
+    it); a user's mistake is one line."""
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     run(setup, tmp_path / "run", "--max-steps", "2", "--eval-fraction", "0.3")
     served.main([str(tmp_path / "run"), "--samples", "2", "--fast"])
-    record = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "served"][-1]
-    final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
-    stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
-    assert stats["served"] == {k[len("served_") :]: v for k, v in record.items() if "served_" in k}
+    records = log_records(tmp_path / "run" / "log.jsonl")
+    record = [r for r in records if r["kind"] == "served"][-1]
+    final = [r for r in records if r["kind"] == "final"][-1]
+    s = json.loads((tmp_path / "run" / "acceptance.json").read_text())["served"]
+    assert s == {k[len("served_") :]: v for k, v in record.items() if "served_" in k}
     assert not any("served_" in k for k in final) and record["step"] == final["step"] == 2
-    s = stats["served"]
     assert s["prompts"] == 2 and 1 <= s["path_tau"] <= 4 and 1 <= s["auto_tau"] <= 4
     assert s["path_cycles"] >= 2 and 1 <= s["path_tf_tau"] <= 4
     assert s["path_tf_blocks"] <= s["path_cycles"]
     assert s["auto_shape"] == f"tree of {tune.FAST_TREE} nodes" and s["auto_cycles"] >= 1
-    out = capsys.readouterr().out
-    assert "tau served, path of 3 drafts" in out and "tau teacher-forced, served anchors" in out
-    assert f"tau served, --fast: tree of {tune.FAST_TREE} nodes" in out
     export.export(str(tmp_path / "run"), str(tmp_path / "out"))
     assert set(metrics.read_acceptance(str(tmp_path / "out"), 4)) == {"selector", "unary"}
     served.main([str(tmp_path / "run"), "--samples", "1", "--max-new-tokens", "3"])
@@ -250,10 +230,15 @@ def test_gpu_check_dry_run_writes_results_and_summary(tmp_path):
     assert "DRY RUN" in summary and "selector tree of" in summary
 
 
-def test_gpu_check_writes_its_random_features_as_prepare_does(tmp_path, monkeypatch):
-    """Item a's random feature shard is prepare.py --features' own: a rerun of prepare.py with the
-    same layers, length and shard size takes it as done, its manifest says what prepare.py's says,
-    and load_features streams its rows back, the first tenth of each unsupervised."""
+def test_gpu_check_gives_train_py_prepare_pys_shard_and_flags_it_takes(tmp_path, monkeypatch):
+    """Items a and b run train.py with flags it takes (item b's only here: --dry-run skips it), on a
+    random shard that is prepare.py --features' own: prepare.py's rerun with the same layers,
+    length and shard size takes it as done; load_features reads its rows back."""
+    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
+    for item in ("train", "compile"):
+        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
+        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
+        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
     draft = os.path.join(HERE, "configs", "qwen3-8b-dflash2.json")
     draft = gpu_check.toy_config(draft, str(tmp_path / "toy.json"))
     rows, (low, high) = 6, (40, 64)
@@ -298,37 +283,6 @@ def test_gpu_check_reads_the_steady_step_per_interval():
             gpu_check.steady(bad)
 
 
-def test_gpu_check_items_a_and_b_run_train_py_and_read_the_log_it_left(tmp_path, monkeypatch):
-    """Items a and b run train.py with flags it takes, item b at one static shape; a run cut off is
-    timed out with the steps its log counts, one that left no log fails with read_log's reason."""
-    args = gpu_check.parse_args([str(tmp_path), "--dry-run"])
-    for item in ("train", "compile"):
-        cmd = gpu_check.train_command(item, args, "C", "T", "F", "O")
-        flags = train.parse_args(cmd[cmd.index("train.py") + 1 :])
-        assert (flags.draft_config, flags.data, flags.out_dir) == ("C", "F", "O")
-    sizes = [
-        loader.static_size(n, loader.LENGTH_UNIT) for n in gpu_check.SIZES["gpu"]["main_lengths"]
-    ]
-    assert sizes[0] == sizes[1]
-    toy = os.path.join(HERE, "configs", "toy-dflash2.json")
-    args.configs = {"train": gpu_check.toy_config(toy, str(tmp_path / "toy.json"))}
-    log = "".join(
-        json.dumps({"kind": "train", "step": i, "elapsed_s": 9.0 + i}) + "\n" for i in (1, 2, 3)
-    )
-    # a stand-in for train.py: it logs 3 steps then is cut off, or logs nothing
-    writes = f"import os, time\nos.makedirs('{tmp_path}/cut/train')\n"
-    writes += f"open('{tmp_path}/cut/train/log.jsonl', 'w').write({log!r})\n"
-    for tmp, child, state, steps in (
-        ("cut", writes + "time.sleep(60)", "timed out", 3),
-        ("none", "", "failed", 0),
-    ):
-        monkeypatch.setattr(gpu_check, "train_command", lambda *a: [sys.executable, "-c", child])
-        share = gpu_check.INTERRUPT_S + 4  # a bound of 4 s, less the data's time
-        row = gpu_check.train_row(args, "train", str(tmp_path / tmp), share, io.StringIO())
-        assert (row["status"], row["steps_done"]) == (state, steps), row
-    assert "no log.jsonl there" in row["reason"]
-
-
 def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
     tmp_path, monkeypatch
 ):
@@ -339,21 +293,18 @@ def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
 
     def item(name, args, *rest):
         done = os.path.join(args.out_dir, "results.json")
-        seen[name] = list(json.load(open(done))["items"]) if os.path.exists(done) else None
+        seen[name] = list(json.load(open(done))["items"]) if os.path.exists(done) else []
         if ends[name] is None:
             raise KeyboardInterrupt
         return {"status": ends[name], "reason": None}
 
     monkeypatch.setattr(gpu_check, "run_item", item)
-    codes = []
-    for last in ("measured", "timed out"):
+    for last, code in (("measured", 0), ("timed out", 1)):
         ends = {"train": "out of memory", "compile": "skipped", "decode": "measured", "tests": last}
         with pytest.raises(SystemExit) as stop:
             gpu_check.main([str(tmp_path / last), "--dry-run"])
-        codes.append(stop.value.code)
-    assert codes == [0, 1]
-    before = {"train": None, "compile": ["train"], "decode": ["train", "compile"]}
-    assert seen == before | {"tests": ["train", "compile", "decode"]}
+        assert stop.value.code == code
+    assert seen == {name: list(ends)[:i] for i, name in enumerate(ends)}  # those before it
     ends["decode"] = None
     with pytest.raises(KeyboardInterrupt):
         gpu_check.main([str(tmp_path / "cut"), "--dry-run"])
@@ -365,9 +316,9 @@ def test_gpu_check_writes_each_row_as_it_ends_and_its_summary_whatever_ends_it(
 
 
 def test_gpu_check_bounds_a_run_and_says_how_it_ended(monkeypatch):
-    """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has (pytest: the
-    failures and their reasons), then is killed: timed out. One that ran out of memory says so (not
-    a failure); one that failed gives its last line."""
+    """A run past its bound gets Ctrl-C first and INTERRUPT_S to print what it has, then is
+    killed: timed out. One that ran out of memory says so (not a failure); one that failed gives
+    its last line."""
     said = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('why')"
     # a bound of 4 s (its share, less INTERRUPT_S): the child is in its sleep by then
     cmd, share = [sys.executable, "-c", said], 4 + gpu_check.INTERRUPT_S
@@ -385,11 +336,9 @@ def test_gpu_check_bounds_a_run_and_says_how_it_ended(monkeypatch):
 
 # ============================================================================ tools/llamacpp.py
 def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
-    """llama.cpp b11434 converts a DFlash2 draft with convert_hf_to_gguf.py (conversion/qwen.py,
-    DFlashModel) and runs it through src/models/dflash.cpp and common/speculative.cpp. Where a key
-    is missing it falls back to a default (block size 16, no conv / selector, non-causal, sample
-    from the anchor), so every key it needs must be in the export, with this project's meaning.
-    No build: the converter's reading is written out below and compared with the draft's."""
+    """llama.cpp b11434's converter (conversion/qwen.py) falls back to a default where a key is
+    missing, so every key must be in the export with this project's meaning: its reading, written
+    out below (no build), equals the draft's."""
     layers = ["full_attention", "sliding_attention", "full_attention"]
     kw = dict(num_hidden_layers=3, layer_types=layers, sliding_window=6, is_causal=False)
     draft = tiny_draft(4, **kw)
@@ -445,98 +394,45 @@ def test_llamacpp_converter_reads_every_key_it_needs_from_an_export(tmp_path):
 
 def test_llamacpp_refuses_at_conversion_what_its_dflash2_loader_refuses(tmp_path):
     """What llama.cpp's DFlash2 loader refuses (src/models/dflash.cpp: hidden_size %
-    conv_group_size, hidden_size < K (K + 1)) is one `error: ...` line before anything is built;
-    plain DFlash passes."""
-    small, fits = tmp_path / "small", tmp_path / "fits"
+    conv_group_size, hidden_size < K (K + 1)) is refused before anything is built; plain DFlash
+    passes."""
+    small, fits, cache = tmp_path / "small", tmp_path / "fits", tmp_path / "cache"
     export.save_draft(tiny_draft(4, selector_top_k=8), str(small))
     export.save_draft(tiny_draft(4), str(fits))
-    cache = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "tools.llamacpp", "convert", "--draft", str(small), "--cache"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([*cmd, cache], cwd=HERE, capture_output=True, text=True, env=env)
-    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
-        f"error: --draft {small}: llama.cpp's DFlash2 loader refuses this draft: hidden_size 32 "
-        "is below K (K + 1) = 72 for selector_top_k K = 8 (too small for the selector lattice)"
-    ], run.stderr
-    assert not cache.exists()
-    assert llamacpp.check_draft(str(fits)) is None
-    # the group rule, which this project's own validation already enforces, said by name
+    with pytest.raises(UsageError, match=r"hidden_size 32 is below K \(K \+ 1\) = 72 for"):
+        llamacpp.main(["convert", "--draft", str(small), "--cache", str(cache)])
+    assert not cache.exists() and llamacpp.check_draft(str(fits)) is None
+    # the group rule, which this project's own validation already enforces
     c = types.SimpleNamespace(dflash2=True, hidden_size=36, conv_group_size=8, selector_top_k=5)
-    assert serving.llamacpp_refusal(c) == (
-        "llama.cpp's DFlash2 loader refuses this draft: hidden_size 36 is not divisible by "
-        "conv_group_size 8"
-    )
+    assert "hidden_size 36 is not divisible by conv_group_size 8" in serving.llamacpp_refusal(c)
     assert serving.llamacpp_refusal(model.plain_dflash(tiny_config(selector_top_k=8))) is None
-
-
-def test_llamacpp_converts_with_the_source_trees_own_converter_once(tmp_path, monkeypatch):
-    """convert runs the tree's own convert_hf_to_gguf.py, its gguf-py first on PYTHONPATH, the hub
-    offline, a draft with its target's folder; the GGUF is renamed into place, kept once made."""
-    src, out, log = tmp_path / "llama.cpp", tmp_path / "draft-q8_0.gguf", str(tmp_path / "log")
-    src.mkdir()
-    (tmp_path / "sentencepiece.py").write_text("")  # what the converter imports
-    monkeypatch.syspath_prepend(str(tmp_path))
-    # a stand-in converter: its GGUF is its arguments and the variables it was given
-    (src / "convert_hf_to_gguf.py").write_text(
-        "import json, os, sys\nout = sys.argv[sys.argv.index('--outfile') + 1]\n"
-        "env = [os.environ[k] for k in ('PYTHONPATH', 'HF_HUB_OFFLINE')]\n"
-        "json.dump([sys.argv[1:], env], open(out, 'w'))\n"
-    )
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    assert llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", log, "HF") == str(out)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    argv, env = json.loads(out.read_text())
-    assert argv == ["EXPORT", "--outtype", "q8_0", "--outfile", tmp, "--target-model-dir", "HF"]
-    assert env == [f"{src}/gguf-py{os.pathsep}/elsewhere", "1"] and not os.path.exists(tmp)
-    llamacpp.to_gguf(str(src), "HF", str(tmp_path / "target-f32.gguf"), "f32", log)
-    argv, _ = json.loads((tmp_path / "target-f32.gguf").read_text())
-    assert argv[:3] == ["HF", "--outtype", "f32"] and "--target-model-dir" not in argv
-    out.write_text("kept")
-    llamacpp.to_gguf(str(src), "EXPORT", str(out), "q8_0", log, "HF")
-    assert out.read_text() == "kept"
 
 
 def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_from_its_log(
     tmp_path, monkeypatch
 ):
     """Parity compares generate.py's tokens with llama.cpp's printed text as bytes (GPT-2's byte
-    alphabet; a token outside it as its own text) and reads each cycle from llama.cpp's debug log;
-    the commands are greedy, -bf (the prompt's last newline kept), draft-dflash at the n-max."""
+    alphabet; a token outside it as its own text) and reads each cycle from its debug log."""
     table = llamacpp.byte_decoder()
-    assert sorted(table.values()) == list(range(256))
-    assert (table["Ġ"], table["Ċ"], table["a"]) == (ord(" "), ord("\n"), ord("a"))
     vocab = ["Tom", "Ġhas", "Ċ", "✓"]
     tok = types.SimpleNamespace(convert_ids_to_tokens=lambda ids: [vocab[i] for i in ids])
     pieces = llamacpp.token_bytes(tok, [0, 1, 2, 3], table)
     assert pieces == [b"Tom", b" has", b"\n", "✓".encode()]
     assert llamacpp.tokens_matched("Tom has\n✓ more".encode(), pieces) == 4  # a prefix will do
-    assert llamacpp.tokens_matched(b"Tom had\n", pieces) == 1
-    assert llamacpp.tokens_matched(b"Tom", pieces) == 1
-    log = (
-        "accepted 2/7 draft tokens, the last target token is: (198)\nsomething else\n"
-        "accepted 0/7 draft tokens, the last target token is: (42)\n"
-        "accepted 3/3 draft tokens, the last target token is: (5)\n"
-    )
-    cycles = llamacpp.parse_cycles(log)
-    assert cycles == [(2, 7, 198), (0, 7, 42), (3, 3, 5)]
-    # the two llama.cpp runs, through stand-ins that record their arguments and print as they do
+    assert [llamacpp.tokens_matched(t, pieces) for t in (b"Tom had\n", b"Tom")] == [1, 1]
+    # the two llama.cpp runs, through a stand-in that prints as llama.cpp does
+    monkeypatch.setenv("LOG", "accepted 2/7 draft tokens, the last target token is: (198)\nx\n")
     fake = tmp_path / "fake"
     fake.write_text(
-        '#!/bin/sh\necho "$@" > "$0.args"\nprintf \'Tom has [end of text]\'\n'
+        "#!/bin/sh\nprintf 'Tom has [end of text]'\n"
         "echo 'prompt eval time =  3.0 ms /    12 tokens' >&2\necho \"$LOG\" >&2\n"
     )
     fake.chmod(0o755)
     bins = {"llama-completion": str(fake), "llama-speculative-simple": str(fake)}
     plain = llamacpp.run_plain(bins, "T.gguf", "p.txt", 96, 1)
     assert plain == {"text": b"Tom has", "ended": True, "prompt_tokens": 12}
-    args = (tmp_path / "fake.args").read_text().split()
-    assert args[:4] == ["-m", "T.gguf", "-bf", "p.txt"] and "-no-cnv" in args
-    assert " ".join(args).count("-n 96 --temp 0 --top-k 1") == 1
-    monkeypatch.setenv("LOG", log)  # the stand-in writes it as llama.cpp's debug log
     spec = llamacpp.run_spec(bins, "T.gguf", "D.gguf", "p.txt", 96, 1, 3)
-    assert spec["cycles"] == cycles and spec["stdout"] == b"Tom has [end of text]"
-    args = " ".join((tmp_path / "fake.args").read_text().split())
-    assert "-md D.gguf --spec-type draft-dflash --spec-draft-n-max 3" in args
+    assert spec == {"stdout": b"Tom has [end of text]", "cycles": [(2, 7, 198)]}
     fake.write_text("#!/bin/sh\necho 'model not found' >&2\nexit 1\n")
     with pytest.raises(UsageError, match=r"^fake failed on T.gguf: model not found$"):
         llamacpp.run_plain(bins, "T.gguf", "p.txt", 96, 1)
@@ -668,11 +564,9 @@ def test_mutants_loads_its_breaks_and_names_a_bad_one(tmp_path, monkeypatch, cap
     (tmp_path / "m.toml").write_text(text)
     rules, breaks, problems = mutants.load(str(tmp_path / "m.toml"))
     assert [b.old for b in breaks] == [good["old"], "no such snippet", "\n"]
-    assert [p.split(": ")[1].split(" (")[0] for p in problems] == [
-        f"break {n}" for n in (2, 3, 4, 5)
-    ]
-    assert "'od'" in problems[0] and "'why'" in problems[1]
-    assert "'no such snippet'" in problems[2] and "'\\n'" in problems[3]
+    assert len(problems) == 4  # breaks 2 to 5, each named by number and what is wrong
+    for n, says in zip((2, 3, 4, 5), ("'od'", "'why'", "'no such snippet'", "'\\n'")):
+        assert f": break {n} (" in problems[n - 2] and says in problems[n - 2], problems
     monkeypatch.setattr(mutants, "DATA", str(tmp_path / "m.toml"))
     assert mutants.main([]) == 2
     err = capsys.readouterr().err
