@@ -21,6 +21,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
 
 import export
 import model
@@ -49,8 +52,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def zlab_fixture(dflash=None, **kw) -> dict:
-    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal,
-    rope_parameters."""
+    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal."""
     d = {
         "architectures": ["DFlash2DraftModel"],
         "attention_bias": False,
@@ -99,16 +101,15 @@ def rms(x, norm):
     return norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
 
 
-def hf_rotate(layer_config: dict):
-    """RoPE as transformers' Qwen3RotaryEmbedding applies it to a Qwen3Config built from the
-    config.json fields, the way Z Lab's and speculators' drafts do: x [L, heads, hd] at positions
-    pos -> rotated."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
+def qwen3_config(d: dict) -> Qwen3Config:
+    """The Qwen3Config that Z Lab's and speculators' drafts build from config.json d."""
+    return Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"})
 
-    emb = Qwen3RotaryEmbedding(
-        Qwen3Config(**{k: v for k, v in layer_config.items() if k != "dflash_config"})
-    )
+
+def hf_rotate(layer_config: dict):
+    """RoPE as transformers' Qwen3RotaryEmbedding applies it: x [L, heads, hd] at positions pos ->
+    rotated."""
+    emb = Qwen3RotaryEmbedding(qwen3_config(layer_config))
 
     def rotate(x, pos):
         cos, sin = emb(x, torch.tensor([pos]))  # [1, L, hd]
@@ -203,6 +204,17 @@ YARN_SCALING = {k: v for k, v in YARN.items() if k != "rope_theta"}
 DELETE = object()
 
 
+def broken(d: dict, key: str, value) -> dict:
+    """d with d[key] set to value, or deleted for DELETE; "a.b" reaches into d["a"]."""
+    *outer, k = key.split(".")
+    target = d[outer[0]] if outer else d
+    if value is DELETE:
+        del target[k]
+    else:
+        target[k] = value
+    return d
+
+
 # ============================================================================ compat/config_json.py
 def rope(**p) -> dict:
     return {"rope_theta": 1e4, **p}
@@ -262,30 +274,17 @@ def rope(**p) -> dict:
     ],
 )
 def test_each_validation_rule_raises(key, value, named):
-    """Each rule of a config.json (docs/semantics.md, section 3), broken in Z Lab's layout, is
-    refused naming the field."""
-    d = zlab_fixture()
-    target, k = (d["dflash_config"], key[14:]) if key.startswith("dflash_config.") else (d, key)
-    if value is DELETE:
-        del target[k]
-    else:
-        target[k] = value
+    """Each rule of docs/semantics.md, section 3, broken in Z Lab's layout, is refused by name."""
     with pytest.raises(UsageError, match=named):
-        config.config_from_dict(d, source="draft/config.json")
+        config.config_from_dict(broken(zlab_fixture(), key, value), source="draft/config.json")
 
 
 def spec_tensor_shapes(c: DraftConfig):
     """docs/semantics.md, section 3: the tensor list in state_dict order, written out independently
     of model.py."""
     H, FF, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
-    q, kv, T, G, V, r = (
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.conv_kernel_size,
-        c.conv_group_size,
-        c.vocab_size,
-        c.selector_rank,
-    )
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    T, G, V, r = c.conv_kernel_size, c.conv_group_size, c.vocab_size, c.selector_rank
     s = {"fc.weight": (H, nt * H), "hidden_norm.weight": (H,)}
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
@@ -323,17 +322,8 @@ def test_save_load_round_trip_and_contract(tmp_path):
     assert shapes == spec_tensor_shapes(c)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == dict(
-        block_size=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=63,
-        conv_kernel_size=2,
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=5,
-        output_multiplier=0.5,
-        final_logit_softcapping=20.0,
-    )
+    scalars = dict(output_multiplier=0.5, final_logit_softcapping=20.0)
+    assert cfg["dflash_config"] == dict(zlab_fixture()["dflash_config"], **scalars)
     back = export.load_draft(str(tmp_path))
     assert back.config == c
     for k, v in draft.state_dict().items():
@@ -410,21 +400,14 @@ def test_yarn_rope_parameters_forward():
     [
         YARN,
         dict(YARN, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=0.8, truncate=False),
-        {
-            "rope_theta": 500000.0,
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-        {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
+        # wavelengths 6.3, 63, 628, 6283 against 16 and 64: kept, smoothed, scaled
+        dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0),
+        rope(rope_type="linear", factor=2.0),
     ],
 )
 def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
-    """model.rope_frequencies computes a scaled RoPE as transformers' own init functions do, bit for
-    bit, given the Qwen3Config a public loader builds from the same config.json; so the rotation
-    is transformers' Qwen3RotaryEmbedding's."""
+    """model.rope_frequencies equals transformers' init functions bit for bit, so the rotation is
+    Qwen3RotaryEmbedding's."""
     d = zlab_fixture(rope_parameters=dict(rope_parameters))
     c = config.config_from_dict(d)
     inv_freq, scale = model.rope_frequencies(c)
@@ -440,26 +423,13 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
 
 def transformers_frequencies(c: DraftConfig) -> tuple:
     """(inverse frequencies, factor) of c.rope_scaling by transformers' ROPE_INIT_FUNCTIONS."""
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = Qwen3Config(
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
-    )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
-    return inv_freq, scale
+    hf = qwen3_config(config.config_to_dict(c))
+    return ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
 
 
 def test_rope_frequencies_follow_the_draft_and_stay_fp32():
-    """inv_freq is a non-persistent buffer of each Attention, computed from the config's fields: a
-    RoPE field changed by dataclasses.replace changes it (a cache copied along would keep the old).
-    draft.to(device) moves it, so rope() copies nothing from the host per call on a GPU;
-    draft.to(bf16) leaves it fp32, since rope() computes in fp32; state_dict, and so every export,
-    holds the same tensors as before, in order."""
+    """inv_freq: a non-persistent buffer that follows replace() and .to(device), stays fp32 under
+    .to(bf16) (rope() computes in fp32), and is in no export."""
     c = tiny_config(rope_scaling=YARN_SCALING)
     fp32 = transformers_frequencies(c)[0]
     for change in ({"rope_scaling": dict(YARN_SCALING, factor=8.0)}, {"rope_theta": 1e6}):
@@ -640,31 +610,24 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
         config.load_config(str(tmp_path))
 
 
-def spec_layer(**kw) -> dict:
-    return dict(speculators_fixture()["transformer_layer_config"], **kw)
-
-
 @pytest.mark.parametrize(
-    "change,named",
+    "key,value,named",
     [
-        (dict(sample_from_anchor=True), "sample_from_anchor"),
-        (dict(draft_vocab_size=32), "draft_vocab_size"),
-        (dict(target_hidden_size=64), "target_hidden_size"),
-        (dict(aux_hidden_state_layer_ids=[0, 3]), "aux_hidden_state_layer_ids"),
-        (dict(speculators_model_type="dflash"), "speculators_model_type"),
-        (dict(markov_rank=256), "markov_rank"),
-        (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
-        (dict(block_size=8), "speculative_tokens"),
-        (dict(transformer_layer_config=spec_layer(attention_bias=True)), "attention_bias"),
-        (dict(transformer_layer_config=spec_layer(is_causal=False)), "is_causal"),
+        ("sample_from_anchor", True, "sample_from_anchor"),
+        ("draft_vocab_size", 32, "draft_vocab_size"),
+        ("target_hidden_size", 64, "target_hidden_size"),
+        ("aux_hidden_state_layer_ids", [0, 3], "aux_hidden_state_layer_ids"),
+        ("speculators_model_type", "dflash", "speculators_model_type"),
+        ("markov_rank", 256, "markov_rank"),
+        ("sliding_window_non_causal", DELETE, "sliding_window_non_causal"),
+        ("block_size", 8, "speculative_tokens"),
+        ("transformer_layer_config.attention_bias", True, "attention_bias"),
+        ("transformer_layer_config.is_causal", False, "is_causal"),
     ],
 )
-def test_speculators_fields_refused_by_name(tmp_path, change, named):
-    d = speculators_fixture(**{k: v for k, v in change.items() if v is not DELETE})
-    for k in [k for k, v in change.items() if v is DELETE]:
-        del d[k]
+def test_speculators_fields_refused_by_name(key, value, named):
     with pytest.raises(UsageError, match=named):
-        speculators.config_from_speculators(d, "spec/config.json")
+        speculators.config_from_speculators(broken(speculators_fixture(), key, value), "spec")
 
 
 @pytest.mark.parametrize(
