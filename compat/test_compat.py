@@ -192,12 +192,11 @@ def block_follows_the_rule(d, causal, scale=1.0, draft=None):
     return draft, inputs, ref
 
 
-YARN = {
-    "rope_theta": 10000.0,
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
+def rope(**p) -> dict:
+    return {"rope_theta": 1e4, **p}
+
+
+YARN = rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
 YARN_SCALING = {k: v for k, v in YARN.items() if k != "rope_theta"}
 
 
@@ -216,10 +215,6 @@ def broken(d: dict, key: str, value) -> dict:
 
 
 # ============================================================================ compat/config_json.py
-def rope(**p) -> dict:
-    return {"rope_theta": 1e4, **p}
-
-
 @pytest.mark.parametrize(
     "key,value,named",
     [
@@ -373,26 +368,19 @@ def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
     assert (ref - other).abs().max() > 1e-3  # the check can tell them apart
 
 
-def test_input_embedding_scale_in_both_paths():
-    d = zlab_fixture(dflash={"input_embedding_scale": 0.5})
-    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False], scale=0.5)
-    plain = DraftModel(config.config_from_dict(zlab_fixture()))
-    plain.load_state_dict(draft.state_dict())
-    with torch.no_grad():  # by hand: the table halved
-        halved = both_paths(plain, embed_w * 0.5, feats, ids, 9)
-        assert all(map(torch.equal, both_paths(draft, embed_w, feats, ids, 9), halved))
-        assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
+@pytest.mark.parametrize(
+    "kw,scale",
+    [(dict(dflash={"input_embedding_scale": 0.5}), 0.5), (dict(rope_parameters=YARN), 1.0)],
+)
+def test_input_embedding_scale_and_yarn_in_both_paths(kw, scale):
+    d = zlab_fixture(**kw)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False], scale)
+    with torch.no_grad():
+        plain = reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
+    assert (ref - plain).abs().max() > 1e-3  # the check can tell them apart
 
 
 # ---------------------------------------------------------------------------- scaled RoPE
-def test_yarn_rope_parameters_forward():
-    d = zlab_fixture(rope_parameters=YARN)
-    c = config.config_from_dict(d)
-    assert c.rope_theta == 10000.0 and c.rope_scaling == YARN_SCALING
-    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False])
-    with torch.no_grad():
-        plain = reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
-    assert (ref - plain).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -565,22 +553,16 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
         shard_by_hand(tmp_path / "spec")
     d = json.loads((tmp_path / "spec" / "config.json").read_text())
     c = draft.config
-    assert d["speculators_model_type"] == "dflash2" and d["architectures"] == ["DFlash2DraftModel"]
-    # target_layer_ids [0, 2, 3] + 1
-    assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert (d["draft_vocab_size"], d["block_size"], d["mask_token_id"]) == (64, 4, 63)
-    assert [d[k] for k in model.DFLASH2_FIELDS] == [2, 8, 8, 5]
-    assert d["sliding_window_non_causal"] is non_causal and d["sample_from_anchor"] is False
-    assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
-    assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    layer = d["transformer_layer_config"]
-    assert [layer[k] for k in ("model_type", "hidden_size", "num_hidden_layers")] == [
-        "qwen3",
-        32,
-        2,
-    ]
-    assert layer["layer_types"] == layer_types and "is_causal" not in layer
-    assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    # the layout speculators writes; aux ids: target_layer_ids [0, 2, 3] + 1
+    want = speculators_fixture(non_causal, aux_hidden_state_layer_ids=[1, 3, 4])
+    want["speculators_config"]["verifier"] = {"name_or_path": "Org/Target-4L", "architectures": []}
+    for k in ("auto_map", "transformers_version", "transformer_layer_config"):
+        del want[k]
+    layer = d.pop("transformer_layer_config")
+    assert d == want
+    named = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=2, layer_types=layer_types)
+    assert {k: layer[k] for k in named} == named and "is_causal" not in layer
+    assert layer["rope_parameters"] == rope(rope_type="default")
     assert layer.get("use_sliding_window", False) is (SLIDING in layer_types)
     back = export.load_any(str(tmp_path / "spec"))
     assert back.config == c
