@@ -237,7 +237,6 @@ def broken(d: dict, key: str, value) -> dict:
         ("dflash_config.mask_token_id", 64, "mask_token_id"),
         ("dflash_config.mask_token_id", -1, "mask_token_id"),
         ("dflash_config.final_logit_softcapping", 0.0, "final_logit_softcapping"),
-        ("dflash_config.final_logit_softcapping", -2.0, "final_logit_softcapping"),
         ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
         ("hidden_size", "32", "hidden_size"),
         ("num_key_value_heads", 3, "num_key_value_heads"),
@@ -282,22 +281,15 @@ def spec_tensor_shapes(c: DraftConfig):
     T, G, V, r = c.conv_kernel_size, c.conv_group_size, c.vocab_size, c.selector_rank
     s = {"fc.weight": (H, nt * H), "hidden_norm.weight": (H,)}
     for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q, H),
-                p + "self_attn.k_proj.weight": (kv, H),
-                p + "self_attn.v_proj.weight": (kv, H),
-                p + "self_attn.o_proj.weight": (H, q),
-                p + "self_attn.q_norm.weight": (c.head_dim,),
-                p + "self_attn.k_norm.weight": (c.head_dim,),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "mlp.gate_proj.weight": (FF, H),
-                p + "mlp.up_proj.weight": (FF, H),
-                p + "mlp.down_proj.weight": (H, FF),
-            }
+        p, n = f"layers.{i}.", (c.head_dim,)
+        attn = dict(
+            q_proj=(q, H), k_proj=(kv, H), v_proj=(kv, H), o_proj=(H, q), q_norm=n, k_norm=n
         )
+        mlp = dict(gate_proj=(FF, H), up_proj=(FF, H), down_proj=(H, FF))
+        s[p + "input_layernorm.weight"] = (H,)
+        s.update({f"{p}self_attn.{k}.weight": v for k, v in attn.items()})
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        s.update({f"{p}mlp.{k}.weight": v for k, v in mlp.items()})
         for conv in ("attention_conv", "mlp_conv"):
             s[p + conv + ".base_kernel"] = (2, T, H)
             s[p + conv + ".kernel_projection.weight"] = (2 * T * H // G, H)
@@ -646,10 +638,8 @@ def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
 )
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # CPU: unfused
 def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
-    """The real speculators 0.9.0 loads this project's fp32 `--format speculators` export, and its
-    training forward (_backbone_forward, one anchor) gives the block both of this project's paths
-    give at anchor 13 of 24 tokens: the same final hidden states and unary logits. Skipped without
-    speculators, which pins transformers<=5.19, so it runs in a venv of its own:
+    """speculators 0.9.0's training forward of the fp32 export gives both paths' block (anchor 13 of
+    24 tokens) and unary logits. It needs transformers<=5.19, so a venv of its own:
 
         python3 -m venv .venv-spec && . .venv-spec/bin/activate
         grep -v '^transformers' requirements.txt > .venv-spec/requirements.txt
