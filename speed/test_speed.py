@@ -248,86 +248,69 @@ needs_packed_bf16 = pytest.mark.skipif(not machine.packed_bf16_runs(), reason="n
 
 
 @pytest.mark.parametrize(
-    "dtype,tol", [(FP32, 1e-5), pytest.param(BF16, 2e-2, marks=needs_packed_bf16)]
+    "kind,dtype",
+    [
+        (PackedLinear, FP32),
+        pytest.param(PackedLinear, BF16, marks=needs_packed_bf16),
+        pytest.param(MklLinear, FP32, marks=needs_mkl),
+    ],
 )
-def test_packed_linear_equals_linear(dtype, tol):
+def test_packed_linears_equal_linear(kind, dtype):
+    """Exact up to rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|) for K = 24
+    terms; more than MklLinear.MAX_ROWS rows (prefill) take the stock GEMM."""
     torch.manual_seed(0)
     for bias in (False, True):
         lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
-        packed = PackedLinear(lin)
+        packed = kind(lin)
         assert packed.weight is lin.weight  # the dense weight stays readable
-        for x in inputs():
-            x = x.to(dtype)
-            want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
-            got = packed(x)
-            assert got.dtype == dtype and got.shape == want.shape
-            assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
-
-
-def test_pack_linears_swaps_every_linear_and_unpack_linears_undoes_it():
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    weights, head = dict(target.state_dict()), target.get_output_embeddings().weight
-    with torch.no_grad():
-        want = target(input_ids=ids).logits
-        # onednn, and mkl where it runs
-        for layout in machine.layouts_here(FP32, "cpu")[1:]:
-            pack_linears(target, layout)
-            kinds = [type(m) for m in target.modules() if isinstance(m, KINDS)]
-            assert kinds == [LAYOUTS[layout]] * (4 * 7 + 1) and layout_of(target) == layout
-            assert target.get_output_embeddings().weight is head  # the draft reads it
-            assert torch.allclose(target(input_ids=ids).logits, want, atol=1e-5)
-            unpack_linears(target)
-        got = target(input_ids=ids).logits
-    assert {type(m) for m in target.modules() if isinstance(m, KINDS)} == {torch.nn.Linear}
-    assert all(torch.equal(target.state_dict()[k], v) for k, v in weights.items())
-    assert torch.equal(got, want)
-    with pytest.raises(UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets"):
-        pack_linears(tiny_target("llama").half())
-
-
-@needs_mkl
-def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
-    """MklLinear: the weight packed for each row count the first time it comes, reused after, and
-    the product exact up to fp32 rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|)
-    for K = 24 terms; more than MAX_ROWS rows (prefill) take the stock GEMM and pack nothing."""
-    torch.manual_seed(0)
-    for bias in (False, True):
-        lin = torch.nn.Linear(24, 40, bias=bias)
-        mkl = MklLinear(lin)
-        assert mkl.weight is lin.weight and mkl.packs == {}
         for x in inputs((1, MklLinear.MAX_ROWS + 1, 24)):
-            b = lin.bias.double() if bias else 0
+            x, b = x.to(dtype), lin.bias.double() if bias else 0
             want = x.double() @ lin.weight.double().T + b
             scale = x.double().abs() @ lin.weight.double().abs().T + abs(b)
-            got = mkl(x)
-            assert got.dtype == FP32 and got.shape == want.shape
-            assert ((got.double() - want).abs() <= 24 * torch.finfo(FP32).eps * scale).all()
-        assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
-        pack = mkl.packs[6]
-        mkl(torch.randn(6, 24))
-        assert mkl.packs[6] is pack  # packed once
+            got = packed(x)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert ((got.double() - want).abs() <= 24 * torch.finfo(dtype).eps * scale).all()
 
 
 @needs_mkl
-def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
-    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and
-    coming back to MKL reuses the modules packed before (bench.py switches per prompt; packing is
-    not what it times)."""
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    mkl_modules = lambda: [m for m in target.modules() if isinstance(m, MklLinear)]
-    first = None
+def test_mkl_linear_packs_once_per_row_count():
+    """The weight packed for each row count the first time it comes, reused after; prefill's rows
+    pack nothing."""
+    mkl = MklLinear(torch.nn.Linear(24, 40))
+    assert mkl.packs == {}
+    for x in inputs((1, MklLinear.MAX_ROWS + 1, 24)):
+        mkl(x)
+    assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
+    pack = mkl.packs[6]
+    mkl(torch.randn(6, 24))
+    assert mkl.packs[6] is pack  # packed once
+
+
+def test_set_layout_switches_layouts_with_the_same_logits_and_keeps_the_packs():
+    """Coming back to a layout reuses its modules, MKL's packs included: bench.py switches layouts
+    per prompt, and packing is not what it times."""
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 5))
+    weights, head = dict(target.state_dict()), target.get_output_embeddings().weight
+    packed, seen = machine.layouts_here(FP32, "cpu")[1:], {}  # onednn, and mkl where it runs
     with torch.no_grad():
         want = target(input_ids=ids).logits
-        for layout in ("mkl", "onednn", "stock", "mkl"):
+        for layout in packed + ["stock"] + packed:
             set_layout(target, layout)
-            if first is not None and layout == "mkl":  # back: the same modules, packed for 5 rows
-                assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
-            got = target(input_ids=ids[:, :5]).logits
-            assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
-            first = first or mkl_modules()
-        assert len(first) == 4 * 7 + 1
-        set_layout(target, "stock")
-    assert not any(isinstance(m, (MklLinear, PackedLinear)) for m in target.modules())
+            linears = [m for m in target.modules() if isinstance(m, KINDS)]
+            kind = LAYOUTS.get(layout, torch.nn.Linear)
+            assert [type(m) for m in linears] == [kind] * (4 * 7 + 1)
+            assert target.get_output_embeddings().weight is head  # the draft reads it
+            back, known = layout in seen, seen.setdefault(layout, linears)
+            assert linears == known and layout_of(target) == layout
+            # MKL's packs for 5 rows: made by the first visit's forward, kept for the next
+            assert all(list(m.packs) == [5] * back for m in linears if kind is MklLinear)
+            assert torch.allclose(target(input_ids=ids).logits, want, atol=1e-5)
+        unpack_linears(target)  # the dense weights back in nn.Linear: the same logits, exactly
+        assert torch.equal(target(input_ids=ids).logits, want)
+    assert {type(m) for m in target.modules() if isinstance(m, KINDS)} == {torch.nn.Linear}
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in weights.items())
+    with pytest.raises(UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets"):
+        pack_linears(tiny_target("llama").half())
 
 
 # ============================================================================ speed/cost.py
