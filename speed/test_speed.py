@@ -42,11 +42,7 @@ CPUS = {
     "avx512-no-bf16": (("x86_64", "AVX512", False, False, ""), FP32, "cpu AVX512, no native bf16"),
     "avx2": (("x86_64", "AVX2", False, False, ""), FP32, "cpu AVX2, no native bf16"),
     "avx2-capped": (("x86_64", "AVX2", True, False, ""), FP32, "cpu AVX2 kernels (capped"),
-    "onednn-capped": (
-        ("x86_64", "AVX512", True, False, "AVX2"),
-        FP32,
-        "cpu AVX512 kernels (capped",
-    ),
+    "onednn-capped": (("x86_64", "AVX512", True, False, "AVX2"), FP32, "AVX512 kernels (capped"),
     "graviton": (("aarch64", "SVE256", False, False, ""), FP32, "unknown to the rule"),
     "apple": (("arm64", "DEFAULT", False, False, ""), FP32, "unknown to the rule"),
 }
@@ -65,9 +61,8 @@ def play_cpu(monkeypatch, cpu):
 
 @pytest.mark.parametrize("cpu", CPUS)
 def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch, cpu):
-    """auto: bf16 where the CPU has native bf16 (or on a GPU), fp32 else; decoding's target fp32
-    everywhere (lossless); a named dtype is kept. --compile auto compiles where the draft trains in
-    bf16; an explicit bf16 on a CPU without it gets a note."""
+    """auto: bf16 where native (or on a GPU), else fp32; decoding's target fp32 everywhere
+    (lossless); a named dtype is kept; --compile auto where the draft trains in bf16."""
     _, dtype, why = CPUS[cpu]
     play_cpu(monkeypatch, cpu)
     assert why in machine.native_bf16(machine.cpu_info())[1]
@@ -238,9 +233,9 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
 KINDS = (torch.nn.Linear, *LAYOUTS.values())
 
 
-def inputs(*shapes) -> list:
-    """Inputs of 1, 8, 2 x 3 rows and shapes', then a non-contiguous one of 5 rows."""
-    shapes = ((1, 1, 24), (1, 8, 24), (2, 3, 24), *shapes)
+def inputs() -> list:
+    """1, 8, 2 x 3 and 65 rows (past MklLinear.MAX_ROWS: prefill), then 5 non-contiguous ones."""
+    shapes = ((1, 1, 24), (1, 8, 24), (2, 3, 24), (1, MklLinear.MAX_ROWS + 1, 24))
     return [torch.randn(s) for s in shapes] + [torch.randn(24, 5).T]
 
 
@@ -256,14 +251,13 @@ needs_packed_bf16 = pytest.mark.skipif(not machine.packed_bf16_runs(), reason="n
     ],
 )
 def test_packed_linears_equal_linear(kind, dtype):
-    """Exact up to rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|) for K = 24
-    terms; more than MklLinear.MAX_ROWS rows (prefill) take the stock GEMM."""
+    """Exact up to rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|), K = 24."""
     torch.manual_seed(0)
     for bias in (False, True):
         lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
         packed = kind(lin)
         assert packed.weight is lin.weight  # the dense weight stays readable
-        for x in inputs((1, MklLinear.MAX_ROWS + 1, 24)):
+        for x in inputs():
             x, b = x.to(dtype), lin.bias.double() if bias else 0
             want = x.double() @ lin.weight.double().T + b
             scale = x.double().abs() @ lin.weight.double().abs().T + abs(b)
@@ -278,7 +272,7 @@ def test_mkl_linear_packs_once_per_row_count():
     pack nothing."""
     mkl = MklLinear(torch.nn.Linear(24, 40))
     assert mkl.packs == {}
-    for x in inputs((1, MklLinear.MAX_ROWS + 1, 24)):
+    for x in inputs():
         mkl(x)
     assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
     pack = mkl.packs[6]
@@ -376,9 +370,8 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
 
 # ============================================================================ speed/tune.py
 def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
-    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is
-    taken (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of
-    all."""
+    """Slots 1..L need r >= L + 1 rows: the fastest such r (ties: fewer rows); the full block may be
+    the cheapest of all, as bf16 on an AMX Xeon."""
     assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}
