@@ -313,8 +313,7 @@ def test_save_load_round_trip_and_contract(tmp_path):
     assert cfg["dflash_config"] == dict(zlab_fixture()["dflash_config"], **scalars)
     back = export.load_draft(str(tmp_path))
     assert back.config == c
-    for k, v in draft.state_dict().items():
-        assert torch.equal(v, back.state_dict()[k]), k
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
 
 
 def test_load_refuses_mismatched_tensors(tmp_path):
@@ -388,7 +387,8 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     d = zlab_fixture(rope_parameters=dict(rope_parameters))
     c = config.config_from_dict(d)
     inv_freq, scale = model.rope_frequencies(c)
-    want, want_scale = transformers_frequencies(c)
+    kind = rope_parameters["rope_type"]
+    want, want_scale = ROPE_INIT_FUNCTIONS[kind](qwen3_config(d), torch.device("cpu"))
     assert torch.equal(inv_freq, want) and scale == want_scale
     x, pos = torch.randn(1, 3, 7, 8), torch.tensor([[0, 5, 31, 40, 100, 200, 255]])
     ours = model.rope(x, pos, inv_freq, scale)  # [1, heads, L, hd]
@@ -398,20 +398,14 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     assert (ours - plain).abs().max() > 1e-2
 
 
-def transformers_frequencies(c: DraftConfig) -> tuple:
-    """(inverse frequencies, factor) of c.rope_scaling by transformers' ROPE_INIT_FUNCTIONS."""
-    hf = qwen3_config(config.config_to_dict(c))
-    return ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
-
-
 def test_rope_frequencies_follow_the_draft_and_stay_fp32():
     """inv_freq: a non-persistent buffer that follows replace() and .to(device), stays fp32 under
     .to(bf16) (rope() computes in fp32), and is in no export."""
     c = tiny_config(rope_scaling=YARN_SCALING)
-    fp32 = transformers_frequencies(c)[0]
+    fp32 = model.rope_frequencies(c)[0]
     for change in ({"rope_scaling": dict(YARN_SCALING, factor=8.0)}, {"rope_theta": 1e6}):
         changed = dataclasses.replace(c, **change)
-        want = transformers_frequencies(changed)[0]
+        want = model.rope_frequencies(changed)[0]
         assert not torch.equal(want, fp32), change
         assert torch.equal(DraftModel(changed).layers[0].self_attn.inv_freq, want), change
     plain = DraftModel(dataclasses.replace(c, rope_scaling=None)).layers[1].self_attn.inv_freq
