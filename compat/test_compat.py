@@ -21,6 +21,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
 
 import export
 import model
@@ -49,8 +52,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def zlab_fixture(dflash=None, **kw) -> dict:
-    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal,
-    rope_parameters."""
+    """A Z Lab / SpecForge style config.json: sliding and full layers, no is_causal."""
     d = {
         "architectures": ["DFlash2DraftModel"],
         "attention_bias": False,
@@ -99,16 +101,15 @@ def rms(x, norm):
     return norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
 
 
-def hf_rotate(layer_config: dict):
-    """RoPE as transformers' Qwen3RotaryEmbedding applies it to a Qwen3Config built from the
-    config.json fields, the way Z Lab's and speculators' drafts do: x [L, heads, hd] at positions
-    pos -> rotated."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, rotate_half
+def qwen3_config(d: dict) -> Qwen3Config:
+    """The Qwen3Config that Z Lab's and speculators' drafts build from config.json d."""
+    return Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"})
 
-    emb = Qwen3RotaryEmbedding(
-        Qwen3Config(**{k: v for k, v in layer_config.items() if k != "dflash_config"})
-    )
+
+def hf_rotate(layer_config: dict):
+    """RoPE as transformers' Qwen3RotaryEmbedding applies it: x [L, heads, hd] at positions pos ->
+    rotated."""
+    emb = Qwen3RotaryEmbedding(qwen3_config(layer_config))
 
     def rotate(x, pos):
         cos, sin = emb(x, torch.tensor([pos]))  # [1, L, hd]
@@ -191,23 +192,29 @@ def block_follows_the_rule(d, causal, scale=1.0, draft=None):
     return draft, inputs, ref
 
 
-YARN = {
-    "rope_theta": 10000.0,
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
+def rope(**p) -> dict:
+    return {"rope_theta": 1e4, **p}
+
+
+YARN = rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
 YARN_SCALING = {k: v for k, v in YARN.items() if k != "rope_theta"}
 
 
 DELETE = object()
 
 
+def broken(d: dict, key: str, value) -> dict:
+    """d with d[key] set to value, or deleted for DELETE; "a.b" reaches into d["a"]."""
+    *outer, k = key.split(".")
+    target = d[outer[0]] if outer else d
+    if value is DELETE:
+        del target[k]
+    else:
+        target[k] = value
+    return d
+
+
 # ============================================================================ compat/config_json.py
-def rope(**p) -> dict:
-    return {"rope_theta": 1e4, **p}
-
-
 @pytest.mark.parametrize(
     "key,value,named",
     [
@@ -230,7 +237,6 @@ def rope(**p) -> dict:
         ("dflash_config.mask_token_id", 64, "mask_token_id"),
         ("dflash_config.mask_token_id", -1, "mask_token_id"),
         ("dflash_config.final_logit_softcapping", 0.0, "final_logit_softcapping"),
-        ("dflash_config.final_logit_softcapping", -2.0, "final_logit_softcapping"),
         ("dflash_config.input_embedding_scale", "2", "input_embedding_scale"),
         ("hidden_size", "32", "hidden_size"),
         ("num_key_value_heads", 3, "num_key_value_heads"),
@@ -262,48 +268,28 @@ def rope(**p) -> dict:
     ],
 )
 def test_each_validation_rule_raises(key, value, named):
-    """Each rule of a config.json (docs/semantics.md, section 3), broken in Z Lab's layout, is
-    refused naming the field."""
-    d = zlab_fixture()
-    target, k = (d["dflash_config"], key[14:]) if key.startswith("dflash_config.") else (d, key)
-    if value is DELETE:
-        del target[k]
-    else:
-        target[k] = value
+    """Each rule of docs/semantics.md, section 3, broken in Z Lab's layout, is refused by name."""
     with pytest.raises(UsageError, match=named):
-        config.config_from_dict(d, source="draft/config.json")
+        config.config_from_dict(broken(zlab_fixture(), key, value), source="draft/config.json")
 
 
 def spec_tensor_shapes(c: DraftConfig):
     """docs/semantics.md, section 3: the tensor list in state_dict order, written out independently
     of model.py."""
     H, FF, nt = c.hidden_size, c.intermediate_size, len(c.target_layer_ids)
-    q, kv, T, G, V, r = (
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-        c.conv_kernel_size,
-        c.conv_group_size,
-        c.vocab_size,
-        c.selector_rank,
-    )
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    T, G, V, r = c.conv_kernel_size, c.conv_group_size, c.vocab_size, c.selector_rank
     s = {"fc.weight": (H, nt * H), "hidden_norm.weight": (H,)}
     for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        s.update(
-            {
-                p + "input_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q, H),
-                p + "self_attn.k_proj.weight": (kv, H),
-                p + "self_attn.v_proj.weight": (kv, H),
-                p + "self_attn.o_proj.weight": (H, q),
-                p + "self_attn.q_norm.weight": (c.head_dim,),
-                p + "self_attn.k_norm.weight": (c.head_dim,),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "mlp.gate_proj.weight": (FF, H),
-                p + "mlp.up_proj.weight": (FF, H),
-                p + "mlp.down_proj.weight": (H, FF),
-            }
+        p, n = f"layers.{i}.", (c.head_dim,)
+        attn = dict(
+            q_proj=(q, H), k_proj=(kv, H), v_proj=(kv, H), o_proj=(H, q), q_norm=n, k_norm=n
         )
+        mlp = dict(gate_proj=(FF, H), up_proj=(FF, H), down_proj=(H, FF))
+        s[p + "input_layernorm.weight"] = (H,)
+        s.update({f"{p}self_attn.{k}.weight": v for k, v in attn.items()})
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        s.update({f"{p}mlp.{k}.weight": v for k, v in mlp.items()})
         for conv in ("attention_conv", "mlp_conv"):
             s[p + conv + ".base_kernel"] = (2, T, H)
             s[p + conv + ".kernel_projection.weight"] = (2 * T * H // G, H)
@@ -323,21 +309,11 @@ def test_save_load_round_trip_and_contract(tmp_path):
     assert shapes == spec_tensor_shapes(c)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == dict(
-        block_size=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=63,
-        conv_kernel_size=2,
-        conv_group_size=8,
-        selector_rank=8,
-        selector_top_k=5,
-        output_multiplier=0.5,
-        final_logit_softcapping=20.0,
-    )
+    scalars = dict(output_multiplier=0.5, final_logit_softcapping=20.0)
+    assert cfg["dflash_config"] == dict(zlab_fixture()["dflash_config"], **scalars)
     back = export.load_draft(str(tmp_path))
     assert back.config == c
-    for k, v in draft.state_dict().items():
-        assert torch.equal(v, back.state_dict()[k]), k
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
 
 
 def test_load_refuses_mismatched_tensors(tmp_path):
@@ -353,18 +329,15 @@ def test_load_refuses_mismatched_tensors(tmp_path):
         export.load_draft(str(tmp_path))
 
 
-def test_published_27b_layout_parameter_count():
-    c = config.load_config(os.path.join(HERE, "configs", "qwen3.8-27b-dflash2.json"))
-    with torch.device("meta"):
-        m = DraftModel(c)
-    assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
-    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == spec_tensor_shapes(c)
-
-
-def test_shipped_configs_load():
+def test_shipped_configs_load_with_the_published_tensors():
     for name in os.listdir(os.path.join(HERE, "configs")):
         if name.endswith(".json"):  # *.flags: recipes, not drafts
-            assert config.load_config(os.path.join(HERE, "configs", name)).dflash2
+            c = config.load_config(os.path.join(HERE, "configs", name))
+            with torch.device("meta"):
+                m = DraftModel(c)
+            assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == spec_tensor_shapes(c)
+            if name == "qwen3.8-27b-dflash2.json":  # the published model's size
+                assert sum(p.numel() for p in m.parameters()) == 1_924_404_480
 
 
 # ============================================================================ checkpoint formats
@@ -383,26 +356,19 @@ def test_zlab_layout_causality_matches_the_public_loaders(is_causal, causal):
     assert (ref - other).abs().max() > 1e-3  # the check can tell them apart
 
 
-def test_input_embedding_scale_in_both_paths():
-    d = zlab_fixture(dflash={"input_embedding_scale": 0.5})
-    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False], scale=0.5)
-    plain = DraftModel(config.config_from_dict(zlab_fixture()))
-    plain.load_state_dict(draft.state_dict())
-    with torch.no_grad():  # by hand: the table halved
-        halved = both_paths(plain, embed_w * 0.5, feats, ids, 9)
-        assert all(map(torch.equal, both_paths(draft, embed_w, feats, ids, 9), halved))
-        assert (ref - both_paths(plain, embed_w, feats, ids, 9)[0]).abs().max() > 1e-3
+@pytest.mark.parametrize(
+    "kw,scale",
+    [(dict(dflash={"input_embedding_scale": 0.5}), 0.5), (dict(rope_parameters=YARN), 1.0)],
+)
+def test_input_embedding_scale_and_yarn_in_both_paths(kw, scale):
+    d = zlab_fixture(**kw)
+    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False], scale)
+    with torch.no_grad():
+        plain = reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
+    assert (ref - plain).abs().max() > 1e-3  # the check can tell them apart
 
 
 # ---------------------------------------------------------------------------- scaled RoPE
-def test_yarn_rope_parameters_forward():
-    d = zlab_fixture(rope_parameters=YARN)
-    c = config.config_from_dict(d)
-    assert c.rope_theta == 10000.0 and c.rope_scaling == YARN_SCALING
-    draft, (embed_w, feats, ids), ref = block_follows_the_rule(d, [True, False])
-    with torch.no_grad():
-        plain = reference_block(draft, zlab_fixture(), embed_w, feats, ids, 9, [True, False])
-    assert (ref - plain).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -410,25 +376,19 @@ def test_yarn_rope_parameters_forward():
     [
         YARN,
         dict(YARN, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=0.8, truncate=False),
-        {
-            "rope_theta": 500000.0,
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-        {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0},
+        # wavelengths 6.3, 63, 628, 6283 against 16 and 64: kept, smoothed, scaled
+        dict(YARN, rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0),
+        rope(rope_type="linear", factor=2.0),
     ],
 )
 def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
-    """model.rope_frequencies computes a scaled RoPE as transformers' own init functions do, bit for
-    bit, given the Qwen3Config a public loader builds from the same config.json; so the rotation
-    is transformers' Qwen3RotaryEmbedding's."""
+    """model.rope_frequencies equals transformers' init functions bit for bit, so the rotation is
+    Qwen3RotaryEmbedding's."""
     d = zlab_fixture(rope_parameters=dict(rope_parameters))
     c = config.config_from_dict(d)
     inv_freq, scale = model.rope_frequencies(c)
-    want, want_scale = transformers_frequencies(c)
+    kind = rope_parameters["rope_type"]
+    want, want_scale = ROPE_INIT_FUNCTIONS[kind](qwen3_config(d), torch.device("cpu"))
     assert torch.equal(inv_freq, want) and scale == want_scale
     x, pos = torch.randn(1, 3, 7, 8), torch.tensor([[0, 5, 31, 40, 100, 200, 255]])
     ours = model.rope(x, pos, inv_freq, scale)  # [1, heads, L, hd]
@@ -438,33 +398,14 @@ def test_scaled_rope_equals_transformers_rotary_embedding(rope_parameters):
     assert (ours - plain).abs().max() > 1e-2
 
 
-def transformers_frequencies(c: DraftConfig) -> tuple:
-    """(inverse frequencies, factor) of c.rope_scaling by transformers' ROPE_INIT_FUNCTIONS."""
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = Qwen3Config(
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
-    )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[c.rope_scaling["rope_type"]](hf, torch.device("cpu"))
-    return inv_freq, scale
-
-
 def test_rope_frequencies_follow_the_draft_and_stay_fp32():
-    """inv_freq is a non-persistent buffer of each Attention, computed from the config's fields: a
-    RoPE field changed by dataclasses.replace changes it (a cache copied along would keep the old).
-    draft.to(device) moves it, so rope() copies nothing from the host per call on a GPU;
-    draft.to(bf16) leaves it fp32, since rope() computes in fp32; state_dict, and so every export,
-    holds the same tensors as before, in order."""
+    """inv_freq: a non-persistent buffer that follows replace() and .to(device), stays fp32 under
+    .to(bf16) (rope() computes in fp32), and is in no export."""
     c = tiny_config(rope_scaling=YARN_SCALING)
-    fp32 = transformers_frequencies(c)[0]
+    fp32 = model.rope_frequencies(c)[0]
     for change in ({"rope_scaling": dict(YARN_SCALING, factor=8.0)}, {"rope_theta": 1e6}):
         changed = dataclasses.replace(c, **change)
-        want = transformers_frequencies(changed)[0]
+        want = model.rope_frequencies(changed)[0]
         assert not torch.equal(want, fp32), change
         assert torch.equal(DraftModel(changed).layers[0].self_attn.inv_freq, want), change
     plain = DraftModel(dataclasses.replace(c, rope_scaling=None)).layers[1].self_attn.inv_freq
@@ -507,14 +448,10 @@ def test_harmless_fields_accepted_and_old_names_read():
     old = zlab_fixture(torch_dtype="bfloat16", rope_theta=10000.0)
     del old["dtype"], old["rope_parameters"], old["use_sliding_window"]
     assert config.config_from_dict(old) == base
-    legacy = zlab_fixture(
-        rope_theta=10000.0,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    )
-    del legacy["rope_parameters"]
-    assert config.config_from_dict(legacy) == config.config_from_dict(
-        zlab_fixture(rope_parameters=YARN)
-    )
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    legacy = broken(zlab_fixture(rope_theta=1e4, rope_scaling=scaling), "rope_parameters", DELETE)
+    yarn = config.config_from_dict(zlab_fixture(rope_parameters=YARN))
+    assert config.config_from_dict(legacy) == yarn
     # the shipped configs use the old names; what this code writes uses the current ones
     c = config.load_config(os.path.join(HERE, "configs", "qwen3-8b-dflash2.json"))
     written = config.config_to_dict(c)
@@ -595,22 +532,16 @@ def test_speculators_export_round_trip(tmp_path, is_causal, layer_types, non_cau
         shard_by_hand(tmp_path / "spec")
     d = json.loads((tmp_path / "spec" / "config.json").read_text())
     c = draft.config
-    assert d["speculators_model_type"] == "dflash2" and d["architectures"] == ["DFlash2DraftModel"]
-    # target_layer_ids [0, 2, 3] + 1
-    assert d["aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert (d["draft_vocab_size"], d["block_size"], d["mask_token_id"]) == (64, 4, 63)
-    assert [d[k] for k in model.DFLASH2_FIELDS] == [2, 8, 8, 5]
-    assert d["sliding_window_non_causal"] is non_causal and d["sample_from_anchor"] is False
-    assert d["speculators_config"]["verifier"]["name_or_path"] == "Org/Target-4L"
-    assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    layer = d["transformer_layer_config"]
-    assert [layer[k] for k in ("model_type", "hidden_size", "num_hidden_layers")] == [
-        "qwen3",
-        32,
-        2,
-    ]
-    assert layer["layer_types"] == layer_types and "is_causal" not in layer
-    assert layer["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    # the layout speculators writes; aux ids: target_layer_ids [0, 2, 3] + 1
+    want = speculators_fixture(non_causal, aux_hidden_state_layer_ids=[1, 3, 4])
+    want["speculators_config"]["verifier"] = {"name_or_path": "Org/Target-4L", "architectures": []}
+    for k in ("auto_map", "transformers_version", "transformer_layer_config"):
+        del want[k]
+    layer = d.pop("transformer_layer_config")
+    assert d == want
+    named = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=2, layer_types=layer_types)
+    assert {k: layer[k] for k in named} == named and "is_causal" not in layer
+    assert layer["rope_parameters"] == rope(rope_type="default")
     assert layer.get("use_sliding_window", False) is (SLIDING in layer_types)
     back = export.load_any(str(tmp_path / "spec"))
     assert back.config == c
@@ -640,31 +571,24 @@ def test_speculators_checkpoint_with_verifier_copies(tmp_path, non_causal, causa
         config.load_config(str(tmp_path))
 
 
-def spec_layer(**kw) -> dict:
-    return dict(speculators_fixture()["transformer_layer_config"], **kw)
-
-
 @pytest.mark.parametrize(
-    "change,named",
+    "key,value,named",
     [
-        (dict(sample_from_anchor=True), "sample_from_anchor"),
-        (dict(draft_vocab_size=32), "draft_vocab_size"),
-        (dict(target_hidden_size=64), "target_hidden_size"),
-        (dict(aux_hidden_state_layer_ids=[0, 3]), "aux_hidden_state_layer_ids"),
-        (dict(speculators_model_type="dflash"), "speculators_model_type"),
-        (dict(markov_rank=256), "markov_rank"),
-        (dict(sliding_window_non_causal=DELETE), "sliding_window_non_causal"),
-        (dict(block_size=8), "speculative_tokens"),
-        (dict(transformer_layer_config=spec_layer(attention_bias=True)), "attention_bias"),
-        (dict(transformer_layer_config=spec_layer(is_causal=False)), "is_causal"),
+        ("sample_from_anchor", True, "sample_from_anchor"),
+        ("draft_vocab_size", 32, "draft_vocab_size"),
+        ("target_hidden_size", 64, "target_hidden_size"),
+        ("aux_hidden_state_layer_ids", [0, 3], "aux_hidden_state_layer_ids"),
+        ("speculators_model_type", "dflash", "speculators_model_type"),
+        ("markov_rank", 256, "markov_rank"),
+        ("sliding_window_non_causal", DELETE, "sliding_window_non_causal"),
+        ("block_size", 8, "speculative_tokens"),
+        ("transformer_layer_config.attention_bias", True, "attention_bias"),
+        ("transformer_layer_config.is_causal", False, "is_causal"),
     ],
 )
-def test_speculators_fields_refused_by_name(tmp_path, change, named):
-    d = speculators_fixture(**{k: v for k, v in change.items() if v is not DELETE})
-    for k in [k for k, v in change.items() if v is DELETE]:
-        del d[k]
+def test_speculators_fields_refused_by_name(key, value, named):
     with pytest.raises(UsageError, match=named):
-        speculators.config_from_speculators(d, "spec/config.json")
+        speculators.config_from_speculators(broken(speculators_fixture(), key, value), "spec")
 
 
 @pytest.mark.parametrize(
@@ -701,10 +625,8 @@ def test_speculators_export_refuses_what_it_cannot_say(tmp_path, kw, named):
 )
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # CPU: unfused
 def test_speculators_library_computes_the_same_block(tmp_path, layout, differs):
-    """The real speculators 0.9.0 loads this project's fp32 `--format speculators` export, and its
-    training forward (_backbone_forward, one anchor) gives the block both of this project's paths
-    give at anchor 13 of 24 tokens: the same final hidden states and unary logits. Skipped without
-    speculators, which pins transformers<=5.19, so it runs in a venv of its own:
+    """speculators 0.9.0's training forward of the fp32 export gives both paths' block (anchor 13 of
+    24 tokens) and unary logits. It needs transformers<=5.19, so a venv of its own:
 
         python3 -m venv .venv-spec && . .venv-spec/bin/activate
         grep -v '^transformers' requirements.txt > .venv-spec/requirements.txt

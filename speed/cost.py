@@ -30,8 +30,7 @@ def median_ms(fn, repeats: int, device=torch.device("cpu")) -> float:
 
 @torch.no_grad()
 def target_ms(target, context: int, tokens: int, repeats: int, rows: int = 1) -> float:
-    """Median ms of a target forward of `tokens` new tokens after `context` cached ones, `rows`
-    rows."""
+    """Median ms of a forward of `tokens` new tokens after `context` cached ones, in `rows` rows."""
     gen, dev = torch.Generator().manual_seed(0), next(target.parameters()).device
     vocab = target.config.vocab_size
     cache = new_cache(target)
@@ -72,8 +71,7 @@ def head_rows(draft, head, repeats: int = 3) -> dict:
 
 
 def fastest_head(draft, target, head=None):
-    """-> a FastestRows of head (int8.py's) or else the target's in the draft's precision, for the
-    decoding loops' `head`."""
+    """The loops' `head`: FastestRows of head (int8.py's) or the target's in the draft's dtype."""
     head = head or embed_and_head(target, draft)[1]
     return FastestRows(head, head_rows(draft, head))
 
@@ -118,8 +116,7 @@ def target_key(target) -> str:
 
 
 def decode_table(target, sizes, context: int = 200, repeats: int = 7) -> dict:
-    """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, measured once per
-    machine."""
+    """{layout: {n: ms}}: batch-1 target forwards of n tokens in each layout, cached."""
 
     def measure():
         return {str(n): target_ms(target, context, n, repeats) for n in sizes}

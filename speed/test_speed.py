@@ -42,11 +42,7 @@ CPUS = {
     "avx512-no-bf16": (("x86_64", "AVX512", False, False, ""), FP32, "cpu AVX512, no native bf16"),
     "avx2": (("x86_64", "AVX2", False, False, ""), FP32, "cpu AVX2, no native bf16"),
     "avx2-capped": (("x86_64", "AVX2", True, False, ""), FP32, "cpu AVX2 kernels (capped"),
-    "onednn-capped": (
-        ("x86_64", "AVX512", True, False, "AVX2"),
-        FP32,
-        "cpu AVX512 kernels (capped",
-    ),
+    "onednn-capped": (("x86_64", "AVX512", True, False, "AVX2"), FP32, "AVX512 kernels (capped"),
     "graviton": (("aarch64", "SVE256", False, False, ""), FP32, "unknown to the rule"),
     "apple": (("arm64", "DEFAULT", False, False, ""), FP32, "unknown to the rule"),
 }
@@ -65,9 +61,8 @@ def play_cpu(monkeypatch, cpu):
 
 @pytest.mark.parametrize("cpu", CPUS)
 def test_machine_rule_picks_each_phases_dtype_from_what_the_cpu_has(monkeypatch, cpu):
-    """auto: bf16 where the CPU has native bf16 (or on a GPU), fp32 else; decoding's target fp32
-    everywhere (lossless); a named dtype is kept. --compile auto compiles where the draft trains in
-    bf16; an explicit bf16 on a CPU without it gets a note."""
+    """auto: bf16 where native (or on a GPU), else fp32; decoding's target fp32 everywhere
+    (lossless); a named dtype is kept; --compile auto where the draft trains in bf16."""
     _, dtype, why = CPUS[cpu]
     play_cpu(monkeypatch, cpu)
     assert why in machine.native_bf16(machine.cpu_info())[1]
@@ -155,16 +150,6 @@ def test_machine_rule_picks_the_layout_and_refuses_what_cannot_run(monkeypatch):
         choose(FP32, "cpu", "mkl", never)
 
 
-def test_packed_bf16_probe_agrees_with_the_kernel():
-    """packed_bf16_runs asks oneDNN itself: true exactly where a packed bf16 linear runs."""
-    try:
-        PackedLinear(torch.nn.Linear(4, 3).bfloat16())(torch.randn(2, 4, dtype=BF16))
-        runs = True
-    except RuntimeError:
-        runs = False
-    assert machine.packed_bf16_runs() == runs
-
-
 def test_machine_cache_measures_once_per_machine_and_what(monkeypatch, tmp_path):
     path = tmp_path / "c" / "machine.json"
     monkeypatch.setattr(machine, "cache_path", lambda: str(path))
@@ -238,96 +223,79 @@ def test_every_script_asks_the_machine_rule_for_its_dtypes(monkeypatch, tmp_path
 KINDS = (torch.nn.Linear, *LAYOUTS.values())
 
 
-def inputs(*shapes) -> list:
-    """Inputs of 1, 8, 2 x 3 rows and shapes', then a non-contiguous one of 5 rows."""
-    shapes = ((1, 1, 24), (1, 8, 24), (2, 3, 24), *shapes)
+def inputs() -> list:
+    """1, 8, 2 x 3 and 65 rows (past MklLinear.MAX_ROWS: prefill), then 5 non-contiguous ones."""
+    shapes = ((1, 1, 24), (1, 8, 24), (2, 3, 24), (1, MklLinear.MAX_ROWS + 1, 24))
     return [torch.randn(s) for s in shapes] + [torch.randn(24, 5).T]
 
 
-needs_packed_bf16 = pytest.mark.skipif(not machine.packed_bf16_runs(), reason="no oneDNN bf16")
-
-
 @pytest.mark.parametrize(
-    "dtype,tol", [(FP32, 1e-5), pytest.param(BF16, 2e-2, marks=needs_packed_bf16)]
+    "kind,dtype",
+    [
+        (PackedLinear, FP32),
+        (PackedLinear, BF16),
+        pytest.param(MklLinear, FP32, marks=needs_mkl),
+    ],
 )
-def test_packed_linear_equals_linear(dtype, tol):
+def test_packed_linears_equal_linear(kind, dtype):
+    """Exact up to rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|), K = 24."""
     torch.manual_seed(0)
+    if dtype == BF16 and not machine.packed_bf16_runs():  # the probe agrees with oneDNN
+        with pytest.raises(RuntimeError):
+            kind(torch.nn.Linear(4, 3).bfloat16())(torch.randn(2, 4, dtype=BF16))
+        return
     for bias in (False, True):
         lin = torch.nn.Linear(24, 40, bias=bias).to(dtype)
-        packed = PackedLinear(lin)
+        packed = kind(lin)
         assert packed.weight is lin.weight  # the dense weight stays readable
         for x in inputs():
-            x = x.to(dtype)
-            want = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
-            got = packed(x)
-            assert got.dtype == dtype and got.shape == want.shape
-            assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
-
-
-def test_pack_linears_swaps_every_linear_and_unpack_linears_undoes_it():
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    weights, head = dict(target.state_dict()), target.get_output_embeddings().weight
-    with torch.no_grad():
-        want = target(input_ids=ids).logits
-        # onednn, and mkl where it runs
-        for layout in machine.layouts_here(FP32, "cpu")[1:]:
-            pack_linears(target, layout)
-            kinds = [type(m) for m in target.modules() if isinstance(m, KINDS)]
-            assert kinds == [LAYOUTS[layout]] * (4 * 7 + 1) and layout_of(target) == layout
-            assert target.get_output_embeddings().weight is head  # the draft reads it
-            assert torch.allclose(target(input_ids=ids).logits, want, atol=1e-5)
-            unpack_linears(target)
-        got = target(input_ids=ids).logits
-    assert {type(m) for m in target.modules() if isinstance(m, KINDS)} == {torch.nn.Linear}
-    assert all(torch.equal(target.state_dict()[k], v) for k, v in weights.items())
-    assert torch.equal(got, want)
-    with pytest.raises(UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets"):
-        pack_linears(tiny_target("llama").half())
-
-
-@needs_mkl
-def test_mkl_linear_packs_once_per_row_count_and_equals_linear():
-    """MklLinear: the weight packed for each row count the first time it comes, reused after, and
-    the product exact up to fp32 rounding in any summation order: |error| <= K eps (|x| |W|^T + |b|)
-    for K = 24 terms; more than MAX_ROWS rows (prefill) take the stock GEMM and pack nothing."""
-    torch.manual_seed(0)
-    for bias in (False, True):
-        lin = torch.nn.Linear(24, 40, bias=bias)
-        mkl = MklLinear(lin)
-        assert mkl.weight is lin.weight and mkl.packs == {}
-        for x in inputs((1, MklLinear.MAX_ROWS + 1, 24)):
-            b = lin.bias.double() if bias else 0
+            x, b = x.to(dtype), lin.bias.double() if bias else 0
             want = x.double() @ lin.weight.double().T + b
             scale = x.double().abs() @ lin.weight.double().abs().T + abs(b)
-            got = mkl(x)
-            assert got.dtype == FP32 and got.shape == want.shape
-            assert ((got.double() - want).abs() <= 24 * torch.finfo(FP32).eps * scale).all()
-        assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
-        pack = mkl.packs[6]
-        mkl(torch.randn(6, 24))
-        assert mkl.packs[6] is pack  # packed once
+            got = packed(x)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert ((got.double() - want).abs() <= 24 * torch.finfo(dtype).eps * scale).all()
 
 
 @needs_mkl
-def test_set_layout_switches_layouts_and_keeps_the_mkl_packs():
-    """set_layout moves the target between stock, oneDNN and MKL linears with the same logits, and
-    coming back to MKL reuses the modules packed before (bench.py switches per prompt; packing is
-    not what it times)."""
-    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 11))
-    mkl_modules = lambda: [m for m in target.modules() if isinstance(m, MklLinear)]
-    first = None
+def test_mkl_linear_packs_once_per_row_count():
+    """The weight packed for each row count the first time it comes, reused after; prefill's rows
+    pack nothing."""
+    mkl = MklLinear(torch.nn.Linear(24, 40))
+    assert mkl.packs == {}
+    for x in inputs():
+        mkl(x)
+    assert sorted(mkl.packs) == [1, 5, 6, 8]  # 1, 8, 2 x 3 and 5 rows; not 65
+    pack = mkl.packs[6]
+    mkl(torch.randn(6, 24))
+    assert mkl.packs[6] is pack  # packed once
+
+
+def test_set_layout_switches_layouts_with_the_same_logits_and_keeps_the_packs():
+    """Coming back to a layout reuses its modules, MKL's packs included: bench.py switches layouts
+    per prompt, and packing is not what it times."""
+    target, ids = tiny_target("llama"), torch.randint(0, 64, (1, 5))
+    weights, head = dict(target.state_dict()), target.get_output_embeddings().weight
+    packed, seen = machine.layouts_here(FP32, "cpu")[1:], {}  # onednn, and mkl where it runs
     with torch.no_grad():
         want = target(input_ids=ids).logits
-        for layout in ("mkl", "onednn", "stock", "mkl"):
+        for layout in packed + ["stock"] + packed:
             set_layout(target, layout)
-            if first is not None and layout == "mkl":  # back: the same modules, packed for 5 rows
-                assert mkl_modules() == first and all(list(m.packs) == [5] for m in first)
-            got = target(input_ids=ids[:, :5]).logits
-            assert layout_of(target) == layout and torch.allclose(got, want[:, :5], atol=1e-5)
-            first = first or mkl_modules()
-        assert len(first) == 4 * 7 + 1
-        set_layout(target, "stock")
-    assert not any(isinstance(m, (MklLinear, PackedLinear)) for m in target.modules())
+            linears = [m for m in target.modules() if isinstance(m, KINDS)]
+            kind = LAYOUTS.get(layout, torch.nn.Linear)
+            assert [type(m) for m in linears] == [kind] * (4 * 7 + 1)
+            assert target.get_output_embeddings().weight is head  # the draft reads it
+            back, known = layout in seen, seen.setdefault(layout, linears)
+            assert linears == known and layout_of(target) == layout
+            # MKL's packs for 5 rows: made by the first visit's forward, kept for the next
+            assert all(list(m.packs) == [5] * back for m in linears if kind is MklLinear)
+            assert torch.allclose(target(input_ids=ids).logits, want, atol=1e-5)
+        unpack_linears(target)  # the dense weights back in nn.Linear: the same logits, exactly
+        assert torch.equal(target(input_ids=ids).logits, want)
+    assert {type(m) for m in target.modules() if isinstance(m, KINDS)} == {torch.nn.Linear}
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in weights.items())
+    with pytest.raises(UsageError, match="--target-gemm onednn: only for fp32 or bf16 targets"):
+        pack_linears(tiny_target("llama").half())
 
 
 # ============================================================================ speed/cost.py
@@ -393,9 +361,8 @@ def test_int8_draft_keeps_fc_in_fp32_and_its_head_in_int8():
 
 # ============================================================================ speed/tune.py
 def test_head_rows_takes_the_fastest_row_count_that_covers_the_slots():
-    """B = 5: the head timed over r = 2..5 rows; slots 1..L need r >= L + 1, the fastest such r is
-    taken (ties: the fewer rows). Like bf16 on an AMX Xeon, where the full block was the cheapest of
-    all."""
+    """Slots 1..L need r >= L + 1 rows: the fastest such r (ties: fewer rows); the full block may be
+    the cheapest of all, as bf16 on an AMX Xeon."""
     assert cost.fastest_rows({2: 3.0, 3: 2.5, 4: 9.0, 5: 8.0}, 5) == {1: 3, 2: 3, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 100.0, 3: 95.0, 4: 94.0, 5: 13.0}, 5) == {1: 5, 2: 5, 3: 5, 4: 5}
     assert cost.fastest_rows({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 5) == {1: 2, 2: 3, 3: 4, 4: 5}

@@ -44,10 +44,8 @@ def add_flags(a):
 
 
 def choose(args, B: int) -> tuple:
-    """generate.py's flags -> (--draft-dtype, --target-gemm, the verify shapes, the line saying what
-    --fast replaced, "" without it); B: the draft's block size. The defaults run what decoding.py
-    shows (the draft as trained, stock GEMMs, the path of B-1 drafts); --fast puts auto, auto and a
-    tree of FAST_TREE nodes in place of those not given."""
+    """generate.py's flags -> (--draft-dtype, --target-gemm, the verify shapes: ("path", k) then
+    ("tree", n), the line saying what --fast replaced, "" without it); B: the draft's block size."""
     draft_dtype, target_gemm = args.draft_dtype, args.target_gemm
     paths, trees = args.verify_tokens or [], args.tree_budget or []
     replaced = []
@@ -63,20 +61,14 @@ def choose(args, B: int) -> tuple:
             replaced.append(f"--tree-budget {FAST_TREE} for the {label(('path', B - 1))}")
         else:
             paths = [B - 1]
-    shapes = verify_shapes(paths, trees, B)
-    line = "--fast: " + (", ".join(replaced) or "nothing to replace, all three given")
-    return draft_dtype, target_gemm, shapes, line if args.fast else ""
-
-
-def verify_shapes(paths: list, trees: list, B: int) -> list:
-    """--verify-tokens' and --tree-budget's values -> ("path", k) for each k, then ("tree", n) for
-    each n. A path verifies at most the B-1 drafts a cycle proposes."""
-    if any(k >= B for k in paths):
+    if any(k >= B for k in paths):  # a path verifies at most the B-1 drafts a cycle proposes
         raise UsageError(
             f"--verify-tokens: at most {B - 1}, the drafts this draft proposes a cycle (block size "
             f"{B})"
         )
-    return [("path", k) for k in paths] + [("tree", n) for n in trees]
+    shapes = [("path", k) for k in paths] + [("tree", n) for n in trees]
+    line = "--fast: " + (", ".join(replaced) or "nothing to replace, all three given")
+    return draft_dtype, target_gemm, shapes, line if args.fast else ""
 
 
 def data_target(target, dtype, wanted: str):
