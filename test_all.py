@@ -3,18 +3,11 @@ test (explicit loops, closed forms, hand-worked numbers) or is an exact identity
 CPU.
 
 Part 1, the method by hand, is the tests marked `method` (python -m pytest -m method -q
-test_all.py), one banner per file in the reading order, the tests the mutation run found
-(tools/mutants.py) and the properties over random small configs (hypothesis) under the
-file whose rule they pin. Part 2 follows the pipeline: data, train, prepare, export,
-generate. Part 1 needs only the mechanism (conv, selector, attention, model, loss, decoding,
-tree), imported first; the pipeline and the machinery it stands on (support/, compat/, speed/)
-are imported in one guarded block after it, so that -m method collects and passes even where
-one of them does not import (tools/form.py checks it), while a full run fails with the import's
-error (test_the_pipeline_imports). The tests of support/, compat/, speed/ and tools/ are beside
-their packages (support/test_support.py, ...): python -m pytest -q runs them all. The repository's
-form (imports one way, the maps, cited names, the line budgets, the docs against the code) is
-checked apart, by python -m pytest -q tools/form.py, so that an edit of the method fails only a
-test of what it computes.
+test_all.py), one banner per mechanism file in reading order; it imports only the mechanism, so it
+runs even where the pipeline does not import (the guarded block below; test_the_pipeline_imports
+raises its error). Part 2 follows the pipeline: data, train, prepare, export, generate. The tests of
+support/, compat/, speed/ and tools/ are beside their packages; the repository's form (imports, the
+maps, line budgets, docs against code) is checked by python -m pytest -q tools/form.py.
 
 The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
 holds it equal to the banners):
@@ -169,16 +162,9 @@ os.environ["DFLASH2_CPU"] = "generic"
 # kernel, the FSDP compile tests failing), so every set of caps gets a folder of its own inside
 # the cache in force (importing torch has already named one), for this process and its scripts
 CAPS = (
-    "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA",
-    "MKL_ENABLE_INSTRUCTIONS",
-    "FBGEMM_ENABLE_INSTRUCTIONS",
-)
-
-
+    "ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA MKL_ENABLE_INSTRUCTIONS FBGEMM_ENABLE_INSTRUCTIONS"
+).split()
 caps = "-".join(os.environ.get(v, "") for v in CAPS).strip("-")
-
-
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
     os.environ.get("TORCHINDUCTOR_CACHE_DIR", tempfile.gettempdir()), "caps-" + (caps or "none")
 )
@@ -264,10 +250,10 @@ def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     return ids, feats, anchors
 
 
-def twin_drafts():
+def twin_drafts(c2=None, seed=0):
     """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
-    c2 = tiny_config()
-    torch.manual_seed(0)
+    c2 = c2 or tiny_config()
+    torch.manual_seed(seed)
     d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
     d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
     return d2, d1
@@ -309,25 +295,12 @@ def model_batch(seed=0, **kw):
     return draft, embed, head, ids, feats, anchors, loss_mask, valid
 
 
-def objective_sums(
-    draft,
-    embed,
-    head,
-    ids,
-    feats,
-    anchors,
-    loss_mask,
-    valid,
-    *,
-    alpha_t=None,
-    target_hidden=None,
-    **cfg,
-):
-    """loss.objective's sums (numerator, denominator, base, selector) on model_batch's tensors,
-    gamma 3 unless cfg says: the loss alone, as the method defines it."""
+def objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **cfg):
+    """loss.objective's sums on model_batch's tensors, gamma 3 unless cfg says; cfg also takes
+    objective's alpha_t and target_hidden."""
     h = model.forward_training(draft, embed, ids, feats, anchors)
+    kw = dict(alpha_t=cfg.pop("alpha_t", None), target_hidden=cfg.pop("target_hidden", None))
     cfg = L.LossConfig(**{"gamma": 3.0, **cfg})
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden)
     return L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
 
 
@@ -403,7 +376,7 @@ def tiny_draft(B=4, plain=False, seed=0, **kw):
     return randomize(DraftModel(c), seed=seed, std=0.2).eval()
 
 
-def tiny_target(kind: str, initializer_range=0.02):
+def tiny_target(kind: str, initializer_range=0.02, **config):
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -425,6 +398,7 @@ def tiny_target(kind: str, initializer_range=0.02):
         max_position_embeddings=256,
         initializer_range=initializer_range,
     )
+    kw.update(config)
     if kind in ("llama", "llama-eager"):
         return LlamaForCausalLM(
             LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
@@ -466,29 +440,15 @@ def tv(counts, p):
 def tiny_vocab_pair(V=6, B=3):
     """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
     distributions."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    sizes = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1)
+    target = tiny_target(
+        "llama", vocab_size=V, num_hidden_layers=2, max_position_embeddings=64, **sizes
+    )
     with torch.no_grad():
         target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
     c = tiny_config(
-        hidden_size=16,
-        intermediate_size=24,
+        **sizes,
         num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         vocab_size=V,
         num_target_layers=2,
         target_layer_ids=[0, 1],
@@ -583,14 +543,17 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
 
 
+def chat(*texts):
+    """A conversation's messages, user and assistant in turn."""
+    return [
+        {"role": r, "content": t} for r, t in zip(itertools.cycle(["user", "assistant"]), texts)
+    ]
+
+
 # A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
-CONVERSATION = [
-    {"role": "system", "content": "be nice ."},
-    {"role": "user", "content": "hello there , how are you ?"},
-    {"role": "assistant", "content": "fine , thanks !"},
-    {"role": "user", "content": "and the cat ?"},
-    {"role": "assistant", "content": "the cat is fine too ."},
-]
+CONVERSATION = [{"role": "system", "content": "be nice ."}] + chat(
+    "hello there , how are you ?", "fine , thanks !", "and the cat ?", "the cat is fine too ."
+)
 
 
 ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
@@ -671,7 +634,7 @@ def write_lines(path, lines):
 
 
 PROMPTS = [
-    [{"role": "user", "content": c}]
+    chat(c)
     for c in [
         "hello there",
         "what a dog !",
@@ -699,22 +662,10 @@ def block_hidden(draft, seed=0):
 
 
 def run(setup, out, *extra):
-    args = [
-        "--draft-config",
-        str(setup / "draft.json"),
-        "--target",
-        str(setup / "target"),
-        "--data",
-        str(setup / "feats"),
-        "--out-dir",
-        str(out),
-        *(
-            "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 "
-            "--warmup-ratio 0 --lr 1e-2 --seed 3"
-        ).split(),
-        *extra,
-    ]
-    train.main(args)
+    paths = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
+    paths += ["--data", str(setup / "feats"), "--out-dir", str(out)]
+    flags = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
+    train.main(paths + flags.split() + ["--seed", "3", *extra])
     return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
 
 
@@ -746,9 +697,8 @@ def assert_resumed_exactly(straight, resumed):
 
 
 def free_ports(n: int) -> list:
-    """n distinct ports free now, below the kernel's ephemeral range: a port the OS handed out (bind
-    to 0) may be taken, before its run listens on it, by an outgoing connection of an earlier run
-    (gloo's own), which ended a CI run in EADDRINUSE; ports below the range are never handed out."""
+    """n distinct ports free now, below the kernel's ephemeral range: one the OS handed out (bind to
+    0) may be taken by an earlier run's outgoing connection before its run listens (EADDRINUSE)."""
     low = 32768  # Linux's default first ephemeral port
     if os.path.isfile("/proc/sys/net/ipv4/ip_local_port_range"):
         low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
@@ -787,10 +737,8 @@ def packing_docs(c, lengths, seed=0):
 
 
 def assert_same_sum(got, want, n: int, dtype, name=""):
-    """got and want are the same sums of at most n terms each, accumulated in another order (packed
-    rows, other kernels, another CPU's vector width). Each may be off by about n roundings of the
-    largest partial sum, so allow 4 * n * eps(dtype) * max|want|: float32 rounding, where a wrong
-    term would differ by far more."""
+    """got and want are the same sums of at most n terms in another order (packed rows, other
+    kernels): allow 4 * n * eps(dtype) * max|want|, rounding; a wrong term differs by far more."""
     tol = 4 * n * torch.finfo(dtype).eps * want.abs().max().item()
     err = (got - want).abs().max().item()
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (n = {n}, {dtype})"
@@ -2188,27 +2136,11 @@ needs_mkl = pytest.mark.skipif(
 )
 
 
-def run_objective(
-    draft,
-    embed,
-    head,
-    ids,
-    feats,
-    anchors,
-    loss_mask,
-    valid,
-    *,
-    alpha_t=None,
-    target_hidden=None,
-    acceptance=False,
-    **cfg,
-):
-    """loss.objective and what support/metrics.py measures of it, as train.DraftObjective returns
-    them: {"numerator", "denominator", "metrics"}."""
-    h = model.forward_training(draft, embed, ids, feats, anchors)
-    cfg = L.LossConfig(gamma=3.0, **cfg)
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden)
-    out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
+def run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **cfg):
+    """objective_sums and what support/metrics.py measures of it (acceptance: the per-slot
+    statistics too), as train.DraftObjective returns it: {"numerator", "denominator", "metrics"}."""
+    acceptance = cfg.pop("acceptance", False)
+    out = objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **cfg)
     m = metrics.measure(draft.candidate_selector, out, loss_mask, anchors, valid, acceptance)
     return {"numerator": out.numerator, "denominator": out.denominator, "metrics": m}
 
@@ -2262,23 +2194,11 @@ def write_ckpt(path, draft):
 
 
 TRAIN_CONVERSATIONS = [
-    [
-        {"role": "user", "content": "hello there , how are you ?"},
-        {"role": "assistant", "content": "fine , thanks ! and you ?"},
-    ],
-    [
-        {"role": "user", "content": "tell me about the cat ."},
-        {"role": "assistant", "content": "the cat is fine too . the cat is blue ."},
-    ],
-    [
-        {"role": "user", "content": "what a dog !"},
-        {"role": "assistant", "content": "the dog is hot , the sun is hot ."},
-    ],
+    chat("hello there , how are you ?", "fine , thanks ! and you ?"),
+    chat("tell me about the cat .", "the cat is fine too . the cat is blue ."),
+    chat("what a dog !", "the dog is hot , the sun is hot ."),
     CONVERSATION[1:],
-    [
-        {"role": "user", "content": "the sky ?"},
-        {"role": "assistant", "content": "the sky is blue , the sun is hot ."},
-    ],
+    chat("the sky ?", "the sky is blue , the sun is hot ."),
 ]
 
 
@@ -2297,45 +2217,40 @@ def setup(tmp_path_factory):
         for m in TRAIN_CONVERSATIONS * 2:
             f.write(json.dumps({"messages": m}) + "\n")
     convs, _ = conversations.read_conversations(str(d / "convs.jsonl"))
-    os.makedirs(d / "feats")
+    feats = str(d / "feats")
+    os.makedirs(feats)
     prepare.write_features(
         target,
         tok,
         convs,
-        str(d / "feats"),
+        feats,
         [0, 2],
         feature_dtype="fp16",
         save_target_hidden=True,
         shard_size=4,
     )
-    features.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
+    features.write_manifest(feats, len(convs), 4, "tiny", 32)
     return d
+
+
+def forward_batch(draft, embed, batch, how, device):
+    """model.forward_training on a collated batch (data.collate), attention by kernel `how`."""
+    keys = ("input_ids", "features", "anchors", "positions", "docs")
+    kernel = kernels.attention_kernel(how, device)
+    return model.forward_training(draft, embed, *[batch[k] for k in keys], kernel)
 
 
 def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
     """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's
     path."""
     draft.zero_grad()
-    h = model.forward_training(
-        draft,
-        lambda i: torch.nn.functional.embedding(i, embed_w),
-        batch["input_ids"],
-        batch["features"],
-        batch["anchors"],
-        batch["positions"],
-        batch["docs"],
-        kernels.attention_kernel(args.attention, embed_w.device),
-    )
-    objective = train.DraftObjective(
-        draft, embed_w, head_w, train.loss_config(args), args.attention
-    )
-    out = objective(batch, alpha_t=0.5)
+    embed = lambda i: torch.nn.functional.embedding(i, embed_w)
+    h = forward_batch(draft, embed, batch, args.attention, embed_w.device)
+    cfg = train.loss_config(args)
+    out = train.DraftObjective(draft, embed_w, head_w, cfg, args.attention)(batch, alpha_t=0.5)
     out["numerator"].backward()
-    return (
-        h.detach(),
-        out,
-        {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None},
-    )
+    grads = {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+    return h.detach(), out, grads
 
 
 def flex_case(kw, packed, S=256, device="cpu"):
@@ -2351,16 +2266,7 @@ def flex_case(kw, packed, S=256, device="cpu"):
     docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
     rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
     batch = data.collate(rows, [0, 1], S // 4, 0, device)
-    attend = lambda how: model.forward_training(
-        draft,
-        embed,
-        batch["input_ids"],
-        batch["features"],
-        batch["anchors"],
-        batch["positions"],
-        batch["docs"],
-        kernels.attention_kernel(how, device),
-    )
+    attend = lambda how: forward_batch(draft, embed, batch, how, device)
     return c, draft, batch, attend
 
 
