@@ -240,6 +240,12 @@ def conv_loop(conv, a, f):
     return run(f(run(a, 0)), 1)
 
 
+def draft_and_embed(c: DraftConfig, seed=0):
+    """A random draft of config c and an embedding for it, from the global seed."""
+    torch.manual_seed(seed)
+    return randomize(DraftModel(c), seed, std=0.1), torch.nn.Embedding(c.vocab_size, c.hidden_size)
+
+
 def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
@@ -284,9 +290,7 @@ def grads(m):
 
 def model_batch(seed=0, **kw):
     c = tiny_config(**kw)
-    torch.manual_seed(seed)
-    draft = randomize(DraftModel(c), seed, std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft, embed = draft_and_embed(c, seed)
     head = torch.randn(c.vocab_size, c.hidden_size)
     ids, feats, anchors = random_batch(c, S=24, A=5)
     loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
@@ -858,8 +862,7 @@ def test_conv_gradients_reach_both_parameters():
 # pins docs/semantics.md section 2.1 (found by mutmut: the slot index built on the CPU)
 @pytest.mark.method
 def test_conv_runs_on_its_inputs_device():
-    """The convolution builds its slot index on the input's device. The "meta" device refuses to mix
-    with CPU tensors, as a GPU does, so this holds on a machine without one."""
+    """The slot index is built on the input's device: "meta" refuses CPU tensors, as a GPU does."""
     conv = GroupedDynamicCausalConv(8, 2, 4, block_size=3).to("meta")
     y = conv(torch.empty(1, 6, 8, device="meta"), torch.tanh)
     assert y.device.type == "meta" and y.shape == (1, 6, 8)
@@ -875,8 +878,7 @@ def test_conv_runs_on_its_inputs_device():
     st.integers(0, 2**16),
 )
 def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
-    """The convolution equals its explicit loop over position, tap and channel, for any hidden size,
-    group, block size and kernel (T <= B), over several flattened blocks."""
+    """Any hidden size, group, block size and kernel (T <= B), over several flattened blocks."""
     (H, G), T = hg, min(T, B)
     torch.manual_seed(seed)
     conv = randomize(GroupedDynamicCausalConv(H, T, G, block_size=B), seed, std=0.5)
@@ -913,28 +915,18 @@ def test_selector_scores_equal_formula():
     cand_ids = torch.tensor([[2, 3, 5, 8, 9], [1, 2, 3, 4, 5], [10, 20, 21, 22, 29]])
     cand_scores = torch.randn(3, 5)
     with torch.no_grad():
-        got = s.edge_scores(h, prev, cand_ids, cand_scores)
-        for n in range(3):
-            ph = s.hidden_projection.weight @ h[n]
-            for p in range(2):
-                for c in range(5):
-                    want = (
-                        cand_scores[n, c]
-                        + (
-                            s.predecessor_codebook[prev[n, p]]
-                            * ph
-                            * s.successor_codebook[cand_ids[n, c]]
-                        ).sum()
-                    )
-                    assert torch.allclose(got[n, p, c], want, atol=1e-5)
+        got, ph = s.edge_scores(h, prev, cand_ids, cand_scores), h @ s.hidden_projection.weight.T
+        for n, p, c in itertools.product(range(3), range(2), range(5)):
+            A, Bs = s.predecessor_codebook[prev[n, p]], s.successor_codebook[cand_ids[n, c]]
+            want = cand_scores[n, c] + (A * ph[n] * Bs).sum()  # s(p -> c) = u_c + A_p . P h . Bs_c
+            assert torch.allclose(got[n, p, c], want, atol=1e-5)
 
 
 # pins docs/semantics.md section 2.2
 @pytest.mark.method
 @pytest.mark.parametrize("walk", sorted(WALKS))  # a walk of your own is drawn here too
 def test_fresh_selector_walk_is_unary_argmax(walk):
-    """With Bs = 0 every edge scores its candidate's unary score alone: any greedy walk is the
-    unary argmax path."""
+    """With Bs = 0 every edge scores its candidate's unary score: greedy walks take the argmax."""
     s = make_selector(fresh=True)
     h, u = torch.randn(4, 7, 12), torch.randn(4, 7, 30)
     ids, q, _ = s.propose(h, u, anchor=torch.tensor([0, 1, 2, 3]), walk=walk)
@@ -988,8 +980,8 @@ def test_sampling_walk_distribution():
 # pins docs/semantics.md section 2.2 (initialisation)
 @pytest.mark.method
 def test_fresh_selector_is_exactly_the_unary_scores():
-    """Bs = 0: every edge score is its unary score, bit for bit; a small random Bs would perturb the
-    scores too little to change an argmax, so the check is on the values."""
+    """Bs = 0: every edge score is its unary score, bit for bit (a small random Bs would not change
+    an argmax, so the check is on the values)."""
     s = make_selector(fresh=True)
     assert torch.count_nonzero(s.successor_codebook) == 0
     h, u = torch.randn(2, 3, 12), torch.randn(2, 3, 30)
@@ -1011,9 +1003,8 @@ def test_top_k_candidates_sorted_best_first():
 # pins docs/semantics.md section 2.2 (found by mutmut: the caller's generator dropped)
 @pytest.mark.method
 def test_selector_samples_from_the_generator_it_is_given():
-    """A sampled proposal draws from the caller's generator only: the same seed gives the same draws
-    whatever the global generator holds, and slot 1's picks are the generator's first multinomial
-    draws from q_1."""
+    """The same seed gives the same draws whatever the global generator holds, and slot 1's picks
+    are the generator's first multinomial draws from q_1."""
     s, g = make_selector(seed=4), torch.Generator().manual_seed(5)
     h, u = torch.randn(16, 3, 12, generator=g), torch.randn(16, 3, 30, generator=g)
     draws = []
@@ -1043,9 +1034,7 @@ def test_selector_samples_from_the_generator_it_is_given():
 )
 def test_training_forward_equals_inference_per_block(kw):
     c = tiny_config(**kw)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft, embed = draft_and_embed(c)
     ids, feats, anchors = random_batch(c)
     with torch.no_grad():
         h_train = model.forward_training(draft, embed, ids, feats, anchors)  # [N, A, B, H]
@@ -1167,9 +1156,7 @@ def test_packed_row_equals_its_documents():
     """Documents of 7 and 9 tokens packed in one row: positions restart at 0, a block reads context
     of its own document only, and its labels stop where its document ends."""
     c = tiny_config()
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft, embed = draft_and_embed(c)
     ids, feats, _ = random_batch(c, S=16, N=1)
     positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
     docs = torch.tensor([[0] * 7 + [1] * 9])
@@ -1191,8 +1178,7 @@ def test_packed_row_equals_its_documents():
 # pins docs/semantics.md section 3 (what the fields mean)
 @pytest.mark.method
 def test_capture_features_reads_layer_outputs_in_list_order():
-    """target_layer_ids [2, 0, 1] are decoder layers' outputs, hidden_states[id + 1], in list
-    order."""
+    """target_layer_ids [2, 0, 1]: decoder layers' outputs, hidden_states[id + 1], in list order."""
     target = tiny_target("llama")
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -1203,8 +1189,7 @@ def test_capture_features_reads_layer_outputs_in_list_order():
 
 @st.composite
 def small_configs(draw, dflash2=True):
-    """A random tiny draft config: block size, kernel, group, heads and GQA, sliding windows,
-    causality, rank, top-K."""
+    """A random tiny draft config (a plain DFlash one, or half the time a DFlash2 one)."""
     B = draw(st.integers(2, 6))
     nkv = draw(st.sampled_from([1, 2]))
     nh = nkv * draw(st.sampled_from([1, 2]))
@@ -1233,11 +1218,9 @@ def small_configs(draw, dflash2=True):
 @pytest.mark.method
 @hypothesis.given(small_configs(), st.integers(0, 2**16), st.booleans())
 def test_property_training_forward_equals_inference(c, seed, packed):
-    """Every anchored block of a training pass equals the inference path's block against a cache of
-    its document's context before the anchor; with packed=True the row holds two documents."""
-    torch.manual_seed(seed)
-    draft = randomize(DraftModel(c), seed, std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    """Every anchored block of a training pass is the inference path's against its document's
+    context; with packed=True the row holds two documents."""
+    draft, embed = draft_and_embed(c, seed)
     ids, feats, anchors = random_batch(c, S=14, A=4, N=1, seed=seed)
     cut = 6 if packed else 14  # the first document's length
     positions = torch.cat([torch.arange(cut), torch.arange(14 - cut)])[None]
@@ -1262,8 +1245,7 @@ def test_property_training_forward_equals_inference(c, seed, packed):
 @pytest.mark.method
 @hypothesis.given(small_configs(dflash2=False), st.integers(0, 2**16))
 def test_property_fresh_dflash2_equals_plain_dflash(c_plain, seed):
-    """A fresh DFlash2 draft computes bit for bit what the DFlash draft with its backbone computes,
-    and its selector proposes the unary argmax path."""
+    """Bit for bit DFlash with the same backbone, and its selector proposes the unary argmax."""
     c2 = dataclasses.replace(
         c_plain,
         conv_kernel_size=min(2, c_plain.block_size),
@@ -1271,9 +1253,7 @@ def test_property_fresh_dflash2_equals_plain_dflash(c_plain, seed):
         selector_rank=3,
         selector_top_k=4,
     )
-    torch.manual_seed(seed)
-    d2, d1 = DraftModel(c2), DraftModel(c_plain)
-    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    d2, d1 = twin_drafts(c2, seed)
     embed = torch.nn.Embedding(c2.vocab_size, c2.hidden_size)
     ids, feats, anchors = random_batch(c2, S=12, A=3, seed=seed)
     with torch.no_grad():
@@ -1333,28 +1313,26 @@ def hand_hidden(rows):
     return h
 
 
-def worked_example(loss, weighting="exp", target=False):
+def hand_objective(draft, h, ids, mask, anchor, cfg, **kw):
+    """loss.objective on one row of ids and mask, one anchor, through HEAD."""
+    ids, mask, anchor = torch.tensor([ids]), torch.tensor([mask]), torch.tensor([[anchor]])
+    return L.objective(draft, HEAD, h, ids, mask, anchor, torch.tensor([[True]]), cfg, **kw)
+
+
+Q1, Q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+
+
+def worked_example(loss, weighting="exp", p=None):
     """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
-    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    The draft's q1 = Q1, q2 = Q2; the target's rows p = [p1, p2] where given."""
+    h = hand_hidden({1: [math.log(v) for v in Q1], 2: [math.log(v) for v in Q2]})
     th = None
-    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
+    if p is not None:  # the target predicts position a+j from position a+j-1 = 1, 2
         th = torch.zeros(1, 4, 8)
-        th[0, 1, :4] = torch.tensor(q1).log()
-        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+        th[0, 1:3, :4] = torch.tensor(p).log()
     draft = DraftModel(model.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
-        target_hidden=th,
-    )
+    cfg = L.LossConfig(loss=loss, weighting=weighting, gamma=2.0)
+    out = hand_objective(draft, h, [0, 1, 2, 1], [0, 1, 1, 1], 1, cfg, target_hidden=th)
     return out.numerator.item(), out.denominator.item()
 
 
@@ -1368,10 +1346,11 @@ def test_base_losses_worked_example():
     lam = math.exp(-(0.6 + 0.5) / 2)
     ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
     assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
-    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
-    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
+    # the target: p1 = q1, p2 = [.5, .25, .125, .125]. KL(p || q): 0 and .5 ln 2 - .25 ln 2
+    p = [Q1, [0.5, 0.25, 0.125, 0.125]]
+    assert worked_example("kl", p=p) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
     # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
-    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
+    assert worked_example("tv", p=p) == pytest.approx((e * 0.25, 1 + e))
     # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
     assert worked_example("ce", "dpace") == pytest.approx(
         (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
@@ -1400,17 +1379,8 @@ def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp", draf
     best is 3, after 0 it is 2."""
     draft = draft or selector_draft()
     h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[2, 1, third_token]]),
-        torch.tensor([[1, 1, 1]]),
-        torch.tensor([[0]]),
-        torch.tensor([[True]]),
-        L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting),
-        alpha_t=alpha_t,
-    )
+    cfg = L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting)
+    return hand_objective(draft, h, [2, 1, third_token], [1, 1, 1], 0, cfg, alpha_t=alpha_t)
 
 
 # pins docs/semantics.md section 4 (selector loss)
@@ -1540,43 +1510,23 @@ def test_selector_alpha_schedule():
 def test_kl_is_target_to_draft_by_hand():
     """KL(p || q), not KL(q || p): slot 1 has q = [.1, .2, .6, .1] and p = [.4, .2, .2, .2], so
     KL(p || q) = .4 ln 4 + .2 ln(1/3) + .2 ln 2 (KL(q || p) would be .6 ln 3 - .1 ln 4 - .1 ln 2);
-    slot 2 has p = q. (The worked example's slot 2 swaps two probabilities, where both directions
-    agree.)"""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
-    th = torch.zeros(1, 4, 8)
-    th[0, 1, :4], th[0, 2, :4] = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), torch.tensor(q2).log()
-    draft = DraftModel(model.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss="kl", gamma=2.0),
-        target_hidden=th,
-    )
+    slot 2 has p = q. (The worked example's p2 swaps two probabilities: both directions agree.)"""
     kl = 0.4 * math.log(4) + 0.2 * math.log(1 / 3) + 0.2 * math.log(2)
-    assert out.numerator.item() == pytest.approx(kl, rel=1e-5)
+    assert worked_example("kl", p=[[0.4, 0.2, 0.2, 0.2], Q2])[0] == pytest.approx(kl, rel=1e-5)
 
 
 # pins docs/semantics.md section 4 (position weights)
 @pytest.mark.method
 @pytest.mark.parametrize("B,gamma", [(8, 4.0), (10, 5.0), (16, 7.0)])
 def test_default_gamma_by_block_size(B, gamma):
-    """Without --gamma the decay is exp(-(j-1)/gamma) with gamma 7, 5, 4 for B = 16, 10, 8: with
-    every slot supervised, D = sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
+    """Without --gamma, gamma is 7, 5, 4 for B = 16, 10, 8: with every slot supervised, D =
+    sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
     draft = DraftModel(model.plain_dflash(hand_config(block_size=B)))
     S = B + 1
 
     def D(block):
-        out = L.objective(
-            draft, HEAD, torch.zeros(1, 1, block, 8), torch.zeros(1, S, dtype=torch.long),
-            torch.ones(1, S), torch.tensor([[0]]), torch.tensor([[True]]), L.LossConfig(),
-        )  # fmt: skip
-        return out.denominator.item()
+        h = torch.zeros(1, 1, block, 8)
+        return hand_objective(draft, h, [0] * S, [1] * S, 0, L.LossConfig()).denominator.item()
 
     assert D(B) == pytest.approx(sum(math.exp(-j / gamma) for j in range(B - 1)))
     with pytest.raises(ValueError, match="no default gamma for block size 5"):
@@ -2258,9 +2208,8 @@ def flex_case(kw, packed, S=256, device="cpu"):
     (one document a row, or two packed), and attend(how) -> the draft's hidden states through sdpa
     or flex."""
     c = tiny_config(**kw)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1).to(device)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size).to(device)
+    draft, embed = draft_and_embed(c)
+    draft, embed = draft.to(device), embed.to(device)
     # S = 256: documents of 100, 156 | 130, 126
     a, b = S * 25 // 64, S // 2 + 2
     docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
