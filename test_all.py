@@ -266,8 +266,7 @@ def twin_drafts(c2=None, seed=0):
 
 
 def hand_config(**kw):
-    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
-    directly."""
+    """Hidden 8, vocab 4: with lm_head [I_4 | 0] (HEAD) the unary logits are h[:4]."""
     base = dict(
         hidden_size=8,
         intermediate_size=8,
@@ -311,9 +310,8 @@ def objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **
 def reference_objective(
     draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, gamma, alpha
 ):
-    """The default objective written out independently of loss.py's: unchunked, the logits of every
-    slot at once: ce on the unary logits, exp position weights, the strict selector CE. h [N, A, B,
-    H] (model.forward_training) -> (numerator, denominator); the loss is their ratio."""
+    """The default objective (ce, exp weights, the strict selector CE) written out apart from
+    loss.py, every slot's logits at once. h [N, A, B, H] -> (numerator, denominator)."""
     S, B = input_ids.shape[1], h.shape[2]
     pos = anchors[..., None] + torch.arange(B)  # [N, A, B]
     tokens = input_ids.gather(1, pos.clamp(max=S - 1).flatten(1)).view(pos.shape)
@@ -338,10 +336,8 @@ def reference_objective(
 
 
 def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """decoding.speculative_generate (a path of verify_tokens, default all B-1 drafts) or, with
-    tree_budget, tree.tree_generate, its step 2 (decoding.draft_proposal, tree.draft_tree) replaced
-    by proposer or grower (their `propose`): how the tests script always-right, always-wrong or
-    hand-built drafts. -> (ids, taus)."""
+    """decoding.speculative_generate (verify_tokens drafts, default B-1) or, with tree_budget,
+    tree.tree_generate, their `propose` replaced by a scripted proposer or grower. -> (ids, taus)"""
     if tree_budget is None:
         k = kw.pop("verify_tokens", None)
         return decoding.speculative_generate(target, draft, p, n, k, propose=proposer, **kw)
@@ -349,8 +345,7 @@ def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=Non
 
 
 def assert_lossless(target, draft, p, B, use_selector):
-    """Greedy speculative decoding gives the target's greedy output, every cycle sends 1 to B
-    tokens, and a stop token ends both loops right after its first occurrence."""
+    """Greedy speculative decoding gives the target's greedy output, 1 to B tokens a cycle."""
     ref, _ = decoding.target_generate(target, p, 30)
     out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
     assert torch.equal(out, ref)
@@ -381,14 +376,7 @@ def tiny_draft(B=4, plain=False, seed=0, **kw):
 
 
 def tiny_target(kind: str, initializer_range=0.02, **config):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers as T
 
     torch.manual_seed(0)
     kw = dict(
@@ -404,21 +392,14 @@ def tiny_target(kind: str, initializer_range=0.02, **config):
     )
     kw.update(config)
     if kind in ("llama", "llama-eager"):
-        return LlamaForCausalLM(
-            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
-        ).eval()
+        attention = "sdpa" if kind == "llama" else "eager"
+        return T.LlamaForCausalLM(T.LlamaConfig(**kw, attn_implementation=attention)).eval()
     if kind == "mistral-sliding":  # every layer a sliding window of 5
-        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
+        return T.MistralForCausalLM(T.MistralConfig(**kw, sliding_window=5)).eval()
     if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
-        return Qwen3ForCausalLM(
-            Qwen3Config(
-                **kw,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                sliding_window=5,
-                use_sliding_window=True,
-            )
-        ).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+        layers = ["sliding_attention", "full_attention"] * 2
+        kw.update(layer_types=layers, sliding_window=5, use_sliding_window=True)
+    return T.Qwen3ForCausalLM(T.Qwen3Config(**kw)).eval()
 
 
 def scripted_proposer(ref, wrong_at):
@@ -585,8 +566,7 @@ WORDS = [
 
 
 def tiny_tokenizer():
-    """An offline ChatML tokenizer: whole words, single spaces and punctuation are tokens (< 64 ids,
-    so tiny_target can read them), with character offsets and a lossless decoder."""
+    """An offline ChatML tokenizer over WORDS (< 64 ids, for tiny_target), offsets, lossless."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -1634,23 +1614,19 @@ def test_always_right_always_wrong_and_partial_drafts(B):
     assert taus == want
 
 
-# pins docs/semantics.md section 5 (one cycle)
-@pytest.mark.method
-def test_draft_context_equals_a_fresh_prefill_every_cycle():
-    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
-    exactly the context a fresh target pass over all committed tokens would: checked on every
-    cycle."""
-    B = 4
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, 20 + B)
-    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
+def recording(inner, seen):
+    """inner, a proposer or grower, that appends each cycle's committed ids and draft states h."""
 
-    def recording(draft, h, u, ids, *rest):
+    def propose(draft, h, u, ids, *rest):
         seen.append((ids.clone(), h.clone()))
         return inner(draft, h, u, ids, *rest)
 
-    decode_with(target, draft, p, 20, proposer=recording)
-    assert len(seen) > 1  # the context grew over several cycles
+    return propose
+
+
+def assert_fresh_prefill_contexts(target, draft, seen):
+    """Each recorded cycle's draft states are those of a fresh prefill of its committed tokens."""
+    assert len(seen) > 2  # the context grew over several cycles
     embed = target.get_input_embeddings()
     with torch.no_grad():
         for ids, h in seen:
@@ -1658,9 +1634,22 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
             _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
             ctx = model.ContextCache()
             ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
             # cache vs no-cache float noise; a wrong row is ~0.1
-            assert (h - h_ref).abs().max() < 1e-4
+            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+def test_draft_context_equals_a_fresh_prefill_every_cycle():
+    """The fed-back features (anchor + accepted drafts, at their positions) give the draft exactly
+    the context a fresh target pass over all committed tokens would, every cycle."""
+    B, seen = 4, []
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 20 + B)
+    proposer = recording(scripted_proposer(ref, lambda L: L % (B - 1)), seen)
+    decode_with(target, draft, p, 20, proposer=proposer)
+    assert_fresh_prefill_contexts(target, draft, seen)
 
 
 # pins docs/semantics.md section 5 (sampling)
@@ -1689,10 +1678,8 @@ def test_acceptance_rule_hand_computed():
 @pytest.mark.method
 def test_rejection_sampling_reproduces_target_distribution():
     """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
-    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
-    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
-    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
-    0.3), so committing drafts unchecked would fail by a wide margin."""
+    second ~ p_1. Bound: P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol) is <
+    1e-3 here. q is far from p (TV >= 0.3): drafts committed unchecked would fail by far."""
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
     assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
@@ -1714,9 +1701,8 @@ def test_rejection_sampling_reproduces_target_distribution():
 @pytest.mark.method
 @pytest.mark.parametrize("use_selector", [True, False])
 def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
-    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
-    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
-    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
+    """Lossless verification needs the q that really produced d_1 (the same every draw: its
+    predecessor is the anchor); the selector's is zero off its K candidates. P(TV >= .07) < 1e-6."""
     target, draft = tiny_vocab_pair()
     g, N, V = torch.Generator().manual_seed(0), 2000, 6
     h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
@@ -1739,8 +1725,7 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
 # pins docs/semantics.md section 1 (slot 0 is input only) and 5 (one cycle)
 @pytest.mark.method
 def test_cycle_scores_slots_one_to_k():
-    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's (the head runs on
-    k + 1 rows instead of B: the same values up to GEMM rounding)."""
+    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's."""
     target, draft, p = tiny_target("llama"), tiny_draft(5), prompt()
     embed, head = decoding.embed_and_head(target, draft)
     with torch.no_grad():
@@ -1766,9 +1751,7 @@ def test_cycle_scores_slots_one_to_k():
     st.integers(0, 2**16),
 )
 def test_property_greedy_speculative_equals_target_greedy(kind, B, plain, who, shape, seed):
-    """Greedy speculative output is the target's greedy output, for paths of k drafts and trees of N
-    nodes, from a random draft or a scripted one that is right up to a random slot each cycle (or,
-    for trees, right, wrong at k or branch-only)."""
+    """Paths of k drafts and trees of N nodes, from a random draft or a scripted one."""
     target, draft, p = tiny_target(kind, 0.2), tiny_draft(B, plain, seed), prompt(seed=seed)
     n = 14
     ref, _ = decoding.target_generate(target, p, n + 2 * B)
@@ -1791,15 +1774,11 @@ def test_property_greedy_speculative_equals_target_greedy(kind, B, plain, who, s
 @pytest.mark.method
 @hypothesis.given(st.integers(2, 5), st.integers(0, 2**16), st.floats(0, 1))
 def test_property_rejection_rule_keeps_the_target_distribution(V, seed, zeros):
-    """For any target row p and proposal q on a tiny vocabulary (zeros included), the law of the
-    committed token, sum_d q(d) [a(d) [t = d] + (1 - a(d)) residual(p, q)(t)] with a(d) =
-    accept_probability(p, q, d), is p exactly: the rejection rule keeps the target's
-    distribution."""
+    """For any p and q (zeros included) the committed token's law, sum_d q(d) [a(d) [t = d] + (1 -
+    a(d)) residual(p, q)(t)] with a(d) = accept_probability(p, q, d), is p exactly."""
     g = torch.Generator().manual_seed(seed)
-    p, q = (
-        torch.rand(V, generator=g, dtype=torch.float64),
-        torch.rand(V, generator=g, dtype=torch.float64),
-    )
+    p = torch.rand(V, generator=g, dtype=torch.float64)
+    q = torch.rand(V, generator=g, dtype=torch.float64)
     p[torch.rand(V, generator=g) < zeros / 2] = 0  # some tokens the target never says
     q[torch.rand(V, generator=g) < zeros / 2] = 0  # and some the draft never proposes
     p[0], q[-1] = p[0] + 0.1, q[-1] + 0.1  # neither all zero
@@ -1850,9 +1829,8 @@ def path_logits(target, ctx, t, i):
 @pytest.mark.method
 @pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
 def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
-    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
-    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
-    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
+    """One forward over a tree with its 4-D masks: row i is a plain forward over node i's path; the
+    accepted branch's KV rows kept, the next forward is a plain one (windows of 5 included)."""
     target, ctx = tiny_target(kind), prompt(9)
     t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
     with torch.no_grad():
@@ -1908,11 +1886,9 @@ def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, sha
 # pins docs/semantics.md section 5 (trees)
 @pytest.mark.method
 def test_tree_walk_samples_exactly_the_target():
-    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
-    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
-    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
-    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
-    node 1)."""
+    """At T > 0 the walk samples the target's token at each node and moves to the child holding it:
+    the first committed token is ~ p0 and the second, after 0, ~ p1, though the tree holds only
+    some tokens (bound as in the rejection test)."""
     p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
     # rows: anchor, node 1 (0), node 2 (2), node 3
     logits = torch.stack([p0, p1, p0, p0]).log()
@@ -1932,30 +1908,14 @@ def test_tree_walk_samples_exactly_the_target():
 # pins docs/semantics.md section 5 (trees)
 @pytest.mark.method
 def test_tree_cycle_draft_context_is_the_accepted_path():
-    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes,
-    at their positions: exactly a fresh prefill of the committed tokens. Branch-only trees accept
-    nodes that are not the first rows of the block."""
-    B = 4
+    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes:
+    a fresh prefill's. Branch-only trees accept nodes that are not the block's first rows."""
+    B, seen = 4, []
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 20 + 2 * B)
-    grower, _ = scripted_grower(ref, "branch-only")
-    seen = []
-
-    def recording(draft, h, u, ids, *rest):
-        seen.append((ids.clone(), h.clone()))
-        return grower(draft, h, u, ids, *rest)
-
-    decode_with(target, draft, p, 20, tree_budget=6, grower=recording)
-    assert len(seen) > 2
-    embed = target.get_input_embeddings()
-    with torch.no_grad():
-        for ids, h in seen:
-            s = ids.shape[1] - 1
-            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
-            ctx = model.ContextCache()
-            ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
-            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
+    grower = recording(scripted_grower(ref, "branch-only")[0], seen)
+    decode_with(target, draft, p, 20, tree_budget=6, grower=grower)
+    assert_fresh_prefill_contexts(target, draft, seen)
 
 
 # pins docs/semantics.md section 5 (trees)
@@ -1991,8 +1951,7 @@ def test_tree_walk_by_hand():
 # pins docs/walkthrough.md
 @pytest.mark.method
 def test_walkthrough_prints_what_the_functions_compute(capsys):
-    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
-    against hand-worked values and against the functions called directly."""
+    """python walkthrough.py prints hand-worked values and what the functions compute."""
     import walkthrough as W
 
     text = W.main()
@@ -2096,9 +2055,7 @@ def run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **c
 
 
 def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget), its step 2
-    (decoding.draft_proposal, tree.draft_tree) replaced by proposer or grower, as decode_with's.
-    -> (ids, show.Stats)."""
+    """show.speculate, scripted as decode_with is. -> (ids, show.Stats)"""
     k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
     if tree_budget is None:
         return show.speculate(target, draft, p, n, ("path", k), propose=proposer, **kw)
@@ -2108,15 +2065,10 @@ def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None,
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """Convert the wheel's GGUF once into a fresh cache, then load the cached copy."""
-    old = os.environ.get("DFLASH2_CACHE")
-    os.environ["DFLASH2_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH2_CACHE", str(tmp_path_factory.mktemp("cache")))
         gguf_model, _ = convert_embedded(embedded_dir())
         target, tok = load_target()
-    finally:
-        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__(
-            "DFLASH2_CACHE", old
-        )
     return {"gguf": gguf_model, "target": target, "tokenizer": tok}
 
 
