@@ -186,28 +186,33 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
+# The tiny target's sizes (tiny_target), which its drafts (tiny_config) share.
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=64,
+    max_position_embeddings=256,
+)
+
+
 def tiny_config(**kw) -> DraftConfig:
     base = dict(
-        hidden_size=32,
-        intermediate_size=48,
+        TINY,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
         num_target_layers=4,
         target_layer_ids=[0, 2],
         mask_token_id=63,
         block_size=4,
         rope_theta=10000.0,
-        max_position_embeddings=256,
         conv_kernel_size=2,
         conv_group_size=8,
         selector_rank=8,
         selector_top_k=5,
     )
-    base.update(kw)
-    return DraftConfig(**base)
+    return DraftConfig(**{**base, **kw})
 
 
 def randomize(m: torch.nn.Module, seed=0, std=0.2):
@@ -375,18 +380,7 @@ def tiny_target(kind: str, initializer_range=0.02, **config):
     import transformers as T
 
     torch.manual_seed(0)
-    kw = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        initializer_range=initializer_range,
-    )
-    kw.update(config)
+    kw = {**TINY, "num_hidden_layers": 4, "initializer_range": initializer_range, **config}
     if kind in ("llama", "llama-eager"):
         attention = "sdpa" if kind == "llama" else "eager"
         return T.LlamaForCausalLM(T.LlamaConfig(**kw, attn_implementation=attention)).eval()
@@ -459,11 +453,8 @@ def scripted_grower(ref, kind, V=64):
         r = ref[0, L : L + D].tolist()
         w = [(t + 1) % V for t in r]
         if kind == "right":
-            nodes = (
-                [(d, r[d]) for d in range(D)]
-                + [(d, w[d]) for d in range(D)]
-                + [(d + 1, r[d + 1]) for d in range(D - 1)]
-            )
+            nodes = [(d, r[d]) for d in range(D)] + [(d, w[d]) for d in range(D)]
+            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
             # w_d is node D + 1 + d
             parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
             accepted = min(budget, D)
@@ -486,11 +477,8 @@ def scripted_grower(ref, kind, V=64):
             accepted = min(budget // 2, D)
         n = min(budget, len(nodes))
         expected.append(accepted)
-        return tree.Tree(
-            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
-            [-1] + parents[:n],
-            [0] + [d + 1 for d, _ in nodes[:n]],
-        )
+        tokens, depths = [t for _, t in nodes[:n]], [d + 1 for d, _ in nodes[:n]]
+        return tree.Tree([int(ids[0, -1])] + tokens, [-1] + parents[:n], [0] + depths)
 
     return grower, expected
 
@@ -2092,22 +2080,12 @@ def setup(tmp_path_factory):
     tok.save_pretrained(d / "target")
     cfg = config.config_to_dict(tiny_config())
     (d / "draft.json").write_text(json.dumps(cfg))
-    with open(d / "convs.jsonl", "w") as f:
-        for m in TRAIN_CONVERSATIONS * 2:
-            f.write(json.dumps({"messages": m}) + "\n")
-    convs, _ = conversations.read_conversations(str(d / "convs.jsonl"))
+    lines = [{"messages": m} for m in TRAIN_CONVERSATIONS * 2]
+    convs, _ = conversations.read_conversations(write_lines(d / "convs.jsonl", lines))
     feats = str(d / "feats")
     os.makedirs(feats)
-    prepare.write_features(
-        target,
-        tok,
-        convs,
-        feats,
-        [0, 2],
-        feature_dtype="fp16",
-        save_target_hidden=True,
-        shard_size=4,
-    )
+    kw = dict(feature_dtype="fp16", save_target_hidden=True, shard_size=4)
+    prepare.write_features(target, tok, convs, feats, [0, 2], **kw)
     features.write_manifest(feats, len(convs), 4, "tiny", 32)
     return d
 
@@ -2120,8 +2098,7 @@ def forward_batch(draft, embed, batch, how, device):
 
 
 def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
-    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's
-    path."""
+    """(hidden states, objective output, its numerator's gradients) as train.DraftObjective runs."""
     draft.zero_grad()
     embed = lambda i: torch.nn.functional.embedding(i, embed_w)
     h = forward_batch(draft, embed, batch, args.attention, embed_w.device)
