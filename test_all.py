@@ -11,26 +11,17 @@ maps, line budgets, docs against code) is checked by python -m pytest -q tools/f
 
 The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
 holds it equal to the banners):
-    helpers                         tiny configs, models, targets and tokenizers, the hypothesis
-                                    profiles, skip marks
-    the method, by hand             the tests marked `method`, in reading order; each names the
-                                    section of docs/semantics.md it pins
+    helpers                         tiny configs, models, targets, tokenizers; hypothesis, skips
+    the method, by hand             the tests marked `method`, each naming its docs/semantics.md
         conv.py                     the convolution against an explicit loop, identity at init
-        selector.py                 the unary transform, scores, lattice and walks against their
-                                    formulas
-        attention.py and model.py   the attention rule: many anchored blocks in one training
-                                    pass == one block against a cache, every layout, the rule
-                                    written out; DFlash2 at init == DFlash
-        loss.py                     anchors, labels, weights and every loss against hand-worked
-                                    numbers
-        decoding.py                 greedy is lossless on tiny models; scripted always-right and
-                                    wrong-at-k drafts; the rejection rule by hand and what it
-                                    samples
-        tree.py                     best-first growth by hand, ancestor masks, scripted trees,
-                                    the tree walk samples the target
+        selector.py                 the unary transform, scores, lattice and walks by formula
+        attention.py and model.py   training blocks == inference blocks, the rule written out;
+                                    DFlash2 at init == DFlash
+        loss.py                     anchors, labels, weights and every loss by hand
+        decoding.py                 greedy is lossless; scripted drafts; the rejection rule
+        tree.py                     best-first growth, tree masks, scripted trees, the tree walk
         walkthrough.py              the walkthrough's printed numbers, by hand
-    the pipeline                    Part 2 starts: its machinery's import checked, and the
-                                    shared helpers that need it
+    the pipeline                    Part 2's import checked, its shared helpers
     data.py                         loss masks, chat template kwargs, conversation readers and
                                     formats, a packed row == its documents one per row
         tokenisation / loss mask
@@ -1186,11 +1177,8 @@ def test_property_training_forward_equals_inference(c, seed, packed):
         for i, a in enumerate(anchors[0].tolist()):
             start = 0 if a < cut else cut  # the anchor's document starts here
             pos = int(positions[0, a])
-            cache = model.ContextCache()
-            if pos > 0:
-                cache.append(draft, feats[:, start:a], torch.arange(pos)[None])
-            else:  # no context yet: an empty cache
-                cache.append(draft, feats[:, :0], torch.arange(0)[None])
+            cache = model.ContextCache()  # empty where the document starts at the anchor
+            cache.append(draft, feats[:, start:a], torch.arange(pos)[None])
             h_inf = model.forward_inference(
                 draft, embed, cache, ids[0, a].view(1), torch.tensor([pos])
             )
@@ -1765,17 +1753,16 @@ def test_grow_best_first_by_hand():
         [[(lg(0.7), 0), (lg(0.3), 1)]],
         [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
     ]
-    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
+    grow = lambda n, **kw: tree.grow([[10, 11], [20, 21]], children, n, anchor=5, **kw)
+    full = grow(100)
     assert full == tree.Tree(
         [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
     )
     # a smaller budget is a prefix of a larger one
     for n in range(7):
-        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
+        t = grow(n)
         assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
-    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
-        5, [10, 21]
-    )
+    assert grow(5, branch=False) == tree.Tree.chain(5, [10, 21])
     assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
     # 11-20: anchor, 11, itself
     assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
