@@ -478,28 +478,14 @@ def scripted_grower(ref, kind, V=64):
 # "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run), and
 # "mutants" the same as "method" without shrinking a failing example to a smallest one, which can
 # take minutes (tools/mutants.py only asks whether a test fails).
+METHOD = dict(max_examples=5, deadline=None, derandomize=True, database=None)
 hypothesis.settings.register_profile(
-    "method",
-    max_examples=5,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
+    "method", suppress_health_check=list(hypothesis.HealthCheck), **METHOD
 )
-
-
-hypothesis.settings.register_profile(
-    "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
-)
-
-
-hypothesis.settings.register_profile(
-    "mutants",
-    parent=hypothesis.settings.get_profile("method"),
-    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
-)
-
-
+METHOD_PROFILE = hypothesis.settings.get_profile("method")
+NO_SHRINKING = [hypothesis.Phase.explicit, hypothesis.Phase.generate]
+hypothesis.settings.register_profile("ci", parent=METHOD_PROFILE, max_examples=40)
+hypothesis.settings.register_profile("mutants", parent=METHOD_PROFILE, phases=NO_SHRINKING)
 hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
 
 
@@ -528,16 +514,11 @@ CHATML = (
 
 # ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
 # ChatML.
-WORDS = [
-    *"<unk> <|im_start|> <|im_end|>".split(),
-    "\n",
-    " ",
-    *(
-        "system user assistant be nice . hello there , how are you ? "
-        "fine thanks ! and the cat is too what a dog poison sun hot "
-        "sky blue tell me about"
-    ).split(),
-]
+WORDS = "<unk> <|im_start|> <|im_end|>".split() + ["\n", " "]
+WORDS += (
+    "system user assistant be nice . hello there , how are you ? fine thanks ! and the cat is too "
+    "what a dog poison sun hot sky blue tell me about"
+).split()
 
 
 def tiny_tokenizer():
@@ -676,14 +657,10 @@ def packing_docs(c, lengths, seed=0):
     for n in lengths:
         mask = (torch.rand(n, generator=g) > 0.25).long()
         mask[:2], mask[-2:] = 1, 1
-        docs.append(
-            {
-                "input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g),
-                "loss_mask": mask,
-                "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
-                "target_hidden": torch.randn(n, c.hidden_size, generator=g),
-            }
-        )
+        ids = torch.randint(0, c.vocab_size - 1, (n,), generator=g)
+        feats = torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g)
+        hidden = torch.randn(n, c.hidden_size, generator=g)
+        docs.append(dict(input_ids=ids, loss_mask=mask, features=feats, target_hidden=hidden))
     return docs
 
 
