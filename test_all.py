@@ -1049,11 +1049,9 @@ def test_block_equals_the_rule_written_out():
     """Both paths against the block written out: a sliding layer (W = 5, causal: is_causal unset)
     and a full one (bidirectional), GQA, input_embedding_scale 0.5, RoPE by hand. At a = 9 the
     window cuts the context of every query."""
+    kinds = ["sliding_attention", "full_attention"]
     c = tiny_config(
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=5,
-        input_embedding_scale=0.5,
-        conv_kernel_size=3,
+        layer_types=kinds, sliding_window=5, input_embedding_scale=0.5, conv_kernel_size=3
     )
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -1338,11 +1336,9 @@ def test_selector_weighting_exp_and_uniform():
     # exp: one ratio, (b1 + e b2 + ce1 + e ce2) / (1 + e) = 8.705
     exp = selector_case(0, miss="replace")
     assert loss(exp) == pytest.approx((b1 + e * b2 + ce1 + e * ce2) / (1 + e), rel=1e-5)
-    assert loss(exp) == pytest.approx(8.705, abs=1e-3)
     # uniform (Model-Optimizer): (b1 + e b2) / (1 + e) + (ce1 + ce2) / 2 = 4.663 + 5.037 = 9.700
     uni = selector_case(0, miss="replace", weighting="uniform")
     assert loss(uni) == pytest.approx((b1 + e * b2) / (1 + e) + (ce1 + ce2) / 2, rel=1e-5)
-    assert loss(uni) == pytest.approx(9.700, abs=1e-3)
     assert [uni.selector.item(), uni.selector_denominator.item()] == pytest.approx([ce1 + ce2, 2])
     # strict: the missed slot adds no CE but stays in D_sel, as it stays in exp's D: 5.150
     strict = selector_case(0, weighting="uniform")
@@ -1475,14 +1471,13 @@ def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chun
     """Numerator, denominator and the base and selector sums are the same in chunks of 1..4
     anchors as in one (5 anchors: the last chunk is shorter unless the chunk divides 5); both are
     finite, and the position weights leave every slot that does not count (w0 = 0) at zero."""
-    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(seed % 7)
+    draft, *batch = model_batch(seed % 7)
+    embed, head, ids, feats, anchors, loss_mask, valid = batch
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
     kw = dict(alpha_t=0.5, target_hidden=th, loss=loss, weighting=weighting, selector_miss=miss)
     with torch.no_grad():
-        one = objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw)
-        parts = objective_sums(
-            draft, embed, head, ids, feats, anchors, loss_mask, valid, chunk_blocks=chunk, **kw
-        )
+        one = objective_sums(draft, *batch, **kw)
+        parts = objective_sums(draft, *batch, chunk_blocks=chunk, **kw)
     assert torch.isfinite(one.numerator) and torch.isfinite(one.denominator)
     assert torch.allclose(one.numerator, parts.numerator, rtol=1e-5)
     assert torch.allclose(one.denominator, parts.denominator)
