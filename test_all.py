@@ -428,15 +428,13 @@ def tiny_vocab_pair(V=6, B=3):
 
 
 def scripted_grower(ref, kind, V=64):
-    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
-    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
-    `expected` records how many nodes each cycle must accept, known by construction:
-      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
-                    under w_d)
-      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
-      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
-    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
-    accepted node's attention, changes the output."""
+    """A grower of hand-built trees around the target's greedy continuation r_1..r_D (ref [1, N] at
+    the committed length), parents first, cut at the budget; `expected` gets each cycle's accepted
+    count, known by construction:
+      right:        r_1..r_D, then wrong siblings w_d = r_d + 1, then traps (r_{d+1} under w_d)
+      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), a trap under the first
+      branch-only:  at every depth a wrong best child w_d, then r_d, then traps under w_d
+    A trap, a right token under a wrong parent, changes the output if accepted or attended to."""
     expected = []
 
     def grower(draft, h, u, ids, budget, use_selector):
@@ -2007,16 +2005,11 @@ def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
 
 
 def write_ckpt(path, draft):
-    torch.save(
-        {
-            "model": draft.state_dict(),
-            "config": config.config_to_dict(draft.config),
-            "optimizer": {"state": {}, "param_groups": []},
-            "step": 7,
-            "args": {"lr": 1e-3},
-        },
-        path,
+    cfg, optimizer = config.config_to_dict(draft.config), {"state": {}, "param_groups": []}
+    ckpt = dict(
+        model=draft.state_dict(), config=cfg, optimizer=optimizer, step=7, args={"lr": 1e-3}
     )
+    torch.save(ckpt, path)
 
 
 TRAIN_CONVERSATIONS = [
@@ -2069,9 +2062,8 @@ def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
 
 
 def flex_case(kw, packed, S=256, device="cpu"):
-    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each
-    (one document a row, or two packed), and attend(how) -> the draft's hidden states through sdpa
-    or flex."""
+    """A random draft of tiny_config(**kw), 2 rows of S tokens with S / 4 anchors (one document a
+    row, or two packed), and attend(how) -> its hidden states through sdpa or flex."""
     c = tiny_config(**kw)
     draft, embed = draft_and_embed(c)
     draft, embed = draft.to(device), embed.to(device)
