@@ -384,9 +384,8 @@ def tiny_target(kind: str, initializer_range=0.02, **config):
 
 
 def scripted_proposer(ref, wrong_at):
-    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
-    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
-    wrong_at(L) + 1."""
+    """Proposes the target's greedy continuation ref [1, N] but for slot wrong_at(L) + 1 (L tokens
+    committed; None: no slot), so that the cycle's tau is wrong_at(L) + 1."""
 
     def proposer(draft, h, u, ids, temperature, use_selector, generator):
         L, B1 = ids.shape[1], u.shape[1]
@@ -1347,9 +1346,8 @@ def test_selector_weighting_exp_and_uniform():
 @pytest.mark.method
 @pytest.mark.parametrize("plain", [False, True])
 def test_objective_equals_its_definition_written_out(plain):
-    """reference_objective, the definition written out here in one piece, gives the sums (and so the
-    gradients) of loss.objective as train.py runs it: in chunks of 2 blocks under checkpointing,
-    ce, exp weights and the strict selector CE, at alpha 0.7."""
+    """reference_objective gives the sums and gradients of loss.objective as train.py runs it, in
+    chunks of 2 blocks (ce, exp weights, the strict selector CE, alpha 0.7)."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
     if plain:
         draft = randomize(DraftModel(model.plain_dflash(draft.config)), 3, std=0.1)
@@ -1466,9 +1464,8 @@ def test_selector_alpha_schedule_rounds_down():
 )
 @hypothesis.example("ce", "exp", "strict", 2, 0)  # the reference's case, every run
 def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
-    """Numerator, denominator and the base and selector sums are the same in chunks of 1..4
-    anchors as in one (5 anchors: the last chunk is shorter unless the chunk divides 5); both are
-    finite, and the position weights leave every slot that does not count (w0 = 0) at zero."""
+    """Every sum is the same in chunks of 1..4 of the 5 anchors as in one, and finite; the position
+    weights leave every slot that does not count (w0 = 0) at zero."""
     draft, *batch = model_batch(seed % 7)
     embed, head, ids, feats, anchors, loss_mask, valid = batch
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
