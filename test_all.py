@@ -1373,29 +1373,26 @@ def test_objective_equals_its_definition_written_out(plain):
 # pins docs/semantics.md section 4 (selector loss)
 @pytest.mark.method
 def test_selector_gradients_and_stop_gradient():
-    draft, *rest = model_batch()
-    objective_sums(draft, *rest, alpha_t=1.0).numerator.backward()
-    g = grads(draft)
+    draft, *batch = model_batch()
+
+    def grads_of(**kw):  # the numerator's gradients
+        draft.zero_grad(set_to_none=True)
+        objective_sums(draft, *batch, **kw).numerator.backward()
+        return grads(draft)
+
+    g = grads_of(alpha_t=1.0)
     for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
         assert g["candidate_selector." + k].abs().sum() > 0, k
     # with stop_gradient the backbone sees only the base loss, replace's label scores included
-    draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=None).numerator.backward()
-    g_base = grads(draft)
+    g_base = grads_of(alpha_t=None)
     for miss in ("strict", "replace"):
-        draft.zero_grad(set_to_none=True)
-        kw = dict(alpha_t=1.0, stop_gradient=True, selector_miss=miss)
-        objective_sums(draft, *rest, **kw).numerator.backward()
-        g_stop = grads(draft)
+        g_stop = grads_of(alpha_t=1.0, stop_gradient=True, selector_miss=miss)
         for k, v in g_base.items():
             if not k.startswith("candidate_selector"):
                 assert torch.allclose(g_stop[k], v, atol=1e-7), (miss, k)
         assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
-    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
-    # used)
-    draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=0.0).numerator.backward()
-    sel_grad = draft.candidate_selector.successor_codebook.grad
+    # warmup: alpha 0 still puts the selector in the graph (DDP needs every parameter used)
+    sel_grad = grads_of(alpha_t=0.0)["candidate_selector.successor_codebook"]
     assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
 
 
