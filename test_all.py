@@ -148,10 +148,9 @@ torch.set_num_threads(1)
 os.environ["DFLASH2_CPU"] = "generic"
 
 
-# torch.compile's kernel cache is keyed by the machine, not by the kernel caps below: a cache
-# written without them crashed the compiled tests run with them (a segfault in a cached flex
-# kernel, the FSDP compile tests failing), so every set of caps gets a folder of its own inside
-# the cache in force (importing torch has already named one), for this process and its scripts
+# torch.compile's kernel cache is keyed by the machine, not by the kernel caps below (a cache
+# written without them segfaulted the compiled tests run with them): each set of caps gets its own
+# folder inside the cache in force, for this process and its scripts
 CAPS = (
     "ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA MKL_ENABLE_INSTRUCTIONS FBGEMM_ENABLE_INSTRUCTIONS"
 ).split()
@@ -170,8 +169,7 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
-# Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k
-# cuda
+# Every CUDA test has "cuda" in its name or id: tools/gpu_check.py selects them with -k cuda
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)"
 )
@@ -411,18 +409,9 @@ def tiny_vocab_pair(V=6, B=3):
     )
     with torch.no_grad():
         target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
-    c = tiny_config(
-        **sizes,
-        num_hidden_layers=1,
-        vocab_size=V,
-        num_target_layers=2,
-        target_layer_ids=[0, 1],
-        mask_token_id=V - 1,
-        block_size=B,
-        conv_group_size=4,
-        selector_rank=4,
-        selector_top_k=3,
-    )
+    layers = dict(num_hidden_layers=1, num_target_layers=2, target_layer_ids=[0, 1], vocab_size=V)
+    dflash2 = dict(conv_group_size=4, selector_rank=4, selector_top_k=3)
+    c = tiny_config(**sizes, **layers, **dflash2, mask_token_id=V - 1, block_size=B)
     return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
 
 
@@ -1939,9 +1928,8 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
 
 
 # ============================================================================ the pipeline
-# Part 2: data.py, train.py, prepare.py, export.py, generate.py, on the machinery imported in the
-# guarded block at the top; the tests of support/, compat/, speed/ and tools/ are beside them
-# (test_*.py). First the helpers Part 2 shares that need this machinery.
+# Part 2, on the machinery imported in the guarded block at the top; first the helpers it shares
+# that need this machinery.
 def test_the_pipeline_imports():
     """The guarded block at the top imported every module Part 2 tests: else its error, here."""
     if PIPELINE_IMPORT_ERROR is not None:
