@@ -125,13 +125,7 @@ try:
     )
     from support.common import UsageError
     from support.distributed import end_ranks
-    from support.target import (
-        convert_embedded,
-        embedded_dir,
-        encode,
-        load_target,
-        stop_token_ids,
-    )
+    from support.target import convert_embedded, embedded_dir, encode, load_target, stop_token_ids
 except Exception as e:  # ImportError, or a broken module's own SyntaxError, NameError...
     PIPELINE_IMPORT_ERROR = e
 else:
@@ -1520,7 +1514,7 @@ def test_always_right_always_wrong_and_partial_drafts(B):
     assert taus == want
 
 
-def recording(inner, seen):
+def record_cycles(inner, seen):
     """inner, a proposer or grower, that appends each cycle's committed ids and draft states h."""
 
     def propose(draft, h, u, ids, *rest):
@@ -1553,7 +1547,7 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
     B, seen = 4, []
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 20 + B)
-    proposer = recording(scripted_proposer(ref, lambda L: L % (B - 1)), seen)
+    proposer = record_cycles(scripted_proposer(ref, lambda L: L % (B - 1)), seen)
     decode_with(target, draft, p, 20, proposer=proposer)
     assert_fresh_prefill_contexts(target, draft, seen)
 
@@ -1818,7 +1812,7 @@ def test_tree_cycle_draft_context_is_the_accepted_path():
     B, seen = 4, []
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 20 + 2 * B)
-    grower = recording(scripted_grower(ref, "branch-only")[0], seen)
+    grower = record_cycles(scripted_grower(ref, "branch-only")[0], seen)
     decode_with(target, draft, p, 20, tree_budget=6, grower=grower)
     assert_fresh_prefill_contexts(target, draft, seen)
 
