@@ -1145,22 +1145,16 @@ def test_property_training_forward_equals_inference(c, seed, packed):
 @hypothesis.given(small_configs(dflash2=False), st.integers(0, 2**16))
 def test_property_fresh_dflash2_equals_plain_dflash(c_plain, seed):
     """Bit for bit DFlash with the same backbone, and its selector proposes the unary argmax."""
-    c2 = dataclasses.replace(
-        c_plain,
-        conv_kernel_size=min(2, c_plain.block_size),
-        conv_group_size=4,
-        selector_rank=3,
-        selector_top_k=4,
-    )
+    dflash2 = dict(conv_group_size=4, selector_rank=3, selector_top_k=4)
+    c2 = dataclasses.replace(c_plain, conv_kernel_size=min(2, c_plain.block_size), **dflash2)
     d2, d1 = twin_drafts(c2, seed)
     embed = torch.nn.Embedding(c2.vocab_size, c2.hidden_size)
     ids, feats, anchors = random_batch(c2, S=12, A=3, seed=seed)
     with torch.no_grad():
         h2 = model.forward_training(d2, embed, ids, feats, anchors)
         h1 = model.forward_training(d1, embed, ids, feats, anchors)
-        u = torch.randn(
-            2, c2.block_size - 1, c2.vocab_size, generator=torch.Generator().manual_seed(seed)
-        )
+        g = torch.Generator().manual_seed(seed)
+        u = torch.randn(2, c2.block_size - 1, c2.vocab_size, generator=g)
         walk, _, _ = d2.candidate_selector.propose(h2[:, 0, 1:], u, ids[:, 0])
     assert torch.equal(h1, h2) and torch.equal(walk, u.argmax(-1))
 
