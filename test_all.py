@@ -255,20 +255,10 @@ def twin_drafts(c2=None, seed=0):
 
 def hand_config(**kw):
     """Hidden 8, vocab 4: with lm_head [I_4 | 0] (HEAD) the unary logits are h[:4]."""
-    base = dict(
-        hidden_size=8,
-        intermediate_size=8,
-        vocab_size=4,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=8,
-        conv_group_size=8,
-        selector_rank=1,
-        selector_top_k=2,
-        mask_token_id=3,
-        block_size=3,
-    )
-    return tiny_config(**{**base, **kw})
+    sizes = dict(hidden_size=8, intermediate_size=8, head_dim=8, vocab_size=4, mask_token_id=3)
+    heads = dict(num_attention_heads=1, num_key_value_heads=1, block_size=3)
+    dflash2 = dict(conv_group_size=8, selector_rank=1, selector_top_k=2)
+    return tiny_config(**{**sizes, **heads, **dflash2, **kw})
 
 
 def grads(m):
@@ -1733,13 +1723,9 @@ def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kin
         masks = tree.attention_masks(t, cache, torch.float32)
         # sliding and full layers: one mask each
         assert isinstance(masks, dict) == (kind == "qwen3-sliding")
-        out = target(
-            input_ids=torch.tensor([t.tokens]),
-            position_ids=9 + torch.tensor([t.depths]),
-            attention_mask=masks,
-            cache=cache,
-            use_cache=True,
-        ).logits[0]
+        ids, pos = torch.tensor([t.tokens]), 9 + torch.tensor([t.depths])
+        kw = dict(attention_mask=masks, cache=cache, use_cache=True)
+        out = target(input_ids=ids, position_ids=pos, **kw).logits[0]
         for i in range(len(t.tokens)):
             assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
         # anchor, 7, 9, 11: not a prefix
