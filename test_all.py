@@ -1415,9 +1415,9 @@ def test_selector_alpha_schedule_rounds_down():
     assert [L.selector_alpha(t, 7, 1.0, 0.2, 0.3) for t in range(4)] == [0.0, 0.5, 1.0, 1.0]
 
 
-# docs/semantics.md section 4 (total); where the draw is the reference's own case (ce, exp weights,
-# strict), reference_objective, the definition written out, gives the same sums too. The draws
-# read loss.py's tables: a base loss or position weighting of your own is drawn here too
+# docs/semantics.md section 4 (total); the draws read loss.py's tables: a base loss or position
+# weighting of your own is drawn here too (test_objective_equals_its_definition_written_out checks
+# the default against its definition written out)
 @pytest.mark.method
 @hypothesis.given(
     st.sampled_from(sorted(L.BASE_LOSSES)),
@@ -1426,12 +1426,11 @@ def test_selector_alpha_schedule_rounds_down():
     st.integers(1, 4),
     st.integers(0, 2**16),
 )
-@hypothesis.example("ce", "exp", "strict", 2, 0)  # the reference's case, every run
 def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
     """Every sum is the same in chunks of 1..4 of the 5 anchors as in one, and finite; the position
     weights leave every slot that does not count (w0 = 0) at zero."""
     draft, *batch = model_batch(seed % 7)
-    embed, head, ids, feats, anchors, loss_mask, valid = batch
+    ids = batch[2]
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
     kw = dict(alpha_t=0.5, target_hidden=th, loss=loss, weighting=weighting, selector_miss=miss)
     with torch.no_grad():
@@ -1443,12 +1442,6 @@ def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chun
     cfg = L.LossConfig(loss=loss, weighting=weighting, gamma=3.0)
     w = L.POSITION_WEIGHTS[weighting](one.w0, one.slots, cfg)
     assert torch.equal(w[one.w0 == 0], torch.zeros_like(w[one.w0 == 0])) and (w >= 0).all()
-    if (loss, weighting, miss) == ("ce", "exp", "strict"):
-        with torch.no_grad():
-            h = model.forward_training(draft, embed, ids, feats, anchors)
-            num, den = reference_objective(draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.5)
-        assert torch.allclose(num, parts.numerator, rtol=1e-5)
-        assert torch.allclose(den, parts.denominator)
     for name in ("base", "selector"):
         assert torch.allclose(getattr(one, name), getattr(parts, name), rtol=1e-5, atol=1e-6), name
 
