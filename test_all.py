@@ -3,41 +3,25 @@ test (explicit loops, closed forms, hand-worked numbers) or is an exact identity
 CPU.
 
 Part 1, the method by hand, is the tests marked `method` (python -m pytest -m method -q
-test_all.py), one banner per file in the reading order, the tests the mutation run found
-(tools/mutants.py) and the properties over random small configs (hypothesis) under the
-file whose rule they pin. Part 2 follows the pipeline: data, train, prepare, export,
-generate. Part 1 needs only the mechanism (conv, selector, attention, model, loss, decoding,
-tree), imported first; the pipeline and the machinery it stands on (support/, compat/, speed/)
-are imported in one guarded block after it, so that -m method collects and passes even where
-one of them does not import (tools/form.py checks it), while a full run fails with the import's
-error (test_the_pipeline_imports). The tests of support/, compat/, speed/ and tools/ are beside
-their packages (support/test_support.py, ...): python -m pytest -q runs them all. The repository's
-form (imports one way, the maps, cited names, the line budgets, the docs against the code) is
-checked apart, by python -m pytest -q tools/form.py, so that an edit of the method fails only a
-test of what it computes.
+test_all.py), one banner per mechanism file in reading order; it imports only the mechanism, so it
+runs even where the pipeline does not import (the guarded block below; test_the_pipeline_imports
+raises its error). Part 2 follows the pipeline: data, train, prepare, export, generate. The tests of
+support/, compat/, speed/ and tools/ are beside their packages; the repository's form (imports, the
+maps, line budgets, docs against code) is checked by python -m pytest -q tools/form.py.
 
 The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
 holds it equal to the banners):
-    helpers                         tiny configs, models, targets and tokenizers, the hypothesis
-                                    profiles, skip marks
-    the method, by hand             the tests marked `method`, in reading order; each names the
-                                    section of docs/semantics.md it pins
+    helpers                         tiny configs, models, targets, tokenizers; hypothesis, skips
+    the method, by hand             the tests marked `method`, each naming its docs/semantics.md
         conv.py                     the convolution against an explicit loop, identity at init
-        selector.py                 the unary transform, scores, lattice and walks against their
-                                    formulas
-        attention.py and model.py   the attention rule: many anchored blocks in one training
-                                    pass == one block against a cache, every layout, the rule
-                                    written out; DFlash2 at init == DFlash
-        loss.py                     anchors, labels, weights and every loss against hand-worked
-                                    numbers
-        decoding.py                 greedy is lossless on tiny models; scripted always-right and
-                                    wrong-at-k drafts; the rejection rule by hand and what it
-                                    samples
-        tree.py                     best-first growth by hand, ancestor masks, scripted trees,
-                                    the tree walk samples the target
+        selector.py                 the unary transform, scores, lattice and walks by formula
+        attention.py and model.py   training blocks == inference blocks, the rule written out;
+                                    DFlash2 at init == DFlash
+        loss.py                     anchors, labels, weights and every loss by hand
+        decoding.py                 greedy is lossless; scripted drafts; the rejection rule
+        tree.py                     best-first growth, tree masks, scripted trees, the tree walk
         walkthrough.py              the walkthrough's printed numbers, by hand
-    the pipeline                    Part 2 starts: its machinery's import checked, and the
-                                    shared helpers that need it
+    the pipeline                    Part 2's import checked, its shared helpers
     data.py                         loss masks, chat template kwargs, conversation readers and
                                     formats, a packed row == its documents one per row
         tokenisation / loss mask
@@ -141,13 +125,7 @@ try:
     )
     from support.common import UsageError
     from support.distributed import end_ranks
-    from support.target import (
-        convert_embedded,
-        embedded_dir,
-        encode,
-        load_target,
-        stop_token_ids,
-    )
+    from support.target import convert_embedded, embedded_dir, encode, load_target, stop_token_ids
 except Exception as e:  # ImportError, or a broken module's own SyntaxError, NameError...
     PIPELINE_IMPORT_ERROR = e
 else:
@@ -164,21 +142,13 @@ torch.set_num_threads(1)
 os.environ["DFLASH2_CPU"] = "generic"
 
 
-# torch.compile's kernel cache is keyed by the machine, not by the kernel caps below: a cache
-# written without them crashed the compiled tests run with them (a segfault in a cached flex
-# kernel, the FSDP compile tests failing), so every set of caps gets a folder of its own inside
-# the cache in force (importing torch has already named one), for this process and its scripts
+# torch.compile's kernel cache is keyed by the machine, not by the kernel caps below (a cache
+# written without them segfaulted the compiled tests run with them): each set of caps gets its own
+# folder inside the cache in force, for this process and its scripts
 CAPS = (
-    "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA",
-    "MKL_ENABLE_INSTRUCTIONS",
-    "FBGEMM_ENABLE_INSTRUCTIONS",
-)
-
-
+    "ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA MKL_ENABLE_INSTRUCTIONS FBGEMM_ENABLE_INSTRUCTIONS"
+).split()
 caps = "-".join(os.environ.get(v, "") for v in CAPS).strip("-")
-
-
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
     os.environ.get("TORCHINDUCTOR_CACHE_DIR", tempfile.gettempdir()), "caps-" + (caps or "none")
 )
@@ -193,35 +163,39 @@ needs_smollm2 = pytest.mark.skipif(
 )
 
 
-# Every CUDA test has "cuda" in its name or parameter id: tools/gpu_check.py selects them with -k
-# cuda
+# Every CUDA test has "cuda" in its name or id: tools/gpu_check.py selects them with -k cuda
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.py runs these)"
 )
 
 
+# The tiny target's sizes (tiny_target), which its drafts (tiny_config) share.
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=64,
+    max_position_embeddings=256,
+)
+
+
 def tiny_config(**kw) -> DraftConfig:
     base = dict(
-        hidden_size=32,
-        intermediate_size=48,
+        TINY,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=64,
         num_target_layers=4,
         target_layer_ids=[0, 2],
         mask_token_id=63,
         block_size=4,
         rope_theta=10000.0,
-        max_position_embeddings=256,
         conv_kernel_size=2,
         conv_group_size=8,
         selector_rank=8,
         selector_top_k=5,
     )
-    base.update(kw)
-    return DraftConfig(**base)
+    return DraftConfig(**{**base, **kw})
 
 
 def randomize(m: torch.nn.Module, seed=0, std=0.2):
@@ -254,6 +228,12 @@ def conv_loop(conv, a, f):
     return run(f(run(a, 0)), 1)
 
 
+def draft_and_embed(c: DraftConfig, seed=0):
+    """A random draft of config c and an embedding for it, from the global seed."""
+    torch.manual_seed(seed)
+    return randomize(DraftModel(c), seed, std=0.1), torch.nn.Embedding(c.vocab_size, c.hidden_size)
+
+
 def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, c.vocab_size - 1, (N, S), generator=g)
@@ -264,32 +244,21 @@ def random_batch(c: DraftConfig, S=20, A=5, N=2, seed=0):
     return ids, feats, anchors
 
 
-def twin_drafts():
+def twin_drafts(c2=None, seed=0):
     """A fresh DFlash2 draft and a plain DFlash draft with the same backbone weights."""
-    c2 = tiny_config()
-    torch.manual_seed(0)
+    c2 = c2 or tiny_config()
+    torch.manual_seed(seed)
     d2, d1 = DraftModel(c2), DraftModel(model.plain_dflash(c2))
     d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
     return d2, d1
 
 
 def hand_config(**kw):
-    """Hidden 8, vocab 4: with lm_head [I_4 | 0] the unary logits are h[:4], so tests set them
-    directly."""
-    base = dict(
-        hidden_size=8,
-        intermediate_size=8,
-        vocab_size=4,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=8,
-        conv_group_size=8,
-        selector_rank=1,
-        selector_top_k=2,
-        mask_token_id=3,
-        block_size=3,
-    )
-    return tiny_config(**{**base, **kw})
+    """Hidden 8, vocab 4: with lm_head [I_4 | 0] (HEAD) the unary logits are h[:4]."""
+    sizes = dict(hidden_size=8, intermediate_size=8, head_dim=8, vocab_size=4, mask_token_id=3)
+    heads = dict(num_attention_heads=1, num_key_value_heads=1, block_size=3)
+    dflash2 = dict(conv_group_size=8, selector_rank=1, selector_top_k=2)
+    return tiny_config(**{**sizes, **heads, **dflash2, **kw})
 
 
 def grads(m):
@@ -298,9 +267,7 @@ def grads(m):
 
 def model_batch(seed=0, **kw):
     c = tiny_config(**kw)
-    torch.manual_seed(seed)
-    draft = randomize(DraftModel(c), seed, std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft, embed = draft_and_embed(c, seed)
     head = torch.randn(c.vocab_size, c.hidden_size)
     ids, feats, anchors = random_batch(c, S=24, A=5)
     loss_mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) > 0.2).long()
@@ -309,34 +276,20 @@ def model_batch(seed=0, **kw):
     return draft, embed, head, ids, feats, anchors, loss_mask, valid
 
 
-def objective_sums(
-    draft,
-    embed,
-    head,
-    ids,
-    feats,
-    anchors,
-    loss_mask,
-    valid,
-    *,
-    alpha_t=None,
-    target_hidden=None,
-    **cfg,
-):
-    """loss.objective's sums (numerator, denominator, base, selector) on model_batch's tensors,
-    gamma 3 unless cfg says: the loss alone, as the method defines it."""
+def objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **cfg):
+    """loss.objective's sums on model_batch's tensors, gamma 3 unless cfg says; cfg also takes
+    objective's alpha_t and target_hidden."""
     h = model.forward_training(draft, embed, ids, feats, anchors)
+    kw = dict(alpha_t=cfg.pop("alpha_t", None), target_hidden=cfg.pop("target_hidden", None))
     cfg = L.LossConfig(**{"gamma": 3.0, **cfg})
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden)
     return L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
 
 
 def reference_objective(
     draft, lm_head_weight, h, input_ids, loss_mask, anchors, anchor_valid, gamma, alpha
 ):
-    """The default objective written out independently of loss.py's: unchunked, the logits of every
-    slot at once: ce on the unary logits, exp position weights, the strict selector CE. h [N, A, B,
-    H] (model.forward_training) -> (numerator, denominator); the loss is their ratio."""
+    """The default objective (ce, exp weights, the strict selector CE) written out apart from
+    loss.py, every slot's logits at once. h [N, A, B, H] -> (numerator, denominator)."""
     S, B = input_ids.shape[1], h.shape[2]
     pos = anchors[..., None] + torch.arange(B)  # [N, A, B]
     tokens = input_ids.gather(1, pos.clamp(max=S - 1).flatten(1)).view(pos.shape)
@@ -361,10 +314,8 @@ def reference_objective(
 
 
 def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """decoding.speculative_generate (a path of verify_tokens, default all B-1 drafts) or, with
-    tree_budget, tree.tree_generate, its step 2 (decoding.draft_proposal, tree.draft_tree) replaced
-    by proposer or grower (their `propose`): how the tests script always-right, always-wrong or
-    hand-built drafts. -> (ids, taus)."""
+    """decoding.speculative_generate (verify_tokens drafts, default B-1) or, with tree_budget,
+    tree.tree_generate, their `propose` replaced by a scripted proposer or grower. -> (ids, taus)"""
     if tree_budget is None:
         k = kw.pop("verify_tokens", None)
         return decoding.speculative_generate(target, draft, p, n, k, propose=proposer, **kw)
@@ -372,23 +323,18 @@ def decode_with(target, draft, p, n, proposer=None, grower=None, tree_budget=Non
 
 
 def assert_lossless(target, draft, p, B, use_selector):
-    """Greedy speculative decoding gives the target's greedy output, every cycle sends 1 to B
-    tokens, and a stop token ends both loops right after its first occurrence."""
+    """Greedy speculative decoding gives the target's greedy output, 1 to B tokens a cycle."""
     ref, _ = decoding.target_generate(target, p, 30)
-    out, taus = decoding.speculative_generate(target, draft, p, 30, use_selector=use_selector)
+    kw = dict(use_selector=use_selector)
+    out, taus = decoding.speculative_generate(target, draft, p, 30, **kw)
     assert torch.equal(out, ref)
     assert out.shape[1] == p.shape[1] + 30 and all(1 <= t <= B for t in taus)
     # a stop token ends both loops right after its first occurrence
     stop = int(ref[0, p.shape[1] + 9])
     ref_s, _ = decoding.target_generate(target, p, 30, stop_ids={stop})
-    out_s, _ = decoding.speculative_generate(
-        target, draft, p, 30, use_selector=use_selector, stop_ids={stop}
-    )
-    assert (
-        torch.equal(out_s, ref_s)
-        and int(out_s[0, -1]) == stop
-        and out_s.shape[1] <= p.shape[1] + 10
-    )
+    out_s, _ = decoding.speculative_generate(target, draft, p, 30, stop_ids={stop}, **kw)
+    assert torch.equal(out_s, ref_s) and int(out_s[0, -1]) == stop
+    assert out_s.shape[1] <= p.shape[1] + 10
 
 
 def prompt(n=6, vocab=64, seed=0):
@@ -403,50 +349,25 @@ def tiny_draft(B=4, plain=False, seed=0, **kw):
     return randomize(DraftModel(c), seed=seed, std=0.2).eval()
 
 
-def tiny_target(kind: str, initializer_range=0.02):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+def tiny_target(kind: str, initializer_range=0.02, **config):
+    import transformers as T
 
     torch.manual_seed(0)
-    kw = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        initializer_range=initializer_range,
-    )
+    kw = {**TINY, "num_hidden_layers": 4, "initializer_range": initializer_range, **config}
     if kind in ("llama", "llama-eager"):
-        return LlamaForCausalLM(
-            LlamaConfig(**kw, attn_implementation="sdpa" if kind == "llama" else "eager")
-        ).eval()
+        attention = "sdpa" if kind == "llama" else "eager"
+        return T.LlamaForCausalLM(T.LlamaConfig(**kw, attn_implementation=attention)).eval()
     if kind == "mistral-sliding":  # every layer a sliding window of 5
-        return MistralForCausalLM(MistralConfig(**kw, sliding_window=5)).eval()
+        return T.MistralForCausalLM(T.MistralConfig(**kw, sliding_window=5)).eval()
     if kind == "qwen3-sliding":  # sliding and full layers, a window of 5
-        return Qwen3ForCausalLM(
-            Qwen3Config(
-                **kw,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                sliding_window=5,
-                use_sliding_window=True,
-            )
-        ).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+        layers = ["sliding_attention", "full_attention"] * 2
+        kw.update(layer_types=layers, sliding_window=5, use_sliding_window=True)
+    return T.Qwen3ForCausalLM(T.Qwen3Config(**kw)).eval()
 
 
 def scripted_proposer(ref, wrong_at):
-    """Proposes the target's own greedy continuation `ref` [1, N], except that slot wrong_at(L) + 1
-    (L committed tokens so far; None: no slot) gets a different token, so the cycle's tau is
-    wrong_at(L) + 1."""
+    """Proposes the target's greedy continuation ref [1, N] but for slot wrong_at(L) + 1 (L tokens
+    committed; None: no slot), so that the cycle's tau is wrong_at(L) + 1."""
 
     def proposer(draft, h, u, ids, temperature, use_selector, generator):
         L, B1 = ids.shape[1], u.shape[1]
@@ -466,51 +387,26 @@ def tv(counts, p):
 def tiny_vocab_pair(V=6, B=3):
     """A target and a DFlash2 draft over a 6-token vocabulary, with peaked, prefix-dependent
     distributions."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    sizes = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1)
+    target = tiny_target(
+        "llama", vocab_size=V, num_hidden_layers=2, max_position_embeddings=64, **sizes
+    )
     with torch.no_grad():
         target.lm_head.weight.mul_(60.0)  # random init is nearly uniform: sharpen it
-    c = tiny_config(
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=V,
-        num_target_layers=2,
-        target_layer_ids=[0, 1],
-        mask_token_id=V - 1,
-        block_size=B,
-        conv_group_size=4,
-        selector_rank=4,
-        selector_top_k=3,
-    )
+    layers = dict(num_hidden_layers=1, num_target_layers=2, target_layer_ids=[0, 1], vocab_size=V)
+    dflash2 = dict(conv_group_size=4, selector_rank=4, selector_top_k=3)
+    c = tiny_config(**sizes, **layers, **dflash2, mask_token_id=V - 1, block_size=B)
     return target, randomize(DraftModel(c), seed=1, std=0.5).eval()
 
 
 def scripted_grower(ref, kind, V=64):
-    """A grower that builds trees by hand around the target's own greedy continuation ref [1, N]
-    (r_1..r_D at the committed length), in best-first order (parents first), cut at the budget;
-    `expected` records how many nodes each cycle must accept, known by construction:
-      right:        r_1..r_D first, then wrong siblings w_d = r_d + 1, then traps (r_{d+1}
-                    under w_d)
-      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), then traps under them
-      branch-only:  at every depth a wrong best child w_d first, then r_d, then traps under w_d
-    Traps hold a right token under a wrong parent: accepting one, or letting one leak into an
-    accepted node's attention, changes the output."""
+    """A grower of hand-built trees around the target's greedy continuation r_1..r_D (ref [1, N] at
+    the committed length), parents first, cut at the budget; `expected` gets each cycle's accepted
+    count, known by construction:
+      right:        r_1..r_D, then wrong siblings w_d = r_d + 1, then traps (r_{d+1} under w_d)
+      wrong-at-k:   r_1..r_k, then two wrong children of r_k (k = L mod D), a trap under the first
+      branch-only:  at every depth a wrong best child w_d, then r_d, then traps under w_d
+    A trap, a right token under a wrong parent, changes the output if accepted or attended to."""
     expected = []
 
     def grower(draft, h, u, ids, budget, use_selector):
@@ -518,11 +414,8 @@ def scripted_grower(ref, kind, V=64):
         r = ref[0, L : L + D].tolist()
         w = [(t + 1) % V for t in r]
         if kind == "right":
-            nodes = (
-                [(d, r[d]) for d in range(D)]
-                + [(d, w[d]) for d in range(D)]
-                + [(d + 1, r[d + 1]) for d in range(D - 1)]
-            )
+            nodes = [(d, r[d]) for d in range(D)] + [(d, w[d]) for d in range(D)]
+            nodes += [(d + 1, r[d + 1]) for d in range(D - 1)]
             # w_d is node D + 1 + d
             parents = list(range(D)) + list(range(D)) + [D + 1 + d for d in range(D - 1)]
             accepted = min(budget, D)
@@ -545,11 +438,8 @@ def scripted_grower(ref, kind, V=64):
             accepted = min(budget // 2, D)
         n = min(budget, len(nodes))
         expected.append(accepted)
-        return tree.Tree(
-            [int(ids[0, -1])] + [t for _, t in nodes[:n]],
-            [-1] + parents[:n],
-            [0] + [d + 1 for d, _ in nodes[:n]],
-        )
+        tokens, depths = [t for _, t in nodes[:n]], [d + 1 for d, _ in nodes[:n]]
+        return tree.Tree([int(ids[0, -1])] + tokens, [-1] + parents[:n], [0] + depths)
 
     return grower, expected
 
@@ -558,39 +448,28 @@ def scripted_grower(ref, kind, V=64):
 # "method" profile draws a few per property, DFLASH2_HYPOTHESIS=ci many more (.ci/run), and
 # "mutants" the same as "method" without shrinking a failing example to a smallest one, which can
 # take minutes (tools/mutants.py only asks whether a test fails).
+METHOD = dict(max_examples=5, deadline=None, derandomize=True, database=None)
 hypothesis.settings.register_profile(
-    "method",
-    max_examples=5,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
+    "method", suppress_health_check=list(hypothesis.HealthCheck), **METHOD
 )
-
-
-hypothesis.settings.register_profile(
-    "ci", parent=hypothesis.settings.get_profile("method"), max_examples=40
-)
-
-
-hypothesis.settings.register_profile(
-    "mutants",
-    parent=hypothesis.settings.get_profile("method"),
-    phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
-)
-
-
+METHOD_PROFILE = hypothesis.settings.get_profile("method")
+NO_SHRINKING = [hypothesis.Phase.explicit, hypothesis.Phase.generate]
+hypothesis.settings.register_profile("ci", parent=METHOD_PROFILE, max_examples=40)
+hypothesis.settings.register_profile("mutants", parent=METHOD_PROFILE, phases=NO_SHRINKING)
 hypothesis.settings.load_profile(os.environ.get("DFLASH2_HYPOTHESIS", "method"))
 
 
+def chat(*texts):
+    """A conversation's messages, user and assistant in turn."""
+    return [
+        {"role": r, "content": t} for r, t in zip(itertools.cycle(["user", "assistant"]), texts)
+    ]
+
+
 # A ChatML conversation with two answers; the masked tokens must spell exactly ANSWERS.
-CONVERSATION = [
-    {"role": "system", "content": "be nice ."},
-    {"role": "user", "content": "hello there , how are you ?"},
-    {"role": "assistant", "content": "fine , thanks !"},
-    {"role": "user", "content": "and the cat ?"},
-    {"role": "assistant", "content": "the cat is fine too ."},
-]
+CONVERSATION = [{"role": "system", "content": "be nice ."}] + chat(
+    "hello there , how are you ?", "fine , thanks !", "and the cat ?", "the cat is fine too ."
+)
 
 
 ANSWERS = "fine , thanks !<|im_end|>the cat is fine too .<|im_end|>"
@@ -605,21 +484,15 @@ CHATML = (
 
 # ids 0..2 are <unk>, <|im_start|>, <|im_end|>: the tiny Llama's default bos 1 / eos 2 line up with
 # ChatML.
-WORDS = [
-    *"<unk> <|im_start|> <|im_end|>".split(),
-    "\n",
-    " ",
-    *(
-        "system user assistant be nice . hello there , how are you ? "
-        "fine thanks ! and the cat is too what a dog poison sun hot "
-        "sky blue tell me about"
-    ).split(),
-]
+WORDS = "<unk> <|im_start|> <|im_end|>".split() + ["\n", " "]
+WORDS += (
+    "system user assistant be nice . hello there , how are you ? fine thanks ! and the cat is too "
+    "what a dog poison sun hot sky blue tell me about"
+).split()
 
 
 def tiny_tokenizer():
-    """An offline ChatML tokenizer: whole words, single spaces and punctuation are tokens (< 64 ids,
-    so tiny_target can read them), with character offsets and a lossless decoder."""
+    """An offline ChatML tokenizer over WORDS (< 64 ids, for tiny_target), offsets, lossless."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -638,14 +511,7 @@ def tiny_tokenizer():
 
 def masked_runs(mask):
     """[(start, end)] of the runs of ones in a 0/1 vector."""
-    runs, start = [], None
-    for i, v in enumerate(mask.tolist() + [0]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
+    return [m.span() for m in re.finditer("1+", "".join("01"[bool(v)] for v in mask.tolist()))]
 
 
 # ChatML whose assistant header, with enable_thinking=False, ends in an empty "thought" (Qwen3
@@ -671,7 +537,7 @@ def write_lines(path, lines):
 
 
 PROMPTS = [
-    [{"role": "user", "content": c}]
+    chat(c)
     for c in [
         "hello there",
         "what a dog !",
@@ -699,22 +565,10 @@ def block_hidden(draft, seed=0):
 
 
 def run(setup, out, *extra):
-    args = [
-        "--draft-config",
-        str(setup / "draft.json"),
-        "--target",
-        str(setup / "target"),
-        "--data",
-        str(setup / "feats"),
-        "--out-dir",
-        str(out),
-        *(
-            "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 "
-            "--warmup-ratio 0 --lr 1e-2 --seed 3"
-        ).split(),
-        *extra,
-    ]
-    train.main(args)
+    paths = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
+    paths += ["--data", str(setup / "feats"), "--out-dir", str(out)]
+    flags = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
+    train.main(paths + flags.split() + ["--seed", "3", *extra])
     return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
 
 
@@ -739,16 +593,14 @@ def assert_resumed_exactly(straight, resumed):
     for bit equal."""
     assert straight["step"] == resumed["step"] == 6
     assert_equal_weights(straight, resumed)
-    for a, b in zip(
-        straight["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()
-    ):
+    states = [ckpt["optimizer"]["state"].values() for ckpt in (straight, resumed)]
+    for a, b in zip(*states):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
 
 
 def free_ports(n: int) -> list:
-    """n distinct ports free now, below the kernel's ephemeral range: a port the OS handed out (bind
-    to 0) may be taken, before its run listens on it, by an outgoing connection of an earlier run
-    (gloo's own), which ended a CI run in EADDRINUSE; ports below the range are never handed out."""
+    """n distinct ports free now, below the kernel's ephemeral range: one the OS handed out (bind to
+    0) may be taken by an earlier run's outgoing connection before its run listens (EADDRINUSE)."""
     low = 32768  # Linux's default first ephemeral port
     if os.path.isfile("/proc/sys/net/ipv4/ip_local_port_range"):
         low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
@@ -775,22 +627,16 @@ def packing_docs(c, lengths, seed=0):
     for n in lengths:
         mask = (torch.rand(n, generator=g) > 0.25).long()
         mask[:2], mask[-2:] = 1, 1
-        docs.append(
-            {
-                "input_ids": torch.randint(0, c.vocab_size - 1, (n,), generator=g),
-                "loss_mask": mask,
-                "features": torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g),
-                "target_hidden": torch.randn(n, c.hidden_size, generator=g),
-            }
-        )
+        ids = torch.randint(0, c.vocab_size - 1, (n,), generator=g)
+        feats = torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g)
+        hidden = torch.randn(n, c.hidden_size, generator=g)
+        docs.append(dict(input_ids=ids, loss_mask=mask, features=feats, target_hidden=hidden))
     return docs
 
 
 def assert_same_sum(got, want, n: int, dtype, name=""):
-    """got and want are the same sums of at most n terms each, accumulated in another order (packed
-    rows, other kernels, another CPU's vector width). Each may be off by about n roundings of the
-    largest partial sum, so allow 4 * n * eps(dtype) * max|want|: float32 rounding, where a wrong
-    term would differ by far more."""
+    """got and want are the same sums of at most n terms in another order (packed rows, other
+    kernels): allow 4 * n * eps(dtype) * max|want|, rounding; a wrong term differs by far more."""
     tol = 4 * n * torch.finfo(dtype).eps * want.abs().max().item()
     err = (got - want).abs().max().item()
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (n = {n}, {dtype})"
@@ -805,14 +651,12 @@ FLEX_LAYOUTS = [
 
 
 def hidden_and_grads(draft, attend, how, r):
-    """(hidden states, gradients of sum(hidden * r) by parameter name) through one attention
-    path."""
+    """(hidden states, gradients of sum(hidden * r) by parameter name) through one path."""
     draft.zero_grad()
     h = attend(how)
     (h * r).sum().backward()
-    return h.detach(), {
-        k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None
-    }
+    grads = {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+    return h.detach(), grads
 
 
 # support/draw.py's SVG read back (xml.etree): each picture shows what the functions computed.
@@ -910,8 +754,7 @@ def test_conv_gradients_reach_both_parameters():
 # pins docs/semantics.md section 2.1 (found by mutmut: the slot index built on the CPU)
 @pytest.mark.method
 def test_conv_runs_on_its_inputs_device():
-    """The convolution builds its slot index on the input's device. The "meta" device refuses to mix
-    with CPU tensors, as a GPU does, so this holds on a machine without one."""
+    """The slot index is built on the input's device: "meta" refuses CPU tensors, as a GPU does."""
     conv = GroupedDynamicCausalConv(8, 2, 4, block_size=3).to("meta")
     y = conv(torch.empty(1, 6, 8, device="meta"), torch.tanh)
     assert y.device.type == "meta" and y.shape == (1, 6, 8)
@@ -927,8 +770,7 @@ def test_conv_runs_on_its_inputs_device():
     st.integers(0, 2**16),
 )
 def test_property_conv_equals_explicit_loop(hg, B, T, blocks, seed):
-    """The convolution equals its explicit loop over position, tap and channel, for any hidden size,
-    group, block size and kernel (T <= B), over several flattened blocks."""
+    """Any hidden size, group, block size and kernel (T <= B), over several flattened blocks."""
     (H, G), T = hg, min(T, B)
     torch.manual_seed(seed)
     conv = randomize(GroupedDynamicCausalConv(H, T, G, block_size=B), seed, std=0.5)
@@ -965,28 +807,18 @@ def test_selector_scores_equal_formula():
     cand_ids = torch.tensor([[2, 3, 5, 8, 9], [1, 2, 3, 4, 5], [10, 20, 21, 22, 29]])
     cand_scores = torch.randn(3, 5)
     with torch.no_grad():
-        got = s.edge_scores(h, prev, cand_ids, cand_scores)
-        for n in range(3):
-            ph = s.hidden_projection.weight @ h[n]
-            for p in range(2):
-                for c in range(5):
-                    want = (
-                        cand_scores[n, c]
-                        + (
-                            s.predecessor_codebook[prev[n, p]]
-                            * ph
-                            * s.successor_codebook[cand_ids[n, c]]
-                        ).sum()
-                    )
-                    assert torch.allclose(got[n, p, c], want, atol=1e-5)
+        got, ph = s.edge_scores(h, prev, cand_ids, cand_scores), h @ s.hidden_projection.weight.T
+        for n, p, c in itertools.product(range(3), range(2), range(5)):
+            A, Bs = s.predecessor_codebook[prev[n, p]], s.successor_codebook[cand_ids[n, c]]
+            want = cand_scores[n, c] + (A * ph[n] * Bs).sum()  # s(p -> c) = u_c + A_p . P h . Bs_c
+            assert torch.allclose(got[n, p, c], want, atol=1e-5)
 
 
 # pins docs/semantics.md section 2.2
 @pytest.mark.method
 @pytest.mark.parametrize("walk", sorted(WALKS))  # a walk of your own is drawn here too
 def test_fresh_selector_walk_is_unary_argmax(walk):
-    """With Bs = 0 every edge scores its candidate's unary score alone: any greedy walk is the
-    unary argmax path."""
+    """With Bs = 0 every edge scores its candidate's unary score: greedy walks take the argmax."""
     s = make_selector(fresh=True)
     h, u = torch.randn(4, 7, 12), torch.randn(4, 7, 30)
     ids, q, _ = s.propose(h, u, anchor=torch.tensor([0, 1, 2, 3]), walk=walk)
@@ -1040,8 +872,8 @@ def test_sampling_walk_distribution():
 # pins docs/semantics.md section 2.2 (initialisation)
 @pytest.mark.method
 def test_fresh_selector_is_exactly_the_unary_scores():
-    """Bs = 0: every edge score is its unary score, bit for bit; a small random Bs would perturb the
-    scores too little to change an argmax, so the check is on the values."""
+    """Bs = 0: every edge score is its unary score, bit for bit (a small random Bs would not change
+    an argmax, so the check is on the values)."""
     s = make_selector(fresh=True)
     assert torch.count_nonzero(s.successor_codebook) == 0
     h, u = torch.randn(2, 3, 12), torch.randn(2, 3, 30)
@@ -1063,9 +895,8 @@ def test_top_k_candidates_sorted_best_first():
 # pins docs/semantics.md section 2.2 (found by mutmut: the caller's generator dropped)
 @pytest.mark.method
 def test_selector_samples_from_the_generator_it_is_given():
-    """A sampled proposal draws from the caller's generator only: the same seed gives the same draws
-    whatever the global generator holds, and slot 1's picks are the generator's first multinomial
-    draws from q_1."""
+    """The same seed gives the same draws whatever the global generator holds, and slot 1's picks
+    are the generator's first multinomial draws from q_1."""
     s, g = make_selector(seed=4), torch.Generator().manual_seed(5)
     h, u = torch.randn(16, 3, 12, generator=g), torch.randn(16, 3, 30, generator=g)
     draws = []
@@ -1095,9 +926,7 @@ def test_selector_samples_from_the_generator_it_is_given():
 )
 def test_training_forward_equals_inference_per_block(kw):
     c = tiny_config(**kw)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft, embed = draft_and_embed(c)
     ids, feats, anchors = random_batch(c)
     with torch.no_grad():
         h_train = model.forward_training(draft, embed, ids, feats, anchors)  # [N, A, B, H]
@@ -1114,17 +943,19 @@ def test_training_forward_equals_inference_per_block(kw):
                 assert (h_train[n, i] - h_inf[0]).abs().max() <= 1e-5
 
 
-# pins docs/semantics.md section 2
+# pins docs/semantics.md section 2 and 2.2
 @pytest.mark.method
 def test_dflash2_at_init_equals_plain_dflash():
+    """The same hidden states and, without the selector's term, the same loss (section 4)."""
     d2, d1 = twin_drafts()
-    c2 = d2.config
-    embed = torch.nn.Embedding(c2.vocab_size, c2.hidden_size)
-    ids, feats, anchors = random_batch(c2)
+    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
+    batch = (embed, head, ids, feats, anchors, loss_mask, valid)
     with torch.no_grad():
         h2 = model.forward_training(d2, embed, ids, feats, anchors)
         h1 = model.forward_training(d1, embed, ids, feats, anchors)
+        a, b = objective_sums(d2, *batch), objective_sums(d1, *batch)
     assert torch.equal(h1, h2)
+    assert torch.equal(a.numerator, b.numerator) and torch.equal(a.denominator, b.denominator)
 
 
 def rms_by_hand(x, norm):
@@ -1188,11 +1019,9 @@ def test_block_equals_the_rule_written_out():
     """Both paths against the block written out: a sliding layer (W = 5, causal: is_causal unset)
     and a full one (bidirectional), GQA, input_embedding_scale 0.5, RoPE by hand. At a = 9 the
     window cuts the context of every query."""
+    kinds = ["sliding_attention", "full_attention"]
     c = tiny_config(
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=5,
-        input_embedding_scale=0.5,
-        conv_kernel_size=3,
+        layer_types=kinds, sliding_window=5, input_embedding_scale=0.5, conv_kernel_size=3
     )
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -1219,9 +1048,7 @@ def test_packed_row_equals_its_documents():
     """Documents of 7 and 9 tokens packed in one row: positions restart at 0, a block reads context
     of its own document only, and its labels stop where its document ends."""
     c = tiny_config()
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    draft, embed = draft_and_embed(c)
     ids, feats, _ = random_batch(c, S=16, N=1)
     positions = torch.cat([torch.arange(7), torch.arange(9)])[None]
     docs = torch.tensor([[0] * 7 + [1] * 9])
@@ -1243,8 +1070,7 @@ def test_packed_row_equals_its_documents():
 # pins docs/semantics.md section 3 (what the fields mean)
 @pytest.mark.method
 def test_capture_features_reads_layer_outputs_in_list_order():
-    """target_layer_ids [2, 0, 1] are decoder layers' outputs, hidden_states[id + 1], in list
-    order."""
+    """target_layer_ids [2, 0, 1]: decoder layers' outputs, hidden_states[id + 1], in list order."""
     target = tiny_target("llama")
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -1255,8 +1081,7 @@ def test_capture_features_reads_layer_outputs_in_list_order():
 
 @st.composite
 def small_configs(draw, dflash2=True):
-    """A random tiny draft config: block size, kernel, group, heads and GQA, sliding windows,
-    causality, rank, top-K."""
+    """A random tiny draft config (a plain DFlash one, or half the time a DFlash2 one)."""
     B = draw(st.integers(2, 6))
     nkv = draw(st.sampled_from([1, 2]))
     nh = nkv * draw(st.sampled_from([1, 2]))
@@ -1285,11 +1110,9 @@ def small_configs(draw, dflash2=True):
 @pytest.mark.method
 @hypothesis.given(small_configs(), st.integers(0, 2**16), st.booleans())
 def test_property_training_forward_equals_inference(c, seed, packed):
-    """Every anchored block of a training pass equals the inference path's block against a cache of
-    its document's context before the anchor; with packed=True the row holds two documents."""
-    torch.manual_seed(seed)
-    draft = randomize(DraftModel(c), seed, std=0.1)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size)
+    """Every anchored block of a training pass is the inference path's against its document's
+    context; with packed=True the row holds two documents."""
+    draft, embed = draft_and_embed(c, seed)
     ids, feats, anchors = random_batch(c, S=14, A=4, N=1, seed=seed)
     cut = 6 if packed else 14  # the first document's length
     positions = torch.cat([torch.arange(cut), torch.arange(14 - cut)])[None]
@@ -1299,11 +1122,8 @@ def test_property_training_forward_equals_inference(c, seed, packed):
         for i, a in enumerate(anchors[0].tolist()):
             start = 0 if a < cut else cut  # the anchor's document starts here
             pos = int(positions[0, a])
-            cache = model.ContextCache()
-            if pos > 0:
-                cache.append(draft, feats[:, start:a], torch.arange(pos)[None])
-            else:  # no context yet: an empty cache
-                cache.append(draft, feats[:, :0], torch.arange(0)[None])
+            cache = model.ContextCache()  # empty where the document starts at the anchor
+            cache.append(draft, feats[:, start:a], torch.arange(pos)[None])
             h_inf = model.forward_inference(
                 draft, embed, cache, ids[0, a].view(1), torch.tensor([pos])
             )
@@ -1314,26 +1134,17 @@ def test_property_training_forward_equals_inference(c, seed, packed):
 @pytest.mark.method
 @hypothesis.given(small_configs(dflash2=False), st.integers(0, 2**16))
 def test_property_fresh_dflash2_equals_plain_dflash(c_plain, seed):
-    """A fresh DFlash2 draft computes bit for bit what the DFlash draft with its backbone computes,
-    and its selector proposes the unary argmax path."""
-    c2 = dataclasses.replace(
-        c_plain,
-        conv_kernel_size=min(2, c_plain.block_size),
-        conv_group_size=4,
-        selector_rank=3,
-        selector_top_k=4,
-    )
-    torch.manual_seed(seed)
-    d2, d1 = DraftModel(c2), DraftModel(c_plain)
-    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    """Bit for bit DFlash with the same backbone, and its selector proposes the unary argmax."""
+    dflash2 = dict(conv_group_size=4, selector_rank=3, selector_top_k=4)
+    c2 = dataclasses.replace(c_plain, conv_kernel_size=min(2, c_plain.block_size), **dflash2)
+    d2, d1 = twin_drafts(c2, seed)
     embed = torch.nn.Embedding(c2.vocab_size, c2.hidden_size)
     ids, feats, anchors = random_batch(c2, S=12, A=3, seed=seed)
     with torch.no_grad():
         h2 = model.forward_training(d2, embed, ids, feats, anchors)
         h1 = model.forward_training(d1, embed, ids, feats, anchors)
-        u = torch.randn(
-            2, c2.block_size - 1, c2.vocab_size, generator=torch.Generator().manual_seed(seed)
-        )
+        g = torch.Generator().manual_seed(seed)
+        u = torch.randn(2, c2.block_size - 1, c2.vocab_size, generator=g)
         walk, _, _ = d2.candidate_selector.propose(h2[:, 0, 1:], u, ids[:, 0])
     assert torch.equal(h1, h2) and torch.equal(walk, u.argmax(-1))
 
@@ -1385,28 +1196,26 @@ def hand_hidden(rows):
     return h
 
 
-def worked_example(loss, weighting="exp", target=False):
+def hand_objective(draft, h, ids, mask, anchor, cfg, **kw):
+    """loss.objective on one row of ids and mask, one anchor, through HEAD."""
+    ids, mask, anchor = torch.tensor([ids]), torch.tensor([mask]), torch.tensor([[anchor]])
+    return L.objective(draft, HEAD, h, ids, mask, anchor, torch.tensor([[True]]), cfg, **kw)
+
+
+Q1, Q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
+
+
+def worked_example(loss, weighting="exp", p=None):
     """S=4, ids [0,1,2,1], mask [0,1,1,1], one anchor a=1, B=3: slots 1, 2 are labelled 2 and 1.
-    Draft q1 = [.1,.2,.6,.1], q2 = [.25,.5,.125,.125]; target p1 = q1, p2 = [.5,.25,.125,.125]."""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
+    The draft's q1 = Q1, q2 = Q2; the target's rows p = [p1, p2] where given."""
+    h = hand_hidden({1: [math.log(v) for v in Q1], 2: [math.log(v) for v in Q2]})
     th = None
-    if target:  # the target predicts position a+j from position a+j-1 = 1, 2
+    if p is not None:  # the target predicts position a+j from position a+j-1 = 1, 2
         th = torch.zeros(1, 4, 8)
-        th[0, 1, :4] = torch.tensor(q1).log()
-        th[0, 2, :4] = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+        th[0, 1:3, :4] = torch.tensor(p).log()
     draft = DraftModel(model.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss=loss, weighting=weighting, gamma=2.0),
-        target_hidden=th,
-    )
+    cfg = L.LossConfig(loss=loss, weighting=weighting, gamma=2.0)
+    out = hand_objective(draft, h, [0, 1, 2, 1], [0, 1, 1, 1], 1, cfg, target_hidden=th)
     return out.numerator.item(), out.denominator.item()
 
 
@@ -1420,10 +1229,11 @@ def test_base_losses_worked_example():
     lam = math.exp(-(0.6 + 0.5) / 2)
     ce, tv = -math.log(0.6) - e * math.log(0.5), 0.4 + e * 0.5
     assert worked_example("lk") == pytest.approx((lam * ce + (1 - lam) * tv, 1 + e))
-    # KL(p || q): slot 1 p = q gives 0; slot 2: .5 ln 2 - .25 ln 2
-    assert worked_example("kl", target=True) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
+    # the target: p1 = q1, p2 = [.5, .25, .125, .125]. KL(p || q): 0 and .5 ln 2 - .25 ln 2
+    p = [Q1, [0.5, 0.25, 0.125, 0.125]]
+    assert worked_example("kl", p=p) == pytest.approx((e * 0.25 * math.log(2), 1 + e))
     # TV against the target distribution: 1 - sum min(p, q) = 0 and 0.25
-    assert worked_example("tv", target=True) == pytest.approx((e * 0.25, 1 + e))
+    assert worked_example("tv", p=p) == pytest.approx((e * 0.25, 1 + e))
     # D-PACE, alpha .5: s = [.8, .75], P = [.8, .6], d = [1.4, .6]
     assert worked_example("ce", "dpace") == pytest.approx(
         (-1.4 * math.log(0.6) - 0.6 * math.log(0.5), 2.0)
@@ -1452,17 +1262,8 @@ def selector_case(third_token, miss="strict", alpha_t=1.0, weighting="exp", draf
     best is 3, after 0 it is 2."""
     draft = draft or selector_draft()
     h = hand_hidden({1: [1, 0.5, -10, -10, 1], 2: [-10, -10, 0.1, 0.0, 1]})
-    return L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[2, 1, third_token]]),
-        torch.tensor([[1, 1, 1]]),
-        torch.tensor([[0]]),
-        torch.tensor([[True]]),
-        L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting),
-        alpha_t=alpha_t,
-    )
+    cfg = L.LossConfig(gamma=2.0, selector_miss=miss, selector_weighting=weighting)
+    return hand_objective(draft, h, [2, 1, third_token], [1, 1, 1], 0, cfg, alpha_t=alpha_t)
 
 
 # pins docs/semantics.md section 4 (selector loss)
@@ -1499,11 +1300,9 @@ def test_selector_weighting_exp_and_uniform():
     # exp: one ratio, (b1 + e b2 + ce1 + e ce2) / (1 + e) = 8.705
     exp = selector_case(0, miss="replace")
     assert loss(exp) == pytest.approx((b1 + e * b2 + ce1 + e * ce2) / (1 + e), rel=1e-5)
-    assert loss(exp) == pytest.approx(8.705, abs=1e-3)
     # uniform (Model-Optimizer): (b1 + e b2) / (1 + e) + (ce1 + ce2) / 2 = 4.663 + 5.037 = 9.700
     uni = selector_case(0, miss="replace", weighting="uniform")
     assert loss(uni) == pytest.approx((b1 + e * b2) / (1 + e) + (ce1 + ce2) / 2, rel=1e-5)
-    assert loss(uni) == pytest.approx(9.700, abs=1e-3)
     assert [uni.selector.item(), uni.selector_denominator.item()] == pytest.approx([ce1 + ce2, 2])
     # strict: the missed slot adds no CE but stays in D_sel, as it stays in exp's D: 5.150
     strict = selector_case(0, weighting="uniform")
@@ -1514,9 +1313,8 @@ def test_selector_weighting_exp_and_uniform():
 @pytest.mark.method
 @pytest.mark.parametrize("plain", [False, True])
 def test_objective_equals_its_definition_written_out(plain):
-    """reference_objective, the definition written out here in one piece, gives the sums (and so the
-    gradients) of loss.objective as train.py runs it: in chunks of 2 blocks under checkpointing,
-    ce, exp weights and the strict selector CE, at alpha 0.7."""
+    """reference_objective gives the sums and gradients of loss.objective as train.py runs it, in
+    chunks of 2 blocks (ce, exp weights, the strict selector CE, alpha 0.7)."""
     draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(3)
     if plain:
         draft = randomize(DraftModel(model.plain_dflash(draft.config)), 3, std=0.1)
@@ -1542,41 +1340,27 @@ def test_objective_equals_its_definition_written_out(plain):
 # pins docs/semantics.md section 4 (selector loss)
 @pytest.mark.method
 def test_selector_gradients_and_stop_gradient():
-    draft, *rest = model_batch()
-    objective_sums(draft, *rest, alpha_t=1.0).numerator.backward()
-    g = grads(draft)
+    draft, *batch = model_batch()
+
+    def grads_of(**kw):  # the numerator's gradients
+        draft.zero_grad(set_to_none=True)
+        objective_sums(draft, *batch, **kw).numerator.backward()
+        return grads(draft)
+
+    g = grads_of(alpha_t=1.0)
     for k in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
         assert g["candidate_selector." + k].abs().sum() > 0, k
     # with stop_gradient the backbone sees only the base loss, replace's label scores included
-    draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=None).numerator.backward()
-    g_base = grads(draft)
+    g_base = grads_of(alpha_t=None)
     for miss in ("strict", "replace"):
-        draft.zero_grad(set_to_none=True)
-        kw = dict(alpha_t=1.0, stop_gradient=True, selector_miss=miss)
-        objective_sums(draft, *rest, **kw).numerator.backward()
-        g_stop = grads(draft)
+        g_stop = grads_of(alpha_t=1.0, stop_gradient=True, selector_miss=miss)
         for k, v in g_base.items():
             if not k.startswith("candidate_selector"):
                 assert torch.allclose(g_stop[k], v, atol=1e-7), (miss, k)
         assert g_stop["candidate_selector.successor_codebook"].abs().sum() > 0
-    # warmup: effective alpha 0 still puts the selector in the graph (DDP needs every parameter
-    # used)
-    draft.zero_grad(set_to_none=True)
-    objective_sums(draft, *rest, alpha_t=0.0).numerator.backward()
-    sel_grad = draft.candidate_selector.successor_codebook.grad
+    # warmup: alpha 0 still puts the selector in the graph (DDP needs every parameter used)
+    sel_grad = grads_of(alpha_t=0.0)["candidate_selector.successor_codebook"]
     assert sel_grad is not None and torch.count_nonzero(sel_grad) == 0
-
-
-# pins docs/semantics.md section 2 and 2.2
-@pytest.mark.method
-def test_fresh_dflash2_base_loss_equals_plain_dflash():
-    d2, d1 = twin_drafts()
-    _, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(2)
-    with torch.no_grad():
-        a = objective_sums(d2, embed, head, ids, feats, anchors, loss_mask, valid, alpha_t=None)
-        b = objective_sums(d1, embed, head, ids, feats, anchors, loss_mask, valid)
-    assert torch.equal(a.numerator, b.numerator) and torch.equal(a.denominator, b.denominator)
 
 
 # pins docs/semantics.md section 4 (selector weight schedule)
@@ -1592,43 +1376,23 @@ def test_selector_alpha_schedule():
 def test_kl_is_target_to_draft_by_hand():
     """KL(p || q), not KL(q || p): slot 1 has q = [.1, .2, .6, .1] and p = [.4, .2, .2, .2], so
     KL(p || q) = .4 ln 4 + .2 ln(1/3) + .2 ln 2 (KL(q || p) would be .6 ln 3 - .1 ln 4 - .1 ln 2);
-    slot 2 has p = q. (The worked example's slot 2 swaps two probabilities, where both directions
-    agree.)"""
-    q1, q2 = [0.1, 0.2, 0.6, 0.1], [0.25, 0.5, 0.125, 0.125]
-    h = hand_hidden({1: [math.log(v) for v in q1], 2: [math.log(v) for v in q2]})
-    th = torch.zeros(1, 4, 8)
-    th[0, 1, :4], th[0, 2, :4] = torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), torch.tensor(q2).log()
-    draft = DraftModel(model.plain_dflash(hand_config()))
-    out = L.objective(
-        draft,
-        HEAD,
-        h,
-        torch.tensor([[0, 1, 2, 1]]),
-        torch.tensor([[0, 1, 1, 1]]),
-        torch.tensor([[1]]),
-        torch.tensor([[True]]),
-        L.LossConfig(loss="kl", gamma=2.0),
-        target_hidden=th,
-    )
+    slot 2 has p = q. (The worked example's p2 swaps two probabilities: both directions agree.)"""
     kl = 0.4 * math.log(4) + 0.2 * math.log(1 / 3) + 0.2 * math.log(2)
-    assert out.numerator.item() == pytest.approx(kl, rel=1e-5)
+    assert worked_example("kl", p=[[0.4, 0.2, 0.2, 0.2], Q2])[0] == pytest.approx(kl, rel=1e-5)
 
 
 # pins docs/semantics.md section 4 (position weights)
 @pytest.mark.method
 @pytest.mark.parametrize("B,gamma", [(8, 4.0), (10, 5.0), (16, 7.0)])
 def test_default_gamma_by_block_size(B, gamma):
-    """Without --gamma the decay is exp(-(j-1)/gamma) with gamma 7, 5, 4 for B = 16, 10, 8: with
-    every slot supervised, D = sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
+    """Without --gamma, gamma is 7, 5, 4 for B = 16, 10, 8: with every slot supervised, D =
+    sum_{j=1}^{B-1} exp(-(j-1)/gamma). Other block sizes need a gamma."""
     draft = DraftModel(model.plain_dflash(hand_config(block_size=B)))
     S = B + 1
 
     def D(block):
-        out = L.objective(
-            draft, HEAD, torch.zeros(1, 1, block, 8), torch.zeros(1, S, dtype=torch.long),
-            torch.ones(1, S), torch.tensor([[0]]), torch.tensor([[True]]), L.LossConfig(),
-        )  # fmt: skip
-        return out.denominator.item()
+        h = torch.zeros(1, 1, block, 8)
+        return hand_objective(draft, h, [0] * S, [1] * S, 0, L.LossConfig()).denominator.item()
 
     assert D(B) == pytest.approx(sum(math.exp(-j / gamma) for j in range(B - 1)))
     with pytest.raises(ValueError, match="no default gamma for block size 5"):
@@ -1651,9 +1415,9 @@ def test_selector_alpha_schedule_rounds_down():
     assert [L.selector_alpha(t, 7, 1.0, 0.2, 0.3) for t in range(4)] == [0.0, 0.5, 1.0, 1.0]
 
 
-# docs/semantics.md section 4 (total); where the draw is the reference's own case (ce, exp weights,
-# strict), reference_objective, the definition written out, gives the same sums too. The draws
-# read loss.py's tables: a base loss or position weighting of your own is drawn here too
+# docs/semantics.md section 4 (total); the draws read loss.py's tables: a base loss or position
+# weighting of your own is drawn here too (test_objective_equals_its_definition_written_out checks
+# the default against its definition written out)
 @pytest.mark.method
 @hypothesis.given(
     st.sampled_from(sorted(L.BASE_LOSSES)),
@@ -1662,31 +1426,22 @@ def test_selector_alpha_schedule_rounds_down():
     st.integers(1, 4),
     st.integers(0, 2**16),
 )
-@hypothesis.example("ce", "exp", "strict", 2, 0)  # the reference's case, every run
 def test_property_chunked_objective_equals_unchunked(loss, weighting, miss, chunk, seed):
-    """Numerator, denominator and the base and selector sums are the same in chunks of 1..4
-    anchors as in one (5 anchors: the last chunk is shorter unless the chunk divides 5); both are
-    finite, and the position weights leave every slot that does not count (w0 = 0) at zero."""
-    draft, embed, head, ids, feats, anchors, loss_mask, valid = model_batch(seed % 7)
+    """Every sum is the same in chunks of 1..4 of the 5 anchors as in one, and finite; the position
+    weights leave every slot that does not count (w0 = 0) at zero."""
+    draft, *batch = model_batch(seed % 7)
+    ids = batch[2]
     th = torch.randn(ids.shape[0], ids.shape[1], draft.config.hidden_size) if loss != "ce" else None
     kw = dict(alpha_t=0.5, target_hidden=th, loss=loss, weighting=weighting, selector_miss=miss)
     with torch.no_grad():
-        one = objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **kw)
-        parts = objective_sums(
-            draft, embed, head, ids, feats, anchors, loss_mask, valid, chunk_blocks=chunk, **kw
-        )
+        one = objective_sums(draft, *batch, **kw)
+        parts = objective_sums(draft, *batch, chunk_blocks=chunk, **kw)
     assert torch.isfinite(one.numerator) and torch.isfinite(one.denominator)
     assert torch.allclose(one.numerator, parts.numerator, rtol=1e-5)
     assert torch.allclose(one.denominator, parts.denominator)
     cfg = L.LossConfig(loss=loss, weighting=weighting, gamma=3.0)
     w = L.POSITION_WEIGHTS[weighting](one.w0, one.slots, cfg)
     assert torch.equal(w[one.w0 == 0], torch.zeros_like(w[one.w0 == 0])) and (w >= 0).all()
-    if (loss, weighting, miss) == ("ce", "exp", "strict"):
-        with torch.no_grad():
-            h = model.forward_training(draft, embed, ids, feats, anchors)
-            num, den = reference_objective(draft, head, h, ids, loss_mask, anchors, valid, 3.0, 0.5)
-        assert torch.allclose(num, parts.numerator, rtol=1e-5)
-        assert torch.allclose(den, parts.denominator)
     for name in ("base", "selector"):
         assert torch.allclose(getattr(one, name), getattr(parts, name), rtol=1e-5, atol=1e-6), name
 
@@ -1736,23 +1491,19 @@ def test_always_right_always_wrong_and_partial_drafts(B):
     assert taus == want
 
 
-# pins docs/semantics.md section 5 (one cycle)
-@pytest.mark.method
-def test_draft_context_equals_a_fresh_prefill_every_cycle():
-    """The fed-back features (anchor + accepted drafts, at their positions) must give the draft
-    exactly the context a fresh target pass over all committed tokens would: checked on every
-    cycle."""
-    B = 4
-    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
-    ref, _ = decoding.target_generate(target, p, 20 + B)
-    inner, seen = scripted_proposer(ref, lambda L: L % (B - 1)), []
+def record_cycles(inner, seen):
+    """inner, a proposer or grower, that appends each cycle's committed ids and draft states h."""
 
-    def recording(draft, h, u, ids, *rest):
+    def propose(draft, h, u, ids, *rest):
         seen.append((ids.clone(), h.clone()))
         return inner(draft, h, u, ids, *rest)
 
-    decode_with(target, draft, p, 20, proposer=recording)
-    assert len(seen) > 1  # the context grew over several cycles
+    return propose
+
+
+def assert_fresh_prefill_contexts(target, draft, seen):
+    """Each recorded cycle's draft states are those of a fresh prefill of its committed tokens."""
+    assert len(seen) > 2  # the context grew over several cycles
     embed = target.get_input_embeddings()
     with torch.no_grad():
         for ids, h in seen:
@@ -1760,9 +1511,22 @@ def test_draft_context_equals_a_fresh_prefill_every_cycle():
             _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
             ctx = model.ContextCache()
             ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))[:, 1:]
+            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
             # cache vs no-cache float noise; a wrong row is ~0.1
-            assert (h - h_ref).abs().max() < 1e-4
+            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
+
+
+# pins docs/semantics.md section 5 (one cycle)
+@pytest.mark.method
+def test_draft_context_equals_a_fresh_prefill_every_cycle():
+    """The fed-back features (anchor + accepted drafts, at their positions) give the draft exactly
+    the context a fresh target pass over all committed tokens would, every cycle."""
+    B, seen = 4, []
+    target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 20 + B)
+    proposer = record_cycles(scripted_proposer(ref, lambda L: L % (B - 1)), seen)
+    decode_with(target, draft, p, 20, proposer=proposer)
+    assert_fresh_prefill_contexts(target, draft, seen)
 
 
 # pins docs/semantics.md section 5 (sampling)
@@ -1791,10 +1555,8 @@ def test_acceptance_rule_hand_computed():
 @pytest.mark.method
 def test_rejection_sampling_reproduces_target_distribution():
     """Drafts d_j ~ q_j; the first committed token must be ~ p_0, and, when d_1 was accepted, the
-    second ~ p_1 (these hand-made rows do not depend on the prefix). Bound: for N draws over V bins,
-    P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol); V = 4, eps = 0.025 gives <
-    1e-4 at N = 20000 and < 1e-3 at the ~9000 draws where d_1 is accepted. q is far from p (TV >=
-    0.3), so committing drafts unchecked would fail by a wide margin."""
+    second ~ p_1. Bound: P(TV >= eps) <= (2^V - 2) exp(-2 N eps^2) (Bretagnolle-Huber-Carol) is <
+    1e-3 here. q is far from p (TV >= 0.3): drafts committed unchecked would fail by far."""
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.7, 0.1, 0.1, 0.1]])
     assert tv(q[0], p[0]) >= 0.3 and tv(q[1], p[1]) >= 0.3
@@ -1816,9 +1578,8 @@ def test_rejection_sampling_reproduces_target_distribution():
 @pytest.mark.method
 @pytest.mark.parametrize("use_selector", [True, False])
 def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
-    """Lossless verification needs the q that really produced d_1 (slot 1's predecessor is the fixed
-    anchor, so its q is the same every draw). Selector: zero off its K candidates. Bound: V = 6
-    bins, N = 2000, eps = 0.07: P(TV >= eps) <= 62 exp(-19.6) < 1e-6."""
+    """Lossless verification needs the q that really produced d_1 (the same every draw: its
+    predecessor is the anchor); the selector's is zero off its K candidates. P(TV >= .07) < 1e-6."""
     target, draft = tiny_vocab_pair()
     g, N, V = torch.Generator().manual_seed(0), 2000, 6
     h, u = torch.randn(1, 2, 16, generator=g), 3 * torch.randn(1, 2, V, generator=g)
@@ -1841,8 +1602,7 @@ def test_proposal_q_is_the_distribution_drafts_are_drawn_from(use_selector):
 # pins docs/semantics.md section 1 (slot 0 is input only) and 5 (one cycle)
 @pytest.mark.method
 def test_cycle_scores_slots_one_to_k():
-    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's (the head runs on
-    k + 1 rows instead of B: the same values up to GEMM rounding)."""
+    """A cycle's unary scores are those of slots 1..k of the block, never slot 0's."""
     target, draft, p = tiny_target("llama"), tiny_draft(5), prompt()
     embed, head = decoding.embed_and_head(target, draft)
     with torch.no_grad():
@@ -1868,9 +1628,7 @@ def test_cycle_scores_slots_one_to_k():
     st.integers(0, 2**16),
 )
 def test_property_greedy_speculative_equals_target_greedy(kind, B, plain, who, shape, seed):
-    """Greedy speculative output is the target's greedy output, for paths of k drafts and trees of N
-    nodes, from a random draft or a scripted one that is right up to a random slot each cycle (or,
-    for trees, right, wrong at k or branch-only)."""
+    """Paths of k drafts and trees of N nodes, from a random draft or a scripted one."""
     target, draft, p = tiny_target(kind, 0.2), tiny_draft(B, plain, seed), prompt(seed=seed)
     n = 14
     ref, _ = decoding.target_generate(target, p, n + 2 * B)
@@ -1893,15 +1651,11 @@ def test_property_greedy_speculative_equals_target_greedy(kind, B, plain, who, s
 @pytest.mark.method
 @hypothesis.given(st.integers(2, 5), st.integers(0, 2**16), st.floats(0, 1))
 def test_property_rejection_rule_keeps_the_target_distribution(V, seed, zeros):
-    """For any target row p and proposal q on a tiny vocabulary (zeros included), the law of the
-    committed token, sum_d q(d) [a(d) [t = d] + (1 - a(d)) residual(p, q)(t)] with a(d) =
-    accept_probability(p, q, d), is p exactly: the rejection rule keeps the target's
-    distribution."""
+    """For any p and q (zeros included) the committed token's law, sum_d q(d) [a(d) [t = d] + (1 -
+    a(d)) residual(p, q)(t)] with a(d) = accept_probability(p, q, d), is p exactly."""
     g = torch.Generator().manual_seed(seed)
-    p, q = (
-        torch.rand(V, generator=g, dtype=torch.float64),
-        torch.rand(V, generator=g, dtype=torch.float64),
-    )
+    p = torch.rand(V, generator=g, dtype=torch.float64)
+    q = torch.rand(V, generator=g, dtype=torch.float64)
     p[torch.rand(V, generator=g) < zeros / 2] = 0  # some tokens the target never says
     q[torch.rand(V, generator=g) < zeros / 2] = 0  # and some the draft never proposes
     p[0], q[-1] = p[0] + 0.1, q[-1] + 0.1  # neither all zero
@@ -1923,17 +1677,16 @@ def test_grow_best_first_by_hand():
         [[(lg(0.7), 0), (lg(0.3), 1)]],
         [[(lg(0.6), 1), (lg(0.4), 0)], [(lg(0.9), 0), (lg(0.1), 1)]],
     ]
-    full = tree.grow([[10, 11], [20, 21]], children, 100, anchor=5)
+    grow = lambda n, **kw: tree.grow([[10, 11], [20, 21]], children, n, anchor=5, **kw)
+    full = grow(100)
     assert full == tree.Tree(
         [5, 10, 21, 11, 20, 20, 21], [-1, 0, 1, 0, 1, 3, 3], [0, 1, 2, 1, 2, 2, 2]
     )
     # a smaller budget is a prefix of a larger one
     for n in range(7):
-        t = tree.grow([[10, 11], [20, 21]], children, n, anchor=5)
+        t = grow(n)
         assert t == tree.Tree(full.tokens[: n + 1], full.parents[: n + 1], full.depths[: n + 1])
-    assert tree.grow([[10, 11], [20, 21]], children, 5, branch=False, anchor=5) == tree.Tree.chain(
-        5, [10, 21]
-    )
+    assert grow(5, branch=False) == tree.Tree.chain(5, [10, 21])
     assert tree.Tree.chain(5, [10, 21]).is_chain() and not full.is_chain()
     # 11-20: anchor, 11, itself
     assert full.ancestors()[5].tolist() == [True, False, False, True, False, True, False]
@@ -1952,9 +1705,8 @@ def path_logits(target, ctx, t, i):
 @pytest.mark.method
 @pytest.mark.parametrize("kind", ["llama", "llama-eager", "qwen3-sliding", "mistral-sliding"])
 def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kind):
-    """One forward over a tree with its 4-D masks: row i equals a plain forward over node i's path.
-    Then the accepted branch's KV rows are gathered and the rest cropped: the next forward equals a
-    plain one (a sliding window of 5 is narrower than context + tree, on some layers or on all)."""
+    """One forward over a tree with its 4-D masks: row i is a plain forward over node i's path; the
+    accepted branch's KV rows kept, the next forward is a plain one (windows of 5 included)."""
     target, ctx = tiny_target(kind), prompt(9)
     t = tree.Tree([5, 7, 8, 9, 10, 11, 12], [-1, 0, 0, 1, 1, 3, 2], [0, 1, 1, 2, 2, 3, 2])
     with torch.no_grad():
@@ -1964,13 +1716,9 @@ def test_tree_mask_gives_each_node_its_path_and_keeps_only_the_accepted_rows(kin
         masks = tree.attention_masks(t, cache, torch.float32)
         # sliding and full layers: one mask each
         assert isinstance(masks, dict) == (kind == "qwen3-sliding")
-        out = target(
-            input_ids=torch.tensor([t.tokens]),
-            position_ids=9 + torch.tensor([t.depths]),
-            attention_mask=masks,
-            cache=cache,
-            use_cache=True,
-        ).logits[0]
+        ids, pos = torch.tensor([t.tokens]), 9 + torch.tensor([t.depths])
+        kw = dict(attention_mask=masks, cache=cache, use_cache=True)
+        out = target(input_ids=ids, position_ids=pos, **kw).logits[0]
         for i in range(len(t.tokens)):
             assert (out[i] - path_logits(target, ctx, t, i)).abs().max() < 1e-5, i
         # anchor, 7, 9, 11: not a prefix
@@ -2010,11 +1758,9 @@ def test_tree_decoding_is_the_target_greedy_output_with_scripted_trees(kind, sha
 # pins docs/semantics.md section 5 (trees)
 @pytest.mark.method
 def test_tree_walk_samples_exactly_the_target():
-    """At T > 0 the walk samples the target's token at each node and moves to the child holding it.
-    With fixed rows (anchor: p0; after child 0: p1), the first committed token must be ~ p0 and the
-    second, after 0, ~ p1, although the tree holds only some tokens. Bound as in the rejection test:
-    V = 4, N = 20000, eps = 0.025 -> P(TV >= eps) < 1e-4 (and < 1e-3 at the ~8000 draws that reach
-    node 1)."""
+    """At T > 0 the walk samples the target's token at each node and moves to the child holding it:
+    the first committed token is ~ p0 and the second, after 0, ~ p1, though the tree holds only
+    some tokens (bound as in the rejection test)."""
     p0, p1 = torch.tensor([0.4, 0.1, 0.3, 0.2]), torch.tensor([0.1, 0.5, 0.2, 0.2])
     # rows: anchor, node 1 (0), node 2 (2), node 3
     logits = torch.stack([p0, p1, p0, p0]).log()
@@ -2034,30 +1780,14 @@ def test_tree_walk_samples_exactly_the_target():
 # pins docs/semantics.md section 5 (trees)
 @pytest.mark.method
 def test_tree_cycle_draft_context_is_the_accepted_path():
-    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes,
-    at their positions: exactly a fresh prefill of the committed tokens. Branch-only trees accept
-    nodes that are not the first rows of the block."""
-    B = 4
+    """After a tree cycle the draft's context is the features of the anchor and the accepted nodes:
+    a fresh prefill's. Branch-only trees accept nodes that are not the block's first rows."""
+    B, seen = 4, []
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 20 + 2 * B)
-    grower, _ = scripted_grower(ref, "branch-only")
-    seen = []
-
-    def recording(draft, h, u, ids, *rest):
-        seen.append((ids.clone(), h.clone()))
-        return grower(draft, h, u, ids, *rest)
-
-    decode_with(target, draft, p, 20, tree_budget=6, grower=recording)
-    assert len(seen) > 2
-    embed = target.get_input_embeddings()
-    with torch.no_grad():
-        for ids, h in seen:
-            s = ids.shape[1] - 1
-            _, feats = capture_features(target, draft.config.target_layer_ids, input_ids=ids[:, :s])
-            ctx = model.ContextCache()
-            ctx.append(draft, feats, torch.arange(s)[None])
-            h_ref = model.forward_inference(draft, embed, ctx, ids[:, -1], torch.tensor([s]))
-            assert (h - h_ref[:, 1 : 1 + h.shape[1]]).abs().max() < 1e-4
+    grower = record_cycles(scripted_grower(ref, "branch-only")[0], seen)
+    decode_with(target, draft, p, 20, tree_budget=6, grower=grower)
+    assert_fresh_prefill_contexts(target, draft, seen)
 
 
 # pins docs/semantics.md section 5 (trees)
@@ -2093,8 +1823,7 @@ def test_tree_walk_by_hand():
 # pins docs/walkthrough.md
 @pytest.mark.method
 def test_walkthrough_prints_what_the_functions_compute(capsys):
-    """python walkthrough.py (docs/walkthrough.md) prints the project's own numbers: checked here
-    against hand-worked values and against the functions called directly."""
+    """python walkthrough.py prints hand-worked values and what the functions compute."""
     import walkthrough as W
 
     text = W.main()
@@ -2166,9 +1895,8 @@ def test_walkthrough_prints_what_the_functions_compute(capsys):
 
 
 # ============================================================================ the pipeline
-# Part 2: data.py, train.py, prepare.py, export.py, generate.py, on the machinery imported in the
-# guarded block at the top; the tests of support/, compat/, speed/ and tools/ are beside them
-# (test_*.py). First the helpers Part 2 shares that need this machinery.
+# Part 2, on the machinery imported in the guarded block at the top; first the helpers it shares
+# that need this machinery.
 def test_the_pipeline_imports():
     """The guarded block at the top imported every module Part 2 tests: else its error, here."""
     if PIPELINE_IMPORT_ERROR is not None:
@@ -2188,35 +1916,17 @@ needs_mkl = pytest.mark.skipif(
 )
 
 
-def run_objective(
-    draft,
-    embed,
-    head,
-    ids,
-    feats,
-    anchors,
-    loss_mask,
-    valid,
-    *,
-    alpha_t=None,
-    target_hidden=None,
-    acceptance=False,
-    **cfg,
-):
-    """loss.objective and what support/metrics.py measures of it, as train.DraftObjective returns
-    them: {"numerator", "denominator", "metrics"}."""
-    h = model.forward_training(draft, embed, ids, feats, anchors)
-    cfg = L.LossConfig(gamma=3.0, **cfg)
-    kw = dict(alpha_t=alpha_t, target_hidden=target_hidden)
-    out = L.objective(draft, head, h, ids, loss_mask, anchors, valid, cfg, **kw)
+def run_objective(draft, embed, head, ids, feats, anchors, loss_mask, valid, **cfg):
+    """objective_sums and what support/metrics.py measures of it (acceptance: the per-slot
+    statistics too), as train.DraftObjective returns it: {"numerator", "denominator", "metrics"}."""
+    acceptance = cfg.pop("acceptance", False)
+    out = objective_sums(draft, embed, head, ids, feats, anchors, loss_mask, valid, **cfg)
     m = metrics.measure(draft.candidate_selector, out, loss_mask, anchors, valid, acceptance)
     return {"numerator": out.numerator, "denominator": out.denominator, "metrics": m}
 
 
 def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None, **kw):
-    """show.speculate (a path of verify_tokens, default B-1, or a tree of tree_budget), its step 2
-    (decoding.draft_proposal, tree.draft_tree) replaced by proposer or grower, as decode_with's.
-    -> (ids, show.Stats)."""
+    """show.speculate, scripted as decode_with is. -> (ids, show.Stats)"""
     k = kw.pop("verify_tokens", None) or draft.config.block_size - 1
     if tree_budget is None:
         return show.speculate(target, draft, p, n, ("path", k), propose=proposer, **kw)
@@ -2226,15 +1936,10 @@ def speculate(target, draft, p, n, proposer=None, grower=None, tree_budget=None,
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """Convert the wheel's GGUF once into a fresh cache, then load the cached copy."""
-    old = os.environ.get("DFLASH2_CACHE")
-    os.environ["DFLASH2_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH2_CACHE", str(tmp_path_factory.mktemp("cache")))
         gguf_model, _ = convert_embedded(embedded_dir())
         target, tok = load_target()
-    finally:
-        os.environ.pop("DFLASH2_CACHE") if old is None else os.environ.__setitem__(
-            "DFLASH2_CACHE", old
-        )
     return {"gguf": gguf_model, "target": target, "tokenizer": tok}
 
 
@@ -2249,36 +1954,19 @@ def tiny_setup(tmp_path, layer_ids=(0, 2), num_target_layers=4):
 
 
 def write_ckpt(path, draft):
-    torch.save(
-        {
-            "model": draft.state_dict(),
-            "config": config.config_to_dict(draft.config),
-            "optimizer": {"state": {}, "param_groups": []},
-            "step": 7,
-            "args": {"lr": 1e-3},
-        },
-        path,
+    cfg, optimizer = config.config_to_dict(draft.config), {"state": {}, "param_groups": []}
+    ckpt = dict(
+        model=draft.state_dict(), config=cfg, optimizer=optimizer, step=7, args={"lr": 1e-3}
     )
+    torch.save(ckpt, path)
 
 
 TRAIN_CONVERSATIONS = [
-    [
-        {"role": "user", "content": "hello there , how are you ?"},
-        {"role": "assistant", "content": "fine , thanks ! and you ?"},
-    ],
-    [
-        {"role": "user", "content": "tell me about the cat ."},
-        {"role": "assistant", "content": "the cat is fine too . the cat is blue ."},
-    ],
-    [
-        {"role": "user", "content": "what a dog !"},
-        {"role": "assistant", "content": "the dog is hot , the sun is hot ."},
-    ],
+    chat("hello there , how are you ?", "fine , thanks ! and you ?"),
+    chat("tell me about the cat .", "the cat is fine too . the cat is blue ."),
+    chat("what a dog !", "the dog is hot , the sun is hot ."),
     CONVERSATION[1:],
-    [
-        {"role": "user", "content": "the sky ?"},
-        {"role": "assistant", "content": "the sky is blue , the sun is hot ."},
-    ],
+    chat("the sky ?", "the sky is blue , the sun is hot ."),
 ]
 
 
@@ -2293,74 +1981,47 @@ def setup(tmp_path_factory):
     tok.save_pretrained(d / "target")
     cfg = config.config_to_dict(tiny_config())
     (d / "draft.json").write_text(json.dumps(cfg))
-    with open(d / "convs.jsonl", "w") as f:
-        for m in TRAIN_CONVERSATIONS * 2:
-            f.write(json.dumps({"messages": m}) + "\n")
-    convs, _ = conversations.read_conversations(str(d / "convs.jsonl"))
-    os.makedirs(d / "feats")
-    prepare.write_features(
-        target,
-        tok,
-        convs,
-        str(d / "feats"),
-        [0, 2],
-        feature_dtype="fp16",
-        save_target_hidden=True,
-        shard_size=4,
-    )
-    features.write_manifest(str(d / "feats"), len(convs), 4, "tiny", 32)
+    lines = [{"messages": m} for m in TRAIN_CONVERSATIONS * 2]
+    convs, _ = conversations.read_conversations(write_lines(d / "convs.jsonl", lines))
+    feats = str(d / "feats")
+    os.makedirs(feats)
+    kw = dict(feature_dtype="fp16", save_target_hidden=True, shard_size=4)
+    prepare.write_features(target, tok, convs, feats, [0, 2], **kw)
+    features.write_manifest(feats, len(convs), 4, "tiny", 32)
     return d
 
 
+def forward_batch(draft, embed, batch, how, device):
+    """model.forward_training on a collated batch (data.collate), attention by kernel `how`."""
+    keys = ("input_ids", "features", "anchors", "positions", "docs")
+    kernel = kernels.attention_kernel(how, device)
+    return model.forward_training(draft, embed, *[batch[k] for k in keys], kernel)
+
+
 def objective_terms_and_grads(draft, embed_w, head_w, batch, args):
-    """(hidden states, objective output, gradients of the numerator) through train.DraftObjective's
-    path."""
+    """(hidden states, objective output, its numerator's gradients) as train.DraftObjective runs."""
     draft.zero_grad()
-    h = model.forward_training(
-        draft,
-        lambda i: torch.nn.functional.embedding(i, embed_w),
-        batch["input_ids"],
-        batch["features"],
-        batch["anchors"],
-        batch["positions"],
-        batch["docs"],
-        kernels.attention_kernel(args.attention, embed_w.device),
-    )
-    objective = train.DraftObjective(
-        draft, embed_w, head_w, train.loss_config(args), args.attention
-    )
-    out = objective(batch, alpha_t=0.5)
+    embed = lambda i: torch.nn.functional.embedding(i, embed_w)
+    h = forward_batch(draft, embed, batch, args.attention, embed_w.device)
+    cfg = train.loss_config(args)
+    out = train.DraftObjective(draft, embed_w, head_w, cfg, args.attention)(batch, alpha_t=0.5)
     out["numerator"].backward()
-    return (
-        h.detach(),
-        out,
-        {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None},
-    )
+    grads = {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+    return h.detach(), out, grads
 
 
 def flex_case(kw, packed, S=256, device="cpu"):
-    """A random draft of tiny_config(**kw), a batch of 2 rows of S tokens with S / 4 anchors each
-    (one document a row, or two packed), and attend(how) -> the draft's hidden states through sdpa
-    or flex."""
+    """A random draft of tiny_config(**kw), 2 rows of S tokens with S / 4 anchors (one document a
+    row, or two packed), and attend(how) -> its hidden states through sdpa or flex."""
     c = tiny_config(**kw)
-    torch.manual_seed(0)
-    draft = randomize(DraftModel(c), std=0.1).to(device)
-    embed = torch.nn.Embedding(c.vocab_size, c.hidden_size).to(device)
+    draft, embed = draft_and_embed(c)
+    draft, embed = draft.to(device), embed.to(device)
     # S = 256: documents of 100, 156 | 130, 126
     a, b = S * 25 // 64, S // 2 + 2
     docs = packing_docs(c, [a, S - a, b, S - b] if packed else [S, S - 56])
     rows = [docs[:2], docs[2:]] if packed else [[d] for d in docs]
     batch = data.collate(rows, [0, 1], S // 4, 0, device)
-    attend = lambda how: model.forward_training(
-        draft,
-        embed,
-        batch["input_ids"],
-        batch["features"],
-        batch["anchors"],
-        batch["positions"],
-        batch["docs"],
-        kernels.attention_kernel(how, device),
-    )
+    attend = lambda how: forward_batch(draft, embed, batch, how, device)
     return c, draft, batch, attend
 
 
