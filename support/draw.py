@@ -193,8 +193,7 @@ def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
     y_of = lambda k: 50 + k * rowh
     x_of = lambda j: 20 + j * col  # column 0: the anchor
     for j in range(L):
-        froms = [0] if j == 0 else range(K)
-        for p in froms:
+        for p in range(1 if j == 0 else K):  # slot 1's edges come from the anchor
             for c in range(K):
                 on_walk = walk[j] == c and (j == 0 or walk[j - 1] == p)
                 on_unary = unary_path[j] == c and (j == 0 or unary_path[j - 1] == p)

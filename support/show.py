@@ -140,10 +140,9 @@ def format_tree(t, path, bonus: int, text, color=False) -> str:
     """One tree cycle as one line: depth by depth the checked nodes (draw.tree_kinds), the bonus,
     then the tree's size and width by depth."""
     kinds, departs, slots = tree_kinds(t, path), branches(t, path), []
+    nodes = range(1, len(t.tokens))
     for d in range(1, len(path) + 2):  # the walk checks one depth past its last accepted node
-        checked = [
-            i for i in range(1, len(t.tokens)) if t.depths[i] == d and kinds[i] != "unchecked"
-        ]
+        checked = [i for i in nodes if t.depths[i] == d and kinds[i] != "unchecked"]
         marks = []
         for kind, run in itertools.groupby(checked, key=kinds.__getitem__):
             run = list(run)  # the accepted node, or rejected siblings side by side
