@@ -16,6 +16,7 @@ The map: each "# ====" banner (a test holds it equal to the banners):
 import dataclasses
 import importlib.util
 import os
+import pickle
 import re
 import sys
 import types
@@ -23,6 +24,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, flex_attention
 
 import attention
 import data
@@ -148,20 +150,6 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
 
 
 # ================================================================= support/kernels.py: flex == sdpa
-def test_flex_attention_is_refused_for_cpu_training():
-    with pytest.raises(UsageError, match="--attention flex"):
-        train.main(["--data", "d", "--attention", "flex"])
-
-
-def lift_flex_cpu_guard(monkeypatch):
-    """torch 2.13 refuses FlexAttention's gradients on CPU by a device check over an eager,
-    device-independent implementation: lifted, a CPU test compares the flex path's gradients."""
-    import torch.nn.attention.flex_attention as fa
-
-    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
-    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
-
-
 @pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
 def test_flex_equals_sdpa(kw, packed, monkeypatch):
     # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch
@@ -180,7 +168,10 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
     tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)
     # at least the first queries' tile of the last blocks' keys is skipped
     assert tiles.sum() <= 2 * (2 * 4 - 1)
-    lift_flex_cpu_guard(monkeypatch)
+    # torch 2.13 refuses FlexAttention's gradients on CPU by a device check over an eager,
+    # device-independent implementation: lifted, the flex path's gradients compare here
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
     r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
     (_, want), (_, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
     # fp32 rounding, relative to the gradient's scale
@@ -189,21 +180,22 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
 
 
 def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
-    """--attention auto: flex on a CUDA device (also named by string), sdpa on the CPU. The CUDA
+    """--attention auto: flex on a CUDA device (also named by string), sdpa on the CPU, where flex
+    training is refused. The CUDA
     sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: on this CPU,
     which has none, it names the fix (--attention flex) rather than fall back to math; with math
     allowed it equals torch's grouped-query SDPA (enable_gqa)."""
     auto = lambda device: kernels.choose("auto", device)
     assert auto("cuda:3") == auto(torch.device("cuda")) == "flex" and auto("cpu") == "sdpa"
     assert kernels.choose("sdpa", "cuda") == "sdpa"
+    with pytest.raises(UsageError, match="--attention flex"):
+        train.main(["--data", "d", "--attention", "flex"])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, L, 8, generator=g) for h, L in ((4, 6), (2, 10), (2, 10)))
     mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
     mask[..., 0] = True  # every query reads a key
     with pytest.raises(RuntimeError, match="--attention flex"):
         kernels.memory_safe_sdpa(q, k, v, mask, True)
-    from torch.nn.attention import SDPBackend
-
     monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert (kernels.memory_safe_sdpa(q, k, v, mask, True) - want).abs().max() <= 1e-6
@@ -213,8 +205,6 @@ def test_training_with_sdpa_runs_model_sdpa(monkeypatch):
     """train.py --attention sdpa runs model.sdpa, on the CPU itself, on CUDA through
     kernels.memory_safe_sdpa (here with math allowed), with the same hidden states: an edit to
     model.sdpa changes what training computes."""
-    from torch.nn.attention import SDPBackend
-
     c = tiny_config()
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -265,8 +255,6 @@ def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup)
     """loader.data_loader gives, in schedule order, collate's batches of the same rows bit for bit
     and dtype for dtype (features fp16 as stored), with 0 and 2 workers, static shapes or not. A
     streamed feature directory's samples travel to another process without their open shard."""
-    import pickle
-
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
     assert len(rows) == 5 and max(map(len, rows)) > 1
@@ -279,13 +267,10 @@ def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup)
             want.append(loader.static_shapes(b, 6) if static else b)
         assert want[0]["features"].dtype == torch.float16
         assert want[0]["target_hidden"].dtype == torch.float32
+        made = loader.MicroBatches(data.collate, samples, rows, 6, 3, static=static)  # as want's
         for workers in (0, 2):
-            made = loader.MicroBatches(
-                data.collate, samples, rows, num_anchors=6, seed=3, static=static
-            )
             got = list(loader.data_loader(made, iter(schedule), workers, pin=False))
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
+            for g, w in zip(got, want, strict=True):
                 assert g.keys() == w.keys()
                 for k in w:
                     same = g[k].dtype == w[k].dtype and torch.equal(g[k], w[k])
@@ -530,9 +515,8 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
     # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
     # context j < a_b and its own block (a causal layer: slots up to its own)
     root = svg_root(tmp_path / "blocks.svg")
-    assert [
-        int(r.get("data-pos")) for r in marks(root, "rect", "anchor") + marks(root, "rect", "node")
-    ] == [2, 5, 3, 4, 5, 6, 7, 8]
+    drawn = marks(root, "rect", "anchor") + marks(root, "rect", "node")
+    assert [int(r.get("data-pos")) for r in drawn] == [2, 5, 3, 4, 5, 6, 7, 8]
     for name, causal in (("a full-attention layer", False), ("a causal layer", True)):
         cells = [r for r in marks(root, "rect") if r.get("data-grid") == name]
         seen = [r for r in cells if r.get("class") == "seen"]
@@ -575,13 +559,9 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
 
     assert path_of("walk") == walked
     assert path_of("unary") == [W.WORDS[t] for t in u.argmax(-1)[0].tolist()] == ["York", "Devils"]
-    scores = {
-        (
-            words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New",
-            words(int(t.get("data-slot")) - 1, int(t.get("data-to"))),
-        ): t.text
-        for t in marks(root, "text", "score")
-    }
+    start = lambda t: words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New"
+    end = lambda t: words(int(t.get("data-slot")) - 1, int(t.get("data-to")))
+    scores = {(start(t), end(t)): t.text for t in marks(root, "text", "score")}
     assert scores == {
         ("New", "York"): "2.00", ("New", "Jersey"): "1.90", ("York", "Devils"): "0.60",
         ("York", "City"): "2.50", ("Jersey", "Devils"): "2.10", ("Jersey", "City"): "1.00",
@@ -604,9 +584,8 @@ def test_show_and_show_svg_mark_a_tree_cycle_alike(tmp_path):
     # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4; the target accepts 2 then 4, then says 8
     t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
     cycles = [show.Cycle([2, 4, 8], t.tokens[1:], None, 2, 8, t, [2, 4])]
-    show.speculate(
-        tiny_target("llama"), tiny_draft(4), prompt(), 24, ("tree", 6), watch=cycles.append
-    )
+    target, draft = tiny_target("llama"), tiny_draft(4)
+    show.speculate(target, draft, prompt(), 24, ("tree", 6), watch=cycles.append)
     cycles = [c for c in cycles if c.tree is not None]
     draw.decoding(cycles, text, "test").save(str(tmp_path / "tree.svg"))
     kinds = {"[": "accepted", "{": "rejected", "<": "bonus"}
