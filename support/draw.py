@@ -46,10 +46,11 @@ def attributes(attrs: dict) -> str:
 
 
 class Svg:
-    """A picture being drawn: marks appended in order, its size the extent of what was drawn."""
+    """A picture being drawn under its title: marks appended in order, its size their extent."""
 
-    def __init__(self):
+    def __init__(self, title: str):
         self.items, self.width, self.height = [], 0.0, 0.0
+        self.text(10, 14, title, "title")
 
     def add(self, tag, right, bottom, text=None, tip=None, **attrs):
         """One element reaching to (right, bottom); tip: a tooltip."""
@@ -116,8 +117,8 @@ class Svg:
 def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
     """The anchored blocks under the training row [S] (q_pos, q_block [Q]: model.anchored_blocks'),
     then each mask {name: [Q][S + Q] bool} (attention.block_attention_mask) as a grid of cells."""
-    svg, S, Q, x0 = Svg(), len(row), len(q_pos), 110
-    svg.text(10, 14, f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}", "title")
+    title = f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}"
+    svg, S, Q, x0 = Svg(title), len(row), len(q_pos), 110
     for y, name in ((40, "position"), (58, "row x"), (76, "loss_mask")):
         svg.text(10, y, name)
     for p in range(S):
@@ -164,8 +165,8 @@ def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
 
 def conv_taps(reads, B: int, T: int) -> Svg:
     """A line of class tap from input box r up to output box i where row i reads row r (reads)."""
-    svg, S, w = Svg(), len(reads), 44
-    svg.text(10, 14, f"The convolution's taps: T = {T}, B = {B}: no tap crosses a block", "title")
+    title = f"The convolution's taps: T = {T}, B = {B}: no tap crosses a block"
+    svg, S, w = Svg(title), len(reads), 44
     x_of = lambda r: 100 + r * w + 24 * (r // B)
     for label, y in (("output", 40), ("input", 150)):
         svg.text(10, y + 10, label)
@@ -187,9 +188,8 @@ def conv_taps(reads, B: int, T: int) -> Svg:
 def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
     """One block's selector lattice: slot j's candidates (cands, unary [L][K]), edges p -> c scored
     scores[j][p][c] (slot 1: from the anchor, p = 0); walk and unary_path [L]: each path's picks."""
-    svg, L, K = Svg(), len(cands), len(cands[0])
+    svg, L, K = Svg(title), len(cands), len(cands[0])
     col, rowh, bw = 250, 56, 120
-    svg.text(10, 14, title, "title")
     y_of = lambda k: 50 + k * rowh
     x_of = lambda j: 20 + j * col  # column 0: the anchor
     for j in range(L):
@@ -260,8 +260,7 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
 
 def story_tree(t, texts, path, bonus, probs, title) -> Svg:
     """walkthrough.py's tree t after a target's walk, each edge labelled with its probability."""
-    svg = Svg()
-    svg.text(10, 14, title, "title")
+    svg = Svg(title)
     labels = [""] + [f"{p:.3f}" for p in probs[1:]]
     y = tree_nodes(svg, 20, 40, t, texts, path, bonus, labels)
     legend(svg, 20, y + 16, tree=False, departs=False)
@@ -324,8 +323,7 @@ def legend(svg, x, y, tree: bool, departs=True) -> float:
 def decoding(cycles, text, title: str) -> Svg:
     """generate.py --show-svg: each cycle (show.Cycle) a group of class cycle (data-tau), its drafts
     marked as --show marks them; text(id) -> the token's text."""
-    svg = Svg()
-    svg.text(10, 14, title, "title")
+    svg = Svg(title)
     is_tree = any(c.tree is not None for c in cycles)
     y = legend(svg, 10, 40, is_tree) + 30
     n = 0

@@ -117,8 +117,7 @@ def chart(svg, x0, y0, w, h, series, title, xlabel, xt):
 
 def picture(runs: list, title: str) -> draw.Svg:
     """runs [(label, records, {mode: acceptance by position})] -> the three panels and a legend."""
-    svg, w, h = draw.Svg(), 300, 210
-    svg.text(10, 14, title, "title")
+    svg, w, h = draw.Svg(title), 300, 210
     steps = [r["step"] for _, records, _ in runs for r in records]
     xticks = ticks(min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1)
     panels = {"loss": [], "tau": [], "accepted": []}  # each panel's series
