@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, flex_attention
+from torch.utils.flop_counter import FlopCounterMode
 
 import attention
 import data
@@ -144,9 +145,8 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
         assert torch.allclose(torch.as_tensor(d), pd), name
     for kind in ("accept", "accepted_at"):
         walked, unary = out["fresh"][f"{kind}_selector"], out["fresh"][f"{kind}_unary"]
-        assert all(
-            torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(walked, unary)
-        )
+        for a, b in zip(walked, unary, strict=True):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), kind
 
 
 # ================================================================= support/kernels.py: flex == sdpa
@@ -181,10 +181,9 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
 
 def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
     """--attention auto: flex on a CUDA device (also named by string), sdpa on the CPU, where flex
-    training is refused. The CUDA
-    sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: on this CPU,
-    which has none, it names the fix (--attention flex) rather than fall back to math; with math
-    allowed it equals torch's grouped-query SDPA (enable_gqa)."""
+    training is refused. The CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that
+    keep no scores: on this CPU, which has none, it names the fix (--attention flex) rather than
+    fall back to math; with math allowed it equals torch's grouped-query SDPA (enable_gqa)."""
     auto = lambda device: kernels.choose("auto", device)
     assert auto("cuda:3") == auto(torch.device("cuda")) == "flex" and auto("cpu") == "sdpa"
     assert kernels.choose("sdpa", "cuda") == "sdpa"
@@ -321,8 +320,6 @@ def test_static_shapes_pad_to_buckets_and_keep_the_objective():
 
 # ============================================================================ support/flops.py
 def test_flops_per_step_against_a_hand_count():
-    from torch.utils.flop_counter import FlopCounterMode
-
     cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over
     # 32/8 = 4 groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded
@@ -357,19 +354,15 @@ def test_flops_per_step_against_a_hand_count():
     for is_causal in (None, True, False):
         c = dataclasses.replace(cfg, is_causal=is_causal)
         for sliding in (True, False):
-            W = c.sliding_window if sliding else None
-            mask = attention.block_attention_mask(blocks, keys, c.causal_in_block(sliding), W)
+            window = c.sliding_window if sliding else None
+            mask = attention.block_attention_mask(blocks, keys, c.causal_in_block(sliding), window)
             assert flops.keys_per_slot(c, anchors, sliding).sum() == mask.sum()
-    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward
-    # (attention apart)
-    embed = lambda x: torch.zeros(*x.shape, 32)
+    # the backbone's linear layers (attention apart), by torch's own FLOP counter on a real forward
+    embed, draft = lambda x: torch.zeros(*x.shape, 32), model.DraftModel(cfg)
     with FlopCounterMode(display=False) as counter:
-        model.forward_training(
-            model.DraftModel(cfg), embed, ids, torch.zeros(1, 12, 64), anchors[None]
-        )
+        model.forward_training(draft, embed, ids, torch.zeros(1, 12, 64), anchors[None])
     assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
-    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) +
-    # lm_head
+    # a forward of the target: 2 x its linear weights a token; 4 x (q, k, v, o, MLP) + lm_head
     weights = 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
     assert flops.linear_weights(tiny_target("llama")) == weights
 
@@ -483,15 +476,10 @@ def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
     sys.path.insert(0, os.path.join(HERE, "prompts"))
     from prompts.word_problems import TEMPLATES, word_problems
 
-    kinds = {
-        next(
-            i
-            for i, t in enumerate(TEMPLATES)
-            if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q)
-        )
-        for q in word_problems(72)
-    }
-    assert kinds == set(range(len(TEMPLATES)))  # every kind of problem is represented
+    pattern = lambda t: re.sub(r"\\\{\w+\\\}", ".+", re.escape(t))  # its fields match anything
+    kind = lambda q: next(i for i, t in enumerate(TEMPLATES) if re.fullmatch(pattern(t), q))
+    # every kind of problem is represented
+    assert {kind(q) for q in word_problems(72)} == set(range(len(TEMPLATES)))
     a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
     assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
 
@@ -616,11 +604,8 @@ def test_report_to_sends_the_logged_records_to_the_tracker(tmp_path, monkeypatch
     record.end({"loss": 2.75}, tiny_config(), 20, 4.5)
     logged = tracking.read_log(str(tmp_path))[1]
     assert [r["kind"] for r in logged] == ["train", "eval", "final"]
-    assert sent == [
-        (10, {"train/loss": 2.5}),
-        (10, {"eval/loss": 3.0}),
-        (20, {"final/elapsed_s": 4.5, "final/loss": 2.75}),
-    ]
+    final = (20, {"final/elapsed_s": 4.5, "final/loss": 2.75})
+    assert sent == [(10, {"train/loss": 2.5}), (10, {"eval/loss": 3.0}), final]
 
 
 @pytest.mark.parametrize(
