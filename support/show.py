@@ -202,11 +202,10 @@ class Answer(Watcher):
         if c.drafts is None:
             return
         text, color = (lambda t: token_text(self.tok, t)), self.color
-        line = (
-            format_block(c.drafts, c.unary, c.accepted, c.bonus, text, color)
-            if c.tree is None
-            else format_tree(c.tree, c.path, c.bonus, text, color)
-        )
+        if c.tree is None:
+            line = format_block(c.drafts, c.unary, c.accepted, c.bonus, text, color)
+        else:
+            line = format_tree(c.tree, c.path, c.bonus, text, color)
         print(f"{len(self.cycles) - 1:4d}  tau {c.accepted + 1}  {line}", flush=True)
 
     def stream(self, c):

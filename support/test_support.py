@@ -201,9 +201,8 @@ def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monke
 
 
 def test_training_with_sdpa_runs_model_sdpa(monkeypatch):
-    """train.py --attention sdpa runs model.sdpa, on the CPU itself, on CUDA through
-    kernels.memory_safe_sdpa (here with math allowed), with the same hidden states: an edit to
-    model.sdpa changes what training computes."""
+    """train.py --attention sdpa runs model.sdpa (an edit to it changes training), on CUDA through
+    kernels.memory_safe_sdpa (here with math allowed) with the same hidden states."""
     c = tiny_config()
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -228,9 +227,8 @@ def test_training_with_sdpa_runs_model_sdpa(monkeypatch):
 
 
 def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
-    """model.DraftModel.context_kv casts stored features once: under autocast to its dtype (bf16
-    features go into fc as they are, no fp32 copy first), else to the draft's. The context is the
-    same as through an fp32 copy."""
+    """DraftModel.context_kv casts stored features once, under autocast to its dtype (bf16 into fc
+    as they are), else to the draft's: the same context as through an fp32 copy."""
     c = tiny_config()
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -628,9 +626,8 @@ ERRORS = [UsageError("x.jsonl, line 3: no role"), ValueError("no values"), OSErr
 
 @pytest.mark.parametrize("raised", ERRORS)
 def test_run_says_a_usage_error_in_one_line(raised, capsys):
-    """common.run: a UsageError is the user's to fix: `error: ...` on stderr, exit status 2. Any
-    other exception, a ValueError or an OSError too, is a bug: run() passes it on as it is (Python
-    prints its traceback), and says nothing of its own."""
+    """common.run: a UsageError ends as `error: ...` on stderr, exit status 2; any other exception
+    (a ValueError, an OSError) is a bug, passed on as it is (its traceback), nothing said."""
 
     def fail():
         raise raised
@@ -644,9 +641,8 @@ def test_run_says_a_usage_error_in_one_line(raised, capsys):
 
 
 def test_run_logged_logs_the_output_and_fails_in_one_line(tmp_path):
-    """common.run_logged: the command line, then its output (both streams, in the order written),
-    appended to the log; a failure is a UsageError naming the step, its exit status, its last words
-    and the log."""
+    """common.run_logged appends the command line and its output (both streams, in order) to the
+    log; a failure is a UsageError naming the step, its exit status, its last words and the log."""
     log = str(tmp_path / "log")
     say = "import sys; print('out'); print('why', file=sys.stderr); sys.exit({})"
     common.run_logged([sys.executable, "-c", say.format(0)], log, env={"X": "1"})

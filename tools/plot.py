@@ -46,12 +46,8 @@ def value(record, key):
 def points(records, kinds, key) -> list:
     """[(step, value)] of the records of these kinds that hold a number at key, by step; a step
     logged twice (a resumed run) keeps its later record."""
-    by_step = {
-        r["step"]: value(r, key)
-        for r in records
-        if r["kind"] in kinds and value(r, key) is not None
-    }
-    return sorted(by_step.items())
+    kept = [r for r in records if r["kind"] in kinds and value(r, key) is not None]
+    return sorted({r["step"]: value(r, key) for r in kept}.items())
 
 
 def by_position(folder: str):
