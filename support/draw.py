@@ -1,10 +1,7 @@
-"""Pictures, written as plain SVG from what the project's own functions return: the mechanism
-(python -m tools.figures DIR), a decoding (generate.py --show-svg FILE); tools/plot.py draws its
-charts with Svg. This file only lays out and writes; it computes nothing about the method.
-
-SVG by hand: boxes, lines and text need a 30-line writer, no dependency, and give the same bytes on
-every machine. Each mark's class says what it shows ("seen", "accepted", "walk"): its colour in
-the style sheet below, and what a test reads back (xml.etree).
+"""Pictures as plain SVG, laid out from what the project's functions return (it computes nothing
+about the method): the mechanism (tools/figures.py), a decoding (generate.py --show-svg), the
+charts of tools/plot.py. By hand: no dependency, the same bytes on every machine. A mark's class
+says what it shows ("seen", "accepted", "walk"): its colour below, and what a test reads back.
 """
 
 from xml.sax.saxutils import escape, quoteattr
@@ -39,22 +36,28 @@ def num(v) -> str:
     return f"{v:.2f}".rstrip("0").rstrip(".")
 
 
-class Svg:
-    """A picture being drawn: marks appended in order, its size the extent of what was drawn."""
+def attributes(attrs: dict) -> str:
+    """Keywords as SVG attributes (class_ -> class, data_run -> data-run), None ones left out."""
+    return " ".join(
+        f"{k.rstrip('_').replace('_', '-')}={quoteattr(num(v) if isinstance(v, float) else str(v))}"
+        for k, v in attrs.items()
+        if v is not None
+    )
 
-    def __init__(self):
+
+class Svg:
+    """A picture being drawn under its title: marks appended in order, its size their extent."""
+
+    def __init__(self, title: str):
         self.items, self.width, self.height = [], 0.0, 0.0
+        self.text(10, 14, title, "title")
 
     def add(self, tag, right, bottom, text=None, tip=None, **attrs):
-        """One element reaching to (right, bottom); attrs: SVG attributes (class_ -> class,
-        data_run -> data-run); tip: a tooltip."""
+        """One element reaching to (right, bottom); tip: a tooltip."""
         self.width, self.height = max(self.width, right), max(self.height, bottom)
-        names = {k.rstrip("_").replace("_", "-"): v for k, v in attrs.items() if v is not None}
-        values = " ".join(
-            f"{k}={quoteattr(num(v) if isinstance(v, float) else str(v))}" for k, v in names.items()
-        )
         inner = (f"<title>{escape(tip)}</title>" if tip else "") + escape(text or "")
-        self.items.append(f"<{tag} {values}>{inner}</{tag}>" if inner else f"<{tag} {values}/>")
+        head = f"{tag} {attributes(attrs)}"
+        self.items.append(f"<{head}>{inner}</{tag}>" if inner else f"<{head}/>")
 
     def rect(self, x, y, w, h, cls, tip=None, **attrs):
         self.add("rect", x + w, y + h, tip=tip, x=x, y=y, width=w, height=h, class_=cls, **attrs)
@@ -93,8 +96,7 @@ class Svg:
         self.end_group()
 
     def group(self, cls, **attrs):
-        names = "".join(f" {k.replace('_', '-')}={quoteattr(str(v))}" for k, v in attrs.items())
-        self.items.append(f"<g class={quoteattr(cls)}{names}>")
+        self.items.append(f"<g {attributes(dict(class_=cls, **attrs))}>")
 
     def end_group(self):
         self.items.append("</g>")
@@ -115,9 +117,8 @@ class Svg:
 def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
     """The anchored blocks under the training row [S] (q_pos, q_block [Q]: model.anchored_blocks'),
     then each mask {name: [Q][S + Q] bool} (attention.block_attention_mask) as a grid of cells."""
-    svg, S, Q = Svg(), len(row), len(q_pos)
-    x0 = 110
-    svg.text(10, 14, f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}", "title")
+    title = f"Anchored blocks: B = {B}, anchors {sorted(set(q_pos[::B]))}"
+    svg, S, Q, x0 = Svg(title), len(row), len(q_pos), 110
     for y, name in ((40, "position"), (58, "row x"), (76, "loss_mask")):
         svg.text(10, y, name)
     for p in range(S):
@@ -149,8 +150,7 @@ def blocks(row, loss_mask, q_pos, q_block, B: int, masks: dict) -> Svg:
 
 
 def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
-    """cells [R][C] bool as squares (class seen / unseen), a gap before each column in splits -> the
-    y below it."""
+    """cells [R][C] bool as squares (seen / unseen), a gap before each split -> the y below."""
     gap = lambda j: 6 * sum(s <= j for s in splits)  # a gap before each split column
     for j, c in enumerate(cols):
         svg.text(x0 + j * CELL + gap(j) + CELL / 2, y0 + 6, c[:2], "note", "middle")
@@ -164,10 +164,9 @@ def grid(svg, x0, y0, cells, rows, cols, splits, name) -> float:
 
 
 def conv_taps(reads, B: int, T: int) -> Svg:
-    """Which input rows r each output row i of the convolution reads (reads [S][S] bool, measured
-    by walkthrough.py with pulses): a line of class tap from input box r up to output box i."""
-    svg, S, w = Svg(), len(reads), 44
-    svg.text(10, 14, f"The convolution's taps: T = {T}, B = {B}: no tap crosses a block", "title")
+    """A line of class tap from input box r up to output box i where row i reads row r (reads)."""
+    title = f"The convolution's taps: T = {T}, B = {B}: no tap crosses a block"
+    svg, S, w = Svg(title), len(reads), 44
     x_of = lambda r: 100 + r * w + 24 * (r // B)
     for label, y in (("output", 40), ("input", 150)):
         svg.text(10, y + 10, label)
@@ -187,17 +186,14 @@ def conv_taps(reads, B: int, T: int) -> Svg:
 
 
 def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
-    """One block's selector lattice (selector.CandidateSelector.lattice): slot j's K candidates
-    (cands, unary [L][K]), an edge p -> c scored scores[j][p][c] (slot 1: from the anchor, p = 0);
-    walk and unary_path [L]: each path's picks, their edges of class walk / unary."""
-    svg, L, K = Svg(), len(cands), len(cands[0])
+    """One block's selector lattice: slot j's candidates (cands, unary [L][K]), edges p -> c scored
+    scores[j][p][c] (slot 1: from the anchor, p = 0); walk and unary_path [L]: each path's picks."""
+    svg, L, K = Svg(title), len(cands), len(cands[0])
     col, rowh, bw = 250, 56, 120
-    svg.text(10, 14, title, "title")
     y_of = lambda k: 50 + k * rowh
     x_of = lambda j: 20 + j * col  # column 0: the anchor
     for j in range(L):
-        froms = [0] if j == 0 else range(K)
-        for p in froms:
+        for p in range(1 if j == 0 else K):  # slot 1's edges come from the anchor
             for c in range(K):
                 on_walk = walk[j] == c and (j == 0 or walk[j - 1] == p)
                 on_unary = unary_path[j] == c and (j == 0 or unary_path[j - 1] == p)
@@ -230,20 +226,16 @@ def lattice(anchor, cands, unary, scores, walk, unary_path, title) -> Svg:
 
 
 def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> float:
-    """A draft tree t (texts [n] its nodes') left to right by depth, each node a box of its
-    tree_kinds kind, then the bonus after the accepted path; labels [n]: edge labels; departs: the
-    nodes starred -> the y below it."""
+    """A tree t (texts [n]) left to right by depth, a box of its tree_kinds kind per node, the bonus
+    after the accepted path; labels [n]: edge labels; departs: the nodes starred -> the y below."""
     n, colw, rowh, bw = len(t.tokens), 170, 26, 110
     parents, depth, children = t.parents, t.depths, t.children()
-    order, stack = [], [0]  # depth-first, best child first: siblings stay together
+    row, taken, stack = {}, {}, [0]  # rows depth-first, best child first: siblings stay together
     while stack:
         i = stack.pop()
-        order.append(i)
-        stack += children[i][::-1]
-    row, taken = {}, {}
-    for i in order:
         row[i] = taken.get(depth[i], 0)
         taken[depth[i]] = row[i] + 1
+        stack += children[i][::-1]
     kinds = tree_kinds(t, path)
     xy = lambda i: (x0 + depth[i] * colw, y0 + row[i] * rowh)
     last = path[-1] if path else 0
@@ -258,24 +250,17 @@ def tree_nodes(svg, x0, y0, t, texts, path, bonus, labels=None, departs=()) -> f
             svg.label((px + bw + x) / 2, (py + y) / 2 + 11, labels[i])
     (px, py), (x, y) = xy(last), bonus_xy
     svg.line(px + bw, py + 11, x, y + 11, "bonus", data_from=last, data_to="bonus")
-    for i in range(n):
-        (x, y), kind = xy(i), kinds[i]
-        tip = f"node {i}: {kind}"
-        svg.box(
-            x, y, bw, 22, kind, texts[i][:14], i in departs, tip, data_node=i, data_depth=depth[i]
-        )
-    x, y = bonus_xy
-    tip = "the target's bonus token"
-    svg.box(
-        x, y, bw, 22, "bonus", bonus[:14], tip=tip, data_node="bonus", data_depth=depth[last] + 1
-    )
+    for i, kind in enumerate(kinds):
+        tip, star = f"node {i}: {kind}", i in departs
+        svg.box(*xy(i), bw, 22, kind, texts[i][:14], star, tip, data_node=i, data_depth=depth[i])
+    tip, deeper = "the target's bonus token", depth[last] + 1
+    svg.box(*bonus_xy, bw, 22, "bonus", bonus[:14], tip=tip, data_node="bonus", data_depth=deeper)
     return y0 + max(max(taken.values()), bonus_row + 1) * rowh
 
 
 def story_tree(t, texts, path, bonus, probs, title) -> Svg:
     """walkthrough.py's tree t after a target's walk, each edge labelled with its probability."""
-    svg = Svg()
-    svg.text(10, 14, title, "title")
+    svg = Svg(title)
     labels = [""] + [f"{p:.3f}" for p in probs[1:]]
     y = tree_nodes(svg, 20, 40, t, texts, path, bonus, labels)
     legend(svg, 20, y + 16, tree=False, departs=False)
@@ -284,11 +269,11 @@ def story_tree(t, texts, path, bonus, probs, title) -> Svg:
 
 # ----------------------------------------------------------------------------- a decoding
 # The kinds of a cycle's drafts, as --show prints them (support/show.py) and a picture draws them:
+# plain brackets, ANSI colour, meaning.
 SHOW_KINDS = {
     "accepted": ("[", "]", "30;42", "accepted draft"),
     "rejected": ("{", "}", "97;41", "first rejected draft"),
     "unchecked": ("(", ")", "2", "later draft, never checked"),
-    # plain brackets, ANSI colour, meaning
     "bonus": ("<", ">", "30;46", "the target's bonus token"),
 }
 DEPARTS = (
@@ -307,9 +292,9 @@ def path_slots(drafts, unary, accepted: int, bonus) -> list:
 
 
 def tree_kinds(t, path) -> list:
-    """The kind of each node of a tree t whose accepted nodes are `path`: node 0 the anchor;
-    accepted; rejected, a child of the anchor or of an accepted node (the walk read it and passed
-    it by); unchecked, the rest, below a rejected node."""
+    """Each node's kind in a tree t whose accepted nodes are `path`: node 0 the anchor; accepted;
+    rejected, a child of the anchor or of an accepted node (the walk read it, passed it by);
+    unchecked, the rest, below a rejected node."""
     checked = {0, *path}  # the nodes whose row of logits the walk read
     return ["anchor"] + [
         "accepted" if i in path else "rejected" if t.parents[i] in checked else "unchecked"
@@ -336,10 +321,9 @@ def legend(svg, x, y, tree: bool, departs=True) -> float:
 
 
 def decoding(cycles, text, title: str) -> Svg:
-    """generate.py --show-svg: each cycle (show.Cycle) as a row of its drafts, marked as --show
-    marks them; text(id) -> the token's text. A cycle is a group of class cycle, with data-tau."""
-    svg = Svg()
-    svg.text(10, 14, title, "title")
+    """generate.py --show-svg: each cycle (show.Cycle) a group of class cycle (data-tau), its drafts
+    marked as --show marks them; text(id) -> the token's text."""
+    svg = Svg(title)
     is_tree = any(c.tree is not None for c in cycles)
     y = legend(svg, 10, 40, is_tree) + 30
     n = 0

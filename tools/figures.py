@@ -1,9 +1,7 @@
-"""The walkthrough's figures: sections 1, 2, 4 and 5 of walkthrough.py drawn as SVG.
+"""The walkthrough's figures: sections 1, 2, 4 and 5 of walkthrough.py, the same seeded numbers
+it prints, drawn as SVG by support/draw.py (docs/walkthrough.md shows them).
 
     python -m tools.figures docs/figures
-
-The same tiny seeded models and numbers as `python walkthrough.py` prints (docs/walkthrough.md shows
-the pictures); support/draw.py draws them.
 """
 
 import argparse
@@ -21,8 +19,7 @@ from support.common import run
 
 @torch.no_grad()
 def pictures(out_dir: str) -> list:
-    """Sections 1, 2, 4 and 5 drawn (support/draw.py), from the walkthrough's seeded objects
-    recomputed silently -> the files written (docs/walkthrough.md shows them)."""
+    """Sections 1, 2, 4 and 5 drawn from the walkthrough's seeded objects -> the files written."""
     quiet = lambda line: None
     ids, loss_mask, _ = W.training_row(quiet, W.tiny_target())
     _, queries, context = W.blocks(quiet, ids)
@@ -32,6 +29,7 @@ def pictures(out_dir: str) -> list:
         f"{kind} layer": attention.block_attention_mask(queries, keys, causal=causal)[0, 0].tolist()
         for kind, causal in (("a full-attention", False), ("a causal", True))
     }
+    row = [x[0].tolist() for x in (ids, loss_mask, q_pos, q_block)]
     reads = W.convolution(quiet)  # [out row, in row]
     sel, h, u, anchor = W.selector_story()
     cand_scores, cand_ids = top_k_candidates(u, sel.top_k)  # [1, L, K]
@@ -39,60 +37,39 @@ def pictures(out_dir: str) -> list:
     walk, _ = sel.walk(lattice, cand_ids)
     cands = cand_ids[0].tolist()
     index = lambda ids: [cands[j].index(x) for j, x in enumerate(ids)]  # into each slot's K
+    words = [[W.WORDS[c] for c in r] for r in cands]  # [L][K]
+    scores = cand_scores[0].tolist(), lattice[0].tolist()  # unary [L][K], edges [L][K][K]
+    paths = index(walk[0].tolist()), index(u.argmax(-1)[0].tolist())  # the walk, the unary path
     t = W.story_tree(quiet, lattice, cand_ids, int(anchor))
     # a scripted target, which continues "New Jersey Devils Times" after any prefix of it
     says = {"": "Jersey", "Jersey": "Devils", "Jersey Devils": "Times"}
-    logits = torch.zeros(len(t.tokens), len(W.WORDS))  # [node, V]
+    logits, above = torch.zeros(len(t.tokens), len(W.WORDS)), t.ancestors()  # [node, V], [n, n]
     for i in range(len(t.tokens)):
-        logits[i, W.WORDS.index(says.get(W.words(path_tokens(t, i)), "Times"))] = 1.0
+        prefix = [x for j, x in enumerate(t.tokens) if j > 0 and above[i, j]]  # node i's path
+        logits[i, W.WORDS.index(says.get(W.words(prefix), "Times"))] = 1.0
     path, bonus = tree.follow_target(t, logits, lambda r: int(r.argmax()))
-    os.makedirs(out_dir, exist_ok=True)
+    lattice_title = (
+        'The selector\'s lattice (K = 2, rank 1), anchor "New": the walk and the unary path'
+    )
+    tree_title = 'The tree of 4 nodes (tree.grow), walked by a target that says "New Jersey Devils"'
+    texts = [W.WORDS[x] for x in t.tokens]
     drawn = {
-        "blocks.svg": draw.blocks(
-            ids[0].tolist(),
-            loss_mask[0].tolist(),
-            q_pos[0].tolist(),
-            q_block[0].tolist(),
-            W.B,
-            masks,
-        ),
+        "blocks.svg": draw.blocks(*row, W.B, masks),
         "conv.svg": draw.conv_taps(reads.tolist(), W.B, T=int(reads.sum(1).max())),
-        "selector.svg": draw.lattice(
-            "New",
-            [[W.WORDS[c] for c in row] for row in cands],
-            cand_scores[0].tolist(),
-            lattice[0].tolist(),
-            index(walk[0].tolist()),
-            index(u.argmax(-1)[0].tolist()),
-            'The selector\'s lattice (K = 2, rank 1), anchor "New": the walk and the unary path',
-        ),
+        "selector.svg": draw.lattice("New", words, *scores, *paths, lattice_title),
         "tree.svg": draw.story_tree(
-            t,
-            [W.WORDS[x] for x in t.tokens],
-            path,
-            W.WORDS[bonus],
-            edge_probs(t, lattice[0], cands),
-            'The tree of 4 nodes (tree.grow), walked by a target that says "New Jersey Devils"',
+            t, texts, path, W.WORDS[bonus], edge_probs(t, lattice[0], cands), tree_title
         ),
     }
+    os.makedirs(out_dir, exist_ok=True)
     for name, svg in drawn.items():
         svg.save(os.path.join(out_dir, name))
     return [os.path.join(out_dir, name) for name in drawn]
 
 
-def path_tokens(t, i: int) -> list:
-    """Node i's path below the anchor, as tokens."""
-    out = []
-    while i > 0:
-        out.append(t.tokens[i])
-        i = t.parents[i]
-    return out[::-1]
-
-
 def edge_probs(t, lattice, cands) -> list:
     """Each node's edge probability softmax_K(s(parent -> .)) at its own candidate (the anchor: 1):
-    lattice [L, K, K], cands [L][K] token ids. tree.grow's score of a node is the log of their
-    product along its path."""
+    lattice [L, K, K], cands [L][K] token ids; tree.grow scores a node by their product's log."""
     q = torch.softmax(lattice, dim=-1)  # [slot, parent's candidate, K]
     k = lambda i: 0 if i == 0 else cands[t.depths[i] - 1].index(t.tokens[i])  # among K
     return [1.0] + [

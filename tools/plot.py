@@ -3,12 +3,12 @@
     python -m tools.plot out/smollm2-math-dflash2     # writes out/smollm2-math-dflash2/training.svg
     python -m tools.plot out/toy/dflash out/toy/dflash2 --labels DFlash DFlash2 --out toy.svg
 
-Three panels, one colour per run: the training and held-out loss; held-out tau teacher-forced on
-the selector's and the unary path, and served tau (tools/served.py, a large dot); acceptance.json's
-share of blocks accepted up to each position. A step logged twice draws its later record.
+Three panels, one colour per run: the losses; held-out tau (teacher-forced, and served by
+tools/served.py); acceptance.json's share of blocks accepted up to each position.
 """
 
 import argparse
+import itertools
 import math
 import os
 
@@ -17,15 +17,15 @@ from support.common import UsageError, read_json, run
 from support.metrics import acceptance_file, read_acceptance
 from support.tracking import read_log
 
-# (panel, series name, record kinds, record key, dashed) for each line of the step panels. The train
-# line is the loss's base term (base_loss; loss in a log without it): a held-out loss has no
-# selector term (alpha_t), so the two lines measure the same thing.
+# (panel, series name, record kinds, record key, dashed, dot radius or 0) for each line of the step
+# panels. The train line is the loss's base term (base_loss; loss in a log without it): a held-out
+# loss has no selector term (alpha_t), so the two lines measure the same thing.
 LINES = [
-    ("loss", "train loss", ("train",), "base_loss", False),
-    ("loss", "held-out loss", ("eval", "final"), "loss", True),
-    ("tau", "selector path", ("eval", "final"), "accept_selector", False),
-    ("tau", "unary path", ("eval", "final"), "accept_unary", True),
-    ("tau", "served", ("served",), "served_path_tau", False),
+    ("loss", "train loss", ("train",), "base_loss", False, 0),
+    ("loss", "held-out loss", ("eval", "final"), "loss", True, 3),
+    ("tau", "selector path", ("eval", "final"), "accept_selector", False, 3),
+    ("tau", "unary path", ("eval", "final"), "accept_unary", True, 3),
+    ("tau", "served", ("served",), "served_path_tau", False, 6),
 ]
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]  # one per run
@@ -46,12 +46,8 @@ def value(record, key):
 def points(records, kinds, key) -> list:
     """[(step, value)] of the records of these kinds that hold a number at key, by step; a step
     logged twice (a resumed run) keeps its later record."""
-    by_step = {
-        r["step"]: value(r, key)
-        for r in records
-        if r["kind"] in kinds and value(r, key) is not None
-    }
-    return sorted(by_step.items())
+    kept = [r for r in records if r["kind"] in kinds and value(r, key) is not None]
+    return sorted({r["step"]: value(r, key) for r in kept}.items())
 
 
 def by_position(folder: str):
@@ -77,12 +73,9 @@ def ticks(lo: float, hi: float, n=5) -> list:
     return [float(f"{k * step:.10g}") for k in range(first, last + 1)]
 
 
-def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
-    """A panel of lines inside a w x h frame at (x0, y0): series [dict(points=[(x, y)], color,
-    run, name, dashed, dots)]. The axes run between round ticks around the data (xticks: given
-    ones), each tick a text of class tick with data-axis, data-value and data-px (its pixel), from
-    which a test reads the picture's values back. A series is a polyline of class series (data-run,
-    data-name) and, with dots or a single point, a circle per point."""
+def chart(svg, x0, y0, w, h, series, title, xlabel, xt):
+    """A panel of series [dict(points=[(x, y)], color, run, name, dashed, radius)] in a w x h frame
+    at (x0, y0), x on the ticks xt; each tick holds its value and pixel, which a test reads back."""
     svg.group("chart", data_title=title)
     svg.text(x0, y0 - 12, title, "title")
     pts = [p for s in series for p in s["points"]]
@@ -91,9 +84,8 @@ def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
         svg.width, svg.height = max(svg.width, x0 + w), max(svg.height, y0 + h)
         svg.end_group()
         return
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    ys = [p[1] for p in pts]
     flat = 0.5 if max(ys) == min(ys) else 0.0
-    xt = xticks or ticks(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1)
     yt = ticks(min(ys) - flat, max(ys) + flat)
     X = lambda v: x0 + (v - xt[0]) / (xt[-1] - xt[0]) * w
     Y = lambda v: y0 + h - (v - yt[0]) / (yt[-1] - yt[0]) * h
@@ -112,47 +104,35 @@ def chart(svg, x0, y0, w, h, series, title, xlabel, xticks=None):
         p = [(X(x), Y(y)) for x, y in s["points"]]
         kw = dict(stroke=s["color"], data_run=s["run"], data_name=s["name"])
         if len(p) > 1:
-            svg.polyline(p, "series dashed" if s.get("dashed") else "series", **kw)
-        if s.get("dots") or len(p) == 1:
+            svg.polyline(p, "series dashed" if s["dashed"] else "series", **kw)
+        if s["radius"] or len(p) == 1:  # a lone point is a dot even on a line without them
             for x, y in p:
-                svg.circle(x, y, s.get("radius", 3), "point", fill=s["color"], **kw)
+                svg.circle(x, y, s["radius"] or 3, "point", fill=s["color"], **kw)
     svg.end_group()
 
 
 def picture(runs: list, title: str) -> draw.Svg:
     """runs [(label, records, {mode: acceptance by position})] -> the three panels and a legend."""
-    svg, w, h = draw.Svg(), 300, 210
-    svg.text(10, 14, title, "title")
-    panels = {"loss": (70, "loss", "step"), "tau": (70 + w + 80, "held-out tau", "step")}
+    svg, w, h = draw.Svg(title), 300, 210
     steps = [r["step"] for _, records, _ in runs for r in records]
     xticks = ticks(min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1)
-    for panel, (x, name, xlabel) in panels.items():  # both against the same steps
-        series = []
-        for k, (label, records, _) in enumerate(runs):
-            for p, line, kinds, key, dashed in LINES:
-                pts = points(records, kinds, key)
-                if p == panel and pts:
-                    color = COLORS[k % len(COLORS)]
-                    dots = kinds != ("train",)
-                    radius = 6 if key == "served_path_tau" else 3
-                    s = dict(points=pts, color=color, run=label, name=line, dashed=dashed)
-                    series.append(dict(s, dots=dots, radius=radius))
-        chart(svg, x, 60, w, h, series, name, xlabel, xticks)
-    series, L = [], 0
-    for k, (label, _, accepted) in enumerate(runs):
+    panels = {"loss": [], "tau": [], "accepted": []}  # each panel's series
+    for (label, records, accepted), color in zip(runs, itertools.cycle(COLORS)):
+        for panel, name, kinds, key, dashed, radius in LINES:
+            pts = points(records, kinds, key)
+            if pts:
+                s = dict(points=pts, color=color, run=label, name=name, dashed=dashed)
+                panels[panel].append(dict(s, radius=radius))
         for mode, shares in accepted.items():
-            L = max(L, len(shares))
-            pts = list(enumerate(shares, 1))
-            color = COLORS[k % len(COLORS)]
-            series.append(
-                dict(points=pts, color=color, run=label, name=mode, dashed=mode == "unary", dots=1)
-            )
-    x = 70 + 2 * (w + 80)
-    name = "accepted up to block position"
-    chart(svg, x, 60, w, h, series, name, "block position j", list(range(1, L + 1)) or None)
+            s = dict(points=list(enumerate(shares, 1)), color=color, run=label, name=mode)
+            panels["accepted"].append(dict(s, dashed=mode == "unary", radius=3))
+    L = max((len(s["points"]) for s in panels["accepted"]), default=0)
+    chart(svg, 70, 60, w, h, panels["loss"], "loss", "step", xticks)  # both against the same steps
+    chart(svg, 70 + w + 80, 60, w, h, panels["tau"], "held-out tau", "step", xticks)
+    name, x = "accepted up to block position", 70 + 2 * (w + 80)
+    chart(svg, x, 60, w, h, panels["accepted"], name, "block position j", list(range(1, L + 1)))
     y = 60 + h + 60
-    for k, (label, *_) in enumerate(runs):
-        color = COLORS[k % len(COLORS)]
+    for k, ((label, *_), color) in enumerate(zip(runs, itertools.cycle(COLORS))):
         svg.line(70 + 200 * k, y, 110 + 200 * k, y, style=f"stroke: {color}; stroke-width: 3")
         svg.text(118 + 200 * k, y, label)
     for i, line in enumerate(KEY):
