@@ -280,9 +280,8 @@ def decode_run(args):
     rows = [("selector", ("path", B - 1)), ("selector", ("tree", B - 1))]
     n = args.sizes["decode_tokens"]
     ways = bench.decode_every_way(target, draft, head, prompts, ids(), n, kw, layouts, rows)
-    write_json(
-        args.out_dir, dict(device=str(device), block_size=B, prompts=len(prompts), ways=ways)
-    )
+    done = {"device": str(device), "block_size": B, "prompts": len(prompts), "ways": ways}
+    write_json(args.out_dir, done)
 
 
 def decode_row(args, tmp: str, share: float, log) -> dict:
