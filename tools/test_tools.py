@@ -413,10 +413,9 @@ def test_llamacpp_parity_reads_llamas_text_as_token_bytes_and_its_cycles_from_it
 ):
     """Parity compares generate.py's tokens with llama.cpp's printed text as bytes (GPT-2's byte
     alphabet; a token outside it as its own text) and reads each cycle from its debug log."""
-    table = llamacpp.byte_decoder()
     vocab = ["Tom", "Ġhas", "Ċ", "✓"]
     tok = types.SimpleNamespace(convert_ids_to_tokens=lambda ids: [vocab[i] for i in ids])
-    pieces = llamacpp.token_bytes(tok, [0, 1, 2, 3], table)
+    pieces = llamacpp.token_bytes(tok, [0, 1, 2, 3])
     assert pieces == [b"Tom", b" has", b"\n", "✓".encode()]
     assert llamacpp.tokens_matched("Tom has\n✓ more".encode(), pieces) == 4  # a prefix will do
     assert [llamacpp.tokens_matched(t, pieces) for t in (b"Tom had\n", b"Tom")] == [1, 1]

@@ -22,7 +22,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from prompts.toy_problems import toy_split
-from support.common import run
+from support.common import HelpTable, run
 from support.conversations import tokenize_conversation
 
 SPECIALS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|mask|>", "<|unk|>"]
@@ -142,9 +142,7 @@ def build(out_dir, num_problems=None, steps=1000, batch_size=32, lr=1e-2, seed=0
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpTable)
     p.add_argument("out_dir")
     args = p.parse_args(argv)
     t0 = time.time()
