@@ -91,30 +91,16 @@ def target_io(target):
     return target.get_input_embeddings(), lambda h: h @ w.t()
 
 
-@torch.no_grad()
-def the_row(target):
-    """One training row: the prompt, the target's greedy answer to it, the start of a next turn ->
-    ids [1, S], loss_mask [1, S] (1 on the answer)."""
-    prompt = torch.tensor([PROMPT])
-    answer, _ = decoding.target_generate(target, prompt, ANSWER)  # [1, P + ANSWER]
-    ids = torch.cat([answer, torch.tensor([NEXT_TURN])], dim=1)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, len(PROMPT) : len(PROMPT) + ANSWER] = 1
-    return ids, loss_mask
-
-
 # ----------------------------------------------------------------------------- printing
 def row(values, width=3) -> str:
     return " ".join(f"{v:>{width}}" for v in values)
 
 
-def grid(allowed, row_names, splits=()) -> list:
+def grid(say, allowed, row_names, splits=()):
     """A boolean [R, C] tensor as lines of '#' (may read) and '.', a '|' before columns splits."""
-    lines = []
     for name, r in zip(row_names, allowed.tolist()):
         cells = "".join(("| " if j in splits else "") + "#."[not v] + " " for j, v in enumerate(r))
-        lines.append(f"  {name}  {cells.rstrip()}")
-    return lines
+        say(f"  {name}  {cells.rstrip()}")
 
 
 def words(tokens) -> str:
@@ -123,7 +109,12 @@ def words(tokens) -> str:
 
 # ----------------------------------------------------------------------------- 0-3: row and blocks
 def training_row(say, target):
-    ids, loss_mask = the_row(target)
+    """The prompt, the target's greedy answer to it, the start of a next turn -> ids [1, S],
+    loss_mask [1, S] (1 on the answer), the target's features [1, S, n_t*H]."""
+    answer, _ = decoding.target_generate(target, torch.tensor([PROMPT]), ANSWER)  # [1, P + ANSWER]
+    ids = torch.cat([answer, torch.tensor([NEXT_TURN])], dim=1)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, len(PROMPT) : len(PROMPT) + ANSWER] = 1
     _, feats = capture_features(target, LAYER_IDS, input_ids=ids)  # [1, S, n_t*H]
     say("0. The target and one training row")
     say(f"  row x[0..{ids.shape[1] - 1}]  {row(ids[0].tolist())}")
@@ -141,8 +132,9 @@ def blocks(say, ids):
         ids, anchors, B, MASK, positions, docs
     )  # each [1, A*B]
     Q = q_pos.shape[1]
-    say("")
-    say(f"1. Anchored blocks (model.anchored_blocks): anchors {ANCHORS}, B = {B}, M = mask {MASK}")
+    say(
+        f"\n1. Anchored blocks (model.anchored_blocks): anchors {ANCHORS}, B = {B}, M = mask {MASK}"
+    )
     say(f"  slot       {row([i % B for i in range(Q)])}")
     say(f"  block      {row([f'x{q_pos[0, i]}' if i % B == 0 else 'M' for i in range(Q)])}")
     say(f"  block_ids  {row(block_ids[0].tolist())}")
@@ -160,16 +152,13 @@ def visibility(say, queries, context):
     causal = attention.block_attention_mask(queries, keys, causal=True)[0, 0]
     rows = [f"b{q_block[0, i]} s{i % B} pos {q_pos[0, i]}" for i in range(Q)]
     in_block = [b * B for b in range(1, Q // B)]
-    say("")
-    say(f"2. Who sees what (attention.block_attention_mask): [Q, C + Q] = {list(full.shape)}")
+    say(f"\n2. Who sees what (attention.block_attention_mask): [Q, C + Q] = {list(full.shape)}")
     say(f"  keys: {C} context rows (the target's features at positions 0..{C - 1}), then the")
     say(f"  block rows at positions {row(keys[0][0, C:].tolist(), 1)}. A full-attention layer:")
     say(f"  {'key position':>13}  {' '.join(str(p % 10) for p in range(C))}")
-    for line in grid(full, rows, [C] + [C + b for b in in_block]):
-        say(line)
+    grid(say, full, rows, [C] + [C + b for b in in_block])
     say("  a causal layer (sliding layers by default, or is_causal: true), inside the blocks:")
-    for line in grid(causal[:, C:], rows, in_block):
-        say(line)
+    grid(say, causal[:, C:], rows, in_block)
     return full
 
 
@@ -181,8 +170,7 @@ def same_block_both_paths(say, draft, embed, ids, feats, anchors):
     cache.append(draft, feats[:, :a], torch.arange(a)[None])  # what serving at anchor a has seen
     h_inf = model.forward_inference(draft, embed, cache, ids[:, a], torch.tensor([a]))  # [1, B, H]
     diff = (h_train[0, 1] - h_inf[0]).abs().max()
-    say("")
-    say("3. Training path == inference path (model.forward_training, model.forward_inference)")
+    say("\n3. Training path == inference path (model.forward_training, model.forward_inference)")
     say(f"  forward_training: both blocks in one pass -> h {list(h_train.shape)} [N, A, B, H]")
     say(f"  forward_inference: block 1 alone against a ContextCache of rows 0..{a - 1}")
     say(f"  -> h {list(h_inf.shape)}; max |difference| from training block 1: {diff:.1e}")
@@ -190,7 +178,6 @@ def same_block_both_paths(say, draft, embed, ids, feats, anchors):
 
 
 # ----------------------------------------------------------------------------- 4: the convolution
-@torch.no_grad()
 def convolution(say):
     torch.manual_seed(2)
     T, Hc, G = 3, 4, 2
@@ -204,14 +191,14 @@ def convolution(say):
     reads = conv.convolve(pulses, k[0].expand(2 * B, -1, -1, -1)).ne(0).any(-1).T  # [out, in]
     lin = torch.nn.Linear(Hc, Hc)
     identity = torch.equal(GroupedDynamicCausalConv(Hc, T, G, B)(a, lin), lin(a))
-    say("")
-    say(f"4. The convolution (conv.GroupedDynamicCausalConv): T = {T}, B = {B}, H = {Hc}, G = {G}")
+    say(
+        f"\n4. The convolution (conv.GroupedDynamicCausalConv): T = {T}, B = {B}, H = {Hc}, G = {G}"
+    )
     say(f"  base_kernel {list(conv.base_kernel.shape)} [pre/post, T, H]; the per-row kernels")
     say(f"  {list(k.shape)} [side, N, rows, T, H]. Which input rows each output row reads:")
     ins = " ".join(str(r) for r in range(B)) + " | " + " ".join(str(r) for r in range(B, 2 * B))
     say(f"  {'in row':>11}  {ins}")
-    for line in grid(reads, [f"b{i // B} s{i % B} row {i}" for i in range(2 * B)], [B]):
-        say(line)
+    grid(say, reads, [f"b{i // B} s{i % B} row {i}" for i in range(2 * B)], [B])
     say(f"  row {B} (block 1, slot 0) never reads row {B - 1} (block 0): no tap crosses a block")
     i = B + 1
     say(f"  row {i}'s pre kernel, beta[t] + d[{i}, t, c // G], one value per channel c:")
@@ -248,15 +235,13 @@ def selector_story():
     return sel, h, u, torch.tensor([w["New"]])
 
 
-@torch.no_grad()
 def selector(say):
     sel, h, u, anchor = selector_story()
     cand_scores, cand_ids = top_k_candidates(u, sel.top_k)  # [1, 2, K]
     lattice = sel.lattice(h, anchor, cand_ids, cand_scores)  # [1, 2, K, K]
     walk, _ = sel.walk(lattice, cand_ids)  # [1, 2]
     c1, c2 = cand_ids[0].tolist()
-    say("")
-    say('5. The selector (selector.CandidateSelector, K = 2, rank 1), anchor "New"')
+    say('\n5. The selector (selector.CandidateSelector, K = 2, rank 1), anchor "New"')
     for j in range(2):
         top = zip(cand_ids[0, j].tolist(), cand_scores[0, j].tolist())
         say(f"  slot {j + 1}: unary top 2: " + ", ".join(f"{WORDS[c]} {s:.1f}" for c, s in top))
@@ -284,13 +269,11 @@ def story_tree(say, lattice, cand_ids, anchor):
     for i, (tok, parent, depth) in enumerate(zip(t.tokens, t.parents, t.depths)):
         say(f"    node {i}: {'  ' * depth}{WORDS[tok]:<7} depth {depth}, parent {parent}")
     say("  its ancestor mask (Tree.ancestors), node i (row) sees node j (column):")
-    for line in grid(t.ancestors(), [f"node {i} {WORDS[x]:<6}" for i, x in enumerate(t.tokens)]):
-        say(line)
+    grid(say, t.ancestors(), [f"node {i} {WORDS[x]:<6}" for i, x in enumerate(t.tokens)])
     return t
 
 
 # ----------------------------------------------------------------------------- 6: the objective
-@torch.no_grad()
 def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     head_w = target.get_output_embeddings().weight  # [V, H]
     valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -302,8 +285,7 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
         draft, head_w, h_train, ids, loss_mask, anchors, valid, loss.LossConfig(gamma=GAMMA)
     )  # alpha_t None: the selector's term is left out of the numerator
     n, d = out.numerator, out.denominator
-    say("")
-    say(f"6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
+    say(f"\n6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
     for b, a in enumerate(ANCHORS):
         say(f"  block {b} (anchor {a}): slots 1..{B - 1} at positions {list(range(a + 1, a + B))}")
         say(f"    labels x[a+j]            {row(labels[0, b].tolist(), 5)}")
@@ -366,12 +348,10 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     return ids, tau, h
 
 
-@torch.no_grad()
 def decode(say, target, draft, embed, head, ids, h_train):
     prompt = ids[:, : len(PROMPT)]
     answer = ids[0, len(PROMPT) : len(PROMPT) + ANSWER].tolist()
-    say("")
-    say("7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
+    say("\n7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
     say(f"  prompt {PROMPT}; the target's greedy answer (decoding.target_generate): {answer}")
     cache, ctx, ids1 = prefill(target, draft, prompt)
     first = int(ids1[0, -1])
@@ -397,6 +377,7 @@ def decode(say, target, draft, embed, head, ids, h_train):
 
 
 # ----------------------------------------------------------------------------- main
+@torch.no_grad()  # nothing here trains
 def main() -> str:
     """Print the walkthrough; return what was printed."""
     lines = []
@@ -411,11 +392,10 @@ def main() -> str:
     say(f"DFlash2 walkthrough: a Qwen3 target (4 layers, H {H}, V {V}), a DFlash2 draft")
     say(f"(2 layers, B {B}), both random and seeded")
     say("")
-    with torch.no_grad():
-        ids, loss_mask, feats = training_row(say, target)
-        anchors, queries, context = blocks(say, ids)
-        visibility(say, queries, context)
-        h_train = same_block_both_paths(say, draft, embed, ids, feats, anchors)
+    ids, loss_mask, feats = training_row(say, target)
+    anchors, queries, context = blocks(say, ids)
+    visibility(say, queries, context)
+    h_train = same_block_both_paths(say, draft, embed, ids, feats, anchors)
     convolution(say)
     selector(say)
     labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train)
