@@ -116,7 +116,7 @@ def training_row(say, target):
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, len(PROMPT) : len(PROMPT) + ANSWER] = 1
     _, feats = capture_features(target, LAYER_IDS, input_ids=ids)  # [1, S, n_t*H]
-    say("0. The target and one training row")
+    say("\n0. The target and one training row")
     say(f"  row x[0..{ids.shape[1] - 1}]  {row(ids[0].tolist())}")
     say(f"  loss_mask     {row(loss_mask[0].tolist())}")
     say("  x0 x1 the prompt; x2..x7 the target's own greedy answer; x8 x9 a next turn")
@@ -159,7 +159,6 @@ def visibility(say, queries, context):
     grid(say, full, rows, [C] + [C + b for b in in_block])
     say("  a causal layer (sliding layers by default, or is_causal: true), inside the blocks:")
     grid(say, causal[:, C:], rows, in_block)
-    return full
 
 
 def same_block_both_paths(say, draft, embed, ids, feats, anchors):
@@ -218,19 +217,14 @@ def selector_story():
     sel = CandidateSelector(
         hidden_size=2, vocab_size=len(WORDS), rank=1, top_k=2, initializer_range=0
     )
+    A, Bs = sel.predecessor_codebook, sel.successor_codebook  # [V, rank 1]
     with torch.no_grad():
         sel.hidden_projection.weight.copy_(torch.tensor([[1.0, 0.0]]))
-        for book, values in (
-            (sel.predecessor_codebook, {"York": 1.0, "Jersey": -0.5}),
-            (sel.successor_codebook, {"City": 1.0, "Devils": -1.0}),
-        ):
-            for x, v in values.items():
-                book[w[x], 0] = v
+        A[w["York"], 0], A[w["Jersey"], 0] = 1.0, -0.5
+        Bs[w["City"], 0], Bs[w["Devils"], 0] = 1.0, -1.0
     u = torch.full((1, 2, len(WORDS)), -2.0)  # [N, 2 slots, V] unary scores
-    unary = {(0, "York"): 2.0, (0, "Jersey"): 1.9}
-    unary |= {(1, "Devils"): 1.6, (1, "City"): 1.5, (1, "Times"): 1.2}
-    for (j, x), v in unary.items():
-        u[0, j, w[x]] = v
+    u[0, 0, w["York"]], u[0, 0, w["Jersey"]] = 2.0, 1.9
+    u[0, 1, w["Devils"]], u[0, 1, w["City"]], u[0, 1, w["Times"]] = 1.6, 1.5, 1.2
     h = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]])  # [N, 2, hidden]: P h = 1 at both slots
     return sel, h, u, torch.tensor([w["New"]])
 
@@ -255,7 +249,6 @@ def selector(say):
     say(f"  unary path (the argmax per slot): New {words(u.argmax(-1)[0].tolist())}")
     say(f"  the walk (the argmax after the previous pick): New {words(walk[0].tolist())}")
     story_tree(say, lattice, cand_ids, int(anchor))
-    return lattice, walk
 
 
 def story_tree(say, lattice, cand_ids, anchor):
@@ -279,12 +272,10 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     valid = torch.ones_like(anchors, dtype=torch.bool)
     labels, prev, w0 = loss.block_labels(ids, loss_mask, anchors, valid, B)  # [N, A, B-1]
     w = loss.exp_weights(w0, GAMMA)
-    guess = draft.unary_logits(h_train[:, :, 1:], lambda h: h @ head_w.t()).argmax(-1)
-    # ce with exponential decay, the selector's term at alpha 0
     out = loss.objective(
         draft, head_w, h_train, ids, loss_mask, anchors, valid, loss.LossConfig(gamma=GAMMA)
-    )  # alpha_t None: the selector's term is left out of the numerator
-    n, d = out.numerator, out.denominator
+    )  # ce with exponential decay; alpha_t None: the selector's term is left out
+    n, d, guess = out.numerator, out.denominator, out.slots.argmax
     say(f"\n6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
     for b, a in enumerate(ANCHORS):
         say(f"  block {b} (anchor {a}): slots 1..{B - 1} at positions {list(range(a + 1, a + B))}")
@@ -294,7 +285,6 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
         say(f"    w = w0 exp(-(j-1)/gamma) {row([f'{v:.3f}' for v in w[0, b].tolist()], 5)}")
         say(f"    the draft's argmax       {row(guess[0, b].tolist(), 5)}")
     say(f"  loss.objective, ce: sum w * -log q(label) / sum w = {n:.4f} / {d:.4f} = {n / d:.4f}")
-    return labels, w0, w
 
 
 # ----------------------------------------------------------------------------- 7: decoding
@@ -308,7 +298,7 @@ def prefill(target, draft, prompt):
 
 def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     """One greedy cycle from the last committed token: decoding.speculative_generate's steps,
-    called in its order, each printed -> (ids, tau, h of slots 1..B-1)."""
+    called in its order, each printed -> h of slots 1..B-1 [1, B-1, H]."""
     s = ids.shape[1] - 1  # the anchor's position
     # 1. draft: ONE forward of [anchor, M x (B-1)] at positions s..s+B-1, reading the context
     h, u = decoding.draft_scores(draft, embed, head, ctx, ids, B - 1)  # [1, B-1, H], [1, B-1, V]
@@ -327,10 +317,8 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     block = torch.cat([ids[:, -1:], d], dim=1)
     before = cache.get_seq_length()
     logits, feats = decoding.target_forward(target, cache, LAYER_IDS, block)  # row i: after d_i
-    say(
-        f"    verify  the target runs {block[0].tolist()}: cache {before} -> "
-        f"{cache.get_seq_length()} rows"
-    )
+    rows = f"cache {before} -> {cache.get_seq_length()} rows"
+    say(f"    verify  the target runs {block[0].tolist()}: {rows}")
     say(f"            its own next token after each: {logits.argmax(-1).tolist()}")
     # 4. accept the longest agreeing prefix, then the target's own next token (the bonus)
     a, bonus = decoding.accept(logits, d[0], q, temperature=0.0)
@@ -343,9 +331,9 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     rows = ctx.pos.shape[1]
     say(f"    context + the features of positions {s}..{s + a}: {rows} draft context rows")
     ids, _ = decoding.commit(ids, d[0, :a].tolist() + [bonus], len(PROMPT), ANSWER, stop_ids=())
-    new, tau = ids[0, s + 1 :].tolist(), a + 1
-    say(f"    commit  {new}: tau = {tau}; the next anchor is x{s + a + 1} = {new[-1]}")
-    return ids, tau, h
+    new = ids[0, s + 1 :].tolist()
+    say(f"    commit  {new}: tau = {a + 1}; the next anchor is x{s + a + 1} = {new[-1]}")
+    return h
 
 
 def decode(say, target, draft, embed, head, ids, h_train):
@@ -353,27 +341,23 @@ def decode(say, target, draft, embed, head, ids, h_train):
     answer = ids[0, len(PROMPT) : len(PROMPT) + ANSWER].tolist()
     say("\n7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
     say(f"  prompt {PROMPT}; the target's greedy answer (decoding.target_generate): {answer}")
-    cache, ctx, ids1 = prefill(target, draft, prompt)
-    first = int(ids1[0, -1])
+    cache, ctx, ids = prefill(target, draft, prompt)
+    first = int(ids[0, -1])
     rows = cache.get_seq_length()
     say(f"  prefill: the target runs the prompt once -> its cache ({rows} rows), the")
     say(f"  draft's context rows 0..{len(PROMPT) - 1} (its features), the first token {first}")
     say("  cycle 1, the random draft:")
-    ids1, tau, h = cycle(say, target, draft, embed, head, cache, ctx, ids1)
-    diff = (h[0] - h_train[0, 0, 1:]).abs().max()
-    say(
-        f"    (h is training block 0's, anchor {ANCHORS[0]}, slots 1..{B - 1}: max |difference| "
-        f"{diff:.1e})"
-    )
+    h = cycle(say, target, draft, embed, head, cache, ctx, ids)
+    same = f"training block 0's, anchor {ANCHORS[0]}, slots 1..{B - 1}"
+    say(f"    (h is {same}: max |difference| {(h[0] - h_train[0, 0, 1:]).abs().max():.1e})")
     script = answer[1:3] + [(answer[3] + 1) % V]  # right at slots 1 and 2, wrong at slot 3
-    cache, ctx, ids2 = prefill(target, draft, prompt)
+    cache, ctx, ids = prefill(target, draft, prompt)
     say("  cycle 1 again, a scripted draft right at slots 1 and 2, wrong at slot 3:")
-    ids2, tau2, _ = cycle(say, target, draft, embed, head, cache, ctx, ids2, script)
+    cycle(say, target, draft, embed, head, cache, ctx, ids, script)
     out, taus = decoding.speculative_generate(target, draft, prompt, ANSWER)
     new = out[0, len(PROMPT) :].tolist()
     say("  the whole answer, decoding.speculative_generate with the random draft:")
     say(f"    {new}, taus {taus}; the target's own answer: {new == answer}")
-    return ids1, tau, ids2, tau2, out, taus
 
 
 # ----------------------------------------------------------------------------- main
@@ -391,7 +375,6 @@ def main() -> str:
     embed, head = target_io(target)
     say(f"DFlash2 walkthrough: a Qwen3 target (4 layers, H {H}, V {V}), a DFlash2 draft")
     say(f"(2 layers, B {B}), both random and seeded")
-    say("")
     ids, loss_mask, feats = training_row(say, target)
     anchors, queries, context = blocks(say, ids)
     visibility(say, queries, context)
