@@ -39,12 +39,7 @@ GAMMA = 2.0  # the position weights' decay (loss.DEFAULT_GAMMA has none for B = 
 WORDS = ["New", "York", "Jersey", "City", "Devils", "Times"]  # the selector story's vocabulary
 # the target's and the draft's layer shapes
 SHAPE = dict(
-    hidden_size=H,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
+    hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8
 )
 
 
@@ -128,19 +123,16 @@ def blocks(say, ids):
     S = ids.shape[1]
     positions, docs = torch.arange(S)[None], torch.zeros(1, S, dtype=torch.long)  # [1, S]
     anchors = torch.tensor([ANCHORS])  # [1, A]
-    block_ids, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
-        ids, anchors, B, MASK, positions, docs
-    )  # each [1, A*B]
+    made = model.anchored_blocks(ids, anchors, B, MASK, positions, docs)  # each [1, A*B]
+    block_ids, q_pos, q_anchor, q_block, q_doc = made
     Q = q_pos.shape[1]
     say(
         f"\n1. Anchored blocks (model.anchored_blocks): anchors {ANCHORS}, B = {B}, M = mask {MASK}"
     )
     say(f"  slot       {row([i % B for i in range(Q)])}")
     say(f"  block      {row([f'x{q_pos[0, i]}' if i % B == 0 else 'M' for i in range(Q)])}")
-    say(f"  block_ids  {row(block_ids[0].tolist())}")
-    say(f"  q_pos      {row(q_pos[0].tolist())}")
-    say(f"  q_anchor   {row(q_anchor[0].tolist())}")
-    say(f"  q_block    {row(q_block[0].tolist())}")
+    for name, values in zip(["block_ids", "q_pos", "q_anchor", "q_block"], made):
+        say(f"  {name:<9}  {row(values[0].tolist())}")
     return anchors, (q_anchor, q_pos, q_block, q_doc), (positions, docs)
 
 
@@ -300,12 +292,10 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     """One greedy cycle from the last committed token: decoding.speculative_generate's steps,
     called in its order, each printed -> h of slots 1..B-1 [1, B-1, H]."""
     s = ids.shape[1] - 1  # the anchor's position
-    # 1. draft: ONE forward of [anchor, M x (B-1)] at positions s..s+B-1, reading the context
     h, u = decoding.draft_scores(draft, embed, head, ctx, ids, B - 1)  # [1, B-1, H], [1, B-1, V]
     say(f"    draft   [x{s} M M M] at positions {s}..{s + B - 1}, {ctx.pos.shape[1]} context rows")
     unary = u[0].argmax(-1).tolist()
     say(f"            -> h {list(h.shape)} of slots 1..{B - 1}; their unary argmax: {unary}")
-    # 2. walk: the selector's path through its top-K lattice
     d, q = decoding.draft_proposal(draft, h, u, ids)  # [1, B-1]; q: None (greedy)
     departs = [j + 1 for j, (x, y) in enumerate(zip(d[0].tolist(), unary)) if x != y]
     where = f"departs from it at slot(s) {departs}" if departs else "the unary path here"
@@ -313,20 +303,18 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     if scripted is not None:
         d = torch.tensor([scripted])
         say(f"            replaced by the script: {scripted}")
-    # 3. verify: ONE target forward over [anchor, d_1..d_{B-1}] after the cached rows
     block = torch.cat([ids[:, -1:], d], dim=1)
     before = cache.get_seq_length()
     logits, feats = decoding.target_forward(target, cache, LAYER_IDS, block)  # row i: after d_i
-    rows = f"cache {before} -> {cache.get_seq_length()} rows"
-    say(f"    verify  the target runs {block[0].tolist()}: {rows}")
+    grew = f"cache {before} -> {cache.get_seq_length()} rows"
+    say(f"    verify  the target runs {block[0].tolist()}: {grew}")
     say(f"            its own next token after each: {logits.argmax(-1).tolist()}")
-    # 4. accept the longest agreeing prefix, then the target's own next token (the bonus)
+    # accept the longest agreeing prefix, then the target's own next token (the bonus)
     a, bonus = decoding.accept(logits, d[0], q, temperature=0.0)
     say(f"    accept  {a} draft(s) {d[0, :a].tolist()}, then the bonus {bonus}")
-    # 5. crop the target's cache to the anchor and the accepted drafts
     crop(cache, s + a + 1)
     say(f"    crop    the cache keeps positions 0..{s + a}: {cache.get_seq_length()} rows")
-    # 6. the verify computed their features already: they become draft context
+    # the verify computed their features already: they become draft context
     decoding.extend_context(draft, ctx, feats[:, : a + 1], s)
     rows = ctx.pos.shape[1]
     say(f"    context + the features of positions {s}..{s + a}: {rows} draft context rows")
@@ -342,10 +330,9 @@ def decode(say, target, draft, embed, head, ids, h_train):
     say("\n7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
     say(f"  prompt {PROMPT}; the target's greedy answer (decoding.target_generate): {answer}")
     cache, ctx, ids = prefill(target, draft, prompt)
-    first = int(ids[0, -1])
     rows = cache.get_seq_length()
     say(f"  prefill: the target runs the prompt once -> its cache ({rows} rows), the")
-    say(f"  draft's context rows 0..{len(PROMPT) - 1} (its features), the first token {first}")
+    say(f"  draft's context rows 0..{len(PROMPT) - 1} (its features), the first token {ids[0, -1]}")
     say("  cycle 1, the random draft:")
     h = cycle(say, target, draft, embed, head, cache, ctx, ids)
     same = f"training block 0's, anchor {ANCHORS[0]}, slots 1..{B - 1}"
