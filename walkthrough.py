@@ -25,8 +25,6 @@ import loss
 import model
 import tree
 from conv import GroupedDynamicCausalConv
-from decoding import crop
-from model import DraftConfig, capture_features
 from selector import CandidateSelector, top_k_candidates
 
 V, H, B, MASK = 32, 32, 4, 31  # vocabulary, hidden size, block size, mask_token_id
@@ -53,7 +51,7 @@ def tiny_target():
 
 def tiny_draft():
     torch.manual_seed(1)
-    c = DraftConfig(
+    c = model.DraftConfig(
         **SHAPE,
         num_hidden_layers=2,
         vocab_size=V,
@@ -110,7 +108,7 @@ def training_row(say, target):
     ids = torch.cat([answer, torch.tensor([NEXT_TURN])], dim=1)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, len(PROMPT) : len(PROMPT) + ANSWER] = 1
-    _, feats = capture_features(target, LAYER_IDS, input_ids=ids)  # [1, S, n_t*H]
+    _, feats = model.capture_features(target, LAYER_IDS, input_ids=ids)  # [1, S, n_t*H]
     say("\n0. The target and one training row")
     say(f"  row x[0..{ids.shape[1] - 1}]  {row(ids[0].tolist())}")
     say(f"  loss_mask     {row(loss_mask[0].tolist())}")
@@ -312,7 +310,7 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     # accept the longest agreeing prefix, then the target's own next token (the bonus)
     a, bonus = decoding.accept(logits, d[0], q, temperature=0.0)
     say(f"    accept  {a} draft(s) {d[0, :a].tolist()}, then the bonus {bonus}")
-    crop(cache, s + a + 1)
+    decoding.crop(cache, s + a + 1)
     say(f"    crop    the cache keeps positions 0..{s + a}: {cache.get_seq_length()} rows")
     # the verify computed their features already: they become draft context
     decoding.extend_context(draft, ctx, feats[:, : a + 1], s)
