@@ -25,8 +25,6 @@ import loss
 import model
 import tree
 from conv import GroupedDynamicCausalConv
-from decoding import crop
-from model import DraftConfig, capture_features
 from selector import CandidateSelector, top_k_candidates
 
 V, H, B, MASK = 32, 32, 4, 31  # vocabulary, hidden size, block size, mask_token_id
@@ -39,12 +37,7 @@ GAMMA = 2.0  # the position weights' decay (loss.DEFAULT_GAMMA has none for B = 
 WORDS = ["New", "York", "Jersey", "City", "Devils", "Times"]  # the selector story's vocabulary
 # the target's and the draft's layer shapes
 SHAPE = dict(
-    hidden_size=H,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
+    hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8
 )
 
 
@@ -58,7 +51,7 @@ def tiny_target():
 
 def tiny_draft():
     torch.manual_seed(1)
-    c = DraftConfig(
+    c = model.DraftConfig(
         **SHAPE,
         num_hidden_layers=2,
         vocab_size=V,
@@ -91,30 +84,16 @@ def target_io(target):
     return target.get_input_embeddings(), lambda h: h @ w.t()
 
 
-@torch.no_grad()
-def the_row(target):
-    """One training row: the prompt, the target's greedy answer to it, the start of a next turn ->
-    ids [1, S], loss_mask [1, S] (1 on the answer)."""
-    prompt = torch.tensor([PROMPT])
-    answer, _ = decoding.target_generate(target, prompt, ANSWER)  # [1, P + ANSWER]
-    ids = torch.cat([answer, torch.tensor([NEXT_TURN])], dim=1)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, len(PROMPT) : len(PROMPT) + ANSWER] = 1
-    return ids, loss_mask
-
-
 # ----------------------------------------------------------------------------- printing
 def row(values, width=3) -> str:
     return " ".join(f"{v:>{width}}" for v in values)
 
 
-def grid(allowed, row_names, splits=()) -> list:
+def grid(say, allowed, row_names, splits=()):
     """A boolean [R, C] tensor as lines of '#' (may read) and '.', a '|' before columns splits."""
-    lines = []
     for name, r in zip(row_names, allowed.tolist()):
         cells = "".join(("| " if j in splits else "") + "#."[not v] + " " for j, v in enumerate(r))
-        lines.append(f"  {name}  {cells.rstrip()}")
-    return lines
+        say(f"  {name}  {cells.rstrip()}")
 
 
 def words(tokens) -> str:
@@ -123,9 +102,14 @@ def words(tokens) -> str:
 
 # ----------------------------------------------------------------------------- 0-3: row and blocks
 def training_row(say, target):
-    ids, loss_mask = the_row(target)
-    _, feats = capture_features(target, LAYER_IDS, input_ids=ids)  # [1, S, n_t*H]
-    say("0. The target and one training row")
+    """The prompt, the target's greedy answer to it, the start of a next turn -> ids [1, S],
+    loss_mask [1, S] (1 on the answer), the target's features [1, S, n_t*H]."""
+    answer, _ = decoding.target_generate(target, torch.tensor([PROMPT]), ANSWER)  # [1, P + ANSWER]
+    ids = torch.cat([answer, torch.tensor([NEXT_TURN])], dim=1)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, len(PROMPT) : len(PROMPT) + ANSWER] = 1
+    _, feats = model.capture_features(target, LAYER_IDS, input_ids=ids)  # [1, S, n_t*H]
+    say("\n0. The target and one training row")
     say(f"  row x[0..{ids.shape[1] - 1}]  {row(ids[0].tolist())}")
     say(f"  loss_mask     {row(loss_mask[0].tolist())}")
     say("  x0 x1 the prompt; x2..x7 the target's own greedy answer; x8 x9 a next turn")
@@ -137,18 +121,16 @@ def blocks(say, ids):
     S = ids.shape[1]
     positions, docs = torch.arange(S)[None], torch.zeros(1, S, dtype=torch.long)  # [1, S]
     anchors = torch.tensor([ANCHORS])  # [1, A]
-    block_ids, q_pos, q_anchor, q_block, q_doc = model.anchored_blocks(
-        ids, anchors, B, MASK, positions, docs
-    )  # each [1, A*B]
+    made = model.anchored_blocks(ids, anchors, B, MASK, positions, docs)  # each [1, A*B]
+    block_ids, q_pos, q_anchor, q_block, q_doc = made
     Q = q_pos.shape[1]
-    say("")
-    say(f"1. Anchored blocks (model.anchored_blocks): anchors {ANCHORS}, B = {B}, M = mask {MASK}")
+    say(
+        f"\n1. Anchored blocks (model.anchored_blocks): anchors {ANCHORS}, B = {B}, M = mask {MASK}"
+    )
     say(f"  slot       {row([i % B for i in range(Q)])}")
     say(f"  block      {row([f'x{q_pos[0, i]}' if i % B == 0 else 'M' for i in range(Q)])}")
-    say(f"  block_ids  {row(block_ids[0].tolist())}")
-    say(f"  q_pos      {row(q_pos[0].tolist())}")
-    say(f"  q_anchor   {row(q_anchor[0].tolist())}")
-    say(f"  q_block    {row(q_block[0].tolist())}")
+    for name, values in zip(["block_ids", "q_pos", "q_anchor", "q_block"], made):
+        say(f"  {name:<9}  {row(values[0].tolist())}")
     return anchors, (q_anchor, q_pos, q_block, q_doc), (positions, docs)
 
 
@@ -160,17 +142,13 @@ def visibility(say, queries, context):
     causal = attention.block_attention_mask(queries, keys, causal=True)[0, 0]
     rows = [f"b{q_block[0, i]} s{i % B} pos {q_pos[0, i]}" for i in range(Q)]
     in_block = [b * B for b in range(1, Q // B)]
-    say("")
-    say(f"2. Who sees what (attention.block_attention_mask): [Q, C + Q] = {list(full.shape)}")
+    say(f"\n2. Who sees what (attention.block_attention_mask): [Q, C + Q] = {list(full.shape)}")
     say(f"  keys: {C} context rows (the target's features at positions 0..{C - 1}), then the")
     say(f"  block rows at positions {row(keys[0][0, C:].tolist(), 1)}. A full-attention layer:")
     say(f"  {'key position':>13}  {' '.join(str(p % 10) for p in range(C))}")
-    for line in grid(full, rows, [C] + [C + b for b in in_block]):
-        say(line)
+    grid(say, full, rows, [C] + [C + b for b in in_block])
     say("  a causal layer (sliding layers by default, or is_causal: true), inside the blocks:")
-    for line in grid(causal[:, C:], rows, in_block):
-        say(line)
-    return full
+    grid(say, causal[:, C:], rows, in_block)
 
 
 def same_block_both_paths(say, draft, embed, ids, feats, anchors):
@@ -181,8 +159,7 @@ def same_block_both_paths(say, draft, embed, ids, feats, anchors):
     cache.append(draft, feats[:, :a], torch.arange(a)[None])  # what serving at anchor a has seen
     h_inf = model.forward_inference(draft, embed, cache, ids[:, a], torch.tensor([a]))  # [1, B, H]
     diff = (h_train[0, 1] - h_inf[0]).abs().max()
-    say("")
-    say("3. Training path == inference path (model.forward_training, model.forward_inference)")
+    say("\n3. Training path == inference path (model.forward_training, model.forward_inference)")
     say(f"  forward_training: both blocks in one pass -> h {list(h_train.shape)} [N, A, B, H]")
     say(f"  forward_inference: block 1 alone against a ContextCache of rows 0..{a - 1}")
     say(f"  -> h {list(h_inf.shape)}; max |difference| from training block 1: {diff:.1e}")
@@ -190,7 +167,6 @@ def same_block_both_paths(say, draft, embed, ids, feats, anchors):
 
 
 # ----------------------------------------------------------------------------- 4: the convolution
-@torch.no_grad()
 def convolution(say):
     torch.manual_seed(2)
     T, Hc, G = 3, 4, 2
@@ -204,14 +180,14 @@ def convolution(say):
     reads = conv.convolve(pulses, k[0].expand(2 * B, -1, -1, -1)).ne(0).any(-1).T  # [out, in]
     lin = torch.nn.Linear(Hc, Hc)
     identity = torch.equal(GroupedDynamicCausalConv(Hc, T, G, B)(a, lin), lin(a))
-    say("")
-    say(f"4. The convolution (conv.GroupedDynamicCausalConv): T = {T}, B = {B}, H = {Hc}, G = {G}")
+    say(
+        f"\n4. The convolution (conv.GroupedDynamicCausalConv): T = {T}, B = {B}, H = {Hc}, G = {G}"
+    )
     say(f"  base_kernel {list(conv.base_kernel.shape)} [pre/post, T, H]; the per-row kernels")
     say(f"  {list(k.shape)} [side, N, rows, T, H]. Which input rows each output row reads:")
     ins = " ".join(str(r) for r in range(B)) + " | " + " ".join(str(r) for r in range(B, 2 * B))
     say(f"  {'in row':>11}  {ins}")
-    for line in grid(reads, [f"b{i // B} s{i % B} row {i}" for i in range(2 * B)], [B]):
-        say(line)
+    grid(say, reads, [f"b{i // B} s{i % B} row {i}" for i in range(2 * B)], [B])
     say(f"  row {B} (block 1, slot 0) never reads row {B - 1} (block 0): no tap crosses a block")
     i = B + 1
     say(f"  row {i}'s pre kernel, beta[t] + d[{i}, t, c // G], one value per channel c:")
@@ -231,32 +207,25 @@ def selector_story():
     sel = CandidateSelector(
         hidden_size=2, vocab_size=len(WORDS), rank=1, top_k=2, initializer_range=0
     )
+    A, Bs = sel.predecessor_codebook, sel.successor_codebook  # [V, rank 1]
     with torch.no_grad():
         sel.hidden_projection.weight.copy_(torch.tensor([[1.0, 0.0]]))
-        for book, values in (
-            (sel.predecessor_codebook, {"York": 1.0, "Jersey": -0.5}),
-            (sel.successor_codebook, {"City": 1.0, "Devils": -1.0}),
-        ):
-            for x, v in values.items():
-                book[w[x], 0] = v
+        A[w["York"], 0], A[w["Jersey"], 0] = 1.0, -0.5
+        Bs[w["City"], 0], Bs[w["Devils"], 0] = 1.0, -1.0
     u = torch.full((1, 2, len(WORDS)), -2.0)  # [N, 2 slots, V] unary scores
-    unary = {(0, "York"): 2.0, (0, "Jersey"): 1.9}
-    unary |= {(1, "Devils"): 1.6, (1, "City"): 1.5, (1, "Times"): 1.2}
-    for (j, x), v in unary.items():
-        u[0, j, w[x]] = v
+    u[0, 0, w["York"]], u[0, 0, w["Jersey"]] = 2.0, 1.9
+    u[0, 1, w["Devils"]], u[0, 1, w["City"]], u[0, 1, w["Times"]] = 1.6, 1.5, 1.2
     h = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]])  # [N, 2, hidden]: P h = 1 at both slots
     return sel, h, u, torch.tensor([w["New"]])
 
 
-@torch.no_grad()
 def selector(say):
     sel, h, u, anchor = selector_story()
     cand_scores, cand_ids = top_k_candidates(u, sel.top_k)  # [1, 2, K]
     lattice = sel.lattice(h, anchor, cand_ids, cand_scores)  # [1, 2, K, K]
     walk, _ = sel.walk(lattice, cand_ids)  # [1, 2]
     c1, c2 = cand_ids[0].tolist()
-    say("")
-    say('5. The selector (selector.CandidateSelector, K = 2, rank 1), anchor "New"')
+    say('\n5. The selector (selector.CandidateSelector, K = 2, rank 1), anchor "New"')
     for j in range(2):
         top = zip(cand_ids[0, j].tolist(), cand_scores[0, j].tolist())
         say(f"  slot {j + 1}: unary top 2: " + ", ".join(f"{WORDS[c]} {s:.1f}" for c, s in top))
@@ -270,7 +239,6 @@ def selector(say):
     say(f"  unary path (the argmax per slot): New {words(u.argmax(-1)[0].tolist())}")
     say(f"  the walk (the argmax after the previous pick): New {words(walk[0].tolist())}")
     story_tree(say, lattice, cand_ids, int(anchor))
-    return lattice, walk
 
 
 def story_tree(say, lattice, cand_ids, anchor):
@@ -284,26 +252,21 @@ def story_tree(say, lattice, cand_ids, anchor):
     for i, (tok, parent, depth) in enumerate(zip(t.tokens, t.parents, t.depths)):
         say(f"    node {i}: {'  ' * depth}{WORDS[tok]:<7} depth {depth}, parent {parent}")
     say("  its ancestor mask (Tree.ancestors), node i (row) sees node j (column):")
-    for line in grid(t.ancestors(), [f"node {i} {WORDS[x]:<6}" for i, x in enumerate(t.tokens)]):
-        say(line)
+    grid(say, t.ancestors(), [f"node {i} {WORDS[x]:<6}" for i, x in enumerate(t.tokens)])
     return t
 
 
 # ----------------------------------------------------------------------------- 6: the objective
-@torch.no_grad()
 def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
     head_w = target.get_output_embeddings().weight  # [V, H]
     valid = torch.ones_like(anchors, dtype=torch.bool)
     labels, prev, w0 = loss.block_labels(ids, loss_mask, anchors, valid, B)  # [N, A, B-1]
     w = loss.exp_weights(w0, GAMMA)
-    guess = draft.unary_logits(h_train[:, :, 1:], lambda h: h @ head_w.t()).argmax(-1)
-    # ce with exponential decay, the selector's term at alpha 0
     out = loss.objective(
         draft, head_w, h_train, ids, loss_mask, anchors, valid, loss.LossConfig(gamma=GAMMA)
-    )  # alpha_t None: the selector's term is left out of the numerator
-    n, d = out.numerator, out.denominator
-    say("")
-    say(f"6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
+    )  # ce with exponential decay; alpha_t None: the selector's term is left out
+    n, d, guess = out.numerator, out.denominator, out.slots.argmax
+    say(f"\n6. The objective (loss.block_labels, loss.exp_weights, gamma = {GAMMA})")
     for b, a in enumerate(ANCHORS):
         say(f"  block {b} (anchor {a}): slots 1..{B - 1} at positions {list(range(a + 1, a + B))}")
         say(f"    labels x[a+j]            {row(labels[0, b].tolist(), 5)}")
@@ -312,7 +275,6 @@ def labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train):
         say(f"    w = w0 exp(-(j-1)/gamma) {row([f'{v:.3f}' for v in w[0, b].tolist()], 5)}")
         say(f"    the draft's argmax       {row(guess[0, b].tolist(), 5)}")
     say(f"  loss.objective, ce: sum w * -log q(label) / sum w = {n:.4f} / {d:.4f} = {n / d:.4f}")
-    return labels, w0, w
 
 
 # ----------------------------------------------------------------------------- 7: decoding
@@ -326,14 +288,12 @@ def prefill(target, draft, prompt):
 
 def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     """One greedy cycle from the last committed token: decoding.speculative_generate's steps,
-    called in its order, each printed -> (ids, tau, h of slots 1..B-1)."""
+    called in its order, each printed -> h of slots 1..B-1 [1, B-1, H]."""
     s = ids.shape[1] - 1  # the anchor's position
-    # 1. draft: ONE forward of [anchor, M x (B-1)] at positions s..s+B-1, reading the context
     h, u = decoding.draft_scores(draft, embed, head, ctx, ids, B - 1)  # [1, B-1, H], [1, B-1, V]
     say(f"    draft   [x{s} M M M] at positions {s}..{s + B - 1}, {ctx.pos.shape[1]} context rows")
     unary = u[0].argmax(-1).tolist()
     say(f"            -> h {list(h.shape)} of slots 1..{B - 1}; their unary argmax: {unary}")
-    # 2. walk: the selector's path through its top-K lattice
     d, q = decoding.draft_proposal(draft, h, u, ids)  # [1, B-1]; q: None (greedy)
     departs = [j + 1 for j, (x, y) in enumerate(zip(d[0].tolist(), unary)) if x != y]
     where = f"departs from it at slot(s) {departs}" if departs else "the unary path here"
@@ -341,62 +301,52 @@ def cycle(say, target, draft, embed, head, cache, ctx, ids, scripted=None):
     if scripted is not None:
         d = torch.tensor([scripted])
         say(f"            replaced by the script: {scripted}")
-    # 3. verify: ONE target forward over [anchor, d_1..d_{B-1}] after the cached rows
     block = torch.cat([ids[:, -1:], d], dim=1)
     before = cache.get_seq_length()
     logits, feats = decoding.target_forward(target, cache, LAYER_IDS, block)  # row i: after d_i
-    say(
-        f"    verify  the target runs {block[0].tolist()}: cache {before} -> "
-        f"{cache.get_seq_length()} rows"
-    )
+    grew = f"cache {before} -> {cache.get_seq_length()} rows"
+    say(f"    verify  the target runs {block[0].tolist()}: {grew}")
     say(f"            its own next token after each: {logits.argmax(-1).tolist()}")
-    # 4. accept the longest agreeing prefix, then the target's own next token (the bonus)
+    # accept the longest agreeing prefix, then the target's own next token (the bonus)
     a, bonus = decoding.accept(logits, d[0], q, temperature=0.0)
     say(f"    accept  {a} draft(s) {d[0, :a].tolist()}, then the bonus {bonus}")
-    # 5. crop the target's cache to the anchor and the accepted drafts
-    crop(cache, s + a + 1)
+    decoding.crop(cache, s + a + 1)
     say(f"    crop    the cache keeps positions 0..{s + a}: {cache.get_seq_length()} rows")
-    # 6. the verify computed their features already: they become draft context
+    # the verify computed their features already: they become draft context
     decoding.extend_context(draft, ctx, feats[:, : a + 1], s)
     rows = ctx.pos.shape[1]
     say(f"    context + the features of positions {s}..{s + a}: {rows} draft context rows")
     ids, _ = decoding.commit(ids, d[0, :a].tolist() + [bonus], len(PROMPT), ANSWER, stop_ids=())
-    new, tau = ids[0, s + 1 :].tolist(), a + 1
-    say(f"    commit  {new}: tau = {tau}; the next anchor is x{s + a + 1} = {new[-1]}")
-    return ids, tau, h
+    new = ids[0, s + 1 :].tolist()
+    say(f"    commit  {new}: tau = {a + 1}; the next anchor is x{s + a + 1} = {new[-1]}")
+    return h
 
 
-@torch.no_grad()
 def decode(say, target, draft, embed, head, ids, h_train):
     prompt = ids[:, : len(PROMPT)]
     answer = ids[0, len(PROMPT) : len(PROMPT) + ANSWER].tolist()
-    say("")
-    say("7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
+    say("\n7. One decoding cycle, greedy: decoding.py's steps, in speculative_generate's order")
     say(f"  prompt {PROMPT}; the target's greedy answer (decoding.target_generate): {answer}")
-    cache, ctx, ids1 = prefill(target, draft, prompt)
-    first = int(ids1[0, -1])
+    cache, ctx, ids = prefill(target, draft, prompt)
     rows = cache.get_seq_length()
     say(f"  prefill: the target runs the prompt once -> its cache ({rows} rows), the")
-    say(f"  draft's context rows 0..{len(PROMPT) - 1} (its features), the first token {first}")
+    say(f"  draft's context rows 0..{len(PROMPT) - 1} (its features), the first token {ids[0, -1]}")
     say("  cycle 1, the random draft:")
-    ids1, tau, h = cycle(say, target, draft, embed, head, cache, ctx, ids1)
-    diff = (h[0] - h_train[0, 0, 1:]).abs().max()
-    say(
-        f"    (h is training block 0's, anchor {ANCHORS[0]}, slots 1..{B - 1}: max |difference| "
-        f"{diff:.1e})"
-    )
+    h = cycle(say, target, draft, embed, head, cache, ctx, ids)
+    same = f"training block 0's, anchor {ANCHORS[0]}, slots 1..{B - 1}"
+    say(f"    (h is {same}: max |difference| {(h[0] - h_train[0, 0, 1:]).abs().max():.1e})")
     script = answer[1:3] + [(answer[3] + 1) % V]  # right at slots 1 and 2, wrong at slot 3
-    cache, ctx, ids2 = prefill(target, draft, prompt)
+    cache, ctx, ids = prefill(target, draft, prompt)
     say("  cycle 1 again, a scripted draft right at slots 1 and 2, wrong at slot 3:")
-    ids2, tau2, _ = cycle(say, target, draft, embed, head, cache, ctx, ids2, script)
+    cycle(say, target, draft, embed, head, cache, ctx, ids, script)
     out, taus = decoding.speculative_generate(target, draft, prompt, ANSWER)
     new = out[0, len(PROMPT) :].tolist()
     say("  the whole answer, decoding.speculative_generate with the random draft:")
     say(f"    {new}, taus {taus}; the target's own answer: {new == answer}")
-    return ids1, tau, ids2, tau2, out, taus
 
 
 # ----------------------------------------------------------------------------- main
+@torch.no_grad()  # nothing here trains
 def main() -> str:
     """Print the walkthrough; return what was printed."""
     lines = []
@@ -410,12 +360,10 @@ def main() -> str:
     embed, head = target_io(target)
     say(f"DFlash2 walkthrough: a Qwen3 target (4 layers, H {H}, V {V}), a DFlash2 draft")
     say(f"(2 layers, B {B}), both random and seeded")
-    say("")
-    with torch.no_grad():
-        ids, loss_mask, feats = training_row(say, target)
-        anchors, queries, context = blocks(say, ids)
-        visibility(say, queries, context)
-        h_train = same_block_both_paths(say, draft, embed, ids, feats, anchors)
+    ids, loss_mask, feats = training_row(say, target)
+    anchors, queries, context = blocks(say, ids)
+    visibility(say, queries, context)
+    h_train = same_block_both_paths(say, draft, embed, ids, feats, anchors)
     convolution(say)
     selector(say)
     labels_and_weights(say, draft, target, ids, loss_mask, anchors, h_train)
