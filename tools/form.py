@@ -364,15 +364,16 @@ def test_the_maps_name_what_is_there():
 
 
 # The weight is a decision, not a drift: each part's non-test Python (this file is a test), in
-# lines, stays under its budget, set to what is left (issue 71). A change that needs more raises the
-# budget in the same commit and says why.
+# lines, stays under its budget: what is left (issue 71) and a little room, at the top level for a
+# learner's variant or two. A change that needs more raises the budget in the same commit and says
+# why.
 LINE_BUDGET = {
-    ".": 3600,
-    "prompts": 310,
-    "support": 2850,
-    "compat": 680,
-    "speed": 960,
-    "tools": 2250,
+    ".": 3300,
+    "prompts": 295,
+    "support": 2720,
+    "compat": 630,
+    "speed": 830,
+    "tools": 1850,
 }
 
 
