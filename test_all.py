@@ -2046,14 +2046,9 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
     ]
     ids, mask = conversations.tokenize_conversation(tok, conv, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
+    # its default system prompt and the role headers stay out
+    assert tok.decode(ids).startswith("<|im_start|>system\n")
     assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
-    runs = masked_runs(mask)
-    assert len(runs) == 2
-    for start, end in runs:
-        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-        assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
-    # default system prompt, unmasked
-    assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
     # the same turns as preformatted text (SpecForge's {"text"}): the very ids and mask
     text = tok.apply_chat_template(conv, tokenize=False)
     ids_text, mask_text = conversations.tokenize_conversation(tok, {"text": text}, 512)
@@ -2240,8 +2235,7 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
 
 # ---------------------------------------------------------------------------- packed rows
 def test_plan_rows_by_hand():
-    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2
-    # fit
+    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9, too long for any row, gets its own; 2+2 fit
     assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
 
 
@@ -2313,20 +2307,16 @@ def test_online_target_reads_packed_documents_apart(setup):
     assert packed["features"][1, 9:].abs().max() == 0  # row 1's padding
 
 
-def test_pack_flag_trains_offline_and_online(setup, tmp_path):
+def test_pack_flag_takes_a_step_a_row(setup, tmp_path):
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)  # lengths 34 to 58
     # rows of several conversations
     assert len(rows) < 8 and max(len(r) for r in rows) > 1
     pack = ["--pack", "--max-length", "100", "--log-interval", "1"]
     # 10 sequences, 2 held out; one epoch = one step per row
-    run(setup, tmp_path / "off", *pack, "--eval-fraction", "0.2")
-    assert len(train_losses(tmp_path / "off")) == len(rows)
-    online = ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
-    run(setup, tmp_path / "on", *pack, "--max-steps", "2", *online)
-    assert all(
-        math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on")
-    )
+    run(setup, tmp_path, *pack, "--eval-fraction", "0.2")
+    losses = train_losses(tmp_path)
+    assert len(losses) == len(rows) and all(math.isfinite(x) for x in losses)
 
 
 # ============================================================================ train.py
@@ -2384,8 +2374,7 @@ def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
 
 
 def test_num_samples_takes_the_first_sequences(setup, tmp_path):
-    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8
-    # steps
+    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs, 8 steps
     argv = ["--num-samples", "4", "--eval-fraction", "0.3", "--epochs", "2", "--log-interval", "1"]
     run(setup, tmp_path, *argv)
     assert train_losses(tmp_path, "step") == list(range(1, 9))
@@ -2433,8 +2422,6 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
     stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
     final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
-    assert stats["block_size"] == 4 and stats["step"] == 4
-    assert not any(k.startswith("accepted_at") for k in final)
     for mode in ("selector", "unary"):
         r = stats[mode]["accepted"]
         assert len(r) == 3 and r == sorted(r, reverse=True)
@@ -2868,7 +2855,6 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
     compile_s = train_losses(tmp_path / "c", "compile_s")
     assert [b > a for a, b in zip([0.0, *compile_s], compile_s)] == new_bucket
-    assert all("compile_s" not in r for r in log_records(tmp_path / "e" / "log.jsonl"))
     torch._dynamo.reset()
     monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
     with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
@@ -4212,33 +4198,24 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
 
 @pytest.mark.parametrize("B", [2, 5])
 def test_verify_tokens_sends_the_first_k_drafts(B):
-    """A path of k <= B-1 drafts: greedy stays lossless at every k; always-right drafts give tau k +
-    1 each cycle; k = B-1 is the default, today's behaviour, exactly."""
+    """A path of k <= B-1 drafts: always-right drafts give tau k + 1 each cycle (k sent, all
+    accepted) and the target's greedy output (real drafts: the test below)."""
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 30 + B)
+    right = scripted_proposer(ref, lambda L: None)
     for k in range(1, B):
-        sent = []
-
-        def recording(draft, h, u, ids, *rest):
-            d, q = scripted_proposer(ref, lambda L: None)(draft, h, u, ids, *rest)
-            sent.append(d.shape[1])
-            return d, q
-
-        out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=recording)
-        assert torch.equal(out, ref[:, : p.shape[1] + 30]) and set(sent) == {k}
-        assert st.taus == [k + 1] * len(st.taus)
-        out, _ = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
+        out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=right)
         assert torch.equal(out, ref[:, : p.shape[1] + 30])
-    default, taus0 = decoding.speculative_generate(target, draft, p, 30)
-    same, taus1 = decoding.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
-    assert torch.equal(default, same) and taus0 == taus1
+        assert st.taus == [k + 1] * len(st.taus)
 
 
 def test_a_cycle_scores_only_the_slots_it_can_send():
-    """A cycle scores only the slots it can send (k for a path of k, min(N, B-1) for a tree of N);
-    the walk over k slots is the first k of the whole block's walk, greedy and sampled alike."""
+    """A cycle scores only the slots it can send (k for a path of k, min(N, B-1) for a tree of N),
+    the default a path of B-1, each greedy lossless; the walk over k slots is the first k of the
+    whole block's walk, greedy and sampled alike."""
     B = 5
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 6)
     _, head = decoding.embed_and_head(target, draft)
     cases = [(dict(verify_tokens=1), 1), (dict(verify_tokens=3), 3), ({}, B - 1)]
     for kw, depth in cases + [(dict(tree_budget=2), 2), (dict(tree_budget=9), B - 1)]:
@@ -4251,7 +4228,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
 
         kw |= dict(proposer=record(decoding.draft_proposal), grower=record(tree.draft_tree))
         out, _ = speculate(target, draft, p, 6, **kw)
-        assert set(seen) == {(depth, depth)}
+        assert set(seen) == {(depth, depth)} and torch.equal(out, ref)
         # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores
         # all B rows, zeros past the real ones) changes nothing
         wide, _ = speculate(
