@@ -2172,14 +2172,8 @@ def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
     an answer cut short runs to the end; another template's text is refused."""
     tok = tiny_tokenizer()
     text = tok.apply_chat_template(CONVERSATION, tokenize=False)
-    conv = read_one(tmp_path, {"id": 3, "text": text})
-    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
-    check_supervised(tok, conv)
-    tok.chat_template = THINKING_CHATML
-    assert conversations.assistant_markers(tok, NO_THINKING) == (
-        "<|im_start|>assistant\n. . .\n\n",
-        "<|im_end|>",
-    )
+    check_supervised(tok, read_one(tmp_path, {"id": 3, "text": text}))
+    tok.chat_template = THINKING_CHATML  # the empty thought is part of the assistant's header
     text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
     check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
     tok.chat_template = CHATML
@@ -2219,7 +2213,6 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
     generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
     answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
     conv = read_one(tmp_path, {"messages": [*prompt, answer]})
-    assert conv[-1] == answer
     ids, mask = conversations.tokenize_conversation(tok, conv, 512)
     head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
     assert ids.tolist() == head + generated
@@ -2393,16 +2386,12 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path, capsys):
         target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
     )
     features.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
-    timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
     logs = {}
     argv = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2"]
     without = ["--data", str(tmp_path / "feats")]
     for name, extra in [("with", []), ("without", without), ("tv", ["--loss", "tv"])]:
         run(setup, tmp_path / name, *argv, *extra)
-        logs[name] = [
-            {k: v for k, v in r.items() if k not in timing}
-            for r in log_records(tmp_path / name / "log.jsonl")
-        ]
+        logs[name] = timeless(log_records(tmp_path / name / "log.jsonl"))
     # 3 steps, an eval at 2, the final one
     assert len(logs["with"]) == 5 and logs["with"] == logs["without"]
     assert not any("topk_target_mass" in r for r in logs["with"])
@@ -3020,7 +3009,6 @@ def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
         counts = json.loads((tmp_path / f"counts.{rank}.json").read_text())
         assert counts == {"once": 2 * 5, "every": 2 * 5 * 3}, counts
     once, every = checkpoint_of(tmp_path, "once"), checkpoint_of(tmp_path, "every")
-    assert once["step"] == every["step"] == 2
     assert largest_difference(once["model"], every["model"]) <= 1e-6
     assert train_losses(tmp_path / "once") == pytest.approx(train_losses(tmp_path / "every"))
 
@@ -3483,7 +3471,8 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         lambda t, how: packed.append(type(put(t, how).model.layers[0].mlp.up_proj)),
     )
     prepare.main(argv + ["--target-gemm", "onednn"])
-    # refused, after loading the target (auto: stock on a CPU the rule does not know)
+    # other settings, the same folder: refused, after loading the target (auto: stock on a CPU
+    # the rule does not know)
     with pytest.raises(UsageError, match="use a new --out-dir"):
         prepare.main(argv[:-1] + ["3"])
     assert [c.__name__ for c in packed] == ["PackedLinear", "Linear"]
@@ -3512,8 +3501,6 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     for name, (meta, tensors) in before.items():
         assert after[name][0] == meta and tensors.keys() == after[name][1].keys()
         assert all(torch.equal(t, after[name][1][k]) for k, t in tensors.items())
-    with pytest.raises(UsageError, match="use a new --out-dir"):  # other settings, same folder
-        prepare.main([a if a != "bf16" else "fp16" for a in argv])
 
 
 def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_path, monkeypatch):
