@@ -3227,32 +3227,28 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
 
 # ============================================================================ prepare.py
 # ---------------------------------------------------------------------------- regeneration
-def in_process_answers(tmp_path, target, tok, name="in-process", **kw):
+def in_process_answers(tmp_path, target, tok, name="in-process", prompts=PROMPTS, **kw):
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    prepare.regenerate(target, tok, PROMPTS, str(out), max_new_tokens=6, batch_size=2, **kw)
-    return regen.merge_regenerated(str(out), len(PROMPTS))
+    kw = {"batch_size": 2, **kw}
+    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, **kw)
+    return regen.merge_regenerated(str(out), len(prompts))
 
 
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()
-    one, batched = tmp_path / "one", tmp_path / "batched"
-    one.mkdir(), batched.mkdir()
-    prepare.regenerate(target, tok, PROMPTS, str(one), max_new_tokens=6, batch_size=1)
+    a = in_process_answers(tmp_path, target, tok, "one", batch_size=1)
     # interrupted run: 3 prompts done, plus a line cut short by a crash
-    prepare.regenerate(target, tok, PROMPTS[:3], str(batched), max_new_tokens=6, batch_size=2)
-    with open(batched / "regenerated.rank0.jsonl", "a") as f:
+    in_process_answers(tmp_path, target, tok, "batched", PROMPTS[:3])
+    with open(tmp_path / "batched" / "regenerated.rank0.jsonl", "a") as f:
         f.write('{"index": 4, "mess')
     calls, generate = [], target.generate
     target.generate = lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw)
-    prepare.regenerate(target, tok, PROMPTS, str(batched), max_new_tokens=6, batch_size=2)
-    # only prompts 3 and 4, in one left-padded batch
-    assert calls == [2]
-    a, b = regen.merge_regenerated(str(one), 5), regen.merge_regenerated(str(batched), 5)
-    assert a == b  # left padding changes no greedy answer
+    # only prompts 3 and 4, in one left-padded batch: no greedy answer changes
+    assert in_process_answers(tmp_path, target, tok, "batched") == a and calls == [2]
     assert [m[:-1] for m in a] == PROMPTS and all(m[-1]["role"] == "assistant" for m in a)
     with pytest.raises(RuntimeError, match="no regenerated answer"):
-        regen.merge_regenerated(str(one), 6)
+        regen.merge_regenerated(str(tmp_path / "one"), 6)
 
 
 def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
