@@ -2845,17 +2845,15 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
 
 # ---------------------------------------------------------------------------- DDP
 def train_argv(setup, flags: str) -> list:
-    """train.py's argv on the setup's target, draft config and features, and flags."""
+    """train.py's argv as run() gives it (no --out-dir), and flags."""
     paths = ["--draft-config", setup / "draft.json", "--target", setup / "target"]
-    return [str(a) for a in [*paths, "--data", setup / "feats"]] + flags.split()
+    common = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
+    paths += ["--data", setup / "feats"]
+    return [str(a) for a in paths] + f"{common} --seed 3 {flags}".split()
 
 
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
-    common = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --max-steps 3 "
-        "--eval-interval 1000 --eval-samples 3",
-    )
+    common = train_argv(setup, "--max-steps 3 --eval-samples 3")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     argv = [*torchrun, os.path.join(HERE, "train.py"), *common, "--out-dir", str(tmp_path / "ddp")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -2887,11 +2885,7 @@ def fsdp_runs(setup, tmp_path_factory):
     """train.py --fsdp runs on 2 ranks (one job, so the processes start once) and the runs on 1
     process they must equal: 2 ranks x 1 micro-batch == 1 process x 2."""
     d = tmp_path_factory.mktemp("fsdp")
-    base = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --seed 3 "
-        "--eval-interval 1000 --log-interval 1 --fsdp",
-    )
+    base = train_argv(setup, "--log-interval 1 --fsdp")
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
     one = lambda out, *extra: train.main(two(out, "--grad-accum", "2", *extra))
     # at a constant lr, 2 steps and a resume to 4 are the 4 steps
@@ -2987,11 +2981,8 @@ def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
     """--grad-accum 3: the first two backwards keep their gradients unsharded (fsdp.no_sync), the
     last reduce-scatters their sum: 5 a step (2 layers x (forward, context_kv) and the root), so
     2 steps make 10, against 30 when every micro-batch does; the same weights and losses."""
-    base = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --seed 3 --eval-samples 0 "
-        "--log-interval 1 --fsdp --grad-accum 3 --max-steps 2",
-    )
+    flags = "--eval-samples 0 --log-interval 1 --fsdp --grad-accum 3 --max-steps 2"
+    base = train_argv(setup, flags)
     runs = [(name, base + ["--out-dir", str(tmp_path / name)]) for name in ("once", "every")]
     ports = free_ports(len(runs))
     torch.multiprocessing.spawn(
@@ -3193,11 +3184,7 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     # an unlisted GPU
     peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]
-    common = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2 "
-        "--lr-schedule constant --seed 3 --max-steps 6 --log-interval 1",
-    )
+    common = train_argv(setup, "--lr-schedule constant --max-steps 6 --log-interval 1")
     # heads of 16 for flex: the last --draft-config given counts
     common += ["--draft-config", str(cuda_setup / "draft.json"), *peak]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
