@@ -2812,8 +2812,7 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
     argv += ["--eval-interval", "2", "--eval-samples", "1"]
     # the unpadded shapes of the run's micro-batches, from its own schedule
-    flags = ["--data", str(setup / "feats"), "--num-anchors", "8", "--seed", "3", *argv]
-    args = train.parse_args(flags)  # as run() gives them
+    args = train.parse_args(train_argv(setup, "") + argv)  # as run() gives them
     samples, held = data.load_split(args, None)
     rows, _, per_epoch, total = data.schedule(samples, args, 1)
     shapes = []  # a step's, in order (one micro-batch a step)
@@ -4397,9 +4396,7 @@ def test_a_bug_keeps_its_traceback(setup, tmp_path):
         "sys.argv[0] = 'train.py'\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
     )
-    argv = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
-    argv += ["--data", str(setup / "feats"), "--out-dir", str(tmp_path), "--gamma", "2"]
-    run = python("-c", bug, *argv, "--max-steps", "1", "--quiet")
+    run = python("-c", bug, *train_argv(setup, "--max-steps 1"), "--out-dir", str(tmp_path))
     assert run.returncode == 1 and "Traceback" in run.stderr, run.stderr
     assert not any(line.startswith("error:") for line in run.stderr.splitlines()), run.stderr
     # the last frame in loss.py
