@@ -124,7 +124,6 @@ try:
         show,
     )
     from support.common import UsageError
-    from support.distributed import end_ranks
     from support.target import convert_embedded, embedded_dir, encode, load_target, stop_token_ids
 except Exception as e:  # ImportError, or a broken module's own SyntaxError, NameError...
     PIPELINE_IMPORT_ERROR = e
@@ -2029,14 +2028,9 @@ def flex_case(kw, packed, S=256, device="cpu"):
 # ------------------------------------------------------------------------- tokenisation / loss mask
 def test_loss_mask_on_offline_chatml_tokenizer():
     tok = tiny_tokenizer()
+    check_supervised(tok, CONVERSATION)  # only the answers: no role header, no system prompt
     ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, max_length=512)
-    assert ids.tolist() == tok.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
     assert ids.dtype == mask.dtype == torch.long
-    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
-    runs = masked_runs(mask)
-    assert len(runs) == 2  # one run per answer, nothing else
-    for start, _ in runs:  # the role header stays unmasked
-        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
     ids8, mask8 = conversations.tokenize_conversation(tok, CONVERSATION, max_length=8)
     assert torch.equal(ids8, ids[:8]) and torch.equal(mask8, mask[:8])
 
@@ -2052,14 +2046,9 @@ def test_loss_mask_on_smollm2_chat_template(smollm2):
     ]
     ids, mask = conversations.tokenize_conversation(tok, conv, max_length=512)
     assert ids.tolist() == tok.apply_chat_template(conv, tokenize=True)["input_ids"]
+    # its default system prompt and the role headers stay out
+    assert tok.decode(ids).startswith("<|im_start|>system\n")
     assert tok.decode(ids[mask.bool()]) == "It is 4.<|im_end|>Six, of course!<|im_end|>"
-    runs = masked_runs(mask)
-    assert len(runs) == 2
-    for start, end in runs:
-        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
-        assert tok.convert_ids_to_tokens(int(ids[end - 1])) == "<|im_end|>"
-    # default system prompt, unmasked
-    assert tok.decode(ids[: runs[0][0]]).startswith("<|im_start|>system\n")
     # the same turns as preformatted text (SpecForge's {"text"}): the very ids and mask
     text = tok.apply_chat_template(conv, tokenize=False)
     ids_text, mask_text = conversations.tokenize_conversation(tok, {"text": text}, 512)
@@ -2081,15 +2070,13 @@ def test_chat_template_kwargs_reach_every_rendering(tmp_path):
     assert conversations.render(tok, prompt, True) != off
     assert encode(tok, prompt, "cpu", NO_THINKING)[0].tolist() == tok(off).input_ids
     assert encode(tok, prompt, "cpu")[0].tolist() != tok(off).input_ids
-    whole = tok.apply_chat_template(CONVERSATION, tokenize=True, enable_thinking=False)
+    # the empty thought belongs to the header, as the role does: only the answers are supervised
+    check_supervised(tok, CONVERSATION, kw=NO_THINKING)
+    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
+    assert ids.tolist() != conversations.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
     path = write_lines(tmp_path / "c.jsonl", [{"messages": CONVERSATION}])
     [online] = data.load_samples(path, True, tok, 512, NO_THINKING)
-    ids, mask = conversations.tokenize_conversation(tok, CONVERSATION, 512, NO_THINKING)
-    assert ids.tolist() == online["input_ids"].tolist() == whole["input_ids"]
-    assert ids.tolist() != conversations.tokenize_conversation(tok, CONVERSATION, 512)[0].tolist()
-    # the empty thought belongs to the header, as the role does: only the answers are supervised
-    assert torch.equal(mask, online["loss_mask"])
-    assert "".join(tok.convert_ids_to_tokens(ids[mask.bool()].tolist())) == ANSWERS
+    assert torch.equal(online["input_ids"], ids) and torch.equal(online["loss_mask"], mask)
 
 
 # ---------------------------------------------------------------------------- conversation readers
@@ -2183,14 +2170,8 @@ def test_format_preformatted_text_is_split_at_the_templates_markers(tmp_path):
     an answer cut short runs to the end; another template's text is refused."""
     tok = tiny_tokenizer()
     text = tok.apply_chat_template(CONVERSATION, tokenize=False)
-    conv = read_one(tmp_path, {"id": 3, "text": text})
-    assert conv["text"] == text and conv["where"].endswith("one.jsonl, line 1")
-    check_supervised(tok, conv)
-    tok.chat_template = THINKING_CHATML
-    assert conversations.assistant_markers(tok, NO_THINKING) == (
-        "<|im_start|>assistant\n. . .\n\n",
-        "<|im_end|>",
-    )
+    check_supervised(tok, read_one(tmp_path, {"id": 3, "text": text}))
+    tok.chat_template = THINKING_CHATML  # the empty thought is part of the assistant's header
     text = tok.apply_chat_template(CONVERSATION, tokenize=False, enable_thinking=False)
     check_supervised(tok, read_one(tmp_path, {"text": text}), kw=NO_THINKING)
     tok.chat_template = CHATML
@@ -2230,7 +2211,6 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
     generated = tok.convert_tokens_to_ids(["the", "cat", " ", "is", " ", "fine", "<|im_end|>"])
     answer = {"role": "assistant", "content": "thecat is fine", "token_ids": generated}
     conv = read_one(tmp_path, {"messages": [*prompt, answer]})
-    assert conv[-1] == answer
     ids, mask = conversations.tokenize_conversation(tok, conv, 512)
     head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)["input_ids"]
     assert ids.tolist() == head + generated
@@ -2246,8 +2226,7 @@ def test_format_regenerated_token_ids_are_supervised_as_generated(tmp_path):
 
 # ---------------------------------------------------------------------------- packed rows
 def test_plan_rows_by_hand():
-    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9 is too long for any row and gets its own; 2+2
-    # fit
+    # next-fit at 8 tokens: 5+3 fit; 4 opens a row; 9, too long for any row, gets its own; 2+2 fit
     assert data.plan_rows([5, 3, 4, 9, 2, 2], 8) == [[0, 1], [2], [3], [4, 5]]
 
 
@@ -2282,8 +2261,6 @@ def test_packed_row_equals_separate_rows(kw, flags):
     assert packed["anchors"][0].tolist() == [
         a + s for i, s in enumerate(starts) for a in apart["anchors"][i, : counts[i]].tolist()
     ]
-    # no anchor at a document's last token, although the next document's first token is supervised
-    assert 6 not in packed["anchors"][0].tolist() and 11 not in packed["anchors"][0].tolist()
     # the same blocks read the same keys
     assert flops.step_flops(c, packed) == flops.step_flops(c, apart)
     h1, out1, g1 = objective_terms_and_grads(draft, embed_w, head_w, apart, args)
@@ -2300,9 +2277,6 @@ def test_packed_row_equals_separate_rows(kw, flags):
     n = packed["input_ids"].numel() * c.block_size  # the terms each weight's gradient sums
     for k in g1:
         assert_same_sum(g2[k], g1[k], n, torch.float32, k)
-    # the packed row did mix documents in one row: doc 1's labels start right after doc 0's last
-    # token
-    assert packed["loss_mask"][0, 6] == packed["loss_mask"][0, 7] == 1
 
 
 def test_online_target_reads_packed_documents_apart(setup):
@@ -2324,20 +2298,16 @@ def test_online_target_reads_packed_documents_apart(setup):
     assert packed["features"][1, 9:].abs().max() == 0  # row 1's padding
 
 
-def test_pack_flag_trains_offline_and_online(setup, tmp_path):
+def test_pack_flag_takes_a_step_a_row(setup, tmp_path):
     samples = data.load_samples(str(setup / "feats"), False, None, 512)
     rows = data.plan_rows([len(s["input_ids"]) for s in samples[:8]], 100)  # lengths 34 to 58
     # rows of several conversations
     assert len(rows) < 8 and max(len(r) for r in rows) > 1
     pack = ["--pack", "--max-length", "100", "--log-interval", "1"]
     # 10 sequences, 2 held out; one epoch = one step per row
-    run(setup, tmp_path / "off", *pack, "--eval-fraction", "0.2")
-    assert len(train_losses(tmp_path / "off")) == len(rows)
-    online = ["--online", "--data", str(setup / "convs.jsonl"), "--loss", "kl"]
-    run(setup, tmp_path / "on", *pack, "--max-steps", "2", *online)
-    assert all(
-        math.isfinite(x) for x in train_losses(tmp_path / "off") + train_losses(tmp_path / "on")
-    )
+    run(setup, tmp_path, *pack, "--eval-fraction", "0.2")
+    losses = train_losses(tmp_path)
+    assert len(losses) == len(rows) and all(math.isfinite(x) for x in losses)
 
 
 # ============================================================================ train.py
@@ -2395,8 +2365,7 @@ def test_loss_decreases_on_a_repeated_batch(setup, tmp_path, mode):
 
 
 def test_num_samples_takes_the_first_sequences(setup, tmp_path):
-    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs = 8
-    # steps
+    # 10 sequences, the last 0.3 held out -> 7; --num-samples 4 keeps the first 4: 2 epochs, 8 steps
     argv = ["--num-samples", "4", "--eval-fraction", "0.3", "--epochs", "2", "--log-interval", "1"]
     run(setup, tmp_path, *argv)
     assert train_losses(tmp_path, "step") == list(range(1, 9))
@@ -2415,16 +2384,12 @@ def test_ce_never_reads_the_stored_target_distribution(setup, tmp_path, capsys):
         target, tok, convs, str(tmp_path / "feats"), [0, 2], feature_dtype="fp16", shard_size=4
     )
     features.write_manifest(str(tmp_path / "feats"), len(convs), 4, "tiny", 32)
-    timing = ("elapsed_s", "target_tok_per_s", "anchors_per_s")
     logs = {}
     argv = ["--max-steps", "3", "--log-interval", "1", "--eval-interval", "2"]
     without = ["--data", str(tmp_path / "feats")]
     for name, extra in [("with", []), ("without", without), ("tv", ["--loss", "tv"])]:
         run(setup, tmp_path / name, *argv, *extra)
-        logs[name] = [
-            {k: v for k, v in r.items() if k not in timing}
-            for r in log_records(tmp_path / name / "log.jsonl")
-        ]
+        logs[name] = timeless(log_records(tmp_path / name / "log.jsonl"))
     # 3 steps, an eval at 2, the final one
     assert len(logs["with"]) == 5 and logs["with"] == logs["without"]
     assert not any("topk_target_mass" in r for r in logs["with"])
@@ -2444,8 +2409,6 @@ def test_final_evaluation_writes_acceptance_statistics_and_export_carries_them(s
     run(setup, tmp_path / "run", "--max-steps", "4", "--eval-fraction", "0.3")
     stats = json.loads((tmp_path / "run" / "acceptance.json").read_text())
     final = [r for r in log_records(tmp_path / "run" / "log.jsonl") if r["kind"] == "final"][-1]
-    assert stats["block_size"] == 4 and stats["step"] == 4
-    assert not any(k.startswith("accepted_at") for k in final)
     for mode in ("selector", "unary"):
         r = stats[mode]["accepted"]
         assert len(r) == 3 and r == sorted(r, reverse=True)
@@ -2482,10 +2445,7 @@ def test_offline_training_builds_no_decoder_layer(setup, tmp_path, monkeypatch):
 
     monkeypatch.setattr(sys.modules["support.target"], "load_target", recording)  # train.py's
     run(setup, tmp_path / "off", "--max-steps", "1", "--eval-samples", "0")
-    online = ["--online", "--data", str(setup / "convs.jsonl")]
-    run(setup, tmp_path / "on", "--max-steps", "1", "--eval-samples", "0", *online)
-    assert [len(t.model.layers) for t in loaded] == [0, 4]
-    assert loaded[0].config.num_hidden_layers == 4
+    assert [len(t.model.layers) for t in loaded] == [0]
     (tmp_path / "qwen3").mkdir()
     tiny_target("qwen3", initializer_range=0.3).save_pretrained(tmp_path / "qwen3")
     tiny_tokenizer().save_pretrained(tmp_path / "qwen3")
@@ -2513,9 +2473,6 @@ def test_online_target_runs_in_the_dtype_asked(setup, tmp_path, monkeypatch):
         assert ck["step"] == 2 and len(dtypes) >= 2 and set(dtypes) == {dtype}
         # the draft keeps fp32 master weights whatever the target's dtype
         assert all(v.dtype == torch.float32 for v in ck["model"].values())
-        # no MFU without a GPU's peak
-        if not torch.cuda.is_available():
-            assert not any("mfu" in r for r in log_records(tmp_path / str(dtype) / "log.jsonl"))
 
 
 # ----------------------------------------------------------------------- the loss at training scale
@@ -2736,7 +2693,7 @@ def test_max_seconds_is_the_steps_that_fit_and_resume_goes_on(setup, tmp_path, m
     argv = ["--max-steps", "100", "--max-seconds", "10", "--log-interval", "1"]
     ck = run(setup, tmp_path / "time", *argv)
     assert timeless(log_records(tmp_path / "time" / "log.jsonl")) == want
-    assert ck["step"] == ck["total"] == 10 and ck["args"]["max_seconds"] == 10
+    assert ck["step"] == ck["total"] == 10
     assert_equal_weights(steps, ck)
     ck = run(setup, tmp_path / "six", "--max-steps", "6", "--max-seconds", "100")
     assert ck["step"] == ck["total"] == 6
@@ -2775,13 +2732,6 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, tmp_pat
 
 
 # --------------------------------------------------------------------------- freezing and overrides
-def test_dflash_baseline_has_no_conv_or_selector(setup, tmp_path):
-    ck = run(setup, tmp_path, "--max-steps", "2", "--dflash")
-    assert ck["config"]["architectures"] == ["DFlashDraftModel"]
-    assert not [k for k in ck["model"] if "conv" in k or "selector" in k]
-    assert "layers.0.self_attn.q_proj.weight" in ck["model"]
-
-
 def assert_selector_untouched(ck):
     """Weight decay shrinks every parameter the optimizer updates, even with a zero gradient: a
     selector left in it would move from its non-zero start (A, P); a frozen one keeps every value
@@ -2802,29 +2752,20 @@ def test_selector_alpha_zero_freezes_the_selector(setup, tmp_path):
     assert_selector_untouched(run(setup, tmp_path, *argv))
 
 
-def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path, capsys):
+def test_freeze_conv_keeps_every_convolution_the_identity(setup, tmp_path):
     """The selector-only arm: every convolution keeps its identity init (tap 0 = 1, the rest and the
     projection 0) through weight decay while the selector trains."""
     ck = run(setup, tmp_path, "--max-steps", "2", "--freeze-conv", "--weight-decay", "0.1")
     torch.manual_seed(3)  # run()'s --seed: the draft's initial values
     init = model.DraftModel(tiny_config()).state_dict()
     convs = [k for k in init if "_conv." in k]
-    assert len(convs) == 2 * 2 * tiny_config().num_hidden_layers  # base kernel, projection
-    for k in convs:
-        assert torch.equal(ck["model"][k], init[k]), k
-    kernel = ck["model"]["layers.0.mlp_conv.base_kernel"]  # [2, T, H]
-    assert kernel[:, 0].eq(1).all() and kernel[:, 1:].eq(0).all()
+    assert convs and all(torch.equal(ck["model"][k], init[k]) for k in convs)
     assert not torch.equal(
         ck["model"]["candidate_selector.predecessor_codebook"],
         init["candidate_selector.predecessor_codebook"],
     )
     trained = len(ck["optimizer"]["param_groups"][0]["params"])
     assert trained == len(init) - len(convs)
-    for refused in (["--dflash"], ["--selector-loss-alpha", "0"]):
-        with pytest.raises(SystemExit) as stop:
-            train.parse_args(["--data", "x", "--freeze-conv", *refused])
-        last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert stop.value.code == 2 and "error: --freeze-conv: " in last, last
 
 
 def test_overrides_are_validated(setup, tmp_path):
@@ -2871,8 +2812,7 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     argv = ["--max-steps", "5", "--pack", "--max-length", "80", "--log-interval", "1"]
     argv += ["--eval-interval", "2", "--eval-samples", "1"]
     # the unpadded shapes of the run's micro-batches, from its own schedule
-    flags = ["--data", str(setup / "feats"), "--num-anchors", "8", "--seed", "3", *argv]
-    args = train.parse_args(flags)  # as run() gives them
+    args = train.parse_args(train_argv(setup, "") + argv)  # as run() gives them
     samples, held = data.load_split(args, None)
     rows, _, per_epoch, total = data.schedule(samples, args, 1)
     shapes = []  # a step's, in order (one micro-batch a step)
@@ -2895,7 +2835,6 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
     assert train_losses(tmp_path / "c") == pytest.approx(train_losses(tmp_path / "e"), rel=1e-4)
     compile_s = train_losses(tmp_path / "c", "compile_s")
     assert [b > a for a, b in zip([0.0, *compile_s], compile_s)] == new_bucket
-    assert all("compile_s" not in r for r in log_records(tmp_path / "e" / "log.jsonl"))
     torch._dynamo.reset()
     monkeypatch.setitem(compiling.COMPILE, "recompile_limit", 1)
     with pytest.raises(ValueError, match="compiled function met more than 1 shapes"):
@@ -2905,17 +2844,15 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
 
 # ---------------------------------------------------------------------------- DDP
 def train_argv(setup, flags: str) -> list:
-    """train.py's argv on the setup's target, draft config and features, and flags."""
+    """train.py's argv as run() gives it (no --out-dir), and flags."""
     paths = ["--draft-config", setup / "draft.json", "--target", setup / "target"]
-    return [str(a) for a in [*paths, "--data", setup / "feats"]] + flags.split()
+    common = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
+    paths += ["--data", setup / "feats"]
+    return [str(a) for a in paths] + f"{common} --seed 3 {flags}".split()
 
 
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
-    common = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --max-steps 3 "
-        "--eval-interval 1000 --eval-samples 3",
-    )
+    common = train_argv(setup, "--max-steps 3 --eval-samples 3")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     argv = [*torchrun, os.path.join(HERE, "train.py"), *common, "--out-dir", str(tmp_path / "ddp")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -2932,24 +2869,14 @@ def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
 
 
 # ---------------------------------------------------------- FSDP (train.py --fsdp, support/fsdp.py)
-def two_rank_job(rank, runs, ports, target_dir, out):
+def two_rank_job(rank, runs, ports):
     """Rank `rank` of 2 (gloo), as torchrun starts train.py: train.main for each argv on its own
-    port; then the target's features, whole and sharded, for a batch of this rank's own."""
+    port."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     for argv, port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
         train.main(argv)
-    os.environ["MASTER_PORT"] = str(ports[-1])
-    torch.distributed.init_process_group("gloo")
-    target, _ = load_target(target_dir)
-    # lengths differ
-    ids = torch.randint(0, 60, (2, 7 + rank), generator=torch.Generator().manual_seed(rank))
-    whole = capture_features(target, [0, 2], final_hidden=True, input_ids=ids)[1:]
-    target = fsdp.shard_target(target)
-    sharded = capture_features(target, [0, 2], final_hidden=True, input_ids=ids)[1:]
-    torch.save({"whole": whole, "sharded": sharded}, os.path.join(out, f"features.{rank}.pt"))
-    end_ranks()
 
 
 @pytest.fixture(scope="module")
@@ -2957,11 +2884,7 @@ def fsdp_runs(setup, tmp_path_factory):
     """train.py --fsdp runs on 2 ranks (one job, so the processes start once) and the runs on 1
     process they must equal: 2 ranks x 1 micro-batch == 1 process x 2."""
     d = tmp_path_factory.mktemp("fsdp")
-    base = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --seed 3 "
-        "--eval-interval 1000 --log-interval 1 --fsdp",
-    )
+    base = train_argv(setup, "--log-interval 1 --fsdp")
     two = lambda out, *extra: base + ["--out-dir", str(d / out), *extra]
     one = lambda out, *extra: train.main(two(out, "--grad-accum", "2", *extra))
     # at a constant lr, 2 steps and a resume to 4 are the 4 steps
@@ -2987,10 +2910,7 @@ def fsdp_runs(setup, tmp_path_factory):
         two("pack", *pack_),
         two("frozen", *frozen),
     ]
-    ports = free_ports(len(runs) + 1)
-    torch.multiprocessing.spawn(
-        two_rank_job, (runs, ports, str(setup / "target"), str(d)), nprocs=2
-    )
+    torch.multiprocessing.spawn(two_rank_job, (runs, free_ports(len(runs))), nprocs=2)
     one("b", *rest)
     one("straight", "--max-steps", "4", *constant)
     one("one_step", *step)
@@ -3013,7 +2933,7 @@ def largest_difference(a: dict, b: dict) -> float:
     "two, one",
     [
         ("step", "one_step"),  # 1 step: 2 ranks x 1 micro-batch == 1 process x 2
-        ("online", "online_one"),  # the target sharded too; 2 steps: 2 x 2 == 1 x 4
+        ("online", "online_one"),  # the target sharded too, its features whole: 2 x 2 == 1 x 4
         ("pack", "pack_one"),
         ("frozen", "frozen_one"),  # alpha 0: the sharded selector out of the optimizer
         ("compiled", "step"),
@@ -3060,11 +2980,8 @@ def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
     """--grad-accum 3: the first two backwards keep their gradients unsharded (fsdp.no_sync), the
     last reduce-scatters their sum: 5 a step (2 layers x (forward, context_kv) and the root), so
     2 steps make 10, against 30 when every micro-batch does; the same weights and losses."""
-    base = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --warmup-ratio 0 --lr 1e-2 --seed 3 --eval-samples 0 "
-        "--log-interval 1 --fsdp --grad-accum 3 --max-steps 2",
-    )
+    flags = "--eval-samples 0 --log-interval 1 --fsdp --grad-accum 3 --max-steps 2"
+    base = train_argv(setup, flags)
     runs = [(name, base + ["--out-dir", str(tmp_path / name)]) for name in ("once", "every")]
     ports = free_ports(len(runs))
     torch.multiprocessing.spawn(
@@ -3074,7 +2991,6 @@ def test_fsdp_accumulation_reduce_scatters_once_a_step(setup, tmp_path):
         counts = json.loads((tmp_path / f"counts.{rank}.json").read_text())
         assert counts == {"once": 2 * 5, "every": 2 * 5 * 3}, counts
     once, every = checkpoint_of(tmp_path, "once"), checkpoint_of(tmp_path, "every")
-    assert once["step"] == every["step"] == 2
     assert largest_difference(once["model"], every["model"]) <= 1e-6
     assert train_losses(tmp_path / "once") == pytest.approx(train_losses(tmp_path / "every"))
 
@@ -3100,15 +3016,6 @@ def test_fsdp_resume_onto_another_number_of_ranks(fsdp_runs):
     # one whole file whatever the ranks: export.py reads it as it reads any training checkpoint
     sd = export.load_any(str(fsdp_runs / "a")).state_dict()
     assert largest_difference(sd, checkpoint_of(fsdp_runs, "a")["model"]) == 0
-
-
-def test_sharded_target_gives_each_rank_the_whole_targets_features(fsdp_runs):
-    for rank in (0, 1):
-        r = torch.load(fsdp_runs / f"features.{rank}.pt")
-        # features, then the final hidden state
-        assert r["whole"][0].shape == (2, 7 + rank, 2 * 32)
-        for whole, sharded in zip(r["whole"], r["sharded"]):
-            assert torch.equal(whole, sharded)
 
 
 # ---------------------------------------------------------------------------- MFU
@@ -3276,11 +3183,7 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     # an unlisted GPU
     peak = [] if flops.peak_flops(torch.device("cuda")) else ["--peak-tflops", "100"]
-    common = train_argv(
-        setup,
-        "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2 "
-        "--lr-schedule constant --seed 3 --max-steps 6 --log-interval 1",
-    )
+    common = train_argv(setup, "--lr-schedule constant --max-steps 6 --log-interval 1")
     # heads of 16 for flex: the last --draft-config given counts
     common += ["--draft-config", str(cuda_setup / "draft.json"), *peak]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -3302,32 +3205,28 @@ def test_cuda_torchrun_nccl_resumes_exactly_and_logs_mfu(setup, cuda_setup, tmp_
 
 # ============================================================================ prepare.py
 # ---------------------------------------------------------------------------- regeneration
-def in_process_answers(tmp_path, target, tok, name="in-process", **kw):
+def in_process_answers(tmp_path, target, tok, name="in-process", prompts=PROMPTS, **kw):
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    prepare.regenerate(target, tok, PROMPTS, str(out), max_new_tokens=6, batch_size=2, **kw)
-    return regen.merge_regenerated(str(out), len(PROMPTS))
+    kw = {"batch_size": 2, **kw}
+    prepare.regenerate(target, tok, prompts, str(out), max_new_tokens=6, **kw)
+    return regen.merge_regenerated(str(out), len(prompts))
 
 
 def test_batched_regeneration_equals_one_by_one_and_resumes(tmp_path, capsys):
     target, tok = tiny_target("llama"), tiny_tokenizer()
-    one, batched = tmp_path / "one", tmp_path / "batched"
-    one.mkdir(), batched.mkdir()
-    prepare.regenerate(target, tok, PROMPTS, str(one), max_new_tokens=6, batch_size=1)
+    a = in_process_answers(tmp_path, target, tok, "one", batch_size=1)
     # interrupted run: 3 prompts done, plus a line cut short by a crash
-    prepare.regenerate(target, tok, PROMPTS[:3], str(batched), max_new_tokens=6, batch_size=2)
-    with open(batched / "regenerated.rank0.jsonl", "a") as f:
+    in_process_answers(tmp_path, target, tok, "batched", PROMPTS[:3])
+    with open(tmp_path / "batched" / "regenerated.rank0.jsonl", "a") as f:
         f.write('{"index": 4, "mess')
     calls, generate = [], target.generate
     target.generate = lambda **kw: calls.append(kw["input_ids"].shape[0]) or generate(**kw)
-    prepare.regenerate(target, tok, PROMPTS, str(batched), max_new_tokens=6, batch_size=2)
-    # only prompts 3 and 4, in one left-padded batch
-    assert calls == [2]
-    a, b = regen.merge_regenerated(str(one), 5), regen.merge_regenerated(str(batched), 5)
-    assert a == b  # left padding changes no greedy answer
+    # only prompts 3 and 4, in one left-padded batch: no greedy answer changes
+    assert in_process_answers(tmp_path, target, tok, "batched") == a and calls == [2]
     assert [m[:-1] for m in a] == PROMPTS and all(m[-1]["role"] == "assistant" for m in a)
     with pytest.raises(RuntimeError, match="no regenerated answer"):
-        regen.merge_regenerated(str(one), 6)
+        regen.merge_regenerated(str(tmp_path / "one"), 6)
 
 
 def test_sampled_regeneration_is_seeded_recorded_and_resumes(tmp_path):
@@ -3546,19 +3445,15 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
         lambda t, how: packed.append(type(put(t, how).model.layers[0].mlp.up_proj)),
     )
     prepare.main(argv + ["--target-gemm", "onednn"])
-    # refused, after loading the target (auto: stock on a CPU the rule does not know)
+    # other settings, the same folder: refused, after loading the target (auto: stock on a CPU
+    # the rule does not know)
     with pytest.raises(UsageError, match="use a new --out-dir"):
         prepare.main(argv[:-1] + ["3"])
     assert [c.__name__ for c in packed] == ["PackedLinear", "Linear"]
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["target_layer_ids"] == [0, 2] and manifest["hidden_size"] == 32
-    assert manifest["feature_dtype"] == "bf16" and manifest["target_hidden"] is True
-    assert [s["num_samples"] for s in manifest["shards"]] == [2, 2, 1]
-    assert manifest["skipped_nonfinite"] == 0
     convs, _ = conversations.read_conversations(str(out / "conversations.jsonl"))
     samples = features.load_features(str(out))
+    assert len(samples) == len(convs) == len(PROMPTS)
     target, tok = load_target(target_dir)
-    assert not any(p.requires_grad for p in target.parameters()) and not target.training
     pack_linears(target)  # as prepare.py's target was
     for conv, s in zip(convs, samples):
         ids, mask = conversations.tokenize_conversation(tok, conv, 512)
@@ -3580,8 +3475,6 @@ def test_cli_regenerates_then_writes_features_equal_to_capture_features(tmp_path
     for name, (meta, tensors) in before.items():
         assert after[name][0] == meta and tensors.keys() == after[name][1].keys()
         assert all(torch.equal(t, after[name][1][k]) for k, t in tensors.items())
-    with pytest.raises(UsageError, match="use a new --out-dir"):  # other settings, same folder
-        prepare.main([a if a != "bf16" else "fp16" for a in argv])
 
 
 def test_max_seconds_keeps_the_windows_that_finished_and_a_rerun_goes_on(tmp_path, monkeypatch):
@@ -3638,7 +3531,7 @@ def test_nonfinite_sample_is_skipped_and_counted(tmp_path):
     prepare.write_features(target, tok, convs, str(tmp_path), [1, 3], shard_size=8)
     features.write_manifest(str(tmp_path), len(convs), 8, "tiny", 32)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["skipped_nonfinite"] == 1 and manifest["num_samples"] == 2
+    assert manifest["skipped_nonfinite"] == 1
     kept = [tok.decode(s["input_ids"]) for s in features.load_features(str(tmp_path))]
     assert len(kept) == 2 and not any("poison" in k for k in kept)
 
@@ -3694,11 +3587,8 @@ def test_growing_the_data_rebuilds_only_the_partial_last_shard(tmp_path, monkeyp
 def test_shards_split_across_ranks(tmp_path):
     target, tok = tiny_target("qwen3"), tiny_tokenizer()
     convs = answered(PROMPTS * 2, ["the cat is fine"] * 7)
-    one, two, kw = (
-        str(tmp_path / "one"),
-        str(tmp_path / "two"),
-        dict(shard_size=2, feature_dtype="fp32"),
-    )
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    kw = dict(shard_size=2, feature_dtype="fp32")
     os.mkdir(one), os.mkdir(two)
     prepare.write_features(target, tok, convs, one, [0, 3], **kw)
     prepare.write_features(target, tok, convs, two, [0, 3], rank=1, world=2, **kw)
@@ -3831,7 +3721,6 @@ def test_export_names_the_serving_flags_and_warns_where_llamacpp_would_refuse(tm
         out, err = capsys.readouterr()
         said = out.splitlines()[-1]
         assert "--speculative-num-draft-tokens 4" in said and "num_speculative_tokens 3" in said
-        assert (tmp_path / name / "config.json").is_file()
         warned = err.splitlines()
         assert warned == [] if name == "fits" else len(warned) == 1 and "72" in warned[0]
     spec = ["--format", "speculators", "--verifier", "t"]
@@ -3853,8 +3742,6 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"]
-    assert cfg["dflash_config"]["selector_top_k"] == 5
-
     back = export.load_draft(str(tmp_path / "fp32"))
     assert back.config == draft.config
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in draft.state_dict().items())
@@ -3865,10 +3752,6 @@ def test_export_round_trip_fp32_exact_bf16_rounded(tmp_path):
     back = export.load_draft(str(tmp_path / "bf16"))
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in rounded.state_dict().items())
     assert torch.equal(block_hidden(back), block_hidden(rounded))
-    # an exported directory re-exports unchanged
-    export.export(str(tmp_path / "bf16"), str(tmp_path / "again"), torch.float32)
-    again = export.load_draft(str(tmp_path / "again"))
-    assert all(torch.equal(v, again.state_dict()[k]) for k, v in rounded.state_dict().items())
 
 
 def test_export_refuses_broken_inputs(tmp_path):
@@ -3915,20 +3798,18 @@ def test_a_checkpoint_is_read_as_data_by_export_and_resume(tmp_path, capsys):
         assert ("LearnersNote" in err) == (name == "note.pt"), err
     with pytest.raises(UsageError, match="LearnersNote"):
         train.load_checkpoint(str(tmp_path / "note.pt"), draft, None, False, 10)
-    assert export.load_any(str(tmp_path / "ckpt.pt")).state_dict().keys() == ck["model"].keys()
     assert not os.path.exists(out)
 
 
-def test_plain_dflash_checkpoint_exports_as_dflash(tmp_path):
-    draft = tiny_draft(4, plain=True)
-    write_ckpt(tmp_path / "ckpt.pt", draft)
-    export.export(str(tmp_path / "ckpt.pt"), str(tmp_path / "out"), torch.float32)
+def test_plain_dflash_checkpoint_exports_as_dflash(setup, tmp_path):
+    """train.py --dflash trains plain DFlash (no convolution, no selector), exported as DFlash."""
+    run(setup, tmp_path, "--max-steps", "2", "--dflash")
+    draft = export.load_any(str(tmp_path / "ckpt.pt"))
+    export.export(str(tmp_path), str(tmp_path / "out"), torch.float32)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert not set(model.DFLASH2_FIELDS) & (set(cfg) | set(cfg["dflash_config"]))
     back = export.load_draft(str(tmp_path / "out"))
-    assert back.candidate_selector is None
-    assert isinstance(back.layers[0].attention_conv, model.PassThrough)
     assert not any("conv" in k or "selector" in k for k in back.state_dict())
     assert torch.equal(block_hidden(back), block_hidden(draft))
 
@@ -4020,8 +3901,6 @@ def test_greedy_is_lossless_in_each_precision_and_cpu_layout(kind, draft_kw):
 def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
     """--bench decodes every prompt every way before the next prompt, so a drift in the machine's
     speed cannot fall on one way's whole run; a greedy row's answers all equal plain decoding's."""
-    import argparse
-
     target, draft = tiny_target("llama"), tiny_draft(4)
     prompts = {f"q{i}": prompt(seed=i) for i in range(3)}
     monkeypatch.setattr(bench, "eval_prompts", lambda name: list(prompts))
@@ -4039,8 +3918,9 @@ def test_bench_decodes_each_prompt_every_way_back_to_back(monkeypatch, capsys):
 
     monkeypatch.setattr(bench, "target_generate", plain)
     monkeypatch.setattr(bench, "speculate", spec)
-    args = argparse.Namespace(verify_tokens=[1, 3], tree_budget=None, draft="d", bench=["gsm8k"])
-    vars(args).update(bench_limit=None, max_new_tokens=12, temperature=0.0, chat_template_kwargs={})
+    args = generate.parse_args(
+        "--draft d --bench gsm8k --verify-tokens 1 3 --max-new-tokens 12".split()
+    )
     layouts = dict(table={"onednn": {}, "stock": {}}, plain="stock", speculate="stock")
     shapes, gen = [("path", 1), ("path", 3)], torch.Generator().manual_seed(0)
     bench.bench(target, draft, None, None, args, gen, set(), layouts, shapes)
@@ -4222,16 +4102,6 @@ def test_show_marks_always_right_and_wrong_at_k_drafts(B):
             L += k + 1
 
 
-def test_show_marks_where_the_selector_departs_from_the_unary_argmax():
-    target, p = tiny_target("llama"), prompt()
-    fresh = DraftModel(tiny_config(block_size=4, target_layer_ids=[0, 2, 3])).eval()  # Bs = 0
-    trained = tiny_draft(4)  # random codebooks
-    _, _, _, lines, _ = watch(target, fresh, p, 16, decoding.draft_proposal)
-    assert not any("*" in line for line in lines)
-    _, _, cycles, lines, seen = watch(target, trained, p, 16, decoding.draft_proposal)
-    assert any("*" in line for line in lines) and [c[1] for c in cycles] == seen
-
-
 def test_generate_show_svg_draws_what_show_prints(setup, tmp_path, monkeypatch, capsys):
     """generate.py --show --show-svg FILE: the picture's cycles are the printed lines' cycles, tau
     for tau and token for token; a folder that does not exist is refused in one line."""
@@ -4288,33 +4158,24 @@ def test_without_branching_the_tree_is_the_path(draft_kw, use_selector):
 
 @pytest.mark.parametrize("B", [2, 5])
 def test_verify_tokens_sends_the_first_k_drafts(B):
-    """A path of k <= B-1 drafts: greedy stays lossless at every k; always-right drafts give tau k +
-    1 each cycle; k = B-1 is the default, today's behaviour, exactly."""
+    """A path of k <= B-1 drafts: always-right drafts give tau k + 1 each cycle (k sent, all
+    accepted) and the target's greedy output (real drafts: the test below)."""
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
     ref, _ = decoding.target_generate(target, p, 30 + B)
+    right = scripted_proposer(ref, lambda L: None)
     for k in range(1, B):
-        sent = []
-
-        def recording(draft, h, u, ids, *rest):
-            d, q = scripted_proposer(ref, lambda L: None)(draft, h, u, ids, *rest)
-            sent.append(d.shape[1])
-            return d, q
-
-        out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=recording)
-        assert torch.equal(out, ref[:, : p.shape[1] + 30]) and set(sent) == {k}
-        assert st.taus == [k + 1] * len(st.taus)
-        out, _ = decoding.speculative_generate(target, draft, p, 30, verify_tokens=k)
+        out, st = speculate(target, draft, p, 30, verify_tokens=k, proposer=right)
         assert torch.equal(out, ref[:, : p.shape[1] + 30])
-    default, taus0 = decoding.speculative_generate(target, draft, p, 30)
-    same, taus1 = decoding.speculative_generate(target, draft, p, 30, verify_tokens=B - 1)
-    assert torch.equal(default, same) and taus0 == taus1
+        assert st.taus == [k + 1] * len(st.taus)
 
 
 def test_a_cycle_scores_only_the_slots_it_can_send():
-    """A cycle scores only the slots it can send (k for a path of k, min(N, B-1) for a tree of N);
-    the walk over k slots is the first k of the whole block's walk, greedy and sampled alike."""
+    """A cycle scores only the slots it can send (k for a path of k, min(N, B-1) for a tree of N),
+    the default a path of B-1, each greedy lossless; the walk over k slots is the first k of the
+    whole block's walk, greedy and sampled alike."""
     B = 5
     target, draft, p = tiny_target("llama"), tiny_draft(B), prompt()
+    ref, _ = decoding.target_generate(target, p, 6)
     _, head = decoding.embed_and_head(target, draft)
     cases = [(dict(verify_tokens=1), 1), (dict(verify_tokens=3), 3), ({}, B - 1)]
     for kw, depth in cases + [(dict(tree_budget=2), 2), (dict(tree_budget=9), B - 1)]:
@@ -4327,7 +4188,7 @@ def test_a_cycle_scores_only_the_slots_it_can_send():
 
         kw |= dict(proposer=record(decoding.draft_proposal), grower=record(tree.draft_tree))
         out, _ = speculate(target, draft, p, 6, **kw)
-        assert set(seen) == {(depth, depth)}
+        assert set(seen) == {(depth, depth)} and torch.equal(out, ref)
         # scoring more rows where more cost less (speed/cost.py's FastestRows: every depth scores
         # all B rows, zeros past the real ones) changes nothing
         wide, _ = speculate(
@@ -4383,6 +4244,8 @@ BEFORE = {  # what each script needs before the flag a case gets wrong
         ("train", "--lr nan", "--lr"),
         ("train", "--epochs 0", "--epochs"),
         ("train", "--peak-tflops 0", "--peak-tflops"),
+        ("train", "--freeze-conv --dflash", "--freeze-conv"),  # nothing left to train
+        ("train", "--freeze-conv --selector-loss-alpha 0", "--freeze-conv"),
         ("prepare", "--max-new-tokens 0", "--max-new-tokens"),
         ("export", "--format speculators", "--verifier"),  # the format names its target
     ],
@@ -4415,11 +4278,8 @@ def test_data_made_with_other_template_kwargs_is_refused(tmp_path, capsys, case)
     flag = ["--chat-template-kwargs", json.dumps(NO_THINKING)]
     base, out = ["--target", target_dir, "--draft-config", cfg], str(tmp_path / "out")
     regenerate = ["--data", user_only_jsonl(tmp_path), "--out-dir", out, "--regenerate"]
-    prepare.main(base + regenerate + ["--max-new-tokens", "4", "--temperature", "1.5", *flag])
+    prepare.main(base + regenerate + ["--max-new-tokens", "4", *flag])
     convs = os.path.join(out, "conversations.jsonl")
-    with open(convs) as f:
-        r = json.loads(f.readline())
-    assert (r["chat_template_kwargs"], r["temperature"], r["seed"]) == (NO_THINKING, 1.5, 0)
     gamma = ["--gamma", "2"]  # block size 4 has no default: train.py would say that first
     script, argv, named = {
         "train --online": (train, ["--online", "--data", convs, "--out-dir", out, *gamma], convs),
@@ -4428,8 +4288,6 @@ def test_data_made_with_other_template_kwargs_is_refused(tmp_path, capsys, case)
     }[case]
     if case == "train offline":
         prepare.main(base + ["--data", convs, "--out-dir", out, "--features", *flag])
-        manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-        assert manifest["chat_template_kwargs"] == NO_THINKING
         assert len(data.load_samples(out, False, None, 512, NO_THINKING)) == len(PROMPTS)
         named = os.path.join(out, "manifest.json")
     with pytest.raises(SystemExit) as stop:
@@ -4529,7 +4387,7 @@ def test_a_user_mistake_ends_in_one_line(tmp_path, case):
 def test_a_bug_keeps_its_traceback(setup, tmp_path):
     """A bug is no user's mistake: an unpacking error inside loss.objective (block_labels made to
     return two of its three tensors, as an edit of loss.py might), reached through train.py's
-    command line, ends in its traceback naming loss.py's line, not in one `error:` line."""
+    command line, ends in its traceback through loss.objective, not in one `error:` line."""
     bug = (
         "import runpy, sys, loss\n"
         "labels = loss.block_labels\n"
@@ -4537,22 +4395,20 @@ def test_a_bug_keeps_its_traceback(setup, tmp_path):
         "sys.argv[0] = 'train.py'\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
     )
-    argv = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
-    argv += ["--data", str(setup / "feats"), "--out-dir", str(tmp_path), "--gamma", "2"]
-    run = python("-c", bug, *argv, "--max-steps", "1", "--quiet")
+    run = python("-c", bug, *train_argv(setup, "--max-steps 1"), "--out-dir", str(tmp_path))
     assert run.returncode == 1 and "Traceback" in run.stderr, run.stderr
     assert not any(line.startswith("error:") for line in run.stderr.splitlines()), run.stderr
-    # the last frame in loss.py: its file, line and code
-    frames = re.findall(r'File "(.+)", line (\d+), in (\w+)\n +(.+)', run.stderr)
-    file, line, function, code = [f for f in frames if f[0].endswith("loss.py")][-1]
-    assert (file, function) == (os.path.join(HERE, "loss.py"), "objective")
-    assert code.startswith("labels, prev, w0 = block_labels(")
-    assert open(file).read().splitlines()[int(line) - 1].strip() == code
+    # the last frame in loss.py
+    frames = re.findall(r'File "(.+)", line \d+, in (\w+)', run.stderr)
+    assert [f for f in frames if f[0].endswith("loss.py")][-1] == (
+        os.path.join(HERE, "loss.py"),
+        "objective",
+    )
     assert run.stderr.strip().splitlines()[-1].startswith("ValueError: ")
 
 
 # ======================================================================= the toy run (run.sh --toy)
-def test_toy_run_reduced(tmp_path, capsys):
+def test_toy_run_reduced(tmp_path):
     """bash run.sh --toy's steps, much smaller: the toy target learns its 16 problems, and the
     exported draft decodes a held-out one into exactly the target's greedy output."""
     from tools import toy_target
@@ -4575,12 +4431,9 @@ def test_toy_run_reduced(tmp_path, capsys):
     argv += ["--eval-data", str(tmp_path / "eval"), "--out-dir", out, "--max-steps", "8"]
     train.main(argv + ["--num-anchors", "8", "--dtype", "fp32"])
     export.main([out, "--out-dir", out + "/export"])
-    capsys.readouterr()
+    # the exported draft: the target's greedy output, token for token (generate.py's own path
+    # against transformers: test_generate_cli_greedy_equals_transformers_generate)
     question = held_out[-1][0]
-    args = ["--target", tgt, "--draft", out + "/export", "--prompt", question, "--compare"]
-    generate.main(args + ["--max-new-tokens", "60"])
-    assert "output identical" in capsys.readouterr().out
-    # the exported draft, decoded by hand: the target's greedy output, token for token
     draft = export.load_any(out + "/export")
     ids = encode(tok, [{"role": "user", "content": question}], "cpu")
     spec, _ = decoding.speculative_generate(target, draft, ids, 60, stop_ids={tok.eos_token_id})
