@@ -4,11 +4,11 @@ serving engine", says how the answers are made as the in-process ones are.
 """
 
 import json
+import queue
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from support.common import UsageError, count, nonneg, positive, whole
 from support.conversations import generated_answer, render, retokenized_differs
@@ -149,7 +149,9 @@ def regenerate(
         for s in servers
     }
 
-    stopped = threading.Event()
+    todo, results, stopped = queue.SimpleQueue(), queue.SimpleQueue(), threading.Event()
+    for job in enumerate(prompts):  # (k, index): the k-th prompt starts on servers[k % n]
+        todo.put(job)
 
     def answer(k: int, i: int) -> dict:
         def ask(server):
@@ -161,13 +163,30 @@ def regenerate(
 
         return with_retries(servers, k, f"the answer to prompt {i}", ask, retries, wait)
 
-    pool = ThreadPoolExecutor(min(concurrency, len(prompts)))
+    def worker():
+        while not stopped.is_set():
+            try:
+                k, i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put(answer(k, i))
+            except Exception as e:  # ServerError, or a bug: raised in the caller's thread
+                results.put(e)
+                return
+
+    # daemon threads: a failure ends the process at once, not after the requests still in flight
+    # (each may take --request-timeout)
+    for _ in range(min(concurrency, len(prompts))):
+        threading.Thread(target=worker, daemon=True).start()
     try:
-        for job in as_completed([pool.submit(answer, k, i) for k, i in enumerate(prompts)]):
-            yield job.result()
-    finally:  # a failure or an early stop: no new request, none waited for
+        for _ in prompts:
+            got = results.get()
+            if isinstance(got, Exception):
+                raise got
+            yield got
+    finally:  # a failure or an early stop: no new request
         stopped.set()
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- command line
