@@ -563,11 +563,16 @@ def block_hidden(draft, seed=0):
         return model.forward_inference(draft, embed, ctx, torch.tensor([3]), torch.tensor([9]))
 
 
+def train_argv(setup, flags: str = "") -> list:
+    """train.py's argv on setup's data and draft (no --out-dir), then flags."""
+    paths = ["--draft-config", setup / "draft.json", "--target", setup / "target"]
+    common = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
+    paths += ["--data", setup / "feats"]
+    return [str(a) for a in paths] + f"{common} --seed 3 {flags}".split()
+
+
 def run(setup, out, *extra):
-    paths = ["--draft-config", str(setup / "draft.json"), "--target", str(setup / "target")]
-    paths += ["--data", str(setup / "feats"), "--out-dir", str(out)]
-    flags = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
-    train.main(paths + flags.split() + ["--seed", "3", *extra])
+    train.main(train_argv(setup) + ["--out-dir", str(out), *extra])
     return torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
 
 
@@ -2843,14 +2848,6 @@ def test_train_compile_pads_to_static_shapes_and_fails_at_the_recompile_limit(
 
 
 # ---------------------------------------------------------------------------- DDP
-def train_argv(setup, flags: str) -> list:
-    """train.py's argv as run() gives it (no --out-dir), and flags."""
-    paths = ["--draft-config", setup / "draft.json", "--target", setup / "target"]
-    common = "--gamma 2 --num-anchors 8 --quiet --eval-interval 1000 --warmup-ratio 0 --lr 1e-2"
-    paths += ["--data", setup / "feats"]
-    return [str(a) for a in paths] + f"{common} --seed 3 {flags}".split()
-
-
 def test_ddp_two_ranks_equal_two_accumulation_steps(setup, tmp_path):
     common = train_argv(setup, "--max-steps 3 --eval-samples 3")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
